@@ -1,0 +1,47 @@
+"""Numerics shared by every kernel: the compute dtype and the max-shifted log-sum-exp merge.
+
+A row's softmax statistics are a pair `(m, s)`: `m` the row max and `s = Σ exp(z − m)`. Two pairs
+over disjoint column sets merge exactly (proofs/logprobs.md §3):
+
+    m = max(m_a, m_b),   s = s_a·exp(m_a − m) + s_b·exp(m_b − m),   lse = m + log s.
+
+`-inf` conventions: a set of columns that are all `-inf` has `m = -inf, s = 0`; its weight
+`exp(m_r − m)` is then 0, and a row that is `-inf` everywhere has `lse = -inf`. A shift of 0 is
+used where the max is not finite, so no `inf − inf` is ever formed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """`promote_types(dtype, float32)`: bf16/fp16/fp32 compute in fp32, float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def finite_or_zero(x: Tensor) -> Tensor:
+    """`x` where finite, else 0: a safe shift for `exp(z − shift)`."""
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def row_max_sumexp(z: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row `(m, s)` of `z [N, V]` in `z`'s dtype: `m = max_v z`, `s = Σ_v exp(z − m)`."""
+    m = z.amax(dim=-1)  # [N]
+    s = torch.exp(z - finite_or_zero(m).unsqueeze(-1)).sum(dim=-1)  # [N]
+    return m, s
+
+
+def merge_max_sumexp(m: Tensor, s: Tensor) -> Tensor:
+    """Merge per-shard statistics `m, s [R, N]` (shard-major) into the row log-sum-exp `[N]`."""
+    m_all = m.amax(dim=0)  # [N]
+    shift = finite_or_zero(m_all)
+    # exp(m_r - shift) is 0 for an all -inf shard (m_r = -inf, s_r = 0), so 0·exp never overflows.
+    total = (s * torch.exp(m - shift.unsqueeze(0))).sum(dim=0)  # [N]
+    return shift + torch.log(total)
+
+
+def lse_for_softmax(lse: Tensor) -> Tensor:
+    """The shift to use in `exp(z − lse)`: `+inf` for an all `-inf` row, so its softmax is 0."""
+    return torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)

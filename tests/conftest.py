@@ -1,0 +1,40 @@
+"""Test-session set-up: one thread per op, a persistent Inductor cache, hypothesis profiles."""
+
+import os
+
+# OpenMP spin-waiting starves the rank threads and gloo workers on a 2-core machine.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor's on-disk cache is the only compile cache that survives between runs: keep it outside
+# the checkout so a fresh clone on the same machine reuses it.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "lossfx", "inductor")
+)
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+torch.set_num_threads(1)
+
+settings.register_profile(
+    "dev",
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("ci", settings.get_profile("dev"), max_examples=60)
+settings.register_profile("nightly", settings.get_profile("dev"), max_examples=2000)
+settings.load_profile(os.getenv("LOSSFX_HYPOTHESIS_PROFILE", "ci" if os.getenv("CI") else "dev"))
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    """Each test starts from a clean Dynamo state, so recompile counts are its own."""
+    torch._dynamo.reset()
+    yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from harness import close_all
+
+    close_all()

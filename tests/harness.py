@@ -1,0 +1,304 @@
+"""Several ranks in tests: rank threads (fast, in-process) and a gloo process pool (real backend).
+
+`thread_world(R).run(fn, *args)` calls `fn(rank, R, group, *args)` on R persistent rank threads,
+each inside its own threaded process group (`torch.testing._internal.distributed.multi_threaded_pg`),
+and returns the list of per-rank results. The threads and their groups live for the whole test
+session, so compiled code is not recompiled for every example (a new group would be a new guard).
+
+`gloo_pool(R).run(fn, *args)` does the same in R persistent worker processes joined by a real gloo
+process group. Arguments and results cross the pipe as numpy arrays (torch's own pickler moves
+storages to shared memory, which is fragile); `fn` must be importable by name (a module-level
+function of an importable module).
+
+Both restart themselves after a failure, since a rank that raised may leave the others waiting
+inside a collective.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_TIMEOUT_S = float(os.environ.get("LOSSFX_TEST_RANK_TIMEOUT", "600"))
+
+# ---------------------------------------------------------------------------------------------
+# Rank threads
+# ---------------------------------------------------------------------------------------------
+
+_threaded_installed = False
+_thread_worlds: dict[int, ThreadWorld] = {}
+_run_lock = threading.Lock()
+
+
+def _install_threaded() -> None:
+    global _threaded_installed
+    if _threaded_installed:
+        return
+    from torch.testing._internal.distributed import multi_threaded_pg
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    multi_threaded_pg._install_threaded_pg()
+    _threaded_installed = True
+
+
+class RankFailure(RuntimeError):
+    """A rank raised; the message carries every failing rank's traceback."""
+
+
+class ThreadWorld:
+    """R rank threads, each holding `dist.group.WORLD` of a threaded process group of size R."""
+
+    def __init__(self, world_size: int):
+        _install_threaded()
+        self.world_size = world_size
+        self.broken = False
+        self._inboxes: list[queue.Queue] = [queue.Queue() for _ in range(world_size)]
+        self._outbox: queue.Queue = queue.Queue()
+        store = dist.HashStore()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(rank, store), daemon=True, name=f"rank{rank}/{world_size}")
+            for rank in range(world_size)
+        ]
+        for thread in self._threads:
+            thread.start()
+        for _ in range(world_size):
+            rank, ok, payload = self._outbox.get(timeout=_TIMEOUT_S)
+            if not ok:
+                raise RankFailure(f"rank {rank} failed to start:\n{payload}")
+
+    def _loop(self, rank: int, store: Any) -> None:
+        try:
+            torch.set_num_threads(1)
+            dist.init_process_group("threaded", rank=rank, world_size=self.world_size, store=store)
+            group = dist.group.WORLD
+            # torch._dynamo.config is thread-local: raise the recompile limit in each rank thread.
+            torch._dynamo.config.recompile_limit = 64
+            torch._dynamo.config.accumulated_recompile_limit = 4096
+            self._outbox.put((rank, True, None))
+        except BaseException:
+            self._outbox.put((rank, False, traceback.format_exc()))
+            return
+        while True:
+            job = self._inboxes[rank].get()
+            if job is None:
+                return
+            fn, args, kwargs = job
+            try:
+                self._outbox.put((rank, True, fn(rank, self.world_size, group, *args, **kwargs)))
+            except BaseException as exc:
+                self._outbox.put((rank, False, traceback.format_exc()))
+                from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
+
+                ProcessLocalGroup.exception_handle(exc)  # wake ranks blocked in a collective
+                if not isinstance(exc, Exception):
+                    return
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """`[fn(rank, R, group, *args, **kwargs) for rank in range(R)]`, run concurrently."""
+        for inbox in self._inboxes:
+            inbox.put((fn, args, kwargs))
+        results: list[Any] = [None] * self.world_size
+        failures = []
+        for _ in range(self.world_size):
+            try:
+                rank, ok, payload = self._outbox.get(timeout=_TIMEOUT_S)
+            except queue.Empty:
+                self.broken = True
+                raise RankFailure(f"ranks did not answer within {_TIMEOUT_S} s") from None
+            if ok:
+                results[rank] = payload
+            else:
+                failures.append(f"--- rank {rank} ---\n{payload}")
+        if failures:
+            self.broken = True
+            raise RankFailure("\n".join(sorted(failures)))
+        return results
+
+
+def thread_world(world_size: int) -> ThreadWorld:
+    """The session's persistent `ThreadWorld` of this size (rebuilt after a failure)."""
+    world = _thread_worlds.get(world_size)
+    if world is None or world.broken:
+        if world is not None:
+            from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
+
+            ProcessLocalGroup.reset()
+        world = _thread_worlds[world_size] = ThreadWorld(world_size)
+    return world
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+    """Run `fn(rank, R, group, ...)` on R rank threads; world size 1 runs inline with `group=None`."""
+    if world_size == 1:
+        return [fn(0, 1, None, *args, **kwargs)]
+    with _run_lock:
+        return thread_world(world_size).run(fn, *args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gloo process pool
+# ---------------------------------------------------------------------------------------------
+
+
+def to_wire(obj: Any) -> Any:
+    """Replace every tensor in a nested structure by a numpy-backed record (bf16 goes as fp32)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu()
+        wire_dtype = torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else t.dtype
+        return ("__tensor__", str(t.dtype).removeprefix("torch."), t.to(wire_dtype).contiguous().numpy().copy())
+    if isinstance(obj, tuple):
+        return tuple(to_wire(o) for o in obj)
+    if isinstance(obj, list):
+        return [to_wire(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: to_wire(v) for k, v in obj.items()}
+    return obj
+
+
+def from_wire(obj: Any) -> Any:
+    """Inverse of `to_wire`."""
+    if isinstance(obj, tuple) and len(obj) == 3 and obj[0] == "__tensor__":
+        return torch.from_numpy(np.array(obj[2], copy=True)).to(getattr(torch, obj[1]))
+    if isinstance(obj, tuple):
+        return tuple(from_wire(o) for o in obj)
+    if isinstance(obj, list):
+        return [from_wire(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: from_wire(v) for k, v in obj.items()}
+    return obj
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_worker(rank: int, world_size: int, port: int, conn: Any, paths: list[str]) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    group = dist.group.WORLD
+    torch._dynamo.config.recompile_limit = 64
+    while True:
+        job = conn.recv()
+        if job is None:
+            break
+        module, name, args, kwargs = job
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            result = fn(rank, world_size, group, *from_wire(args), **from_wire(kwargs))
+            conn.send((True, to_wire(result)))
+        except BaseException:
+            conn.send((False, traceback.format_exc()))
+            break
+    dist.destroy_process_group()
+
+
+class GlooPool:
+    """R worker processes joined by one gloo process group; `run` is like `ThreadWorld.run`."""
+
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        self.world_size = world_size
+        self.broken = False
+        port = _free_port()
+        paths = [p for p in sys.path if p]
+        self._conns = []
+        self._procs = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_gloo_worker, args=(rank, world_size, port, child, paths), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        job = (fn.__module__, fn.__qualname__, to_wire(args), to_wire(kwargs))
+        for conn in self._conns:
+            conn.send(job)
+        results, failures = [None] * self.world_size, []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(_TIMEOUT_S):
+                self.broken = True
+                failures.append(f"--- rank {rank} --- no answer within {_TIMEOUT_S} s")
+                continue
+            ok, payload = conn.recv()
+            if ok:
+                results[rank] = from_wire(payload)
+            else:
+                failures.append(f"--- rank {rank} ---\n{payload}")
+        if failures:
+            self.close()
+            raise RankFailure("\n".join(failures))
+        return results
+
+    def close(self) -> None:
+        self.broken = True
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+
+
+_gloo_pools: dict[int, GlooPool] = {}
+
+
+def gloo_pool(world_size: int) -> GlooPool:
+    """The session's persistent gloo pool of this size (restarted after a failure)."""
+    pool = _gloo_pools.get(world_size)
+    if pool is None or pool.broken:
+        pool = _gloo_pools[world_size] = GlooPool(world_size)
+    return pool
+
+
+def close_all() -> None:
+    for pool in _gloo_pools.values():
+        pool.close()
+    _gloo_pools.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled functions per rank
+# ---------------------------------------------------------------------------------------------
+
+_compiled: dict[tuple, tuple[Any, Callable[..., Any]]] = {}
+_compiled_lock = threading.Lock()
+
+
+def compiled_for_rank(rank: int, key: Any, fn: Callable[..., Any], backend: str = "inductor"):
+    """`(counter, torch.compile(fn, fullgraph=True))` cached per `(rank, key, backend)`.
+
+    Each rank thread must own its compiled function and backend object: Dynamo's cache is keyed
+    by the backend, and rank threads sharing one would share graphs in which another rank's
+    constants (its rank, its vocabulary offset) are baked. `counter.frame_count` counts compiles.
+    """
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    with _compiled_lock:
+        entry = _compiled.get((rank, key, backend))
+        if entry is None:
+            counter = CompileCounterWithBackend(backend)
+            entry = _compiled[(rank, key, backend)] = (counter, torch.compile(fn, backend=counter, fullgraph=True))
+        return entry
