@@ -1,0 +1,182 @@
+"""Self-check: compile a tensor-parallel training step with lossfx on CPU and compare with the reference.
+
+    python -m lossfx.selfcheck [--world-size 2] [--dtypes float64,float32] [--backend inductor]
+
+Starts `world_size` gloo processes. Each holds a vocabulary shard `W_r [V/R, H]` of a tiny LM head
+and compiles (`torch.compile(fullgraph=True)`) a training step:
+
+    logits_r = hidden @ W_r.T                                    # [B, S, V/R]
+    lp = prepare_loss_input(logits_r, data, loss_fn, rank, group)["next_token_logprobs"]
+    loss = -(lp * mask).sum() / mask.sum();  loss.backward()     # dW_r, dhidden
+
+The same step runs densely in float64 through `lossfx.reference` (full `W`), and the log-probs,
+the loss and both gradients are compared. It prints one row per (dtype, rank) and exits non-zero
+on any mismatch, a graph break, or an unexpected recompile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from types import SimpleNamespace
+
+# Match the test-suite: one OpenMP thread per rank process keeps gloo workers from starving.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Tolerances against the float64 reference; fp32 bounds are ~100× fp32 epsilon at these sizes.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+def _problem(dtype: torch.dtype, seq: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    batch, hidden, vocab = 3, 16, 96
+    h = torch.randn(batch, seq, hidden, generator=gen, dtype=torch.float64)
+    w = torch.randn(vocab, hidden, generator=gen, dtype=torch.float64) * 0.5
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    mask = (torch.rand(batch, seq, generator=gen) > 0.2).to(torch.float64)
+    return h.to(dtype), w.to(dtype), ids, mask.to(dtype)
+
+
+def _loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask[:, 1:].to(logprobs.dtype)
+    return -(logprobs * m).sum() / m.sum().clamp_min(1)
+
+
+def _reference(dtype: torch.dtype, seq: int) -> dict[str, torch.Tensor]:
+    from lossfx import reference
+
+    h, w, ids, mask = _problem(dtype, seq)
+    h64 = h.to(torch.float64).requires_grad_()
+    w64 = w.to(torch.float64).requires_grad_()
+    loss_fn = SimpleNamespace(input_type="logprob")
+    lp = reference.prepare_loss_input(h64 @ w64.T, {"input_ids": ids}, loss_fn)["next_token_logprobs"]
+    loss = _loss(lp, mask)
+    loss.backward()
+    return {"logprobs": lp.detach(), "loss": loss.detach(), "dhidden": h64.grad, "dweight": w64.grad}
+
+
+def _worker(rank: int, world: int, port: int, dtypes: list[str], backend: str, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    group = dist.group.WORLD
+    import lossfx
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    rows = []
+    try:
+        for name in dtypes:
+            dtype = getattr(torch, name)
+            counter = CompileCounterWithBackend(backend)
+            loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
+
+            def step(hidden, weight, data, mask):
+                out, _ = lossfx.prepare_loss_input(
+                    hidden @ weight.T, data, loss_fn, vocab_parallel_rank=rank, vocab_parallel_group=group
+                )
+                lp = out["next_token_logprobs"]
+                return lp, _loss(lp, mask)
+
+            compiled = torch.compile(step, backend=counter, fullgraph=True)
+            for seq in (12, 20, 28):  # the 2nd length may recompile once (dynamic), the 3rd must not
+                h, w, ids, mask = _problem(dtype, seq)
+                vl = w.shape[0] // world
+                h = h.clone().requires_grad_()
+                w_shard = w[rank * vl : (rank + 1) * vl].clone().requires_grad_()
+                start = time.perf_counter()
+                lp, loss = compiled(h, w_shard, {"input_ids": ids}, mask)
+                loss.backward()
+                seconds = time.perf_counter() - start
+                ref = _reference(dtype, seq)
+                # dhidden: each rank's contribution is the gradient through its own shard; the sum
+                # over ranks (what a TP linear layer all-reduces) is the full gradient.
+                dhidden = h.grad.to(torch.float64)
+                dist.all_reduce(dhidden, group=group)
+                errors = {
+                    "logprobs": (lp.detach().double() - ref["logprobs"]).abs().max().item(),
+                    "loss": (loss.detach().double() - ref["loss"]).abs().item(),
+                    "dweight": (w_shard.grad.double() - ref["dweight"][rank * vl : (rank + 1) * vl])
+                    .abs()
+                    .max()
+                    .item(),
+                    "dhidden": (dhidden - ref["dhidden"]).abs().max().item(),
+                }
+                rows.append((name, rank, seq, counter.frame_count, seconds, errors))
+        queue.put((rank, rows, None))
+    except Exception as exc:  # report, never hang the parent
+        import traceback
+
+        queue.put((rank, rows, f"{exc!r}\n{traceback.format_exc()}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--dtypes", default="float64,float32")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend (inductor, aot_eager)")
+    args = parser.parse_args(argv)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for name in dtypes:
+        if not isinstance(getattr(torch, name, None), torch.dtype):
+            parser.error(f"--dtypes: unknown dtype {name!r}")
+    if args.world_size < 1 or 96 % args.world_size:
+        parser.error(f"--world-size must divide the vocabulary (96), got {args.world_size}")
+
+    print(f"lossfx self-check: torch {torch.__version__}, {args.world_size} gloo ranks, backend={args.backend}")
+    print("compiling a TP training step (first inductor compile takes ~20 s) ...", flush=True)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, args.world_size, port, dtypes, args.backend, queue))
+        for r in range(args.world_size)
+    ]
+    for p in procs:
+        p.start()
+    results, failures = [], []
+    for _ in procs:
+        rank, rows, error = queue.get(timeout=900)
+        results.extend(rows)
+        if error:
+            failures.append(f"rank {rank}: {error}")
+    for p in procs:
+        p.join(timeout=60)
+
+    header = f"{'dtype':9} {'rank':>4} {'S':>3} {'compiles':>8} {'step s':>7}  " + "  ".join(
+        f"{k:>10}" for k in ("|Δ logprob|", "|Δ loss|", "|Δ dW|", "|Δ dh|")
+    )
+    print(header)
+    print("-" * len(header))
+    ok = not failures
+    for name, rank, seq, compiles, seconds, errors in sorted(results):
+        tol = TOLERANCE[getattr(torch, name)]
+        bad = [k for k, v in errors.items() if not v <= tol]
+        # one compile, plus at most one recompile when the sequence length first changes
+        if compiles > 2:
+            bad.append("recompiles")
+        ok &= not bad
+        cells = "  ".join(f"{v:>10.2e}" for v in errors.values())
+        print(f"{name:9} {rank:>4} {seq:>3} {compiles:>8} {seconds:>7.2f}  {cells}  {'FAIL ' + ','.join(bad) if bad else 'ok'}")
+    for f in failures:
+        print(f, file=sys.stderr)
+    print(f"tolerances vs float64 reference: { {str(k).removeprefix('torch.'): v for k, v in TOLERANCE.items()} }")
+    print("SELF-CHECK PASSED" if ok else "SELF-CHECK FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""The generated API page is current, and the README starts with the two commands CI relies on."""
+
+import importlib.util
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_api_md_is_current():
+    spec = importlib.util.spec_from_file_location("gen_api", ROOT / "docs" / "gen_api.py")
+    gen_api = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_api)
+    assert (ROOT / "docs" / "api.md").read_text() == gen_api.render(), "run: python docs/gen_api.py"
+
+
+def test_readme_starts_with_install_and_test_commands():
+    lines = [l for l in (ROOT / "README.md").read_text().splitlines() if l.startswith("pip install")]
+    assert "python -m lossfx.selfcheck" in lines[0]
+    assert "python -m pytest" in lines[1]
+    assert "python3 -m pytest" in (ROOT / ".ci" / "run").read_text()
