@@ -13,14 +13,20 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils import benchmark as tbench
 
 
-def time_call(fn: Callable[[], Any], *, min_run_time: float = 1.0) -> dict[str, float]:
-    """Median, p20 and p80 seconds of `fn()` (warm), via `torch.utils.benchmark.Timer`."""
+def time_call(fn: Callable[[], Any], *, min_run_time: float = 1.0, min_runs: int = 1) -> dict[str, float]:
+    """Median, p20 and p80 seconds of `fn()` (warm), via `torch.utils.benchmark.Timer`.
+
+    `min_runs`: at least this many timed calls (slow calls would otherwise give one sample).
+    """
     fn()  # warm-up (and compile, for compiled callables)
-    measurement = tbench.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    m = measurement.blocked_autorange(min_run_time=min_run_time)
-    times = sorted(m.times)
+    timer = tbench.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    m = timer.blocked_autorange(min_run_time=min_run_time)
+    times = list(m.times)
+    while len(times) < min_runs:
+        times += timer.timeit(number=1).times
+    times.sort()
     q = statistics.quantiles(times, n=5) if len(times) >= 2 else [times[0]] * 4
-    return {"median_s": m.median, "p20_s": q[0], "p80_s": q[3]}
+    return {"median_s": statistics.median(times), "p20_s": q[0], "p80_s": q[3]}
 
 
 def peak_extra_bytes(fn: Callable[[], Any]) -> int:
@@ -46,9 +52,14 @@ def peak_extra_bytes(fn: Callable[[], Any]) -> int:
     return peak
 
 
-def read_pass_seconds(x: torch.Tensor, *, min_run_time: float = 1.0) -> float:
-    """Median time of one streaming read of `x` (a max-reduction: ~1 load per element)."""
-    return time_call(lambda: torch.amax(x), min_run_time=min_run_time)["median_s"]
+def read_pass_seconds(x: torch.Tensor, *, min_run_time: float = 1.0, compiled: bool = False) -> float:
+    """Median time of one streaming read of `x` (a max-reduction: ~1 load per element).
+
+    `compiled=True` times the same reduction under `torch.compile` (Inductor's loop can be faster
+    than the eager kernel, notably for bf16); the first, compiling call is not timed.
+    """
+    fn = torch.compile(torch.amax, fullgraph=True) if compiled else torch.amax
+    return time_call(lambda: fn(x), min_run_time=min_run_time)["median_s"]
 
 
 def environment() -> dict[str, str]:

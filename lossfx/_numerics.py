@@ -26,10 +26,17 @@ def finite_or_zero(x: Tensor) -> Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
-def row_max_sumexp(z: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row `(m, s)` of `z [N, V]` in `z`'s dtype: `m = max_v z`, `s = Σ_v exp(z − m)`."""
-    m = z.amax(dim=-1)  # [N]
-    s = torch.exp(z - finite_or_zero(m).unsqueeze(-1)).sum(dim=-1)  # [N]
+def row_max_sumexp(z: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """Per-row `(m, s)` of `z [N, V]` in `dtype` (default `z`'s): `m = max_v z`, `s = Σ_v exp(z − m)`.
+
+    `z` may be narrower than `dtype` (bf16 logits, fp32 compute): the max is exact in any dtype, and
+    `z − m` promotes to `dtype` elementwise, so no converted copy of `z` is made. The difference is a
+    fresh `[N, V]` temporary, exponentiated in place: one temporary per call in eager mode.
+    """
+    dtype = z.dtype if dtype is None else dtype
+    m = z.amax(dim=-1).to(dtype)  # [N]
+    e = z - finite_or_zero(m).unsqueeze(-1)  # [N, V] in dtype (type promotion; exact upcast)
+    s = e.exp_().sum(dim=-1)  # [N]
     return m, s
 
 
@@ -45,3 +52,10 @@ def merge_max_sumexp(m: Tensor, s: Tensor) -> Tensor:
 def lse_for_softmax(lse: Tensor) -> Tensor:
     """The shift to use in `exp(z − lse)`: `+inf` for an all `-inf` row, so its softmax is 0."""
     return torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+
+
+def log_softmax_rows(x: Tensor) -> Tensor:
+    """`log_softmax` over the last dim; a row that is all `-inf` gives `-inf` and a zero gradient."""
+    row_ok = ~torch.isneginf(x).all(dim=-1, keepdim=True)
+    safe = torch.where(row_ok, x, torch.zeros_like(x))
+    return torch.where(row_ok, safe.log_softmax(dim=-1), torch.full_like(x, float("-inf")))

@@ -54,7 +54,7 @@ def _token_logprobs_fwd(
     # 1. local statistics, one chunk of rows at a time
     maxes, sums = [], []
     for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
-        m, s = row_max_sumexp(logits[start:end].to(cdtype))  # [C], [C]
+        m, s = row_max_sumexp(logits[start:end], cdtype)  # [C], [C]; no converted copy of the chunk
         maxes.append(m)
         sums.append(s)
     picked = logits.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1).to(cdtype)  # [N]
@@ -79,16 +79,26 @@ def _token_logprobs_bwd(
     # An all -inf row has a constant output (-inf): its gradient is 0.
     grad = torch.where(torch.isneginf(lse), torch.zeros_like(lse), dout.to(cdtype))  # [N]
     grad_target = torch.where(owned, grad, torch.zeros_like(grad))  # [N]
-    columns = torch.arange(local_vocab, device=logits.device)  # [Vl]
-    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
-    dlogits = None if len(chunks) == 1 else torch.empty_like(logits)
-    for start, end in chunks:
-        probs = torch.exp(logits[start:end].to(cdtype) - shift[start:end, None])  # [C, Vl]
-        onehot = columns == local_idx[start:end, None]  # [C, Vl]
-        dchunk = torch.where(onehot, grad_target[start:end, None], 0.0) - probs * grad[start:end, None]
-        if dlogits is None:
-            return dchunk.to(logits.dtype)
-        dlogits[start:end] = dchunk  # rounds once to the logits' dtype
+    if torch.compiler.is_compiling():
+        # One expression over the whole tensor: Inductor fuses it into a single loop that reads the
+        # logits once and writes dlogits once, in the logits' dtype, with no [N, Vl] temporary.
+        columns = torch.arange(local_vocab, device=logits.device)  # [Vl]
+        probs = torch.exp(logits.to(cdtype) - shift[:, None])  # [N, Vl]
+        onehot = columns == local_idx[:, None]  # [N, Vl]
+        return (torch.where(onehot, grad_target[:, None], 0.0) - probs * grad[:, None]).to(logits.dtype)
+    # Eager: per chunk, one fresh [C, Vl] buffer (the output rows themselves when the logits are in
+    # the compute dtype), updated in place. The same values as the expression above (IEEE addition
+    # commutes: -(p·g) + g_t == g_t - p·g); only the sign of an exact zero may differ.
+    neg_grad = -grad  # [N]
+    direct = logits.dtype == cdtype
+    dlogits = torch.empty_like(logits)
+    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
+        rows = slice(start, end)
+        d = torch.sub(logits[rows], shift[rows, None], out=dlogits[rows] if direct else None)  # [C, Vl]
+        d.exp_().mul_(neg_grad[rows, None])  # -dout · softmax
+        d.scatter_add_(1, local_idx[rows, None], grad_target[rows, None])  # + dout at the target
+        if not direct:
+            dlogits[rows] = d  # rounds once to the logits' dtype
     return dlogits
 
 
@@ -139,7 +149,9 @@ def token_logprobs_with_lse(
         vocab_size = group_size(group) * local_vocab
     check_ids_in_range("target", target, vocab_size)
     flat_logits = logits.reshape(-1, local_vocab)  # [N, Vl], a view when the layout allows
-    out, lse = _TokenLogprobsFn.apply(flat_logits, target.reshape(-1), vocab_start, chunk_size, group)
+    # int64 ids: gather needs int32/int64, and `target - vocab_start` must not wrap (uint8/int16)
+    flat_target = target.reshape(-1).to(torch.int64)  # [N]
+    out, lse = _TokenLogprobsFn.apply(flat_logits, flat_target, vocab_start, chunk_size, group)
     return out.view(target.shape), lse.view(target.shape)
 
 
