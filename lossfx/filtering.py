@@ -1,0 +1,773 @@
+"""Top-k / top-p filtered log-probabilities over a (possibly sharded) vocabulary, without sorting it.
+
+The filter keeps, per row, the tokens whose logit is at least a threshold `τ`; the whole design is
+to find `τ` exactly while communicating only per-row scalars. The rule (`semantics.md` §3.3 with
+`decisions.md` item 6's stable tie order):
+
+* top-k: `τ_k` = the k-th largest logit (with multiplicity); keep `z ≥ τ_k` (ties all kept);
+* top-p, after top-k, on the renormalised survivors `q = softmax(z | z ≥ τ_k)`: keep a survivor
+  iff `M(z_v) = Σ_{u : z_u > z_v} q_u < top_p` (the mass of the tokens with a *strictly larger*
+  logit). Equal logits have equal `M`, so tied tokens are kept or dropped together: the order is
+  by value alone, the same on every run, at every tensor-parallel size and every shard layout.
+  `M` is non-increasing in the value, so the kept set is `z ≥ τ` for one per-row threshold `τ`.
+
+Pipeline of the forward (`N` rows, `Vl` local columns, `R` ranks):
+
+1. thresholds (`_thresholds`), one of two exact strategies:
+   * **candidates** (top-k enabled, `k ≤ CANDIDATE_TOP_K_MAX`): each rank's `min(k+1, Vl)`
+     largest values (a two-level top-k: one max-reduction over groups of 64 columns, then a
+     `topk` over the best groups only); one all-gather of `[N, k]`; the top-k of the union is the
+     global top-k multiset, so `τ_k` is its last entry; the global count of ties at `τ_k`
+     (all-reduced; a counting pass only for rows whose ties outgrow the local candidates)
+     completes the survivors, and the top-p masses `M`, `τ` and the filtered log-sum-exp follow
+     from the `k` sorted candidates in float64, with no further pass over the logits;
+   * **bisection** (top-p alone, or a large k): a fixed number of bisection steps over the float
+     bit pattern (an order-preserving integer key; 32 steps for fp32, 64 for float64), each step
+     one pass over the logits and one all-reduce of a per-row count (top-k) or mass (top-p).
+2. the target logit on its owner rank (and, for the bisection strategy, one pass for the filtered
+   log-sum-exp), merged with one all-gather of per-row statistics.
+
+Saved for backward: the logits (no copy), `τ [N]` and the filtered `lse [N]`. The keep mask is a
+constant (no derivative through the thresholds), so the backward is one local read/write pass:
+
+    dlogits = keep ⊙ (onehot(target) − exp(logits − lse)) · dout,     keep = logits ≥ τ.
+
+Temperature is never applied here: divide the logits by it before calling.
+Proof of exactness: proofs/filtering.md. Reference: lossfx.reference.filtered_token_logprobs.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from lossfx._chunking import row_chunks
+from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size
+from lossfx._numerics import compute_dtype, finite_or_zero, lse_for_softmax, merge_max_sumexp, row_max_sumexp
+from lossfx._validation import (
+    check_floating,
+    check_ids_in_range,
+    check_integer_ids,
+    check_positive_int,
+    check_tensor,
+    values_checkable,
+)
+
+__all__ = [
+    "CANDIDATE_TOP_K_MAX",
+    "apply_top_k_top_p",
+    "filtered_token_logprobs",
+    "mask_out_neg_inf_logprobs",
+    "next_token_filtered_logprobs",
+    "top_k_top_p_threshold",
+]
+
+# Largest top-k served by the candidate strategy (an all-gather of `[N, k]` values per row).
+CANDIDATE_TOP_K_MAX = 1024
+_STRATEGIES = ("auto", "candidates", "bisection")
+_F64 = torch.float64
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks
+# ---------------------------------------------------------------------------------------------
+
+
+def check_filter_params(top_k: object, top_p: object) -> tuple[int | None, float]:
+    """Validate `(top_k, top_p)`; return `(k or None when disabled, float(top_p))`.
+
+    Raises `ValueError` for a non-integer `top_k` or a `top_p` outside `(0, 1]`.
+    """
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)):
+        raise ValueError(f"top_k must be an integer or None, got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
+        raise ValueError(f"top_p must be a real number in (0, 1], got {top_p!r}")
+    if not 0.0 < float(top_p) <= 1.0:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+    k = int(top_k) if top_k is not None and int(top_k) > 0 else None
+    return k, float(top_p)
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in _STRATEGIES:
+        raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Order-preserving integer keys of floats (the bisection's search space)
+# ---------------------------------------------------------------------------------------------
+
+
+def _key_bits(dtype: torch.dtype) -> int:
+    return 64 if dtype == _F64 else 32
+
+
+def _int_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.int64 if dtype == _F64 else torch.int32
+
+
+def _float_to_key(x: Tensor) -> Tensor:
+    """int64 key of the floats `x`, monotone: `x < y ⟺ key(x) < key(y)` (non-NaN, `-0` as `+0`)."""
+    bits = (x + 0.0).view(_int_dtype(x.dtype)).to(torch.int64)  # `+ 0.0` turns -0 into +0
+    low = (1 << (_key_bits(x.dtype) - 1)) - 1  # every bit but the sign
+    return torch.where(bits < 0, bits ^ low, bits)
+
+
+def _key_to_float(key: Tensor, dtype: torch.dtype) -> Tensor:
+    """Inverse of `_float_to_key` (an involution on the bits)."""
+    low = (1 << (_key_bits(dtype) - 1)) - 1
+    bits = torch.where(key < 0, key ^ low, key)
+    return bits.to(_int_dtype(dtype)).view(dtype)
+
+
+def _key_limits(n_rows: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """`(key(-inf), key(+inf))` broadcast to `[N]`."""
+    inf = torch.full((n_rows,), float("inf"), dtype=dtype, device=device)
+    return _float_to_key(-inf), _float_to_key(inf)
+
+
+def _floor_avg(lo: Tensor, hi: Tensor) -> Tensor:
+    """`⌊(lo + hi) / 2⌋` without int64 overflow."""
+    return (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Row passes (eager: chunked rows; compiled: one fused pass)
+# ---------------------------------------------------------------------------------------------
+
+
+def _count_ge(logits: Tensor, x: Tensor, chunks: list[tuple[int, int]], cdtype: torch.dtype) -> Tensor:
+    """`[N]` int64: local number of entries `z ≥ x[n]`."""
+    parts = [(logits[s:e].to(cdtype) >= x[s:e, None]).sum(dim=-1, dtype=torch.int64) for s, e in chunks]
+    return torch.cat(parts)
+
+
+def _count_eq(logits: Tensor, x: Tensor, chunks: list[tuple[int, int]], cdtype: torch.dtype) -> Tensor:
+    """`[N]` int64: local number of entries `z == x[n]`."""
+    parts = [(logits[s:e].to(cdtype) == x[s:e, None]).sum(dim=-1, dtype=torch.int64) for s, e in chunks]
+    return torch.cat(parts)
+
+
+def _mass_above(
+    logits: Tensor,
+    x: Tensor,
+    tau_k: Tensor,
+    shift: Tensor,
+    chunks: list[tuple[int, int]],
+    cdtype: torch.dtype,
+) -> Tensor:
+    """`[N]` float64: local `Σ exp(z − shift)` over entries with `z > x` and `z ≥ τ_k`."""
+    parts = []
+    for s, e in chunks:
+        z = logits[s:e].to(cdtype)  # [C, Vl]
+        inside = (z > x[s:e, None]) & (z >= tau_k[s:e, None])
+        w = torch.exp(z.to(_F64) - shift[s:e, None])  # [C, Vl]
+        parts.append(torch.where(inside, w, 0.0).sum(dim=-1))
+    return torch.cat(parts)
+
+
+def _masked_lse(
+    logits: Tensor, tau: Tensor, chunks: list[tuple[int, int]], dtype: torch.dtype, group: ProcessGroup | None
+) -> Tensor:
+    """`[N]` global log-sum-exp over the entries `z ≥ τ`, computed in `dtype`."""
+    maxes, sums = [], []
+    for s, e in chunks:
+        z = logits[s:e].to(dtype)  # [C, Vl]
+        z = torch.where(z >= tau[s:e, None].to(dtype), z, float("-inf"))
+        m, ssum = row_max_sumexp(z)  # [C], [C]
+        maxes.append(m)
+        sums.append(ssum)
+    stats = all_gather_stack(torch.stack([torch.cat(maxes), torch.cat(sums)]), group)  # [R, 2, N]
+    return merge_max_sumexp(stats[:, 0], stats[:, 1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Thresholds
+# ---------------------------------------------------------------------------------------------
+
+
+# Columns per group of the two-level local top-k (`_local_top`).
+_GROUP = 64
+
+
+def _local_top(logits: Tensor, width: int, cdtype: torch.dtype) -> Tensor:
+    """`[N, width]` the `width` largest values of each local row, descending, in `cdtype`.
+
+    Two levels, exact (proofs/filtering.md §3.1, Lemma 2'): the columns are partitioned into
+    groups of `_GROUP` (group `j < G` = columns `j, j + G, j + 2G, …`, `G = Vl // _GROUP`, plus one
+    group for the last `Vl mod _GROUP` columns); the row's `width` largest values all lie in the
+    `width` groups with the largest maxima. So one streaming max-reduction, a small `topk` over
+    the group maxima, a gather of those groups, and a `topk` over `width·_GROUP` values replace a
+    `topk` over the whole row.
+    """
+    n_rows, local_vocab = logits.shape
+    n_main = local_vocab // _GROUP  # G groups of _GROUP strided columns
+    n_groups = n_main + (1 if local_vocab % _GROUP else 0)
+    if n_groups <= 2 * width:  # small rows: one plain topk
+        return torch.topk(logits.to(cdtype), width, dim=-1, sorted=True).values
+    main = logits[:, : n_main * _GROUP].reshape(n_rows, _GROUP, n_main)  # [N, _GROUP, G]
+    group_max = main.amax(dim=1)  # [N, G]: an elementwise max over _GROUP slices
+    if n_groups > n_main:  # the last, partial group
+        tail = logits[:, n_main * _GROUP :].amax(dim=-1, keepdim=True)  # [N, 1]
+        group_max = torch.cat([group_max, tail], dim=-1)  # [N, G + 1]
+    groups = torch.topk(group_max, width, dim=-1, sorted=False).indices  # [N, w]
+    offsets = torch.arange(_GROUP, device=logits.device)  # [_GROUP]
+    strided = groups.unsqueeze(-1) + offsets * n_main  # [N, w, _GROUP] (main groups)
+    packed = n_main * _GROUP + offsets  # [_GROUP] (the tail group)
+    cols = torch.where(groups.unsqueeze(-1) < n_main, strided, packed).reshape(n_rows, -1)  # [N, w·_GROUP]
+    inside = cols < local_vocab
+    values = logits.gather(-1, torch.where(inside, cols, 0)).to(cdtype)  # [N, w·_GROUP]
+    values = torch.where(inside, values, float("-inf"))
+    return torch.topk(values, width, dim=-1, sorted=True).values  # [N, w]
+
+
+def _candidates(
+    logits: Tensor, k: int, chunks: list[tuple[int, int]], cdtype: torch.dtype, group: ProcessGroup | None
+) -> tuple[Tensor, Tensor]:
+    """`(cand [N, k], local [N, w])`: the k largest values of each global row (descending, with
+    multiplicity), and this rank's `w = min(k + 1, Vl)` largest local values (descending)."""
+    n_rows, local_vocab = logits.shape
+    width = min(k + 1, local_vocab)
+    local = _local_top(logits, width, cdtype)  # [N, w]
+    mine = local[:, :k]  # [N, min(k, Vl)]
+    if mine.shape[1] < k:  # pad to the same width on every rank: -inf never changes the k largest
+        mine = torch.cat([mine, mine.new_full((n_rows, k - mine.shape[1]), float("-inf"))], dim=-1)
+    union = all_gather_stack(mine, group).permute(1, 0, 2).reshape(n_rows, -1)  # [N, R·k]
+    return torch.topk(union, k, dim=-1, sorted=True).values, local  # [N, k], [N, w]
+
+
+def _tie_count(
+    logits: Tensor,
+    local: Tensor,
+    tau_k: Tensor,
+    k: int,
+    chunks: list[tuple[int, int]],
+    cdtype: torch.dtype,
+    group: ProcessGroup | None,
+) -> Tensor:
+    """`[N]` int64: the global number of entries equal to `τ_k`.
+
+    Compiled: one fused counting pass. Eager: counted in the local top-(k+1) values, which hold
+    every local tie unless their smallest also equals `τ_k` while columns remain outside them;
+    only such (rare) rows, flagged identically on every rank, are counted with a pass.
+    """
+    if torch.compiler.is_compiling():
+        return all_reduce(_count_eq(logits, tau_k, chunks, cdtype), "sum", group)
+    local_vocab = logits.shape[1]
+    counted = (local == tau_k[:, None]).sum(dim=-1, dtype=torch.int64)  # [N]
+    hidden = (local[:, -1] == tau_k) & (local_vocab > k + 1)  # [N]: ties may lie outside
+    merged = all_reduce(torch.stack([counted, hidden.to(torch.int64)]), "sum", group)  # [2, N]
+    counts, flagged = merged[0], merged[1] > 0
+    rows = flagged.nonzero().view(-1)  # the same rows on every rank
+    if rows.numel() > 0:
+        sub = logits.index_select(0, rows)  # [F, Vl]
+        sub_chunks = row_chunks(rows.numel(), None, local_vocab, cdtype)
+        exact = all_reduce(_count_eq(sub, tau_k[rows], sub_chunks, cdtype), "sum", group)
+        counts = counts.index_copy(0, rows, exact)
+    return counts
+
+
+def _from_candidates(cand: Tensor, tie_count: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
+    """`(τ [N], lse [N])` of top-k (then top-p) from the sorted candidates `[N, k]`.
+
+    `cand` holds every survivor with a value above `τ_k = cand[:, -1]` exactly once, and
+    `tie_count [N]` is the global number of entries equal to `τ_k`; the float64 masses and
+    log-sum-exps over the survivors follow without another pass over the logits.
+    """
+    n_rows, k = cand.shape
+    c = cand.to(_F64)  # [N, k]
+    tau_k = c[:, -1]  # [N]
+    above = c > tau_k[:, None]  # [N, k]
+    shift = finite_or_zero(c[:, 0])  # [N]: the row max, 0 if not finite
+    w = torch.where(above, torch.exp(c - shift[:, None]), 0.0)  # [N, k]
+    tie_mass = tie_count.to(_F64) * torch.exp(tau_k - shift)  # [N]
+    lse_k = shift + torch.log(w.sum(dim=-1) + tie_mass)  # [N], -inf for an all -inf row
+    if top_p >= 1.0:
+        return cand[:, -1], lse_k.to(cand.dtype)
+    q = torch.where(above, torch.exp(c - lse_for_softmax(lse_k)[:, None]), 0.0)  # [N, k]
+    # M at each candidate: the mass of strictly larger values = exclusive prefix sum at the start
+    # of the candidate's tie group (sorted descending, so a tie group is a contiguous run)
+    excl = torch.cat([torch.zeros_like(q[:, :1]), torch.cumsum(q, dim=-1)[:, :-1]], dim=-1)  # [N, k]
+    positions = torch.arange(k, device=c.device).expand(n_rows, k)  # [N, k]
+    starts = torch.cat([torch.ones_like(above[:, :1]), c[:, 1:] != c[:, :-1]], dim=-1)  # [N, k]
+    group_start = torch.cummax(torch.where(starts, positions, 0), dim=-1).values  # [N, k]
+    mass = excl.gather(-1, group_start)  # [N, k]
+    # M is non-decreasing along the row, so the kept candidates are a prefix; τ is its last value
+    kept = mass < top_p  # [N, k]
+    tau = torch.where(kept, c, float("inf")).amin(dim=-1)  # [N]
+    # the filtered log-sum-exp: candidates above τ_k that are ≥ τ, plus the ties if τ = τ_k
+    w_kept = torch.where(c >= tau[:, None], w, 0.0).sum(dim=-1)  # [N]
+    lse = shift + torch.log(w_kept + torch.where(tau <= tau_k, tie_mass, 0.0))
+    return tau.to(cand.dtype), lse.to(cand.dtype)
+
+
+def _top_k_by_bisection(
+    logits: Tensor, k: int, chunks: list[tuple[int, int]], cdtype: torch.dtype, group: ProcessGroup | None
+) -> Tensor:
+    """`τ_k [N]`: the greatest key `t` with `#{z ≥ float(t)} ≥ k` (global count), as a float."""
+    n_rows = logits.shape[0]
+    lo, hi = _key_limits(n_rows, cdtype, logits.device)  # pred(lo) true (count = V ≥ k)
+    hi = hi + 1  # pred(hi) false, never evaluated
+    for _ in range(_key_bits(cdtype)):
+        mid = _floor_avg(lo, hi)  # in [lo, hi − 1]: a real float
+        count = all_reduce(_count_ge(logits, _key_to_float(mid, cdtype), chunks, cdtype), "sum", group)
+        ok = count >= k
+        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+    return _key_to_float(lo, cdtype) + 0.0  # `+ 0.0`: a -0 threshold reads as +0
+
+
+def _top_p_by_bisection(
+    logits: Tensor,
+    tau_k: Tensor,
+    top_p: float,
+    chunks: list[tuple[int, int]],
+    cdtype: torch.dtype,
+    group: ProcessGroup | None,
+) -> Tensor:
+    """`τ_p [N]`: the least key `t` with `M(float(t)) < top_p`, as a float (see module doc)."""
+    n_rows = logits.shape[0]
+    lse_k = lse_for_softmax(_masked_lse(logits, tau_k, chunks, _F64, group))  # [N] float64
+    lo, hi = _key_limits(n_rows, cdtype, logits.device)  # pred(hi) true: nothing is above +inf
+    lo = lo - 1  # pred(lo) taken as false, never evaluated
+    for _ in range(_key_bits(cdtype)):
+        mid = _floor_avg(lo, hi)
+        moving = mid != lo  # mid == lo only once converged (hi = lo + 1): keep the state
+        x = _key_to_float(torch.where(moving, mid, hi), cdtype)  # [N], never the sentinel
+        mass = all_reduce(_mass_above(logits, x, tau_k, lse_k, chunks, cdtype), "sum", group)
+        ok = (mass < top_p) & moving
+        lo, hi = torch.where(ok | ~moving, lo, mid), torch.where(ok, mid, hi)
+    return _key_to_float(hi, cdtype) + 0.0  # `+ 0.0`: a -0 threshold reads as +0
+
+
+def _thresholds(
+    logits: Tensor,
+    top_k: int | None,
+    top_p: float,
+    vocab_size: int,
+    chunk_rows: int | None,
+    group: ProcessGroup | None,
+    strategy: str,
+) -> tuple[Tensor, Tensor | None]:
+    """`(τ [N], lse [N] or None)` in the compute dtype: the filter keeps exactly `logits ≥ τ`.
+
+    The candidate strategy also returns the filtered log-sum-exp (from the candidates); the
+    bisection strategy returns `None` for it.
+    """
+    n_rows, local_vocab = logits.shape
+    cdtype = compute_dtype(logits.dtype)
+    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
+    k = None if top_k is None else min(top_k, vocab_size)
+    use_top_p = top_p < 1.0
+    use_candidates = k is not None and (
+        strategy == "candidates" or (strategy == "auto" and k <= CANDIDATE_TOP_K_MAX)
+    )
+    if use_candidates:
+        # 1. the global top-k multiset from per-rank candidates: one all-gather of [N, k]
+        cand, local = _candidates(logits, k, chunks, cdtype, group)  # [N, k], [N, w]
+        # 2. the tie group at τ_k completes the survivors; top-p over the sorted candidates
+        ties = _tie_count(logits, local, cand[:, -1], k, chunks, cdtype, group)  # [N]
+        return _from_candidates(cand, ties, top_p)
+    # bisection: top-k by global counts, then top-p by global masses
+    if k is None or k >= vocab_size:
+        tau_k = torch.full((n_rows,), float("-inf"), dtype=cdtype, device=logits.device)
+    else:
+        tau_k = _top_k_by_bisection(logits, k, chunks, cdtype, group)
+    if not use_top_p:
+        return tau_k, None
+    return torch.maximum(tau_k, _top_p_by_bisection(logits, tau_k, top_p, chunks, cdtype, group)), None
+
+
+# ---------------------------------------------------------------------------------------------
+# Filtered log-probs: forward, backward, autograd.Function
+# ---------------------------------------------------------------------------------------------
+
+
+def _filtered_logprobs_fwd(
+    logits: Tensor,
+    target: Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    top_k: int | None,
+    top_p: float,
+    chunk_rows: int | None,
+    group: ProcessGroup | None,
+    strategy: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """logits `[N, Vl]`, target `[N]` -> (out `[N]`, lse `[N]`, τ `[N]`) in the compute dtype."""
+    n_rows, local_vocab = logits.shape
+    cdtype = compute_dtype(logits.dtype)
+    # 1. the threshold (keep = logits ≥ τ) and, from the candidates, the filtered lse
+    tau, lse = _thresholds(logits, top_k, top_p, vocab_size, chunk_rows, group, strategy)  # [N]
+    local = target - vocab_start
+    owned = (local >= 0) & (local < local_vocab)  # [N]
+    local_idx = torch.where(owned, local, torch.zeros_like(local))
+    picked = logits.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1).to(cdtype)  # [N]
+    kept = owned & (picked >= tau)  # [N]: the target survives the filter (owner rank only)
+    picked = torch.where(kept, picked, torch.zeros_like(picked))
+    local_stats = [picked, kept.to(cdtype)]
+    if lse is None:
+        # 2. filtered (m, s) per rank, merged with the target's statistics in one all-gather
+        maxes, sums = [], []
+        for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
+            z = logits[start:end].to(cdtype)  # [C, Vl]
+            m, s = row_max_sumexp(torch.where(z >= tau[start:end, None], z, float("-inf")))
+            maxes.append(m)
+            sums.append(s)
+        local_stats += [torch.cat(maxes), torch.cat(sums)]
+    stats = all_gather_stack(torch.stack(local_stats), group)  # [R, 2 or 4, N]
+    if lse is None:
+        lse = merge_max_sumexp(stats[:, 2], stats[:, 3])  # [N]
+    target_logit = stats[:, 0].sum(dim=0)  # [N]: exactly one rank contributes
+    target_kept = stats[:, 1].sum(dim=0) > 0  # [N]
+    dead = torch.isneginf(lse) | ~target_kept
+    out = torch.where(dead, torch.full_like(lse, float("-inf")), target_logit - lse)
+    return out, lse, tau
+
+
+def _filtered_logprobs_bwd(
+    logits: Tensor,
+    target: Tensor,
+    lse: Tensor,
+    tau: Tensor,
+    dout: Tensor,
+    vocab_start: int,
+    chunk_rows: int | None,
+) -> Tensor:
+    """-> dlogits `[N, Vl]` in the logits' dtype; no collective, the mask is a constant."""
+    n_rows, local_vocab = logits.shape
+    cdtype = compute_dtype(logits.dtype)
+    local = target - vocab_start
+    owned = (local >= 0) & (local < local_vocab)
+    local_idx = torch.where(owned, local, torch.zeros_like(local))  # [N]
+    shift = lse_for_softmax(lse)  # [N]
+    grad = torch.where(torch.isneginf(lse), torch.zeros_like(lse), dout.to(cdtype))  # [N]
+    picked = logits.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1).to(cdtype)  # [N]
+    grad_target = torch.where(owned & (picked >= tau), grad, torch.zeros_like(grad))  # [N]
+    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
+    if len(chunks) == 1:  # compiled (or one chunk): one fused expression
+        z = logits.to(cdtype)  # [N, Vl]
+        columns = torch.arange(local_vocab, device=logits.device)  # [Vl]
+        onehot = columns == local_idx[:, None]  # [N, Vl]
+        probs = torch.exp(z - shift[:, None])  # [N, Vl]
+        dz = torch.where(onehot, grad_target[:, None], 0.0) - probs * grad[:, None]
+        return torch.where(z >= tau[:, None], dz, 0.0).to(logits.dtype)
+    # eager: in-place chunk by chunk, written straight into the output when it has the compute
+    # dtype (one read, one write), else through one chunk-sized buffer (rounded once)
+    dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    direct = logits.dtype == cdtype
+    for start, end in chunks:
+        z = logits[start:end].to(cdtype)  # [C, Vl]
+        d = dlogits[start:end] if direct else torch.empty_like(z)
+        torch.sub(z, shift[start:end, None], out=d)
+        d.exp_().mul_(-grad[start:end, None])  # the softmax term
+        d.masked_fill_(z < tau[start:end, None], 0.0)
+        rows = torch.arange(end - start, device=logits.device)
+        d.index_put_((rows, local_idx[start:end]), grad_target[start:end], accumulate=True)  # one-hot
+        if not direct:
+            dlogits[start:end] = d
+    return dlogits
+
+
+class _FilteredLogprobsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(logits, target, vocab_start, vocab_size, top_k, top_p, chunk_rows, group, strategy):
+        return _filtered_logprobs_fwd(
+            logits, target, vocab_start, vocab_size, top_k, top_p, chunk_rows, group, strategy
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        logits, target, vocab_start, _v, _k, _p, chunk_rows, _group, _strategy = inputs
+        ctx.save_for_backward(logits, target, output[1], output[2])
+        ctx.vocab_start, ctx.chunk_rows = vocab_start, chunk_rows
+        ctx.mark_non_differentiable(output[1], output[2])
+
+    @staticmethod
+    @once_differentiable  # keep and lse are constants of the backward: proofs/filtering.md §2
+    def backward(ctx, dout, _dlse, _dtau):
+        logits, target, lse, tau = ctx.saved_tensors
+        dlogits = _filtered_logprobs_bwd(logits, target, lse, tau, dout, ctx.vocab_start, ctx.chunk_rows)
+        return dlogits, None, None, None, None, None, None, None, None  # one entry per forward input
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------
+
+
+def _flat_logits(logits: Tensor) -> Tensor:
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
+    return logits.reshape(-1, logits.shape[-1])  # [N, Vl]
+
+
+def top_k_top_p_threshold(
+    logits: Tensor,
+    *,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    group: ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+    strategy: str = "auto",
+) -> Tensor:
+    """Per-row threshold `τ` of the top-k/top-p filter: the filter keeps exactly `logits ≥ τ`.
+
+    Equivalent to ``where(keep, logits, inf).amin(-1)`` with
+    ``keep = lossfx.reference.apply_top_k_top_p(logits, top_k, top_p)[1]`` on the dense logits.
+
+    .. math::
+        \\tau_k = z_{(k)}, \\quad M(v) = \\sum_{u:\\, z_u > v,\\, z_u \\ge \\tau_k} q_u,\\quad
+        \\tau = \\min\\{z_v \\ge \\tau_k : M(z_v) < p\\}
+
+    Args:
+        logits: `[..., Vl]` this rank's vocabulary shard (the full vocabulary without a group).
+            The threshold is found in the compute dtype (fp32, float64 for float64); the masses of
+            top-p are accumulated in float64. Never modified; no gradient flows through `τ`.
+        top_k: keep the `top_k` largest values (all values tied with the k-th are kept); `None`
+            or `<= 0` disables it; `top_k >= V` keeps everything.
+        top_p: after top-k, keep a token iff the renormalised mass of the tokens with a strictly
+            larger logit is `< top_p`; `1.0` disables it. Must lie in `(0, 1]`.
+        group: tensor-parallel group over the vocabulary, or `None`. Only per-row scalars and
+            `[N, min(k, 1024)]` candidate values are communicated.
+        vocab_size: global vocabulary size; default `world_size · Vl`.
+        chunk_size: rows per eager chunk (a memory bound; results do not depend on it).
+        strategy: `"auto"` (candidates for `top_k <= CANDIDATE_TOP_K_MAX`, else bisection),
+            `"candidates"` (needs top-k) or `"bisection"`. All give the same `τ`.
+
+    Returns:
+        `[...]` thresholds in the compute dtype (`-inf` when nothing is filtered out).
+
+    Raises:
+        ValueError: `top_p` outside `(0, 1]`, non-integer `top_k`, unknown strategy, bad shapes.
+        TypeError: non-float `logits`.
+
+    Note:
+        Temperature is not applied: divide the logits by it before calling. Ties are kept or
+        dropped together (the order is by value only), so `τ` is the same at every TP size.
+
+    Example:
+        >>> import torch, lossfx
+        >>> z = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
+        >>> lossfx.top_k_top_p_threshold(z, top_k=2)
+        tensor([2.])
+    """
+    check_floating("logits", logits)
+    k, p = check_filter_params(top_k, top_p)
+    _check_strategy(strategy)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    flat = _flat_logits(logits).detach()
+    if vocab_size is None:
+        vocab_size = group_size(group) * flat.shape[-1]
+    if strategy == "candidates" and k is None:
+        raise ValueError("strategy='candidates' needs top-k enabled (top_k > 0)")
+    tau, _lse = _thresholds(flat, k, p, vocab_size, chunk_size, group, strategy)
+    return tau.view(logits.shape[:-1])
+
+
+def apply_top_k_top_p(
+    logits: Tensor,
+    *,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    group: ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`(filtered, keep)`: this shard with filtered-out entries set to `-inf`, and the keep mask.
+
+    Equivalent to ``lossfx.reference.apply_top_k_top_p(logits, top_k, top_p)`` on the dense logits
+    (for this rank's columns), in the logits' dtype. The gradient is ``grad * keep`` (the mask is a
+    constant). Arguments as in `top_k_top_p_threshold`.
+
+    Returns:
+        `filtered [..., Vl]` (the logits' dtype), `keep [..., Vl]` (bool).
+
+    Example:
+        >>> import torch, lossfx
+        >>> lossfx.apply_top_k_top_p(torch.tensor([[3.0, 1.0, 2.0]]), top_k=2)[0]
+        tensor([[3., -inf, 2.]])
+    """
+    tau = top_k_top_p_threshold(
+        logits, top_k=top_k, top_p=top_p, group=group, vocab_size=vocab_size, chunk_size=chunk_size
+    )
+    keep = logits.to(tau.dtype) >= tau.unsqueeze(-1)  # [..., Vl]
+    return torch.where(keep, logits, torch.full_like(logits, float("-inf"))), keep
+
+
+def filtered_token_logprobs(
+    logits: Tensor,
+    target: Tensor,
+    *,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    group: ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+    strategy: str = "auto",
+) -> Tensor:
+    """Log-probability of each target under the top-k/top-p filtered, renormalised distribution.
+
+    Equivalent to ``log_softmax(where(keep, z, -inf), -1).gather(-1, target[..., None])[..., 0]``
+    with ``keep`` from ``lossfx.reference.apply_top_k_top_p`` on the dense logits `z` (all
+    shards concatenated in rank order), without sorting or moving the vocabulary.
+
+    .. math::
+        \\mathrm{out}_n = z_{n,t_n} - \\log \\sum_{v:\\, z_{n,v} \\ge \\tau_n} e^{z_{n,v}}
+        \\quad (-\\infty \\text{ if } z_{n,t_n} < \\tau_n)
+
+    Args:
+        logits: `[..., Vl]` this rank's vocabulary shard (the full vocabulary without a group).
+        target: `[...]` integer global token ids in `[0, V)`.
+        top_k, top_p, group, vocab_size, chunk_size, strategy: as in `top_k_top_p_threshold`.
+        vocab_start: first global id of this shard; default `rank · Vl`.
+
+    Returns:
+        `[...]` in the compute dtype (fp32, or float64 for float64 logits); `-inf` where the
+        target was filtered out. Gradient: `keep ⊙ (onehot − softmax(filter(z))) · dout` for this
+        rank's shard, in the logits' dtype (no derivative through the thresholds).
+
+    Raises:
+        ValueError: bad `top_k`/`top_p`, shape mismatch, ids outside `[0, V)` (eager only).
+        TypeError: non-float logits, non-integer target.
+
+    Note:
+        Temperature is not applied: divide the logits by it first. Tied logits are kept or
+        dropped together, identically at every TP size; `B·S` need not divide by the TP size.
+        Double backward is not supported (`once_differentiable`).
+
+    Example:
+        >>> import torch, lossfx
+        >>> z = torch.tensor([[0.0, 1.0, 2.0]])
+        >>> lossfx.filtered_token_logprobs(z, torch.tensor([2]), top_k=2)
+        tensor([-0.3133])
+
+    See also: proofs/filtering.md, lossfx.reference.filtered_token_logprobs.
+    """
+    check_floating("logits", logits)
+    check_integer_ids("target", target)
+    k, p = check_filter_params(top_k, top_p)
+    _check_strategy(strategy)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    if logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
+        raise ValueError(
+            f"logits must be [..., V_local] with leading dims equal to target's; got logits.shape="
+            f"{tuple(logits.shape)} and target.shape={tuple(target.shape)}"
+        )
+    if strategy == "candidates" and k is None:
+        raise ValueError("strategy='candidates' needs top-k enabled (top_k > 0)")
+    flat = _flat_logits(logits)
+    local_vocab = flat.shape[-1]
+    if vocab_start is None:
+        vocab_start = group_rank(group) * local_vocab
+    if vocab_size is None:
+        vocab_size = group_size(group) * local_vocab
+    check_ids_in_range("target", target, vocab_size)
+    out, _lse, _tau = _FilteredLogprobsFn.apply(
+        flat, target.reshape(-1), vocab_start, vocab_size, k, p, chunk_size, group, strategy
+    )
+    return out.view(target.shape)
+
+
+def next_token_filtered_logprobs(
+    logits: Tensor,
+    input_ids: Tensor,
+    *,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    group: ProcessGroup | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """Filtered next-token log-probs `[B, S-1]`: position `t` scores `input_ids[:, t+1]`.
+
+    Equivalent to ``lossfx.reference.next_token_filtered_logprobs(logits, input_ids, top_k,
+    top_p)`` (the dense filter of `logits[:, :-1]`), without slicing or copying the logits.
+
+    Args:
+        logits: `[B, S, Vl]` this rank's vocabulary shard.
+        input_ids: `[B, S]` integer ids in `[0, V)`.
+        top_k, top_p, group: as in `filtered_token_logprobs`.
+        chunk_size: sequence positions per eager chunk.
+
+    Returns:
+        `[B, S-1]` in the compute dtype; `-inf` where the next token was filtered out.
+    """
+    from lossfx.interfaces import TrainingSamplingParams
+    from lossfx.next_token import next_token_logprobs
+
+    return next_token_logprobs(
+        logits,
+        input_ids,
+        vocab_parallel_group=group,
+        sampling_params=TrainingSamplingParams(top_k=top_k, top_p=top_p),
+        chunk_size=chunk_size,
+    )
+
+
+def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logprobs") -> Tensor:
+    """Zero every position whose mask is 0 or whose log-prob is `±inf`; warn about valid ones.
+
+    Equivalent to ``torch.where((mask != 0) & isfinite(logprobs), logprobs, 0)``. The gradient is
+    0 at the zeroed positions (never NaN). In eager mode, when some position with a nonzero mask
+    holds `±inf`, a `UserWarning` reports how many of the valid tokens were masked out; under
+    `torch.compile` the count and the warning are skipped (no graph break).
+
+    Args:
+        logprobs: `[B, T]` float log-probs (e.g. filtered next-token log-probs).
+        mask: `[B, T]` (any numeric or bool dtype): 1 for valid tokens.
+        name: what the warning calls the tensor.
+
+    Returns:
+        `[B, T]` like `logprobs`.
+
+    Example:
+        >>> import torch, lossfx
+        >>> lossfx.mask_out_neg_inf_logprobs(torch.tensor([[-1.0, float("-inf")]]), torch.tensor([[1, 0]]))
+        tensor([[-1.,  0.]])
+    """
+    check_floating("logprobs", logprobs)
+    check_tensor("mask", mask)
+    if tuple(mask.shape) != tuple(logprobs.shape):
+        raise ValueError(
+            f"mask must have the shape of {name}; got mask.shape={tuple(mask.shape)} and "
+            f"{name}.shape={tuple(logprobs.shape)}"
+        )
+    valid = mask != 0
+    finite = torch.isfinite(logprobs)
+    if values_checkable():
+        bad = int((valid & ~finite).sum())
+        if bad:
+            warnings.warn(
+                f"{bad}/{int(valid.sum())} valid tokens have -inf in {name} (policy top-k/top-p "
+                "mismatch). Masking out these positions.",
+                stacklevel=2,
+            )
+    return torch.where(valid & finite, logprobs, torch.zeros_like(logprobs))
+
+
+def loss_mask_from_data(data: Mapping[str, Any], input_ids: Tensor) -> Tensor:
+    """`token_mask · sample_mask[:, None]` `[B, S]` from `data`; a missing column counts as ones."""
+    batch, seq = input_ids.shape
+    token_mask = data.get("token_mask")
+    sample_mask = data.get("sample_mask")
+    mask = torch.ones(batch, seq, dtype=torch.bool, device=input_ids.device)
+    if token_mask is not None:
+        check_tensor("data['token_mask']", token_mask)
+        if tuple(token_mask.shape) != (batch, seq):
+            raise ValueError(
+                f"data['token_mask'] must be [B, S] = {(batch, seq)}, got {tuple(token_mask.shape)}"
+            )
+        mask = mask & (token_mask != 0)
+    if sample_mask is not None:
+        check_tensor("data['sample_mask']", sample_mask)
+        if tuple(sample_mask.shape) != (batch,):
+            raise ValueError(f"data['sample_mask'] must be [B] = {(batch,)}, got {tuple(sample_mask.shape)}")
+        mask = mask & (sample_mask != 0)[:, None]
+    return mask

@@ -1,0 +1,107 @@
+"""Dense references of the top-k/top-p filter, the filtered log-probs and the filtered LOGPROB input.
+
+The rule (`semantics.md` §3.3 with lossfx's stable tie order, `decisions.md` item 6): top-k keeps
+every value `≥` the k-th largest (ties kept); top-p then runs on the survivors' renormalised
+softmax `q` and keeps a survivor iff the mass of the tokens with a **strictly larger** logit is
+`< top_p`, so equal logits are kept or dropped together (and the largest always survives). The
+masses are float64. Implemented the way the field does it: a stable descending sort, a cumulative
+sum, a scatter back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lossfx.reference._logprobs import log_softmax, next_token_logprobs
+
+__all__ = [
+    "apply_top_k_top_p",
+    "filtered_token_logprobs",
+    "mask_out_neg_inf_logprobs",
+    "next_token_filtered_logprobs",
+    "prepare_filtered_logprob_input",
+]
+
+_F64 = torch.float64
+
+
+def _top_k_keep(z: Tensor, top_k: int | None) -> Tensor:
+    if top_k is None or top_k <= 0 or top_k >= z.shape[-1]:
+        return torch.ones_like(z, dtype=torch.bool)
+    kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
+    return z >= kth
+
+
+def _top_p_keep(z: Tensor, keep_k: Tensor, top_p: float) -> Tensor:
+    if top_p >= 1.0:
+        return torch.ones_like(z, dtype=torch.bool)
+    zk = torch.where(keep_k, z, float("-inf"))
+    q = torch.where(keep_k, log_softmax(zk).exp(), 0.0)
+    values, order = torch.sort(zk, dim=-1, descending=True, stable=True)
+    q_sorted = q.gather(-1, order)
+    excl = torch.cat([torch.zeros_like(q_sorted[..., :1]), torch.cumsum(q_sorted, dim=-1)[..., :-1]], dim=-1)
+    # the mass strictly above a value: the exclusive sum at the first element of its tie group
+    new_group = torch.cat(
+        [torch.ones_like(values[..., :1], dtype=torch.bool), values[..., 1:] != values[..., :-1]], dim=-1
+    )
+    positions = torch.arange(z.shape[-1], device=z.device).expand_as(values)
+    first = torch.cummax(torch.where(new_group, positions, 0), dim=-1).values
+    mass_above = excl.gather(-1, first)
+    keep_sorted = mass_above < top_p
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: int | None = None, top_p: float = 1.0) -> tuple[Tensor, Tensor]:
+    """`[..., V]` -> `(filtered, keep)`: float64 logits with dropped entries `-inf`, bool mask."""
+    z = logits.to(_F64)
+    keep_k = _top_k_keep(z.detach(), top_k)
+    keep = keep_k & _top_p_keep(z.detach(), keep_k, float(top_p))
+    return torch.where(keep, z, float("-inf")), keep
+
+
+def filtered_token_logprobs(
+    logits: Tensor, target: Tensor, top_k: int | None = None, top_p: float = 1.0
+) -> Tensor:
+    """`[..., V]`, `[...]` -> `[...]`: `log_softmax(filter(logits))[..., target]` in float64."""
+    filtered, _ = apply_top_k_top_p(logits, top_k, top_p)
+    return log_softmax(filtered).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+
+
+def next_token_filtered_logprobs(
+    logits: Tensor, input_ids: Tensor, top_k: int | None = None, top_p: float = 1.0
+) -> Tensor:
+    """`[B, S, V]`, `[B, S]` -> `[B, S-1]`: the filtered log-prob of `input_ids[:, t+1]`."""
+    return filtered_token_logprobs(logits[:, :-1], input_ids[:, 1:], top_k, top_p)
+
+
+def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor) -> Tensor:
+    """Zero where `mask == 0` or the log-prob is `±inf`."""
+    return torch.where((mask != 0) & torch.isfinite(logprobs), logprobs, torch.zeros_like(logprobs))
+
+
+def prepare_filtered_logprob_input(
+    logits: Tensor, data: dict[str, Any], loss_fn: Any, top_k: int | None, top_p: float
+) -> tuple[dict[str, Tensor], Tensor | None]:
+    """The filtered LOGPROB loss input and the unfiltered copy (or `None`) from dense `[B, S, V]`.
+
+    `mask = token_mask · sample_mask[:, None]` (missing columns count as ones); positions with
+    `mask[:, 1:] == 0` or a non-finite filtered log-prob become 0. The unfiltered copy is what
+    `prepare_loss_input` stores in `data["curr_logprobs_unfiltered"]` when
+    `loss_fn.reference_policy_kl_penalty != 0`.
+    """
+    input_ids = data["input_ids"]
+    batch, seq = input_ids.shape
+    mask = torch.ones(batch, seq, dtype=_F64)
+    if "token_mask" in data:
+        mask = mask * data["token_mask"].to(_F64)
+    if "sample_mask" in data:
+        mask = mask * data["sample_mask"].to(_F64)[:, None]
+    logprobs = next_token_filtered_logprobs(logits, input_ids, top_k, top_p)
+    logprobs = mask_out_neg_inf_logprobs(logprobs, mask[:, 1:])
+    unfiltered = None
+    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
+        unfiltered = next_token_logprobs(logits, input_ids)
+    return {"next_token_logprobs": logprobs}, unfiltered

@@ -1,0 +1,668 @@
+"""Tests of top-k/top-p filtering (`lossfx.filtering`) and the filtered LOGPROB loss input.
+
+Sections (conventions §9): 0 helpers/cases; 1 reference equivalence (thresholds, values and
+gradients on 1, 2 and 4 rank threads, both threshold strategies, chunked or not); 3 properties
+(hypothesis); 5 compile (aot_eager on every world size, one inductor case); 6 errors;
+8 `prepare_loss_input` (the -inf rule, the unfiltered copy, `data` untouched, no NaN/inf).
+
+Rank r sees the shard `z[..., r·Vl:(r+1)·Vl]` of the full logits; its output must equal the dense
+float64 reference (`lossfx.reference.apply_top_k_top_p`, sort based) and the gradients of all
+ranks, concatenated along V, the reference gradient. Shapes are chosen with `B·S` not divisible
+by the world size.
+
+Top-p decisions compare float64 masses with `top_p`; two correct implementations that sum in a
+different order can only disagree when some mass lies within rounding of `top_p`, so the random
+cases `assume` a margin of 1e-9 (exact ties are built in on purpose, and at the boundary too).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import strategies
+import torch
+from harness import compiled_for_rank, run_ranks
+from hypothesis import assume, example, given
+from hypothesis import strategies as st
+
+import lossfx
+from lossfx import reference
+from lossfx.filtering import check_filter_params
+
+F64 = torch.float64
+STRATEGIES = ["candidates", "bisection"]
+TOL64 = {"atol": 1e-10, "rtol": 1e-10}
+
+# ---------------------------------------------------------------------------------------------
+# 0. Helpers and cases
+# ---------------------------------------------------------------------------------------------
+
+
+def make_logits(batch, seq, vocab, *, seed=0, ties=False, neg_inf=False, dtype=F64, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    if ties:
+        z = torch.randint(0, 4, (batch, seq, vocab), generator=gen).to(F64)
+    else:
+        z = torch.randn(batch, seq, vocab, generator=gen, dtype=F64)
+    z = z * scale
+    if neg_inf:
+        z = z.masked_fill(torch.rand(batch, seq, vocab, generator=gen) < 0.3, float("-inf"))
+        z.view(-1, vocab)[0] = float("-inf")  # one row -inf everywhere
+    target = torch.randint(0, vocab, (batch, seq), generator=gen)
+    return z.to(dtype), target
+
+
+def margin_ok(z: torch.Tensor, top_k, top_p: float, margin: float = 1e-9) -> bool:
+    """True unless some row's mass above a distinct survivor value is within `margin` of top_p."""
+    if top_p >= 1.0:
+        return True
+    z = z.to(F64).reshape(-1, z.shape[-1])
+    _, keep_k = reference.apply_top_k_top_p(z, top_k, 1.0)
+    zk = torch.where(keep_k, z, float("-inf"))
+    q = reference.log_softmax(zk).exp()
+    for row_z, row_q in zip(zk, q, strict=True):
+        for value in torch.unique(row_z):
+            mass = row_q[row_z > value].sum()
+            if abs(float(mass) - top_p) < margin:
+                return False
+    return True
+
+
+def _shard(z, rank, world):
+    vl = z.shape[-1] // world
+    return z[..., rank * vl : (rank + 1) * vl]
+
+
+def _rank_threshold(rank, world, group, z, top_k, top_p, chunk, strategy):
+    shard = _shard(z, rank, world)
+    return lossfx.top_k_top_p_threshold(
+        shard, top_k=top_k, top_p=top_p, group=group, chunk_size=chunk, strategy=strategy
+    )
+
+
+def _rank_logprobs(rank, world, group, z, target, dout, top_k, top_p, chunk, strategy, backend):
+    shard = _shard(z, rank, world).detach().clone().requires_grad_(True)
+
+    def fn(x, t):
+        return lossfx.filtered_token_logprobs(
+            x, t, top_k=top_k, top_p=top_p, group=group, chunk_size=chunk, strategy=strategy
+        )
+
+    if backend is not None:
+        _, fn = compiled_for_rank(rank, ("filtered", world, top_k, top_p, chunk, strategy), fn, backend)
+    out = fn(shard, target)
+    (grad,) = torch.autograd.grad(out, shard, dout)
+    return out.detach(), grad
+
+
+def reference_logprobs(z, target, dout, top_k, top_p):
+    z64 = z.to(F64).detach().requires_grad_(True)
+    out = reference.filtered_token_logprobs(z64, target, top_k, top_p)
+    (grad,) = torch.autograd.grad(out, z64, dout.to(F64))
+    return out.detach(), grad
+
+
+def check_logprobs(z, target, top_k, top_p, world, *, chunk=None, strategy="auto", backend=None, tol=TOL64):
+    dout = torch.randn(target.shape, generator=torch.Generator().manual_seed(7), dtype=F64)
+    dout = dout.to(lossfx.filtering.compute_dtype(z.dtype))
+    ref_out, ref_grad = reference_logprobs(z, target, dout, top_k, top_p)
+    results = run_ranks(world, _rank_logprobs, z, target, dout, top_k, top_p, chunk, strategy, backend)
+    for out, _ in results:
+        torch.testing.assert_close(out.to(F64), ref_out, **tol)
+    grad = torch.cat([g for _, g in results], dim=-1)
+    assert grad.dtype == z.dtype
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad.to(F64), ref_grad, **tol)
+
+
+def check_threshold(z, top_k, top_p, world, *, chunk=None, strategy="auto"):
+    _, ref_keep = reference.apply_top_k_top_p(z, top_k, top_p)
+    taus = run_ranks(world, _rank_threshold, z, top_k, top_p, chunk, strategy)
+    for tau in taus:
+        torch.testing.assert_close(tau, taus[0], rtol=0, atol=0)
+        keep = z.to(tau.dtype) >= tau.unsqueeze(-1)
+        assert torch.equal(keep, ref_keep), (keep, ref_keep, tau)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Reference equivalence
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize(
+    "top_k,top_p", [(3, 1.0), (None, 0.7), (5, 0.8), (2, 0.3), (40, 0.95), (1000, 0.9), (0, 0.5), (-1, 1e-9)]
+)
+def test_logprobs_match_reference(world, strategy, top_k, top_p):
+    if strategy == "candidates" and (top_k is None or top_k <= 0):
+        pytest.skip("the candidate strategy needs top-k")
+    z, target = make_logits(3, 5, 8 * world, seed=world * 31 + (top_k or 0))  # B·S = 15
+    assume_ok = margin_ok(z, top_k, top_p)
+    assert assume_ok
+    check_threshold(z, top_k, top_p, world, strategy=strategy)
+    check_logprobs(z, target, top_k, top_p, world, strategy=strategy)
+    check_logprobs(z, target, top_k, top_p, world, strategy=strategy, chunk=4)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_ties_at_kth_value_and_top_p_boundary(world, strategy):
+    # Row 0: top-k=2 hits a tie group of three at the 2nd value: all are kept.
+    # Row 1: top-p=0.5: the mass strictly above the tied 1s is softmax(2) ≈ 0.47 < 0.5, so the
+    #        whole tie group is kept although its first member already crosses 0.5.
+    # Row 2: top-p after top-k with a tie group straddling both thresholds.
+    rows = torch.tensor(
+        [
+            [5.0, 4.0, 1.0, 4.0, 0.0, 4.0, -1.0, 2.0],
+            [2.0, 1.0, 0.0, 1.0, -3.0, 1.0, -2.0, 0.0],
+            [3.0, 3.0, 1.0, 1.0, 1.0, 0.0, 1.0, 3.0],
+        ],
+        dtype=F64,
+    )
+    z = rows.repeat(1, world)[:, None, :]  # [3, 1, 8·R]: ties within and across shards
+    target = torch.tensor([[3], [5], [6]])
+    for top_k, top_p in [(2, 1.0), (None, 0.5), (4, 0.5), (5, 0.99), (3, 0.2)]:
+        if strategy == "candidates" and top_k is None:
+            continue
+        assert margin_ok(z, top_k, top_p)
+        check_threshold(z, top_k, top_p, world, strategy=strategy)
+        check_logprobs(z, target, top_k, top_p, world, strategy=strategy)
+    keep = reference.apply_top_k_top_p(rows, 2, 1.0)[1]
+    assert keep[0].tolist() == [True, True, False, True, False, True, False, False]
+    keep = reference.apply_top_k_top_p(rows, None, 0.5)[1]
+    assert keep[1].tolist() == [True, True, False, True, False, True, False, False]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_extremes_top_k_ge_v_top_p_one_and_tiny(world):
+    z, target = make_logits(3, 3, 4 * world, seed=3)  # B·S = 9
+    plain = reference.token_logprobs(z, target)
+    for top_k, top_p in [(4 * world, 1.0), (10**6, 1.0), (10**6, 0.9999999), (None, 1.0)]:
+        assume_ok = margin_ok(z, top_k, top_p)
+        assert assume_ok
+        check_logprobs(z, target, top_k, top_p, world)
+    # top_p → 0: only the row maximum survives (its log-prob is 0, everything else -inf)
+    for strategy in STRATEGIES:
+        out = run_ranks(
+            world, _rank_logprobs, z, target, torch.ones(3, 3, dtype=F64), 7, 1e-12, None, strategy, None
+        )
+        expected = torch.where(target == z.argmax(-1), 0.0, float("-inf")).to(F64)
+        torch.testing.assert_close(out[0][0], expected)
+    # nothing filtered: the plain log-probs
+    out = run_ranks(
+        world, _rank_logprobs, z, target, torch.ones(3, 3, dtype=F64), None, 1.0, None, "auto", None
+    )
+    torch.testing.assert_close(out[0][0], plain, **TOL64)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_rows_with_neg_inf(world, strategy):
+    z, target = make_logits(2, 5, 6 * world, seed=11, neg_inf=True)  # row 0 is -inf everywhere
+    z[1, 2, :] = float("-inf")
+    z[1, 2, 0] = 1.5  # a single finite entry
+    z[0, 1, 3] = float("-inf")
+    target[0, 1] = 3  # a -inf target
+    for top_k, top_p in [(3, 1.0), (2, 0.6), (None, 0.8), (50, 0.9)]:
+        if strategy == "candidates" and top_k is None:
+            continue
+        assert margin_ok(z, top_k, top_p)
+        check_threshold(z, top_k, top_p, world, strategy=strategy)
+        check_logprobs(z, target, top_k, top_p, world, strategy=strategy, chunk=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world", [1, 2])
+def test_low_precision_kept_set_exact(dtype, world):
+    """fp32/bf16 logits: the kept set equals the float64 reference's on the same values."""
+    z, target = make_logits(2, 7, 16 * world, seed=5, dtype=dtype, scale=3.0)
+    z64 = z.to(F64)
+    for strategy in STRATEGIES:
+        for top_k, top_p in [(5, 0.9), (9, 0.5), (200, 0.75)]:
+            assert margin_ok(z64, top_k, top_p)
+            taus = run_ranks(world, _rank_threshold, z, top_k, top_p, None, strategy)
+            keep = z.to(torch.float32) >= taus[0].unsqueeze(-1)
+            assert torch.equal(keep, reference.apply_top_k_top_p(z64, top_k, top_p)[1])
+            # values in fp32; the gradient comes back in the logits' dtype (bf16: 8 mantissa bits)
+            tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 8e-3}
+            check_logprobs(z, target, top_k, top_p, world, strategy=strategy, tol=tol, chunk=3)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("ties", [False, True])
+def test_wide_rows_two_level_candidates(world, ties):
+    """Rows wide enough for the two-level local top-k (groups of 64 columns, a partial group)
+    and, with ties, for the eager pass over the rows whose tie group outgrows the candidates."""
+    z, target = make_logits(1, 5, 1230 * world, seed=13 + world, ties=ties)  # Vl = 1230 = 19·64 + 14
+    for top_k, top_p in [(3, 1.0), (5, 0.6), (1, 0.5)]:
+        assert margin_ok(z, top_k, top_p)
+        check_threshold(z, top_k, top_p, world, strategy="candidates")
+        check_logprobs(z, target, top_k, top_p, world, strategy="candidates", chunk=2)
+
+
+def test_non_contiguous_inputs():
+    z, target = make_logits(4, 3, 10, seed=2)
+    zt = z.transpose(0, 1).contiguous().transpose(0, 1)  # same values, non-contiguous
+    assert not zt.is_contiguous()
+    tt = target.t().contiguous().t()
+    for strategy in STRATEGIES:
+        x = zt.detach().clone().requires_grad_(True)
+        x_nc = x.transpose(0, 1).contiguous().transpose(0, 1)
+        out = lossfx.filtered_token_logprobs(x_nc, tt, top_k=4, top_p=0.8, strategy=strategy)
+        ref = reference.filtered_token_logprobs(z, target, 4, 0.8)
+        torch.testing.assert_close(out, ref, **TOL64)
+    # a strided vocabulary view
+    wide = torch.cat([z, z], dim=-1)[..., ::2]
+    assert not wide.is_contiguous()
+    tau = lossfx.top_k_top_p_threshold(wide, top_k=3, top_p=0.7)
+    keep = reference.apply_top_k_top_p(wide, 3, 0.7)[1]
+    assert torch.equal(wide >= tau[..., None], keep)
+
+
+def test_apply_top_k_top_p_matches_reference_and_masks_grad():
+    z, _ = make_logits(2, 3, 12, seed=4)
+    x = z.clone().requires_grad_(True)
+    filtered, keep = lossfx.apply_top_k_top_p(x, top_k=5, top_p=0.8)
+    ref_filtered, ref_keep = reference.apply_top_k_top_p(z, 5, 0.8)
+    assert torch.equal(keep, ref_keep)
+    torch.testing.assert_close(filtered, ref_filtered)
+    (grad,) = torch.autograd.grad(torch.where(keep, filtered, 0.0).sum(), x)
+    assert torch.equal(grad, keep.to(F64))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Properties (hypothesis)
+# ---------------------------------------------------------------------------------------------
+
+_filter_params = st.tuples(
+    st.one_of(st.none(), st.integers(-2, 40)),
+    st.one_of(st.just(1.0), st.just(1e-9), st.floats(0.01, 0.999)),
+)
+
+
+@given(
+    case=strategies.logits_cases(dtypes=(F64,), scales=(1e-3, 1.0, 30.0)),
+    params=_filter_params,
+    strategy=st.sampled_from(["auto", "bisection"]),
+)
+@example(case=strategies.example_cases(F64)[0], params=(1, 0.5), strategy="auto")
+@example(case=strategies.example_cases(F64)[1], params=(None, 0.6), strategy="bisection")
+@example(case=strategies.example_cases(F64)[2], params=(2, 0.4), strategy="auto")
+@example(case=strategies.example_cases(F64)[2], params=(3, 0.4), strategy="bisection")
+@example(case=strategies.example_cases(F64)[3], params=(100, 1e-09), strategy="auto")
+def test_property_matches_reference(case, params, strategy):
+    top_k, top_p = params
+    z, target = case.logits(), case.target()
+    assume(margin_ok(z, top_k, top_p))
+    check_threshold(z, top_k, top_p, case.world, chunk=case.chunk, strategy=strategy)
+    check_logprobs(z, target, top_k, top_p, case.world, chunk=case.chunk, strategy=strategy)
+
+
+@given(
+    vocab=st.integers(2, 24),
+    seed=st.integers(0, 2**20),
+    params=_filter_params,
+    ties=st.booleans(),
+)
+def test_property_permutation_and_shift_invariance(vocab, seed, params, ties):
+    """The order is by value only: permuting the vocabulary (with the target) or shifting every
+    logit by a power of two changes nothing."""
+    top_k, top_p = params
+    z, target = make_logits(2, 3, vocab, seed=seed, ties=ties)
+    assume(margin_ok(z, top_k, top_p, margin=1e-6))
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+    inverse = torch.argsort(perm)
+    out = lossfx.filtered_token_logprobs(z, target, top_k=top_k, top_p=top_p)
+    out_perm = lossfx.filtered_token_logprobs(z[..., perm], inverse[target], top_k=top_k, top_p=top_p)
+    torch.testing.assert_close(out, out_perm, **TOL64)
+    out_shift = lossfx.filtered_token_logprobs(z + 8.0, target, top_k=top_k, top_p=top_p)
+    torch.testing.assert_close(out, out_shift, atol=1e-9, rtol=1e-9)
+    # the kept set has positive mass; the filtered distribution sums to one
+    tau = lossfx.top_k_top_p_threshold(z, top_k=top_k, top_p=top_p)
+    kept = z >= tau[..., None]
+    assert kept.any(-1).all()
+    if top_k is not None and top_k > 0:
+        assert (kept.sum(-1) >= min(top_k, vocab)).all() or top_p < 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Compile (fullgraph)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_compiled_aot_eager_candidates(world):
+    z, target = make_logits(3, 3, 6 * world, seed=world, ties=True)  # B·S = 9
+    assert margin_ok(z, 4, 0.8)
+    check_logprobs(z, target, 4, 0.8, world, strategy="candidates", backend="aot_eager")
+    check_logprobs(z, target, 5, 1.0, world, strategy="candidates", backend="aot_eager")
+
+
+def test_compiled_aot_eager_bisection_fp32():
+    """The bisection unrolls 32 (fp32) or 64 (float64) steps: compiling it costs ~10-30 s, so the
+    default run compiles it once (fp32, 2 ranks, top-p by bisection); float64 on 1, 2 and 4 ranks
+    is in the slow variant below."""
+    z, target = make_logits(3, 3, 12, seed=2, dtype=torch.float32)
+    assert margin_ok(z, None, 0.7)
+    check_logprobs(
+        z, target, None, 0.7, 2, strategy="bisection", backend="aot_eager", tol={"atol": 2e-6, "rtol": 2e-6}
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_compiled_aot_eager_bisection_float64(world):
+    z, target = make_logits(3, 3, 6 * world, seed=world, ties=True)  # B·S = 9
+    assert margin_ok(z, None, 0.7)
+    check_logprobs(z, target, None, 0.7, world, strategy="bisection", backend="aot_eager")
+
+
+def test_compiled_inductor_world_2():
+    z, target = make_logits(3, 3, 2 * 1230, seed=9, ties=True)  # wide rows: the two-level top-k
+    assert margin_ok(z, 4, 0.8)
+    check_logprobs(z, target, 4, 0.8, 2, strategy="candidates", backend="inductor")
+
+
+def test_compiled_graph_has_no_breaks():
+    z, target = make_logits(2, 3, 8, seed=1)
+
+    def fn(x, t, mask):
+        lp = lossfx.next_token_filtered_logprobs(x, t, top_k=3, top_p=0.9)
+        return lossfx.mask_out_neg_inf_logprobs(lp, mask)
+
+    explain = torch._dynamo.explain(fn)(z, target, torch.ones(2, 2))
+    assert explain.graph_break_count == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Errors
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "top_k,top_p",
+    [
+        (None, 0.0),
+        (None, -0.1),
+        (None, 1.5),
+        (None, float("nan")),
+        (2.5, 1.0),
+        ("3", 1.0),
+        (True, 0.5),
+        (None, "0.5"),
+    ],
+)
+def test_bad_params_raise(top_k, top_p):
+    z, target = make_logits(1, 2, 5)
+    with pytest.raises(ValueError):
+        check_filter_params(top_k, top_p)
+    with pytest.raises(ValueError):
+        lossfx.filtered_token_logprobs(z, target, top_k=top_k, top_p=top_p)
+    with pytest.raises(ValueError):
+        lossfx.top_k_top_p_threshold(z, top_k=top_k, top_p=top_p)
+    with pytest.raises(ValueError):
+        lossfx.TrainingSamplingParams(top_k=top_k, top_p=top_p)
+
+
+def test_other_errors():
+    z, target = make_logits(1, 2, 5)
+    with pytest.raises(ValueError, match="strategy"):
+        lossfx.filtered_token_logprobs(z, target, top_k=2, strategy="sort")
+    with pytest.raises(ValueError, match="candidates"):
+        lossfx.filtered_token_logprobs(z, target, top_p=0.5, strategy="candidates")
+    with pytest.raises(ValueError):
+        lossfx.filtered_token_logprobs(z, target[:, :1], top_k=2)
+    with pytest.raises(ValueError):
+        lossfx.filtered_token_logprobs(z, target + 5, top_k=2)
+    with pytest.raises(TypeError):
+        lossfx.filtered_token_logprobs(z.long(), target, top_k=2)
+    with pytest.raises(ValueError):
+        lossfx.filtered_token_logprobs(z, target, top_k=2, chunk_size=0)
+    with pytest.raises(ValueError):
+        lossfx.mask_out_neg_inf_logprobs(torch.zeros(2, 3), torch.ones(2, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. prepare_loss_input: the -inf rule and the unfiltered copy
+# ---------------------------------------------------------------------------------------------
+
+
+def _loss_fn(kl=0.0):
+    return SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB, reference_policy_kl_penalty=kl)
+
+
+def _data(batch, seq, vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, vocab, (batch, seq), generator=gen),
+        "token_mask": (torch.rand(batch, seq, generator=gen) < 0.8).to(torch.float32),
+        "sample_mask": torch.tensor([1.0] * (batch - 1) + [0.0]),
+    }
+
+
+def _rank_prepare(rank, world, group, z, data, kl, top_k, top_p, chunk):
+    shard = _shard(z, rank, world).detach().clone().requires_grad_(True)
+    own = dict(data)
+    sp = lossfx.TrainingSamplingParams(top_k=top_k, top_p=top_p)
+    out, returned = lossfx.prepare_loss_input(
+        shard,
+        own,
+        _loss_fn(kl),
+        vocab_parallel_rank=rank if group is not None else None,
+        vocab_parallel_group=group,
+        sampling_params=sp,
+        chunk_size=chunk,
+    )
+    assert returned is own
+    lp = out["next_token_logprobs"]
+    loss = lp.sum()
+    if "curr_logprobs_unfiltered" in own:
+        loss = loss + 0.5 * own["curr_logprobs_unfiltered"].sum()
+    (grad,) = torch.autograd.grad(loss, shard)
+    extra = {k: v.detach() for k, v in own.items() if k not in data}
+    return lp.detach(), grad, extra
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("kl", [0.0, 0.1])
+def test_prepare_loss_input_filtered(world, kl):
+    batch, seq, vocab = 3, 5, 6 * world  # B·(S-1) = 12, B·S = 15
+    z, _ = make_logits(batch, seq, vocab, seed=21, neg_inf=False)
+    data = _data(batch, seq, vocab, seed=3)
+    # force a filtered-out next token at a valid position, and one at a masked position
+    data["input_ids"][0, 2] = int(z[0, 1].argmin())
+    data["token_mask"][0, 2] = 1.0
+    snapshot = {k: v.clone() for k, v in data.items()}
+    top_k, top_p = 3, 0.8
+    assert margin_ok(z[:, :-1], top_k, top_p)
+    with warnings.catch_warnings(record=True) as caught:  # global: sees the rank threads' warnings
+        warnings.simplefilter("always")
+        results = run_ranks(world, _rank_prepare, z, data, kl, top_k, top_p, 2)
+    messages = [str(w.message) for w in caught if "curr_logprobs" in str(w.message)]
+    mask = (data["token_mask"] * data["sample_mask"][:, None])[:, 1:] != 0
+    raw = reference.next_token_filtered_logprobs(z, data["input_ids"], top_k, top_p)
+    count = f"{int((mask & ~torch.isfinite(raw)).sum())}/{int(mask.sum())} valid tokens"
+    assert int((mask & ~torch.isfinite(raw)).sum()) > 0
+    assert len(messages) == world and all(m.startswith(count) for m in messages), (messages, count)
+    # data untouched (the ranks worked on copies of the mapping, the tensors are shared)
+    for k, v in snapshot.items():
+        assert torch.equal(data[k], v)
+    z64 = z.detach().requires_grad_(True)
+    ref, unfiltered = reference.prepare_filtered_logprob_input(z64, data, _loss_fn(kl), top_k, top_p)
+    ref_loss = ref["next_token_logprobs"].sum() + (0.5 * unfiltered.sum() if unfiltered is not None else 0.0)
+    (ref_grad,) = torch.autograd.grad(ref_loss, z64)
+    grad = torch.cat([g for _, g, _ in results], dim=-1)
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad, ref_grad, **TOL64)
+    for lp, _, extra in results:
+        assert torch.isfinite(lp).all()
+        torch.testing.assert_close(lp, ref["next_token_logprobs"], **TOL64)
+        if kl:
+            assert set(extra) == {"curr_logprobs_unfiltered"}
+            torch.testing.assert_close(extra["curr_logprobs_unfiltered"], unfiltered, **TOL64)
+        else:
+            assert extra == {}
+
+
+def test_prepare_loss_input_defaults_and_failures():
+    z, target = make_logits(2, 4, 10, seed=5)
+    data = {"input_ids": target}
+    sp = lossfx.TrainingSamplingParams(top_k=2, top_p=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, _ = lossfx.prepare_loss_input(z, data, _loss_fn(), sampling_params=sp)
+    lp = reference.next_token_filtered_logprobs(z, target, 2, 0.9)
+    expected = torch.where(torch.isfinite(lp), lp, 0.0)  # no masks: ones
+    torch.testing.assert_close(out["next_token_logprobs"], expected, **TOL64)
+    assert set(data) == {"input_ids"}
+    # a failing call leaves data untouched
+    bad = {"input_ids": target, "token_mask": torch.ones(2, 3)}
+    with pytest.raises(ValueError, match="token_mask"):
+        lossfx.prepare_loss_input(z, bad, _loss_fn(kl=1.0), sampling_params=sp)
+    assert set(bad) == {"input_ids", "token_mask"}
+    bad = {"input_ids": target, "sample_mask": torch.ones(3)}
+    with pytest.raises(ValueError, match="sample_mask"):
+        lossfx.prepare_loss_input(z, bad, _loss_fn(kl=1.0), sampling_params=sp)
+    assert set(bad) == {"input_ids", "sample_mask"}
+    fused = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB, use_fused_linear_logprobs=True)
+    with pytest.raises(ValueError, match="fused"):
+        lossfx.prepare_loss_input(z[..., 0], data, fused, sampling_params=sp)
+
+
+def test_mask_out_neg_inf_logprobs_warns_and_is_nan_free():
+    lp = torch.tensor([[-1.0, float("-inf"), -2.0], [float("inf"), -0.5, float("-inf")]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    with pytest.warns(UserWarning, match="2/3 valid tokens"):
+        out = lossfx.mask_out_neg_inf_logprobs(lp, mask, "curr_logprobs")
+    assert torch.equal(out.detach(), torch.tensor([[-1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    (grad,) = torch.autograd.grad(out.sum(), lp)
+    assert torch.equal(grad, torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(out, reference.mask_out_neg_inf_logprobs(lp, mask).float())
+    # compiled: no warning, no graph break, same values
+    compiled = torch.compile(lossfx.mask_out_neg_inf_logprobs, backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(compiled(lp.detach(), mask), out.detach())
+
+
+def test_prepare_loss_input_compiled_aot_eager():
+    z, target = make_logits(2, 4, 10, seed=8)
+    data = {"input_ids": target, "token_mask": torch.ones(2, 4)}
+    sp = lossfx.TrainingSamplingParams(top_k=3, top_p=0.9)
+
+    loss_fn = _loss_fn()
+
+    def fn(x):
+        return lossfx.prepare_loss_input(x, dict(data), loss_fn, sampling_params=sp)[0]["next_token_logprobs"]
+
+    x = z.clone().requires_grad_(True)
+    out = torch.compile(fn, backend="aot_eager", fullgraph=True)(x)
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    x2 = z.clone().requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out2 = fn(x2)
+    (grad2,) = torch.autograd.grad(out2.sum(), x2)
+    torch.testing.assert_close(out, out2, **TOL64)
+    torch.testing.assert_close(grad, grad2, **TOL64)
+    assert math.isfinite(float(grad.abs().sum()))
+
+
+@pytest.mark.slow
+@given(
+    case=strategies.logits_cases(dtypes=(F64,), max_local_vocab=40, max_seq=12),
+    params=_filter_params,
+    strategy=st.sampled_from(["auto", "bisection"]),
+)
+def test_property_matches_reference_large(case, params, strategy):
+    top_k, top_p = params
+    z, target = case.logits(), case.target()
+    assume(margin_ok(z, top_k, top_p))
+    check_threshold(z, top_k, top_p, case.world, chunk=case.chunk, strategy=strategy)
+    check_logprobs(z, target, top_k, top_p, case.world, chunk=case.chunk, strategy=strategy)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Proof checks (proofs/filtering.md)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_proof_keys_are_monotone(dtype):
+    """§3.2: `key` is strictly increasing on canonical floats and `f = key⁻¹` inverts it."""
+    from lossfx.filtering import _float_to_key, _floor_avg, _key_to_float
+
+    info = torch.finfo(dtype)
+    special = [
+        -math.inf,
+        -info.max,
+        -1.5,
+        -info.tiny,
+        -info.tiny * info.eps,
+        0.0,
+        info.tiny * info.eps,
+        info.tiny,
+        1.0,
+        info.max,
+        math.inf,
+    ]
+    x = torch.cat([torch.tensor(special, dtype=dtype), torch.randn(500, dtype=dtype) * 10]).unique()  # sorted
+    keys = _float_to_key(x)
+    assert (keys[1:] > keys[:-1]).all()
+    assert torch.equal(_key_to_float(keys, dtype), x)
+    assert torch.equal(_float_to_key(torch.tensor([-0.0], dtype=dtype)), torch.tensor([0]))
+    # every integer between two keys is a non-NaN float between them
+    mids = _floor_avg(keys[:-1], keys[1:])  # no int64 overflow
+    between = _key_to_float(mids, dtype)
+    assert not torch.isnan(between).any()
+    assert ((between >= x[:-1]) & (between <= x[1:])).all()
+
+
+@given(
+    seed=st.integers(0, 2**20), k=st.integers(1, 12), cuts=st.lists(st.integers(1, 9), min_size=1, max_size=4)
+)
+def test_proof_candidates_lemma(seed, k, cuts):
+    """Lemma 2: the k largest of the union of per-shard top-min(k, Vl) (padded with -inf) are the
+    row's k largest, also for uneven shards and ties."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = sum(cuts)
+    z = torch.randint(0, 5, (3, vocab), generator=gen).to(F64)
+    k = min(k, vocab)
+    shards = torch.split(z, cuts, dim=-1)
+    parts = []
+    for shard in shards:
+        top = torch.topk(shard, min(k, shard.shape[-1]), dim=-1).values
+        parts.append(torch.cat([top, torch.full((3, k - top.shape[-1]), float("-inf"), dtype=F64)], dim=-1))
+    union = torch.topk(torch.cat(parts, dim=-1), k, dim=-1).values
+    assert torch.equal(union, torch.topk(z, k, dim=-1).values)
+
+
+def test_double_backward_is_refused():
+    z, target = make_logits(2, 3, 8, seed=6)
+    x = z.clone().requires_grad_(True)
+    out = lossfx.filtered_token_logprobs(x, target, top_k=3, top_p=0.8)
+    (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        grad.sum().backward()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_memory_contract_saved_bytes(strategy):
+    """Saved for backward: the logits themselves (no copy), the target and two `[N]` vectors."""
+    z, target = make_logits(4, 5, 300, seed=1, dtype=torch.float32)
+    x = z.clone().requires_grad_(True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lossfx.filtered_token_logprobs(x, target, top_k=7, top_p=0.9, strategy=strategy)
+    big = [t for t in saved if t.numel() > 20]
+    assert len(big) == 1 and big[0].data_ptr() == x.data_ptr()
+    assert sum(t.numel() * t.element_size() for t in saved if t.numel() <= 20) <= 4 * 20 * 8
