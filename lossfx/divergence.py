@@ -1,0 +1,337 @@
+"""Student/teacher reductions over a vocabulary that may be sharded across tensor-parallel ranks.
+
+All three kernels return, per token, `R = Σ_v p_s(v) · w(v)` with `p_s = softmax(student)`,
+`log p_t = log_softmax(teacher)` (the teacher is fixed: it receives no gradient) and
+
+    entropy                 w = log p_s                 R = Σ p_s log p_s      (≤ 0: the NEGATIVE entropy)
+    cross_entropy_to_fixed  w = −log p_t                R = −Σ p_s log p_t
+    reverse_kl_to_fixed     w = log p_s − log p_t       R = KL(p_s ‖ p_t)
+
+written `w = α·log p_s − β·log p_t` with `(α, β)` = (1, 0), (0, 1), (1, 1).
+
+Pipeline of the forward (one streaming read of student and teacher, one collective):
+
+1. per row chunk and per rank, the local statistics of this rank's columns `[5, N]`: the student's
+   `(m_s, s_s)` (max, `Σ exp(z_s − m_s)`), the teacher's `(m_t, s_t)`, and
+   `u = Σ exp(z_s − m_s) · (α (z_s − m_s) − β (z_t − m_t))` (each logit shifted by its own local
+   max, so `u` is bounded by the spread of the logits, not their level);
+2. one all-gather of the stacked statistics over the tensor-parallel group and an exact merge
+   (proofs/divergence.md §3) into the row log-sum-exps `lse_s`, `lse_t` and `R`.
+
+Saved for backward: the student and teacher logits themselves (no copy) and `lse_s, lse_t, R`
+(`3N` floats). The backward needs **no** collective: with the global statistics known,
+
+    dstudent = dout[:, None] · p_s ⊙ (w − R[:, None])
+
+is local to each rank's columns, streamed chunk by chunk into one buffer of the student's dtype.
+Under `torch.no_grad()` (or for a student that does not require grad) nothing is saved.
+
+`-inf` conventions (proofs/divergence.md §4): `0 · log 0 = 0`, so columns with `p_s = 0` contribute
+nothing whatever the teacher says there; a teacher `-inf` where the student has mass gives
+`R = +inf` (CE and KL; mathematically right) and a zero gradient for that row; a student row that
+is `-inf` everywhere gives `R = 0` with a zero gradient; a teacher row that is `-inf` everywhere
+has `log p_t = -inf` everywhere. Reference: lossfx.reference.reverse_kl_to_fixed and siblings.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from lossfx._chunking import row_chunks
+from lossfx._distributed import ProcessGroup, all_gather_stack
+from lossfx._numerics import finite_or_zero, lse_for_softmax
+from lossfx._validation import check_floating, check_positive_int
+
+__all__ = ["cross_entropy_to_fixed", "entropy", "reverse_kl_to_fixed"]
+
+# (alpha, beta) of w = alpha * log p_s - beta * log p_t, per kernel kind.
+_WEIGHTS = {"entropy": (1, 0), "cross_entropy": (0, 1), "reverse_kl": (1, 1)}
+
+
+def _compute_dtype(student: Tensor, teacher: Tensor | None) -> torch.dtype:
+    """`promote_types(student, teacher, float32)`: fp32 for low precision, float64 stays float64."""
+    dtype = torch.promote_types(student.dtype, torch.float32)
+    return dtype if teacher is None else torch.promote_types(dtype, teacher.dtype)
+
+
+def _safe_mul(e: Tensor, x: Tensor) -> Tensor:
+    """`e · x` with `0 · anything = 0` (the `0 · log 0 = 0` convention; `e ≥ 0`)."""
+    return torch.where(e > 0, e * x, torch.zeros_like(e))
+
+
+def _local_stats(zs: Tensor, zt: Tensor | None, alpha: int, beta: int) -> Tensor:
+    """Local statistics `[5, C]` of one chunk `zs, zt [C, Vl]` (compute dtype)."""
+    m_s = zs.amax(dim=-1)  # [C]
+    xs = zs - finite_or_zero(m_s).unsqueeze(-1)  # [C, Vl], ≤ 0 or -inf
+    e = torch.exp(xs)  # [C, Vl]
+    s_s = e.sum(dim=-1)  # [C]
+    if zt is None:
+        m_t, s_t = torch.zeros_like(m_s), torch.ones_like(s_s)
+        weight = xs  # [C, Vl]
+    else:
+        m_t = zt.amax(dim=-1)  # [C]
+        xt = zt - finite_or_zero(m_t).unsqueeze(-1)  # [C, Vl]
+        s_t = torch.exp(xt).sum(dim=-1)  # [C]
+        weight = xs - xt if alpha else -xt  # [C, Vl]
+    # 0·log 0 = 0: a NaN product can only come from e = 0 (0·±inf, or e·(−inf − (−inf))), so
+    # nansum drops exactly those terms; e > 0 under a teacher −inf gives +inf, kept. (A NaN in
+    # the inputs still propagates: through the maxes.)
+    if torch.compiler.is_compiling():  # Inductor fuses this into the exp loop; nansum it does not
+        u = torch.where(e > 0, e * weight, 0.0).sum(dim=-1)  # [C]
+    else:  # one pass fewer in eager
+        u = torch.nansum(e * weight, dim=-1)  # [C]
+    return torch.stack([m_s, s_s, m_t, s_t, u])  # [5, C]
+
+
+def _merge(stats: Tensor, alpha: int, beta: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`[R, 5, N]` per-rank statistics -> `(lse_s, lse_t, R)`, each `[N]` (proofs/divergence.md §3)."""
+    m_s, s_s, m_t, s_t, u = stats.unbind(1)  # each [R, N]
+    # The max-shifted merge of _numerics.merge_max_sumexp, spelled out to keep its pieces.
+    big_m_s = finite_or_zero(m_s.amax(dim=0))  # [N], the global shifts
+    big_m_t = finite_or_zero(m_t.amax(dim=0))  # [N]
+    scale = torch.exp(m_s - big_m_s)  # [R, N], 0 for an all -inf student shard
+    total_s = (s_s * scale).sum(dim=0)  # [N], = exp(lse_s − M_s)
+    total_t = (s_t * torch.exp(m_t - big_m_t)).sum(dim=0)  # [N], = exp(lse_t − M_t)
+    log_s = torch.log(total_s)  # [N]
+    log_t = torch.log(total_t)  # [N], −inf for an all −inf teacher row
+    lse_s, lse_t = big_m_s + log_s, big_m_t + log_t  # [N], [N]
+    # Shifting each rank's local shift to the global one: Σ_r e_r (u_r + s_r (α Δs_r − β Δt_r)).
+    shift = alpha * (finite_or_zero(m_s) - big_m_s) - beta * (finite_or_zero(m_t) - big_m_t)  # [R, N]
+    per_rank = _safe_mul(scale, u + s_s * shift)  # [R, N]
+    r = per_rank.sum(dim=0) / total_s - alpha * log_s  # [N]
+    if beta:
+        # An all -inf teacher row has log p_t = -inf everywhere: R = +inf wherever p_s has mass.
+        r = torch.where(torch.isneginf(lse_t), torch.full_like(r, float("inf")), r + beta * log_t)
+    # A student row that is -inf everywhere has p_s = 0: R = Σ 0·w = 0.
+    r = torch.where(torch.isneginf(lse_s), torch.zeros_like(r), r)
+    return lse_s, lse_t, r
+
+
+def _divergence_fwd(
+    student: Tensor, teacher: Tensor | None, kind: str, chunk_rows: int | None, group: ProcessGroup | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """student, teacher `[N, Vl]` -> `(R, lse_s, lse_t)` `[N]` in the compute dtype."""
+    alpha, beta = _WEIGHTS[kind]
+    n_rows, local_vocab = student.shape
+    cdtype = _compute_dtype(student, teacher)
+    # 1. local statistics, one chunk of rows at a time
+    parts = []
+    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
+        zs = student[start:end].to(cdtype)  # [C, Vl]
+        zt = None if teacher is None else teacher[start:end].to(cdtype)  # [C, Vl]
+        parts.append(_local_stats(zs, zt, alpha, beta))  # [5, C]
+    local = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [5, N]
+    # 2. merge across ranks: one all-gather of per-row scalars
+    stats = all_gather_stack(local, group)  # [R, 5, N]
+    lse_s, lse_t, r = _merge(stats, alpha, beta)
+    return r, lse_s, lse_t
+
+
+def _divergence_bwd(
+    student: Tensor,
+    teacher: Tensor | None,
+    lse_s: Tensor,
+    lse_t: Tensor,
+    r: Tensor,
+    dout: Tensor,
+    kind: str,
+    chunk_rows: int | None,
+) -> Tensor:
+    """-> dstudent `[N, Vl]` in the student's dtype; no collective."""
+    alpha, beta = _WEIGHTS[kind]
+    n_rows, local_vocab = student.shape
+    cdtype = _compute_dtype(student, teacher)
+    shift_s = lse_for_softmax(lse_s)  # [N], +inf for an empty row: p_s = 0
+    # A row with R = ±inf (teacher -inf under student mass) or an empty student row: gradient 0.
+    row_ok = torch.isfinite(r) & torch.isfinite(lse_s)  # [N]
+    grad = torch.where(row_ok, dout.to(cdtype), torch.zeros_like(r))  # [N]
+    r_safe = torch.where(row_ok, r, torch.zeros_like(r))  # [N]
+    lse_t_safe = finite_or_zero(lse_t)  # [N], only read on rows whose gradient is nonzero
+    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
+    dstudent = None if len(chunks) == 1 else torch.empty_like(student)
+    for start, end in chunks:
+        logp_s = student[start:end].to(cdtype) - shift_s[start:end, None]  # [C, Vl]
+        p_s = torch.exp(logp_s)  # [C, Vl]
+        if beta:
+            logp_t = teacher[start:end].to(cdtype) - lse_t_safe[start:end, None]  # [C, Vl]
+            w = logp_s - logp_t if alpha else -logp_t  # [C, Vl]
+        else:
+            w = logp_s  # [C, Vl]
+        # A NaN here is 0·(±inf) (p_s = 0 under w = −inf, or a zeroed row whose R is +inf): it is 0.
+        # Where p_s > 0 on a live row, w and R are finite (proofs/divergence.md §4).
+        dchunk = torch.nan_to_num(p_s * (w - r_safe[start:end, None]) * grad[start:end, None], nan=0.0)
+        if dstudent is None:
+            return dchunk.to(student.dtype)
+        dstudent[start:end] = dchunk  # rounds once to the student's dtype
+    return dstudent
+
+
+class _DivergenceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(student, teacher, kind, chunk_rows, group):
+        return _divergence_fwd(student, teacher, kind, chunk_rows, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        student, teacher, kind, chunk_rows, _group = inputs
+        r, lse_s, lse_t = output
+        ctx.save_for_backward(student, teacher, lse_s, lse_t, r)
+        ctx.kind, ctx.chunk_rows = kind, chunk_rows
+        ctx.mark_non_differentiable(lse_s, lse_t)
+
+    @staticmethod
+    @once_differentiable  # the saved statistics are constants of the backward: proofs/divergence.md §5
+    def backward(ctx, dout, _dlse_s, _dlse_t):
+        student, teacher, lse_s, lse_t, r = ctx.saved_tensors
+        dstudent = _divergence_bwd(student, teacher, lse_s, lse_t, r, dout, ctx.kind, ctx.chunk_rows)
+        return dstudent, None, None, None, None  # one entry per forward input
+
+
+def _apply(
+    kind: str,
+    student: Tensor,
+    teacher: Tensor | None,
+    group: ProcessGroup | None,
+    chunk_size: int | None,
+) -> Tensor:
+    check_floating("student", student)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    if student.dim() < 1 or student.shape[-1] < 1:
+        raise ValueError(
+            f"student logits must be [..., V_local] with at least one vocabulary column; got shape "
+            f"{tuple(student.shape)}"
+        )
+    local_vocab = student.shape[-1]
+    flat_teacher = None
+    if teacher is not None:
+        check_floating("teacher", teacher)
+        if tuple(teacher.shape) != tuple(student.shape):
+            raise ValueError(
+                "student and teacher logits must share the same [..., V_local] shape; got "
+                f"student.shape={tuple(student.shape)} and teacher.shape={tuple(teacher.shape)}"
+            )
+        if teacher.device != student.device:
+            raise ValueError(
+                f"student and teacher must be on one device; got {student.device} and {teacher.device}"
+            )
+        flat_teacher = teacher.detach().reshape(-1, local_vocab)  # [N, Vl]: the teacher is fixed
+    flat_student = student.reshape(-1, local_vocab)  # [N, Vl]
+    if torch.is_grad_enabled() and student.requires_grad:
+        r, _, _ = _DivergenceFn.apply(flat_student, flat_teacher, kind, chunk_size, group)
+    else:  # metric-only: no autograd node, nothing saved for backward
+        r, _, _ = _divergence_fwd(flat_student.detach(), flat_teacher, kind, chunk_size, group)
+    return r.view(student.shape[:-1])
+
+
+_COMMON_DOC = """
+    Args:
+        student: `[..., Vl]` this rank's vocabulary shard of the student logits (the full
+            vocabulary without a group). Any float dtype; never modified.{teacher_arg}
+        group: tensor-parallel process group over the vocabulary, or `None`. The output is the
+            same on every rank; the gradient each rank receives is for its own shard only.
+        chunk_size: rows of the flattened `[N, Vl]` logits processed at once in eager mode (a
+            memory bound; results do not depend on it). Under `torch.compile` the whole tensor
+            is one fused pass.
+
+    Returns:
+        `[...]` per-token values in `promote_types(student, teacher, float32)` (fp32 for
+        bf16/fp16/fp32, float64 for float64). The gradient flows back to `student` in its own
+        dtype{teacher_grad}. Under `torch.no_grad()`, or when `student` does not require grad,
+        nothing is saved for backward.
+
+    Raises:
+        TypeError: non-float inputs, non-int `chunk_size`.
+        ValueError: shape mismatch, an empty vocabulary, `chunk_size <= 0`.
+
+    Note:
+        Computation is in the compute dtype, one all-gather of `5N` per-row statistics over the
+        group in the forward and no collective in the backward. `0 · log 0 = 0`: columns where
+        `p_s = 0` contribute nothing; a student row that is `-inf` everywhere gives 0 with a
+        zero gradient.{inf_note} Double backward is not supported (`once_differentiable`).
+"""
+
+
+def entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: int | None = None) -> Tensor:
+    """Negative entropy `Σ_v p log p` of the student distribution, per token.
+
+    Equivalent to ``(p * p.log()).sum(-1)`` with ``p = student.softmax(-1)`` on the
+    full-vocabulary logits (with `0 · log 0 = 0`), without materialising a `[N, V]` tensor.
+
+    .. math::
+        \\mathrm{out}_n = \\sum_v p_{n,v} \\log p_{n,v} \\le 0
+    """
+    return _apply("entropy", student, None, group, chunk_size)
+
+
+def cross_entropy_to_fixed(
+    student: Tensor,
+    teacher: Tensor,
+    *,
+    group: ProcessGroup | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """Cross-entropy `−Σ_v p_s log p_t` from the student to fixed teacher logits, per token.
+
+    Equivalent to ``-(student.softmax(-1) * teacher.log_softmax(-1)).sum(-1)`` on the
+    full-vocabulary logits (with `0 · log 0 = 0`), without materialising a `[N, V]` tensor.
+
+    .. math::
+        \\mathrm{out}_n = -\\sum_v p_s(v) \\log p_t(v)
+    """
+    return _apply("cross_entropy", student, teacher, group, chunk_size)
+
+
+def reverse_kl_to_fixed(
+    student: Tensor,
+    teacher: Tensor,
+    *,
+    group: ProcessGroup | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """Reverse KL `KL(p_s ‖ p_t) = Σ_v p_s (log p_s − log p_t)` to fixed teacher logits, per token.
+
+    Equivalent to ``(p_s * (student.log_softmax(-1) - teacher.log_softmax(-1))).sum(-1)`` with
+    ``p_s = student.softmax(-1)`` on the full-vocabulary logits (with `0 · log 0 = 0`), without
+    materialising a `[N, V]` tensor. `entropy + cross_entropy_to_fixed == reverse_kl_to_fixed`
+    to rounding; identical student and teacher give exactly 0 with a zero gradient.
+
+    .. math::
+        \\mathrm{out}_n = \\sum_v p_s(v) \\left(\\log p_s(v) - \\log p_t(v)\\right)
+
+    Example:
+        >>> import torch, lossfx
+        >>> s = torch.tensor([[0.0, 1.0, 2.0]])
+        >>> lossfx.reverse_kl_to_fixed(s, s)
+        tensor([0.])
+    """
+    return _apply("reverse_kl", student, teacher, group, chunk_size)
+
+
+_TEACHER_ARG = """
+        teacher: `[..., Vl]` the teacher logits, same shape as `student` (any float dtype, e.g.
+            an fp32 teacher beside a bf16 student). Fixed: it never receives a gradient."""
+_INF_NOTE = """ A teacher `-inf` where the student has mass makes the value
+        `+inf` (mathematically right) and that row's gradient 0; a teacher row that is `-inf`
+        everywhere counts as `log p_t = -inf` everywhere."""
+entropy.__doc__ = (
+    (entropy.__doc__ or "")
+    + _COMMON_DOC.format(teacher_arg="", teacher_grad="", inf_note="")
+    + ("\n    See also: proofs/divergence.md, lossfx.reference.entropy.\n")
+)
+for _fn, _ref in (
+    (cross_entropy_to_fixed, "cross_entropy_to_fixed"),
+    (reverse_kl_to_fixed, "reverse_kl_to_fixed"),
+):
+    _doc = _fn.__doc__ or ""
+    _head, _sep, _example = _doc.partition("    Example:")
+    _fn.__doc__ = (
+        _head.rstrip()
+        + "\n"
+        + _COMMON_DOC.format(
+            teacher_arg=_TEACHER_ARG, teacher_grad="; the teacher gets none", inf_note=_INF_NOTE
+        )
+        + ("\n" + _sep + _example.rstrip() + "\n" if _sep else "")
+        + f"\n    See also: proofs/divergence.md, lossfx.reference.{_ref}.\n"
+    )

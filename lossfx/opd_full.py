@@ -1,0 +1,435 @@
+"""Full-vocabulary on-policy distillation (`LossInputType.OPD_FULL`): teacher logits and the branch.
+
+Pipeline of `prepare_opd_full` (semantics.md §1.2, decisions.md):
+
+1. read the config `loss_fn.opd_full` and the teacher payload column (`teacher_full_logits`
+   `[B, S_p, V]`, or `teacher_full_hidden_states` `[B, S_p, H]` with the per-row
+   `opd_full_teacher_index` `[B]`);
+2. `reconstruct_opd_full_teacher_logits`: slice this rank's vocabulary window (logits) or project
+   through the per-teacher LM-head shards (hidden states), zero-pad the sequence to the student's
+   window `S_l·C`, and take this CP rank's load-balanced part -> `[B, S_l, Vl]`, detached;
+3. the reverse KL `[B, S_l]` (lossfx.divergence, differentiable in the student), and with
+   `validate_decomposition` the entropy and cross-entropy as metrics (nothing saved for them);
+4. with a CP group of size > 1, the differentiable CP all-gather to canonical `[B, C·S_l]` (its
+   backward sums over CP ranks: divide the loss by `C`);
+5. the slice to the next-token width `S − 1`; with a nonzero `reference_policy_kl_penalty`, the
+   unfiltered `next_token_logprobs` (CP-aware).
+
+`vocab_parallel_group=None` works (the reference raises), on CPU and in float64.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lossfx._distributed import ProcessGroup, group_rank, group_size
+from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
+from lossfx.context_parallel import allgather_cp, shard_for_cp_rank
+from lossfx.divergence import cross_entropy_to_fixed, entropy, reverse_kl_to_fixed
+from lossfx.next_token import next_token_logprobs
+
+__all__ = [
+    "OnPolicyDistillationFullConfig",
+    "prepare_opd_full",
+    "reconstruct_opd_full_teacher_logits",
+]
+
+_PAYLOAD_COLUMNS = {"hidden_states": "teacher_full_hidden_states", "logits": "teacher_full_logits"}
+TEACHER_INDEX_FIELD = "opd_full_teacher_index"
+
+
+@dataclass(frozen=True)
+class OnPolicyDistillationFullConfig:
+    """The `loss_fn.opd_full` config (any object with these attributes is accepted too).
+
+    Args:
+        enabled: whether the loss uses OPD_FULL (read by the loss construction, not here).
+        teacher_payload: `"hidden_states"` (project through the teacher LM head) or `"logits"`.
+        divergence: `"reverse_kl"` (the only one).
+        payload_dtype: `"bfloat16"`, `"float16"` or `"float32"` (transport dtype; informational).
+        chunk_size: sequence positions per eager chunk of the divergence kernels, `>= 1` or
+            `None` (a memory bound; results do not depend on it).
+        teacher_lm_head_lifecycle: `"none"`, `"offload"` or `"evict"` (informational).
+        validate_decomposition: also return the entropy and cross-entropy metrics.
+
+    Raises:
+        ValueError: a value outside its set, `chunk_size < 1`.
+    """
+
+    enabled: bool = False
+    teacher_payload: str = "hidden_states"
+    divergence: str = "reverse_kl"
+    payload_dtype: str = "bfloat16"
+    chunk_size: int | None = None
+    teacher_lm_head_lifecycle: str = "offload"
+    validate_decomposition: bool = False
+
+    def __post_init__(self) -> None:
+        choices = {
+            "teacher_payload": ("hidden_states", "logits"),
+            "divergence": ("reverse_kl",),
+            "payload_dtype": ("bfloat16", "float16", "float32"),
+            "teacher_lm_head_lifecycle": ("none", "offload", "evict"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"on_policy_distillation.full.{name} must be one of {allowed}, "
+                    f"got {getattr(self, name)!r}"
+                )
+        if self.chunk_size is not None:
+            if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, numbers.Integral):
+                raise ValueError(
+                    "on_policy_distillation.full.chunk_size must be an int >= 1 or None, "
+                    f"got {self.chunk_size!r}"
+                )
+            if self.chunk_size < 1:
+                raise ValueError(
+                    f"on_policy_distillation.full.chunk_size must be >= 1, got {self.chunk_size}"
+                )
+
+
+# ---------------------------------------------------------------------------------------------
+# Teacher logits reconstruction
+# ---------------------------------------------------------------------------------------------
+
+
+def _project_onto_teacher_lm_head(h: Tensor, weight: Tensor, output_dtype: torch.dtype | None) -> Tensor:
+    """`h [..., H] @ weight [Vl, H]ᵀ` with operands in `weight.dtype` and the result in `output_dtype`.
+
+    The hidden states are first rounded to `weight.dtype`. With another `output_dtype` the product
+    is computed in `promote_types(weight.dtype, output_dtype)` (an exact upcast of the operands,
+    so an unrounded product) and returned in `output_dtype`.
+    """
+    h = h.to(weight.dtype)
+    if output_dtype is None or output_dtype == weight.dtype:
+        return h @ weight.T  # [..., Vl]
+    gemm_dtype = torch.promote_types(weight.dtype, output_dtype)
+    return (h.to(gemm_dtype) @ weight.to(gemm_dtype).T).to(output_dtype)  # [..., Vl]
+
+
+def _width_mismatch(key: Any, payload_width: int, weight: Tensor) -> ValueError:
+    return ValueError(
+        f"Teacher hidden states do not match the loaded teacher LM head for teacher_index={key}: "
+        f"payload width {payload_width} vs LM-head input width {weight.shape[1]}"
+    )
+
+
+def _check_weight(key: Any, weight: Any) -> Tensor:
+    check_floating(f"teacher_output_layer_weight_by_index[{key!r}]", weight)
+    if weight.dim() != 2:
+        raise ValueError(
+            f"teacher_output_layer_weight_by_index[{key!r}] must be a [V_local, H] LM-head shard, got shape "
+            f"{tuple(weight.shape)}"
+        )
+    return weight
+
+
+def _project_per_teacher(
+    payload: Tensor, weights: dict[Any, Tensor], teacher_index: Tensor, output_dtype: torch.dtype | None
+) -> Tensor:
+    """Row `b` of `payload [B, S, H]` through `weights[teacher_index[b]]` -> `[B, S, Vl]`."""
+    check_integer_ids("teacher_index", teacher_index)
+    teacher_index = teacher_index.to(payload.device).reshape(-1)
+    if teacher_index.shape[0] != payload.shape[0]:
+        raise ValueError(
+            f"teacher_index must carry one entry per payload row: got {teacher_index.shape[0]} entries for "
+            f"{payload.shape[0]} rows"
+        )
+    ref_key = next(iter(weights))
+    ref = weights[ref_key]
+    if torch.compiler.is_compiling():
+        # No value-dependent control flow in a graph: project every loaded head, select per row.
+        # (The per-row "no head loaded" check reads values and runs in eager mode only.)
+        out = None
+        for key, weight in weights.items():
+            if (weight.shape[0], weight.dtype) != (ref.shape[0], ref.dtype):
+                raise ValueError(
+                    "teacher LM heads must share one vocabulary shard and dtype; got "
+                    f"{tuple(weight.shape)}/{weight.dtype} for teacher_index={key} vs "
+                    f"{tuple(ref.shape)}/{ref.dtype} for teacher_index={ref_key}"
+                )
+            projected = _project_onto_teacher_lm_head(payload, weight, output_dtype)  # [B, S, Vl]
+            out = (
+                projected
+                if out is None
+                else torch.where((teacher_index == key)[:, None, None], projected, out)
+            )
+        return out
+    present = [int(i) for i in torch.unique(teacher_index).tolist()]
+    for idx in present:
+        if idx not in weights:
+            raise ValueError(
+                f"row tagged teacher_index={idx}, but no teacher LM head is loaded for that index "
+                f"(loaded: {sorted(weights)})"
+            )
+        if payload.shape[-1] != weights[idx].shape[1]:
+            raise _width_mismatch(idx, payload.shape[-1], weights[idx])
+    if len(present) == 1:
+        return _project_onto_teacher_lm_head(payload, weights[present[0]], output_dtype)
+    out = payload.new_empty(
+        (*payload.shape[:-1], ref.shape[0]), dtype=output_dtype or ref.dtype
+    )  # [B, S, Vl]
+    for idx in present:
+        weight = weights[idx]
+        if (weight.shape[0], weight.dtype) != (ref.shape[0], ref.dtype):
+            raise ValueError(
+                "teacher LM heads must share one vocabulary shard and dtype; got "
+                f"{tuple(weight.shape)}/{weight.dtype} for teacher_index={idx} vs "
+                f"{tuple(ref.shape)}/{ref.dtype} for teacher_index={ref_key}"
+            )
+        rows = teacher_index == idx  # [B]
+        out[rows] = _project_onto_teacher_lm_head(payload[rows], weight, output_dtype)
+    return out
+
+
+def reconstruct_opd_full_teacher_logits(
+    payload: Tensor,
+    *,
+    teacher_payload: str,
+    student_logits: Tensor,
+    vocab_parallel_rank: int | None,
+    context_parallel_group: ProcessGroup | None,
+    teacher_output_layer_weight_by_index: dict[Any, Tensor] | None = None,
+    teacher_index: Tensor | None = None,
+    output_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """This rank's teacher logits `[B, S_l, Vl]`, aligned with the student's `[B, S_l, Vl]`.
+
+    Equivalent (no TP, no CP, logits payload) to
+    ``torch.nn.functional.pad(payload, (0, 0, 0, S_l - S_p))``.
+
+    Args:
+        payload: canonical `[B, S_p, D]` teacher payload (already gathered on the teacher side,
+            any device): full-vocabulary logits (`D >= (rank+1)·Vl`) or hidden states (`D = H`).
+        teacher_payload: `"logits"` or `"hidden_states"`.
+        student_logits: `[B, S_l, Vl]` this rank's student logits (shape and device only).
+        vocab_parallel_rank: this rank's TP index (the vocabulary window is
+            `[rank·Vl, (rank+1)·Vl)`); required for the logits payload (pass 0 without TP).
+        context_parallel_group: CP group or `None`; with `C > 1` the padded payload
+            (`S_l·C` long) is split in the load-balanced layout.
+        teacher_output_layer_weight_by_index: `{teacher_index: W [Vl, H]}` LM-head shards
+            (hidden states only).
+        teacher_index: `[B]` integer teacher of each row; required with more than one head.
+        output_dtype: dtype of projected logits (`None`: the head's dtype). The logits payload
+            keeps its dtype.
+
+    Returns:
+        `[B, S_l, Vl]` on the student's device (not detached: the caller detaches).
+
+    Raises:
+        ValueError: every error condition of semantics.md §1.2.1: no/unusable LM head, several
+            heads without a row index, width mismatches, a row tagged with an unloaded head,
+            heads of different shard width or dtype, a payload narrower than this rank's
+            vocabulary window or longer than the student's window, a result whose width is not
+            `Vl`; also a bad `teacher_payload`, a payload that is not `[B, S_p, D]` or whose
+            batch differs from the student's. (The per-row head check reads values and runs in
+            eager mode only.)
+    """
+    check_floating("payload", payload)
+    check_tensor("student_logits", student_logits)
+    if teacher_payload not in _PAYLOAD_COLUMNS:
+        raise ValueError(f"teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}")
+    if student_logits.dim() != 3:
+        raise ValueError(
+            f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(student_logits.shape)}"
+        )
+    if payload.dim() != 3 or payload.shape[0] != student_logits.shape[0]:
+        raise ValueError(
+            f"the teacher payload must be [B, S_p, D] with the student's batch size; got payload.shape="
+            f"{tuple(payload.shape)} and student_logits.shape={tuple(student_logits.shape)}"
+        )
+    local_vocab = student_logits.shape[-1]
+    weights = teacher_output_layer_weight_by_index
+    # 1. validation and vocabulary narrowing, before any other work
+    if teacher_payload == "hidden_states":
+        if not weights:
+            raise ValueError(
+                "opd_full teacher_payload='hidden_states' requires a loaded teacher output-layer "
+                "weight shard "
+                "(teacher_output_layer_weight_by_index is empty or None)"
+            )
+        if len(weights) > 1 and teacher_index is None:
+            raise ValueError(
+                f"{len(weights)} teacher LM-head shards loaded (>1 shards) but no per-row teacher index "
+                f"('{TEACHER_INDEX_FIELD}') was given"
+            )
+        for key in sorted(weights):
+            weight = _check_weight(key, weights[key])
+            if payload.shape[-1] != weight.shape[1]:
+                raise _width_mismatch(key, payload.shape[-1], weight)
+    else:
+        if vocab_parallel_rank is None:
+            raise ValueError(
+                "vocab_parallel_rank is required to slice the opd_full logits payload (use 0 without TP)"
+            )
+        start = vocab_parallel_rank * local_vocab
+        end = start + local_vocab
+        if payload.shape[-1] < end:
+            raise ValueError(
+                "Teacher logits payload is narrower than this rank's vocabulary window: payload width "
+                f"{payload.shape[-1]} vs required end {end} "
+                f"(rank {vocab_parallel_rank}, V_local {local_vocab})"
+            )
+        payload = payload[..., start:end]  # [B, S_p, Vl]
+    # 2. sequence alignment: zero-pad to the student's window, then this CP rank's part
+    cp_size, cp_rank = group_size(context_parallel_group), group_rank(context_parallel_group)
+    target_len = student_logits.shape[1] * cp_size
+    pad = target_len - payload.shape[1]
+    if pad < 0:
+        raise ValueError(
+            f"Teacher payload is longer than the student forward window: {payload.shape[1]} vs "
+            f"{target_len} (= S_l {student_logits.shape[1]} · CP {cp_size})"
+        )
+    if pad > 0:
+        payload = torch.nn.functional.pad(payload, (0, 0, 0, pad))  # zeros: a uniform teacher
+    payload = shard_for_cp_rank(payload, cp_rank, cp_size, seq_dim=1)  # [B, S_l, D]
+    # 3. to the student's device; the logits payload keeps its dtype
+    payload = payload.contiguous().to(student_logits.device)
+    # 4. hidden states through the LM head(s)
+    if teacher_payload == "hidden_states":
+        if teacher_index is not None:
+            teacher_logits = _project_per_teacher(payload, weights, teacher_index, output_dtype)
+        else:
+            teacher_logits = _project_onto_teacher_lm_head(
+                payload, next(iter(weights.values())), output_dtype
+            )
+    else:
+        teacher_logits = payload
+    # 5. the result must be this rank's vocabulary shard
+    if teacher_logits.shape[-1] != local_vocab:
+        raise ValueError(
+            "Reconstructed teacher logits must match the student vocabulary shard width; got "
+            f"{teacher_logits.shape[-1]} vs {local_vocab}"
+        )
+    return teacher_logits
+
+
+# ---------------------------------------------------------------------------------------------
+# The branch
+# ---------------------------------------------------------------------------------------------
+
+
+def _tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int:
+    if group is None:
+        return 0 if vocab_parallel_rank is None else vocab_parallel_rank
+    if vocab_parallel_rank is None:
+        raise ValueError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
+    if isinstance(vocab_parallel_rank, bool) or not isinstance(vocab_parallel_rank, int):
+        raise TypeError(f"vocab_parallel_rank must be an int, got {vocab_parallel_rank!r}")
+    if vocab_parallel_rank != group_rank(group):
+        raise ValueError(
+            f"vocab_parallel_rank={vocab_parallel_rank} disagrees with the rank {group_rank(group)} of "
+            f"vocab_parallel_group (size {group_size(group)})"
+        )
+    return vocab_parallel_rank
+
+
+def prepare_opd_full(
+    logits: Tensor,
+    data: MutableMapping[str, Any],
+    loss_fn: Any,
+    *,
+    vocab_parallel_rank: int | None,
+    vocab_parallel_group: ProcessGroup | None,
+    context_parallel_group: ProcessGroup | None,
+    sampling_params: Any,
+    chunk_size: int | None,
+    teacher_output_layer_weight_by_index: dict[Any, Tensor] | None = None,
+    teacher_logits_dtype: torch.dtype | None = None,
+) -> dict[str, Any]:
+    """The OPD_FULL loss inputs; see `lossfx.prepare_opd_full_loss_input` for the contract."""
+    from lossfx._validation import check_positive_int
+
+    # 1. config, arguments and columns (all checked before any work; `data` is never modified)
+    cfg = getattr(loss_fn, "opd_full", None)
+    if cfg is None:
+        raise ValueError(
+            "LossInputType.OPD_FULL requires loss_fn.opd_full (an OnPolicyDistillationFullConfig)"
+        )
+    teacher_payload = getattr(cfg, "teacher_payload", "hidden_states")
+    if teacher_payload not in _PAYLOAD_COLUMNS:
+        raise ValueError(
+            f"opd_full.teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}"
+        )
+    cfg_chunk = getattr(cfg, "chunk_size", None)
+    if cfg_chunk is not None and (
+        isinstance(cfg_chunk, bool) or not isinstance(cfg_chunk, numbers.Integral) or cfg_chunk < 1
+    ):
+        raise ValueError(f"on_policy_distillation.full.chunk_size must be >= 1, got {cfg_chunk!r}")
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    check_floating("logits", logits)
+    if logits.dim() != 3:
+        raise ValueError(f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(logits.shape)}")
+    tp_rank = _tp_rank(vocab_parallel_rank, vocab_parallel_group)
+    column = _PAYLOAD_COLUMNS[teacher_payload]
+    if column not in data:
+        raise ValueError(
+            f"opd_full requires the teacher payload column {column!r} in the training microbatch; "
+            f"data has {sorted(data.keys())}"
+        )
+    if "input_ids" not in data:
+        raise ValueError(f"opd_full requires the column 'input_ids'; data has {sorted(data.keys())}")
+    input_ids = check_integer_ids("data['input_ids']", data["input_ids"])
+    if input_ids.dim() != 2 or input_ids.shape[0] != logits.shape[0]:
+        raise ValueError(
+            "input_ids must be [B, S] with the logits' batch size; got "
+            f"input_ids.shape={tuple(input_ids.shape)} "
+            f"and logits.shape={tuple(logits.shape)}"
+        )
+    cp_size = group_size(context_parallel_group)
+    if input_ids.shape[1] > logits.shape[1] * cp_size:
+        raise ValueError(
+            f"input_ids has {input_ids.shape[1]} positions, more than the student window "
+            f"S_l·CP = {logits.shape[1]}·{cp_size}"
+        )
+    index_field = TEACHER_INDEX_FIELD if teacher_payload == "hidden_states" else None
+    teacher_index = data.get(index_field) if index_field is not None else None
+    # 2. this rank's teacher logits, fixed
+    teacher_logits = reconstruct_opd_full_teacher_logits(
+        data[column],
+        teacher_payload=teacher_payload,
+        student_logits=logits,
+        vocab_parallel_rank=tp_rank,
+        context_parallel_group=context_parallel_group,
+        teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+        teacher_index=teacher_index,
+        output_dtype=teacher_logits_dtype,
+    ).detach()  # [B, S_l, Vl]
+    # 3. the divergence (differentiable) and the metric-only decomposition (nothing saved)
+    rows = None if cfg_chunk is None else int(cfg_chunk) * logits.shape[0]
+    group = vocab_parallel_group
+    divergence = reverse_kl_to_fixed(logits, teacher_logits, group=group, chunk_size=rows)  # [B, S_l]
+    ent = ce = None
+    if getattr(cfg, "validate_decomposition", False):
+        with torch.no_grad():
+            ent = entropy(logits, group=group, chunk_size=rows)  # [B, S_l]
+            ce = cross_entropy_to_fixed(logits, teacher_logits, group=group, chunk_size=rows)  # [B, S_l]
+    # 4. back to canonical order under CP (gradient summed over CP ranks)
+    if cp_size > 1:
+        divergence = allgather_cp(divergence, context_parallel_group, seq_dim=1)  # [B, C·S_l]
+        ent = None if ent is None else allgather_cp(ent, context_parallel_group, seq_dim=1)
+        ce = None if ce is None else allgather_cp(ce, context_parallel_group, seq_dim=1)
+    # 5. next-token width: student and teacher at t both predict t+1 (no shift between them)
+    width = max(input_ids.shape[1] - 1, 0)
+    out: dict[str, Any] = {
+        "opd_full_divergence": divergence[:, :width],
+        "opd_full_entropy": None if ent is None else ent[:, :width],
+        "opd_full_cross_entropy": None if ce is None else ce[:, :width],
+    }
+    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
+        check_ids_in_range("data['input_ids']", input_ids, logits.shape[-1] * group_size(group))
+        out["next_token_logprobs"] = next_token_logprobs(
+            logits,
+            input_ids,
+            vocab_parallel_group=group,
+            context_parallel_group=context_parallel_group,
+            chunk_size=chunk_size,
+        )
+    return out
