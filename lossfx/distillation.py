@@ -1,0 +1,133 @@
+"""Top-k distillation inputs: student and teacher log-probs at the teacher's top-k ids.
+
+Pipeline (`distillation_topk_logprobs`), every step on this rank's `[B, S_l, Vl]` student shard:
+
+1. with context parallelism, the canonical ids `[B, S, K]` are padded to `C·S_l` and cut to this
+   rank's load-balanced positions (`context_parallel.shard_for_cp_rank`);
+2. student log-probs at the ids, either normalised over the full vocabulary (`zero_outside_topk`,
+   with `Σ p log p` from the same streaming pass when asked: `gather.gather_logprobs`), or
+   renormalised over the K ids (`gather.gather_logits`, then a K-way `log_softmax`);
+3. with context parallelism, the per-token results are gathered back to canonical order
+   (`allgather_cp`: gradients summed over CP ranks, so divide the loss by `C`) and unpadded;
+4. the teacher's log-probs, renormalised over its K logits; all outputs drop the last position
+   (position `t` predicts token `t+1`; student and teacher are already aligned).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lossfx._distributed import ProcessGroup, group_rank, group_size
+from lossfx._numerics import compute_dtype, log_softmax_rows
+from lossfx._validation import check_floating, check_integer_ids, check_positive_int
+from lossfx.context_parallel import allgather_cp, shard_for_cp_rank
+from lossfx.gather import gather_logits, gather_logprobs
+
+__all__ = ["distillation_topk_logprobs"]
+
+
+def _to_cp_local(ids: Tensor, local_len: int, cp_group: ProcessGroup | None) -> Tensor:
+    """Canonical `[B, S, K]` -> this CP rank's `[B, S_l, K]` (zero-padded to `C·S_l` first)."""
+    cp_size = group_size(cp_group)
+    if cp_size == 1:
+        return ids
+    pad = local_len * cp_size - ids.shape[1]
+    if pad < 0:
+        raise ValueError(
+            f"teacher_topk_indices has {ids.shape[1]} positions, more than the {local_len}·{cp_size} "
+            "the context-parallel student logits cover"
+        )
+    ids = torch.nn.functional.pad(ids, (0, 0, 0, pad))  # [B, C·S_l, K]
+    return shard_for_cp_rank(ids, group_rank(cp_group), cp_size, seq_dim=1)
+
+
+def _to_canonical(x: Tensor, seq: int, cp_group: ProcessGroup | None) -> Tensor:
+    """This CP rank's `[B, S_l, ...]` -> canonical `[B, S, ...]` (gathered, then unpadded)."""
+    if group_size(cp_group) == 1:
+        return x
+    return allgather_cp(x, cp_group, seq_dim=1)[:, :seq]
+
+
+def distillation_topk_logprobs(
+    student_logits: Tensor,
+    teacher_topk_logits: Tensor,
+    teacher_topk_indices: Tensor,
+    *,
+    zero_outside_topk: bool,
+    calculate_entropy: bool,
+    vocab_parallel_group: ProcessGroup | None = None,
+    context_parallel_group: ProcessGroup | None = None,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Student and teacher log-probs at the teacher's top-k ids, next-token aligned.
+
+    Equivalent (no parallelism) to::
+
+        lp = student_logits.log_softmax(-1)
+        slp = lp.gather(-1, ids) if zero_outside_topk else student_logits.gather(-1, ids).log_softmax(-1)
+        tlp = teacher_topk_logits.log_softmax(-1)
+        H = (lp.exp() * lp).sum(-1)
+        return slp[:, :-1], tlp[:, :-1], H[:, :-1] if calculate_entropy else None
+
+    Args:
+        student_logits: `[B, S_l, Vl]` this rank's shard (TP over the vocabulary, CP over the
+            sequence in the load-balanced layout; `S_l = S` without CP).
+        teacher_topk_logits: `[B, S, K]` canonical teacher logits at its top-k ids.
+        teacher_topk_indices: `[B, S, K]` canonical global ids in `[0, V)`; duplicates allowed.
+        zero_outside_topk: normalise the student over the full vocabulary (True) or over the K
+            ids (False; a duplicated id then counts twice in the normaliser, as in the reference).
+        calculate_entropy: also return `H_all = Σ_v p log p` (the negative entropy); only
+            meaningful with `zero_outside_topk`.
+        vocab_parallel_group: TP group over the vocabulary, or `None`.
+        context_parallel_group: CP group, or `None`; gradients follow the summed convention.
+        chunk_size: sequence positions per eager chunk (memory bound only).
+
+    Returns:
+        `(student_topk_logprobs [B, S-1, K], teacher_topk_logprobs [B, S-1, K], H_all [B, S-1] or
+        None)` in the compute dtype, replicated over TP and CP ranks.
+
+    Raises:
+        ValueError: `K <= 0`, ids outside `[0, V)`, shape mismatches. TypeError: bad dtypes.
+    """
+    check_floating("student_logits", student_logits)
+    check_floating("teacher_topk_logits", teacher_topk_logits)
+    check_integer_ids("teacher_topk_indices", teacher_topk_indices)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    if teacher_topk_indices.dim() != 3 or teacher_topk_indices.shape[-1] < 1:
+        raise ValueError(
+            f"topk must be positive: teacher_topk_indices must be [B, S, K] with K >= 1, got shape "
+            f"{tuple(teacher_topk_indices.shape)} (topk=0 is not supported)"
+        )
+    if tuple(teacher_topk_logits.shape) != tuple(teacher_topk_indices.shape):
+        raise ValueError(
+            f"teacher_topk_logits and teacher_topk_indices must share one [B, S, K] shape; got "
+            f"{tuple(teacher_topk_logits.shape)} and {tuple(teacher_topk_indices.shape)}"
+        )
+    if student_logits.dim() != 3 or student_logits.shape[0] != teacher_topk_indices.shape[0]:
+        raise ValueError(
+            f"student_logits must be [B, S_local, V_local] with the teacher's B; got "
+            f"{tuple(student_logits.shape)} and teacher shape {tuple(teacher_topk_indices.shape)}"
+        )
+    batch, seq, _ = teacher_topk_indices.shape
+    local_len = student_logits.shape[1]
+    if group_size(context_parallel_group) == 1 and local_len != seq:
+        raise ValueError(
+            f"student_logits has {local_len} positions but the teacher top-k has {seq} (no context parallelism)"
+        )
+    ids = _to_cp_local(teacher_topk_indices, local_len, context_parallel_group)  # [B, S_l, K]
+    rows = None if chunk_size is None else chunk_size * batch
+    neg_entropy = None
+    if zero_outside_topk:
+        student_lp, neg_entropy = gather_logprobs(
+            student_logits, ids, with_entropy=calculate_entropy, group=vocab_parallel_group, chunk_size=rows
+        )
+    else:
+        picked = gather_logits(student_logits, ids, group=vocab_parallel_group)  # [B, S_l, K]
+        student_lp = log_softmax_rows(picked)
+    student_lp = _to_canonical(student_lp, seq, context_parallel_group)
+    if neg_entropy is not None:
+        neg_entropy = _to_canonical(neg_entropy, seq, context_parallel_group)[:, :-1]
+    cdtype = compute_dtype(student_logits.dtype)
+    teacher_lp = log_softmax_rows(teacher_topk_logits.to(device=student_lp.device, dtype=cdtype))
+    return student_lp[:, :-1], teacher_lp[:, :-1], neg_entropy

@@ -1,0 +1,150 @@
+"""Draft-model (Eagle/MTP) targets: the policy's own logits, shifted one position, in draft vocab.
+
+    teacher_logits[:, t] = logits[:, t+1, i + d2t[i]]   (draft id i ↦ target id i + d2t[i])
+    teacher_logits[:, S-1] = 0                          (zero logits: a uniform target)
+
+1. **Shift.** Without context parallelism a left shift with a zero last row. With it, each rank's
+   two load-balanced chunks shift internally and take their new last row from the first row of
+   the next chunk in canonical order, which another rank may hold: one all-gather of every rank's
+   two first rows (`[R, 2, B, Vl]`) provides them; the canonical last row becomes zeros.
+2. **Draft vocabulary.** Without tensor parallelism a column gather. With it, each rank writes the
+   target columns it owns into a `[D, B, S]` buffer (zeros elsewhere) and one reduce-scatter (sum)
+   hands every rank its `D/TP` draft shard: traffic `B·S·D`, never the full target vocabulary.
+   Exactly one rank owns each target id, so the sum is exact.
+
+The targets are detached: no gradient flows into them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lossfx._distributed import (
+    ProcessGroup,
+    all_gather_stack,
+    group_rank,
+    group_size,
+    reduce_scatter_sum,
+)
+from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
+from lossfx.context_parallel import shard_for_cp_rank
+
+__all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
+
+
+def shift_left(x: Tensor, cp_group: ProcessGroup | None = None) -> Tensor:
+    """Shift `x [B, S_l, ...]` one position left along dim 1 in canonical order; last row zero.
+
+    Equivalent to ``torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)`` on the canonical tensor,
+    applied to this CP rank's load-balanced shard (`cp_group=None`: no context parallelism).
+    """
+    check_tensor("x", x)
+    if x.dim() < 2:
+        raise ValueError(f"x must have a sequence dim 1, got shape {tuple(x.shape)}")
+    zero_row = torch.zeros_like(x[:, :1])
+    cp_size = group_size(cp_group)
+    if cp_size == 1:
+        return torch.cat([x[:, 1:], zero_row], dim=1)
+    local_len = x.shape[1]
+    if local_len % 2:
+        raise ValueError(f"a context-parallel shard has an even length (two chunks), got {local_len}")
+    n, rank = local_len // 2, group_rank(cp_group)
+    firsts = all_gather_stack(torch.stack([x[:, 0], x[:, n]]), cp_group)  # [R, 2, B, ...]
+    # chunk j < C starts rank j's shard; chunk j >= C is the second half of rank 2C-1-j's shard
+    after_first = firsts[rank + 1, 0] if rank + 1 < cp_size else firsts[cp_size - 1, 1]
+    after_second = zero_row[:, 0] if rank == 0 else firsts[rank - 1, 1]
+    return torch.cat(
+        [x[:, 1:n], after_first.unsqueeze(1), x[:, n + 1 :], after_second.unsqueeze(1)], dim=1
+    )
+
+
+def map_to_draft_vocab(
+    teacher_logits: Tensor,
+    d2t: Tensor | None,
+    *,
+    vocab_parallel_rank: int | None = None,
+    vocab_parallel_group: ProcessGroup | None = None,
+) -> Tensor:
+    """Columns of the target-vocabulary logits in draft-vocabulary order.
+
+    Equivalent to ``teacher_logits[..., torch.arange(D) + d2t]`` on the full target vocabulary;
+    under tensor parallelism each rank receives its draft shard `[..., D/TP]` (rank order).
+
+    Args:
+        teacher_logits: `[..., Vl]` this rank's target-vocabulary shard.
+        d2t: `[D]` integer offsets (draft id `i` maps to target id `i + d2t[i]`), or `None` to
+            return `teacher_logits` unchanged.
+        vocab_parallel_rank, vocab_parallel_group: tensor parallelism over the vocabularies.
+
+    Raises:
+        ValueError: a target id outside `[0, V)` (eager only), `D` not divisible by TP.
+    """
+    if d2t is None:
+        return teacher_logits
+    check_integer_ids("d2t", d2t)
+    if d2t.dim() != 1:
+        raise ValueError(f"d2t must be 1-D [D], got shape {tuple(d2t.shape)}")
+    world, local_vocab = group_size(vocab_parallel_group), teacher_logits.shape[-1]
+    if vocab_parallel_group is not None and vocab_parallel_rank is None:
+        raise ValueError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
+    draft_vocab = d2t.shape[0]
+    if draft_vocab % world:
+        raise ValueError(f"len(d2t)={draft_vocab} must be divisible by the tensor-parallel size {world}")
+    target_ids = torch.arange(draft_vocab, device=d2t.device) + d2t.to(torch.int64)  # [D]
+    check_ids_in_range("d2t targets (i + d2t[i])", target_ids, world * local_vocab)
+    if world == 1:
+        return teacher_logits[..., target_ids.to(teacher_logits.device)]
+    local = target_ids.to(teacher_logits.device) - group_rank(vocab_parallel_group) * local_vocab
+    owned = (local >= 0) & (local < local_vocab)  # [D]
+    picked = teacher_logits[..., torch.where(owned, local, torch.zeros_like(local))]  # [..., D]
+    picked = torch.where(owned, picked, torch.zeros_like(picked))
+    draft_major = picked.movedim(-1, 0)  # [D, ...]
+    mine = reduce_scatter_sum(draft_major, vocab_parallel_group)  # [D/TP, ...]
+    return mine.movedim(0, -1)
+
+
+def draft_targets(
+    logits: Tensor,
+    token_mask: Tensor,
+    d2t: Tensor | None = None,
+    *,
+    vocab_parallel_rank: int | None = None,
+    vocab_parallel_group: ProcessGroup | None = None,
+    context_parallel_group: ProcessGroup | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Shifted, draft-vocabulary teacher logits and the shifted token mask.
+
+    Equivalent (no parallelism) to
+    ``(torch.cat([logits[:, 1:], 0 * logits[:, :1]], 1)[..., arange(D) + d2t],
+    torch.cat([token_mask[:, 1:], 0 * token_mask[:, :1]], 1))``.
+
+    Args:
+        logits: `[B, S_l, Vl]` the policy's logits (this rank's TP/CP shard); detached here.
+        token_mask: `[B, S]` canonical mask.
+        d2t: `[D]` draft-to-target offsets or `None`.
+
+    Returns:
+        `(teacher_logits [B, S_l, D/TP] in the logits' dtype, token_mask [B, S_l])`, both in this
+        rank's CP layout.
+    """
+    check_floating("logits", logits)
+    check_tensor("token_mask", token_mask)
+    if logits.dim() != 3 or token_mask.dim() != 2 or logits.shape[0] != token_mask.shape[0]:
+        raise ValueError(
+            f"logits must be [B, S_local, V_local] and token_mask [B, S]; got {tuple(logits.shape)} "
+            f"and {tuple(token_mask.shape)}"
+        )
+    cp_size = group_size(context_parallel_group)
+    if token_mask.shape[1] != logits.shape[1] * cp_size:
+        raise ValueError(
+            f"token_mask has {token_mask.shape[1]} positions; the logits cover {logits.shape[1]}·{cp_size}"
+        )
+    shifted = shift_left(logits.detach(), context_parallel_group)
+    teacher = map_to_draft_vocab(
+        shifted, d2t, vocab_parallel_rank=vocab_parallel_rank, vocab_parallel_group=vocab_parallel_group
+    )
+    mask = torch.cat([token_mask[:, 1:], torch.zeros_like(token_mask[:, :1])], dim=1)
+    if cp_size > 1:
+        mask = shard_for_cp_rank(mask, group_rank(context_parallel_group), cp_size, seq_dim=1)
+    return teacher, mask

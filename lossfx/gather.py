@@ -1,0 +1,246 @@
+"""Log-probabilities at arbitrary global token ids, and the negative entropy, in one streaming pass.
+
+    out[n, k] = logits[n, ids[n, k]] − lse[n]           neg_entropy[n] = Σ_v p[n, v] log p[n, v]
+
+over a vocabulary that may be sharded across tensor-parallel ranks. Pipeline of the forward:
+
+1. per row chunk, this shard's statistics `(m, s, u)`: max, `Σ exp(z − m)` and `Σ exp(z − m)·z`
+   (the last only when the entropy is requested); the logits at the ids this rank owns (0 elsewhere);
+2. one all-gather of the stacked per-row scalars `[2 + K (+1), N]`, then an exact max-shifted merge
+   into `lse`, `Σ p z = U / S` and the gathered logits (`_numerics`).
+
+Saved for backward: the logits (no copy), the ids, `lse` and the negative entropy `H` (per row).
+The backward needs no collective (proofs/gather.md):
+
+    dlogits = scatter_add_k(ids, g) − p · Σ_k g_k + h · p ⊙ (log p − H)
+
+where `g [N, K]` and `h [N]` are the upstream gradients of the two outputs. Duplicate ids
+accumulate exactly through the scatter-add. Reference: lossfx.reference.gather_logprobs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from lossfx._chunking import row_chunks
+from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size
+from lossfx._numerics import compute_dtype, finite_or_zero, lse_for_softmax, merge_max_sumexp
+from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
+
+__all__ = ["gather_logits", "gather_logprobs"]
+
+
+def _local_ids(ids: Tensor, vocab_start: int, local_vocab: int) -> tuple[Tensor, Tensor]:
+    """`(local_idx, owned)` for global `ids [N, K]`: column inside this shard (0 if not owned)."""
+    local = ids - vocab_start
+    owned = (local >= 0) & (local < local_vocab)
+    return torch.where(owned, local, torch.zeros_like(local)), owned
+
+
+def _xlogx_terms(z: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
+    """`(e, e·z)` with `e = exp(z − shift)`, and `e·z = 0` where `z = −inf` (0·log 0 = 0)."""
+    e = torch.exp(z - shift.unsqueeze(-1))  # [C, Vl]
+    ez = torch.where(torch.isneginf(z), torch.zeros_like(e), e * z)  # [C, Vl]
+    return e, ez
+
+
+def _gather_logprobs_fwd(logits, ids, vocab_start, with_entropy, chunk_rows, group):
+    """logits `[N, Vl]`, ids `[N, K]` -> (logprobs `[N, K]`, neg_entropy `[N]`, lse `[N]`)."""
+    n_rows, local_vocab = logits.shape
+    cdtype = compute_dtype(logits.dtype)
+    local_idx, owned = _local_ids(ids, vocab_start, local_vocab)
+    # 1. local statistics per chunk: max, Σ exp(z − m), and Σ exp(z − m)·z for the entropy
+    maxes, sums, weighted = [], [], []
+    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
+        z = logits[start:end].to(cdtype)  # [C, Vl]
+        m = z.amax(dim=-1)  # [C]
+        e, ez = _xlogx_terms(z, finite_or_zero(m))
+        maxes.append(m)
+        sums.append(e.sum(dim=-1))
+        if with_entropy:
+            weighted.append(ez.sum(dim=-1))
+    picked = logits.gather(-1, local_idx).to(cdtype)  # [N, K]
+    picked = torch.where(owned, picked, torch.zeros_like(picked))
+    rows = [torch.cat(maxes).unsqueeze(0), torch.cat(sums).unsqueeze(0), picked.transpose(0, 1)]
+    if with_entropy:
+        rows.append(torch.cat(weighted).unsqueeze(0))
+    # 2. merge across ranks: one all-gather of per-row scalars
+    stats = all_gather_stack(torch.cat(rows), group)  # [R, 2 + K (+1), N]
+    n_ids = ids.shape[-1]
+    lse = merge_max_sumexp(stats[:, 0], stats[:, 1])  # [N]
+    gathered = stats[:, 2 : 2 + n_ids].sum(dim=0).transpose(0, 1)  # [N, K], one owner per id
+    finite_row = ~torch.isneginf(lse)
+    logprobs = torch.where(finite_row.unsqueeze(-1), gathered - lse.unsqueeze(-1), float("-inf"))
+    if not with_entropy:
+        return logprobs, torch.zeros_like(lse), lse
+    shift = finite_or_zero(stats[:, 0].amax(dim=0))  # [N], the shift merge_max_sumexp used
+    scale = torch.exp(stats[:, 0] - shift)  # [R, N]
+    mean_z = (scale * stats[:, -1]).sum(0) / (scale * stats[:, 1]).sum(0)  # Σ p z
+    neg_entropy = torch.where(finite_row, mean_z - lse, torch.zeros_like(lse))  # Σ p log p
+    return logprobs, neg_entropy, lse
+
+
+def _gather_logprobs_bwd(logits, ids, lse, neg_entropy, dlogprobs, dneg_entropy, vocab_start, chunk_rows):
+    """-> dlogits `[N, Vl]` in the logits' dtype; no collective."""
+    n_rows, local_vocab = logits.shape
+    cdtype = compute_dtype(logits.dtype)
+    local_idx, owned = _local_ids(ids, vocab_start, local_vocab)
+    finite_row = ~torch.isneginf(lse)  # all -inf rows are constant: zero gradient
+    g = torch.where(finite_row.unsqueeze(-1), dlogprobs.to(cdtype), 0.0)  # [N, K]
+    h = torch.where(finite_row, dneg_entropy.to(cdtype), 0.0)  # [N]
+    g_owned = torch.where(owned, g, torch.zeros_like(g))  # [N, K]
+    g_total = g.sum(dim=-1)  # [N]
+    shift = lse_for_softmax(lse)
+    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
+    dlogits = None if len(chunks) == 1 else torch.empty_like(logits)
+    for start, end in chunks:
+        z = logits[start:end].to(cdtype)  # [C, Vl]
+        p = torch.exp(z - shift[start:end, None])  # [C, Vl]
+        log_p_minus_h = torch.where(
+            torch.isneginf(z), torch.zeros_like(z), z - (lse + neg_entropy)[start:end, None]
+        )
+        coeff = h[start:end, None] * log_p_minus_h - g_total[start:end, None]  # [C, Vl]
+        dchunk = (p * coeff).scatter_add(-1, local_idx[start:end], g_owned[start:end])
+        if dlogits is None:
+            return dchunk.to(logits.dtype)
+        dlogits[start:end] = dchunk  # rounds once to the logits' dtype
+    return dlogits
+
+
+class _GatherLogprobsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(logits, ids, vocab_start, with_entropy, chunk_rows, group):
+        return _gather_logprobs_fwd(logits, ids, vocab_start, with_entropy, chunk_rows, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        logits, ids, vocab_start, _with_entropy, chunk_rows, _group = inputs
+        _logprobs, neg_entropy, lse = output
+        ctx.save_for_backward(logits, ids, lse, neg_entropy)
+        ctx.vocab_start, ctx.chunk_rows = vocab_start, chunk_rows
+        ctx.mark_non_differentiable(lse)
+
+    @staticmethod
+    @once_differentiable  # lse and H are saved constants: see proofs/gather.md §5
+    def backward(ctx, dlogprobs, dneg_entropy, _dlse):
+        logits, ids, lse, neg_entropy = ctx.saved_tensors
+        dlogits = _gather_logprobs_bwd(
+            logits, ids, lse, neg_entropy, dlogprobs, dneg_entropy, ctx.vocab_start, ctx.chunk_rows
+        )
+        return dlogits, None, None, None, None, None  # one entry per forward input
+
+
+def _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, chunk_size):
+    check_floating("logits", logits)
+    check_integer_ids("ids", ids)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    if logits.dim() < 1 or ids.dim() != logits.dim() or tuple(ids.shape[:-1]) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"logits must be [..., V_local] and ids [..., K] with the same leading dims; got "
+            f"logits.shape={tuple(logits.shape)} and ids.shape={tuple(ids.shape)}"
+        )
+    if ids.shape[-1] < 1:
+        raise ValueError(f"ids must hold at least one id per row (K >= 1), got shape {tuple(ids.shape)}")
+    local_vocab = logits.shape[-1]
+    if local_vocab < 1:
+        raise ValueError(f"logits must have at least one vocabulary column, got shape {tuple(logits.shape)}")
+    vocab_start = group_rank(group) * local_vocab if vocab_start is None else vocab_start
+    vocab_size = group_size(group) * local_vocab if vocab_size is None else vocab_size
+    check_ids_in_range("ids", ids, vocab_size)
+    return local_vocab, vocab_start, chunk_size
+
+
+def gather_logprobs(
+    logits: Tensor,
+    ids: Tensor,
+    *,
+    with_entropy: bool = False,
+    group: ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Full-vocabulary log-probabilities at `K` global ids per row, and optionally `Σ p log p`.
+
+    Equivalent to ``lp = logits.log_softmax(-1); (lp.gather(-1, ids), (lp.exp() * lp).sum(-1))``
+    on the full-vocabulary logits, without materialising `[N, V]`; one pass serves both outputs.
+
+    .. math::
+        \\mathrm{out}_{n,k} = z_{n, i_{n,k}} - \\mathrm{lse}_n, \\qquad
+        H_n = \\sum_v p_{n,v} \\log p_{n,v}
+
+    Args:
+        logits: `[..., Vl]` this rank's vocabulary shard (the full vocabulary without a group).
+        ids: `[..., K]` integer global ids in `[0, V)`; duplicates allowed (their gradients add).
+        with_entropy: also return the negative entropy `Σ p log p` `[...]` (else `None`).
+        group: tensor-parallel group over the vocabulary, or `None`; outputs are replicated,
+            each rank's gradient is its own shard's.
+        vocab_start: first global id of this shard; default `rank · Vl`.
+        vocab_size: global `V`; default `world_size · Vl`.
+        chunk_size: rows per eager chunk (memory bound only).
+
+    Returns:
+        `(logprobs [..., K], neg_entropy [...] or None)` in the compute dtype.
+
+    Raises:
+        TypeError: non-float logits, non-integer ids.
+        ValueError: shape mismatch, `K = 0`, ids outside `[0, V)` (eager only), `chunk_size <= 0`.
+
+    Note:
+        `−∞` logits contribute `0 · log 0 = 0` to the entropy; an all-`−∞` row gives `−∞`
+        log-probs, entropy 0 and a zero gradient.
+
+    Example:
+        >>> import torch, lossfx
+        >>> lp, h = lossfx.gather_logprobs(torch.zeros(1, 4), torch.tensor([[0, 3]]), with_entropy=True)
+        >>> lp, h
+        (tensor([[-1.3863, -1.3863]]), tensor([-1.3863]))
+
+    See also: proofs/gather.md, lossfx.reference.gather_logprobs.
+    """
+    local_vocab, vocab_start, chunk_size = _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, chunk_size)
+    flat_logits = logits.reshape(-1, local_vocab)  # [N, Vl]
+    flat_ids = ids.reshape(-1, ids.shape[-1])  # [N, K]
+    logprobs, neg_entropy, _ = _GatherLogprobsFn.apply(
+        flat_logits, flat_ids, vocab_start, with_entropy, chunk_size, group
+    )
+    logprobs = logprobs.view(ids.shape)
+    return logprobs, (neg_entropy.view(ids.shape[:-1]) if with_entropy else None)
+
+
+def gather_logits(
+    logits: Tensor,
+    ids: Tensor,
+    *,
+    group: ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+) -> Tensor:
+    """The logits at `K` global ids per row, from a possibly sharded vocabulary.
+
+    Equivalent to ``logits.gather(-1, ids)`` on the full-vocabulary logits, in the compute dtype.
+    Each rank contributes the ids it owns, and one all-reduce sums them; the gradient reaches only
+    this rank's shard (the replicated-output convention). Duplicate ids' gradients add.
+
+    Args:
+        logits: `[..., Vl]` this rank's shard.
+        ids: `[..., K]` integer global ids in `[0, V)`.
+        group, vocab_start, vocab_size: as in `gather_logprobs`.
+
+    Returns:
+        `[..., K]` in `promote_types(logits.dtype, float32)`.
+
+    Example:
+        >>> import torch, lossfx
+        >>> lossfx.gather_logits(torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[2, 2, 0]]))
+        tensor([[3., 3., 1.]])
+    """
+    local_vocab, vocab_start, _ = _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, None)
+    local_idx, owned = _local_ids(ids, vocab_start, local_vocab)
+    local = logits.gather(-1, local_idx).to(compute_dtype(logits.dtype))  # [..., K]
+    local = torch.where(owned, local, torch.zeros_like(local))
+    total = all_reduce(local.detach(), "sum", group)
+    # value: the sum over ranks; gradient: the identity onto this rank's own contribution
+    return local + (total - local.detach())
