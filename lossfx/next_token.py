@@ -1,0 +1,183 @@
+"""Next-token log-probs in every sequence layout: plain, context-parallel, or an external sharder.
+
+    out[b, t] = log p(input_ids[b, t+1] | logits[b, t])          t < S − 1
+
+Pipeline (`next_token_logprobs`):
+
+1. the shift happens on the **canonical** sequence, as a roll of the targets (never a slice of
+   the logits, which would copy them): `target[:, t] = input_ids[:, t+1]`, the wrapped last column
+   is a valid id whose result is dropped;
+2. with context parallelism the targets are zero-padded to `C·S_l` and laid out like the logits:
+   this rank's load-balanced part (`context_parallel.shard_for_cp_rank`), or the sharder's
+   `shard_token_tensor`;
+3. the token log-prob kernel (`logprobs.token_logprobs`, or `filtering.filtered_token_logprobs`
+   under a top-k/top-p filter) on this rank's `[B, S_l, Vl]` logits, tensor parallel and chunked;
+4. back to canonical order (`allgather_cp`, or the sharder's `gather_token_tensor`), replicated on
+   every CP rank; the gradient is summed over CP ranks (divide the loss by `C`); then `[:, :S−1]`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from lossfx._distributed import ProcessGroup, group_rank, group_size
+from lossfx._validation import check_floating, check_integer_ids, check_positive_int
+from lossfx.context_parallel import allgather_cp, shard_for_cp_rank
+from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
+
+__all__ = ["ContextParallelSharder", "LoadBalancedSharder", "next_token_logprobs", "target_logprobs"]
+
+
+@runtime_checkable
+class ContextParallelSharder(Protocol):
+    """What `prepare_loss_input(cp_sharder=...)` needs of a context-parallel sequence layout.
+
+    `logits` are then this rank's CP-local shard while `data` stays canonical. The layout itself
+    is the sharder's business (for example automodel's `ContextParallelSharder`).
+    """
+
+    def shard_token_tensor(self, x: Tensor, seq_dim: int, fill: int) -> Tensor:
+        """Canonical `x` -> this rank's local part along `seq_dim` (padding with `fill`)."""
+        ...
+
+    def gather_token_tensor(self, x: Tensor, seq_dim: int, trim: bool) -> Tensor:
+        """This rank's local part -> canonical order on every rank, differentiable; `trim`
+        removes the padding `shard_token_tensor` added."""
+        ...
+
+
+class LoadBalancedSharder:
+    """A `ContextParallelSharder` for lossfx's own load-balanced layout (chunks `r`, `2C−1−r`).
+
+    Pads the sequence to a multiple of `2C` on `shard_token_tensor` and trims it on
+    `gather_token_tensor`; the gather follows the summed-gradient convention of `allgather_cp`.
+    """
+
+    def __init__(self, cp_group: ProcessGroup | None):
+        self.cp_group = cp_group
+        self.cp_size, self.cp_rank = group_size(cp_group), group_rank(cp_group)
+        self._length: int | None = None
+
+    def shard_token_tensor(self, x: Tensor, seq_dim: int = 1, fill: int = 0) -> Tensor:
+        seq_dim = seq_dim % x.dim()
+        length = x.shape[seq_dim]
+        self._length = length
+        pad = (-length) % (2 * self.cp_size) if self.cp_size > 1 else 0
+        if pad:
+            widths = [0, 0] * (x.dim() - 1 - seq_dim) + [0, pad]
+            x = torch.nn.functional.pad(x, widths, value=fill)
+        return shard_for_cp_rank(x, self.cp_rank, self.cp_size, seq_dim=seq_dim)
+
+    def gather_token_tensor(self, x: Tensor, seq_dim: int = 1, trim: bool = True) -> Tensor:
+        full = allgather_cp(x, self.cp_group, seq_dim=seq_dim)
+        if trim and self._length is not None:
+            full = full.narrow(seq_dim % x.dim(), 0, self._length)
+        return full
+
+
+def target_logprobs(
+    logits: Tensor,
+    target: Tensor,
+    *,
+    sampling_params: TrainingSamplingParams | None = None,
+    group: ProcessGroup | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """`token_logprobs`, or `filtered_token_logprobs` when `sampling_params` asks for a filter.
+
+    Args:
+        logits: `[..., Vl]`; target: `[...]` global ids; group: TP group; chunk_size: rows per
+        eager chunk. Returns `[...]` in the compute dtype (`−inf` where a filter drops the target).
+    """
+    from lossfx.filtering import filtered_token_logprobs
+    from lossfx.logprobs import token_logprobs
+
+    if need_top_k_or_top_p_filtering(sampling_params):
+        return filtered_token_logprobs(
+            logits,
+            target,
+            top_k=sampling_params.top_k,
+            top_p=sampling_params.top_p,
+            group=group,
+            chunk_size=chunk_size,
+        )
+    return token_logprobs(logits, target, group=group, chunk_size=chunk_size)
+
+
+def next_token_logprobs(
+    logits: Tensor,
+    input_ids: Tensor,
+    *,
+    vocab_parallel_group: ProcessGroup | None = None,
+    context_parallel_group: ProcessGroup | None = None,
+    cp_sharder: ContextParallelSharder | None = None,
+    sampling_params: TrainingSamplingParams | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """Next-token log-probs `[B, S−1]` from logits in any sequence layout.
+
+    Equivalent to ``lossfx.reference.next_token_logprobs(full_logits, input_ids)`` (or its filtered
+    twin) on the canonical, full-vocabulary logits.
+
+    Args:
+        logits: `[B, S_l, Vl]`: this rank's vocabulary shard (TP) and sequence part (CP:
+            load-balanced, `S_l = S_pad / C`, or the sharder's layout); `S_l = S` without CP.
+        input_ids: `[B, S]` canonical ids in `[0, V)`.
+        vocab_parallel_group: TP group over the vocabulary, or `None`.
+        context_parallel_group: CP group for the load-balanced layout, or `None`.
+        cp_sharder: an object with `shard_token_tensor`/`gather_token_tensor`
+            (`ContextParallelSharder`); takes precedence over `context_parallel_group`.
+        sampling_params: top-k/top-p filter (`−inf` where the next token is filtered out).
+        chunk_size: sequence positions per eager chunk (memory bound only).
+
+    Returns:
+        `[B, S−1]` in the compute dtype, replicated on every TP and CP rank.
+
+    Raises:
+        ValueError: shape mismatches; with CP, `C·S_l < S` or an odd local length (the
+            load-balanced layout needs a multiple of `2C`).
+    """
+    check_floating("logits", logits)
+    check_integer_ids("input_ids", input_ids)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    cp_size = 1 if cp_sharder is not None else group_size(context_parallel_group)
+    if logits.dim() != 3 or input_ids.dim() != 2 or logits.shape[0] != input_ids.shape[0]:
+        raise ValueError(
+            f"logits must be [B, S_local, V_local] and input_ids [B, S] with the same B; got "
+            f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
+        )
+    batch, seq = input_ids.shape
+    local_len = logits.shape[1]
+    if cp_sharder is None and cp_size == 1 and local_len != seq:
+        raise ValueError(
+            f"logits and input_ids must have the same sequence length without context parallelism; "
+            f"got logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
+        )
+    if cp_size > 1 and (local_len * cp_size < seq or local_len % 2):
+        raise ValueError(
+            f"context-parallel logits hold {local_len} positions on each of {cp_size} ranks; they must "
+            f"cover input_ids' {seq} positions with an even local length (a multiple of 2·{cp_size} "
+            "in all; pad the sequence to it)"
+        )
+    # 1. the shift, on the canonical sequence
+    target = torch.roll(input_ids, shifts=-1, dims=1).to(logits.device)  # [B, S]
+    # 2. the targets in the logits' layout
+    if cp_sharder is not None:
+        target = cp_sharder.shard_token_tensor(target, seq_dim=1, fill=0)
+    elif cp_size > 1:
+        target = torch.nn.functional.pad(target, (0, local_len * cp_size - seq))  # [B, C·S_l]
+        target = shard_for_cp_rank(target, group_rank(context_parallel_group), cp_size, seq_dim=1)
+    # 3. the kernel on this rank's logits
+    rows = None if chunk_size is None else chunk_size * batch
+    local = target_logprobs(
+        logits, target, sampling_params=sampling_params, group=vocab_parallel_group, chunk_size=rows
+    )  # [B, S_l]
+    # 4. canonical order
+    if cp_sharder is not None:
+        local = cp_sharder.gather_token_tensor(local, seq_dim=1, trim=True)
+    elif cp_size > 1:
+        local = allgather_cp(local, context_parallel_group, seq_dim=1)  # [B, C·S_l]
+    return local[:, : max(seq - 1, 0)]

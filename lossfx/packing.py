@@ -1,0 +1,219 @@
+"""Packed sequences: several sequences in one row, each sharded for context parallelism on its own.
+
+Layout. Sequence `i` occupies the padded slots `[cu_padded[i], cu_padded[i+1])` of a canonical
+packed row of length `T = cu_padded[-1]`; its real tokens are `input_ids[i, :min(len_i, S)]`
+(`len_i = cu[i+1] − cu[i]`, clamped to the row width because a packer may fold bin padding into
+the last sequence's length), the rest of its slots are padding (token 0). Under context
+parallelism of size `C` every padded length is a multiple of `2C` and each sequence is sharded
+on its own in the load-balanced layout; rank `r`'s packed logits `[1, T/C, Vl]` concatenate its
+parts of every sequence.
+
+Pipeline (`packed_next_token_logprobs`):
+
+1. index maps from `cu_seqlens` with tensor ops only (`searchsorted`, integer arithmetic), so
+   nothing in the graph depends on Python values of the layout: for each local slot its
+   sequence `seg` and position `j` in it; for each canonical slot the rank and local slot holding it;
+2. per-sequence next-token targets: slot `j` scores token `j+1` **of its own sequence** (never the
+   next sequence's first token; the last slot's target is a placeholder whose result is dropped);
+3. the token log-prob kernel on the local `[T/C, Vl]` logits (tensor parallel, chunked,
+   optionally filtered);
+4. one all-gather over the CP group (gradient summed over CP ranks: divide the loss by `C`) and a
+   gather into canonical packed order, then either the unpacked `[B, S−1]` view or the packed
+   physical `[1, T−1]` layout with each sequence's last slot set to 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
+from lossfx._validation import check_integer_ids, check_tensor, values_checkable
+from lossfx.interfaces import TrainingSamplingParams
+from lossfx.next_token import target_logprobs
+
+__all__ = ["check_cu_seqlens", "packed_next_token_logprobs"]
+
+
+def _as_int_list(name: str, cu: Any) -> list[int]:
+    """Host-side values of a `cu_seqlens` argument (eager only)."""
+    if isinstance(cu, Tensor):
+        check_integer_ids(name, cu)
+        return [int(v) for v in cu.reshape(-1).tolist()]
+    return [int(v) for v in cu]
+
+
+def _as_tensor(name: str, cu: Any, device: torch.device) -> Tensor:
+    """`cu_seqlens` as a 1-D int64 tensor on `device` (tuples of ints and int tensors accepted)."""
+    if isinstance(cu, Tensor):
+        check_integer_ids(name, cu)
+        if cu.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(cu.shape)}")
+        return cu.to(device=device, dtype=torch.int64)
+    if not isinstance(cu, Sequence) or isinstance(cu, (str, bytes)):
+        raise TypeError(f"{name} must be a sequence of ints or a 1-D integer tensor, got {type(cu).__name__}")
+    return torch.tensor(list(cu), dtype=torch.int64, device=device)
+
+
+def check_cu_seqlens(cu_seqlens_q: Any, cu_seqlens_q_padded: Any, n_seqs: int, total: int, cp_size: int) -> None:
+    """Raise `ValueError` naming the offending entries of malformed cumulative sequence lengths.
+
+    Checks: `n_seqs + 1` entries each, starting at 0, non-decreasing, every padded length at
+    least its unpadded length, the padded total equal to `total` (the packed logits' `C·T/C`),
+    and, with context parallelism, every padded length a multiple of `2C`. Eager only.
+    """
+    if not values_checkable():
+        return
+    cu_q = _as_int_list("cu_seqlens_q", cu_seqlens_q)
+    cu_p = _as_int_list("cu_seqlens_q_padded", cu_seqlens_q_padded)
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_q_padded", cu_p)):
+        if len(cu) != n_seqs + 1:
+            raise ValueError(f"{name} must have B+1 = {n_seqs + 1} entries, got {len(cu)}: {cu}")
+        if cu[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {name}[0] = {cu[0]}")
+        bad = [(i, cu[i], cu[i + 1]) for i in range(n_seqs) if cu[i + 1] < cu[i]]
+        if bad:
+            raise ValueError(f"{name} must be non-decreasing; decreasing at (index, value, next): {bad[:5]}")
+    short = [
+        (i, cu_p[i + 1] - cu_p[i], cu_q[i + 1] - cu_q[i])
+        for i in range(n_seqs)
+        if cu_p[i + 1] - cu_p[i] < cu_q[i + 1] - cu_q[i]
+    ]
+    if short:
+        raise ValueError(
+            f"padded sequence lengths must be >= unpadded ones; (sequence, padded, unpadded): {short[:5]}"
+        )
+    if cu_p[-1] != total:
+        raise ValueError(
+            f"cu_seqlens_q_padded[-1] = {cu_p[-1]} must equal the packed length the logits cover, {total}"
+        )
+    if cp_size > 1:
+        odd = [(i, cu_p[i + 1] - cu_p[i]) for i in range(n_seqs) if (cu_p[i + 1] - cu_p[i]) % (2 * cp_size)]
+        if odd:
+            raise ValueError(
+                f"with context parallelism {cp_size}, every padded length must be a multiple of "
+                f"2·{cp_size}; (sequence, padded length): {odd[:5]}"
+            )
+
+
+def _slot_of_local(cu_p: Tensor, local_len: int, cp_rank: int, cp_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """For each local slot `[T/C]`: its sequence, its position in that sequence, the padded length."""
+    n_seqs = cu_p.shape[0] - 1
+    q = torch.arange(local_len, device=cu_p.device)
+    seg = torch.searchsorted(cu_p[1:] // cp_size, q, right=True).clamp(max=max(n_seqs - 1, 0))  # [T/C]
+    padded_len = cu_p[seg + 1] - cu_p[seg]  # [T/C]
+    lo = q - cu_p[seg] // cp_size  # position inside this rank's part of the sequence
+    if cp_size == 1:
+        return seg, lo, padded_len
+    half = padded_len // (2 * cp_size)  # each of the rank's two chunks
+    first = cp_rank * half + lo
+    second = (2 * cp_size - 1 - cp_rank) * half + (lo - half)
+    return seg, torch.where(lo < half, first, second), padded_len
+
+
+def _local_of_canonical(cu_p: Tensor, local_len: int, cp_size: int) -> Tensor:
+    """For each canonical slot `[T]`: its index in the rank-major gathered `[C·T/C]` local slots."""
+    n_seqs = cu_p.shape[0] - 1
+    p = torch.arange(local_len * cp_size, device=cu_p.device)
+    if cp_size == 1:
+        return p
+    seg = torch.searchsorted(cu_p[1:], p, right=True).clamp(max=max(n_seqs - 1, 0))
+    offset, j = cu_p[seg], p - cu_p[seg]
+    half = ((cu_p[seg + 1] - offset) // (2 * cp_size)).clamp_min(1)  # a slot's sequence is non-empty
+    chunk = j // half
+    owner = torch.where(chunk < cp_size, chunk, 2 * cp_size - 1 - chunk)
+    lo = torch.where(chunk < cp_size, j - chunk * half, half + j - chunk * half)
+    return owner * local_len + offset // cp_size + lo
+
+
+def _local_targets(
+    input_ids: Tensor, cu_q: Tensor, cu_p: Tensor, seg: Tensor, j: Tensor, padded_len: Tensor, prepacked: bool
+) -> Tensor:
+    """Next-token target of every local slot, within its own sequence (0 where there is none)."""
+    nxt = j + 1
+    if prepacked:  # input_ids is the physical packed row [1, T]
+        has_next = nxt < padded_len
+        position = (cu_p[seg] + nxt).clamp(max=input_ids.shape[1] - 1)
+        return torch.where(has_next, input_ids[0, position], torch.zeros_like(position))
+    width = input_ids.shape[1]
+    real_len = torch.clamp(cu_q[seg + 1] - cu_q[seg], max=width)  # bin padding may exceed the row
+    has_next = (nxt < real_len) & (nxt < padded_len)
+    token = input_ids[seg, nxt.clamp(max=width - 1)]
+    return torch.where(has_next, token, torch.zeros_like(token))
+
+
+def packed_next_token_logprobs(
+    logits: Tensor,
+    input_ids: Tensor,
+    cu_seqlens_q: Any,
+    cu_seqlens_q_padded: Any,
+    *,
+    prepacked: bool = False,
+    vocab_parallel_group: ProcessGroup | None = None,
+    context_parallel_group: ProcessGroup | None = None,
+    sampling_params: TrainingSamplingParams | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """Next-token log-probs of packed sequences, each shifted within itself.
+
+    Equivalent to ``lossfx.reference.packed_next_token_logprobs`` on the canonical packed logits:
+    for every sequence `i`, the dense next-token log-probs of its own slots.
+
+    Args:
+        logits: `[1, T/C, Vl]` packed logits (this rank's TP vocabulary shard and CP part).
+        input_ids: `[B, S]` unpacked ids, or the physical packed row `[1, T]` when `prepacked`.
+        cu_seqlens_q: `[B+1]` cumulative real lengths (tuple of ints or an int tensor).
+        cu_seqlens_q_padded: `[B+1]` cumulative padded lengths; `T = cu_seqlens_q_padded[-1]`.
+        prepacked: return the packed physical layout `[1, T−1]` (each sequence's last slot 0)
+            instead of the unpacked `[B, S−1]`.
+        vocab_parallel_group: TP group over the vocabulary, or `None`.
+        context_parallel_group: CP group, or `None`; gradient summed over CP ranks.
+        sampling_params: top-k/top-p filter (log-probs are `−inf` where the target is filtered out).
+        chunk_size: packed slots per eager chunk (memory bound only).
+
+    Returns:
+        `[B, S−1]` (position `t` of row `i` scores token `t+1` of sequence `i`; 0 past the padded
+        length), or `[1, T−1]` when `prepacked`; in the compute dtype.
+    """
+    check_tensor("logits", logits)
+    check_integer_ids("input_ids", input_ids)
+    if logits.dim() != 3 or logits.shape[0] != 1:
+        raise ValueError(f"packed logits must be [1, T/C, V_local], got shape {tuple(logits.shape)}")
+    if input_ids.dim() != 2 or (prepacked and input_ids.shape[0] != 1):
+        raise ValueError(
+            f"input_ids must be [B, S] (or [1, T] for pre-packed data), got shape {tuple(input_ids.shape)}"
+        )
+    cp_size, cp_rank = group_size(context_parallel_group), group_rank(context_parallel_group)
+    local_len = logits.shape[1]
+    n_seqs = len(cu_seqlens_q_padded) - 1 if prepacked else input_ids.shape[0]
+    check_cu_seqlens(cu_seqlens_q, cu_seqlens_q_padded, n_seqs, local_len * cp_size, cp_size)
+    device = logits.device
+    cu_q = _as_tensor("cu_seqlens_q", cu_seqlens_q, device)
+    cu_p = _as_tensor("cu_seqlens_q_padded", cu_seqlens_q_padded, device)
+    input_ids = input_ids.to(device)
+    # 1.-2. index maps and per-sequence next-token targets of this rank's slots
+    seg, j, padded_len = _slot_of_local(cu_p, local_len, cp_rank, cp_size)  # [T/C] each
+    target = _local_targets(input_ids, cu_q, cu_p, seg, j, padded_len, prepacked)  # [T/C]
+    # 3. the kernel on this rank's [T/C, Vl] logits
+    local = target_logprobs(
+        logits[0], target, sampling_params=sampling_params, group=vocab_parallel_group, chunk_size=chunk_size
+    )  # [T/C]
+    # 4. canonical packed order
+    gathered = all_gather_stack_summed_grad(local, context_parallel_group).reshape(-1)  # [C·T/C]
+    canonical = gathered[_local_of_canonical(cu_p, local_len, cp_size)]  # [T]
+    total = canonical.shape[0]
+    slot = torch.arange(total, device=device)
+    seq_of_slot = torch.searchsorted(cu_p[1:], slot, right=True).clamp(max=max(n_seqs - 1, 0))
+    if prepacked:
+        is_last = slot == cu_p[seq_of_slot + 1] - 1
+        packed = torch.where(is_last, torch.zeros_like(canonical), canonical)
+        return packed[: max(total - 1, 0)].unsqueeze(0)  # [1, T−1]
+    width = input_ids.shape[1]
+    t = torch.arange(max(width - 1, 0), device=device)  # [S−1]
+    position = cu_p[:-1, None] + t  # [B, S−1]
+    valid = t < (cu_p[1:] - cu_p[:-1] - 1)[:, None]
+    values = canonical[position.clamp(max=max(total - 1, 0))] if total > 0 else position.to(canonical.dtype)
+    return torch.where(valid, values, torch.zeros_like(values))
