@@ -6,6 +6,18 @@ beneath them, and `lossfx.reference`, the dense float64 reference of everything.
 """
 
 from lossfx import reference
+from lossfx.context_parallel import allgather_cp, shard_for_cp_rank, unshard
+from lossfx.distillation import distillation_topk_logprobs
+from lossfx.divergence import cross_entropy_to_fixed, entropy, reverse_kl_to_fixed
+from lossfx.draft import draft_targets, map_to_draft_vocab, shift_left
+from lossfx.filtering import (
+    apply_top_k_top_p,
+    filtered_token_logprobs,
+    mask_out_neg_inf_logprobs,
+    next_token_filtered_logprobs,
+    top_k_top_p_threshold,
+)
+from lossfx.gather import gather_logits, gather_logprobs
 from lossfx.interfaces import (
     LossFunction,
     LossInputType,
@@ -19,20 +31,42 @@ from lossfx.loss_input import (
     prepare_opd_full_loss_input,
     prepare_packed_loss_input,
 )
+from lossfx.opd_full import OnPolicyDistillationFullConfig, reconstruct_opd_full_teacher_logits
+from lossfx.topk import vocab_topk
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LossFunction",
     "LossInputType",
+    "OnPolicyDistillationFullConfig",
     "TrainingSamplingParams",
     "__version__",
+    "allgather_cp",
+    "apply_top_k_top_p",
+    "cross_entropy_to_fixed",
+    "distillation_topk_logprobs",
+    "draft_targets",
+    "entropy",
+    "filtered_token_logprobs",
+    "gather_logits",
+    "gather_logprobs",
+    "map_to_draft_vocab",
+    "mask_out_neg_inf_logprobs",
     "need_top_k_or_top_p_filtering",
+    "next_token_filtered_logprobs",
     "next_token_logprobs",
     "prepare_loss_input",
     "prepare_opd_full_loss_input",
     "prepare_packed_loss_input",
+    "reconstruct_opd_full_teacher_logits",
     "reference",
+    "reverse_kl_to_fixed",
+    "shard_for_cp_rank",
+    "shift_left",
     "token_logprobs",
     "token_logprobs_with_lse",
+    "top_k_top_p_threshold",
+    "unshard",
+    "vocab_topk",
 ]

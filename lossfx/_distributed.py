@@ -18,6 +18,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "is_distributed",
+    "reduce_scatter_sum",
 ]
 
 ProcessGroup = dist.ProcessGroup
@@ -58,3 +59,38 @@ def all_reduce(x: Tensor, op: str, group: ProcessGroup | None) -> Tensor:
 
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, group=group))
 
+
+
+def reduce_scatter_sum(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """Sum `x [R·d0, ...]` over ranks and keep this rank's `d0` rows; identity without a group."""
+    if not is_distributed(group):
+        return x
+    import torch.distributed._functional_collectives as funcol
+
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor  # torch < 2.8
+    return funcol.wait_tensor(scatter(x.contiguous(), "sum", 0, group))
+
+
+class _AllGatherStackFn(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group):
+        return all_gather_stack(x, group)  # [R, *x.shape]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, dout):
+        # every rank used every rank's x: sum the upstream gradients, keep this rank's slot
+        total = all_reduce(dout.contiguous(), "sum", ctx.group)  # [R, *x.shape]
+        return total[group_rank(ctx.group)], None  # one entry per forward input
+
+
+def all_gather_stack_summed_grad(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """Differentiable `all_gather_stack`: `[*]` -> `[R, *]`; the gradient of this rank's `x` is the
+    sum over ranks of their upstream gradients at this rank's slot (the summed-gradient convention
+    of context parallelism: when every rank computes the same loss, divide it by `R`)."""
+    if not is_distributed(group):
+        return x.unsqueeze(0)
+    return _AllGatherStackFn.apply(x, group)

@@ -22,9 +22,10 @@ from torch import Tensor
 
 from lossfx._distributed import ProcessGroup, group_rank, group_size
 from lossfx._numerics import compute_dtype
-from lossfx._validation import check_floating, check_integer_ids, check_positive_int, check_tensor
+from lossfx._validation import check_floating, check_tensor
+from lossfx.filtering import loss_mask_from_data, mask_out_neg_inf_logprobs
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
-from lossfx.logprobs import token_logprobs
+from lossfx.next_token import next_token_logprobs as _next_token_logprobs
 
 __all__ = [
     "next_token_logprobs",
@@ -74,41 +75,43 @@ def next_token_logprobs(
     *,
     vocab_parallel_rank: int | None = None,
     vocab_parallel_group: ProcessGroup | None = None,
+    context_parallel_group: ProcessGroup | None = None,
+    cp_sharder: Any = None,
+    sampling_params: TrainingSamplingParams | None = None,
     chunk_size: int | None = None,
 ) -> Tensor:
     """Next-token log-probs: position `t` scores token `input_ids[:, t+1]`.
 
     Equivalent to ``logits[:, :-1].log_softmax(-1).gather(-1, input_ids[:, 1:, None])[..., 0]``
-    on the full-vocabulary logits, without slicing (so without copying) the logits.
+    on the full-vocabulary, canonical logits, without slicing (so without copying) the logits.
 
     Args:
-        logits: `[B, S, Vl]` this rank's vocabulary shard (the full vocabulary without TP).
-        input_ids: `[B, S]` integer token ids in `[0, V)`, `V = Vl · TP`.
+        logits: `[B, S_l, Vl]` this rank's vocabulary shard (the full vocabulary without TP) and
+            sequence part (load-balanced under context parallelism; `S_l = S` without).
+        input_ids: `[B, S]` canonical integer token ids in `[0, V)`, `V = Vl · TP`.
         vocab_parallel_rank: this rank's index in `vocab_parallel_group`.
         vocab_parallel_group: tensor-parallel group over the vocabulary, or `None`.
+        context_parallel_group: context-parallel group (load-balanced layout), or `None`.
+        cp_sharder: a `lossfx.next_token.ContextParallelSharder` owning the sequence layout.
+        sampling_params: top-k/top-p filter; filtered-out tokens get `-inf`.
         chunk_size: sequence positions per eager chunk (a memory bound; results do not depend
             on it).
 
     Returns:
         `[B, S-1]` in the compute dtype (fp32, or float64 for float64 logits); replicated on
-        every tensor-parallel rank, whose gradient is its own shard's.
+        every tensor- and context-parallel rank. Each TP rank's gradient is its own shard's; under
+        CP the gradient is summed over CP ranks (divide the loss by the CP size).
     """
-    check_floating("logits", logits)
-    check_integer_ids("input_ids", input_ids)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
-    if logits.dim() != 3 or input_ids.dim() != 2 or tuple(logits.shape[:2]) != tuple(input_ids.shape):
-        raise ValueError(
-            f"logits must be [B, S, V_local] and input_ids [B, S] with the same B and S; got "
-            f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
-        )
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
-    batch, seq = input_ids.shape
-    # The shift is a roll of the targets, not a slice of the logits: logits[:, :-1] is not viewable
-    # as [N, V] and would be copied. The wrapped last column is a valid id and is sliced off below.
-    target = torch.roll(input_ids, shifts=-1, dims=1)  # [B, S]
-    rows = None if chunk_size is None else chunk_size * batch
-    out = token_logprobs(logits, target, group=group, chunk_size=rows)  # [B, S]
-    return out[:, : max(seq - 1, 0)]
+    return _next_token_logprobs(
+        logits,
+        input_ids,
+        vocab_parallel_group=group,
+        context_parallel_group=context_parallel_group,
+        cp_sharder=cp_sharder,
+        sampling_params=sampling_params,
+        chunk_size=chunk_size,
+    )
 
 
 def prepare_loss_input(
@@ -170,11 +173,38 @@ def prepare_loss_input(
     check_tensor("logits", logits)
     if input_type is LossInputType.LOGIT:
         return {"logits": logits}, data
-    if group_size(context_parallel_group) > 1 or cp_sharder is not None:
-        raise NotImplementedError("context parallelism is not supported yet (see issue #5)")
+    if input_type is LossInputType.OPD_FULL:
+        return prepare_opd_full_loss_input(
+            logits,
+            data,
+            loss_fn,
+            vocab_parallel_rank=vocab_parallel_rank,
+            vocab_parallel_group=vocab_parallel_group,
+            context_parallel_group=context_parallel_group,
+            sampling_params=sampling_params,
+            chunk_size=chunk_size,
+            teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+            teacher_logits_dtype=teacher_logits_dtype,
+        ), data
+    if input_type is LossInputType.DISTILLATION:
+        return _prepare_distillation_input(
+            logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, context_parallel_group, chunk_size
+        ), data
+    if input_type is LossInputType.DRAFT:
+        return _prepare_draft_input(
+            logits, data, d2t, vocab_parallel_rank, vocab_parallel_group, context_parallel_group
+        ), data
     if input_type is LossInputType.LOGPROB:
         return _prepare_logprob_input(
-            logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, sampling_params, chunk_size
+            logits,
+            data,
+            loss_fn,
+            vocab_parallel_rank,
+            vocab_parallel_group,
+            context_parallel_group,
+            cp_sharder,
+            sampling_params,
+            chunk_size,
         ), data
     raise NotImplementedError(f"LossInputType.{input_type.name} is not implemented yet")
 
@@ -185,6 +215,8 @@ def _prepare_logprob_input(
     loss_fn: Any,
     vocab_parallel_rank: int | None,
     vocab_parallel_group: ProcessGroup | None,
+    context_parallel_group: ProcessGroup | None,
+    cp_sharder: Any,
     sampling_params: TrainingSamplingParams | None,
     chunk_size: int | None,
 ) -> dict[str, Tensor]:
@@ -206,15 +238,25 @@ def _prepare_logprob_input(
             )
         width = max(input_ids.shape[1] - 1, 0)
         return {"next_token_logprobs": logits.to(compute_dtype(logits.dtype))[:, :width]}
-    if filtering:
-        raise NotImplementedError("top-k/top-p filtered log-probs are not implemented yet (see issue #3)")
+    layout = {
+        "vocab_parallel_rank": vocab_parallel_rank,
+        "vocab_parallel_group": vocab_parallel_group,
+        "context_parallel_group": context_parallel_group,
+        "cp_sharder": cp_sharder,
+    }
     logprobs = next_token_logprobs(
-        logits,
-        input_ids,
-        vocab_parallel_rank=vocab_parallel_rank,
-        vocab_parallel_group=vocab_parallel_group,
-        chunk_size=chunk_size,
-    )
+        logits, input_ids, sampling_params=sampling_params, chunk_size=chunk_size, **layout
+    )  # [B, S-1]; validates the shapes
+    if not filtering:
+        return {"next_token_logprobs": logprobs}
+    # The -inf rule (semantics.md §1.1 step 3, §3.5): positions whose token fell outside the kept
+    # set, or whose mask = token_mask · sample_mask (missing columns count as ones) is 0, become 0.
+    # Everything is computed before `data` is touched, so a call that raises leaves it unchanged.
+    mask = loss_mask_from_data(data, input_ids)  # [B, S] bool
+    logprobs = mask_out_neg_inf_logprobs(logprobs, mask[:, 1:], "curr_logprobs")
+    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
+        # the reference-KL term reads unfiltered log-probs (it cannot take -inf)
+        data["curr_logprobs_unfiltered"] = next_token_logprobs(logits, input_ids, **layout)
     return {"next_token_logprobs": logprobs}
 
 
@@ -231,8 +273,50 @@ def prepare_opd_full_loss_input(
     teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
     teacher_logits_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    """Full-vocabulary on-policy distillation inputs (see issue #4; not implemented yet)."""
-    raise NotImplementedError("OPD_FULL is not implemented yet (see issue #4)")
+    """Full-vocabulary on-policy distillation inputs: reverse KL to fixed teacher logits.
+
+    Equivalent (no TP, no CP, logits payload `[B, S, V]`) to
+    ``{"opd_full_divergence": lossfx.reference.reverse_kl_to_fixed(logits, teacher)[:, :S-1], ...}``
+    (see `lossfx.reference.opd_full_loss_input`). Full contract: docs/opd_full.md.
+
+    Args:
+        logits: `[B, S_l, Vl]` student logits (TP vocabulary shard, CP load-balanced part).
+        data: needs `input_ids` `[B, S]` and the payload column `teacher_full_logits`
+            `[B, S_p, V]` or `teacher_full_hidden_states` `[B, S_p, H]` (with
+            `opd_full_teacher_index` `[B]` when several LM heads are loaded). Not modified.
+        loss_fn: has `opd_full` (e.g. `lossfx.opd_full.OnPolicyDistillationFullConfig`) and
+            optionally `reference_policy_kl_penalty`.
+        vocab_parallel_rank, vocab_parallel_group: tensor parallelism (`None` works).
+        context_parallel_group: CP group (load-balanced layout); outputs are gathered to
+            canonical order and their gradient is summed over CP ranks (divide the loss by C).
+        sampling_params: accepted and unused (as in the reference).
+        chunk_size: sequence positions per eager chunk of the `next_token_logprobs` kernel; the
+            divergence chunk comes from `loss_fn.opd_full.chunk_size`.
+        teacher_output_layer_weight_by_index: `{index: W [Vl, H]}` teacher LM-head shards.
+        teacher_logits_dtype: dtype of teacher logits projected from hidden states.
+
+    Returns:
+        `{"opd_full_divergence": [B, S-1], "opd_full_entropy": [B, S-1] | None,
+        "opd_full_cross_entropy": [B, S-1] | None}` (+ `"next_token_logprobs"` `[B, S-1]`
+        when `reference_policy_kl_penalty != 0`), in `promote_types(student, teacher, fp32)`.
+
+    Raises:
+        ValueError: every error condition of semantics.md §1.2.1, missing columns, bad shapes.
+    """
+    from lossfx.opd_full import prepare_opd_full
+
+    return prepare_opd_full(
+        logits,
+        data,
+        loss_fn,
+        vocab_parallel_rank=vocab_parallel_rank,
+        vocab_parallel_group=vocab_parallel_group,
+        context_parallel_group=context_parallel_group,
+        sampling_params=sampling_params,
+        chunk_size=chunk_size,
+        teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+        teacher_logits_dtype=teacher_logits_dtype,
+    )
 
 
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
@@ -250,5 +334,121 @@ def prepare_packed_loss_input(
     sampling_params: TrainingSamplingParams | None = None,
     chunk_size: int | None = None,
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
-    """Loss inputs from packed logits (see issue #5; not implemented yet)."""
-    raise NotImplementedError("prepare_packed_loss_input is not implemented yet (see issue #5)")
+    """Loss inputs (`LOGPROB`) from packed logits, every sequence shifted within itself.
+
+    Equivalent to ``lossfx.reference.packed_next_token_logprobs(full_packed_logits, input_ids,
+    cu_seqlens_q, cu_seqlens_q_padded)`` (then the `-inf` rule when filtering), i.e. for every
+    sequence the unpacked path's next-token log-probs. Layout: `lossfx/packing.py`, proof:
+    proofs/packing.md.
+
+    Args:
+        logits: `[1, T/C, Vl]` packed logits: this rank's vocabulary shard and, under context
+            parallelism of size `C`, its load-balanced part of every sequence.
+        data: `input_ids` `[B, S]` unpacked; or, when `"cu_seqlens" in data` (pre-packed input),
+            the physical packed row `[1, T]` — the result is then in the packed layout. Optional
+            `token_mask` / `sample_mask` for the `-inf` rule.
+        loss_fn: must have `input_type == LossInputType.LOGPROB`.
+        cu_seqlens_q: `[B+1]` cumulative real lengths: a tuple of ints, or an int tensor (inside
+            compiled code pass tensors: tuples of ints are specialised, one graph per layout).
+        cu_seqlens_q_padded: `[B+1]` cumulative padded lengths (`T` in total; each a multiple of
+            `2C` under context parallelism).
+        vocab_parallel_rank, vocab_parallel_group: tensor parallelism (`None` works).
+        context_parallel_group: CP group, or `None`; gradients are summed over CP ranks.
+        sampling_params: top-k/top-p filter, as in `prepare_loss_input`.
+        chunk_size: packed positions per eager chunk (memory bound only).
+
+    Returns:
+        `({"next_token_logprobs": [B, S-1]}, data)`, or `[1, T-1]` (each sequence's last slot 0)
+        for pre-packed input. With a filter and a nonzero `reference_policy_kl_penalty`,
+        `data["curr_logprobs_unfiltered"]` holds the unfiltered log-probs.
+
+    Raises:
+        ValueError: an input type other than `LOGPROB`; malformed `cu_seqlens` (not starting at 0,
+            decreasing, padded shorter than unpadded, total not matching the logits, not a
+            multiple of `2C`), naming the offending entries; bad shapes or ids.
+    """
+    from lossfx.packing import packed_next_token_logprobs
+
+    input_type = _input_type(loss_fn)
+    if input_type is not LossInputType.LOGPROB:
+        raise ValueError(
+            f"prepare_packed_loss_input only supports LossInputType.LOGPROB, got {input_type}. "
+            "Use prepare_loss_input per sequence for other types."
+        )
+    if getattr(loss_fn, "use_fused_linear_logprobs", False):
+        raise ValueError("prepare_packed_loss_input does not support use_fused_linear_logprobs")
+    if sampling_params is not None and not isinstance(sampling_params, TrainingSamplingParams):
+        raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
+    _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+    input_ids = check_tensor("data['input_ids']", _column(data, "input_ids"))
+    layout = {
+        "prepacked": "cu_seqlens" in data,
+        "vocab_parallel_group": group,
+        "context_parallel_group": context_parallel_group,
+    }
+    logprobs = packed_next_token_logprobs(
+        logits, input_ids, cu_seqlens_q, cu_seqlens_q_padded,
+        sampling_params=sampling_params, chunk_size=chunk_size, **layout,
+    )
+    if not need_top_k_or_top_p_filtering(sampling_params):
+        return {"next_token_logprobs": logprobs}, data
+    mask = loss_mask_from_data(data, input_ids)  # [B, S], or [1, T] for pre-packed input
+    logprobs = mask_out_neg_inf_logprobs(logprobs, mask[:, 1:], "curr_logprobs")
+    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
+        data["curr_logprobs_unfiltered"] = packed_next_token_logprobs(
+            logits, input_ids, cu_seqlens_q, cu_seqlens_q_padded, **layout
+        )
+    return {"next_token_logprobs": logprobs}, data
+
+
+def _prepare_distillation_input(
+    logits: Tensor,
+    data: MutableMapping[str, Any],
+    loss_fn: Any,
+    vocab_parallel_rank: int | None,
+    vocab_parallel_group: ProcessGroup | None,
+    context_parallel_group: ProcessGroup | None,
+    chunk_size: int | None,
+) -> dict[str, Any]:
+    """`DISTILLATION`: student/teacher log-probs at the teacher's top-k ids (`lossfx.distillation`)."""
+    from lossfx.distillation import distillation_topk_logprobs
+
+    _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+    zero_outside_topk = bool(getattr(loss_fn, "zero_outside_topk", False))
+    calculate_entropy = zero_outside_topk and getattr(loss_fn, "kl_type", "mixed") != "forward"
+    student, teacher, neg_entropy = distillation_topk_logprobs(
+        logits,
+        check_tensor("data['teacher_topk_logits']", _column(data, "teacher_topk_logits")),
+        check_tensor("data['teacher_topk_indices']", _column(data, "teacher_topk_indices")),
+        zero_outside_topk=zero_outside_topk,
+        calculate_entropy=calculate_entropy,
+        vocab_parallel_group=group,
+        context_parallel_group=context_parallel_group,
+        chunk_size=chunk_size,
+    )
+    return {"student_topk_logprobs": student, "teacher_topk_logprobs": teacher, "H_all": neg_entropy}
+
+
+def _prepare_draft_input(
+    logits: Tensor,
+    data: MutableMapping[str, Any],
+    d2t: Tensor | None,
+    vocab_parallel_rank: int | None,
+    vocab_parallel_group: ProcessGroup | None,
+    context_parallel_group: ProcessGroup | None,
+) -> dict[str, Any]:
+    """`DRAFT`: shifted teacher logits in draft vocabulary and the shifted mask (`lossfx.draft`)."""
+    from lossfx.draft import draft_targets
+
+    _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+    student_logits = _column(data, "student_logits")
+    teacher, mask = draft_targets(
+        logits,
+        check_tensor("data['token_mask']", _column(data, "token_mask")),
+        d2t,
+        vocab_parallel_rank=vocab_parallel_rank if group is not None else None,
+        vocab_parallel_group=group,
+        context_parallel_group=context_parallel_group,
+    )
+    return {"teacher_logits": teacher, "student_logits": student_logits, "token_mask": mask}
+

@@ -66,8 +66,9 @@ def _worker(rank: int, world: int, port: int, dtypes: list[str], backend: str, q
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     group = dist.group.WORLD
-    import lossfx
     from torch._dynamo.testing import CompileCounterWithBackend
+
+    import lossfx
 
     rows = []
     try:
@@ -76,7 +77,7 @@ def _worker(rank: int, world: int, port: int, dtypes: list[str], backend: str, q
             counter = CompileCounterWithBackend(backend)
             loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
 
-            def step(hidden, weight, data, mask):
+            def step(hidden, weight, data, mask, loss_fn=loss_fn):
                 out, _ = lossfx.prepare_loss_input(
                     hidden @ weight.T, data, loss_fn, vocab_parallel_rank=rank, vocab_parallel_group=group
                 )
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             bad.append("recompiles")
         ok &= not bad
         cells = "  ".join(f"{v:>10.2e}" for v in errors.values())
-        print(f"{name:9} {rank:>4} {seq:>3} {compiles:>8} {seconds:>7.2f}  {cells}  {'FAIL ' + ','.join(bad) if bad else 'ok'}")
+        verdict = "FAIL " + ",".join(bad) if bad else "ok"
+        print(f"{name:9} {rank:>4} {seq:>3} {compiles:>8} {seconds:>7.2f}  {cells}  {verdict}")
     for f in failures:
         print(f, file=sys.stderr)
     print(f"tolerances vs float64 reference: { {str(k).removeprefix('torch.'): v for k, v in TOLERANCE.items()} }")

@@ -302,3 +302,87 @@ def compiled_for_rank(rank: int, key: Any, fn: Callable[..., Any], backend: str 
             counter = CompileCounterWithBackend(backend)
             entry = _compiled[(rank, key, backend)] = (counter, torch.compile(fn, backend=counter, fullgraph=True))
         return entry
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor x context parallel sub-groups
+# ---------------------------------------------------------------------------------------------
+
+_mesh_local = threading.local()
+
+
+def mesh_groups(rank: int, world: int, group: Any, tp: int) -> tuple[Any, int, Any, int]:
+    """Split a world of `tp · cp` ranks into TP groups (consecutive ranks) and CP groups.
+
+    Returns `(tp_group, tp_rank, cp_group, cp_rank)`; a size-1 dimension gets `None` and rank 0.
+    Every rank of the world must call it with the same `tp` (sub-groups are created collectively,
+    once per rank thread or process, and cached).
+    """
+    if world % tp:
+        raise ValueError(f"tp={tp} does not divide world={world}")
+    cp = world // tp
+    if tp == world:
+        return group, rank, None, 0
+    if tp == 1:
+        return None, 0, group, rank
+    cache = getattr(_mesh_local, "groups", None)
+    if cache is None:
+        cache = _mesh_local.groups = {}
+    key = (world, tp)
+    if key not in cache:
+        tp_groups = [dist.new_group(list(range(c * tp, (c + 1) * tp))) for c in range(cp)]
+        cp_groups = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
+        cache[key] = (tp_groups, cp_groups)
+    tp_groups, cp_groups = cache[key]
+    return tp_groups[rank // tp], rank % tp, cp_groups[rank % tp], rank // tp
+
+
+# ---------------------------------------------------------------------------------------------
+# gradcheck of a function of a sharded input
+# ---------------------------------------------------------------------------------------------
+
+
+def sharded_gradcheck(
+    fn: Callable[[torch.Tensor], Any],
+    shard: torch.Tensor,
+    *,
+    rank: int,
+    world: int,
+    eps: float = 1e-6,
+    atol: float = 1e-6,
+    rtol: float = 1e-4,
+) -> bool:
+    """Float64 gradcheck of `fn(shard)` whose value depends on every rank's shard.
+
+    `torch.autograd.gradcheck` run on every rank at once would perturb all shards together, so
+    its numerical Jacobian would mix the ranks. Here the ranks take turns: for each element of
+    each rank's shard, only its owner perturbs it, while every rank calls `fn` (and so every
+    collective) in lockstep. The analytic rows come from autograd on this rank's shard (the
+    replicated-output convention: a rank's gradient is its own shard's). Each rank checks its own
+    columns of the Jacobian; raises `AssertionError` on a mismatch, else returns True.
+    """
+
+    def flat(out: Any) -> torch.Tensor:
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        return torch.cat([o.reshape(-1) for o in outs if o is not None])
+
+    base = shard.detach().to(torch.float64)
+    n_out = flat(fn(base.clone())).numel()
+    numeric = torch.zeros(n_out, base.numel(), dtype=torch.float64)
+    for owner in range(world):
+        for i in range(base.numel()):
+            plus, minus = base.clone(), base.clone()
+            if rank == owner:
+                plus.view(-1)[i] += eps
+                minus.view(-1)[i] -= eps
+            column = (flat(fn(plus)) - flat(fn(minus))) / (2 * eps)
+            if rank == owner:
+                numeric[:, i] = column
+    analytic = torch.zeros_like(numeric)
+    for o in range(n_out):
+        x = base.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(flat(fn(x))[o], x, allow_unused=True)
+        if grad is not None:
+            analytic[o] = grad.reshape(-1)
+    torch.testing.assert_close(analytic, numeric, atol=atol, rtol=rtol)
+    return True

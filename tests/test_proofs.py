@@ -61,3 +61,84 @@ def test_logprobs_chunk_independence(chunk):
     out_whole, lse_whole = lossfx.token_logprobs_with_lse(z, t, chunk_size=n)
     torch.testing.assert_close(lse_chunked, lse_whole, rtol=0, atol=1e-12)
     torch.testing.assert_close(out_chunked, out_whole, rtol=0, atol=1e-12)
+
+
+def test_gather_vjp_formula_with_duplicates():
+    """proofs/gather.md §2: scatter_add(i, g) − p Σg + h p (log p − H), against autograd."""
+    n, v = 5, 9
+    z = _logits(n, v, 11).requires_grad_()
+    ids = torch.randint(0, v, (n, 4), generator=torch.Generator().manual_seed(2))
+    ids[:, 1] = ids[:, 0]  # duplicates
+    g, h = torch.randn(n, 4, dtype=F64), torch.randn(n, dtype=F64)
+    lp_ref, neg_h_ref = reference.gather_logprobs(z, ids)
+    ((lp_ref * g).sum() + (neg_h_ref * h).sum()).backward()
+    p = torch.softmax(z.detach(), -1)
+    log_p = torch.log_softmax(z.detach(), -1)
+    neg_h = (p * log_p).sum(-1, keepdim=True)
+    formula = torch.zeros(n, v, dtype=F64).scatter_add(-1, ids, g) - p * g.sum(-1, keepdim=True)
+    formula = formula + h[:, None] * p * (log_p - neg_h)
+    torch.testing.assert_close(z.grad, formula, rtol=0, atol=1e-12)
+    z2 = z.detach().clone().requires_grad_()
+    lp, nh = lossfx.gather_logprobs(z2, ids, with_entropy=True, chunk_size=2)
+    ((lp * g).sum() + (nh * h).sum()).backward()
+    torch.testing.assert_close(z2.grad, formula, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3])
+def test_gather_entropy_merge_identity(shards):
+    """proofs/gather.md §3: H = U/S − lse from per-shard (m, s, u) over any partition."""
+    n, v = 4, 10
+    z = _logits(n, v, 5 + shards, neg_inf=True)[1:]  # drop the all -inf row: H is defined as 0 there
+    bounds = torch.linspace(0, v, shards + 1).round().long().tolist()
+    ms, ss, us = [], [], []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        part = z[:, a:b]
+        m = part.amax(-1)
+        shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        e = torch.exp(part - shift[:, None])
+        ms.append(m)
+        ss.append(e.sum(-1))
+        us.append(torch.where(torch.isneginf(part), torch.zeros_like(e), e * part).sum(-1))
+    m = torch.stack(ms).amax(0)
+    scale = torch.exp(torch.stack(ms) - m)
+    big_s, big_u = (scale * torch.stack(ss)).sum(0), (scale * torch.stack(us)).sum(0)
+    lse = m + torch.log(big_s)
+    _, neg_h_ref = reference.gather_logprobs(z, torch.zeros(z.shape[0], 1, dtype=torch.long))
+    torch.testing.assert_close(big_u / big_s - lse, neg_h_ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_packing_index_maps_are_inverse_bijections(cp, seed):
+    """proofs/packing.md §2: (rank, local slot) -> canonical slot is a bijection, with the inverse."""
+    from lossfx.packing import _local_of_canonical, _slot_of_local
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = (torch.randint(0, 4, (5,), generator=gen) * 2 * cp).tolist()  # empty sequences too
+    cu_p = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    total = int(cu_p[-1])
+    local_len = total // cp
+    canonical_of = torch.empty(cp, local_len, dtype=torch.long)
+    for r in range(cp):
+        seg, j, _ = _slot_of_local(cu_p, local_len, r, cp)
+        canonical_of[r] = cu_p[seg] + j
+    assert sorted(canonical_of.reshape(-1).tolist()) == list(range(total))
+    inverse = _local_of_canonical(cu_p, local_len, cp)
+    assert torch.equal(canonical_of.reshape(-1)[inverse], torch.arange(total))
+
+
+def test_packing_summed_gradient_convention():
+    """proofs/packing.md §4: d(Σ_s L_s)/dx_r = Π_r^T Σ_s G_s, emulated for C = 3 ranks."""
+    torch.manual_seed(0)
+    cp, n = 3, 4
+    xs = [torch.randn(n, dtype=F64, requires_grad=True) for _ in range(cp)]
+    perm = torch.randperm(cp * n)
+    weights = [torch.randn(cp * n, dtype=F64) for _ in range(cp)]
+    gathered = torch.cat(xs)[perm]
+    sum((w * gathered**2).sum() for w in weights).backward()
+    upstream = [w * 2 * gathered.detach() for w in weights]  # G_s
+    total = torch.stack(upstream).sum(0)
+    back = torch.empty(cp * n, dtype=F64)
+    back[perm] = total
+    for r in range(cp):
+        torch.testing.assert_close(xs[r].grad, back[r * n : (r + 1) * n], rtol=0, atol=1e-12)

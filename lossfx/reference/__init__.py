@@ -10,16 +10,58 @@ Conventions shared with the fast paths: a row whose logits are all `-inf` has lo
 One module per capability (`_logprobs`, ...); everything is re-exported here.
 """
 
+from lossfx.reference._distillation import (
+    distillation_topk_logprobs,
+    draft_targets,
+    gather_logprobs,
+    prepare_distillation_input,
+    prepare_draft_input,
+    vocab_topk,
+)
+from lossfx.reference._divergence import (
+    cp_shard,
+    cross_entropy_to_fixed,
+    entropy,
+    opd_full_loss_input,
+    opd_full_teacher_logits,
+    reverse_kl_to_fixed,
+)
+from lossfx.reference._filtering import (
+    apply_top_k_top_p,
+    filtered_token_logprobs,
+    mask_out_neg_inf_logprobs,
+    next_token_filtered_logprobs,
+    prepare_filtered_logprob_input,
+)
 from lossfx.reference._logprobs import (
     log_softmax,
     next_token_logprobs,
     prepare_loss_input,
     token_logprobs,
 )
+from lossfx.reference._packing import packed_next_token_logprobs
 
 __all__ = [
+    "apply_top_k_top_p",
+    "cp_shard",
+    "cross_entropy_to_fixed",
+    "distillation_topk_logprobs",
+    "draft_targets",
+    "entropy",
+    "filtered_token_logprobs",
+    "gather_logprobs",
     "log_softmax",
+    "mask_out_neg_inf_logprobs",
+    "next_token_filtered_logprobs",
     "next_token_logprobs",
+    "opd_full_loss_input",
+    "opd_full_teacher_logits",
+    "packed_next_token_logprobs",
+    "prepare_distillation_input",
+    "prepare_draft_input",
+    "prepare_filtered_logprob_input",
     "prepare_loss_input",
+    "reverse_kl_to_fixed",
     "token_logprobs",
+    "vocab_topk",
 ]
