@@ -34,6 +34,9 @@ def row_max_sumexp(z: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor,
     fresh `[N, V]` temporary, exponentiated in place: one temporary per call in eager mode.
     """
     dtype = z.dtype if dtype is None else dtype
+    if torch.compiler.is_compiling():
+        # Inductor fuses the cast into its loads; a bf16 max reduction measured 2x slower on CPU.
+        z = z.to(dtype)
     m = z.amax(dim=-1).to(dtype)  # [N]
     e = z - finite_or_zero(m).unsqueeze(-1)  # [N, V] in dtype (type promotion; exact upcast)
     s = e.exp_().sum(dim=-1)  # [N]
