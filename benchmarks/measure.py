@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import csv
+import json
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,3 +78,61 @@ def environment() -> dict[str, str]:
         "torch": torch.__version__,
         "lossfx": lossfx.__version__,
     }
+
+
+def compare_providers(
+    providers: dict[str, Callable[[], Any]],
+    *,
+    logits_bytes: int,
+    min_run_time: float,
+    common: dict[str, Any],
+    baseline: str | None = None,
+) -> list[dict[str, Any]]:
+    """Time and measure each provider's `run()` side by side, in the given order.
+
+    Each row holds the timing (`time_call`), the compile/first-call overhead, the peak extra bytes
+    (`peak_extra_bytes`) and that peak as a multiple of `logits_bytes`, plus `common` fields and
+    the environment. With `baseline`, every row also gets `speedup_vs_<baseline>`.
+    """
+    env = environment()
+    rows = []
+    for name, run in providers.items():
+        start = time.perf_counter()
+        run()
+        first = time.perf_counter() - start
+        timing = time_call(run, min_run_time=min_run_time)
+        peak = peak_extra_bytes(run)
+        row = {
+            **common,
+            "provider": name,
+            **{k: round(v, 6) for k, v in timing.items()},
+            "first_call_overhead_s": round(max(first - timing["median_s"], 0.0), 3),
+            "peak_extra_bytes": peak,
+            "peak_extra_x_logits": round(peak / logits_bytes, 3),
+            **env,
+        }
+        rows.append(row)
+        print(
+            f"{name:22s} median {timing['median_s']:.4f}s  p20 {timing['p20_s']:.4f}  p80 {timing['p80_s']:.4f}  "
+            f"peak extra {peak / 2**20:9.1f} MiB = {peak / logits_bytes:.3f}x logits",
+            flush=True,
+        )
+    if baseline is not None:
+        base = next(r for r in rows if r["provider"] == baseline)["median_s"]
+        for row in rows:
+            row[f"speedup_vs_{baseline}"] = round(base / row["median_s"], 3)
+            print(f"{row['provider']:22s} {base / row['median_s']:.2f}x the speed of {baseline}")
+    return rows
+
+
+def write_results(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Write `rows` to `<stem>.csv` and `{**meta, "results": rows}` to `<stem>.json`."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    with open(f"{stem}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(f"{stem}.json", "w") as f:
+        json.dump({**meta, "results": rows}, f, indent=2)
+    print(f"wrote {stem}.csv and {stem}.json")
