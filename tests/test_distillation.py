@@ -124,6 +124,23 @@ def test_vocab_topk_matches_reference_with_ties(world, k):
         torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("k_is_v", [False, True], ids=["K=1", "K=V"])
+def test_gather_logprobs_k_one_and_k_equal_v(world, k_is_v):
+    n, v = 5, 8
+    z = _logits((n, v), seed=21 + world)
+    ids = torch.arange(v).repeat(n, 1) if k_is_v else _ids((n, 1), v, seed=3)
+    g, h = torch.randn(ids.shape, dtype=F64), torch.randn(n, dtype=F64)
+    results = run_ranks(world, _gather_rank, z, ids, True, None, g, h)
+    zr = z.clone().requires_grad_()
+    ref_lp, ref_h = reference.gather_logprobs(zr, ids)
+    ((ref_lp * g).sum() + (ref_h * h).sum()).backward()
+    for lp, neg_h, _ in results:
+        torch.testing.assert_close(lp, ref_lp.detach(), **TIGHT)
+        torch.testing.assert_close(neg_h, ref_h.detach(), **TIGHT)
+    torch.testing.assert_close(torch.cat([r[2] for r in results], -1), zr.grad, **TIGHT)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Low precision: no worse than the dense same-dtype baseline, against a float64 truth
 # ---------------------------------------------------------------------------------------------

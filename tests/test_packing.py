@@ -22,8 +22,8 @@ from lossfx.packing import packed_next_token_logprobs
 
 F64 = torch.float64
 TIGHT = {"rtol": 0, "atol": 1e-10}
-LAYOUTS = [(1, 1), (2, 2), (2, 1), (4, 2), (4, 1)]  # (world, tp): cp = world // tp
-LAYOUT_IDS = ["tp1", "tp2", "cp2", "tp2xcp2", "cp4"]
+LAYOUTS = [(1, 1), (2, 2), (2, 1), (4, 2), (4, 1), (8, 2)]  # (world, tp): cp = world // tp
+LAYOUT_IDS = ["tp1", "tp2", "cp2", "tp2xcp2", "cp4", "tp2xcp4"]
 
 # ---------------------------------------------------------------------------------------------
 # 0. Helpers
@@ -359,3 +359,42 @@ def test_prepare_loss_input_logprob_with_context_parallelism(world, tp):
         torch.testing.assert_close(lp, ref["next_token_logprobs"].detach(), **TIGHT)
         want = _tp_slice(shard_for_cp_rank(zr.grad, rank // tp, cp, seq_dim=1), rank % tp, tp)
         torch.testing.assert_close(grad, want, **TIGHT)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(("world", "tp"), [(2, 1), (4, 2)], ids=["cp2", "tp2xcp2"])
+def test_prepare_loss_input_logprob_cp_compiles(world, tp):
+    """LOGPROB with context parallelism under fullgraph=True (aot_eager), two sequence lengths."""
+    for seq in (8, 16):
+        gen = torch.Generator().manual_seed(seq)
+        z = torch.randn(2, seq, 8, generator=gen, dtype=F64)
+        ids = torch.randint(0, 8, (2, seq), generator=gen)
+        zr = z.clone().requires_grad_()
+        ref = reference.next_token_logprobs(zr, ids)
+        ref.sum().backward()
+        results = run_ranks(world, _logprob_cp_compiled_rank, tp, z, ids)
+        for rank, (lp, grad, compiles) in enumerate(results):
+            torch.testing.assert_close(lp, ref.detach(), **TIGHT)
+            want = _tp_slice(shard_for_cp_rank(zr.grad, rank // tp, world // tp, seq_dim=1), rank % tp, tp)
+            torch.testing.assert_close(grad, want, **TIGHT)
+            assert compiles <= 2
+
+
+def _logprob_cp_compiled_rank(rank, world, group, tp, z, ids):
+    tp_group, tp_rank, cp_group, cp_rank = mesh_groups(rank, world, group, tp)
+    cp = world // tp
+    local = _tp_slice(shard_for_cp_rank(z, cp_rank, cp, seq_dim=1), tp_rank, tp).clone().requires_grad_()
+    loss_fn = SimpleNamespace(input_type="logprob")
+
+    def step(logits, ids):
+        out, _ = lossfx.prepare_loss_input(
+            logits, {"input_ids": ids}, loss_fn,
+            vocab_parallel_rank=tp_rank if tp_group is not None else None,
+            vocab_parallel_group=tp_group, context_parallel_group=cp_group,
+        )
+        return out["next_token_logprobs"]
+
+    counter, fn = compiled_for_rank(rank, ("logprob-cp", world, tp), step, backend="aot_eager")
+    lp = fn(local, ids)
+    (lp.sum() / cp).backward()
+    return lp.detach(), local.grad, counter.frame_count
