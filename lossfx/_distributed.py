@@ -14,10 +14,13 @@ from torch import Tensor
 
 __all__ = [
     "all_gather_stack",
+    "all_gather_stack_summed_grad",
     "all_reduce",
+    "check_vocab_parallel",
     "group_rank",
     "group_size",
     "is_distributed",
+    "local_columns",
     "reduce_scatter_sum",
 ]
 
@@ -94,3 +97,32 @@ def all_gather_stack_summed_grad(x: Tensor, group: ProcessGroup | None) -> Tenso
     if not is_distributed(group):
         return x.unsqueeze(0)
     return _AllGatherStackFn.apply(x, group)
+
+
+def local_columns(ids: Tensor, vocab_start: int, local_vocab: int) -> tuple[Tensor, Tensor]:
+    """`(local_idx, owned)` for global `ids` (any shape): the column inside this rank's shard
+    `[vocab_start, vocab_start + local_vocab)`, 0 where the id is not owned, and the ownership."""
+    local = ids - vocab_start
+    owned = (local >= 0) & (local < local_vocab)
+    return torch.where(owned, local, torch.zeros_like(local)), owned
+
+
+def check_vocab_parallel(vocab_parallel_rank: int | None, vocab_parallel_group: ProcessGroup | None) -> int:
+    """Validate `vocab_parallel_rank` against a non-`None` group and return it.
+
+    Raises:
+        ValueError: a group without a rank, or a rank that is not this process's rank in it.
+        TypeError: a non-int rank.
+    """
+    if vocab_parallel_rank is None:
+        raise ValueError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
+    if isinstance(vocab_parallel_rank, bool) or not isinstance(vocab_parallel_rank, int):
+        raise TypeError(f"vocab_parallel_rank must be an int, got {vocab_parallel_rank!r}")
+    rank = group_rank(vocab_parallel_group)
+    if vocab_parallel_rank != rank:
+        raise ValueError(
+            f"vocab_parallel_rank={vocab_parallel_rank} disagrees with the rank {rank} of "
+            f"vocab_parallel_group (size {group_size(vocab_parallel_group)})"
+        )
+    return rank
+

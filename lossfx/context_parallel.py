@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size
+from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
 from lossfx._validation import check_tensor
 
-__all__ = ["allgather_cp", "cp_positions", "shard_for_cp_rank", "unshard"]
+__all__ = ["allgather_cp", "cp_positions", "shard_for_cp_rank", "shard_padded_for_cp", "unshard"]
 
 
 def _check_seq_dim(x: Tensor, seq_dim: int) -> int:
@@ -127,25 +127,18 @@ def unshard(shards: list[Tensor] | tuple[Tensor, ...], seq_dim: int = 1) -> Tens
     return _unshard_stacked(torch.stack(list(shards)), seq_dim)
 
 
-class _AllGatherCPFn(torch.autograd.Function):
-    @staticmethod
-    def forward(x, group, seq_dim):
-        # 1. one all-gather of the equal-shaped local tensors: [C, *x.shape]
-        stacked = all_gather_stack(x, group)
-        # 2. reorder the 2C chunks into canonical order
-        return _unshard_stacked(stacked, seq_dim)
+def shard_padded_for_cp(x: Tensor, local_len: int, group: ProcessGroup | None) -> Tensor:
+    """Canonical `x [B, S, ...]` zero-padded along dim 1 to `C·local_len`, then this rank's part.
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _x, group, seq_dim = inputs
-        ctx.group, ctx.seq_dim = group, seq_dim
-
-    @staticmethod
-    def backward(ctx, dout):
-        # Sum the upstream gradients of every CP rank, then keep this rank's two chunks.
-        total = all_reduce(dout.contiguous(), "sum", ctx.group)
-        dx = shard_for_cp_rank(total, group_rank(ctx.group), group_size(ctx.group), ctx.seq_dim)
-        return dx, None, None  # one entry per forward input
+    Equivalent to ``shard_for_cp_rank(pad(x, C·local_len), rank, C)``; without a CP group (or of
+    size 1) only the padding to `local_len` applies. The caller checks `S <= C·local_len` with its
+    own message.
+    """
+    cp_size = group_size(group)
+    pad = local_len * cp_size - x.shape[1]
+    if pad:
+        x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, pad])  # [B, C·S_l, ...]
+    return shard_for_cp_rank(x, group_rank(group), cp_size, seq_dim=1)
 
 
 def allgather_cp(x: Tensor, group: ProcessGroup | None, seq_dim: int = 1) -> Tensor:
@@ -174,4 +167,5 @@ def allgather_cp(x: Tensor, group: ProcessGroup | None, seq_dim: int = 1) -> Ten
     if group_size(group) == 1:
         return x
     seq_dim = _check_local(x, seq_dim)
-    return _AllGatherCPFn.apply(x, group, seq_dim)
+    # one all-gather [C, *x.shape] whose backward sums the ranks' gradients, then canonical order
+    return _unshard_stacked(all_gather_stack_summed_grad(x, group), seq_dim)

@@ -3,7 +3,7 @@
 Pipeline (`distillation_topk_logprobs`), every step on this rank's `[B, S_l, Vl]` student shard:
 
 1. with context parallelism, the canonical ids `[B, S, K]` are padded to `C·S_l` and cut to this
-   rank's load-balanced positions (`context_parallel.shard_for_cp_rank`);
+   rank's load-balanced positions (`context_parallel.shard_padded_for_cp`);
 2. student log-probs at the ids, either normalised over the full vocabulary (`zero_outside_topk`,
    with `Σ p log p` from the same streaming pass when asked: `gather.gather_logprobs`), or
    renormalised over the K ids (`gather.gather_logits`, then a K-way `log_softmax`);
@@ -15,13 +15,12 @@ Pipeline (`distillation_topk_logprobs`), every step on this rank's `[B, S_l, Vl]
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from lossfx._distributed import ProcessGroup, group_rank, group_size
+from lossfx._distributed import ProcessGroup, group_size
 from lossfx._numerics import compute_dtype, log_softmax_rows
 from lossfx._validation import check_floating, check_integer_ids, check_positive_int
-from lossfx.context_parallel import allgather_cp, shard_for_cp_rank
+from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
 from lossfx.gather import gather_logits, gather_logprobs
 
 __all__ = ["distillation_topk_logprobs"]
@@ -30,16 +29,12 @@ __all__ = ["distillation_topk_logprobs"]
 def _to_cp_local(ids: Tensor, local_len: int, cp_group: ProcessGroup | None) -> Tensor:
     """Canonical `[B, S, K]` -> this CP rank's `[B, S_l, K]` (zero-padded to `C·S_l` first)."""
     cp_size = group_size(cp_group)
-    if cp_size == 1:
-        return ids
-    pad = local_len * cp_size - ids.shape[1]
-    if pad < 0:
+    if ids.shape[1] > local_len * cp_size:
         raise ValueError(
             f"teacher_topk_indices has {ids.shape[1]} positions, more than the {local_len}·{cp_size} "
             "the context-parallel student logits cover"
         )
-    ids = torch.nn.functional.pad(ids, (0, 0, 0, pad))  # [B, C·S_l, K]
-    return shard_for_cp_rank(ids, group_rank(cp_group), cp_size, seq_dim=1)
+    return shard_padded_for_cp(ids, local_len, cp_group)
 
 
 def _to_canonical(x: Tensor, seq: int, cp_group: ProcessGroup | None) -> Tensor:

@@ -25,6 +25,7 @@ from lossfx._distributed import (
     all_gather_stack,
     group_rank,
     group_size,
+    local_columns,
     reduce_scatter_sum,
 )
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
@@ -95,9 +96,9 @@ def map_to_draft_vocab(
     check_ids_in_range("d2t targets (i + d2t[i])", target_ids, world * local_vocab)
     if world == 1:
         return teacher_logits[..., target_ids.to(teacher_logits.device)]
-    local = target_ids.to(teacher_logits.device) - group_rank(vocab_parallel_group) * local_vocab
-    owned = (local >= 0) & (local < local_vocab)  # [D]
-    picked = teacher_logits[..., torch.where(owned, local, torch.zeros_like(local))]  # [..., D]
+    vocab_start = group_rank(vocab_parallel_group) * local_vocab
+    local_idx, owned = local_columns(target_ids.to(teacher_logits.device), vocab_start, local_vocab)  # [D]
+    picked = teacher_logits[..., local_idx]  # [..., D]
     picked = torch.where(owned, picked, torch.zeros_like(picked))
     draft_major = picked.movedim(-1, 0)  # [D, ...]
     mine = reduce_scatter_sum(draft_major, vocab_parallel_group)  # [D/TP, ...]

@@ -48,7 +48,14 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
-from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size
+from lossfx._distributed import (
+    ProcessGroup,
+    all_gather_stack,
+    all_reduce,
+    group_rank,
+    group_size,
+    local_columns,
+)
 from lossfx._numerics import compute_dtype, finite_or_zero, lse_for_softmax, merge_max_sumexp, row_max_sumexp
 from lossfx._validation import (
     check_floating,
@@ -404,9 +411,7 @@ def _filtered_logprobs_fwd(
     cdtype = compute_dtype(logits.dtype)
     # 1. the threshold (keep = logits ≥ τ) and, from the candidates, the filtered lse
     tau, lse = _thresholds(logits, top_k, top_p, vocab_size, chunk_rows, group, strategy)  # [N]
-    local = target - vocab_start
-    owned = (local >= 0) & (local < local_vocab)  # [N]
-    local_idx = torch.where(owned, local, torch.zeros_like(local))
+    local_idx, owned = local_columns(target, vocab_start, local_vocab)  # [N], [N]
     picked = logits.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1).to(cdtype)  # [N]
     kept = owned & (picked >= tau)  # [N]: the target survives the filter (owner rank only)
     picked = torch.where(kept, picked, torch.zeros_like(picked))
@@ -442,9 +447,7 @@ def _filtered_logprobs_bwd(
     """-> dlogits `[N, Vl]` in the logits' dtype; no collective, the mask is a constant."""
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
-    local = target - vocab_start
-    owned = (local >= 0) & (local < local_vocab)
-    local_idx = torch.where(owned, local, torch.zeros_like(local))  # [N]
+    local_idx, owned = local_columns(target, vocab_start, local_vocab)  # [N], [N]
     shift = lse_for_softmax(lse)  # [N]
     grad = torch.where(torch.isneginf(lse), torch.zeros_like(lse), dout.to(cdtype))  # [N]
     picked = logits.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1).to(cdtype)  # [N]

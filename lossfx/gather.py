@@ -25,18 +25,11 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
-from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size
+from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size, local_columns
 from lossfx._numerics import compute_dtype, finite_or_zero, lse_for_softmax, merge_max_sumexp
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
 
 __all__ = ["gather_logits", "gather_logprobs"]
-
-
-def _local_ids(ids: Tensor, vocab_start: int, local_vocab: int) -> tuple[Tensor, Tensor]:
-    """`(local_idx, owned)` for global `ids [N, K]`: column inside this shard (0 if not owned)."""
-    local = ids - vocab_start
-    owned = (local >= 0) & (local < local_vocab)
-    return torch.where(owned, local, torch.zeros_like(local)), owned
 
 
 def _xlogx_terms(z: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
@@ -50,7 +43,7 @@ def _gather_logprobs_fwd(logits, ids, vocab_start, with_entropy, chunk_rows, gro
     """logits `[N, Vl]`, ids `[N, K]` -> (logprobs `[N, K]`, neg_entropy `[N]`, lse `[N]`)."""
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
-    local_idx, owned = _local_ids(ids, vocab_start, local_vocab)
+    local_idx, owned = local_columns(ids, vocab_start, local_vocab)
     # 1. local statistics per chunk: max, Σ exp(z − m), and Σ exp(z − m)·z for the entropy
     maxes, sums, weighted = [], [], []
     for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
@@ -86,7 +79,7 @@ def _gather_logprobs_bwd(logits, ids, lse, neg_entropy, dlogprobs, dneg_entropy,
     """-> dlogits `[N, Vl]` in the logits' dtype; no collective."""
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
-    local_idx, owned = _local_ids(ids, vocab_start, local_vocab)
+    local_idx, owned = local_columns(ids, vocab_start, local_vocab)
     finite_row = ~torch.isneginf(lse)  # all -inf rows are constant: zero gradient
     g = torch.where(finite_row.unsqueeze(-1), dlogprobs.to(cdtype), 0.0)  # [N, K]
     h = torch.where(finite_row, dneg_entropy.to(cdtype), 0.0)  # [N]
@@ -238,7 +231,7 @@ def gather_logits(
         tensor([[3., 3., 1.]])
     """
     local_vocab, vocab_start, _ = _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, None)
-    local_idx, owned = _local_ids(ids, vocab_start, local_vocab)
+    local_idx, owned = local_columns(ids, vocab_start, local_vocab)
     local = logits.gather(-1, local_idx).to(compute_dtype(logits.dtype))  # [..., K]
     local = torch.where(owned, local, torch.zeros_like(local))
     total = all_reduce(local.detach(), "sum", group)

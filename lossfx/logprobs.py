@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
-from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size
+from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size, local_columns
 from lossfx._numerics import compute_dtype, lse_for_softmax, merge_max_sumexp, row_max_sumexp
 from lossfx._validation import (
     check_floating,
@@ -37,20 +37,13 @@ from lossfx._validation import (
 __all__ = ["token_logprobs"]
 
 
-def _local_target(target: Tensor, vocab_start: int, local_vocab: int) -> tuple[Tensor, Tensor]:
-    """`(local_idx, owned)`: column of `target` inside this shard (0 if not owned), ownership."""
-    local = target - vocab_start  # [N]
-    owned = (local >= 0) & (local < local_vocab)  # [N]
-    return torch.where(owned, local, torch.zeros_like(local)), owned
-
-
 def _token_logprobs_fwd(
     logits: Tensor, target: Tensor, vocab_start: int, chunk_rows: int | None, group: ProcessGroup | None
 ) -> tuple[Tensor, Tensor]:
     """logits `[N, Vl]`, target `[N]` (global ids) -> (out `[N]`, lse `[N]`) in the compute dtype."""
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
-    local_idx, owned = _local_target(target, vocab_start, local_vocab)
+    local_idx, owned = local_columns(target, vocab_start, local_vocab)
     # 1. local statistics, one chunk of rows at a time
     maxes, sums = [], []
     for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
@@ -74,7 +67,7 @@ def _token_logprobs_bwd(
     """-> dlogits `[N, Vl]` in the logits' dtype; no collective."""
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
-    local_idx, owned = _local_target(target, vocab_start, local_vocab)
+    local_idx, owned = local_columns(target, vocab_start, local_vocab)
     shift = lse_for_softmax(lse)  # [N]
     # An all -inf row has a constant output (-inf): its gradient is 0.
     grad = torch.where(torch.isneginf(lse), torch.zeros_like(lse), dout.to(cdtype))  # [N]

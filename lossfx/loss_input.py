@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._distributed import ProcessGroup, group_rank, group_size
+from lossfx._distributed import ProcessGroup, check_vocab_parallel
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_tensor
 from lossfx.filtering import loss_mask_from_data, mask_out_neg_inf_logprobs
@@ -56,17 +56,7 @@ def _vocab_parallel(
     """Validate the tensor-parallel arguments; return `(rank, group)` (`(0, None)` without TP)."""
     if vocab_parallel_group is None:
         return 0, None
-    if vocab_parallel_rank is None:
-        raise ValueError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
-    if isinstance(vocab_parallel_rank, bool) or not isinstance(vocab_parallel_rank, int):
-        raise TypeError(f"vocab_parallel_rank must be an int, got {vocab_parallel_rank!r}")
-    size, rank = group_size(vocab_parallel_group), group_rank(vocab_parallel_group)
-    if vocab_parallel_rank != rank:
-        raise ValueError(
-            f"vocab_parallel_rank={vocab_parallel_rank} disagrees with the rank {rank} of "
-            f"vocab_parallel_group (size {size})"
-        )
-    return rank, vocab_parallel_group
+    return check_vocab_parallel(vocab_parallel_rank, vocab_parallel_group), vocab_parallel_group
 
 
 def next_token_logprobs(

@@ -8,7 +8,7 @@ Pipeline (`next_token_logprobs`):
    the logits, which would copy them): `target[:, t] = input_ids[:, t+1]`, the wrapped last column
    is a valid id whose result is dropped;
 2. with context parallelism the targets are zero-padded to `C·S_l` and laid out like the logits:
-   this rank's load-balanced part (`context_parallel.shard_for_cp_rank`), or the sharder's
+   this rank's load-balanced part (`context_parallel.shard_padded_for_cp`), or the sharder's
    `shard_token_tensor`;
 3. the token log-prob kernel (`logprobs.token_logprobs`, or `filtering.filtered_token_logprobs`
    under a top-k/top-p filter) on this rank's `[B, S_l, Vl]` logits, tensor parallel and chunked;
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from lossfx._distributed import ProcessGroup, group_rank, group_size
 from lossfx._validation import check_floating, check_integer_ids, check_positive_int
-from lossfx.context_parallel import allgather_cp, shard_for_cp_rank
+from lossfx.context_parallel import allgather_cp, shard_for_cp_rank, shard_padded_for_cp
 from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
 
 __all__ = ["ContextParallelSharder", "LoadBalancedSharder", "next_token_logprobs", "target_logprobs"]
@@ -168,8 +168,7 @@ def next_token_logprobs(
     if cp_sharder is not None:
         target = cp_sharder.shard_token_tensor(target, seq_dim=1, fill=0)
     elif cp_size > 1:
-        target = torch.nn.functional.pad(target, (0, local_len * cp_size - seq))  # [B, C·S_l]
-        target = shard_for_cp_rank(target, group_rank(context_parallel_group), cp_size, seq_dim=1)
+        target = shard_padded_for_cp(target, local_len, context_parallel_group)  # [B, S_l]
     # 3. the kernel on this rank's logits
     rows = None if chunk_size is None else chunk_size * batch
     local = target_logprobs(

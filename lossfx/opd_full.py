@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._distributed import ProcessGroup, group_rank, group_size
+from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
-from lossfx.context_parallel import allgather_cp, shard_for_cp_rank
+from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
 from lossfx.divergence import cross_entropy_to_fixed, entropy, reverse_kl_to_fixed
 from lossfx.next_token import next_token_logprobs
 
@@ -279,17 +279,15 @@ def reconstruct_opd_full_teacher_logits(
             )
         payload = payload[..., start:end]  # [B, S_p, Vl]
     # 2. sequence alignment: zero-pad to the student's window, then this CP rank's part
-    cp_size, cp_rank = group_size(context_parallel_group), group_rank(context_parallel_group)
+    cp_size = group_size(context_parallel_group)
     target_len = student_logits.shape[1] * cp_size
-    pad = target_len - payload.shape[1]
-    if pad < 0:
+    if payload.shape[1] > target_len:
         raise ValueError(
             f"Teacher payload is longer than the student forward window: {payload.shape[1]} vs "
             f"{target_len} (= S_l {student_logits.shape[1]} · CP {cp_size})"
         )
-    if pad > 0:
-        payload = torch.nn.functional.pad(payload, (0, 0, 0, pad))  # zeros: a uniform teacher
-    payload = shard_for_cp_rank(payload, cp_rank, cp_size, seq_dim=1)  # [B, S_l, D]
+    # zero padding is a uniform teacher (zero logits, or zero hidden states through the LM head)
+    payload = shard_padded_for_cp(payload, student_logits.shape[1], context_parallel_group)  # [B, S_l, D]
     # 3. to the student's device; the logits payload keeps its dtype
     payload = payload.contiguous().to(student_logits.device)
     # 4. hidden states through the LM head(s)
@@ -317,18 +315,10 @@ def reconstruct_opd_full_teacher_logits(
 
 
 def _tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int:
+    """This rank's vocabulary window index: validated against a group, else as given (default 0)."""
     if group is None:
         return 0 if vocab_parallel_rank is None else vocab_parallel_rank
-    if vocab_parallel_rank is None:
-        raise ValueError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
-    if isinstance(vocab_parallel_rank, bool) or not isinstance(vocab_parallel_rank, int):
-        raise TypeError(f"vocab_parallel_rank must be an int, got {vocab_parallel_rank!r}")
-    if vocab_parallel_rank != group_rank(group):
-        raise ValueError(
-            f"vocab_parallel_rank={vocab_parallel_rank} disagrees with the rank {group_rank(group)} of "
-            f"vocab_parallel_group (size {group_size(group)})"
-        )
-    return vocab_parallel_rank
+    return check_vocab_parallel(vocab_parallel_rank, group)
 
 
 def prepare_opd_full(
