@@ -88,8 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         providers,
         logits_bytes=logits_bytes,
         min_run_time=args.min_run_time if args.min_run_time is not None else (0.05 if args.quick else 1.0),
-        common={"op": "distillation", "mode": "fwd+bwd", "shape": f"{batch}x{seq}x{vocab}", "k": k,
-                "dtype": args.dtype},
+        common={
+            "op": "distillation",
+            "mode": "fwd+bwd",
+            "shape": f"{batch}x{seq}x{vocab}",
+            "k": k,
+            "dtype": args.dtype,
+        },
         baseline="dense-compiled",
     )
     measure.write_results(Path(args.out) / "distillation", rows, {"logits_bytes": logits_bytes, "target_peak_x": 1.3})

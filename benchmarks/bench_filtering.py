@@ -75,9 +75,7 @@ def _fwd_bwd(fn, logits, target, dout):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--case", default=None, help=f"shape name from benchmarks.cases (default {DEFAULT_CASE})"
-    )
+    parser.add_argument("--case", default=None, help=f"shape name from benchmarks.cases (default {DEFAULT_CASE})")
     parser.add_argument("--quick", action="store_true", help="tiny shape, short timings (smoke run)")
     parser.add_argument("--compiled", action="store_true", help="also time lossfx under torch.compile")
     parser.add_argument("--top-k", type=int, default=50)
@@ -135,10 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                 "peak_extra_x_logits": peak / logits_bytes,
             }
         )
-        print(
-            f"{name:16s} median {timing['median_s'] * 1e3:10.1f} ms   "
-            f"peak extra {peak / logits_bytes:5.2f}x logits"
-        )
+        print(f"{name:16s} median {timing['median_s'] * 1e3:10.1f} ms   peak extra {peak / logits_bytes:5.2f}x logits")
     base = next(r for r in rows if r["provider"] == "sort-dense")["median_s"]
     for r in rows:
         r["speedup_vs_sort"] = base / r["median_s"]

@@ -79,8 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         providers,
         logits_bytes=logits_bytes,
         min_run_time=args.min_run_time if args.min_run_time is not None else (0.05 if args.quick else 1.0),
-        common={"op": "packed_logprob", "mode": "fwd+bwd", "shape": f"1x{total}x{vocab}", "sequences": n_seqs,
-                "dtype": args.dtype},
+        common={
+            "op": "packed_logprob",
+            "mode": "fwd+bwd",
+            "shape": f"1x{total}x{vocab}",
+            "sequences": n_seqs,
+            "dtype": args.dtype,
+        },
         baseline="unpack-then-unpacked-eager",
     )
     measure.write_results(Path(args.out) / "packing", rows, {"logits_bytes": logits_bytes, "cu_seqlens": cu})

@@ -359,9 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for case in cases:
         for dtype_name in args.dtypes:
-            rows += bench_case(
-                case, dtype_name, args.providers, tuple(args.modes), args.min_run_time, args.min_runs
-            )
+            rows += bench_case(case, dtype_name, args.providers, tuple(args.modes), args.min_run_time, args.min_runs)
             write_results(rows, env, config, args.out)  # after each group: a cut-short run keeps its rows
     print(markdown_table(rows, check_targets(rows), env))
     print(f"results written to {args.out}/logprob.{{csv,json,md{'' if args.no_plot else ',png'}}}")

@@ -63,7 +63,6 @@ def all_reduce(x: Tensor, op: str, group: ProcessGroup | None) -> Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, group=group))
 
 
-
 def reduce_scatter_sum(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """Sum `x [R·d0, ...]` over ranks and keep this rank's `d0` rows; identity without a group."""
     if not is_distributed(group):
@@ -125,4 +124,3 @@ def check_vocab_parallel(vocab_parallel_rank: int | None, vocab_parallel_group: 
             f"vocab_parallel_group (size {group_size(vocab_parallel_group)})"
         )
     return rank
-

@@ -58,8 +58,7 @@ def check_ids_in_range(name: str, ids: Tensor, high: int, *, low: int = 0) -> No
         values = ids[bad][:5].tolist()
         count = int(bad.sum())
         raise ValueError(
-            f"{name} must lie in [{low}, {high}); {count} entries do not, e.g. values {values} "
-            f"at positions {where}"
+            f"{name} must lie in [{low}, {high}); {count} entries do not, e.g. values {values} at positions {where}"
         )
 
 

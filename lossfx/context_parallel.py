@@ -40,9 +40,7 @@ def _check_cp(cp_rank: int, cp_size: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {value!r}")
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise ValueError(
-            f"need cp_size >= 1 and 0 <= cp_rank < cp_size; got cp_rank={cp_rank}, cp_size={cp_size}"
-        )
+        raise ValueError(f"need cp_size >= 1 and 0 <= cp_rank < cp_size; got cp_rank={cp_rank}, cp_size={cp_size}")
 
 
 def cp_positions(length: int, cp_rank: int, cp_size: int) -> list[int]:

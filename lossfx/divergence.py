@@ -213,9 +213,7 @@ def _apply(
                 f"student.shape={tuple(student.shape)} and teacher.shape={tuple(teacher.shape)}"
             )
         if teacher.device != student.device:
-            raise ValueError(
-                f"student and teacher must be on one device; got {student.device} and {teacher.device}"
-            )
+            raise ValueError(f"student and teacher must be on one device; got {student.device} and {teacher.device}")
         flat_teacher = teacher.detach().reshape(-1, local_vocab)  # [N, Vl]: the teacher is fixed
     flat_student = student.reshape(-1, local_vocab)  # [N, Vl]
     if torch.is_grad_enabled() and student.requires_grad:
@@ -329,9 +327,7 @@ for _fn, _ref in (
     _fn.__doc__ = (
         _head.rstrip()
         + "\n"
-        + _COMMON_DOC.format(
-            teacher_arg=_TEACHER_ARG, teacher_grad="; the teacher gets none", inf_note=_INF_NOTE
-        )
+        + _COMMON_DOC.format(teacher_arg=_TEACHER_ARG, teacher_grad="; the teacher gets none", inf_note=_INF_NOTE)
         + ("\n" + _sep + _example.rstrip() + "\n" if _sep else "")
         + f"\n    See also: proofs/divergence.md, lossfx.reference.{_ref}.\n"
     )

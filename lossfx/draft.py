@@ -55,9 +55,7 @@ def shift_left(x: Tensor, cp_group: ProcessGroup | None = None) -> Tensor:
     # chunk j < C starts rank j's shard; chunk j >= C is the second half of rank 2C-1-j's shard
     after_first = firsts[rank + 1, 0] if rank + 1 < cp_size else firsts[cp_size - 1, 1]
     after_second = zero_row[:, 0] if rank == 0 else firsts[rank - 1, 1]
-    return torch.cat(
-        [x[:, 1:n], after_first.unsqueeze(1), x[:, n + 1 :], after_second.unsqueeze(1)], dim=1
-    )
+    return torch.cat([x[:, 1:n], after_first.unsqueeze(1), x[:, n + 1 :], after_second.unsqueeze(1)], dim=1)
 
 
 def map_to_draft_vocab(

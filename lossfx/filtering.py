@@ -371,9 +371,7 @@ def _thresholds(
     chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
     k = None if top_k is None else min(top_k, vocab_size)
     use_top_p = top_p < 1.0
-    use_candidates = k is not None and (
-        strategy == "candidates" or (strategy == "auto" and k <= CANDIDATE_TOP_K_MAX)
-    )
+    use_candidates = k is not None and (strategy == "candidates" or (strategy == "auto" and k <= CANDIDATE_TOP_K_MAX))
     if use_candidates:
         # 1. the global top-k multiset from per-rank candidates: one all-gather of [N, k]
         cand, local = _candidates(logits, k, chunks, cdtype, group)  # [N, k], [N, w]
@@ -764,9 +762,7 @@ def loss_mask_from_data(data: Mapping[str, Any], input_ids: Tensor) -> Tensor:
     if token_mask is not None:
         check_tensor("data['token_mask']", token_mask)
         if tuple(token_mask.shape) != (batch, seq):
-            raise ValueError(
-                f"data['token_mask'] must be [B, S] = {(batch, seq)}, got {tuple(token_mask.shape)}"
-            )
+            raise ValueError(f"data['token_mask'] must be [B, S] = {(batch, seq)}, got {tuple(token_mask.shape)}")
         mask = mask & (token_mask != 0)
     if sample_mask is not None:
         check_tensor("data['sample_mask']", sample_mask)

@@ -91,9 +91,7 @@ def _gather_logprobs_bwd(logits, ids, lse, neg_entropy, dlogprobs, dneg_entropy,
     for start, end in chunks:
         z = logits[start:end].to(cdtype)  # [C, Vl]
         p = torch.exp(z - shift[start:end, None])  # [C, Vl]
-        log_p_minus_h = torch.where(
-            torch.isneginf(z), torch.zeros_like(z), z - (lse + neg_entropy)[start:end, None]
-        )
+        log_p_minus_h = torch.where(torch.isneginf(z), torch.zeros_like(z), z - (lse + neg_entropy)[start:end, None])
         coeff = h[start:end, None] * log_p_minus_h - g_total[start:end, None]  # [C, Vl]
         dchunk = (p * coeff).scatter_add(-1, local_idx[start:end], g_owned[start:end])
         if dlogits is None:

@@ -45,9 +45,7 @@ class TrainingSamplingParams:
     temperature: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.top_k is not None and (
-            isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral)
-        ):
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral)):
             raise ValueError(f"top_k must be an integer or None, got {self.top_k!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real):
             raise ValueError(f"top_p must be a real number in (0, 1], got {self.top_p!r}")
@@ -69,9 +67,7 @@ class TrainingSamplingParams:
 
 def need_top_k_or_top_p_filtering(sampling_params: TrainingSamplingParams | None) -> bool:
     """True iff `sampling_params` asks for a top-k or a top-p filter."""
-    return sampling_params is not None and (
-        sampling_params.top_k_enabled or sampling_params.top_p_enabled
-    )
+    return sampling_params is not None and (sampling_params.top_k_enabled or sampling_params.top_p_enabled)
 
 
 @runtime_checkable

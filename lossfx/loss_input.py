@@ -377,8 +377,13 @@ def prepare_packed_loss_input(
         "context_parallel_group": context_parallel_group,
     }
     logprobs = packed_next_token_logprobs(
-        logits, input_ids, cu_seqlens_q, cu_seqlens_q_padded,
-        sampling_params=sampling_params, chunk_size=chunk_size, **layout,
+        logits,
+        input_ids,
+        cu_seqlens_q,
+        cu_seqlens_q_padded,
+        sampling_params=sampling_params,
+        chunk_size=chunk_size,
+        **layout,
     )
     if not need_top_k_or_top_p_filtering(sampling_params):
         return {"next_token_logprobs": logprobs}, data
@@ -441,4 +446,3 @@ def _prepare_draft_input(
         context_parallel_group=context_parallel_group,
     )
     return {"teacher_logits": teacher, "student_logits": student_logits, "token_mask": mask}
-

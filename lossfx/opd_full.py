@@ -80,19 +80,15 @@ class OnPolicyDistillationFullConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(
-                    f"on_policy_distillation.full.{name} must be one of {allowed}, "
-                    f"got {getattr(self, name)!r}"
+                    f"on_policy_distillation.full.{name} must be one of {allowed}, got {getattr(self, name)!r}"
                 )
         if self.chunk_size is not None:
             if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, numbers.Integral):
                 raise ValueError(
-                    "on_policy_distillation.full.chunk_size must be an int >= 1 or None, "
-                    f"got {self.chunk_size!r}"
+                    f"on_policy_distillation.full.chunk_size must be an int >= 1 or None, got {self.chunk_size!r}"
                 )
             if self.chunk_size < 1:
-                raise ValueError(
-                    f"on_policy_distillation.full.chunk_size must be >= 1, got {self.chunk_size}"
-                )
+                raise ValueError(f"on_policy_distillation.full.chunk_size must be >= 1, got {self.chunk_size}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,11 +152,7 @@ def _project_per_teacher(
                     f"{tuple(ref.shape)}/{ref.dtype} for teacher_index={ref_key}"
                 )
             projected = _project_onto_teacher_lm_head(payload, weight, output_dtype)  # [B, S, Vl]
-            out = (
-                projected
-                if out is None
-                else torch.where((teacher_index == key)[:, None, None], projected, out)
-            )
+            out = projected if out is None else torch.where((teacher_index == key)[:, None, None], projected, out)
         return out
     present = [int(i) for i in torch.unique(teacher_index).tolist()]
     for idx in present:
@@ -173,9 +165,7 @@ def _project_per_teacher(
             raise _width_mismatch(idx, payload.shape[-1], weights[idx])
     if len(present) == 1:
         return _project_onto_teacher_lm_head(payload, weights[present[0]], output_dtype)
-    out = payload.new_empty(
-        (*payload.shape[:-1], ref.shape[0]), dtype=output_dtype or ref.dtype
-    )  # [B, S, Vl]
+    out = payload.new_empty((*payload.shape[:-1], ref.shape[0]), dtype=output_dtype or ref.dtype)  # [B, S, Vl]
     for idx in present:
         weight = weights[idx]
         if (weight.shape[0], weight.dtype) != (ref.shape[0], ref.dtype):
@@ -237,9 +227,7 @@ def reconstruct_opd_full_teacher_logits(
     if teacher_payload not in _PAYLOAD_COLUMNS:
         raise ValueError(f"teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}")
     if student_logits.dim() != 3:
-        raise ValueError(
-            f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(student_logits.shape)}"
-        )
+        raise ValueError(f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(student_logits.shape)}")
     if payload.dim() != 3 or payload.shape[0] != student_logits.shape[0]:
         raise ValueError(
             f"the teacher payload must be [B, S_p, D] with the student's batch size; got payload.shape="
@@ -266,9 +254,7 @@ def reconstruct_opd_full_teacher_logits(
                 raise _width_mismatch(key, payload.shape[-1], weight)
     else:
         if vocab_parallel_rank is None:
-            raise ValueError(
-                "vocab_parallel_rank is required to slice the opd_full logits payload (use 0 without TP)"
-            )
+            raise ValueError("vocab_parallel_rank is required to slice the opd_full logits payload (use 0 without TP)")
         start = vocab_parallel_rank * local_vocab
         end = start + local_vocab
         if payload.shape[-1] < end:
@@ -295,9 +281,7 @@ def reconstruct_opd_full_teacher_logits(
         if teacher_index is not None:
             teacher_logits = _project_per_teacher(payload, weights, teacher_index, output_dtype)
         else:
-            teacher_logits = _project_onto_teacher_lm_head(
-                payload, next(iter(weights.values())), output_dtype
-            )
+            teacher_logits = _project_onto_teacher_lm_head(payload, next(iter(weights.values())), output_dtype)
     else:
         teacher_logits = payload
     # 5. the result must be this rank's vocabulary shard
@@ -340,14 +324,10 @@ def prepare_opd_full(
     # 1. config, arguments and columns (all checked before any work; `data` is never modified)
     cfg = getattr(loss_fn, "opd_full", None)
     if cfg is None:
-        raise ValueError(
-            "LossInputType.OPD_FULL requires loss_fn.opd_full (an OnPolicyDistillationFullConfig)"
-        )
+        raise ValueError("LossInputType.OPD_FULL requires loss_fn.opd_full (an OnPolicyDistillationFullConfig)")
     teacher_payload = getattr(cfg, "teacher_payload", "hidden_states")
     if teacher_payload not in _PAYLOAD_COLUMNS:
-        raise ValueError(
-            f"opd_full.teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}"
-        )
+        raise ValueError(f"opd_full.teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}")
     cfg_chunk = getattr(cfg, "chunk_size", None)
     if cfg_chunk is not None and (
         isinstance(cfg_chunk, bool) or not isinstance(cfg_chunk, numbers.Integral) or cfg_chunk < 1

@@ -83,13 +83,9 @@ def check_cu_seqlens(cu_seqlens_q: Any, cu_seqlens_q_padded: Any, n_seqs: int, t
         if cu_p[i + 1] - cu_p[i] < cu_q[i + 1] - cu_q[i]
     ]
     if short:
-        raise ValueError(
-            f"padded sequence lengths must be >= unpadded ones; (sequence, padded, unpadded): {short[:5]}"
-        )
+        raise ValueError(f"padded sequence lengths must be >= unpadded ones; (sequence, padded, unpadded): {short[:5]}")
     if cu_p[-1] != total:
-        raise ValueError(
-            f"cu_seqlens_q_padded[-1] = {cu_p[-1]} must equal the packed length the logits cover, {total}"
-        )
+        raise ValueError(f"cu_seqlens_q_padded[-1] = {cu_p[-1]} must equal the packed length the logits cover, {total}")
     if cp_size > 1:
         odd = [(i, cu_p[i + 1] - cu_p[i]) for i in range(n_seqs) if (cu_p[i + 1] - cu_p[i]) % (2 * cp_size)]
         if odd:

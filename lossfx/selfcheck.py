@@ -102,10 +102,7 @@ def _worker(rank: int, world: int, port: int, dtypes: list[str], backend: str, q
                 errors = {
                     "logprobs": (lp.detach().double() - ref["logprobs"]).abs().max().item(),
                     "loss": (loss.detach().double() - ref["loss"]).abs().item(),
-                    "dweight": (w_shard.grad.double() - ref["dweight"][rank * vl : (rank + 1) * vl])
-                    .abs()
-                    .max()
-                    .item(),
+                    "dweight": (w_shard.grad.double() - ref["dweight"][rank * vl : (rank + 1) * vl]).abs().max().item(),
                     "dhidden": (dhidden - ref["dhidden"]).abs().max().item(),
                 }
                 rows.append((name, rank, seq, counter.frame_count, seconds, errors))

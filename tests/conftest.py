@@ -6,9 +6,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Inductor's on-disk cache is the only compile cache that survives between runs: keep it outside
 # the checkout so a fresh clone on the same machine reuses it.
-os.environ.setdefault(
-    "TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "lossfx", "inductor")
-)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "lossfx", "inductor"))
 
 import pytest
 import torch

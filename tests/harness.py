@@ -190,9 +190,7 @@ def _gloo_worker(rank: int, world_size: int, port: int, conn: Any, paths: list[s
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path[:0] = [p for p in paths if p not in sys.path]
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     group = dist.group.WORLD
     torch._dynamo.config.recompile_limit = 64
     while True:

@@ -158,8 +158,17 @@ def logits_cases(
 def example_cases(dtype: torch.dtype = torch.float64, chunk_unit: str = "rows") -> list[LogitsCase]:
     """The explicit corner cases every property also runs: V=1, chunk=1, exact ties."""
     base = LogitsCase(
-        batch=2, seq=3, vocab=1, world=1, dtype=dtype, chunk=None, scale=1.0, neg_inf=None,
-        ties=False, seed=0, chunk_unit=chunk_unit,
+        batch=2,
+        seq=3,
+        vocab=1,
+        world=1,
+        dtype=dtype,
+        chunk=None,
+        scale=1.0,
+        neg_inf=None,
+        ties=False,
+        seed=0,
+        chunk_unit=chunk_unit,
     )
     return [
         base,  # V = 1: every log-prob is exactly 0

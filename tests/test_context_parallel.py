@@ -113,6 +113,4 @@ def test_allgather_on_gloo():
     for rank, results in enumerate(gloo_pool(2).run(gloo_allgather_job, x, weight)):
         for full, grad in results:
             assert torch.equal(full, x)
-            torch.testing.assert_close(
-                grad, 2 * lossfx.shard_for_cp_rank(weight, rank, 2), rtol=0, atol=1e-12
-            )
+            torch.testing.assert_close(grad, 2 * lossfx.shard_for_cp_rank(weight, rank, 2), rtol=0, atol=1e-12)

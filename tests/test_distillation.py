@@ -403,7 +403,7 @@ def test_distillation_inductor_single_process():
     upstream = {"student": torch.randn(b, s - 1, k, dtype=F64), "H": torch.randn(b, s - 1, dtype=F64)}
     explain = torch._dynamo.explain(lambda x: lossfx.prepare_loss_input(x, data, loss_fn)[0]["H_all"])(z)
     assert explain.graph_break_count == 0
-    (out, grad), = run_ranks(1, _distill_rank, 1, z, data, loss_fn, None, upstream, "inductor")
+    ((out, grad),) = run_ranks(1, _distill_rank, 1, z, data, loss_fn, None, upstream, "inductor")
     ref, ref_grad = _distill_reference(z, data, loss_fn, upstream)
     torch.testing.assert_close(out["student_topk_logprobs"], ref["student_topk_logprobs"].detach(), **TIGHT)
     torch.testing.assert_close(out["H_all"], ref["H_all"].detach(), **TIGHT)

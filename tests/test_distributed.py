@@ -81,9 +81,7 @@ def make_inputs(shape, seed=0, scale=1.0, dtype=F64):
 
 
 def close(actual, expected, atol, what):
-    torch.testing.assert_close(
-        actual.to(F64), expected.to(F64), atol=atol, rtol=0, msg=lambda m: f"{what}: {m}"
-    )
+    torch.testing.assert_close(actual.to(F64), expected.to(F64), atol=atol, rtol=0, msg=lambda m: f"{what}: {m}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,9 +68,7 @@ def _rank_kernel(rank, world, group, kind, student, teacher, dout, chunk, backen
 
 
 def check_against_reference(kind, world, student, teacher, chunk=None, backend=None, tol=TOL64, seed=0):
-    dout = torch.randn(
-        student.shape[:-1], generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64
-    )
+    dout = torch.randn(student.shape[:-1], generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
     dout = dout.to(torch.promote_types(student.dtype, torch.float32))
     want, want_grad = reference_out_and_grad(kind, student, teacher, dout.to(torch.float64))
     results = run_ranks(world, _rank_kernel, kind, student, teacher, dout, chunk, backend)
@@ -79,9 +77,7 @@ def check_against_reference(kind, world, student, teacher, chunk=None, backend=N
         torch.testing.assert_close(out.to(torch.float64), want, atol=tol, rtol=tol, equal_nan=False)
         torch.testing.assert_close(grad.to(torch.float64), grads[rank], atol=tol, rtol=tol)
         assert grad.dtype == student.dtype
-        assert out.dtype == torch.promote_types(
-            torch.promote_types(student.dtype, teacher.dtype), torch.float32
-        )
+        assert out.dtype == torch.promote_types(torch.promote_types(student.dtype, teacher.dtype), torch.float32)
     return results
 
 
@@ -131,9 +127,7 @@ def test_bf16_student_fp32_teacher(kind, world):
     for rank, (out, grad) in enumerate(run_ranks(world, _rank_kernel, kind, student, teacher, dout, 5)):
         assert out.dtype == torch.float32 and grad.dtype == torch.bfloat16
         torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(
-            grad.double(), want_grad.tensor_split(world, -1)[rank], atol=2e-3, rtol=1e-2
-        )
+        torch.testing.assert_close(grad.double(), want_grad.tensor_split(world, -1)[rank], atol=2e-3, rtol=1e-2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,12 +179,8 @@ def test_neg_inf_teacher_under_student_mass_gives_inf_and_zero_grad():
         for world in (1, 2):
             dout = torch.randn(4, dtype=torch.float64)
             want, want_grad = reference_out_and_grad(kind, student, teacher, dout)
-            for rank, (out, grad) in enumerate(
-                run_ranks(world, _rank_kernel, kind, student, teacher, dout, 1)
-            ):
-                assert (
-                    out[1] == float("inf") and out[2] == float("inf") and want[1] == want[2] == float("inf")
-                )
+            for rank, (out, grad) in enumerate(run_ranks(world, _rank_kernel, kind, student, teacher, dout, 1)):
+                assert out[1] == float("inf") and out[2] == float("inf") and want[1] == want[2] == float("inf")
                 torch.testing.assert_close(out[[0, 3]], want[[0, 3]], atol=TOL64, rtol=TOL64)
                 assert not bool(grad.isnan().any())
                 assert bool((grad[[1, 2]] == 0).all())
@@ -213,9 +203,7 @@ def test_all_neg_inf_student_row_gives_zero(world):
 def test_shift_invariance_and_no_overflow():
     student, teacher = make_logits((5, 30), 3, 1e4), make_logits((5, 30), 4, 1e4)
     kl = lossfx.reverse_kl_to_fixed(student, teacher)
-    torch.testing.assert_close(
-        lossfx.reverse_kl_to_fixed(student + 123.0, teacher - 77.0), kl, atol=1e-9, rtol=1e-12
-    )
+    torch.testing.assert_close(lossfx.reverse_kl_to_fixed(student + 123.0, teacher - 77.0), kl, atol=1e-9, rtol=1e-12)
     torch.testing.assert_close(kl, ref.reverse_kl_to_fixed(student, teacher), atol=1e-9, rtol=1e-12)
 
 
@@ -271,9 +259,7 @@ def test_compiled_inductor_reverse_kl_fullgraph():
     teacher[0, 1, 4] = float("-inf")  # student mass there unless -inf: exercise both branches
     dout = torch.randn(2, 5, dtype=torch.float64)
     want, want_grad = reference_out_and_grad("reverse_kl", student, teacher, dout)
-    counter, fn = compiled_for_rank(
-        0, "kl-inductor", lambda s, t: lossfx.reverse_kl_to_fixed(s, t, chunk_size=3)
-    )
+    counter, fn = compiled_for_rank(0, "kl-inductor", lambda s, t: lossfx.reverse_kl_to_fixed(s, t, chunk_size=3))
     s = student.clone().requires_grad_()
     out = fn(s, teacher)
     (out * dout).sum().backward()
@@ -287,9 +273,7 @@ def test_compiled_inductor_reverse_kl_fullgraph():
 def test_no_graph_breaks():
     s, t = make_logits((3, 7), 1), make_logits((3, 7), 2)
     for kind in KINDS:
-        explanation = torch._dynamo.explain(lambda a, b, k=kind: FAST[k](a, b, chunk_size=1))(
-            s.requires_grad_(), t
-        )
+        explanation = torch._dynamo.explain(lambda a, b, k=kind: FAST[k](a, b, chunk_size=1))(s.requires_grad_(), t)
         assert explanation.graph_break_count == 0
 
 

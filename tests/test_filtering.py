@@ -187,15 +187,11 @@ def test_extremes_top_k_ge_v_top_p_one_and_tiny(world):
         check_logprobs(z, target, top_k, top_p, world)
     # top_p → 0: only the row maximum survives (its log-prob is 0, everything else -inf)
     for strategy in STRATEGIES:
-        out = run_ranks(
-            world, _rank_logprobs, z, target, torch.ones(3, 3, dtype=F64), 7, 1e-12, None, strategy, None
-        )
+        out = run_ranks(world, _rank_logprobs, z, target, torch.ones(3, 3, dtype=F64), 7, 1e-12, None, strategy, None)
         expected = torch.where(target == z.argmax(-1), 0.0, float("-inf")).to(F64)
         torch.testing.assert_close(out[0][0], expected)
     # nothing filtered: the plain log-probs
-    out = run_ranks(
-        world, _rank_logprobs, z, target, torch.ones(3, 3, dtype=F64), None, 1.0, None, "auto", None
-    )
+    out = run_ranks(world, _rank_logprobs, z, target, torch.ones(3, 3, dtype=F64), None, 1.0, None, "auto", None)
     torch.testing.assert_close(out[0][0], plain, **TOL64)
 
 
@@ -348,9 +344,7 @@ def test_compiled_aot_eager_bisection_fp32():
     is in the slow variant below."""
     z, target = make_logits(3, 3, 12, seed=2, dtype=torch.float32)
     assert margin_ok(z, None, 0.7)
-    check_logprobs(
-        z, target, None, 0.7, 2, strategy="bisection", backend="aot_eager", tol={"atol": 2e-6, "rtol": 2e-6}
-    )
+    check_logprobs(z, target, None, 0.7, 2, strategy="bisection", backend="aot_eager", tol={"atol": 2e-6, "rtol": 2e-6})
 
 
 @pytest.mark.slow
@@ -622,9 +616,7 @@ def test_proof_keys_are_monotone(dtype):
     assert ((between >= x[:-1]) & (between <= x[1:])).all()
 
 
-@given(
-    seed=st.integers(0, 2**20), k=st.integers(1, 12), cuts=st.lists(st.integers(1, 9), min_size=1, max_size=4)
-)
+@given(seed=st.integers(0, 2**20), k=st.integers(1, 12), cuts=st.lists(st.integers(1, 9), min_size=1, max_size=4))
 def test_proof_candidates_lemma(seed, k, cuts):
     """Lemma 2: the k largest of the union of per-shard top-min(k, Vl) (padded with -inf) are the
     row's k largest, also for uneven shards and ties."""

@@ -53,8 +53,9 @@ def _run_branches(rank, world, group, mode, case):
 
     z = _local(case["z"], rank, world, mode).clone().requires_grad_()
     sp = lossfx.TrainingSamplingParams(top_k=5, top_p=0.9)
-    res, _ = lossfx.prepare_loss_input(z, {"input_ids": case["ids"]}, SimpleNamespace(input_type="logprob"),
-                                       sampling_params=sp, **tp, **cp)
+    res, _ = lossfx.prepare_loss_input(
+        z, {"input_ids": case["ids"]}, SimpleNamespace(input_type="logprob"), sampling_params=sp, **tp, **cp
+    )
     res["next_token_logprobs"].sum().backward()
     out["logprob"], out["logprob_grad"] = res["next_token_logprobs"].detach(), z.grad
 
@@ -74,8 +75,12 @@ def _run_branches(rank, world, group, mode, case):
     out["opd"], out["opd_grad"] = res["opd_full_divergence"].detach(), z.grad
 
     res, _ = lossfx.prepare_loss_input(
-        _local(case["z"], rank, world, mode), {"token_mask": torch.ones(B, S), "student_logits": case["z"]},
-        SimpleNamespace(input_type="draft"), d2t=case["d2t"] if mode == "tp" else None, **tp, **cp,
+        _local(case["z"], rank, world, mode),
+        {"token_mask": torch.ones(B, S), "student_logits": case["z"]},
+        SimpleNamespace(input_type="draft"),
+        d2t=case["d2t"] if mode == "tp" else None,
+        **tp,
+        **cp,
     )
     out["draft"] = res["teacher_logits"]
 

@@ -229,8 +229,12 @@ def test_low_precision_against_float64_truth(dtype, world, scale):
 
 @pytest.mark.parametrize(
     ("dtype", "out_dtype"),
-    [(torch.float64, torch.float64), (torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-     (torch.float16, torch.float32)],
+    [
+        (torch.float64, torch.float64),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+    ],
 )
 def test_output_and_grad_dtypes(dtype, out_dtype):
     logits, target = make_inputs((2, 3, 5), dtype=dtype)

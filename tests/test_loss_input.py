@@ -71,9 +71,7 @@ def reference_logprobs(logits, input_ids, dout):
 
 
 def assert_close(actual, expected, atol, what=""):
-    torch.testing.assert_close(
-        actual.to(F64), expected.to(F64), atol=atol, rtol=0, msg=lambda m: f"{what}: {m}"
-    )
+    torch.testing.assert_close(actual.to(F64), expected.to(F64), atol=atol, rtol=0, msg=lambda m: f"{what}: {m}")
 
 
 def _dout(batch, seq, seed=3, dtype=F64):

@@ -50,9 +50,7 @@ def loss_fn(mode, penalty=0.0, validate=True, chunk=None):
     cfg = OnPolicyDistillationFullConfig(
         enabled=True, teacher_payload=mode, chunk_size=chunk, validate_decomposition=validate
     )
-    return SimpleNamespace(
-        input_type=lossfx.LossInputType.OPD_FULL, opd_full=cfg, reference_policy_kl_penalty=penalty
-    )
+    return SimpleNamespace(input_type=lossfx.LossInputType.OPD_FULL, opd_full=cfg, reference_policy_kl_penalty=penalty)
 
 
 _SUBGROUPS: dict = {}
@@ -100,17 +98,13 @@ def _opd_rank(rank, world, group, parallel, mode, student, data, weights, fn_arg
         return out, loss / cp  # the CP all-gather sums gradients over CP ranks
 
     if backend is not None:
-        _, fn = compiled_for_rank(
-            rank, ("opd_full", parallel, world, mode, penalty, validate, chunk), fn, backend
-        )
+        _, fn = compiled_for_rank(rank, ("opd_full", parallel, world, mode, penalty, validate, chunk), fn, backend)
     out, loss = fn(local)
     loss.backward()
     return {k: (None if v is None else v.detach()) for k, v in out.items()}, local.grad
 
 
-def check_branch(
-    parallel, world, mode, *, penalty=0.5, validate=True, chunk=None, backend=None, seed=0, **case_kw
-):
+def check_branch(parallel, world, mode, *, penalty=0.5, validate=True, chunk=None, backend=None, seed=0, **case_kw):
     student, data, weights, teacher = make_case(mode, seed=seed, **case_kw)
     snapshot = {k: v.clone() for k, v in data.items()}
     width = data["input_ids"].shape[1] - 1
@@ -170,9 +164,7 @@ def test_branch_cp4(mode):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["logits", "hidden_states"])
-@pytest.mark.parametrize(
-    "backend", [None, pytest.param("aot_eager", marks=[pytest.mark.compile, pytest.mark.slow])]
-)
+@pytest.mark.parametrize("backend", [None, pytest.param("aot_eager", marks=[pytest.mark.compile, pytest.mark.slow])])
 def test_branch_tp2_cp2(mode, backend):
     check_branch("tp2cp2", 4, mode, backend=backend, chunk=2)
 
@@ -307,9 +299,7 @@ def test_projects_hidden_states_through_the_teacher_lm_head():
 @pytest.mark.parametrize("rank", [0, 1, 2])
 def test_slices_this_ranks_vocabulary_window(rank):
     payload = torch.randn(2, 5, 12)
-    assert torch.equal(
-        _reconstruct(payload, "logits", (2, 5, 4), rank), payload[..., 4 * rank : 4 * rank + 4]
-    )
+    assert torch.equal(_reconstruct(payload, "logits", (2, 5, 4), rank), payload[..., 4 * rank : 4 * rank + 4])
 
 
 def test_right_pads_a_short_payload_on_the_sequence_dim():
@@ -386,8 +376,7 @@ HS = "hidden_states"
             (2, 6, 3),
             (2, 6, 4),
             {"teacher_output_layer_weight_by_index": {0: torch.randn(4, 7)}},
-            "do not match the loaded teacher LM head for teacher_index=0: "
-            "payload width 3 vs LM-head input width 7",
+            "do not match the loaded teacher LM head for teacher_index=0: payload width 3 vs LM-head input width 7",
         ),
         (
             HS,
@@ -508,18 +497,14 @@ def test_branch_errors_leave_data_untouched():
     student, data, weights, _ = make_case("logits")
     snapshot = dict(data)
     with pytest.raises(ValueError, match="requires the teacher payload column 'teacher_full_hidden_states'"):
-        lossfx.prepare_loss_input(
-            student, data, loss_fn("hidden_states"), teacher_output_layer_weight_by_index=weights
-        )
+        lossfx.prepare_loss_input(student, data, loss_fn("hidden_states"), teacher_output_layer_weight_by_index=weights)
     with pytest.raises(ValueError, match=r"loss_fn\.opd_full"):
         lossfx.prepare_loss_input(student, data, SimpleNamespace(input_type="opd_full"))
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         lossfx.prepare_loss_input(
             student,
             data,
-            SimpleNamespace(
-                input_type="opd_full", opd_full=SimpleNamespace(teacher_payload="logits", chunk_size=0)
-            ),
+            SimpleNamespace(input_type="opd_full", opd_full=SimpleNamespace(teacher_payload="logits", chunk_size=0)),
         )
     with pytest.raises(ValueError, match="rank 3"):
         lossfx.prepare_loss_input(student[0], data, loss_fn("logits"))

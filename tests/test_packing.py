@@ -246,8 +246,13 @@ def test_malformed_cu_seqlens_raise(cu_q, cu_p, match):
 
 def _odd_cp(rank, world, group):
     try:
-        packed_next_token_logprobs(torch.zeros(1, 3, 4), torch.zeros(2, 4, dtype=torch.long), [0, 3, 6], [0, 3, 6],
-                                   context_parallel_group=group)
+        packed_next_token_logprobs(
+            torch.zeros(1, 3, 4),
+            torch.zeros(2, 4, dtype=torch.long),
+            [0, 3, 6],
+            [0, 3, 6],
+            context_parallel_group=group,
+        )
     except ValueError as exc:
         return str(exc)
     return None
@@ -283,9 +288,15 @@ def _entry_rank(rank, world, group, tp, z, data, cu_q, cu_p, kl, sp):
     loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB, reference_policy_kl_penalty=kl)
     data = dict(data)
     out, returned = lossfx.prepare_packed_loss_input(
-        local, data, loss_fn, cu_q, cu_p,
+        local,
+        data,
+        loss_fn,
+        cu_q,
+        cu_p,
         vocab_parallel_rank=tp_rank if tp_group is not None else None,
-        vocab_parallel_group=tp_group, context_parallel_group=cp_group, sampling_params=sp,
+        vocab_parallel_group=tp_group,
+        context_parallel_group=cp_group,
+        sampling_params=sp,
     )
     lp = out["next_token_logprobs"]
     assert returned is data
@@ -338,9 +349,14 @@ def _logprob_cp_rank(rank, world, group, tp, z, ids, sp):
     cp = world // tp
     local = _tp_slice(shard_for_cp_rank(z, cp_rank, cp, seq_dim=1), tp_rank, tp).clone().requires_grad_()
     out, _ = lossfx.prepare_loss_input(
-        local, {"input_ids": ids}, SimpleNamespace(input_type="logprob"),
+        local,
+        {"input_ids": ids},
+        SimpleNamespace(input_type="logprob"),
         vocab_parallel_rank=tp_rank if tp_group is not None else None,
-        vocab_parallel_group=tp_group, context_parallel_group=cp_group, sampling_params=sp, chunk_size=3,
+        vocab_parallel_group=tp_group,
+        context_parallel_group=cp_group,
+        sampling_params=sp,
+        chunk_size=3,
     )
     (out["next_token_logprobs"].sum() / cp).backward()
     return out["next_token_logprobs"].detach(), local.grad
@@ -388,9 +404,12 @@ def _logprob_cp_compiled_rank(rank, world, group, tp, z, ids):
 
     def step(logits, ids):
         out, _ = lossfx.prepare_loss_input(
-            logits, {"input_ids": ids}, loss_fn,
+            logits,
+            {"input_ids": ids},
+            loss_fn,
             vocab_parallel_rank=tp_rank if tp_group is not None else None,
-            vocab_parallel_group=tp_group, context_parallel_group=cp_group,
+            vocab_parallel_group=tp_group,
+            context_parallel_group=cp_group,
         )
         return out["next_token_logprobs"]
 

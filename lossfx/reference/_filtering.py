@@ -62,9 +62,7 @@ def apply_top_k_top_p(logits: Tensor, top_k: int | None = None, top_p: float = 1
     return torch.where(keep, z, float("-inf")), keep
 
 
-def filtered_token_logprobs(
-    logits: Tensor, target: Tensor, top_k: int | None = None, top_p: float = 1.0
-) -> Tensor:
+def filtered_token_logprobs(logits: Tensor, target: Tensor, top_k: int | None = None, top_p: float = 1.0) -> Tensor:
     """`[..., V]`, `[...]` -> `[...]`: `log_softmax(filter(logits))[..., target]` in float64."""
     filtered, _ = apply_top_k_top_p(logits, top_k, top_p)
     return log_softmax(filtered).gather(-1, target.unsqueeze(-1)).squeeze(-1)
