@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from typing_extensions import TypeIs
 
 __all__ = [
     "all_gather_stack",
@@ -37,7 +38,7 @@ def group_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else group.rank()
 
 
-def is_distributed(group: ProcessGroup | None) -> bool:
+def is_distributed(group: ProcessGroup | None) -> TypeIs[ProcessGroup]:
     """True iff `group` has more than one rank, so collectives must run."""
     return group_size(group) > 1
 

@@ -8,6 +8,7 @@ so they never cause a graph break; the docs say which checks those are.
 from __future__ import annotations
 
 import numbers
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -33,6 +34,10 @@ def check_integer_ids(name: str, x: object) -> Tensor:
     return x
 
 
+@overload
+def check_positive_int(name: str, value: object, *, allow_none: Literal[False]) -> int: ...
+@overload
+def check_positive_int(name: str, value: object, *, allow_none: bool = True) -> int | None: ...
 def check_positive_int(name: str, value: object, *, allow_none: bool = True) -> int | None:
     if value is None and allow_none:
         return None

@@ -150,11 +150,11 @@ def _divergence_bwd(
     r_safe = torch.where(row_ok, r, torch.zeros_like(r))  # [N]
     lse_t_safe = finite_or_zero(lse_t)  # [N], only read on rows whose gradient is nonzero
     chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
-    dstudent = None if len(chunks) == 1 else torch.empty_like(student)
+    dstudent = torch.empty_like(student) if len(chunks) > 1 else None
     for start, end in chunks:
         logp_s = student[start:end].to(cdtype) - shift_s[start:end, None]  # [C, Vl]
         p_s = torch.exp(logp_s)  # [C, Vl]
-        if beta:
+        if beta and teacher is not None:  # beta != 0 exactly when a teacher is given
             logp_t = teacher[start:end].to(cdtype) - lse_t_safe[start:end, None]  # [C, Vl]
             w = logp_s - logp_t if alpha else -logp_t  # [C, Vl]
         else:
@@ -162,10 +162,10 @@ def _divergence_bwd(
         # A NaN here is 0·(±inf) (p_s = 0 under w = −inf, or a zeroed row whose R is +inf): it is 0.
         # Where p_s > 0 on a live row, w and R are finite (proofs/divergence.md §4).
         dchunk = torch.nan_to_num(p_s * (w - r_safe[start:end, None]) * grad[start:end, None], nan=0.0)
-        if dstudent is None:
+        if dstudent is None:  # one chunk: its rows are the whole gradient
             return dchunk.to(student.dtype)
         dstudent[start:end] = dchunk  # rounds once to the student's dtype
-    return dstudent
+    return dstudent if dstudent is not None else torch.empty_like(student)  # no rows: no chunk
 
 
 class _DivergenceFn(torch.autograd.Function):

@@ -372,7 +372,7 @@ def _thresholds(
     k = None if top_k is None else min(top_k, vocab_size)
     use_top_p = top_p < 1.0
     use_candidates = k is not None and (strategy == "candidates" or (strategy == "auto" and k <= CANDIDATE_TOP_K_MAX))
-    if use_candidates:
+    if k is not None and use_candidates:
         # 1. the global top-k multiset from per-rank candidates: one all-gather of [N, k]
         cand, local = _candidates(logits, k, chunks, cdtype, group)  # [N, k], [N, w]
         # 2. the tie group at τ_k completes the survivors; top-p over the sorted candidates

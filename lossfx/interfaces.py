@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import numbers
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 __all__ = ["LossFunction", "LossInputType", "TrainingSamplingParams", "need_top_k_or_top_p_filtering"]
 
@@ -65,7 +65,7 @@ class TrainingSamplingParams:
         return float(self.top_p) != 1.0
 
 
-def need_top_k_or_top_p_filtering(sampling_params: TrainingSamplingParams | None) -> bool:
+def need_top_k_or_top_p_filtering(sampling_params: TrainingSamplingParams | None) -> TypeGuard[TrainingSamplingParams]:
     """True iff `sampling_params` asks for a top-k or a top-p filter."""
     return sampling_params is not None and (sampling_params.top_k_enabled or sampling_params.top_p_enabled)
 

@@ -371,7 +371,7 @@ def prepare_packed_loss_input(
         raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
     input_ids = check_tensor("data['input_ids']", _column(data, "input_ids"))
-    layout = {
+    layout: dict[str, Any] = {
         "prepacked": "cu_seqlens" in data,
         "vocab_parallel_group": group,
         "context_parallel_group": context_parallel_group,

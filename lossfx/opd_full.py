@@ -143,7 +143,7 @@ def _project_per_teacher(
     if torch.compiler.is_compiling():
         # No value-dependent control flow in a graph: project every loaded head, select per row.
         # (The per-row "no head loaded" check reads values and runs in eager mode only.)
-        out = None
+        projections = []
         for key, weight in weights.items():
             if (weight.shape[0], weight.dtype) != (ref.shape[0], ref.dtype):
                 raise ValueError(
@@ -151,8 +151,10 @@ def _project_per_teacher(
                     f"{tuple(weight.shape)}/{weight.dtype} for teacher_index={key} vs "
                     f"{tuple(ref.shape)}/{ref.dtype} for teacher_index={ref_key}"
                 )
-            projected = _project_onto_teacher_lm_head(payload, weight, output_dtype)  # [B, S, Vl]
-            out = projected if out is None else torch.where((teacher_index == key)[:, None, None], projected, out)
+            projections.append((key, _project_onto_teacher_lm_head(payload, weight, output_dtype)))  # [B, S, Vl]
+        out = projections[0][1]
+        for key, projected in projections[1:]:
+            out = torch.where((teacher_index == key)[:, None, None], projected, out)
         return out
     present = [int(i) for i in torch.unique(teacher_index).tolist()]
     for idx in present:
@@ -234,7 +236,7 @@ def reconstruct_opd_full_teacher_logits(
             f"{tuple(payload.shape)} and student_logits.shape={tuple(student_logits.shape)}"
         )
     local_vocab = student_logits.shape[-1]
-    weights = teacher_output_layer_weight_by_index
+    weights = teacher_output_layer_weight_by_index or {}
     # 1. validation and vocabulary narrowing, before any other work
     if teacher_payload == "hidden_states":
         if not weights:
