@@ -52,6 +52,24 @@ def merge_max_sumexp(m: Tensor, s: Tensor) -> Tensor:
     return shift + torch.log(total)
 
 
+def merge_max_logsum(m: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge per-shard `m, s [R, N]` into `(shift, log_s)`, each `[N]`, with `lse = shift + log_s`.
+
+    The two parts are kept apart on purpose: once `|m|` dwarfs `log s`, the sum `m + log s` rounds
+    `log s` away, so `z − lse` loses it. `(z − shift) − log_s` subtracts the large part exactly
+    first, and is as accurate as `torch.log_softmax` at any magnitude (issue 10, item 1).
+    `shift` is the finite row max (0 for a row that is `-inf` everywhere, whose `log_s` is `-inf`).
+    """
+    shift = finite_or_zero(m.amax(dim=0))  # [N]
+    log_s = torch.log((s * torch.exp(m - shift.unsqueeze(0))).sum(dim=0))  # [N]
+    return shift, log_s
+
+
+def log_s_for_softmax(log_s: Tensor) -> Tensor:
+    """`log_s` to use in `exp((z − shift) − log_s)`: `+inf` for an all `-inf` row, so its softmax is 0."""
+    return torch.where(torch.isneginf(log_s), torch.full_like(log_s, float("inf")), log_s)
+
+
 def lse_for_softmax(lse: Tensor) -> Tensor:
     """The shift to use in `exp(z − lse)`: `+inf` for an all `-inf` row, so its softmax is 0."""
     return torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
