@@ -10,13 +10,7 @@ from lossfx.context_parallel import allgather_cp, shard_for_cp_rank, unshard
 from lossfx.distillation import distillation_topk_logprobs
 from lossfx.divergence import cross_entropy_to_fixed, entropy, reverse_kl_to_fixed
 from lossfx.draft import draft_targets, map_to_draft_vocab, shift_left
-from lossfx.filtering import (
-    apply_top_k_top_p,
-    filtered_token_logprobs,
-    mask_out_neg_inf_logprobs,
-    next_token_filtered_logprobs,
-    top_k_top_p_threshold,
-)
+from lossfx.filtering import apply_top_k_top_p, filtered_token_logprobs, top_k_top_p_threshold
 from lossfx.gather import gather_logits, gather_logprobs
 from lossfx.interfaces import (
     LossFunction,
@@ -31,6 +25,8 @@ from lossfx.loss_input import (
     prepare_opd_full_loss_input,
     prepare_packed_loss_input,
 )
+from lossfx.loss_masks import mask_out_neg_inf_logprobs
+from lossfx.next_token import next_token_filtered_logprobs
 from lossfx.opd_full import OnPolicyDistillationFullConfig, reconstruct_opd_full_teacher_logits
 from lossfx.topk import vocab_topk
 

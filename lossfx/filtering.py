@@ -39,9 +39,6 @@ Proof of exactness: proofs/filtering.md. Reference: lossfx.reference.filtered_to
 from __future__ import annotations
 
 import numbers
-import warnings
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -62,16 +59,12 @@ from lossfx._validation import (
     check_ids_in_range,
     check_integer_ids,
     check_positive_int,
-    check_tensor,
-    values_checkable,
 )
 
 __all__ = [
     "CANDIDATE_TOP_K_MAX",
     "apply_top_k_top_p",
     "filtered_token_logprobs",
-    "mask_out_neg_inf_logprobs",
-    "next_token_filtered_logprobs",
     "top_k_top_p_threshold",
 ]
 
@@ -675,98 +668,3 @@ def filtered_token_logprobs(
         flat, target.reshape(-1), vocab_start, vocab_size, k, p, chunk_size, group, strategy
     )
     return out.view(target.shape)
-
-
-def next_token_filtered_logprobs(
-    logits: Tensor,
-    input_ids: Tensor,
-    *,
-    top_k: int | None = None,
-    top_p: float = 1.0,
-    group: ProcessGroup | None = None,
-    chunk_size: int | None = None,
-) -> Tensor:
-    """Filtered next-token log-probs `[B, S-1]`: position `t` scores `input_ids[:, t+1]`.
-
-    Equivalent to ``lossfx.reference.next_token_filtered_logprobs(logits, input_ids, top_k,
-    top_p)`` (the dense filter of `logits[:, :-1]`), without slicing or copying the logits.
-
-    Args:
-        logits: `[B, S, Vl]` this rank's vocabulary shard.
-        input_ids: `[B, S]` integer ids in `[0, V)`.
-        top_k, top_p, group: as in `filtered_token_logprobs`.
-        chunk_size: sequence positions per eager chunk.
-
-    Returns:
-        `[B, S-1]` in the compute dtype; `-inf` where the next token was filtered out.
-    """
-    from lossfx.interfaces import TrainingSamplingParams
-    from lossfx.next_token import next_token_logprobs
-
-    return next_token_logprobs(
-        logits,
-        input_ids,
-        vocab_parallel_group=group,
-        sampling_params=TrainingSamplingParams(top_k=top_k, top_p=top_p),
-        chunk_size=chunk_size,
-    )
-
-
-def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logprobs") -> Tensor:
-    """Zero every position whose mask is 0 or whose log-prob is `±inf`; warn about valid ones.
-
-    Equivalent to ``torch.where((mask != 0) & isfinite(logprobs), logprobs, 0)``. The gradient is
-    0 at the zeroed positions (never NaN). In eager mode, when some position with a nonzero mask
-    holds `±inf`, a `UserWarning` reports how many of the valid tokens were masked out; under
-    `torch.compile` the count and the warning are skipped (no graph break).
-
-    Args:
-        logprobs: `[B, T]` float log-probs (e.g. filtered next-token log-probs).
-        mask: `[B, T]` (any numeric or bool dtype): 1 for valid tokens.
-        name: what the warning calls the tensor.
-
-    Returns:
-        `[B, T]` like `logprobs`.
-
-    Example:
-        >>> import torch, lossfx
-        >>> lossfx.mask_out_neg_inf_logprobs(torch.tensor([[-1.0, float("-inf")]]), torch.tensor([[1, 0]]))
-        tensor([[-1.,  0.]])
-    """
-    check_floating("logprobs", logprobs)
-    check_tensor("mask", mask)
-    if tuple(mask.shape) != tuple(logprobs.shape):
-        raise ValueError(
-            f"mask must have the shape of {name}; got mask.shape={tuple(mask.shape)} and "
-            f"{name}.shape={tuple(logprobs.shape)}"
-        )
-    valid = mask != 0
-    finite = torch.isfinite(logprobs)
-    if values_checkable():
-        bad = int((valid & ~finite).sum())
-        if bad:
-            warnings.warn(
-                f"{bad}/{int(valid.sum())} valid tokens have -inf in {name} (policy top-k/top-p "
-                "mismatch). Masking out these positions.",
-                stacklevel=2,
-            )
-    return torch.where(valid & finite, logprobs, torch.zeros_like(logprobs))
-
-
-def loss_mask_from_data(data: Mapping[str, Any], input_ids: Tensor) -> Tensor:
-    """`token_mask · sample_mask[:, None]` `[B, S]` from `data`; a missing column counts as ones."""
-    batch, seq = input_ids.shape
-    token_mask = data.get("token_mask")
-    sample_mask = data.get("sample_mask")
-    mask = torch.ones(batch, seq, dtype=torch.bool, device=input_ids.device)
-    if token_mask is not None:
-        check_tensor("data['token_mask']", token_mask)
-        if tuple(token_mask.shape) != (batch, seq):
-            raise ValueError(f"data['token_mask'] must be [B, S] = {(batch, seq)}, got {tuple(token_mask.shape)}")
-        mask = mask & (token_mask != 0)
-    if sample_mask is not None:
-        check_tensor("data['sample_mask']", sample_mask)
-        if tuple(sample_mask.shape) != (batch,):
-            raise ValueError(f"data['sample_mask'] must be [B] = {(batch,)}, got {tuple(sample_mask.shape)}")
-        mask = mask & (sample_mask != 0)[:, None]
-    return mask

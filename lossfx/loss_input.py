@@ -23,8 +23,8 @@ from torch import Tensor
 from lossfx._distributed import ProcessGroup, check_vocab_parallel
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_tensor
-from lossfx.filtering import loss_mask_from_data, mask_out_neg_inf_logprobs
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
+from lossfx.loss_masks import loss_mask_from_data, mask_out_neg_inf_logprobs
 from lossfx.next_token import next_token_logprobs as _next_token_logprobs
 
 __all__ = [

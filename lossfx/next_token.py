@@ -26,9 +26,17 @@ from torch import Tensor
 from lossfx._distributed import ProcessGroup, group_rank, group_size
 from lossfx._validation import check_floating, check_integer_ids, check_positive_int
 from lossfx.context_parallel import allgather_cp, shard_for_cp_rank, shard_padded_for_cp
+from lossfx.filtering import filtered_token_logprobs
 from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
+from lossfx.logprobs import token_logprobs
 
-__all__ = ["ContextParallelSharder", "LoadBalancedSharder", "next_token_logprobs", "target_logprobs"]
+__all__ = [
+    "ContextParallelSharder",
+    "LoadBalancedSharder",
+    "next_token_filtered_logprobs",
+    "next_token_logprobs",
+    "target_logprobs",
+]
 
 
 @runtime_checkable
@@ -92,9 +100,6 @@ def target_logprobs(
         logits: `[..., Vl]`; target: `[...]` global ids; group: TP group; chunk_size: rows per
         eager chunk. Returns `[...]` in the compute dtype (`−inf` where a filter drops the target).
     """
-    from lossfx.filtering import filtered_token_logprobs
-    from lossfx.logprobs import token_logprobs
-
     if need_top_k_or_top_p_filtering(sampling_params):
         return filtered_token_logprobs(
             logits,
@@ -180,3 +185,35 @@ def next_token_logprobs(
     elif cp_size > 1:
         local = allgather_cp(local, context_parallel_group, seq_dim=1)  # [B, C·S_l]
     return local[:, : max(seq - 1, 0)]
+
+
+def next_token_filtered_logprobs(
+    logits: Tensor,
+    input_ids: Tensor,
+    *,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    group: ProcessGroup | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """Filtered next-token log-probs `[B, S-1]`: position `t` scores `input_ids[:, t+1]`.
+
+    Equivalent to ``lossfx.reference.next_token_filtered_logprobs(logits, input_ids, top_k,
+    top_p)`` (the dense filter of `logits[:, :-1]`), without slicing or copying the logits.
+
+    Args:
+        logits: `[B, S, Vl]` this rank's vocabulary shard.
+        input_ids: `[B, S]` integer ids in `[0, V)`.
+        top_k, top_p, group: as in `filtered_token_logprobs`.
+        chunk_size: sequence positions per eager chunk.
+
+    Returns:
+        `[B, S-1]` in the compute dtype; `-inf` where the next token was filtered out.
+    """
+    return next_token_logprobs(
+        logits,
+        input_ids,
+        vocab_parallel_group=group,
+        sampling_params=TrainingSamplingParams(top_k=top_k, top_p=top_p),
+        chunk_size=chunk_size,
+    )

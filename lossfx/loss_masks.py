@@ -1,0 +1,84 @@
+"""Loss masks from a NeMo-RL data dict: which positions count, and zeroing the ones that cannot.
+
+Data-dict plumbing of the entry points (`loss_input.py`), kept apart from the kernels: it knows the
+column names of a batch (`token_mask`, `sample_mask`) but nothing about vocabularies or layouts.
+
+* `loss_mask_from_data`: `token_mask · sample_mask[:, None]` `[B, S]` (a missing column is ones);
+* `mask_out_neg_inf_logprobs`: `where(mask & isfinite(logprobs), logprobs, 0)`, warning in eager
+  mode about valid tokens a top-k/top-p filter removed.
+
+Reference: `lossfx.reference.mask_out_neg_inf_logprobs`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lossfx._validation import check_floating, check_tensor, values_checkable
+
+__all__ = ["loss_mask_from_data", "mask_out_neg_inf_logprobs"]
+
+
+def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logprobs") -> Tensor:
+    """Zero every position whose mask is 0 or whose log-prob is `±inf`; warn about valid ones.
+
+    Equivalent to ``torch.where((mask != 0) & isfinite(logprobs), logprobs, 0)``. The gradient is
+    0 at the zeroed positions (never NaN). In eager mode, when some position with a nonzero mask
+    holds `±inf`, a `UserWarning` reports how many of the valid tokens were masked out; under
+    `torch.compile` the count and the warning are skipped (no graph break).
+
+    Args:
+        logprobs: `[B, T]` float log-probs (e.g. filtered next-token log-probs).
+        mask: `[B, T]` (any numeric or bool dtype): 1 for valid tokens.
+        name: what the warning calls the tensor.
+
+    Returns:
+        `[B, T]` like `logprobs`.
+
+    Example:
+        >>> import torch, lossfx
+        >>> lossfx.mask_out_neg_inf_logprobs(torch.tensor([[-1.0, float("-inf")]]), torch.tensor([[1, 0]]))
+        tensor([[-1.,  0.]])
+    """
+    check_floating("logprobs", logprobs)
+    check_tensor("mask", mask)
+    if tuple(mask.shape) != tuple(logprobs.shape):
+        raise ValueError(
+            f"mask must have the shape of {name}; got mask.shape={tuple(mask.shape)} and "
+            f"{name}.shape={tuple(logprobs.shape)}"
+        )
+    valid = mask != 0
+    finite = torch.isfinite(logprobs)
+    if values_checkable():
+        bad = int((valid & ~finite).sum())
+        if bad:
+            warnings.warn(
+                f"{bad}/{int(valid.sum())} valid tokens have -inf in {name} (policy top-k/top-p "
+                "mismatch). Masking out these positions.",
+                stacklevel=2,
+            )
+    return torch.where(valid & finite, logprobs, torch.zeros_like(logprobs))
+
+
+def loss_mask_from_data(data: Mapping[str, Any], input_ids: Tensor) -> Tensor:
+    """`token_mask · sample_mask[:, None]` `[B, S]` from `data`; a missing column counts as ones."""
+    batch, seq = input_ids.shape
+    token_mask = data.get("token_mask")
+    sample_mask = data.get("sample_mask")
+    mask = torch.ones(batch, seq, dtype=torch.bool, device=input_ids.device)
+    if token_mask is not None:
+        check_tensor("data['token_mask']", token_mask)
+        if tuple(token_mask.shape) != (batch, seq):
+            raise ValueError(f"data['token_mask'] must be [B, S] = {(batch, seq)}, got {tuple(token_mask.shape)}")
+        mask = mask & (token_mask != 0)
+    if sample_mask is not None:
+        check_tensor("data['sample_mask']", sample_mask)
+        if tuple(sample_mask.shape) != (batch,):
+            raise ValueError(f"data['sample_mask'] must be [B] = {(batch,)}, got {tuple(sample_mask.shape)}")
+        mask = mask & (sample_mask != 0)[:, None]
+    return mask
