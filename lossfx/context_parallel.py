@@ -111,6 +111,10 @@ def _check_local(x: Tensor, seq_dim: int) -> int:
 def unshard(shards: list[Tensor] | tuple[Tensor, ...], seq_dim: int = 1) -> Tensor:
     """Canonical tensor from every CP rank's local tensor (rank order); inverse of `shard_for_cp_rank`.
 
+    Args:
+        shards: every CP rank's local tensor, in rank order, all of one shape.
+        seq_dim: the sequence dim.
+
     Raises:
         ValueError: no shards, unequal shapes, or an odd local length (with more than one shard).
     """

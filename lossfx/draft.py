@@ -39,6 +39,10 @@ def shift_left(x: Tensor, cp_group: ProcessGroup | None = None) -> Tensor:
 
     Equivalent to ``torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)`` on the canonical tensor,
     applied to this CP rank's load-balanced shard (`cp_group=None`: no context parallelism).
+
+    Args:
+        x: `[B, S_l, ...]` this CP rank's shard (the canonical tensor without CP).
+        cp_group: the CP group, or `None`.
     """
     check_tensor("x", x)
     if x.dim() < 2:
@@ -122,6 +126,9 @@ def draft_targets(
         logits: `[B, S_l, Vl]` the policy's logits (this rank's TP/CP shard); detached here.
         token_mask: `[B, S]` canonical mask.
         d2t: `[D]` draft-to-target offsets or `None`.
+        vocab_parallel_rank, vocab_parallel_group: tensor parallelism over the vocabulary (`None`
+            without).
+        context_parallel_group: CP group (load-balanced layout), or `None`.
 
     Returns:
         `(teacher_logits [B, S_l, D/TP] in the logits' dtype, token_mask [B, S_l])`, both in this

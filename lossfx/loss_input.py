@@ -4,9 +4,14 @@ A drop-in for NeMo RL's `nemo_rl.algorithms.loss.loss_input` (same names, argume
 built on lossfx's kernels. `prepare_loss_input` dispatches on `loss_fn.input_type`:
 
 1. `LOGIT` returns the logits unchanged;
-2. `LOGPROB` returns next-token log-probs `[B, S-1]` (optionally over a tensor-parallel
-   vocabulary shard, chunked);
-3. the other branches land with their capabilities and raise `NotImplementedError` until then.
+2. `LOGPROB` returns next-token log-probs `[B, S-1]` (tensor-parallel vocabulary shard,
+   context-parallel layout or an external `cp_sharder`, top-k/top-p filter, chunked);
+3. `DISTILLATION` returns student/teacher log-probs at the teacher's top-k ids
+   (`lossfx.distillation`);
+4. `DRAFT` returns the shifted teacher logits in the draft vocabulary (`lossfx.draft`);
+5. `OPD_FULL` returns full-vocabulary on-policy distillation divergences (`lossfx.opd_full`).
+
+Packed sequences go through `prepare_packed_loss_input` (`LOGPROB` only).
 
 `data` is never modified except for the documented `curr_logprobs_unfiltered` column; a call that
 raises leaves it untouched.
@@ -132,23 +137,31 @@ def prepare_loss_input(
             `use_fused_linear_logprobs`, `reference_policy_kl_penalty` (see `LossFunction`).
         vocab_parallel_rank: rank in `vocab_parallel_group`; required with it.
         vocab_parallel_group: tensor-parallel group over the vocabulary, or `None`.
-        context_parallel_group: context-parallel group (not yet supported when larger than 1).
+        context_parallel_group: context-parallel group (load-balanced layout: `logits` hold this
+            rank's part `[B, S_l, Vl]`, `data` stays canonical), or `None`; outputs are
+            gathered to canonical order and their gradient is summed over CP ranks (divide the
+            loss by the CP size). Every input type but `LOGIT` supports it.
         sampling_params: top-k/top-p filter of the rollout (`LOGPROB` only).
         d2t: draft-to-target vocabulary map (`DRAFT` only).
         chunk_size: sequence positions per eager chunk; a memory bound, results do not depend
             on it.
-        cp_sharder: context-parallel sharder object (not yet supported).
+        cp_sharder: an external context-parallel layout (`LOGPROB` only): an object with
+            `shard_token_tensor`/`gather_token_tensor` (`lossfx.next_token.ContextParallelSharder`,
+            e.g. `lossfx.next_token.LoadBalancedSharder`); takes precedence over
+            `context_parallel_group`.
         teacher_output_layer_weight_by_index: per-teacher LM-head shards (`OPD_FULL` only).
         teacher_logits_dtype: dtype of teacher logits projected from hidden states (`OPD_FULL`).
 
     Returns:
         `(loss_input, data)`: `LOGIT` gives `{"logits"}`, `LOGPROB` gives
-        `{"next_token_logprobs": [B, S-1]}`; `data` is the same object that was passed in.
+        `{"next_token_logprobs": [B, S-1]}`, `DISTILLATION` `{"student_topk_logprobs",
+        "teacher_topk_logprobs", "H_all"}`, `DRAFT` `{"teacher_logits", "student_logits",
+        "token_mask"}`, `OPD_FULL` as `prepare_opd_full_loss_input`; `data` is the same object
+        that was passed in.
 
     Raises:
         ValueError: unknown input type, missing columns, bad shapes or ids, `chunk_size <= 0`.
         TypeError: wrong argument types.
-        NotImplementedError: a branch or layout whose capability has not landed yet.
 
     Example:
         >>> import torch, lossfx
