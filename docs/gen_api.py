@@ -10,6 +10,7 @@ import sys
 def render() -> str:
     import lossfx
     import lossfx.reference as reference
+    import lossfx.testing as testing
 
     lines = [
         "# API",
@@ -34,6 +35,7 @@ def render() -> str:
 
     section("lossfx", lossfx, sorted(n for n in lossfx.__all__ if not n.startswith("_")))
     section("lossfx.reference", reference, sorted(reference.__all__))
+    section("lossfx.testing", testing, sorted(testing.__all__))
     return "\n".join(lines).rstrip() + "\n"
 
 

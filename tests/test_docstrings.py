@@ -1,7 +1,7 @@
 """Docstrings that cannot silently contradict the code.
 
 What a machine can check about a docstring, it checks here, over every public function of
-`lossfx` (its `__all__`, which is what docs/api.md is generated from):
+`lossfx` and `lossfx.testing` (their `__all__`, which is what docs/api.md is generated from):
 
 1. every parameter of the signature is documented, and every documented parameter exists: the
    `Args:` section names exactly the signature's parameters; a docstring without one names each
@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import torch
 
 import lossfx
+import lossfx.testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # A docstring describes what is, not a plan: these phrases are stale the day the feature lands.
@@ -35,7 +36,14 @@ PLANNED = re.compile(r"not yet (supported|implemented)|not (supported|implemente
 
 
 def _public_functions() -> dict[str, Callable]:
-    return {n: getattr(lossfx, n) for n in sorted(lossfx.__all__) if inspect.isfunction(getattr(lossfx, n))}
+    """The functions of `lossfx.__all__` and `lossfx.testing.__all__`, by name."""
+    found = {}
+    for module in (lossfx, lossfx.testing):
+        for name in sorted(module.__all__):
+            if inspect.isfunction(getattr(module, name)):
+                assert name not in found, f"{name} is public in two modules"
+                found[name] = getattr(module, name)
+    return found
 
 
 def _args_section(doc: str) -> set[str] | None:
@@ -78,9 +86,9 @@ def test_every_parameter_is_documented_and_every_documented_parameter_exists():
         params = set(inspect.signature(fn).parameters)
         documented = _documented(name, fn, functions)
         if params - documented:
-            problems.append(f"lossfx.{name}: undocumented {sorted(params - documented)}")
+            problems.append(f"{fn.__module__}.{name}: undocumented {sorted(params - documented)}")
         if _args_section(inspect.getdoc(fn) or "") is not None and documented - params:
-            problems.append(f"lossfx.{name}: documents {sorted(documented - params)}, not in its signature")
+            problems.append(f"{fn.__module__}.{name}: documents {sorted(documented - params)}, not in its signature")
     assert not problems, "\n".join(problems)
 
 
@@ -156,9 +164,9 @@ def test_every_optional_parameter_is_passed_by_some_test_or_doctest():
     for name, fn in _public_functions().items():
         trees = _sources_calling(name, fn)
         if not trees:
-            problems.append(f"lossfx.{name}: no test or doctest mentions it")
+            problems.append(f"{fn.__module__}.{name}: no test or doctest mentions it")
             continue
         for position, param in enumerate(inspect.signature(fn).parameters.values()):
             if param.default is not inspect.Parameter.empty and not _passed(param, position, name, trees):
-                problems.append(f"lossfx.{name}({param.name}=...): no test or doctest passes it")
+                problems.append(f"{fn.__module__}.{name}({param.name}=...): no test or doctest passes it")
     assert not problems, "\n".join(problems)
