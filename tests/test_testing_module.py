@@ -156,9 +156,10 @@ def test_bad_arguments_raise_value_and_type_errors():
 
 
 @settings(max_examples=25, deadline=None)
-@given(z=lt.logits(max_rows=4, max_vocab=16, dtype=torch.float32, scales=(1e-4, 1.0, 30.0), ties=True, neg_inf=True))
+@given(z=lt.logits(max_rows=4, max_vocab=16, dtype=torch.float32, scales=(1e-4, 1.0), ties=True, neg_inf=True))
 def test_drawn_logits_check_lossfx_kernels(z):
-    """Scales up to 30 here: at 1e4 hypothesis finds issue 10 item 1 (see the xfail above)."""
+    """Scales up to 1 here: larger logits hit issue 10 item 1 in float32 (found at 1e4; at 30 the
+    rounded `lse` is within 2.5x of the tolerance), see the xfail above."""
     assert z.dtype == torch.float32 and z.dim() == 2 and 1 <= z.shape[0] <= 4 and 1 <= z.shape[1] <= 16
     assert bool(torch.isfinite(z).any(-1).all()), "every row keeps a finite entry"
     lt.check_logprob_fn(lossfx.token_logprobs, z, dtypes=(torch.float32,))
@@ -187,18 +188,21 @@ def test_sharded_logits_drive_a_sharded_kernel(sharded):
     torch.testing.assert_close(torch.cat([r[1] for r in results], -1), x.grad, atol=1e-10, rtol=1e-10)
 
 
+def _widths(sharded):
+    return [b - a for a, b in zip(sharded.vocab_starts, sharded.vocab_starts[1:])]
+
+
 def test_uneven_and_even_splits_are_both_drawn():
     seen: set[tuple[int, bool]] = set()
 
-    @settings(max_examples=60, deadline=None, database=None)
+    @settings(max_examples=80, deadline=None, database=None, derandomize=True)  # the same draws every run
     @given(lt.sharded_logits(world_sizes=(2, 4), max_vocab=9))
     def draw(sharded):
-        widths = {b - a for a, b in zip(sharded.vocab_starts, sharded.vocab_starts[1:])}
-        assert min(widths) >= 1
-        seen.add((sharded.world, len(widths) > 1))
+        assert min(_widths(sharded)) >= 1
+        seen.add((sharded.world, len(set(_widths(sharded))) > 1))
 
     draw()
-    assert {(2, True), (4, True), (2, False)} <= seen, seen
+    assert seen == {(2, True), (2, False), (4, True), (4, False)}, seen
 
 
 @settings(max_examples=10, deadline=None)
