@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import doctest
+import functools
 import inspect
 import pathlib
 import re
@@ -130,13 +131,14 @@ def test_prepare_loss_input_has_a_branch_for_every_input_type():
             pass  # missing columns: the branch exists and validates its input
 
 
+@functools.cache
+def _test_sources() -> list[tuple[str, ast.AST]]:
+    return [(p.read_text(), ast.parse(p.read_text())) for p in sorted((ROOT / "tests").glob("*.py"))]
+
+
 def _sources_calling(name: str, fn: Callable) -> list[ast.AST]:
     """Parsed tests that mention `name`, and `fn`'s own doctest examples."""
-    trees = [
-        ast.parse(p.read_text())
-        for p in sorted((ROOT / "tests").glob("*.py"))
-        if re.search(rf"\b{name}\b", p.read_text())
-    ]
+    trees = [tree for text, tree in _test_sources() if re.search(rf"\b{name}\b", text)]
     for test in doctest.DocTestFinder().find(fn, name, globs={}):
         trees.append(ast.parse("\n".join(example.source for example in test.examples)))
     return trees
