@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
+from lossfx._dtensor import replicated
 from lossfx._validation import check_tensor
 
 __all__ = ["allgather_cp", "cp_positions", "shard_for_cp_rank", "shard_padded_for_cp", "unshard"]
@@ -72,6 +73,7 @@ def shard_for_cp_rank(x: Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1) -
     Raises:
         ValueError: length not divisible by `2C`, bad rank/size or `seq_dim`.
     """
+    x = replicated(x, "x")  # a canonical tensor may be a Replicate() DTensor (lossfx/_dtensor.py)
     check_tensor("x", x)
     _check_cp(cp_rank, cp_size)
     seq_dim = _check_seq_dim(x, seq_dim)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lossfx._distributed import ProcessGroup, group_size
+from lossfx._dtensor import replicated, vocab_shard
 from lossfx._numerics import compute_dtype, log_softmax_rows
 from lossfx._validation import check_floating, check_integer_ids, check_positive_int
 from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
@@ -85,6 +86,13 @@ def distillation_topk_logprobs(
     Raises:
         ValueError: `K <= 0`, ids outside `[0, V)`, shape mismatches. TypeError: bad dtypes.
     """
+    student_logits, vocab_parallel_group, *_ = vocab_shard(
+        student_logits, name="student_logits", group=vocab_parallel_group, even=True
+    )
+    teacher_topk_logits, teacher_topk_indices = (
+        replicated(teacher_topk_logits, "teacher_topk_logits"),
+        replicated(teacher_topk_indices, "teacher_topk_indices"),
+    )
     check_floating("student_logits", student_logits)
     check_floating("teacher_topk_logits", teacher_topk_logits)
     check_integer_ids("teacher_topk_indices", teacher_topk_indices)

@@ -41,6 +41,7 @@ from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
 from lossfx._distributed import ProcessGroup, all_gather_stack
+from lossfx._dtensor import vocab_shard
 from lossfx._numerics import finite_or_zero, lse_for_softmax
 from lossfx._validation import check_floating, check_positive_int
 
@@ -260,6 +261,7 @@ def entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: i
     .. math::
         \\mathrm{out}_n = \\sum_v p_{n,v} \\log p_{n,v} \\le 0
     """
+    student, group, *_ = vocab_shard(student, name="student", group=group)  # lossfx/_dtensor.py
     return _apply("entropy", student, None, group, chunk_size)
 
 
@@ -278,6 +280,8 @@ def cross_entropy_to_fixed(
     .. math::
         \\mathrm{out}_n = -\\sum_v p_s(v) \\log p_t(v)
     """
+    s = vocab_shard(student, name="student", group=group)  # lossfx/_dtensor.py
+    student, group, teacher = s.local, s.group, s.like(teacher, "teacher")
     return _apply("cross_entropy", student, teacher, group, chunk_size)
 
 
@@ -304,6 +308,8 @@ def reverse_kl_to_fixed(
         >>> lossfx.reverse_kl_to_fixed(s, s)
         tensor([0.])
     """
+    s = vocab_shard(student, name="student", group=group)  # lossfx/_dtensor.py
+    student, group, teacher = s.local, s.group, s.like(teacher, "teacher")
     return _apply("reverse_kl", student, teacher, group, chunk_size)
 
 

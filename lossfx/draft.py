@@ -28,6 +28,7 @@ from lossfx._distributed import (
     local_columns,
     reduce_scatter_sum,
 )
+from lossfx._dtensor import is_dtensor, replicated, vocab_shard
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx.context_parallel import shard_for_cp_rank
 
@@ -44,6 +45,9 @@ def shift_left(x: Tensor, cp_group: ProcessGroup | None = None) -> Tensor:
         x: `[B, S_l, ...]` this CP rank's shard (the canonical tensor without CP).
         cp_group: the CP group, or `None`.
     """
+    if is_dtensor(x):  # shifts along the sequence: a vocabulary-sharded DTensor stays one (lossfx/_dtensor.py)
+        s = vocab_shard(x, name="x")
+        return s.wrap(shift_left(s.local, cp_group))
     check_tensor("x", x)
     if x.dim() < 2:
         raise ValueError(f"x must have a sequence dim 1, got shape {tuple(x.shape)}")
@@ -83,6 +87,14 @@ def map_to_draft_vocab(
     Raises:
         ValueError: a target id outside `[0, V)` (eager only), `D` not divisible by TP.
     """
+    if is_dtensor(teacher_logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_dtensor.py)
+        s = vocab_shard(
+            teacher_logits, name="teacher_logits", group=vocab_parallel_group, rank=vocab_parallel_rank, even=True
+        )
+        out = map_to_draft_vocab(
+            s.local, replicated(d2t, "d2t"), vocab_parallel_rank=s.rank, vocab_parallel_group=s.group
+        )
+        return s.wrap(out) if d2t is None else s.wrap_other_vocab(out, d2t.shape[0])
     if d2t is None:
         return teacher_logits
     check_integer_ids("d2t", d2t)
@@ -134,6 +146,21 @@ def draft_targets(
         `(teacher_logits [B, S_l, D/TP] in the logits' dtype, token_mask [B, S_l])`, both in this
         rank's CP layout.
     """
+    if is_dtensor(logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_dtensor.py)
+        s, d2t = (
+            vocab_shard(logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True),
+            replicated(d2t, "d2t"),
+        )
+        teacher, mask = draft_targets(
+            s.local,
+            replicated(token_mask, "token_mask"),
+            d2t,
+            vocab_parallel_rank=s.rank,
+            vocab_parallel_group=s.group,
+            context_parallel_group=context_parallel_group,
+        )
+        return (s.wrap(teacher) if d2t is None else s.wrap_other_vocab(teacher, d2t.shape[0])), mask
+    token_mask, d2t = replicated(token_mask, "token_mask"), replicated(d2t, "d2t")
     check_floating("logits", logits)
     check_tensor("token_mask", token_mask)
     if logits.dim() != 3 or token_mask.dim() != 2 or logits.shape[0] != token_mask.shape[0]:

@@ -53,6 +53,7 @@ from lossfx._distributed import (
     group_size,
     local_columns,
 )
+from lossfx._dtensor import is_dtensor, replicated, vocab_shard
 from lossfx._numerics import compute_dtype, finite_or_zero, lse_for_softmax, merge_max_sumexp, row_max_sumexp
 from lossfx._validation import (
     check_floating,
@@ -552,6 +553,7 @@ def top_k_top_p_threshold(
         >>> lossfx.top_k_top_p_threshold(z, top_k=2)
         tensor([2.])
     """
+    logits, group, _, _, vocab_size, *_ = vocab_shard(logits, group=group, vocab_size=vocab_size)  # lossfx/_dtensor.py
     check_floating("logits", logits)
     k, p = check_filter_params(top_k, top_p)
     _check_strategy(strategy)
@@ -588,6 +590,12 @@ def apply_top_k_top_p(
         >>> lossfx.apply_top_k_top_p(torch.tensor([[3.0, 1.0, 2.0]]), top_k=2)[0]
         tensor([[3., -inf, 2.]])
     """
+    if is_dtensor(logits):  # vocabulary-sharded results come back as DTensors (lossfx/_dtensor.py)
+        s = vocab_shard(logits, group=group, vocab_size=vocab_size)
+        out = apply_top_k_top_p(
+            s.local, top_k=top_k, top_p=top_p, group=s.group, vocab_size=s.vocab_size, chunk_size=chunk_size
+        )
+        return s.wrap(out[0]), s.wrap(out[1])
     tau = top_k_top_p_threshold(
         logits, top_k=top_k, top_p=top_p, group=group, vocab_size=vocab_size, chunk_size=chunk_size
     )
@@ -645,6 +653,10 @@ def filtered_token_logprobs(
 
     See also: proofs/filtering.md, lossfx.reference.filtered_token_logprobs.
     """
+    logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
+        logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
+    )
+    target = replicated(target, "target")
     check_floating("logits", logits)
     check_integer_ids("target", target)
     k, p = check_filter_params(top_k, top_p)

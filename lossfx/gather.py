@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
 from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size, local_columns
+from lossfx._dtensor import replicated, vocab_shard
 from lossfx._numerics import compute_dtype, finite_or_zero, lse_for_softmax, merge_max_sumexp
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
 
@@ -191,6 +192,10 @@ def gather_logprobs(
 
     See also: proofs/gather.md, lossfx.reference.gather_logprobs.
     """
+    logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
+        logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
+    )
+    ids = replicated(ids, "ids")
     local_vocab, vocab_start, chunk_size = _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, chunk_size)
     flat_logits = logits.reshape(-1, local_vocab)  # [N, Vl]
     flat_ids = ids.reshape(-1, ids.shape[-1])  # [N, K]
@@ -228,6 +233,10 @@ def gather_logits(
         >>> lossfx.gather_logits(torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[2, 2, 0]]))
         tensor([[3., 3., 1.]])
     """
+    logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
+        logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
+    )
+    ids = replicated(ids, "ids")
     local_vocab, vocab_start, _ = _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, None)
     local_idx, owned = local_columns(ids, vocab_start, local_vocab)
     local = logits.gather(-1, local_idx).to(compute_dtype(logits.dtype))  # [..., K]

@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
 from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size, local_columns
+from lossfx._dtensor import replicated, vocab_shard
 from lossfx._numerics import compute_dtype, lse_for_softmax, merge_max_sumexp, row_max_sumexp
 from lossfx._validation import (
     check_floating,
@@ -125,6 +126,10 @@ def token_logprobs_with_lse(
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`token_logprobs` that also returns the row log-sum-exp `[...]` (not differentiable)."""
+    logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
+        logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
+    )
+    target = replicated(target, "target")
     check_floating("logits", logits)
     check_integer_ids("target", target)
     chunk_size = check_positive_int("chunk_size", chunk_size)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from lossfx._distributed import ProcessGroup, check_vocab_parallel
+from lossfx._dtensor import entry_point_on_local, has_dtensor, replicated, vocab_shard
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_tensor
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
@@ -97,6 +98,10 @@ def next_token_logprobs(
         every tensor- and context-parallel rank. Each TP rank's gradient is its own shard's; under
         CP the gradient is summed over CP ranks (divide the loss by the CP size).
     """
+    logits, vocab_parallel_group, vocab_parallel_rank, *_ = vocab_shard(
+        logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True
+    )
+    input_ids = replicated(input_ids, "input_ids")  # DTensor boundary: lossfx/_dtensor.py
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
     return _next_token_logprobs(
         logits,
@@ -172,6 +177,22 @@ def prepare_loss_input(
         >>> out["next_token_logprobs"]
         tensor([[-1.3863, -1.3863]])
     """
+    if has_dtensor(logits, data):  # DTensor boundary: lossfx/_dtensor.py
+        return entry_point_on_local(
+            prepare_loss_input,
+            logits,
+            data,
+            loss_fn,
+            vocab_parallel_rank=vocab_parallel_rank,
+            vocab_parallel_group=vocab_parallel_group,
+            context_parallel_group=context_parallel_group,
+            sampling_params=sampling_params,
+            d2t=d2t,
+            chunk_size=chunk_size,
+            cp_sharder=cp_sharder,
+            teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+            teacher_logits_dtype=teacher_logits_dtype,
+        )
     input_type = _input_type(loss_fn)
     check_tensor("logits", logits)
     if input_type is LossInputType.LOGIT:
@@ -306,6 +327,20 @@ def prepare_opd_full_loss_input(
     Raises:
         ValueError: every error condition of semantics.md §1.2.1, missing columns, bad shapes.
     """
+    if has_dtensor(logits, data):  # DTensor boundary: lossfx/_dtensor.py
+        return entry_point_on_local(
+            prepare_opd_full_loss_input,
+            logits,
+            data,
+            loss_fn,
+            vocab_parallel_rank=vocab_parallel_rank,
+            vocab_parallel_group=vocab_parallel_group,
+            context_parallel_group=context_parallel_group,
+            sampling_params=sampling_params,
+            chunk_size=chunk_size,
+            teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+            teacher_logits_dtype=teacher_logits_dtype,
+        )
     from lossfx.opd_full import prepare_opd_full
 
     return prepare_opd_full(
@@ -370,6 +405,20 @@ def prepare_packed_loss_input(
             decreasing, padded shorter than unpadded, total not matching the logits, not a
             multiple of `2C`), naming the offending entries; bad shapes or ids.
     """
+    if has_dtensor(logits, data):  # DTensor boundary: lossfx/_dtensor.py
+        return entry_point_on_local(
+            prepare_packed_loss_input,
+            logits,
+            data,
+            loss_fn,
+            cu_seqlens_q,
+            cu_seqlens_q_padded,
+            vocab_parallel_rank=vocab_parallel_rank,
+            vocab_parallel_group=vocab_parallel_group,
+            context_parallel_group=context_parallel_group,
+            sampling_params=sampling_params,
+            chunk_size=chunk_size,
+        )
     from lossfx.packing import packed_next_token_logprobs
 
     input_type = _input_type(loss_fn)

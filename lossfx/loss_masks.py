@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lossfx._dtensor import replicated
 from lossfx._validation import check_floating, check_tensor, values_checkable
 
 __all__ = ["loss_mask_from_data", "mask_out_neg_inf_logprobs"]
@@ -45,6 +46,7 @@ def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logpr
         >>> lossfx.mask_out_neg_inf_logprobs(torch.tensor([[-1.0, float("-inf")]]), torch.tensor([[1, 0]]))
         tensor([[-1.,  0.]])
     """
+    logprobs, mask = replicated(logprobs, name), replicated(mask, "mask")  # lossfx/_dtensor.py
     check_floating("logprobs", logprobs)
     check_tensor("mask", mask)
     if tuple(mask.shape) != tuple(logprobs.shape):

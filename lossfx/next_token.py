@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lossfx._distributed import ProcessGroup, group_rank, group_size
+from lossfx._dtensor import replicated, vocab_shard
 from lossfx._validation import check_floating, check_integer_ids, check_positive_int
 from lossfx.context_parallel import allgather_cp, shard_for_cp_rank, shard_padded_for_cp
 from lossfx.filtering import filtered_token_logprobs
@@ -210,6 +211,8 @@ def next_token_filtered_logprobs(
     Returns:
         `[B, S-1]` in the compute dtype; `-inf` where the next token was filtered out.
     """
+    logits, group, *_ = vocab_shard(logits, group=group, even=True)  # lossfx/_dtensor.py
+    input_ids = replicated(input_ids, "input_ids")
     return next_token_logprobs(
         logits,
         input_ids,

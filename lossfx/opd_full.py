@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
+from lossfx._dtensor import is_dtensor, replicated, vocab_shard
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
 from lossfx.divergence import cross_entropy_to_fixed, entropy, reverse_kl_to_fixed
@@ -224,6 +225,22 @@ def reconstruct_opd_full_teacher_logits(
             batch differs from the student's. (The per-row head check reads values and runs in
             eager mode only.)
     """
+    if is_dtensor(student_logits) or is_dtensor(payload):  # sharded like the student logits (lossfx/_dtensor.py)
+        s = vocab_shard(student_logits, name="student_logits", rank=vocab_parallel_rank, even=True)
+        return s.wrap(
+            reconstruct_opd_full_teacher_logits(
+                s.pad_full(replicated(payload, "payload"))
+                if teacher_payload == "logits"
+                else replicated(payload, "payload"),
+                teacher_payload=teacher_payload,
+                student_logits=s.local,
+                vocab_parallel_rank=s.rank,
+                context_parallel_group=context_parallel_group,
+                teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+                teacher_index=replicated(teacher_index, "teacher_index"),
+                output_dtype=output_dtype,
+            )
+        )
     check_floating("payload", payload)
     check_tensor("student_logits", student_logits)
     if teacher_payload not in _PAYLOAD_COLUMNS:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size
+from lossfx._dtensor import vocab_shard
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_positive_int
 
@@ -71,6 +72,8 @@ def vocab_topk(
         >>> lossfx.vocab_topk(torch.tensor([[0.5, 2.0, 2.0, -1.0]]), 2)
         (tensor([[2., 2.]]), tensor([[1, 2]]))
     """
+    s = vocab_shard(logits, group=group, vocab_start=vocab_start, even=True)  # lossfx/_dtensor.py
+    logits, group, vocab_start, k = s.local, s.group, None if s.padded else s.vocab_start, s.at_most_vocab(k)
     check_floating("logits", logits)
     k = check_positive_int("k", k, allow_none=False)
     local_vocab = logits.shape[-1]

@@ -1,0 +1,305 @@
+"""The DTensor boundary: DTensor arguments in, plain local tensors and a process group out.
+
+Every public function calls one of these at its top, then runs the group-based kernels on plain
+tensors. Rules (docs/dtensor.md):
+
+* a tensor sharded on its vocabulary dim `d` (`Shard(d)` on exactly one mesh dim, `Replicate()`
+  on the others) is tensor parallel over that mesh dim: the group, the rank and this shard's
+  `vocab_start` / width follow from the mesh, the placement and torch's sharding rule (uneven
+  shards included); all-`Replicate()` means no tensor parallelism; any other placement raises;
+* replicated arguments (ids, masks, teacher payloads) may be plain or all-`Replicate()` DTensors;
+* replicated results are plain tensors; results sharded on the vocabulary come back as DTensors
+  with the input's mesh and placements (`VocabShard.wrap`);
+* `to_local()` is differentiable, so the gradient reaches the DTensor with its own placement.
+
+The fused LM-head functions take a vocabulary-sharded weight `[Vl, H]` the same way:
+``vocab_shard(weight, dim=0, name="weight", group=group, vocab_start=..., vocab_size=...)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+ProcessGroup = dist.ProcessGroup
+
+
+try:  # torch builds without distributed support have no DTensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+
+__all__ = ["VocabShard", "entry_point_on_local", "has_dtensor", "is_dtensor", "replicated", "vocab_shard"]
+
+
+def is_dtensor(x: object) -> bool:
+    """True iff `x` is a `torch.distributed.tensor.DTensor`."""
+    return DTensor is not None and isinstance(x, DTensor)
+
+
+class VocabShard(NamedTuple):
+    """A vocabulary-sharded argument as the group-based kernels see it.
+
+    `local` is this rank's shard (a plain tensor; padded with `-inf` columns to the even width
+    `ceil(V/R)` when asked for `even=True`), `group` the tensor-parallel group (`None` without TP),
+    `rank` this rank's index in it, `vocab_start` / `vocab_size` the shard's first global id and
+    the global `V`. `dtensor` is the DTensor it came from (`None` for a plain tensor).
+    """
+
+    local: Tensor
+    group: ProcessGroup | None
+    rank: int | None
+    vocab_start: int | None
+    vocab_size: int | None
+    dtensor: Any = None
+    padded: int = 0
+
+    def like(self, x: Any, name: str) -> Any:
+        """`x`, sharded exactly like this argument (a teacher next to the student logits), local.
+
+        A DTensor must have the same mesh and placements; a plain tensor is taken as this rank's
+        shard already (the process-group convention).
+        """
+        if x is None or not is_dtensor(x):
+            if self.padded and x is not None:
+                return _pad_columns(x, self.padded, self.local.dim() - 1)
+            return x
+        if self.dtensor is None or x.device_mesh != self.dtensor.device_mesh or x.placements != self.dtensor.placements:
+            where = "a plain tensor" if self.dtensor is None else f"placements {tuple(self.dtensor.placements)}"
+            raise ValueError(
+                f"{name} is a DTensor with placements {tuple(x.placements)} on {x.device_mesh}; it must be sharded "
+                f"like the logits ({where})"
+            )
+        local: Tensor = x.to_local()
+        return _pad_columns(local, self.padded, local.dim() - 1) if self.padded else local
+
+    def pad_full(self, x: Any) -> Any:
+        """A full-vocabulary tensor `[..., V]` (a teacher logits payload) padded with `-inf` to the
+        padded global width `R · ceil(V/R)` the kernels see; identity when nothing is padded."""
+        if not self.padded or not isinstance(x, Tensor) or x.shape[-1] != self.vocab_size or self.group is None:
+            return x
+        return _pad_columns(x, self.local.shape[-1] * self.group.size() - x.shape[-1], x.dim() - 1)
+
+    def at_most_vocab(self, k: Any) -> Any:
+        """`min(k, V)` for an int `k` when `V` is known (padding columns must never be counted)."""
+        if self.vocab_size is None or isinstance(k, bool) or not isinstance(k, int):
+            return k
+        return min(k, self.vocab_size)
+
+    def wrap(self, out: Tensor) -> Tensor:
+        """A result `[..., Vl]` sharded like the input on its last (vocabulary) dim, back as a
+        DTensor with the input's mesh and placements (padding removed); identity for a plain input."""
+        if self.dtensor is None:
+            return out
+        if self.padded:
+            out = out.narrow(-1, 0, out.shape[-1] - self.padded)
+        return self._from_local(out, self.dtensor.shape[-1])
+
+    def wrap_other_vocab(self, out: Tensor, global_vocab: int) -> Tensor:
+        """A result `[..., D/R]` on another vocabulary of `global_vocab = D` ids split evenly over
+        the same ranks (a draft vocabulary), as a DTensor placed like the input."""
+        if self.dtensor is None:
+            return out
+        return self._from_local(out, global_vocab)
+
+    def _from_local(self, out: Tensor, global_vocab: int) -> Tensor:
+        shape = [*out.shape[:-1], global_vocab]
+        mesh, placements = self.dtensor.device_mesh, self.dtensor.placements
+        return DTensor.from_local(out, mesh, placements, shape=torch.Size(shape), stride=_contiguous_strides(shape))
+
+
+def _contiguous_strides(shape: list[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _pad_columns(x: Tensor, n: int, dim: int) -> Tensor:
+    """`x` with `n` columns of `-inf` appended along `dim` (differentiable; they get no gradient)."""
+    shape = list(x.shape)
+    shape[dim] = n
+    return torch.cat([x, x.new_full(shape, float("-inf"))], dim=dim)
+
+
+def _placement_error(name: str, x: Any, why: str) -> ValueError:
+    return ValueError(
+        f"{name} is a DTensor with placements {tuple(x.placements)} on a mesh of shape {tuple(x.device_mesh.shape)}: "
+        f"{why}"
+    )
+
+
+def _vocab_mesh_dim(x: Any, dim: int, name: str) -> int | None:
+    """The mesh dim that shards `x`'s dim `dim`, or `None` when every placement is `Replicate()`."""
+    found = None
+    for mesh_dim, placement in enumerate(x.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is Shard and placement.dim % x.dim() == dim:
+            if found is not None:
+                raise _placement_error(name, x, "the vocabulary may be sharded over one mesh dim only")
+            found = mesh_dim
+            continue
+        raise _placement_error(
+            name,
+            x,
+            f"{placement} is not supported; lossfx accepts Shard({dim}) (the vocabulary dim) on one mesh dim "
+            "and Replicate() on the others",
+        )
+    return found
+
+
+def _same_group(a: ProcessGroup, b: ProcessGroup) -> bool:
+    if a is b:
+        return True
+    if torch.compiler.is_compiling():  # the rank lists cannot be read while tracing; identity decides
+        return False
+    return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+
+
+def vocab_shard(
+    x: Tensor,
+    *,
+    dim: int = -1,
+    name: str = "logits",
+    group: ProcessGroup | None = None,
+    rank: int | None = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    even: bool = False,
+) -> VocabShard:
+    """Split a possibly-DTensor argument sharded on its vocabulary dim `dim` into what the kernels take.
+
+    A plain `x` passes through with the explicit arguments. A DTensor gives its local tensor and
+    the group, rank, `vocab_start` and `vocab_size` of its placement; explicit arguments must
+    agree with them (`ValueError` otherwise). `even=True` (for kernels that assume shards of one
+    width, `vocab_start = rank · Vl`) pads an uneven local shard with `-inf` columns to the width
+    `ceil(V/R)` of torch's sharding rule, so that assumption holds; `-inf` logits have zero
+    probability and receive no gradient, and `wrap` strips the padding.
+
+    Raises:
+        ValueError: a placement other than `Shard(dim)` on one mesh dim and `Replicate()`
+            elsewhere; an explicit argument that contradicts the DTensor.
+    """
+    if not is_dtensor(x):
+        return VocabShard(x, group, rank, vocab_start, vocab_size)
+    return _dtensor_vocab_shard(x, dim, name, group, rank, vocab_start, vocab_size, even)
+
+
+def _dtensor_vocab_shard(
+    x: Any,
+    dim: int,
+    name: str,
+    group: ProcessGroup | None,
+    rank: int | None,
+    vocab_start: int | None,
+    vocab_size: int | None,
+    even: bool,
+) -> VocabShard:
+    ndim = x.dim()
+    if ndim == 0:
+        raise _placement_error(name, x, "a 0-d tensor has no vocabulary dim")
+    vdim = dim % ndim
+    mesh_dim = _vocab_mesh_dim(x, vdim, name)
+    global_vocab = x.shape[vdim]
+    local = x.to_local()
+    if mesh_dim is None or x.device_mesh.size(mesh_dim) == 1:
+        mesh_group, mesh_rank, start = None, None, 0
+    else:
+        mesh = x.device_mesh
+        mesh_group, mesh_rank = mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim)
+        start = compute_local_shape_and_global_offset(x.shape, mesh, x.placements)[1][vdim]
+    if group is not None and not (group.size() == 1 if mesh_group is None else _same_group(group, mesh_group)):
+        raise ValueError(
+            f"the explicit process group (size {group.size()}) disagrees with the DTensor {name}, whose placements "
+            f"{tuple(x.placements)} give {'no tensor parallelism' if mesh_group is None else 'another group'}; "
+            "pass the DTensor alone"
+        )
+    for arg, given, derived in (
+        ("rank", rank, mesh_rank),
+        ("vocab_start", vocab_start, start),
+        ("vocab_size", vocab_size, global_vocab),
+    ):
+        if given is not None and derived is not None and given != derived:
+            raise ValueError(f"{arg}={given} disagrees with the DTensor {name}, whose placement gives {derived}")
+    padded = 0
+    if even and mesh_group is not None:
+        width = -(-global_vocab // mesh_group.size())  # torch's rule: every shard but the last ones is ceil(V/R)
+        padded = width - local.shape[vdim]
+        if padded:
+            local = _pad_columns(local, padded, vdim)
+    return VocabShard(local, mesh_group, mesh_rank, start, global_vocab, x, padded)
+
+
+def replicated(x: Any, name: str) -> Any:
+    """A replicated argument (ids, masks, teacher payloads): a plain tensor (or anything else)
+    passes through; an all-`Replicate()` DTensor gives its local (full) tensor; others raise."""
+    if not is_dtensor(x):
+        return x
+    placements: Any = x.placements
+    if not all(isinstance(p, Replicate) for p in placements):
+        raise _placement_error(name, x, "this argument must be a plain tensor or a Replicate() DTensor")
+    return x.to_local()
+
+
+def _replicated_columns(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A new dict: every all-`Replicate()` DTensor column of `data` replaced by its local tensor;
+    other columns (plain tensors, a sharded `student_logits` passed through) as they are."""
+    return {
+        k: v.to_local() if is_dtensor(v) and all(isinstance(p, Replicate) for p in v.placements) else v
+        for k, v in data.items()
+    }
+
+
+def has_dtensor(logits: Any, data: Mapping[str, Any]) -> bool:
+    """True iff the logits or a column of `data` is a DTensor (an entry point then calls
+    `entry_point_on_local`)."""
+    return is_dtensor(logits) or any(is_dtensor(v) for v in data.values())
+
+
+def entry_point_on_local(
+    fn: Callable[..., Any],
+    logits: Tensor,
+    data: MutableMapping[str, Any],
+    *args: Any,
+    vocab_parallel_rank: int | None,
+    vocab_parallel_group: ProcessGroup | None,
+    **kwargs: Any,
+) -> Any:
+    """Run the entry point `fn(logits, data, *args, vocab_parallel_rank=, vocab_parallel_group=,
+    **kwargs)` on plain local tensors and map its result back.
+
+    The logits become their local shard (padded to the even width when uneven, see
+    `vocab_shard`) with the group and rank of their placement; `Replicate()` DTensor columns of
+    `data` their local tensors. Columns the entry point writes (`curr_logprobs_unfiltered`) land
+    in the caller's `data`, which is what a `(loss_input, data)` result returns. In `loss_input`,
+    `"logits"` (`LOGIT`) is the caller's DTensor and `"teacher_logits"` (`DRAFT`) a DTensor
+    sharded like the logits over its vocabulary; every other result is a plain tensor.
+    """
+    shard = vocab_shard(logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True)
+    local_data = _replicated_columns(data)
+    if "teacher_full_logits" in local_data:  # OPD_FULL's full-vocabulary payload, padded like the logits
+        local_data["teacher_full_logits"] = shard.pad_full(local_data["teacher_full_logits"])
+    before = dict(local_data)
+    result = fn(
+        shard.local, local_data, *args, vocab_parallel_rank=shard.rank, vocab_parallel_group=shard.group, **kwargs
+    )
+    for key, value in local_data.items():
+        if key not in before or before[key] is not value:
+            data[key] = value
+    loss_input = result[0] if isinstance(result, tuple) else result
+    if loss_input.get("logits") is shard.local:
+        loss_input["logits"] = logits
+    if loss_input.get("teacher_logits") is not None and shard.dtensor is not None:
+        teacher = loss_input["teacher_logits"]
+        d2t = kwargs.get("d2t")
+        loss_input["teacher_logits"] = (
+            shard.wrap(teacher) if d2t is None else shard.wrap_other_vocab(teacher, d2t.shape[0])
+        )
+    return (loss_input, data) if isinstance(result, tuple) else loss_input

@@ -1,0 +1,463 @@
+"""DTensor inputs on every public function, on a real 2-process gloo `DeviceMesh`.
+
+Each case runs a public function on `Shard(-1)` DTensor logits (an uneven vocabulary, 6 + 5
+columns, unless stated) and replicated arguments given as plain tensors or `Replicate()` DTensors,
+backpropagates a fixed weighting of its outputs, and compares the outputs and the full gradient
+(`grad.full_tensor()`, which must keep the logits' placement) with `lossfx.reference` in float64
+at 1e-10. A few cases, one per distinct path through `lossfx/_dtensor.py`, are also run under
+`torch.compile(fullgraph=True)` with one compile each (aot_eager; inductor for two).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from harness import compiled_for_rank, gloo_pool
+
+import lossfx
+from lossfx import reference
+
+pytestmark = pytest.mark.distributed
+
+F64 = torch.float64
+TIGHT = {"rtol": 0, "atol": 1e-10}
+B, S, K = 2, 6, 3
+CU = [0, 3, 9]  # two packed sequences
+TOP = {"top_k": 4, "top_p": 0.7}
+
+
+def _case(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    z = torch.randn(B, S, vocab, generator=gen, dtype=F64) * 2
+    return {
+        "z": z,
+        "sampled": torch.cat([torch.zeros(B, 1, dtype=torch.int64), z[:, :-1].argmax(-1)], 1),  # inside any filter
+        "ids": torch.randint(0, vocab, (B, S), generator=gen),
+        "teacher": torch.randn(B, S, vocab, generator=gen, dtype=F64),
+        "topk_logits": torch.randn(B, S, K, generator=gen, dtype=F64),
+        "topk_ids": torch.randint(0, vocab, (B, S, K), generator=gen),
+        "packed": torch.randn(1, CU[-1], vocab, generator=gen, dtype=F64),
+        "mask": (torch.rand(B, S, generator=gen) > 0.3).to(torch.int64),
+        "d2t": torch.tensor([0, 3, 1, 5]),
+        "lp": -torch.rand(B, S, generator=gen, dtype=F64),
+        "payload": torch.randn(B, 4, vocab, generator=gen, dtype=F64),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The cases: name -> (differentiable input, lossfx call on DTensors, the dense reference)
+# `d` holds the DTensor helpers of the running rank: d.shard(x), d.rep(x), d.local(x).
+# ---------------------------------------------------------------------------------------------
+
+
+def _logprob(kind, **extra):
+    return SimpleNamespace(input_type=kind, **extra)
+
+
+# built outside any compiled function (Dynamo does not construct SimpleNamespace)
+LOGPROB = _logprob("logprob")
+LOGPROB_KL = _logprob("logprob", reference_policy_kl_penalty=0.1)
+SAMPLING = lossfx.TrainingSamplingParams(**TOP)
+
+
+def _filtered_entry(z, c, d):
+    data = {"input_ids": d.rep("sampled"), "token_mask": d.rep("mask")}
+    out, data_out = lossfx.prepare_loss_input(
+        z,
+        data,
+        LOGPROB_KL,
+        sampling_params=SAMPLING,
+    )
+    assert data_out is data, "the caller's data comes back"
+    return out["next_token_logprobs"], data["curr_logprobs_unfiltered"]
+
+
+def _filtered_entry_ref(z, c):
+    lp = reference.next_token_filtered_logprobs(z, c["sampled"], **TOP)
+    return reference.mask_out_neg_inf_logprobs(lp, c["mask"][:, 1:]), reference.next_token_logprobs(z, c["sampled"])
+
+
+def _logit_entry(z, c, d):
+    out, _ = lossfx.prepare_loss_input(z, {"input_ids": c["ids"]}, _logprob("logit"))
+    assert out["logits"] is z, "LOGIT returns the DTensor unchanged"
+    return (out["logits"],)
+
+
+def _detached(outs):
+    return tuple(t.detach() for t in outs)
+
+
+def _opd_loss_fn():
+    return _logprob("opd_full", opd_full=lossfx.OnPolicyDistillationFullConfig(enabled=True, teacher_payload="logits"))
+
+
+CASES = {
+    "token_logprobs": (
+        "z",
+        lambda z, c, d: lossfx.token_logprobs(z, d.rep("ids")),
+        lambda z, c: reference.token_logprobs(z, c["ids"]),
+    ),
+    "token_logprobs_with_lse": (
+        "z",
+        lambda z, c, d: lossfx.token_logprobs_with_lse(z, c["ids"]),
+        lambda z, c: (reference.token_logprobs(z, c["ids"]), z.detach().logsumexp(-1)),
+    ),
+    "filtered_token_logprobs": (
+        "z",
+        lambda z, c, d: lossfx.filtered_token_logprobs(z, c["ids"], **TOP),
+        lambda z, c: reference.filtered_token_logprobs(z, c["ids"], **TOP),
+    ),
+    "top_k_top_p_threshold": (
+        "z",
+        lambda z, c, d: lossfx.top_k_top_p_threshold(z, **TOP),
+        lambda z, c: torch.where(reference.apply_top_k_top_p(z, **TOP)[1], z, torch.inf).amin(-1).detach(),
+    ),
+    "apply_top_k_top_p": (
+        "z",
+        lambda z, c, d: d.vocab_sharded(lossfx.apply_top_k_top_p(z, **TOP)),
+        lambda z, c: reference.apply_top_k_top_p(z, **TOP),
+    ),
+    "next_token_filtered_logprobs": (
+        "z",
+        lambda z, c, d: lossfx.next_token_filtered_logprobs(z, d.rep("ids"), **TOP),
+        lambda z, c: reference.next_token_filtered_logprobs(z, c["ids"], **TOP),
+    ),
+    "mask_out_neg_inf_logprobs": (
+        "z",
+        lambda z, c, d: lossfx.mask_out_neg_inf_logprobs(d.rep("lp"), d.rep("mask")),
+        lambda z, c: reference.mask_out_neg_inf_logprobs(c["lp"], c["mask"]),
+    ),
+    "gather_logprobs": (
+        "z",
+        lambda z, c, d: lossfx.gather_logprobs(z, d.rep("topk_ids"), with_entropy=True),
+        lambda z, c: reference.gather_logprobs(z, c["topk_ids"]),
+    ),
+    "gather_logits": (
+        "z",
+        lambda z, c, d: lossfx.gather_logits(z, c["topk_ids"]),
+        lambda z, c: z.gather(-1, c["topk_ids"]),
+    ),
+    "entropy": ("z", lambda z, c, d: lossfx.entropy(z), lambda z, c: reference.entropy(z)),
+    "cross_entropy_to_fixed": (
+        "z",
+        lambda z, c, d: lossfx.cross_entropy_to_fixed(z, d.shard("teacher")),
+        lambda z, c: reference.cross_entropy_to_fixed(z, c["teacher"]),
+    ),
+    "reverse_kl_to_fixed": (  # a plain teacher is this rank's shard (the process-group convention)
+        "z",
+        lambda z, c, d: lossfx.reverse_kl_to_fixed(z, d.local("teacher")),
+        lambda z, c: reference.reverse_kl_to_fixed(z, c["teacher"]),
+    ),
+    # vocab_topk's values carry no gradient (lossfx's contract)
+    "vocab_topk": ("z", lambda z, c, d: lossfx.vocab_topk(z, 4), lambda z, c: _detached(reference.vocab_topk(z, 4))),
+    "vocab_topk_all": (
+        "z",
+        lambda z, c, d: lossfx.vocab_topk(z, 99),
+        lambda z, c: _detached(reference.vocab_topk(z, 99)),
+    ),
+    "distillation_topk_logprobs": (
+        "z",
+        lambda z, c, d: lossfx.distillation_topk_logprobs(
+            z, d.rep("topk_logits"), d.rep("topk_ids"), zero_outside_topk=True, calculate_entropy=True
+        ),
+        lambda z, c: reference.distillation_topk_logprobs(z, c["topk_logits"], c["topk_ids"], True, True),
+    ),
+    "shift_left": (
+        "z",
+        lambda z, c, d: d.vocab_sharded(lossfx.shift_left(z)),
+        lambda z, c: torch.cat([z[:, 1:], torch.zeros_like(z[:, :1])], 1),
+    ),
+    "map_to_draft_vocab": (
+        "z",
+        lambda z, c, d: d.vocab_sharded(lossfx.map_to_draft_vocab(z, c["d2t"])),
+        lambda z, c: z[..., torch.arange(4) + c["d2t"]],
+    ),
+    "draft_targets": (
+        "z",
+        lambda z, c, d: d.vocab_sharded(lossfx.draft_targets(z, d.rep("mask"), c["d2t"])[0]),
+        lambda z, c: reference.draft_targets(z, c["mask"], c["d2t"])[0],
+    ),
+    "next_token_logprobs": (
+        "z",
+        lambda z, c, d: lossfx.next_token_logprobs(z, d.rep("ids")),
+        lambda z, c: reference.next_token_logprobs(z, c["ids"]),
+    ),
+    "prepare_loss_input/logprob": (
+        "z",
+        lambda z, c, d: lossfx.prepare_loss_input(z, {"input_ids": c["ids"]}, LOGPROB)[0]["next_token_logprobs"],
+        lambda z, c: reference.next_token_logprobs(z, c["ids"]),
+    ),
+    "prepare_loss_input/logprob_filtered": ("z", _filtered_entry, _filtered_entry_ref),
+    "prepare_loss_input/logit": ("z", _logit_entry, lambda z, c: (z,)),
+    "prepare_loss_input/distillation": (
+        "z",
+        lambda z, c, d: tuple(
+            lossfx.prepare_loss_input(
+                z,
+                {"teacher_topk_logits": d.rep("topk_logits"), "teacher_topk_indices": c["topk_ids"]},
+                _logprob("distillation", zero_outside_topk=True, kl_type="reverse"),
+            )[0].values()
+        ),
+        lambda z, c: reference.distillation_topk_logprobs(z, c["topk_logits"], c["topk_ids"], True, True),
+    ),
+    "prepare_loss_input/draft": (
+        "z",
+        lambda z, c, d: d.vocab_sharded(
+            lossfx.prepare_loss_input(
+                z, {"token_mask": c["mask"], "student_logits": c["z"]}, _logprob("draft"), d2t=c["d2t"]
+            )[0]["teacher_logits"]
+        ),
+        lambda z, c: reference.draft_targets(z, c["mask"], c["d2t"])[0],
+    ),
+    "prepare_loss_input/opd_full": (
+        "z",
+        lambda z, c, d: lossfx.prepare_loss_input(
+            z, {"input_ids": c["ids"], "teacher_full_logits": d.rep("teacher")}, _opd_loss_fn()
+        )[0]["opd_full_divergence"],
+        lambda z, c: reference.opd_full_loss_input(z, c["teacher"], c["ids"])["opd_full_divergence"],
+    ),
+    "prepare_opd_full_loss_input": (
+        "z",
+        lambda z, c, d: lossfx.prepare_opd_full_loss_input(
+            z,
+            {"input_ids": c["ids"], "teacher_full_logits": c["teacher"]},
+            _opd_loss_fn(),
+            vocab_parallel_rank=None,
+            vocab_parallel_group=None,
+            context_parallel_group=None,
+            sampling_params=None,
+            chunk_size=None,
+        )["opd_full_divergence"],
+        lambda z, c: reference.opd_full_loss_input(z, c["teacher"], c["ids"])["opd_full_divergence"],
+    ),
+    "reconstruct_opd_full_teacher_logits": (
+        "z",
+        lambda z, c, d: d.vocab_sharded(
+            lossfx.reconstruct_opd_full_teacher_logits(
+                d.rep("payload"),
+                teacher_payload="logits",
+                student_logits=z,
+                vocab_parallel_rank=None,
+                context_parallel_group=None,
+            )
+        ),
+        lambda z, c: reference.opd_full_teacher_logits(c["payload"], S, teacher_payload="logits"),
+    ),
+    "prepare_packed_loss_input": (
+        "packed",
+        lambda z, c, d: lossfx.prepare_packed_loss_input(z, {"input_ids": d.rep("ids")}, _logprob("logprob"), CU, CU)[
+            0
+        ]["next_token_logprobs"],
+        lambda z, c: reference.packed_next_token_logprobs(z, c["ids"], CU, CU),
+    ),
+    "shard_for_cp_rank": (
+        "z",
+        lambda z, c, d: lossfx.shard_for_cp_rank(d.rep("teacher"), 1, 3),
+        lambda z, c: reference.cp_shard(c["teacher"], 1, 3),
+    ),
+}
+
+# one compiled case per distinct path through lossfx/_dtensor.py; the default suite compiles the
+# cheap ones, `-m slow` all of them with both backends
+COMPILED = {
+    "token_logprobs": ("aot_eager", "inductor"),  # kernel with offsets from the placement
+    "next_token_logprobs": ("aot_eager",),  # uneven shard padded to the even width
+    "apply_top_k_top_p": ("aot_eager",),  # vocabulary-sharded results wrapped back into DTensors
+    "prepare_loss_input/logprob": ("aot_eager",),  # entry point on local tensors
+}
+COMPILED_SLOW = {
+    **dict.fromkeys(COMPILED, ("aot_eager", "inductor")),
+    "cross_entropy_to_fixed": ("aot_eager", "inductor"),  # a teacher sharded like the logits
+    "prepare_loss_input/logprob_filtered": ("aot_eager", "inductor"),  # DTensor data columns, written column
+}
+
+
+def _loss(outs):
+    """A fixed weighting of every differentiable output (non-finite entries count as 0)."""
+    total = torch.zeros((), dtype=F64)
+    for t in outs:
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.numel():
+            weight = torch.linspace(-1, 1, t.numel(), dtype=F64).view(t.shape)
+            total = total + (torch.where(torch.isfinite(t), t, torch.zeros_like(t)).to(F64) * weight).sum()
+    return total
+
+
+def _as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side (runs in each gloo process)
+# ---------------------------------------------------------------------------------------------
+
+_meshes: dict = {}
+
+
+def _mesh(shape, names=None):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (shape, names)
+    if key not in _meshes:
+        _meshes[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _meshes[key]
+
+
+class _Helpers:
+    """The case's tensors as DTensors, built before any compiled call (`d.rep("ids")`, ...)."""
+
+    def __init__(self, mesh, vocab_placements, case):
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        self.mesh, self.placements = mesh, vocab_placements
+        replicate = [Replicate()] * mesh.ndim
+        self._rep = {k: distribute_tensor(v, mesh, replicate, src_data_rank=None) for k, v in case.items()}
+        self._shard = {
+            k: distribute_tensor(v, mesh, vocab_placements, src_data_rank=None) for k, v in case.items() if v.dim() == 3
+        }
+        self._local = {k: v.to_local() for k, v in self._shard.items()}
+
+    def shard(self, key):
+        return self._shard[key]
+
+    def rep(self, key):
+        return self._rep[key]
+
+    def local(self, key):
+        return self._local[key]
+
+    def vocab_sharded(self, outs):
+        """Check that vocabulary-sharded results are DTensors placed like the logits."""
+        from torch.distributed.tensor import DTensor
+
+        for t in _as_tuple(outs):
+            assert isinstance(t, DTensor) and tuple(t.placements) == tuple(self.placements), (type(t), t)
+        return outs
+
+
+def _run_cases(rank, world, group, vocab, names, backend=None, mesh_shape=(2,), vocab_mesh_dim=0):
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = _mesh(tuple(mesh_shape), None if len(mesh_shape) == 1 else ("dp", "tp"))
+    placements = [Replicate()] * mesh.ndim
+    placements[vocab_mesh_dim] = Shard(2)
+    c = _case(vocab)
+    d = _Helpers(mesh, placements, c)
+    results = {}
+    for name in names:
+        key, call, _ = CASES[name]
+        z = distribute_tensor(c[key], mesh, placements, src_data_rank=None).requires_grad_()
+        fn = call
+        counter = None
+        if backend is not None:
+            counter, fn = compiled_for_rank(rank, (name, vocab, tuple(mesh_shape)), call, backend)
+        outs = _as_tuple(fn(z, c, d))
+        outs = tuple(o.full_tensor() if isinstance(o, DTensor) else o for o in outs)
+        loss = _loss(outs)
+        grad, where = None, None
+        if loss.requires_grad:
+            loss.backward()
+            grad, where = z.grad.full_tensor(), str(tuple(z.grad.placements))
+        frames = None if counter is None else counter.frame_count
+        results[name] = ([o.detach() if isinstance(o, torch.Tensor) else o for o in outs], grad, where, frames)
+    return results
+
+
+def _reference(name, vocab):
+    key, _, ref = CASES[name]
+    c = _case(vocab)
+    z = c[key].clone().requires_grad_()
+    outs = _as_tuple(ref(z, c))
+    loss = _loss(outs)
+    grad = torch.autograd.grad(loss, z)[0] if loss.requires_grad else None
+    return [o.detach() for o in outs], grad
+
+
+def _check(results, vocab, world=2, placement="(Shard(dim=2),)", frames=None):
+    for name, per_rank in ((n, [r[n] for r in results]) for n in results[0]):
+        ref_outs, ref_grad = _reference(name, vocab)
+        for rank, (outs, grad, where, n_frames) in enumerate(per_rank):
+            msg = f"{name} rank {rank}"
+            say = lambda m, msg=msg: f"{msg}: {m}"  # noqa: E731
+            assert len(outs) == len(ref_outs), msg
+            for out, ref in zip(outs, ref_outs):
+                torch.testing.assert_close(out, ref.to(out.dtype), **TIGHT, equal_nan=True, msg=say)
+            if ref_grad is None:
+                assert grad is None, msg
+            else:
+                torch.testing.assert_close(grad, ref_grad, **TIGHT, msg=say)
+                assert where == placement, f"{msg}: gradient placement {where}"
+            if frames is not None:
+                assert n_frames == frames, f"{msg}: {n_frames} compiles"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------
+
+
+def test_every_public_function_on_uneven_shard_dtensor():
+    _check(gloo_pool(2).run(_run_cases, 11, list(CASES)), 11)
+
+
+def test_even_shards_and_one_dim_of_a_2d_mesh():
+    names = ["token_logprobs", "prepare_loss_input/logprob_filtered", "apply_top_k_top_p"]
+    _check(gloo_pool(2).run(_run_cases, 12, names), 12)
+    # mesh (dp=1, tp=2): the vocabulary sharded over the second mesh dim
+    results = gloo_pool(2).run(_run_cases, 11, names, mesh_shape=(1, 2), vocab_mesh_dim=1)
+    _check(results, 11, placement="(Replicate(), Shard(dim=2))")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_fullgraph(backend):
+    names = [n for n, backends in COMPILED.items() if backend in backends]
+    _check(gloo_pool(2).run(_run_cases, 11, names, backend), 11, frames=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_fullgraph_every_path(backend):
+    names = [n for n, backends in COMPILED_SLOW.items() if backend in backends]
+    _check(gloo_pool(2).run(_run_cases, 11, names, backend), 11, frames=1)
+
+
+def _errors(rank, world, group):
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = _mesh((2,))
+    z = torch.randn(2, 3, 8, dtype=F64)
+    ids = torch.zeros(2, 3, dtype=torch.int64)
+    sharded = DTensor.from_local(z, mesh, [Shard(2)])  # global vocabulary 16
+    calls = {
+        "partial": lambda: lossfx.token_logprobs(DTensor.from_local(z, mesh, [Partial()]), ids),
+        "shard_batch": lambda: lossfx.entropy(DTensor.from_local(z, mesh, [Shard(0)])),
+        "group_without_tp": lambda: lossfx.token_logprobs(DTensor.from_local(z, mesh, [Replicate()]), ids, group=group),
+        "rank": lambda: lossfx.next_token_logprobs(
+            sharded, ids, vocab_parallel_rank=1 - rank, vocab_parallel_group=group
+        ),
+        "vocab_start": lambda: lossfx.token_logprobs(sharded, ids, group=group, vocab_start=3),
+        "vocab_size": lambda: lossfx.gather_logits(sharded, ids[..., None], vocab_size=8),
+        "teacher": lambda: lossfx.cross_entropy_to_fixed(sharded, DTensor.from_local(z, mesh, [Replicate()])),
+        "ids_sharded": lambda: lossfx.token_logprobs(sharded, DTensor.from_local(ids, mesh, [Shard(0)])),
+    }
+    messages = {}
+    for name, call in calls.items():
+        try:
+            call()
+            messages[name] = "no error"
+        except ValueError as exc:
+            messages[name] = str(exc)
+    # an explicit group that agrees is accepted
+    lossfx.token_logprobs(sharded, ids, group=group, vocab_start=8 * rank, vocab_size=16)
+    return messages
+
+
+def test_bad_placements_and_contradicting_arguments_raise():
+    for messages in gloo_pool(2).run(_errors):
+        assert "Partial" in messages["partial"]
+        assert "Shard(dim=0)" in messages["shard_batch"]
+        assert "disagrees" in messages["group_without_tp"]
+        assert "rank=" in messages["rank"] and "disagrees" in messages["rank"]
+        assert "vocab_start=3" in messages["vocab_start"]
+        assert "vocab_size=8" in messages["vocab_size"]
+        assert "teacher" in messages["teacher"] and "Replicate" in messages["teacher"]
+        assert "target" in messages["ids_sharded"] and "Shard(dim=0)" in messages["ids_sharded"]
