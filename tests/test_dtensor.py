@@ -261,12 +261,12 @@ CASES = {
 # cheap ones, `-m slow` all of them with both backends
 COMPILED = {
     "token_logprobs": ("aot_eager", "inductor"),  # kernel with offsets from the placement
-    "next_token_logprobs": ("aot_eager",),  # uneven shard padded to the even width
-    "apply_top_k_top_p": ("aot_eager",),  # vocabulary-sharded results wrapped back into DTensors
-    "prepare_loss_input/logprob": ("aot_eager",),  # entry point on local tensors
+    "prepare_loss_input/logprob": ("aot_eager",),  # entry point, uneven shard padded to the even width
 }
 COMPILED_SLOW = {
     **dict.fromkeys(COMPILED, ("aot_eager", "inductor")),
+    "next_token_logprobs": ("aot_eager", "inductor"),  # uneven shard padded to the even width
+    "apply_top_k_top_p": ("aot_eager", "inductor"),  # vocabulary-sharded results wrapped back into DTensors
     "cross_entropy_to_fixed": ("aot_eager", "inductor"),  # a teacher sharded like the logits
     "prepare_loss_input/logprob_filtered": ("aot_eager", "inductor"),  # DTensor data columns, written column
 }
