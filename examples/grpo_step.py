@@ -169,7 +169,7 @@ def main() -> None:
 
         dist.init_process_group("gloo")
         model = tensor_parallel(model, init_device_mesh("cpu", (dist.get_world_size(),)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     print("eager GRPO loss", float(train_step(model, optimizer, batch, loss_fn)))
     compiled = torch.compile(lossfx_loss, fullgraph=True)
     print("compiled GRPO loss", float(train_step(model, optimizer, batch, compiled)))
