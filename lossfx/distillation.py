@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, group_size
 from lossfx._dtensor import replicated, vocab_shard
 from lossfx._numerics import compute_dtype, log_softmax_rows
@@ -45,6 +46,7 @@ def _to_canonical(x: Tensor, seq: int, cp_group: ProcessGroup | None) -> Tensor:
     return allgather_cp(x, cp_group, seq_dim=1)[:, :seq]
 
 
+@checked_collective(vocab="equal")
 def distillation_topk_logprobs(
     student_logits: Tensor,
     teacher_topk_logits: Tensor,

@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
+from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, all_gather_stack
 from lossfx._dtensor import vocab_shard
 from lossfx._numerics import finite_or_zero, lse_for_softmax
@@ -252,6 +253,7 @@ _COMMON_DOC = """
 """
 
 
+@checked_collective(vocab="free")
 def entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: int | None = None) -> Tensor:
     """Negative entropy `Σ_v p log p` of the student distribution, per token.
 
@@ -265,6 +267,7 @@ def entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: i
     return _apply("entropy", student, None, group, chunk_size)
 
 
+@checked_collective(vocab="free")
 def cross_entropy_to_fixed(
     student: Tensor,
     teacher: Tensor,
@@ -285,6 +288,7 @@ def cross_entropy_to_fixed(
     return _apply("cross_entropy", student, teacher, group, chunk_size)
 
 
+@checked_collective(vocab="free")
 def reverse_kl_to_fixed(
     student: Tensor,
     teacher: Tensor,

@@ -45,6 +45,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
+from lossfx._consistency import checked_collective
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
@@ -502,6 +503,7 @@ def _flat_logits(logits: Tensor) -> Tensor:
     return logits.reshape(-1, logits.shape[-1])  # [N, Vl]
 
 
+@checked_collective(vocab="sized")
 def top_k_top_p_threshold(
     logits: Tensor,
     *,
@@ -567,6 +569,7 @@ def top_k_top_p_threshold(
     return tau.view(logits.shape[:-1])
 
 
+@checked_collective(vocab="sized")
 def apply_top_k_top_p(
     logits: Tensor,
     *,
@@ -603,6 +606,7 @@ def apply_top_k_top_p(
     return torch.where(keep, logits, torch.full_like(logits, float("-inf"))), keep
 
 
+@checked_collective(vocab="tiled")
 def filtered_token_logprobs(
     logits: Tensor,
     target: Tensor,

@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
+from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size, local_columns
 from lossfx._dtensor import replicated, vocab_shard
 from lossfx._numerics import compute_dtype, lse_for_softmax, merge_max_sumexp, row_max_sumexp
@@ -116,6 +117,7 @@ class _TokenLogprobsFn(torch.autograd.Function):
         return dlogits, None, None, None, None  # one entry per forward input
 
 
+@checked_collective(vocab="tiled")
 def token_logprobs_with_lse(
     logits: Tensor,
     target: Tensor,
@@ -153,6 +155,7 @@ def token_logprobs_with_lse(
     return out.view(target.shape), lse.view(target.shape)
 
 
+@checked_collective(vocab="tiled")
 def token_logprobs(
     logits: Tensor,
     target: Tensor,

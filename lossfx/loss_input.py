@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lossfx._consistency import checked_collective, loss_input_vocab_policy, vocab_shard_range
 from lossfx._distributed import ProcessGroup, check_vocab_parallel
 from lossfx._dtensor import entry_point_on_local, has_dtensor, replicated, vocab_shard
 from lossfx._numerics import compute_dtype
@@ -65,6 +66,7 @@ def _vocab_parallel(
     return check_vocab_parallel(vocab_parallel_rank, vocab_parallel_group), vocab_parallel_group
 
 
+@checked_collective(vocab="auto")
 def next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,
@@ -103,9 +105,12 @@ def next_token_logprobs(
     )
     input_ids = replicated(input_ids, "input_ids")  # DTensor boundary: lossfx/_dtensor.py
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+    vocab_start, vocab_size = vocab_shard_range(logits.shape[-1], group)  # uneven shards (eager)
     return _next_token_logprobs(
         logits,
         input_ids,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
         vocab_parallel_group=group,
         context_parallel_group=context_parallel_group,
         cp_sharder=cp_sharder,
@@ -114,6 +119,7 @@ def next_token_logprobs(
     )
 
 
+@checked_collective(vocab=loss_input_vocab_policy)
 def prepare_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -284,6 +290,7 @@ def _prepare_logprob_input(
     return {"next_token_logprobs": logprobs}
 
 
+@checked_collective(vocab="equal")
 def prepare_opd_full_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -360,6 +367,7 @@ def prepare_opd_full_loss_input(
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
 
 
+@checked_collective(vocab="auto")
 def prepare_packed_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -433,7 +441,10 @@ def prepare_packed_loss_input(
         raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
     input_ids = check_tensor("data['input_ids']", _column(data, "input_ids"))
+    vocab_start, vocab_size = vocab_shard_range(check_tensor("logits", logits).shape[-1], group)  # uneven shards
     layout: dict[str, Any] = {
+        "vocab_start": vocab_start,
+        "vocab_size": vocab_size,
         "prepacked": "cu_seqlens" in data,
         "vocab_parallel_group": group,
         "context_parallel_group": context_parallel_group,

@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, group_rank, group_size
 from lossfx._dtensor import replicated, vocab_shard
 from lossfx._validation import check_floating, check_integer_ids, check_positive_int
@@ -87,6 +88,7 @@ class LoadBalancedSharder:
         return full
 
 
+@checked_collective(vocab="tiled")
 def target_logprobs(
     logits: Tensor,
     target: Tensor,
@@ -94,12 +96,15 @@ def target_logprobs(
     sampling_params: TrainingSamplingParams | None = None,
     group: ProcessGroup | None = None,
     chunk_size: int | None = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
 ) -> Tensor:
     """`token_logprobs`, or `filtered_token_logprobs` when `sampling_params` asks for a filter.
 
     Args:
         logits: `[..., Vl]`; target: `[...]` global ids; group: TP group; chunk_size: rows per
-        eager chunk. Returns `[...]` in the compute dtype (`−inf` where a filter drops the target).
+        eager chunk; vocab_start, vocab_size: this shard's first id and `V` (defaults: uniform
+        shards). Returns `[...]` in the compute dtype (`−inf` where a filter drops the target).
     """
     if need_top_k_or_top_p_filtering(sampling_params):
         return filtered_token_logprobs(
@@ -109,10 +114,15 @@ def target_logprobs(
             top_p=sampling_params.top_p,
             group=group,
             chunk_size=chunk_size,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
         )
-    return token_logprobs(logits, target, group=group, chunk_size=chunk_size)
+    return token_logprobs(
+        logits, target, group=group, chunk_size=chunk_size, vocab_start=vocab_start, vocab_size=vocab_size
+    )
 
 
+@checked_collective(vocab="tiled")
 def next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,
@@ -122,6 +132,8 @@ def next_token_logprobs(
     cp_sharder: ContextParallelSharder | None = None,
     sampling_params: TrainingSamplingParams | None = None,
     chunk_size: int | None = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
 ) -> Tensor:
     """Next-token log-probs `[B, S−1]` from logits in any sequence layout.
 
@@ -138,6 +150,8 @@ def next_token_logprobs(
             (`ContextParallelSharder`); takes precedence over `context_parallel_group`.
         sampling_params: top-k/top-p filter (`−inf` where the next token is filtered out).
         chunk_size: sequence positions per eager chunk (memory bound only).
+        vocab_start, vocab_size: this shard's first id and `V`, for uneven shards (defaults
+            `rank · Vl` and `TP · Vl`).
 
     Returns:
         `[B, S−1]` in the compute dtype, replicated on every TP and CP rank.
@@ -178,7 +192,13 @@ def next_token_logprobs(
     # 3. the kernel on this rank's logits
     rows = None if chunk_size is None else chunk_size * batch
     local = target_logprobs(
-        logits, target, sampling_params=sampling_params, group=vocab_parallel_group, chunk_size=rows
+        logits,
+        target,
+        sampling_params=sampling_params,
+        group=vocab_parallel_group,
+        chunk_size=rows,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
     )  # [B, S_l]
     # 4. canonical order
     if cp_sharder is not None:
@@ -188,6 +208,7 @@ def next_token_logprobs(
     return local[:, : max(seq - 1, 0)]
 
 
+@checked_collective(vocab="equal")
 def next_token_filtered_logprobs(
     logits: Tensor,
     input_ids: Tensor,

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
 from lossfx._validation import check_integer_ids, check_tensor, values_checkable
 from lossfx.interfaces import TrainingSamplingParams
@@ -141,6 +142,7 @@ def _local_targets(
     return torch.where(has_next, token, torch.zeros_like(token))
 
 
+@checked_collective(vocab="tiled")
 def packed_next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,
@@ -152,6 +154,8 @@ def packed_next_token_logprobs(
     context_parallel_group: ProcessGroup | None = None,
     sampling_params: TrainingSamplingParams | None = None,
     chunk_size: int | None = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
 ) -> Tensor:
     """Next-token log-probs of packed sequences, each shifted within itself.
 
@@ -169,6 +173,8 @@ def packed_next_token_logprobs(
         context_parallel_group: CP group, or `None`; gradient summed over CP ranks.
         sampling_params: top-k/top-p filter (log-probs are `−inf` where the target is filtered out).
         chunk_size: packed slots per eager chunk (memory bound only).
+        vocab_start, vocab_size: this shard's first id and `V`, for uneven shards (defaults
+            `rank · Vl` and `TP · Vl`).
 
     Returns:
         `[B, S−1]` (position `t` of row `i` scores token `t+1` of sequence `i`; 0 past the padded
@@ -195,7 +201,13 @@ def packed_next_token_logprobs(
     target = _local_targets(input_ids, cu_q, cu_p, seg, j, padded_len, prepacked)  # [T/C]
     # 3. the kernel on this rank's [T/C, Vl] logits
     local = target_logprobs(
-        logits[0], target, sampling_params=sampling_params, group=vocab_parallel_group, chunk_size=chunk_size
+        logits[0],
+        target,
+        sampling_params=sampling_params,
+        group=vocab_parallel_group,
+        chunk_size=chunk_size,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
     )  # [T/C]
     # 4. canonical packed order
     gathered = all_gather_stack_summed_grad(local, context_parallel_group).reshape(-1)  # [C·T/C]

@@ -1,0 +1,472 @@
+"""Cross-rank consistency check: every rank of a group must make the same call.
+
+A collective only works when every rank of its group calls it with matching sizes. When ranks
+disagree (a different batch, dtype, `top_k` or shard width) gloo either aborts the process or,
+worse, exchanges buffers that happen to have the same size and returns a silently wrong answer.
+This module turns every such disagreement into the same `ValueError` on every rank.
+
+How (one idea): each public function that runs collectives is wrapped by `checked_collective`.
+Before the function runs, every rank encodes its call into a fixed-length int64 *signature*
+(`[SIGNATURE_LEN]`: the function called, every tensor argument's shape, dtype and
+`requires_grad`, every scalar argument, the fields of `sampling_params`, `loss_fn` and `data`,
+this rank's vocabulary shard width and `vocab_start`), and one all-gather of it runs per process
+group (tensor parallel first, then context parallel). The length is fixed, so ranks that disagree
+about everything else still agree on the size of this one collective. Every rank then compares
+the same gathered matrix with the same rules, so every rank raises the same error (naming the
+field and each rank's value) or none does; after an error the group is still in step.
+
+Rules across the tensor-parallel group: every field must agree except the shard's own layout
+(`vocab_start`, `vocab_parallel_rank`, the vocabulary width of the logits), which must tile
+`[0, V)` as the kernels will read it (`vocab` policy of the wrapped function, see
+`checked_collective`). Across the context-parallel group every field must agree.
+
+Nested public calls are checked once: the outermost wrapped call checks, the calls it makes
+inside its scope do not (a thread-local flag). The check is skipped under `torch.compile` (it
+reads Python values and runs an eager collective; no graph break, nothing is traced) and when
+switched off with `set_consistency_checks(False)` or `LOSSFX_CONSISTENCY_CHECKS=0`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import inspect
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lossfx._distributed import all_gather_stack, group_rank, group_size, is_distributed
+
+__all__ = [
+    "SIGNATURE_LEN",
+    "checked_collective",
+    "consistency_checks_enabled",
+    "set_consistency_checks",
+    "vocab_shard_range",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_ENV = "LOSSFX_CONSISTENCY_CHECKS"
+
+
+def _enabled_by(environ: Mapping[str, str]) -> bool:
+    """The default setting: on unless `LOSSFX_CONSISTENCY_CHECKS` is `0`, `false`, `off` or `no`."""
+    return environ.get(_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+_enabled = _enabled_by(os.environ)
+_scope = threading.local()  # .active: inside a checked call; .widths: {id(group): [w_0, ..., w_R-1]}
+
+
+def set_consistency_checks(enabled: bool) -> bool:
+    """Switch the cross-rank consistency check on or off for this process; returns the previous
+    setting (so `prev = set_consistency_checks(False); ...; set_consistency_checks(prev)`).
+
+    On by default in eager mode (`LOSSFX_CONSISTENCY_CHECKS=0` in the environment turns it off
+    at import). Before every public call that runs collectives, each rank all-gathers a fixed-size
+    int64 signature of its call (about 2 KiB, one all-gather per process group) and every rank
+    raises the same `ValueError` when the ranks disagree (shapes, dtypes, filter parameters,
+    vocabulary shards), instead of aborting, hanging or returning a wrong answer. Switch it the
+    same way on every rank: a rank that checks waits for its peers' signatures. Never runs inside
+    `torch.compile`d code. Cost: `benchmarks/README.md` ("Cross-rank consistency check").
+
+    Example:
+        >>> import lossfx
+        >>> previous = lossfx.set_consistency_checks(False)
+        >>> lossfx.set_consistency_checks(previous)
+        False
+    """
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {enabled!r}")
+    previous, _enabled = _enabled, enabled
+    return previous
+
+
+def consistency_checks_enabled() -> bool:
+    """Whether the eager cross-rank consistency check is on (see `set_consistency_checks`)."""
+    return _enabled
+
+
+# ---------------------------------------------------------------------------------------------
+# The signature: a fixed-length int64 vector
+# ---------------------------------------------------------------------------------------------
+
+SIGNATURE_LEN = 256
+_MAGIC = 0x4C4F53534658_01  # "LOSSFX", format 1
+# header slots
+_H_MAGIC, _H_PATH, _H_DIGEST, _H_COUNT, _H_VERDICT, _H_WIDTH, _H_START, _H_SIZE, _H_RANK = range(9)
+_HEADER = 12
+_MAX_FIELDS = (SIGNATURE_LEN - _HEADER) // 2  # each field is (kind, value)
+_NONE = -(2**63)  # a header value that was not given
+
+# field kinds
+_K_NONE, _K_BOOL, _K_INT, _K_FLOAT, _K_STR, _K_DTYPE, _K_TYPE = range(7)
+_DTYPES = [
+    torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]  # fmt: skip
+_names: dict[int, str] = {}  # crc32 -> the string, for messages (strings this process has encoded)
+
+# argument names
+_VOCAB_TENSORS = ("logits", "student", "teacher", "student_logits", "teacher_logits")  # [..., Vl] shards
+_PER_RANK = ("vocab_start", "vocab_parallel_rank")  # may differ across the tensor-parallel group
+_TYPE_ONLY = ("cp_sharder",)  # objects whose state is rank-specific: only their type is compared
+
+
+def _crc(text: str) -> int:
+    code = zlib.crc32(text.encode())
+    _names[code] = text
+    return code
+
+
+def _encode(value: Any) -> tuple[int, int]:
+    """`(kind, int64)` of a scalar-like value."""
+    if value is None:
+        return _K_NONE, 0
+    if isinstance(value, bool):
+        return _K_BOOL, int(value)
+    if isinstance(value, enum.Enum):
+        return _K_STR, _crc(f"{type(value).__name__}.{value.name}")
+    if isinstance(value, int):
+        return _K_INT, max(min(value, 2**63 - 1), -(2**63))
+    if isinstance(value, float):
+        return _K_FLOAT, struct.unpack("<q", struct.pack("<d", value))[0]
+    if isinstance(value, _Kind):
+        return _K_TYPE, _crc(str(value))
+    if isinstance(value, str):
+        return _K_STR, _crc(repr(value))
+    if isinstance(value, torch.dtype):
+        return _K_DTYPE, _DTYPES.index(value) if value in _DTYPES else _crc(str(value))
+    return _K_TYPE, _crc(f"a {type(value).__qualname__}")
+
+
+def _decode(kind: int, value: int) -> str:
+    if kind == _K_NONE:
+        return "None"
+    if kind == _K_BOOL:
+        return str(bool(value))
+    if kind == _K_INT:
+        return str(value)
+    if kind == _K_FLOAT:
+        return repr(struct.unpack("<d", struct.pack("<q", value))[0])
+    if kind == _K_DTYPE:
+        return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else _names.get(value, f"dtype#{value}")
+    if kind == _K_TYPE:
+        return _names.get(value, f"an object #{value:x}")
+    return _names.get(value & 0xFFFFFFFF, f"value#{value:x}")
+
+
+class _Fields:
+    """The ordered `(label, kind, value)` fields of one call. The label of field `i` depends only
+    on the values of fields before it (a tensor's `ndim` precedes its dims, a mapping's keys
+    precede its entries), so ranks compare labels position by position."""
+
+    def __init__(self) -> None:
+        self.labels: list[str] = []
+        self.codes: list[tuple[int, int]] = []
+
+    def add(self, label: str, value: Any) -> None:
+        self.labels.append(label)
+        self.codes.append(_encode(value))
+
+    def walk(self, label: str, value: Any, depth: int = 0, vocab_dim: bool = False) -> None:
+        """Fields of `value`; its first field is always labelled `label` (its kind or value), so
+        ranks passing different kinds of values still disagree on a field of the same label."""
+        if isinstance(value, Tensor):
+            self.add(label, _Kind("Tensor"))
+            self.add(f"{label}.ndim", value.dim())
+            dims = value.shape[:-1] if vocab_dim and value.dim() else value.shape
+            for i, d in enumerate(dims):
+                self.add(f"{label}.shape[{i}]", int(d))
+            self.add(f"{label}.dtype", value.dtype)
+            self.add(f"{label}.requires_grad", value.requires_grad)
+            if not value.is_floating_point() and value.dim() == 1 and value.numel() <= 64 and not _is_fake(value):
+                self.add(f"{label}.values", _Kind(str(value.tolist())))  # small int tensors (cu_seqlens)
+        elif isinstance(value, dist.ProcessGroup):
+            self.add(label, _Kind(f"process group of size {value.size()}"))
+        elif value is None or isinstance(value, (bool, int, float, str, enum.Enum, torch.dtype)):
+            self.add(label, value)
+        elif depth >= 2 or callable(value):
+            self.add(label, value)
+        elif isinstance(value, Mapping):
+            keys = sorted(value.keys(), key=str)
+            self.add(label, _Kind(f"mapping with keys {[str(k) for k in keys]}"))
+            for key in keys:
+                self.walk(f"{label}[{key!r}]", value[key], depth + 1)
+        elif isinstance(value, (list, tuple)):
+            self.add(label, _Kind(f"sequence of length {len(value)}"))
+            for i, item in enumerate(value[:32]):
+                self.walk(f"{label}[{i}]", item, depth + 1)
+        else:  # a config object (dataclass, SimpleNamespace, a loss function): its public attributes
+            self.add(label, value)
+            attrs = (
+                [f.name for f in dataclasses.fields(value)]
+                if dataclasses.is_dataclass(value)
+                else sorted(k for k in getattr(value, "__dict__", {}) if not k.startswith("_"))
+            )
+            for attr in attrs:
+                item = getattr(value, attr, None)
+                if "rank" not in attr and not isinstance(item, dist.ProcessGroup):
+                    self.walk(f"{label}.{attr}", item, depth + 1)
+
+
+class _Kind(str):
+    """A description encoded as itself (a string field shown without quotes)."""
+
+
+def _is_fake(t: Tensor) -> bool:
+    return t.device.type == "meta"
+
+
+def _signature(name: str, arguments: Mapping[str, Any]) -> tuple[Tensor, list[str]]:
+    """`(signature [SIGNATURE_LEN] int64, labels)` of a call of `name` with bound `arguments`."""
+    fields = _Fields()
+    header = [0] * _HEADER
+    header[_H_MAGIC], header[_H_PATH] = _MAGIC, _crc(name)
+    header[_H_WIDTH] = header[_H_START] = header[_H_SIZE] = header[_H_RANK] = _NONE
+    for arg, value in arguments.items():
+        if arg in _PER_RANK:
+            slot = _H_START if arg == "vocab_start" else _H_RANK
+            header[slot] = _NONE if value is None else int(value)
+        elif arg in _TYPE_ONLY:
+            fields.add(arg, value)
+        elif arg in _VOCAB_TENSORS and isinstance(value, Tensor) and value.dim():
+            # the shard width is per rank (header); a second shard (a teacher) must match the first
+            if header[_H_WIDTH] == _NONE:
+                header[_H_WIDTH] = int(value.shape[-1])
+            fields.walk(arg, value, vocab_dim=True)
+            fields.add(f"{arg}.shape[-1] == logits' shard width", int(value.shape[-1]) == header[_H_WIDTH])
+        else:
+            if arg == "vocab_size":
+                header[_H_SIZE] = _NONE if value is None else int(value)
+            fields.walk(arg, value)
+    flat = [x for code in fields.codes for x in code]
+    header[_H_COUNT] = len(fields.codes)
+    header[_H_DIGEST] = zlib.crc32(struct.pack(f"<{len(flat)}q", *flat))
+    body = flat[: 2 * _MAX_FIELDS]
+    body += [0] * (SIGNATURE_LEN - _HEADER - len(body))
+    return torch.tensor(header + body, dtype=torch.int64), fields.labels
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing the gathered signatures
+# ---------------------------------------------------------------------------------------------
+
+
+def _first_disagreement(
+    sigs: list[list[int]], own: list[int], labels: list[str], per_rank_header: bool
+) -> tuple[str, str] | None:
+    """`(label, this rank's value)` of the first field the gathered signatures disagree on.
+
+    The check is the same on every rank (it reads only the gathered `sigs`); the label is this
+    rank's, which is every rank's (labels depend only on the fields before the first difference).
+    """
+
+    def differs(slot: int) -> bool:
+        return len({s[slot] for s in sigs}) > 1
+
+    if differs(_H_MAGIC):
+        return "the lossfx signature format (another lossfx version?)", f"{own[_H_MAGIC]:x}"
+    if differs(_H_PATH):
+        return "the function called", f"lossfx.{_names.get(own[_H_PATH], '?')}"
+    if not per_rank_header:  # across the context-parallel group the shard layout must agree too
+        for slot, label in [
+            (_H_WIDTH, "the vocabulary shard width logits.shape[-1]"),
+            (_H_START, "vocab_start"),
+            (_H_SIZE, "vocab_size"),
+            (_H_RANK, "vocab_parallel_rank"),
+        ]:
+            if differs(slot):
+                return label, "not given" if own[slot] == _NONE else str(own[slot])
+    count = min(s[_H_COUNT] for s in sigs)
+    for i in range(min(count, _MAX_FIELDS)):
+        kind_slot, value_slot = _HEADER + 2 * i, _HEADER + 2 * i + 1
+        if differs(kind_slot) or differs(value_slot):
+            return labels[i], _decode(own[kind_slot], own[value_slot])
+    if differs(_H_COUNT) or differs(_H_DIGEST):
+        return f"an argument field past the first {_MAX_FIELDS}", f"digest {own[_H_DIGEST]:x}"
+    return None
+
+
+def _describe(disagreement: tuple[str, str], group: dist.ProcessGroup) -> str:
+    """`"label (rank 0: v0, rank 1: v1, ...)"`: every rank's own value, exchanged once. Runs on
+    every rank of `group` together (they all found the same disagreement), only on the error path."""
+    label, value = disagreement
+    values: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return f"{label} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))})"
+
+
+def _tiling_error(sigs: list[list[int]], policy: str) -> str | None:
+    """How the ranks' vocabulary shards fail to tile `[0, V)` as `policy` needs, or `None`."""
+    widths = [s[_H_WIDTH] for s in sigs]
+    if policy in ("free", "auto") or _NONE in widths:
+        return None
+    shown = ", ".join(f"rank {r}: {w}" for r, w in enumerate(widths))
+    if policy == "equal":
+        if len(set(widths)) > 1:
+            return f"the vocabulary shard width logits.shape[-1] ({shown}); this function needs equal shards"
+        return None
+    world = len(sigs)
+    sizes = [s[_H_SIZE] if s[_H_SIZE] != _NONE else world * s[_H_WIDTH] for s in sigs]
+    if len(set(sizes)) > 1:
+        given = ", ".join(f"rank {r}: {v}" for r, v in enumerate(sizes))
+        return (
+            f"the vocabulary size V ({given}; without vocab_size it is world_size · logits.shape[-1], "
+            f"shard widths {shown}); pass vocab_size (and vocab_start) for uneven shards"
+        )
+    vocab = sizes[0]
+    if policy == "sized":
+        if sum(widths) != vocab:
+            return f"the vocabulary: the shard widths ({shown}) sum to {sum(widths)}, not vocab_size={vocab}"
+        return None
+    starts = [s[_H_START] if s[_H_START] != _NONE else r * s[_H_WIDTH] for r, s in enumerate(sigs)]
+    spans = sorted(zip(starts, widths, range(world), strict=True))
+    edge = 0
+    for start, width, _r in spans:
+        if start != edge:
+            break
+        edge += width
+    if edge != vocab or spans[0][0] != 0:
+        held = ", ".join(f"rank {r}: [{s}, {s + w})" for s, w, r in sorted(spans, key=lambda x: x[2]))
+        return (
+            f"the vocabulary shards ({held}) which do not tile [0, {vocab}); without vocab_start a "
+            "shard starts at rank · logits.shape[-1]: pass vocab_start and vocab_size for uneven shards"
+        )
+    return None
+
+
+def _gather(sig: Tensor, group: dist.ProcessGroup) -> list[list[int]]:
+    return all_gather_stack(sig, group).tolist()  # [R, SIGNATURE_LEN]
+
+
+def _check(name: str, arguments: Mapping[str, Any], policy: str, tp_arg: str | None, cp_arg: str | None) -> None:
+    """All-gather this call's signature over its groups and raise on any disagreement.
+
+    Every rank runs the same collectives whatever it finds (the tensor-parallel gather, then the
+    context-parallel one carrying the TP verdict), so no rank is left waiting; then it raises.
+    """
+    tp = arguments.get(tp_arg) if tp_arg else None
+    cp = arguments.get(cp_arg) if cp_arg else None
+    tp = tp if isinstance(tp, dist.ProcessGroup) and is_distributed(tp) else None
+    cp = cp if isinstance(cp, dist.ProcessGroup) and is_distributed(cp) else None
+    if tp is None and cp is None:
+        return
+    sig, labels = _signature(name, arguments)
+    own = sig.tolist()
+    errors: list[str] = []
+    if tp is not None:  # 1. tensor parallel: the shard layout may differ, it must tile the vocabulary
+        sigs = _gather(sig, tp)
+        found = _first_disagreement(sigs, own, labels, per_rank_header=True)
+        problem = _describe(found, tp) if found else _tiling_error(sigs, policy)
+        if problem is None:
+            _scope.widths[id(tp)] = [s[_H_WIDTH] for s in sigs]
+        else:
+            errors.append(_message(name, tp_arg, tp, problem))
+        sig[_H_VERDICT] = int(problem is not None)
+    if cp is not None:  # 2. context parallel: everything agrees; a peer's failed TP check fails us too
+        sigs = _gather(sig, cp)
+        found = _first_disagreement(sigs, own, labels, per_rank_header=False)
+        if found:
+            errors.append(_message(name, cp_arg, cp, _describe(found, cp)))
+        bad = [r for r, s in enumerate(sigs) if s[_H_VERDICT]]
+        if bad:
+            errors.append(
+                f"lossfx.{name}: rank(s) {bad} of {cp_arg} (size {group_size(cp)}) found ranks of their "
+                f"{tp_arg} disagreeing (see the error there)"
+            )
+    if errors:
+        raise ValueError(
+            f"{errors[0]}. Every rank of a group must make the same call (raised on every rank by "
+            "lossfx's cross-rank consistency check; see docs/design.md)"
+        )
+
+
+def _message(name: str, group_name: str | None, group: dist.ProcessGroup, what: str) -> str:
+    where = "lossfx" if what.startswith("the function called") else f"lossfx.{name}"  # the same on every rank
+    return f"{where}: the {group_size(group)} ranks of {group_name} disagree on {what}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The decorator and the shard layout it learns
+# ---------------------------------------------------------------------------------------------
+
+
+def checked_collective(
+    *, vocab: str | Callable[[Mapping[str, Any]], str] = "free", tp: str | None = None, cp: str | None = None
+) -> Callable[[F], F]:
+    """Wrap a public function that runs collectives with the cross-rank consistency check.
+
+    Args:
+        vocab: how the tensor-parallel shards must relate (or a function of the bound arguments
+            returning it): `"free"` (any widths: no ids are mapped, e.g. entropy), `"equal"`
+            (equal widths), `"tiled"` (the kernels' `vocab_start`/`vocab_size`, defaults
+            `rank · Vl` and `R · Vl`, must tile `[0, V)`), `"sized"` (widths sum to `vocab_size`)
+            or `"auto"` (any widths: the function reads its layout from `vocab_shard_range`).
+        tp: name of the tensor-parallel group argument (default: `vocab_parallel_group`, else
+            `group`); cp: of the context-parallel one (default: `context_parallel_group`).
+    """
+
+    def wrap(fn: F) -> F:
+        sig = inspect.signature(fn)
+        params = sig.parameters
+        tp_arg = tp or next((p for p in ("vocab_parallel_group", "group") if p in params and p != cp), None)
+        cp_arg = cp or ("context_parallel_group" if "context_parallel_group" in params else None)
+        name = fn.__name__
+        _crc(name)
+
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling() or not _enabled or getattr(_scope, "active", False):
+                return fn(*args, **kwargs)
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError:
+                return fn(*args, **kwargs)  # raises the call's own TypeError
+            bound.apply_defaults()
+            _scope.active, _scope.widths = True, {}
+            try:
+                policy = vocab(bound.arguments) if callable(vocab) else vocab
+                _check(name, bound.arguments, policy, tp_arg, cp_arg)
+                return fn(*args, **kwargs)
+            finally:
+                _scope.active, _scope.widths = False, {}
+
+        return checked  # type: ignore[return-value]
+
+    return wrap
+
+
+def vocab_shard_range(local_vocab: int, group: dist.ProcessGroup | None) -> tuple[int | None, int | None]:
+    """`(vocab_start, vocab_size)` of this rank's shard when shards may have uneven widths.
+
+    Eager: the widths every rank reported to the consistency check of the enclosing call (or one
+    all-gather of the widths when the check is off); this rank's shard starts after the lower
+    ranks' shards (rank order) and `V` is their sum. Under `torch.compile` and without a group:
+    `(None, None)`, which the kernels read as uniform shards (`rank · Vl`, `R · Vl`).
+    """
+    if not is_distributed(group) or torch.compiler.is_compiling():
+        return None, None
+    widths = getattr(_scope, "widths", {}).get(id(group))
+    if widths is None:
+        widths = all_gather_stack(torch.tensor([local_vocab], dtype=torch.int64), group)[:, 0].tolist()
+    rank = group_rank(group)
+    return sum(widths[:rank]), sum(widths)
+
+
+def loss_input_vocab_policy(arguments: Mapping[str, Any]) -> str:
+    """The `vocab` policy of `prepare_loss_input`: uneven shards (`"auto"`) for the log-prob and
+    logits branches, equal shards for the others."""
+    input_type = getattr(arguments.get("loss_fn"), "input_type", None)
+    name = getattr(input_type, "name", str(input_type)).upper()
+    return "auto" if name.endswith(("LOGPROB", "LOGIT")) else "equal"

@@ -1,0 +1,306 @@
+"""Ranks that disagree get the same clear ValueError on every rank: never a hang, an abort or a
+silently wrong answer (issue 10 items 4-6, `lossfx/_consistency.py`).
+
+The mismatch cases run on a real gloo process pool (2 processes; 4 for the TP x CP grid). Each
+rank catches its own ValueError and returns the message, then makes one consistent call on the
+same group: the check leaves the collectives in step, so the pool is never restarted.
+"""
+
+import time
+from types import SimpleNamespace
+
+import harness
+import pytest
+import torch
+from harness import gloo_pool, mesh_groups, thread_world
+
+import lossfx
+from lossfx import _consistency, reference
+from lossfx.context_parallel import shard_for_cp_rank
+
+pytestmark = pytest.mark.distributed
+
+F64 = torch.float64
+LOGPROB = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
+SECONDS = 20.0  # "within seconds": the slowest mismatch case must answer well inside this
+
+
+@pytest.fixture(autouse=True)
+def _short_pool_timeout(monkeypatch):
+    """A hang fails the test after 60 s instead of the harness's default 600 s."""
+    monkeypatch.setattr(harness, "_TIMEOUT_S", 60.0)
+
+
+def _logits(b, s, v, seed, dtype=F64):
+    return torch.randn(b, s, v, generator=torch.Generator().manual_seed(seed), dtype=F64).to(dtype) * 2
+
+
+def _ids(b, s, high, seed):
+    return torch.randint(0, high, (b, s), generator=torch.Generator().manual_seed(seed + 1))
+
+
+def _call(case, rank, group):
+    """This rank's side of a mismatch case: the same entry point, per-rank arguments."""
+    tp = {"vocab_parallel_rank": rank, "vocab_parallel_group": group}
+    if case == "widths":  # issue item 4: widths 34 / 30 with the kernels' uniform default layout
+        width, start = (34, 0) if rank == 0 else (30, 34)
+        z = _logits(2, 6, 64, 0)[..., start : start + width]
+        return lossfx.token_logprobs(z, _ids(2, 6, 60, 0), group=group)
+    if case == "widths_distillation":  # equal shards needed: the top-k distillation path
+        width, start = (34, 0) if rank == 0 else (30, 34)
+        z = _logits(2, 6, 64, 0)[..., start : start + width]
+        data = {
+            "teacher_topk_logits": _logits(2, 6, 3, 1),
+            "teacher_topk_indices": _ids(2, 6, 60, 2).unsqueeze(-1).expand(2, 6, 3).contiguous(),
+        }
+        loss_fn = SimpleNamespace(input_type="distillation", zero_outside_topk=False, kl_type="forward")
+        return lossfx.prepare_loss_input(z, data, loss_fn, **tp)[0]["student_topk_logprobs"]
+    z, ids = _logits(2, 6, 16, 0)[..., rank * 8 : (rank + 1) * 8], _ids(2, 6, 16, 0)
+    sp = None
+    if case == "sampling":  # issue item 5: rank 0 top_k=3, rank 1 no filter
+        sp = lossfx.TrainingSamplingParams(top_k=3) if rank == 0 else None
+    elif case == "top_k":  # item 6: top_k=5 against top_k=7
+        sp = lossfx.TrainingSamplingParams(top_k=5 if rank == 0 else 7)
+    elif case == "top_p":
+        sp = lossfx.TrainingSamplingParams(top_p=0.9 if rank == 0 else 0.8)
+    elif case == "batch":  # item 6: different B
+        z, ids = z[: 2 - rank], ids[: 2 - rank]
+    elif case == "seq":  # item 6: different S
+        z, ids = z[:, : 6 - rank], ids[:, : 6 - rank]
+    elif case == "dtype":  # item 6: fp32 on one rank, float64 on the other
+        z = z.float() if rank == 0 else z
+    elif case == "kernel":  # two kernels with different collectives
+        return (lossfx.filtered_token_logprobs if rank == 0 else lossfx.token_logprobs)(
+            z[:, :-1], ids[:, 1:], group=group, **({"top_k": 3} if rank == 0 else {})
+        )
+    return lossfx.prepare_loss_input(z, {"input_ids": ids}, LOGPROB, sampling_params=sp, **tp)[0]["next_token_logprobs"]
+
+
+def _error_then_ok(rank, world, group, case):
+    """`(message or None, seconds, a consistent call's result)` on this rank."""
+    start = time.perf_counter()
+    try:
+        _call(case, rank, group)
+        message = None
+    except ValueError as err:
+        message = str(err)
+    seconds = time.perf_counter() - start
+    z = _logits(1, 4, 8, 5)[..., rank * 4 : (rank + 1) * 4]
+    after = lossfx.token_logprobs(z, _ids(1, 4, 8, 5), group=group)  # the group is still in step
+    return message, seconds, after
+
+
+EXPECTED = {
+    "widths": ["vocabulary size V (rank 0: 68, rank 1: 60", "widths rank 0: 34, rank 1: 30", "pass vocab_size"],
+    "widths_distillation": ["vocabulary shard width", "rank 0: 34, rank 1: 30", "equal shards"],
+    "sampling": ["sampling_params (rank 0: a TrainingSamplingParams, rank 1: None)"],
+    "top_k": ["sampling_params.top_k (rank 0: 5, rank 1: 7)"],
+    "top_p": ["sampling_params.top_p (rank 0: 0.9, rank 1: 0.8)"],
+    "batch": ["logits.shape[0] (rank 0: 2, rank 1: 1)"],
+    "seq": ["logits.shape[1] (rank 0: 6, rank 1: 5)"],
+    "dtype": ["logits.dtype (rank 0: torch.float32, rank 1: torch.float64)"],
+    "kernel": ["the function called (rank 0: lossfx.filtered_token_logprobs, rank 1: lossfx.token_logprobs)"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_gloo_mismatch_raises_on_every_rank(case):
+    results = gloo_pool(2).run(_error_then_ok, case)
+    messages = [m for m, _, _ in results]
+    for rank, message in enumerate(messages):
+        assert message is not None, f"rank {rank} did not raise"
+        for part in EXPECTED[case]:
+            assert part in message, (rank, message)
+    assert messages[0] == messages[1], "every rank raises the same error"
+    assert max(s for _, s, _ in results) < SECONDS
+    ref = reference.token_logprobs(_logits(1, 4, 8, 5), _ids(1, 4, 8, 5))
+    for _, _, after in results:
+        torch.testing.assert_close(after, ref, rtol=0, atol=1e-10)
+
+
+def _silent_without_check(rank, world, group):
+    """Issue item 4 (widths 34 / 30 under the uniform default) with the check switched off: no
+    error, wrong values on every rank (item 5 with the check off leaves rank 0 waiting forever)."""
+    previous = lossfx.set_consistency_checks(False)
+    try:
+        return _call("widths", rank, group)
+    finally:
+        lossfx.set_consistency_checks(previous)
+
+
+def test_switch_turns_the_check_off():
+    out = gloo_pool(2).run(_silent_without_check)
+    ref = reference.token_logprobs(_logits(2, 6, 64, 0), _ids(2, 6, 60, 0))
+    for values in out:
+        assert (values - ref).abs().max() > 0.5  # what the check exists to prevent
+    assert lossfx.set_consistency_checks(True) is True  # on by default
+
+
+@pytest.mark.parametrize(
+    ("value", "enabled"), [(None, True), ("1", True), ("0", False), (" OFF", False), ("no", False)]
+)
+def test_environment_variable_sets_the_default(value, enabled):
+    environ = {} if value is None else {"LOSSFX_CONSISTENCY_CHECKS": value}
+    assert _consistency._enabled_by(environ) is enabled
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism: a CP-group mismatch, and a TP x CP grid where one TP group disagrees
+# ---------------------------------------------------------------------------------------------
+
+
+def _cp_mismatch(rank, world, group):
+    z, ids = _logits(2, 8, 6, 3), _ids(2, 8, 6, 3)
+    local = shard_for_cp_rank(z, rank, world, seq_dim=1)
+    sp = lossfx.TrainingSamplingParams(top_k=2 if rank == 0 else 3)
+    try:
+        lossfx.prepare_loss_input(local, {"input_ids": ids}, LOGPROB, context_parallel_group=group, sampling_params=sp)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_gloo_context_parallel_mismatch():
+    messages = gloo_pool(2).run(_cp_mismatch)
+    assert messages[0] == messages[1]
+    assert "context_parallel_group disagree on sampling_params.top_k (rank 0: 2, rank 1: 3)" in messages[0]
+
+
+def _grid_mismatch(rank, world, group):
+    """TP=2 x CP=2; only ranks 0 and 1 (one TP group) disagree (on top_k)."""
+    tp_group, tp_rank, cp_group, cp_rank = mesh_groups(rank, world, group, tp=2)
+    z, ids = _logits(2, 8, 6, 4), _ids(2, 8, 6, 4)
+    local = shard_for_cp_rank(z, cp_rank, 2, seq_dim=1)[..., tp_rank * 3 : (tp_rank + 1) * 3]
+    sp = lossfx.TrainingSamplingParams(top_k=2 if rank == 0 else 3)
+    start = time.perf_counter()
+    try:
+        lossfx.prepare_loss_input(
+            local,
+            {"input_ids": ids},
+            LOGPROB,
+            vocab_parallel_rank=tp_rank,
+            vocab_parallel_group=tp_group,
+            context_parallel_group=cp_group,
+            sampling_params=sp,
+        )
+    except ValueError as err:
+        return str(err), time.perf_counter() - start
+    return None, time.perf_counter() - start
+
+
+def test_gloo_tp_cp_grid_every_rank_raises():
+    results = gloo_pool(4).run(_grid_mismatch)
+    for rank, (message, seconds) in enumerate(results):
+        assert message is not None, f"rank {rank} did not raise"
+        assert seconds < SECONDS
+    # ranks 0 and 1 see it in their TP group; ranks 2 and 3 (whose TP group agrees) in their CP group
+    assert results[0][0] == results[1][0]
+    assert "vocab_parallel_group disagree on sampling_params.top_k (rank 0: 2, rank 1: 3)" in results[0][0]
+    assert results[2][0] == results[0][0].replace("vocab_parallel_group", "context_parallel_group")
+    assert "rank(s) [0] of context_parallel_group (size 2) found ranks of their vocab_parallel_group" in results[3][0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Uneven vocabulary shards through the loss-input entry points (eager)
+# ---------------------------------------------------------------------------------------------
+
+WIDTHS = (34, 30)  # V = 64, the issue's case
+
+
+def _uneven(rank, world, group, top_k, packed):
+    start = sum(WIDTHS[:rank])
+    z = _logits(2, 6, 64, 7)[..., start : start + WIDTHS[rank]].clone().requires_grad_()
+    ids = _ids(2, 6, 64, 7)
+    sp = None if top_k is None else lossfx.TrainingSamplingParams(top_k=top_k, top_p=0.9)
+    tp = {"vocab_parallel_rank": rank, "vocab_parallel_group": group, "sampling_params": sp}
+    if packed:  # the two rows packed into one, cu_seqlens [0, 6, 12]
+        flat = z.reshape(1, 12, -1)
+        out, _ = lossfx.prepare_packed_loss_input(flat, {"input_ids": ids}, LOGPROB, (0, 6, 12), (0, 6, 12), **tp)
+    else:
+        out, _ = lossfx.prepare_loss_input(z, {"input_ids": ids}, LOGPROB, **tp)
+    lp = out["next_token_logprobs"]
+    lp.masked_fill(torch.isneginf(lp), 0.0).sum().backward()
+    return lp.detach(), z.grad
+
+
+@pytest.mark.parametrize(("top_k", "packed"), [(None, False), (5, False), (None, True)])
+def test_gloo_uneven_widths_match_reference(top_k, packed):
+    results = gloo_pool(2).run(_uneven, top_k, packed)
+    z = _logits(2, 6, 64, 7).requires_grad_()
+    ids = _ids(2, 6, 64, 7)
+    if top_k is None:
+        ref = reference.next_token_logprobs(z, ids)
+    else:
+        ref = reference.next_token_filtered_logprobs(z, ids, top_k, 0.9)
+        ref = ref.masked_fill(torch.isneginf(ref), 0.0)
+    ref.sum().backward()
+    for out, _ in results:
+        torch.testing.assert_close(out, ref.detach(), rtol=0, atol=1e-10)
+    grad = torch.cat([g for _, g in results], dim=-1)
+    torch.testing.assert_close(grad, z.grad, rtol=0, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank threads: one collective per entry call, nested calls unchecked, nothing under compile
+# ---------------------------------------------------------------------------------------------
+
+
+def _count_gathers(rank, world, group, counts):
+    z, ids = _logits(2, 6, 16, 0)[..., rank * 8 : (rank + 1) * 8], _ids(2, 6, 16, 0)
+    sp = lossfx.TrainingSamplingParams(top_k=3)
+    loss_fn = SimpleNamespace(input_type="logprob", reference_policy_kl_penalty=0.1)
+    data = {"input_ids": ids}
+    before = counts[rank]
+    lossfx.prepare_loss_input(z, data, loss_fn, rank, group, sampling_params=sp)
+    return counts[rank] - before
+
+
+def test_one_signature_gather_per_entry_call(monkeypatch):
+    counts = [0, 0]
+    gather = _consistency._gather
+
+    def counting(sig, group):
+        counts[group.rank()] += 1
+        return gather(sig, group)
+
+    monkeypatch.setattr(_consistency, "_gather", counting)
+    # prepare_loss_input -> next_token_logprobs (twice: filtered and unfiltered) -> target_logprobs
+    # -> filtered_token_logprobs / token_logprobs: one check for all of them
+    assert thread_world(2).run(_count_gathers, counts) == [1, 1]
+
+
+def _thread_batch_mismatch(rank, world, group):
+    try:
+        _call("batch", rank, group)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_rank_threads_mismatch():
+    messages = thread_world(2).run(_thread_batch_mismatch)
+    assert messages[0] == messages[1] and "logits.shape[0] (rank 0: 2, rank 1: 1)" in messages[0]
+
+
+def _compiled_step(rank, world, group):
+    from harness import compiled_for_rank
+
+    def step(z, ids):
+        return lossfx.token_logprobs(z, ids, group=group).sum()
+
+    counter, compiled = compiled_for_rank(rank, "consistency", step, backend="eager")
+    z, ids = _logits(2, 3, 8, 6)[..., rank * 4 : (rank + 1) * 4], _ids(2, 3, 8, 6)
+    return compiled(z, ids), counter.frame_count
+
+
+@pytest.mark.compile
+def test_no_graph_break_under_compile(monkeypatch):
+    def fail(sig, group):
+        raise AssertionError("the signature gather ran inside compiled code")
+
+    monkeypatch.setattr(_consistency, "_gather", fail)
+    results = thread_world(2).run(_compiled_step)  # fullgraph=True: a graph break would raise
+    ref = reference.token_logprobs(_logits(2, 3, 8, 6), _ids(2, 3, 8, 6)).sum()
+    for value, frames in results:
+        torch.testing.assert_close(value, ref, rtol=0, atol=1e-10)
+        assert frames == 1
