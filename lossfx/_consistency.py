@@ -358,6 +358,8 @@ def _check(name: str, arguments: Mapping[str, Any], policy: str, tp_arg: str | N
     """
     tp = arguments.get(tp_arg) if tp_arg else None
     cp = arguments.get(cp_arg) if cp_arg else None
+    if cp is None and arguments.get("cp_sharder") is not None:  # e.g. `LoadBalancedSharder(cp_group)`
+        cp, cp_arg = getattr(arguments["cp_sharder"], "cp_group", None), "cp_sharder.cp_group"
     tp = tp if isinstance(tp, dist.ProcessGroup) and is_distributed(tp) else None
     cp = cp if isinstance(cp, dist.ProcessGroup) and is_distributed(cp) else None
     if tp is None and cp is None:
@@ -429,6 +431,8 @@ def checked_collective(
         def checked(*args: Any, **kwargs: Any) -> Any:
             if torch.compiler.is_compiling() or not _enabled or getattr(_scope, "active", False):
                 return fn(*args, **kwargs)
+            if not any(isinstance(a, dist.ProcessGroup) for a in (*args, *kwargs.values())):
+                return fn(*args, **kwargs)  # no group, no collective: nothing to check
             try:
                 bound = sig.bind(*args, **kwargs)
             except TypeError:

@@ -85,8 +85,9 @@ def next_token_logprobs(
 
     Args:
         logits: `[B, S_l, Vl]` this rank's vocabulary shard (the full vocabulary without TP) and
-            sequence part (load-balanced under context parallelism; `S_l = S` without).
-        input_ids: `[B, S]` canonical integer token ids in `[0, V)`, `V = Vl · TP`.
+            sequence part (load-balanced under context parallelism; `S_l = S` without). Eager:
+            shards may have different widths (rank order); compiled: equal widths.
+        input_ids: `[B, S]` canonical integer token ids in `[0, V)`, `V` the shards' widths summed.
         vocab_parallel_rank: this rank's index in `vocab_parallel_group`.
         vocab_parallel_group: tensor-parallel group over the vocabulary, or `None`.
         context_parallel_group: context-parallel group (load-balanced layout), or `None`.
@@ -141,8 +142,9 @@ def prepare_loss_input(
 
     Args:
         logits: `[B, S, Vl]` student logits: this rank's vocabulary shard under tensor
-            parallelism. Divide by the sampling temperature **before** calling: lossfx never
-            applies `sampling_params.temperature`.
+            parallelism (for `LOGPROB` in eager mode the shards may have different widths, in
+            rank order; compiled code assumes equal widths). Divide by the sampling temperature
+            **before** calling: lossfx never applies `sampling_params.temperature`.
         data: mapping of column name to tensor; `LOGPROB` reads `input_ids` `[B, S]`.
         loss_fn: object with `input_type` (a `LossInputType`) and optionally
             `use_fused_linear_logprobs`, `reference_policy_kl_penalty` (see `LossFunction`).
@@ -171,7 +173,9 @@ def prepare_loss_input(
         that was passed in.
 
     Raises:
-        ValueError: unknown input type, missing columns, bad shapes or ids, `chunk_size <= 0`.
+        ValueError: unknown input type, missing columns, bad shapes or ids, `chunk_size <= 0`;
+            on every rank, ranks of a group whose calls disagree (shapes, dtypes, sampling
+            parameters, shard layout: the eager cross-rank check, `lossfx.set_consistency_checks`).
         TypeError: wrong argument types.
 
     Example:

@@ -17,6 +17,7 @@ from harness import gloo_pool, mesh_groups, thread_world
 import lossfx
 from lossfx import _consistency, reference
 from lossfx.context_parallel import shard_for_cp_rank
+from lossfx.next_token import LoadBalancedSharder
 
 pytestmark = pytest.mark.distributed
 
@@ -149,21 +150,23 @@ def test_environment_variable_sets_the_default(value, enabled):
 # ---------------------------------------------------------------------------------------------
 
 
-def _cp_mismatch(rank, world, group):
+def _cp_mismatch(rank, world, group, layout):
     z, ids = _logits(2, 8, 6, 3), _ids(2, 8, 6, 3)
     local = shard_for_cp_rank(z, rank, world, seq_dim=1)
     sp = lossfx.TrainingSamplingParams(top_k=2 if rank == 0 else 3)
+    cp = {"context_parallel_group": group} if layout == "group" else {"cp_sharder": LoadBalancedSharder(group)}
     try:
-        lossfx.prepare_loss_input(local, {"input_ids": ids}, LOGPROB, context_parallel_group=group, sampling_params=sp)
+        lossfx.prepare_loss_input(local, {"input_ids": ids}, LOGPROB, sampling_params=sp, **cp)
     except ValueError as err:
         return str(err)
     return None
 
 
-def test_gloo_context_parallel_mismatch():
-    messages = gloo_pool(2).run(_cp_mismatch)
+@pytest.mark.parametrize(("layout", "name"), [("group", "context_parallel_group"), ("sharder", "cp_sharder.cp_group")])
+def test_gloo_context_parallel_mismatch(layout, name):
+    messages = gloo_pool(2).run(_cp_mismatch, layout)
     assert messages[0] == messages[1]
-    assert "context_parallel_group disagree on sampling_params.top_k (rank 0: 2, rank 1: 3)" in messages[0]
+    assert f"{name} disagree on sampling_params.top_k (rank 0: 2, rank 1: 3)" in messages[0]
 
 
 def _grid_mismatch(rank, world, group):
