@@ -404,6 +404,12 @@ def _message(name: str, group_name: str | None, group: dist.ProcessGroup, what: 
 # ---------------------------------------------------------------------------------------------
 
 
+def _is_group_or_sharder(arg: Any) -> bool:
+    if isinstance(arg, dist.ProcessGroup):
+        return True
+    return not isinstance(arg, Tensor) and isinstance(getattr(arg, "cp_group", None), dist.ProcessGroup)
+
+
 def checked_collective(
     *, vocab: str | Callable[[Mapping[str, Any]], str] = "free", tp: str | None = None, cp: str | None = None
 ) -> Callable[[F], F]:
@@ -431,7 +437,7 @@ def checked_collective(
         def checked(*args: Any, **kwargs: Any) -> Any:
             if torch.compiler.is_compiling() or not _enabled or getattr(_scope, "active", False):
                 return fn(*args, **kwargs)
-            if not any(isinstance(a, dist.ProcessGroup) for a in (*args, *kwargs.values())):
+            if not any(map(_is_group_or_sharder, (*args, *kwargs.values()))):
                 return fn(*args, **kwargs)  # no group, no collective: nothing to check
             try:
                 bound = sig.bind(*args, **kwargs)
