@@ -68,9 +68,9 @@ def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
 
     sig = torch.zeros(_consistency.SIGNATURE_LEN, dtype=torch.int64)
     for _ in range(50):
-        all_gather_stack(sig, group)
+        _consistency._gather(sig, group)
     rows.append(
-        ("gather: one [256] int64 all-gather", _stats_us(_times(lambda: all_gather_stack(sig, group), iters)), None)
+        ("gather: one [256] int64 all-gather", _stats_us(_times(lambda: _consistency._gather(sig, group), iters)), None)
     )
 
     for batch, seq, vocab in [(2, 16, 64 * world), (4, 512, 4096 * world)]:

@@ -43,8 +43,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lossfx._distributed import all_gather_stack, group_rank, group_size, is_distributed
-
 __all__ = [
     "SIGNATURE_LEN",
     "checked_collective",
@@ -302,7 +300,7 @@ def _describe(disagreement: tuple[str, str], group: dist.ProcessGroup) -> str:
     """`"label (rank 0: v0, rank 1: v1, ...)"`: every rank's own value, exchanged once. Runs on
     every rank of `group` together (they all found the same disagreement), only on the error path."""
     label, value = disagreement
-    values: list[Any] = [None] * group_size(group)
+    values: list[Any] = [None] * group.size()
     dist.all_gather_object(values, value, group=group)
     return f"{label} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))})"
 
@@ -346,8 +344,15 @@ def _tiling_error(sigs: list[list[int]], policy: str) -> str | None:
     return None
 
 
-def _gather(sig: Tensor, group: dist.ProcessGroup) -> list[list[int]]:
-    return all_gather_stack(sig, group).tolist()  # [R, SIGNATURE_LEN]
+def _gather(x: Tensor, group: dist.ProcessGroup) -> list[list[int]]:
+    """Every rank's `x` (1-D int64), in rank order: one eager all-gather."""
+    out = [torch.empty_like(x) for _ in range(group.size())]
+    dist.all_gather(out, x, group=group)
+    return [t.tolist() for t in out]
+
+
+def _is_distributed(group: Any) -> bool:
+    return isinstance(group, dist.ProcessGroup) and group.size() > 1
 
 
 def _check(name: str, arguments: Mapping[str, Any], policy: str, tp_arg: str | None, cp_arg: str | None) -> None:
@@ -360,8 +365,8 @@ def _check(name: str, arguments: Mapping[str, Any], policy: str, tp_arg: str | N
     cp = arguments.get(cp_arg) if cp_arg else None
     if cp is None and arguments.get("cp_sharder") is not None:  # e.g. `LoadBalancedSharder(cp_group)`
         cp, cp_arg = getattr(arguments["cp_sharder"], "cp_group", None), "cp_sharder.cp_group"
-    tp = tp if isinstance(tp, dist.ProcessGroup) and is_distributed(tp) else None
-    cp = cp if isinstance(cp, dist.ProcessGroup) and is_distributed(cp) else None
+    tp = tp if _is_distributed(tp) else None
+    cp = cp if _is_distributed(cp) else None
     if tp is None and cp is None:
         return
     sig, labels = _signature(name, arguments)
@@ -384,7 +389,7 @@ def _check(name: str, arguments: Mapping[str, Any], policy: str, tp_arg: str | N
         bad = [r for r, s in enumerate(sigs) if s[_H_VERDICT]]
         if bad:
             errors.append(
-                f"lossfx.{name}: rank(s) {bad} of {cp_arg} (size {group_size(cp)}) found ranks of their "
+                f"lossfx.{name}: rank(s) {bad} of {cp_arg} (size {cp.size()}) found ranks of their "
                 f"{tp_arg} disagreeing (see the error there)"
             )
     if errors:
@@ -396,7 +401,7 @@ def _check(name: str, arguments: Mapping[str, Any], policy: str, tp_arg: str | N
 
 def _message(name: str, group_name: str | None, group: dist.ProcessGroup, what: str) -> str:
     where = "lossfx" if what.startswith("the function called") else f"lossfx.{name}"  # the same on every rank
-    return f"{where}: the {group_size(group)} ranks of {group_name} disagree on {what}"
+    return f"{where}: the {group.size()} ranks of {group_name} disagree on {what}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,12 +470,13 @@ def vocab_shard_range(local_vocab: int, group: dist.ProcessGroup | None) -> tupl
     ranks' shards (rank order) and `V` is their sum. Under `torch.compile` and without a group:
     `(None, None)`, which the kernels read as uniform shards (`rank · Vl`, `R · Vl`).
     """
-    if not is_distributed(group) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _is_distributed(group):
         return None, None
+    assert group is not None
     widths = getattr(_scope, "widths", {}).get(id(group))
     if widths is None:
-        widths = all_gather_stack(torch.tensor([local_vocab], dtype=torch.int64), group)[:, 0].tolist()
-    rank = group_rank(group)
+        widths = [w for (w,) in _gather(torch.tensor([local_vocab], dtype=torch.int64), group)]
+    rank = group.rank()
     return sum(widths[:rank]), sum(widths)
 
 
