@@ -113,7 +113,7 @@ _DTYPES = [
     torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 ]  # fmt: skip
-_names: dict[int, str] = {}  # crc32 -> the string, for messages (strings this process has encoded)
+_functions: dict[int, str] = {}  # crc32 of a checked function's name -> the name
 
 # argument names
 _VOCAB_TENSORS = ("logits", "student", "teacher", "student_logits", "teacher_logits")  # [..., Vl] shards
@@ -122,9 +122,17 @@ _TYPE_ONLY = ("cp_sharder",)  # objects whose state is rank-specific: only their
 
 
 def _crc(text: str) -> int:
+    """A 32-bit code of `text`, remembered for this thread's messages until the next signature."""
     code = zlib.crc32(text.encode())
-    _names[code] = text
+    _names()[code] = text
     return code
+
+
+def _names() -> dict[int, str]:
+    names = getattr(_scope, "names", None)
+    if names is None:
+        names = _scope.names = {}
+    return names
 
 
 def _encode(value: Any) -> tuple[int, int]:
@@ -133,8 +141,8 @@ def _encode(value: Any) -> tuple[int, int]:
         return _K_NONE, 0
     if isinstance(value, bool):
         return _K_BOOL, int(value)
-    if isinstance(value, enum.Enum):
-        return _K_STR, _crc(f"{type(value).__name__}.{value.name}")
+    if isinstance(value, enum.Enum):  # by value: `LossInputType.LOGPROB` and `"logprob"` agree
+        value = value.value
     if isinstance(value, int):
         return _K_INT, max(min(value, 2**63 - 1), -(2**63))
     if isinstance(value, float):
@@ -158,10 +166,10 @@ def _decode(kind: int, value: int) -> str:
     if kind == _K_FLOAT:
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     if kind == _K_DTYPE:
-        return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else _names.get(value, f"dtype#{value}")
+        return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else _names().get(value, f"dtype#{value}")
     if kind == _K_TYPE:
-        return _names.get(value, f"an object #{value:x}")
-    return _names.get(value & 0xFFFFFFFF, f"value#{value:x}")
+        return _names().get(value, f"an object #{value:x}")
+    return _names().get(value, f"value#{value:x}")
 
 
 class _Fields:
@@ -230,7 +238,8 @@ def _signature(name: str, arguments: Mapping[str, Any]) -> tuple[Tensor, list[st
     """`(signature [SIGNATURE_LEN] int64, labels)` of a call of `name` with bound `arguments`."""
     fields = _Fields()
     header = [0] * _HEADER
-    header[_H_MAGIC], header[_H_PATH] = _MAGIC, _crc(name)
+    _scope.names = {}  # the strings of this call only: bounded memory over a long run
+    header[_H_MAGIC], header[_H_PATH] = _MAGIC, zlib.crc32(name.encode())
     header[_H_WIDTH] = header[_H_START] = header[_H_SIZE] = header[_H_RANK] = _NONE
     for arg, value in arguments.items():
         if arg in _PER_RANK:
@@ -276,7 +285,7 @@ def _first_disagreement(
     if differs(_H_MAGIC):
         return "the lossfx signature format (another lossfx version?)", f"{own[_H_MAGIC]:x}"
     if differs(_H_PATH):
-        return "the function called", f"lossfx.{_names.get(own[_H_PATH], '?')}"
+        return "the function called", f"lossfx.{_functions.get(own[_H_PATH], '?')}"
     if not per_rank_header:  # across the context-parallel group the shard layout must agree too
         for slot, label in [
             (_H_WIDTH, "the vocabulary shard width logits.shape[-1]"),
@@ -436,7 +445,7 @@ def checked_collective(
         tp_arg = tp or next((p for p in ("vocab_parallel_group", "group") if p in params and p != cp), None)
         cp_arg = cp or ("context_parallel_group" if "context_parallel_group" in params else None)
         name = fn.__name__
-        _crc(name)
+        _functions[zlib.crc32(name.encode())] = name
 
         @functools.wraps(fn)
         def checked(*args: Any, **kwargs: Any) -> Any:

@@ -47,6 +47,10 @@ def _call(case, rank, group):
         width, start = (34, 0) if rank == 0 else (30, 34)
         z = _logits(2, 6, 64, 0)[..., start : start + width]
         return lossfx.token_logprobs(z, _ids(2, 6, 60, 0), group=group)
+    if case == "overlap":  # explicit but overlapping shards: [0, 34) and [30, 60)
+        width, start = (34, 0) if rank == 0 else (30, 30)
+        z = _logits(2, 6, 64, 0)[..., start : start + width]
+        return lossfx.token_logprobs(z, _ids(2, 6, 60, 0), group=group, vocab_start=start, vocab_size=64)
     if case == "widths_distillation":  # equal shards needed: the top-k distillation path
         width, start = (34, 0) if rank == 0 else (30, 34)
         z = _logits(2, 6, 64, 0)[..., start : start + width]
@@ -93,6 +97,7 @@ def _error_then_ok(rank, world, group, case):
 
 EXPECTED = {
     "widths": ["vocabulary size V (rank 0: 68, rank 1: 60", "widths rank 0: 34, rank 1: 30", "pass vocab_size"],
+    "overlap": ["rank 0: [0, 34), rank 1: [30, 60)", "do not tile [0, 64)"],
     "widths_distillation": ["vocabulary shard width", "rank 0: 34, rank 1: 30", "equal shards"],
     "sampling": ["sampling_params (rank 0: a TrainingSamplingParams, rank 1: None)"],
     "top_k": ["sampling_params.top_k (rank 0: 5, rank 1: 7)"],
@@ -307,3 +312,18 @@ def test_no_graph_break_under_compile(monkeypatch):
     for value, frames in results:
         torch.testing.assert_close(value, ref, rtol=0, atol=1e-10)
         assert frames == 1
+
+
+def test_signature_is_by_value_and_fixed_length():
+    """An enum and its value agree; shapes and scalars are encoded; the length never changes."""
+    as_enum = {"loss_fn": SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB), "logits": torch.zeros(2, 3, 5)}
+    as_str = {"loss_fn": SimpleNamespace(input_type="logprob"), "logits": torch.zeros(2, 3, 7)}
+    sig_enum, labels = _consistency._signature("prepare_loss_input", as_enum)
+    sig_str, _ = _consistency._signature("prepare_loss_input", as_str)
+    assert sig_enum.shape == sig_str.shape == (_consistency.SIGNATURE_LEN,)
+    body = slice(_consistency._HEADER, None)
+    assert torch.equal(sig_enum[body], sig_str[body])  # the shard width (5 vs 7) is per rank: header only
+    assert "logits.shape[1]" in labels and "loss_fn.input_type" in labels
+    many = {f"x{i}": i for i in range(500)}  # past the field budget: a digest, same length
+    sig_many, _ = _consistency._signature("f", many)
+    assert sig_many.shape == (_consistency.SIGNATURE_LEN,)
