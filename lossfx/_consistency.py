@@ -7,9 +7,10 @@ This module turns every such disagreement into the same `ValueError` on every ra
 
 How (one idea): each public function that runs collectives is wrapped by `checked_collective`.
 Before the function runs, every rank encodes its call into a fixed-length int64 *signature*
-(`[SIGNATURE_LEN]`: the function called, every tensor argument's shape, dtype and
-`requires_grad`, every scalar argument, the fields of `sampling_params`, `loss_fn` and `data`,
-this rank's vocabulary shard width and `vocab_start`), and one all-gather of it runs per process
+(`[SIGNATURE_LEN]`: the function called, every tensor argument's shape and dtype (not
+`requires_grad`: a sharded gradcheck differentiates one rank's shard), every scalar argument,
+the fields of `sampling_params`, `loss_fn` and `data`, this rank's vocabulary shard width and
+`vocab_start`), and one all-gather of it runs per process
 group (tensor parallel first, then context parallel). The length is fixed, so ranks that disagree
 about everything else still agree on the size of this one collective. Every rank then compares
 the same gathered matrix with the same rules, so every rank raises the same error (naming the
@@ -195,7 +196,6 @@ class _Fields:
             for i, d in enumerate(dims):
                 self.add(f"{label}.shape[{i}]", int(d))
             self.add(f"{label}.dtype", value.dtype)
-            self.add(f"{label}.requires_grad", value.requires_grad)
             if not value.is_floating_point() and value.dim() == 1 and value.numel() <= 64 and not _is_fake(value):
                 self.add(f"{label}.values", _Kind(str(value.tolist())))  # small int tensors (cu_seqlens)
         elif isinstance(value, dist.ProcessGroup):
@@ -325,7 +325,13 @@ def _tiling_error(sigs: list[list[int]], policy: str) -> str | None:
             return f"the vocabulary shard width logits.shape[-1] ({shown}); this function needs equal shards"
         return None
     world = len(sigs)
-    sizes = [s[_H_SIZE] if s[_H_SIZE] != _NONE else world * s[_H_WIDTH] for s in sigs]
+    if policy.startswith("topk:"):  # `vocab_topk`: every rank sends min(k, Vl) candidates
+        k = int(policy.removeprefix("topk:"))
+        if len({min(k, w) for w in widths}) > 1:
+            return f"the vocabulary shard width logits.shape[-1] ({shown}): vocab_topk needs min(k={k}, width) equal"
+        policy, sizes = "tiled", [sum(widths)] * world
+    else:
+        sizes = [s[_H_SIZE] if s[_H_SIZE] != _NONE else world * s[_H_WIDTH] for s in sigs]
     if len(set(sizes)) > 1:
         given = ", ".join(f"rank {r}: {v}" for r, v in enumerate(sizes))
         return (
@@ -487,6 +493,12 @@ def vocab_shard_range(local_vocab: int, group: dist.ProcessGroup | None) -> tupl
         widths = [w for (w,) in _gather(torch.tensor([local_vocab], dtype=torch.int64), group)]
     rank = group.rank()
     return sum(widths[:rank]), sum(widths)
+
+
+def vocab_topk_policy(arguments: Mapping[str, Any]) -> str:
+    """The `vocab` policy of `vocab_topk`: shards tile the vocabulary, `min(k, Vl)` is equal."""
+    k = arguments.get("k")
+    return f"topk:{k}" if isinstance(k, int) and not isinstance(k, bool) and k > 0 else "free"
 
 
 def loss_input_vocab_policy(arguments: Mapping[str, Any]) -> str:
