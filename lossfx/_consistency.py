@@ -78,6 +78,15 @@ def set_consistency_checks(enabled: bool) -> bool:
     same way on every rank: a rank that checks waits for its peers' signatures. Never runs inside
     `torch.compile`d code. Cost: `benchmarks/README.md` ("Cross-rank consistency check").
 
+    Args:
+        enabled: `True` to check every eager call that runs collectives, `False` to skip it.
+
+    Returns:
+        The previous setting.
+
+    Raises:
+        TypeError: a non-bool `enabled`.
+
     Example:
         >>> import lossfx
         >>> previous = lossfx.set_consistency_checks(False)
