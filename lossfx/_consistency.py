@@ -127,6 +127,7 @@ _functions: dict[int, str] = {}  # crc32 of a checked function's name -> the nam
 
 # argument names
 _VOCAB_TENSORS = ("logits", "student", "teacher", "student_logits", "teacher_logits")  # [..., Vl] shards
+_VOCAB_COLUMNS = ("teacher_full_logits",)  # data columns over the vocabulary: last dim not compared
 _PER_RANK = ("vocab_start", "vocab_parallel_rank")  # may differ across the tensor-parallel group
 _TYPE_ONLY = ("cp_sharder",)  # objects whose state is rank-specific: only their type is compared
 
@@ -216,8 +217,8 @@ class _Fields:
         elif isinstance(value, Mapping):
             keys = sorted(value.keys(), key=str)
             self.add(label, _Kind(f"mapping with keys {[str(k) for k in keys]}"))
-            for key in keys:
-                self.walk(f"{label}[{key!r}]", value[key], depth + 1)
+            for key in keys:  # a vocabulary-wide column's last dim may differ (padded per rank)
+                self.walk(f"{label}[{key!r}]", value[key], depth + 1, vocab_dim=key in _VOCAB_COLUMNS)
         elif isinstance(value, (list, tuple)):
             self.add(label, _Kind(f"sequence of length {len(value)}"))
             for i, item in enumerate(value[:32]):
@@ -433,6 +434,12 @@ def _message(name: str, group_name: str | None, group: dist.ProcessGroup, what: 
 # ---------------------------------------------------------------------------------------------
 
 
+def _has_dtensor(arg: Any) -> bool:
+    if isinstance(arg, Mapping):
+        return any(type(v).__name__ == "DTensor" for v in arg.values())
+    return type(arg).__name__ == "DTensor"
+
+
 def _is_group_or_sharder(arg: Any) -> bool:
     if isinstance(arg, dist.ProcessGroup):
         return True
@@ -466,8 +473,11 @@ def checked_collective(
         def checked(*args: Any, **kwargs: Any) -> Any:
             if torch.compiler.is_compiling() or not _enabled or getattr(_scope, "active", False):
                 return fn(*args, **kwargs)
-            if not any(map(_is_group_or_sharder, (*args, *kwargs.values()))):
-                return fn(*args, **kwargs)  # no group, no collective: nothing to check
+            values = (*args, *kwargs.values())
+            if not any(map(_is_group_or_sharder, values)) or any(map(_has_dtensor, values)):
+                # no group: no collective. DTensors: the function's DTensor boundary validates them
+                # against their mesh, and an entry point re-enters with local tensors (checked then)
+                return fn(*args, **kwargs)
             try:
                 bound = sig.bind(*args, **kwargs)
             except TypeError:
