@@ -12,6 +12,7 @@ from lossfx.distillation import distillation_topk_logprobs
 from lossfx.divergence import cross_entropy_to_fixed, entropy, reverse_kl_to_fixed
 from lossfx.draft import draft_targets, map_to_draft_vocab, shift_left
 from lossfx.filtering import apply_top_k_top_p, filtered_token_logprobs, top_k_top_p_threshold
+from lossfx.fused_linear import linear_gather_logprobs, linear_next_token_logprobs, linear_token_logprobs
 from lossfx.gather import gather_logits, gather_logprobs
 from lossfx.interfaces import (
     LossFunction,
@@ -48,6 +49,9 @@ __all__ = [
     "filtered_token_logprobs",
     "gather_logits",
     "gather_logprobs",
+    "linear_gather_logprobs",
+    "linear_next_token_logprobs",
+    "linear_token_logprobs",
     "map_to_draft_vocab",
     "mask_out_neg_inf_logprobs",
     "need_top_k_or_top_p_filtering",

@@ -33,6 +33,12 @@ from lossfx.reference._filtering import (
     next_token_filtered_logprobs,
     prepare_filtered_logprob_input,
 )
+from lossfx.reference._linear import (
+    linear_gather_logprobs,
+    linear_logits,
+    linear_next_token_logprobs,
+    linear_token_logprobs,
+)
 from lossfx.reference._logprobs import (
     log_softmax,
     next_token_logprobs,
@@ -50,6 +56,10 @@ __all__ = [
     "entropy",
     "filtered_token_logprobs",
     "gather_logprobs",
+    "linear_gather_logprobs",
+    "linear_logits",
+    "linear_next_token_logprobs",
+    "linear_token_logprobs",
     "log_softmax",
     "mask_out_neg_inf_logprobs",
     "next_token_filtered_logprobs",

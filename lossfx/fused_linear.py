@@ -1,0 +1,494 @@
+"""The fused LM-head path: log-probs (and `Σ p log p`) from hidden states, logits never materialised.
+
+    z = hidden @ weight.T / T                       (logits, [N, V]; only ever one [C, Vl] chunk)
+    out[n, k] = z[n, ids[n, k]] − logsumexp_v z[n, v]        neg_entropy[n] = Σ_v p log p
+
+over a vocabulary sharded across tensor-parallel (TP) ranks (`weight` is this rank's `[Vl, H]`
+rows of the LM head). One kernel serves every entry point: ids `[N, K]`, with token log-probs the
+`K = 1` case. Pipeline of the forward:
+
+1. with `sequence_parallel=True`, all-gather this rank's `[N/R, H]` rows of `hidden`;
+2. `lossfx::linear_local_stats` (`lossfx.linear_chunks`): per row chunk, one `[C, Vl]` logits
+   chunk and this shard's per-row statistics `(m, s, u)` and the logits at the ids it owns;
+3. one all-gather of those per-row scalars `[R, 3 + K, N]`, merged exactly with the row max and
+   the log-sum kept apart: `log p = (z − shift) − log_s` (`_numerics.merge_max_logsum`).
+
+Saved for backward: `hidden` (the gathered rows under sequence parallelism), `weight`, the ids'
+local columns, and three per-row scalars. The backward (`lossfx::linear_local_grads`) recomputes
+each logits chunk and forms
+
+    dz = g_ids scattered at the ids − p·Σ_k g_k + h·p ⊙ (log p − H),
+    dhidden = dz W / T,   dweight = dzᵀ hidden / T                  (proofs/fused_linear.md)
+
+then one all-reduce of `dhidden [N, H]` over the TP group (replicated hidden: every rank's
+`hidden.grad` is the full gradient) or one reduce-scatter (sequence parallel: this rank's rows).
+Reference: `lossfx.reference.linear_token_logprobs` and friends.
+"""
+
+from __future__ import annotations
+
+import numbers
+import typing
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lossfx._distributed import (
+    ProcessGroup,
+    all_gather_stack,
+    all_reduce,
+    group_rank,
+    group_size,
+    is_distributed,
+    local_columns,
+    reduce_scatter_sum,
+)
+from lossfx._numerics import log_softmax_rows, merge_max_logsum
+from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
+from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
+from lossfx.linear_chunks import default_linear_chunk_rows, linear_local_grads, linear_local_stats
+
+__all__ = ["linear_gather_logprobs", "linear_next_token_logprobs", "linear_token_logprobs"]
+
+
+def _merge_stats(stats: Tensor, n_ids: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Every rank's `[R, 3 + K, N]` -> (logprobs `[N, K]`, neg_entropy `[N]`, shift `[N]`, log_s `[N]`)."""
+    m, s, u = stats[:, 0], stats[:, 1], stats[:, 2]  # [R, N] each
+    shift, log_s = merge_max_logsum(m, s)  # lse = shift + log_s
+    picked = stats[:, 3 : 3 + n_ids].sum(dim=0)  # [K, N]; exactly one rank owns each id
+    logprobs = ((picked - shift) - log_s).T  # [N, K]
+    # Σ_v p (z − shift) = Σ_r w_r (u_r + (m_r − shift) s_r) / Σ_r w_r s_r,  w_r = exp(m_r − shift)
+    delta = m - shift  # [R, N], <= 0
+    weight = torch.exp(delta)
+    mean_shifted = (weight * (u + delta * s)).sum(dim=0) / (weight * s).sum(dim=0)
+    neg_entropy = mean_shifted - log_s  # Σ p log p = Σ p (z − shift) − log_s
+    return logprobs, neg_entropy, shift, log_s
+
+
+class _FusedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, local_idx, owned, temperature, with_entropy, chunk_rows, group, seq_parallel):
+        # hidden [N or N/R, H], weight [Vl, H], local_idx/owned [N, K]
+        full_hidden = hidden
+        if seq_parallel and is_distributed(group):
+            full_hidden = all_gather_stack(hidden, group).flatten(0, 1)  # [N, H], rank order
+        stats = linear_local_stats(full_hidden, weight, local_idx, owned, temperature, with_entropy, chunk_rows)
+        merged = all_gather_stack(stats, group)  # [R, 3 + K, N]: per-row scalars only
+        logprobs, neg_entropy, shift, log_s = _merge_stats(merged, local_idx.shape[1])
+        ctx.save_for_backward(full_hidden, weight, local_idx, owned, shift, log_s, neg_entropy)
+        ctx.temperature, ctx.with_entropy, ctx.chunk_rows = temperature, with_entropy, chunk_rows
+        ctx.group, ctx.seq_parallel = group, seq_parallel
+        ctx.hidden_dtype = hidden.dtype
+        return logprobs, neg_entropy
+
+    @staticmethod
+    def backward(ctx, dlogprobs, dneg_entropy):
+        full_hidden, weight, local_idx, owned, shift, log_s, neg_entropy = ctx.saved_tensors
+        cdtype = shift.dtype
+        g = dlogprobs.to(cdtype)  # [N, K]
+        grad_ids = torch.where(owned, g, torch.zeros_like(g))
+        dhidden, dweight = linear_local_grads(
+            full_hidden,
+            weight,
+            local_idx,
+            grad_ids,
+            g.sum(dim=1),
+            dneg_entropy.to(cdtype),
+            shift,
+            log_s,
+            neg_entropy,
+            ctx.temperature,
+            ctx.with_entropy,
+            ctx.chunk_rows,
+        )
+        if ctx.seq_parallel:
+            dhidden = reduce_scatter_sum(dhidden, ctx.group)  # [N/R, H]: this rank's rows, summed
+        else:
+            dhidden = all_reduce(dhidden, "sum", ctx.group)  # [N, H]: the full gradient on every rank
+        return dhidden.to(ctx.hidden_dtype), dweight.to(weight.dtype), None, None, None, None, None, None, None
+
+
+def _check_temperature(temperature: object) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a positive float, got {temperature!r}")
+    value = float(temperature)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return value
+
+
+def _linear_gather(
+    hidden: Tensor,
+    weight: Tensor,
+    ids: Tensor,
+    *,
+    with_entropy: bool,
+    group: ProcessGroup | None,
+    vocab_start: int | None,
+    vocab_size: int | None,
+    temperature: float,
+    sequence_parallel: bool,
+    chunk_size: int | None,
+) -> tuple[Tensor, Tensor]:
+    """Validated core: hidden `[..., H]`, ids `[..., K]` -> (logprobs `[..., K]`, neg_entropy `[...]`)."""
+    check_floating("hidden", hidden)
+    check_floating("weight", weight)
+    check_integer_ids("ids", ids)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    temperature = _check_temperature(temperature)
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden and weight must share one dtype; got {hidden.dtype} and {weight.dtype}")
+    if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"weight must be [V_local, H] and hidden [..., H] with the same H; got "
+            f"hidden.shape={tuple(hidden.shape)} and weight.shape={tuple(weight.shape)}"
+        )
+    local_vocab, hidden_size = weight.shape
+    if local_vocab < 1:
+        raise ValueError(f"weight must hold at least one vocabulary row, got shape {tuple(weight.shape)}")
+    if ids.dim() < 1 or ids.shape[-1] < 1:
+        raise ValueError(f"ids must be [..., K] with K >= 1, got shape {tuple(ids.shape)}")
+    world = group_size(group)
+    n_rows = ids[..., 0].numel()
+    hidden_rows = hidden.numel() // hidden_size if hidden_size else hidden[..., 0].numel()
+    if sequence_parallel and world > 1:
+        if hidden_rows * world != n_rows:
+            raise ValueError(
+                f"with sequence_parallel=True, hidden holds this rank's rows: {world} ranks x "
+                f"{hidden_rows} rows (hidden.shape={tuple(hidden.shape)}) must equal the {n_rows} positions "
+                f"of the ids/target (shape {tuple(ids.shape[:-1])})"
+            )
+    elif tuple(hidden.shape[:-1]) != tuple(ids.shape[:-1]):
+        raise ValueError(
+            f"hidden's leading dims must equal the target's; got hidden.shape={tuple(hidden.shape)} and "
+            f"target/ids leading shape {tuple(ids.shape[:-1])}"
+        )
+    if vocab_start is None:
+        vocab_start = group_rank(group) * local_vocab
+    if vocab_size is None:
+        vocab_size = world * local_vocab
+    check_ids_in_range("target" if ids.shape[-1] == 1 else "ids", ids, vocab_size)
+    chunk_rows = chunk_size if chunk_size is not None else default_linear_chunk_rows(local_vocab, hidden.dtype)
+    flat_hidden = hidden.reshape(hidden_rows, hidden_size)  # [N or N/R, H]
+    flat_ids = ids.reshape(n_rows, ids.shape[-1]).to(torch.int64)  # [N, K]
+    local_idx, owned = local_columns(flat_ids, vocab_start, local_vocab)
+    logprobs, neg_entropy = _FusedLinearFn.apply(
+        flat_hidden, weight, local_idx, owned, temperature, with_entropy, chunk_rows, group, sequence_parallel
+    )
+    return logprobs.view(ids.shape), neg_entropy.view(ids.shape[:-1])
+
+
+def linear_gather_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    ids: Tensor,
+    *,
+    zero_outside_topk: bool = True,
+    with_entropy: bool = False,
+    group: ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    sequence_parallel: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs at `K` global ids per row from hidden states and an LM head (shard), fused.
+
+    Equivalent, with `z = hidden @ weight_full.T / temperature`, to::
+
+        lp = z.log_softmax(-1)
+        out = lp.gather(-1, ids) if zero_outside_topk else z.gather(-1, ids).log_softmax(-1)
+        return out, (lp.exp() * lp).sum(-1) if with_entropy else None
+
+    without materialising more than one `[C, Vl]` chunk of `z` (eager or compiled).
+
+    Args:
+        hidden: `[..., H]` last hidden states (replicated over the TP group), or with
+            `sequence_parallel=True` this rank's rows: the flattened rows `[r·N/R, (r+1)·N/R)`.
+        weight: `[Vl, H]` this rank's rows of the LM head (the whole head without a group); the
+            same dtype as `hidden`.
+        ids: `[..., K]` integer global ids in `[0, V)` (the full `N` rows on every rank); duplicates
+            allowed (their gradients add).
+        zero_outside_topk: `True`: normalise over the full vocabulary (`log_softmax(z)[ids]`);
+            `False`: renormalise over the `K` ids (`log_softmax(z[ids])`, a duplicated id counts
+            twice), the two conventions of `prepare_loss_input(DISTILLATION)`.
+        with_entropy: also return `Σ_v p log p` `[...]` (the negative entropy over the full
+            vocabulary), from the same pass; else `None`.
+        group: TP group over the vocabulary, or `None`.
+        vocab_start: first global id of this shard; default `rank · Vl`.
+        vocab_size: global `V`; default `world_size · Vl`.
+        temperature: the logits are `hidden @ weight.T / temperature` (> 0).
+        sequence_parallel: `hidden` is this rank's row slice (all-gathered in the forward; its
+            gradient reduce-scattered in the backward).
+        chunk_size: rows per logits chunk (memory bound; results do not depend on it). Default:
+            about 4 MiB of `[C, Vl]` temporaries.
+
+    Returns:
+        `(logprobs [..., K], neg_entropy [...] or None)` in `promote_types(dtype, float32)`,
+        replicated over the TP group.
+
+    Raises:
+        TypeError: non-float hidden/weight, different dtypes, non-integer ids, bad temperature type.
+        ValueError: shape mismatches, `K = 0`, `temperature <= 0`, `chunk_size <= 0`, ids outside
+            `[0, V)` (eager only).
+
+    Example:
+        >>> import torch, lossfx
+        >>> lp, h = lossfx.linear_gather_logprobs(torch.zeros(1, 2), torch.ones(4, 2), torch.tensor([[0, 3]]),
+        ...                                        with_entropy=True)
+        >>> lp, h
+        (tensor([[-1.3863, -1.3863]]), tensor([-1.3863]))
+
+    See also: proofs/fused_linear.md, lossfx.reference.linear_gather_logprobs.
+    """
+    logprobs, neg_entropy = _linear_gather(
+        hidden,
+        weight,
+        ids,
+        with_entropy=bool(with_entropy),
+        group=group,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        sequence_parallel=sequence_parallel,
+        chunk_size=chunk_size,
+    )
+    if not zero_outside_topk:
+        # log_softmax over the K ids is unchanged by the per-row lse already subtracted
+        logprobs = log_softmax_rows(logprobs)
+    return logprobs, (neg_entropy if with_entropy else None)
+
+
+@typing.overload
+def linear_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    *,
+    group: ProcessGroup | None = ...,
+    vocab_start: int | None = ...,
+    vocab_size: int | None = ...,
+    temperature: float = ...,
+    sequence_parallel: bool = ...,
+    chunk_size: int | None = ...,
+    return_entropy: typing.Literal[False] = ...,
+) -> Tensor: ...
+@typing.overload
+def linear_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    *,
+    group: ProcessGroup | None = ...,
+    vocab_start: int | None = ...,
+    vocab_size: int | None = ...,
+    temperature: float = ...,
+    sequence_parallel: bool = ...,
+    chunk_size: int | None = ...,
+    return_entropy: typing.Literal[True],
+) -> tuple[Tensor, Tensor]: ...
+def linear_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    *,
+    group: ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    sequence_parallel: bool = False,
+    chunk_size: int | None = None,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Token log-probs of `softmax(hidden @ weight.T / temperature)`, logits never materialised.
+
+    Equivalent, on the full LM head (all ranks' `weight` shards concatenated in rank order), to::
+
+        lp = (hidden @ weight.T / temperature).log_softmax(-1)
+        out = lp.gather(-1, target[..., None])[..., 0]
+        return (out, (lp.exp() * lp).sum(-1)) if return_entropy else out
+
+    computed one `[C, Vl]` logits chunk at a time, in eager mode and under `torch.compile`
+    (`fullgraph=True`; the chunk loop is one opaque op, so the graph does not grow with `N / C`).
+
+    .. math::
+        \\mathrm{out}_n = z_{n, t_n} - \\log \\sum_v e^{z_{n,v}}, \\qquad z = h W^\\top / T
+
+    Args:
+        hidden: `[..., H]` last hidden states. Default: replicated on every TP rank, and each
+            rank's `hidden.grad` is the full gradient (one all-reduce of `[N, H]` in the
+            backward). `sequence_parallel=True`: this rank's rows of the flattened `[N, H]`
+            (rows `[r·N/R, (r+1)·N/R)`, any leading shape); forward all-gathers them, backward
+            reduce-scatters their gradient.
+        weight: `[Vl, H]` this rank's rows of the LM head (vocabulary-sharded; the whole head
+            without a group); same dtype as `hidden`. Its gradient is this shard's, accumulated
+            across chunks in the compute dtype and returned in `weight`'s dtype.
+        target: `[...]` integer global ids in `[0, V)`; the full `N` positions on every rank.
+        group: tensor-parallel group over the vocabulary, or `None`.
+        vocab_start: first global id of this shard; default `rank · Vl` (pass it with
+            `vocab_size` for uneven shards).
+        vocab_size: global vocabulary size `V`; default `world_size · Vl`.
+        temperature: divides the logits (> 0); a parameter here because the caller has no logits.
+        sequence_parallel: the hidden layout described above.
+        chunk_size: rows per logits chunk (a memory bound; results do not depend on it).
+        return_entropy: also return `neg_entropy = Σ_v p log p` `[...]` from the same pass.
+
+    Returns:
+        `[...]` log-probs (or `(logprobs, neg_entropy)`) in `promote_types(dtype, float32)`,
+        replicated over the TP group. Gradients reach `hidden` and `weight` through both.
+
+    Precision: bf16/fp16 inputs multiply in their dtype (fp32 accumulation inside the BLAS, the
+    same logits as the unfused `hidden @ weight.T`); the softmax statistics, `dlogits` and the
+    `dweight` accumulation are fp32; `dhidden`'s chunk products are rounded to the input dtype
+    once. float64 stays float64 end to end.
+
+    Raises:
+        TypeError: non-float `hidden`/`weight`, different dtypes, non-integer `target`.
+        ValueError: shape mismatches, `temperature <= 0`, `chunk_size <= 0`, target ids outside
+            `[0, V)` (eager only: the check reads values and is skipped while compiling).
+
+    Example:
+        >>> import torch, lossfx
+        >>> h, w = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0], [1.0, 0.0], [2.0, 0.0]])
+        >>> lossfx.linear_token_logprobs(h, w, torch.tensor([2]))
+        tensor([-0.4076])
+
+    See also: docs/fused_linear.md, proofs/fused_linear.md, lossfx.reference.linear_token_logprobs.
+    """
+    check_integer_ids("target", target)
+    logprobs, neg_entropy = _linear_gather(
+        hidden,
+        weight,
+        target.unsqueeze(-1),
+        with_entropy=bool(return_entropy),
+        group=group,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        sequence_parallel=sequence_parallel,
+        chunk_size=chunk_size,
+    )
+    if return_entropy:
+        return logprobs.squeeze(-1), neg_entropy
+    return logprobs.squeeze(-1)
+
+
+def linear_next_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    input_ids: Tensor,
+    *,
+    group: ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    sequence_parallel: bool = False,
+    context_parallel_group: ProcessGroup | None = None,
+    cp_sharder: Any = None,
+    chunk_size: int | None = None,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Next-token log-probs `[B, S−1]` from hidden states: position `t` scores `input_ids[:, t+1]`.
+
+    Equivalent (no parallelism) to ``linear_token_logprobs(hidden[:, :-1], weight, input_ids[:, 1:])``
+    and to ``lossfx.next_token_logprobs(hidden @ weight.T / temperature, input_ids)``, with the same
+    sequence layouts as `next_token_logprobs`: the shift happens on the canonical `input_ids`
+    (a roll), the targets are laid out like `hidden`, scored by the fused kernel, and gathered
+    back to canonical order.
+
+    Args:
+        hidden: `[B, S_l, H]` this rank's hidden states: `S_l = S` without context parallelism,
+            this rank's load-balanced part (chunks `r` and `2C−1−r` of `2C`, the sequence
+            zero-padded to `C·S_l`) with `context_parallel_group`, or the sharder's layout with
+            `cp_sharder`. With `sequence_parallel=True` (TP group `R`), `[B, S_l/R, H]`: this
+            TP rank's contiguous `S_l/R` positions of that local sequence.
+        weight: `[Vl, H]` this rank's LM-head rows.
+        input_ids: `[B, S]` canonical token ids (the full sequence on every rank).
+        group, vocab_start, vocab_size, temperature, chunk_size: as in `linear_token_logprobs`
+            (`chunk_size` counts rows of the flattened `[B·S_l, H]`).
+        sequence_parallel: the hidden layout above; the gradient reaching `hidden` is this rank's
+            positions' (reduce-scattered), else the full gradient on every TP rank.
+        context_parallel_group: CP group for the load-balanced layout, or `None`. Gradients follow
+            the summed convention (each CP rank's gradient sums every CP rank's upstream gradient:
+            divide a loss that every CP rank computes by `C`).
+        cp_sharder: an object with `shard_token_tensor` / `gather_token_tensor`
+            (`lossfx.next_token.ContextParallelSharder`); takes precedence over
+            `context_parallel_group`.
+        return_entropy: also return `Σ_v p log p` at the same `[B, S−1]` positions.
+
+    Returns:
+        `[B, S−1]` (or `(logprobs, neg_entropy)`) in the compute dtype, replicated on every TP and
+        CP rank.
+
+    Raises:
+        ValueError: shape mismatches; with CP, `C·S_l < S` or an odd local length; with sequence
+            parallelism, a local length not divisible by the TP size.
+
+    Example:
+        >>> import torch, lossfx
+        >>> h, w = torch.zeros(1, 3, 2), torch.ones(4, 2)
+        >>> lossfx.linear_next_token_logprobs(h, w, torch.tensor([[0, 1, 2]]))
+        tensor([[-1.3863, -1.3863]])
+    """
+    check_floating("hidden", hidden)
+    check_integer_ids("input_ids", input_ids)
+    cp_size = 1 if cp_sharder is not None else group_size(context_parallel_group)
+    tp_size = group_size(group) if sequence_parallel else 1
+    if hidden.dim() != 3 or input_ids.dim() != 2 or hidden.shape[0] != input_ids.shape[0]:
+        raise ValueError(
+            f"hidden must be [B, S_local, H] and input_ids [B, S] with the same B; got "
+            f"hidden.shape={tuple(hidden.shape)} and input_ids.shape={tuple(input_ids.shape)}"
+        )
+    seq = input_ids.shape[1]
+    local_len = hidden.shape[1] * tp_size  # this CP rank's positions
+    if cp_sharder is None and cp_size == 1 and local_len != seq:
+        raise ValueError(
+            f"hidden must cover input_ids' {seq} positions without context parallelism; got "
+            f"hidden.shape={tuple(hidden.shape)} (x{tp_size} sequence-parallel ranks) and "
+            f"input_ids.shape={tuple(input_ids.shape)}"
+        )
+    if cp_size > 1 and (local_len * cp_size < seq or local_len % 2):
+        raise ValueError(
+            f"context-parallel hidden states hold {local_len} positions on each of {cp_size} ranks; they "
+            f"must cover input_ids' {seq} positions with an even local length (a multiple of 2·{cp_size} "
+            "in all; pad the sequence to it)"
+        )
+    # 1. the shift, on the canonical sequence; 2. the targets in hidden's (CP) layout
+    target = torch.roll(input_ids, shifts=-1, dims=1).to(hidden.device)  # [B, S]
+    if cp_sharder is not None:
+        target = cp_sharder.shard_token_tensor(target, seq_dim=1, fill=0)
+    elif cp_size > 1:
+        target = shard_padded_for_cp(target, local_len, context_parallel_group)  # [B, S_l]
+    if target.shape[1] != local_len:
+        raise ValueError(
+            f"the sharded targets have {target.shape[1]} positions but hidden holds {local_len} "
+            f"(hidden.shape={tuple(hidden.shape)}, sequence-parallel size {tp_size})"
+        )
+    # 3. the fused kernel; under sequence parallelism the rows are taken sequence-major, so that
+    # each TP rank's [B, S_l/R] positions are one contiguous block of the flattened rows
+    seq_major = sequence_parallel and tp_size > 1
+    result = linear_token_logprobs(
+        hidden.transpose(0, 1) if seq_major else hidden,  # [S_l/R, B, H] under sequence parallelism
+        weight,
+        target.transpose(0, 1) if seq_major else target,  # [S_l, B]
+        group=group,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        sequence_parallel=sequence_parallel,
+        chunk_size=chunk_size,
+        return_entropy=return_entropy,  # type: ignore[call-overload]
+    )
+    outputs = list(result) if isinstance(result, tuple) else [result]
+    if seq_major:
+        outputs = [x.transpose(0, 1) for x in outputs]  # [B, S_l] each
+    # 4. canonical order, then drop the wrapped last position
+    if cp_sharder is not None:
+        outputs = [cp_sharder.gather_token_tensor(x, seq_dim=1, trim=True) for x in outputs]
+    elif cp_size > 1:
+        outputs = [allgather_cp(x, context_parallel_group, seq_dim=1) for x in outputs]  # [B, C·S_l]
+    outputs = [x[:, : max(seq - 1, 0)] for x in outputs]
+    return (outputs[0], outputs[1]) if return_entropy else outputs[0]

@@ -1,0 +1,47 @@
+"""Dense references of the fused LM-head path: form the float64 logits, then the logits references."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lossfx.reference._distillation import gather_logprobs
+from lossfx.reference._logprobs import log_softmax
+
+__all__ = ["linear_gather_logprobs", "linear_logits", "linear_next_token_logprobs", "linear_token_logprobs"]
+
+_F64 = torch.float64
+
+
+def linear_logits(hidden: Tensor, weight: Tensor, temperature: float = 1.0) -> Tensor:
+    """`hidden [..., H]`, full `weight [V, H]` -> `hidden @ weight.T / temperature` `[..., V]` in float64."""
+    return hidden.to(_F64) @ weight.to(_F64).T / temperature
+
+
+def linear_token_logprobs(
+    hidden: Tensor, weight: Tensor, target: Tensor, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """`[..., H]`, `[V, H]`, `[...]` -> (`log_softmax(z)[target]` `[...]`, `Σ p log p` `[...]`), float64."""
+    logprobs, neg_entropy = gather_logprobs(linear_logits(hidden, weight, temperature), target.unsqueeze(-1))
+    return logprobs.squeeze(-1), neg_entropy
+
+
+def linear_gather_logprobs(
+    hidden: Tensor, weight: Tensor, ids: Tensor, zero_outside_topk: bool = True, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """`[..., H]`, `[V, H]`, `[..., K]` -> (log-probs at the ids `[..., K]`, `Σ p log p` `[...]`), float64.
+
+    `zero_outside_topk=False` renormalises over the K ids: `log_softmax(z[ids])`.
+    """
+    z = linear_logits(hidden, weight, temperature)
+    logprobs, neg_entropy = gather_logprobs(z, ids)
+    if not zero_outside_topk:
+        logprobs = log_softmax(z.gather(-1, ids))
+    return logprobs, neg_entropy
+
+
+def linear_next_token_logprobs(
+    hidden: Tensor, weight: Tensor, input_ids: Tensor, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """Canonical `[B, S, H]`, `[V, H]`, `[B, S]` -> (`[B, S−1]` next-token log-probs, `[B, S−1]` `Σ p log p`)."""
+    return linear_token_logprobs(hidden[:, :-1], weight, input_ids[:, 1:], temperature)
