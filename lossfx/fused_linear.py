@@ -154,7 +154,7 @@ def _linear_gather(
     world = group_size(group)
     n_rows = ids[..., 0].numel()
     hidden_rows = hidden.numel() // hidden_size if hidden_size else hidden[..., 0].numel()
-    if sequence_parallel and world > 1:
+    if sequence_parallel:
         if hidden_rows * world != n_rows:
             raise ValueError(
                 f"with sequence_parallel=True, hidden holds this rank's rows: {world} ranks x "
