@@ -47,7 +47,7 @@ from lossfx._distributed import (
 from lossfx._numerics import log_softmax_rows, merge_max_logsum
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
 from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
-from lossfx.linear_chunks import default_linear_chunk_rows, linear_local_grads, linear_local_stats
+from lossfx.linear_chunks import linear_local_grads, linear_local_stats
 
 __all__ = ["linear_gather_logprobs", "linear_next_token_logprobs", "linear_token_logprobs"]
 
@@ -106,7 +106,7 @@ class _FusedLinearFn(torch.autograd.Function):
             dhidden = reduce_scatter_sum(dhidden, ctx.group)  # [N/R, H]: this rank's rows, summed
         else:
             dhidden = all_reduce(dhidden, "sum", ctx.group)  # [N, H]: the full gradient on every rank
-        return dhidden.to(ctx.hidden_dtype), dweight.to(weight.dtype), None, None, None, None, None, None, None
+        return dhidden.to(ctx.hidden_dtype), dweight, None, None, None, None, None, None, None
 
 
 def _check_temperature(temperature: object) -> float:
@@ -171,7 +171,7 @@ def _linear_gather(
     if vocab_size is None:
         vocab_size = world * local_vocab
     check_ids_in_range("target" if ids.shape[-1] == 1 else "ids", ids, vocab_size)
-    chunk_rows = chunk_size if chunk_size is not None else default_linear_chunk_rows(local_vocab, hidden.dtype)
+    chunk_rows = 0 if chunk_size is None else chunk_size  # 0: each loop picks its default
     flat_hidden = hidden.reshape(hidden_rows, hidden_size)  # [N or N/R, H]
     flat_ids = ids.reshape(n_rows, ids.shape[-1]).to(torch.int64)  # [N, K]
     local_idx, owned = local_columns(flat_ids, vocab_start, local_vocab)
@@ -340,10 +340,11 @@ def linear_token_logprobs(
         `[...]` log-probs (or `(logprobs, neg_entropy)`) in `promote_types(dtype, float32)`,
         replicated over the TP group. Gradients reach `hidden` and `weight` through both.
 
-    Precision: bf16/fp16 inputs multiply in their dtype (fp32 accumulation inside the BLAS, the
-    same logits as the unfused `hidden @ weight.T`); the softmax statistics, `dlogits` and the
-    `dweight` accumulation are fp32; `dhidden`'s chunk products are rounded to the input dtype
-    once. float64 stays float64 end to end.
+    Precision: bf16/fp16 inputs form the logits with a matmul in their own dtype (the BLAS
+    accumulates in fp32 and rounds each logit once to the input dtype: the logits of the unfused
+    `hidden @ weight.T`); the softmax statistics, `dlogits`, and both gradient matmuls run in
+    fp32, and `dweight`/`dhidden` are rounded once to the input dtype at the end. float64 stays
+    float64 end to end.
 
     Raises:
         TypeError: non-float `hidden`/`weight`, different dtypes, non-integer `target`.

@@ -624,3 +624,22 @@ def test_saved_for_backward_is_inputs_and_row_scalars():
         lossfx.linear_token_logprobs(h, w, target, return_entropy=True, chunk_size=8)
     assert max(saved) <= max(rows * hidden_size, vocab * hidden_size)
     assert sum(saved) < rows * vocab  # far below one [N, V] logits tensor
+
+
+def test_bfloat16_backward_in_vocabulary_blocks(monkeypatch):
+    """bf16 weights take the blocked backward (a `[Cv, H]` fp32 accumulator per vocabulary block):
+    several blocks give the gradients of one block, to fp32 accumulation order and one bf16 rounding."""
+    from lossfx import linear_chunks
+
+    hidden, weight, target, dout, dent = make_case(24, 16, 40, seed=21, dtype=torch.bfloat16)
+    grads = []
+    for min_block, budget in [(64, 4 << 20), (3, 16 * 4 * 7)]:  # one block of 40; blocks of 7
+        monkeypatch.setattr(linear_chunks, "MIN_BLOCK", min_block)
+        monkeypatch.setattr(linear_chunks, "DEFAULT_CHUNK_BYTES", budget)
+        assert linear_chunks._vocab_block(40, 16, torch.bfloat16) == (40 if min_block == 64 else 7)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lp, ne = lossfx.linear_token_logprobs(h, w, target, chunk_size=5, return_entropy=True)
+        torch.autograd.backward([lp, ne], [dout.float(), dent.float()])
+        grads.append((h.grad.to(F64), w.grad.to(F64)))
+    for one, blocked in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(blocked, one, rtol=2**-7, atol=1e-6)
