@@ -142,3 +142,115 @@ def test_packing_summed_gradient_convention():
     back[perm] = total
     for r in range(cp):
         torch.testing.assert_close(xs[r].grad, back[r * n : (r + 1) * n], rtol=0, atol=1e-12)
+
+
+# proofs/fused_linear.md ----------------------------------------------------------------------
+
+
+def _linear_case(seed, n=6, hidden=5, vocab=11, k=3):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=gen, dtype=F64)
+    w = torch.randn(vocab, hidden, generator=gen, dtype=F64)
+    ids = torch.randint(0, vocab, (n, k), generator=gen)
+    ids[0, 1] = ids[0, 0]  # a duplicate
+    return h, w, ids, torch.randn(n, k, generator=gen, dtype=F64), torch.randn(n, generator=gen, dtype=F64)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fused_linear_vjp_through_the_linear_map(seed):
+    """proofs/fused_linear.md §2–3: dh = dz W / T and dW = dzᵀ h / T with
+    dz = scatter(i, g) − p Σ_k g + e p (log p − E), against dense autograd and the fused backward."""
+    h, w, ids, g, e = _linear_case(seed)
+    temperature = 0.6
+    z = h @ w.T / temperature
+    lp = z.log_softmax(-1)
+    p = lp.exp()
+    neg_entropy = (p * lp).sum(-1)
+    dz = torch.zeros_like(z).scatter_add_(1, ids, g) - p * g.sum(-1, keepdim=True)
+    dz += e[:, None] * p * (lp - neg_entropy[:, None])
+    formula = (dz @ w / temperature, dz.T @ h / temperature)
+    for fn in (
+        lambda hh, ww: reference.linear_gather_logprobs(hh, ww, ids, True, temperature),
+        lambda hh, ww: lossfx.linear_gather_logprobs(
+            hh, ww, ids, with_entropy=True, temperature=temperature, chunk_size=4
+        ),
+    ):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        y, ent = fn(hh, ww)
+        torch.autograd.backward([y, ent], [g, e])
+        torch.testing.assert_close(hh.grad, formula[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(ww.grad, formula[1], rtol=0, atol=1e-12)
+    # K = 1 without entropy: (g ⊙ (onehot − p)) W / T and its transpose form
+    t = ids[:, 0]
+    r = g[:, :1] * (torch.nn.functional.one_hot(t, w.shape[0]).to(F64) - p)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    lossfx.linear_token_logprobs(hh, ww, t, temperature=temperature).backward(g[:, 0])
+    torch.testing.assert_close(hh.grad, r @ w / temperature, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ww.grad, r.T @ h / temperature, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 4])
+@pytest.mark.parametrize("scale", [1.0, 1e4])
+def test_fused_linear_merge_identity(shards, scale):
+    """proofs/fused_linear.md §5: per-shard (m, s, u, z at owned ids) over any partition of the
+    vocabulary merge into log p = (z − shift) − log_s and E = Σ_r w_r(u_r + (m_r − shift)s_r)/S − log_s."""
+    from lossfx._distributed import local_columns
+    from lossfx.fused_linear import _merge_stats
+    from lossfx.linear_chunks import linear_local_stats
+
+    h, w, ids, _, _ = _linear_case(10 + shards)
+    h = h * scale
+    bounds = torch.linspace(0, w.shape[0], shards + 1).round().long().tolist()
+    stats = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        idx, owned = local_columns(ids, a, b - a)
+        stats.append(linear_local_stats(h, w[a:b], idx, owned, 1.0, True, 2))
+    logprobs, neg_entropy, shift, log_s = _merge_stats(torch.stack(stats), ids.shape[1])
+    z = h @ w.T
+    lp_dense = z - torch.logsumexp(z, -1, keepdim=True)  # rounding ~ eps·|z|
+    tol = 1e-12 * max(1.0, scale)
+    torch.testing.assert_close(logprobs, lp_dense.gather(1, ids), rtol=0, atol=tol)
+    torch.testing.assert_close(shift + log_s, torch.logsumexp(z, -1), rtol=0, atol=tol)
+    lp64 = torch.log_softmax(z, -1)
+    torch.testing.assert_close(neg_entropy, (lp64.exp() * lp64).sum(-1), rtol=0, atol=tol)
+    assert (log_s >= 0).all()  # S >= 1: the max shard contributes exp(0)·s_r >= 1
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 100])
+def test_fused_linear_tiles_partition_the_sums(rows, monkeypatch):
+    """proofs/fused_linear.md §4: any row chunking (and vocabulary blocking) of the backward gives
+    the same dh and dW, to rounding."""
+    from lossfx import linear_chunks
+
+    h, w, ids, g, e = _linear_case(20)
+    results = []
+    for block in (w.shape[0], 3):
+        monkeypatch.setattr(linear_chunks, "_vocab_block", lambda vl, hs, dt, block=block: min(vl, block))
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        y, ent = lossfx.linear_gather_logprobs(hh, ww, ids, with_entropy=True, chunk_size=rows)
+        torch.autograd.backward([y, ent], [g, e])
+        results.append((hh.grad, ww.grad))
+    for a, b in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_fused_linear_tp_layouts_sum_over_shards():
+    """proofs/fused_linear.md §6: dh = Σ_r dz_r W_r / T (all-reduce, replicated hidden); the
+    sequence-parallel rank q keeps rows block q of that sum (reduce-scatter); dW_r = dz_rᵀ h / T."""
+    h, w, ids, g, e = _linear_case(30, n=8, vocab=12)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    y, ent = reference.linear_gather_logprobs(hh, ww, ids, True, 0.9)
+    torch.autograd.backward([y, ent], [g, e])
+    z = h @ w.T / 0.9
+    lp = z.log_softmax(-1)
+    p = lp.exp()
+    dz = torch.zeros_like(z).scatter_add_(1, ids, g) - p * g.sum(-1, keepdim=True)
+    dz += e[:, None] * p * (lp - (p * lp).sum(-1, keepdim=True))
+    for world in (2, 4):
+        vl, nl = 12 // world, 8 // world
+        partial = [dz[:, r * vl : (r + 1) * vl] @ w[r * vl : (r + 1) * vl] / 0.9 for r in range(world)]
+        torch.testing.assert_close(sum(partial), hh.grad, rtol=0, atol=1e-12)  # all-reduce
+        scattered = [sum(partial)[q * nl : (q + 1) * nl] for q in range(world)]  # reduce-scatter
+        torch.testing.assert_close(torch.cat(scattered), hh.grad, rtol=0, atol=1e-12)
+        dw = [dz[:, r * vl : (r + 1) * vl].T @ h / 0.9 for r in range(world)]
+        torch.testing.assert_close(torch.cat(dw), ww.grad, rtol=0, atol=1e-12)
