@@ -1,15 +1,16 @@
 """The per-rank chunk loops of the fused LM-head path, as opaque `torch.library` custom ops.
 
-Both loops walk the rows of `hidden [N, H]` in chunks of `C` rows and form one logits chunk
-`z = hidden[c] @ weight.T / T` (`[C, Vl]`, this rank's vocabulary shard) at a time, so at most one
-chunk of logits (and of its gradient) is alive, in eager mode and under `torch.compile` alike:
+Both loops walk `[C, Cv]` tiles of the logits `z = hidden @ weight.T / T` of this rank's
+vocabulary shard: vocabulary blocks of `Cv <= Vl` rows of `weight` outside, chunks of `C` rows of
+`hidden [N, H]` inside. So at most one tile of logits (and of its gradient) is alive, in eager mode
+and under `torch.compile` alike:
 
 * `lossfx::linear_local_stats` (forward) returns this rank's per-row statistics `[3 + K, N]`:
-  the local max `m`, `s = Σ exp(z − m)`, `u = Σ exp(z − m)·(z − m)` and the logits at the `K`
-  ids this rank owns (0 elsewhere). Only these per-row scalars ever leave the rank.
+  the local max `m`, `s = Σ exp(z − m)`, `u = Σ exp(z − m)·(z − m)` (each block's folded into
+  the running ones with the exact max-shifted merge) and the logits at the `K` ids this rank owns
+  (0 elsewhere). Only these per-row scalars ever leave the rank.
 * `lossfx::linear_local_grads` (backward) returns `(dhidden [N, H], dweight [Vl, H])` (compute
-  dtype, weight's dtype), tile by tile (`[C, Cv]`, `Cv <= Vl` vocabulary rows), given the merged
-  row statistics and the upstream gradients:
+  dtype, weight's dtype), given the merged row statistics and the upstream gradients:
   `dz = p ⊙ (h·(log p − H) − Σ_k g_k) + scatter(ids, g)`, `dhidden = dz W / T`,
   `dweight = dzᵀ hidden / T` (proofs/fused_linear.md).
 
@@ -40,27 +41,56 @@ from lossfx._numerics import compute_dtype
 
 __all__ = ["default_linear_chunk_rows", "linear_local_grads", "linear_local_stats"]
 
-# Rows per chunk when the caller gives none: one `[C, Vl]` compute-dtype temporary near this many
-# bytes (a loop keeps two or three alive), and at least MIN_ROWS rows so the matmul stays efficient.
-DEFAULT_CHUNK_BYTES = 4 << 20
+# Tiles: `[C, Cv]` logits, `C` rows of `hidden` by `Cv` vocabulary rows of `weight`. Both sides are
+# kept large enough for an efficient matmul (a skinny `[C, H] @ [H, Vl]` streams the whole `weight`
+# from memory for every few rows: measured 2x slower at C = 32 than at C = 256 on one CPU core),
+# and the tile near DEFAULT_TILE_BYTES in the compute dtype (a loop keeps two tiles alive).
+DEFAULT_TILE_BYTES = 4 << 20
+MAX_BLOCK = 4096  # vocabulary rows per tile, at most
+MIN_BLOCK = 128  # ... and at least, when dweight needs a compute-dtype accumulator per block
 MIN_ROWS = 8
-MIN_BLOCK = 128  # vocabulary rows per backward tile, at least (when dweight needs an accumulator)
 
 
-def default_linear_chunk_rows(local_vocab: int, dtype: torch.dtype) -> int:
-    """Rows per chunk: one `[C, local_vocab]` temporary in `compute_dtype(dtype)` near 4 MiB, C >= 8."""
-    itemsize = torch.empty((), dtype=compute_dtype(dtype)).element_size()
-    return max(MIN_ROWS, DEFAULT_CHUNK_BYTES // max(1, local_vocab * itemsize))
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _vocab_block(local_vocab: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Vocabulary rows `Cv` per tile: up to MAX_BLOCK; for bf16/fp16 weights also small enough that
+    the backward's `[Cv, H]` compute-dtype accumulator stays near DEFAULT_TILE_BYTES."""
+    cdtype = compute_dtype(dtype)
+    block = MAX_BLOCK
+    if dtype != cdtype:
+        block = min(block, max(MIN_BLOCK, DEFAULT_TILE_BYTES // max(1, hidden_size * _itemsize(cdtype))))
+    return max(1, min(local_vocab, block))
+
+
+def default_linear_chunk_rows(block: int, dtype: torch.dtype) -> int:
+    """Rows `C` per tile when the caller gives none: a `[C, block]` compute-dtype tile near 4 MiB, C >= 8."""
+    return max(MIN_ROWS, DEFAULT_TILE_BYTES // max(1, block * _itemsize(compute_dtype(dtype))))
 
 
 def _logits_chunk(hidden_rows: Tensor, weight: Tensor, temperature: float, cdtype: torch.dtype) -> Tensor:
-    """`hidden_rows [C, H] @ weight.T / T` -> a fresh `[C, Vl]` tensor in `cdtype`."""
-    z = hidden_rows @ weight.T  # [C, Vl] in the input dtype (fp32 accumulation inside the BLAS)
+    """`hidden_rows [C, H] @ weight.T / T` -> a fresh `[C, Cv]` tensor in `cdtype`."""
+    z = hidden_rows @ weight.T  # [C, Cv] in the input dtype (fp32 accumulation inside the BLAS)
     if z.dtype != cdtype:
         z = z.to(cdtype)
     if temperature != 1.0:
         z.div_(temperature)
     return z
+
+
+def _fold_block(stats: Tensor, rows: slice, m_b: Tensor, s_b: Tensor, u_b: Tensor | None) -> None:
+    """Merge one vocabulary block's `(m_b, s_b, u_b)` `[C]` into the running rows of `stats` in place,
+    with the same exact max-shifted merge as across ranks (proofs/fused_linear.md §5)."""
+    m, s = stats[0, rows], stats[1, rows]
+    m_new = torch.maximum(m, m_b)
+    w_old, w_b = torch.exp(m - m_new), torch.exp(m_b - m_new)
+    if u_b is not None:
+        u = stats[2, rows]
+        stats[2, rows] = w_old * (u + (m - m_new) * s) + w_b * (u_b + (m_b - m_new) * s_b)
+    stats[1, rows] = w_old * s + w_b * s_b
+    stats[0, rows] = m_new
 
 
 @torch.library.custom_op("lossfx::linear_local_stats", mutates_args=())
@@ -76,40 +106,50 @@ def linear_local_stats(
     """hidden `[N, H]`, weight `[Vl, H]`, local_idx/owned `[N, K]` -> stats `[3 + K, N]` (compute dtype).
 
     Rows of the result: `m` (row max of this shard's logits), `s = Σ exp(z − m)`,
-    `u = Σ exp(z − m)·(z − m)` (0 unless `with_entropy`), then `z[n, local_idx[n, k]]` where `owned`, else 0.
+    `u = Σ exp(z − m)·(z − m)` (0 unless `with_entropy`), then `z[n, local_idx[n, k]]` where
+    `owned`, else 0. Tiles: vocabulary blocks outside, row chunks of `chunk_rows` inside (0: the
+    default), each block's statistics folded into the running ones exactly.
     """
     n_rows, n_ids = local_idx.shape
+    local_vocab, hidden_size = weight.shape
     cdtype = compute_dtype(hidden.dtype)
-    stats = torch.empty(3 + n_ids, n_rows, dtype=cdtype, device=hidden.device)
-    chunk_rows = chunk_rows or default_linear_chunk_rows(weight.shape[0], weight.dtype)
-    for start in range(0, n_rows, chunk_rows):
-        rows = slice(start, min(n_rows, start + chunk_rows))
-        z = _logits_chunk(hidden[rows], weight, temperature, cdtype)  # [C, Vl]
-        picked = z.gather(1, local_idx[rows])  # [C, K]
-        stats[3:, rows] = torch.where(owned[rows], picked, torch.zeros_like(picked)).T
-        m = z.amax(dim=1)  # [C]
-        z.sub_(m[:, None])  # z − m, in place
-        e = torch.exp(z)  # [C, Vl], the second temporary
-        stats[0, rows] = m
-        stats[1, rows] = e.sum(dim=1)
-        stats[2, rows] = e.mul_(z).sum(dim=1) if with_entropy else 0.0
-        del z, e
+    block = _vocab_block(local_vocab, hidden_size, weight.dtype)
+    chunk_rows = chunk_rows or default_linear_chunk_rows(block, weight.dtype)
+    stats = torch.zeros(3 + n_ids, n_rows, dtype=cdtype, device=hidden.device)
+    for col0 in range(0, local_vocab, block):
+        cols = slice(col0, min(local_vocab, col0 + block))
+        w_block = weight[cols]  # [Cv, H]
+        in_block = owned & (local_idx >= col0) & (local_idx < cols.stop)  # [N, K]
+        block_idx = torch.where(in_block, local_idx - col0, torch.zeros_like(local_idx))
+        for start in range(0, n_rows, chunk_rows):
+            rows = slice(start, min(n_rows, start + chunk_rows))
+            z = _logits_chunk(hidden[rows], w_block, temperature, cdtype)  # [C, Cv]
+            picked = z.gather(1, block_idx[rows])  # [C, K]
+            # each owned id lies in exactly one block: adding 0 elsewhere is exact
+            stats[3:, rows] += torch.where(in_block[rows], picked, torch.zeros_like(picked)).T
+            m_b = z.amax(dim=1)  # [C]
+            z.sub_(m_b[:, None])  # z − m_b, in place
+            u_b = None
+            if with_entropy:
+                e = torch.exp(z)  # [C, Cv], the second temporary
+                s_b = e.sum(dim=1)
+                u_b = e.mul_(z).sum(dim=1)
+                del e
+            else:
+                s_b = z.exp_().sum(dim=1)
+            del z
+            if col0 == 0:
+                stats[0, rows], stats[1, rows] = m_b, s_b
+                if u_b is not None:
+                    stats[2, rows] = u_b
+            else:
+                _fold_block(stats, rows, m_b, s_b, u_b)
     return stats
 
 
 @linear_local_stats.register_fake
 def _(hidden, weight, local_idx, owned, temperature, with_entropy, chunk_rows):
     return hidden.new_empty((3 + local_idx.shape[1], local_idx.shape[0]), dtype=compute_dtype(hidden.dtype))
-
-
-def _vocab_block(local_vocab: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """Columns per backward tile: all of them when `dweight` can accumulate in place (its dtype is the
-    compute dtype); else enough for a `[Cv, H]` compute-dtype accumulator near 4 MiB (at least 128)."""
-    cdtype = compute_dtype(dtype)
-    if dtype == cdtype:
-        return local_vocab
-    itemsize = torch.empty((), dtype=cdtype).element_size()
-    return min(local_vocab, max(MIN_BLOCK, DEFAULT_CHUNK_BYTES // max(1, hidden_size * itemsize)))
 
 
 @torch.library.custom_op("lossfx::linear_local_grads", mutates_args=())
@@ -165,20 +205,21 @@ def linear_local_grads(
             rows = slice(start, min(n_rows, start + chunk_rows))
             z = _logits_chunk(hidden[rows], w_block, temperature, cdtype)  # [C, Cv]
             logp = z.sub_(shift[rows, None]).sub_(log_s[rows, None])  # log p, in place
-            p = torch.exp(logp)  # [C, Cv]
             if with_entropy:
                 # dz = p ⊙ (h·(log p − H) − Σ_k g_k): reuse the log p buffer for the bracket
+                p = torch.exp(logp)  # [C, Cv], the second temporary
                 bracket = logp.sub_(neg_entropy[rows, None]).mul_(grad_entropy[rows, None])
                 dz = p.mul_(bracket.sub_(grad_total[rows, None]))
+                del p
             else:
-                dz = p.mul_(-grad_total[rows, None])  # −p·Σ_k g_k
+                dz = logp.exp_().mul_(-grad_total[rows, None])  # −p·Σ_k g_k, in the same buffer
             del logp, z
             dz.scatter_add_(1, block_idx[rows], block_grad[rows])  # + g at each id in this block
             if temperature != 1.0:
                 dz.div_(temperature)
             dhidden[rows].addmm_(dz, w_compute)  # [C, H], summed over the blocks
             acc.addmm_(dz.T, hidden[rows] if exact else hidden[rows].to(cdtype))  # [Cv, H], over the row chunks
-            del dz, p
+            del dz
         if not exact:
             dweight[cols] = acc  # rounded once to weight's dtype
     return dhidden, dweight

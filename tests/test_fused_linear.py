@@ -139,6 +139,18 @@ def test_token_matches_reference(world, sp, chunk):
     assert_matches(out, expected, TIGHT, f"world={world} sp={sp} chunk={chunk}")
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_vocabulary_blocks_match_reference(sp, monkeypatch):
+    """Tiles narrower than the shard (blocks of 5 of 18 columns: 5, 5, 5, 3) fold their row
+    statistics exactly in the forward and split the sums of the backward (proofs §4-5)."""
+    from lossfx import linear_chunks
+
+    monkeypatch.setattr(linear_chunks, "_vocab_block", lambda vl, hs, dt: min(vl, 5))
+    case = make_case((3, 4), 8, 36, seed=31, scale=3.0)
+    out = run_token(2, case, chunk=5, temperature=0.9, sp=sp)
+    assert_matches(out, reference_token(*case, temperature=0.9), TIGHT, f"blocks sp={sp}")
+
+
 def test_default_chunk_and_leading_shapes():
     """No chunk_size, 1-D and 3-D leading shapes, temperature 1: the same as the reference."""
     for rows in [(5,), (2, 3, 4)]:
@@ -635,7 +647,7 @@ def test_bfloat16_backward_in_vocabulary_blocks(monkeypatch):
     grads = []
     for min_block, budget in [(64, 4 << 20), (3, 16 * 4 * 7)]:  # one block of 40; blocks of 7
         monkeypatch.setattr(linear_chunks, "MIN_BLOCK", min_block)
-        monkeypatch.setattr(linear_chunks, "DEFAULT_CHUNK_BYTES", budget)
+        monkeypatch.setattr(linear_chunks, "DEFAULT_TILE_BYTES", budget)
         assert linear_chunks._vocab_block(40, 16, torch.bfloat16) == (40 if min_block == 64 else 7)
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         lp, ne = lossfx.linear_token_logprobs(h, w, target, chunk_size=5, return_entropy=True)
