@@ -1,6 +1,6 @@
 """The fused LM-head path: log-probs (and `Σ p log p`) from hidden states, logits never materialised.
 
-    z = hidden @ weight.T / T                       (logits, [N, V]; only ever one [C, Vl] chunk)
+    z = hidden @ weight.T / T                       (logits, [N, V]; only ever one [C, Cv] tile)
     out[n, k] = z[n, ids[n, k]] − logsumexp_v z[n, v]        neg_entropy[n] = Σ_v p log p
 
 over a vocabulary sharded across tensor-parallel (TP) ranks (`weight` is this rank's `[Vl, H]`
@@ -8,8 +8,8 @@ rows of the LM head). One kernel serves every entry point: ids `[N, K]`, with to
 `K = 1` case. Pipeline of the forward:
 
 1. with `sequence_parallel=True`, all-gather this rank's `[N/R, H]` rows of `hidden`;
-2. `lossfx::linear_local_stats` (`lossfx.linear_chunks`): per row chunk, one `[C, Vl]` logits
-   chunk and this shard's per-row statistics `(m, s, u)` and the logits at the ids it owns;
+2. `lossfx::linear_local_stats` (`lossfx.linear_chunks`): per tile, one `[C, Cv]` block of logits
+   (`Cv <= Vl`) and this shard's per-row statistics `(m, s, u)` and the logits at the ids it owns;
 3. one all-gather of those per-row scalars `[R, 3 + K, N]`, merged exactly with the row max and
    the log-sum kept apart: `log p = (z − shift) − log_s` (`_numerics.merge_max_logsum`).
 
@@ -102,6 +102,8 @@ class _FusedLinearFn(torch.autograd.Function):
             ctx.with_entropy,
             ctx.chunk_rows,
         )
+        if not ctx.needs_input_grad[0]:  # the same on every rank, so the collective is skipped by all
+            return None, dweight, None, None, None, None, None, None, None
         if ctx.seq_parallel:
             dhidden = reduce_scatter_sum(dhidden, ctx.group)  # [N/R, H]: this rank's rows, summed
         else:
@@ -203,7 +205,7 @@ def linear_gather_logprobs(
         out = lp.gather(-1, ids) if zero_outside_topk else z.gather(-1, ids).log_softmax(-1)
         return out, (lp.exp() * lp).sum(-1) if with_entropy else None
 
-    without materialising more than one `[C, Vl]` chunk of `z` (eager or compiled).
+    without materialising more than one `[C, Cv]` tile of `z` (`Cv <= Vl`; eager or compiled).
 
     Args:
         hidden: `[..., H]` last hidden states (replicated over the TP group), or with
@@ -224,7 +226,7 @@ def linear_gather_logprobs(
         sequence_parallel: `hidden` is this rank's row slice (all-gathered in the forward; its
             gradient reduce-scattered in the backward).
         chunk_size: rows per logits chunk (memory bound; results do not depend on it). Default:
-            about 4 MiB of `[C, Vl]` temporaries.
+            a `[C, Cv]` tile of about 4 MiB.
 
     Returns:
         `(logprobs [..., K], neg_entropy [...] or None)` in `promote_types(dtype, float32)`,
@@ -311,8 +313,9 @@ def linear_token_logprobs(
         out = lp.gather(-1, target[..., None])[..., 0]
         return (out, (lp.exp() * lp).sum(-1)) if return_entropy else out
 
-    computed one `[C, Vl]` logits chunk at a time, in eager mode and under `torch.compile`
-    (`fullgraph=True`; the chunk loop is one opaque op, so the graph does not grow with `N / C`).
+    computed one `[C, Cv]` tile of logits at a time (`Cv <= Vl` columns of this shard), in eager
+    mode and under `torch.compile` (`fullgraph=True`; each tile loop is one opaque op, so the graph
+    does not grow with the number of tiles).
 
     .. math::
         \\mathrm{out}_n = z_{n, t_n} - \\log \\sum_v e^{z_{n,v}}, \\qquad z = h W^\\top / T

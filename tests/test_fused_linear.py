@@ -655,3 +655,18 @@ def test_bfloat16_backward_in_vocabulary_blocks(monkeypatch):
         grads.append((h.grad.to(F64), w.grad.to(F64)))
     for one, blocked in zip(grads[0], grads[1], strict=True):
         torch.testing.assert_close(blocked, one, rtol=2**-7, atol=1e-6)
+
+
+def _frozen_hidden_rank(rank, world, group, hidden, weight, target):
+    vl = weight.shape[0] // world
+    w = weight[rank * vl : (rank + 1) * vl].clone().requires_grad_()
+    lossfx.linear_token_logprobs(hidden, w, target, group=group, chunk_size=3).sum().backward()
+    return w.grad
+
+
+def test_frozen_hidden_weight_grad_only():
+    """A `hidden` without grad (a frozen trunk): only `weight.grad`, and it is the reference's."""
+    hidden, weight, target, _, _ = make_case(6, 4, 10, seed=32)
+    grads = run_ranks(2, _frozen_hidden_rank, hidden, weight, target)
+    _, _, _, dw = reference_token(hidden, weight, target, torch.ones(6, dtype=F64), torch.zeros(6, dtype=F64))
+    torch.testing.assert_close(torch.cat(grads), dw, **TIGHT)
