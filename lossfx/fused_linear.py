@@ -343,11 +343,11 @@ def linear_token_logprobs(
         `[...]` log-probs (or `(logprobs, neg_entropy)`) in `promote_types(dtype, float32)`,
         replicated over the TP group. Gradients reach `hidden` and `weight` through both.
 
-    Precision: bf16/fp16 inputs form the logits with a matmul in their own dtype (the BLAS
-    accumulates in fp32 and rounds each logit once to the input dtype: the logits of the unfused
-    `hidden @ weight.T`); the softmax statistics, `dlogits`, and both gradient matmuls run in
-    fp32, and `dweight`/`dhidden` are rounded once to the input dtype at the end. float64 stays
-    float64 end to end.
+    Precision: bf16/fp16 inputs use matmuls in their own dtype (the BLAS accumulates in fp32 and
+    rounds each product once: the logits of the unfused `hidden @ weight.T`, and per tile the
+    products its backward forms from bf16 `dlogits`); the softmax statistics, `dlogits`, and the
+    sums of the tile products into `dweight` and `dhidden` are fp32, each gradient rounded once to
+    the input dtype at the end. float64 stays float64 end to end.
 
     Raises:
         TypeError: non-float `hidden`/`weight`, different dtypes, non-integer `target`.

@@ -21,15 +21,15 @@ recompile, and Inductor cannot merge the chunks back into one `[N, Vl]` logits b
 fuse a matmul into the row reduction). The collectives stay outside, in the traced graph
 (`lossfx.fused_linear`). See docs/design.md, "The fused LM-head path under the compiler".
 
-Precision: the logits matmul runs in the input dtype (bf16/fp16 multiply with the BLAS's fp32
-accumulation, each logit rounded once to the input dtype: the logits the unfused
-`hidden @ weight.T` gives); everything after it, including the two gradient matmuls and the
-accumulation of `dweight` and `dhidden` across tiles, is in the compute dtype
-`promote_types(dtype, float32)`. float64 stays float64 throughout.
+Precision: every matmul runs in the input dtype (bf16/fp16 multiply with the BLAS's fp32
+accumulation, each product rounded once to the input dtype, as in the unfused `hidden @ weight.T`
+and its backward); the softmax arithmetic, `dlogits`, and the sums of the tile products that form
+`dweight` and `dhidden` are in the compute dtype `promote_types(dtype, float32)`. float64 stays
+float64 throughout.
 
 Memory of the backward: one `[C, Cv]` tile of logits and its gradient; for bf16/fp16 weights also
-one `[Cv, H]` fp32 accumulator and the fp32 copy of that block (so no `[Vl, H]` fp32 buffer is
-ever allocated), and `dhidden [N, H]` in fp32.
+one `[Cv, H]` fp32 accumulator (so no `[Vl, H]` fp32 buffer is ever allocated), and
+`dhidden [N, H]` in fp32.
 """
 
 from __future__ import annotations
@@ -172,8 +172,7 @@ def linear_local_grads(
     The logits are recomputed tile by tile: an outer loop over blocks of `Cv` vocabulary rows of
     `weight` and an inner loop over chunks of `C` rows of `hidden`. Each block's `dweight` is summed
     over every row chunk in the compute dtype (in place when that is weight's dtype, else in one
-    `[Cv, H]` accumulator) and rounded once; `dhidden` is summed over the blocks in the compute dtype
-    (for bf16/fp16 weights each block is upcast once for that matmul).
+    `[Cv, H]` accumulator) and rounded once; `dhidden` is summed over the blocks in the compute dtype.
 
     Args:
         hidden, weight: as in the forward (all `N` rows; with sequence parallelism the gathered ones).
@@ -193,18 +192,21 @@ def linear_local_grads(
     chunk_rows = chunk_rows or default_linear_chunk_rows(block, weight.dtype)
     dhidden = torch.zeros(n_rows, hidden_size, dtype=cdtype, device=hidden.device)
     dweight = torch.empty_like(weight)
+    # p = exp(z − lse): a relative error of eps·|lse| in p is that of z itself (the forward keeps
+    # shift and log_s apart for the log-prob *values*, where it would not be)
+    lse = shift + log_s  # [N]
+    scale = 1.0 / temperature  # dz/T folded into the two matmuls (alpha), not a pass over the tile
     for col0 in range(0, local_vocab, block):
         cols = slice(col0, min(local_vocab, col0 + block))
         w_block = weight[cols]  # [Cv, H]
         acc = dweight[cols].zero_() if exact else torch.zeros(w_block.shape, dtype=cdtype, device=weight.device)
-        w_compute = w_block if exact else w_block.to(cdtype)  # [Cv, H] for dhidden's compute-dtype matmul
         in_block = (local_idx >= col0) & (local_idx < cols.stop)  # [N, K]
         block_idx = torch.where(in_block, local_idx - col0, torch.zeros_like(local_idx))
         block_grad = torch.where(in_block, grad_ids, torch.zeros_like(grad_ids))
         for start in range(0, n_rows, chunk_rows):
             rows = slice(start, min(n_rows, start + chunk_rows))
             z = _logits_chunk(hidden[rows], w_block, temperature, cdtype)  # [C, Cv]
-            logp = z.sub_(shift[rows, None]).sub_(log_s[rows, None])  # log p, in place
+            logp = z.sub_(lse[rows, None])  # log p, in place
             if with_entropy:
                 # dz = p ⊙ (h·(log p − H) − Σ_k g_k): reuse the log p buffer for the bracket
                 p = torch.exp(logp)  # [C, Cv], the second temporary
@@ -215,10 +217,16 @@ def linear_local_grads(
                 dz = logp.exp_().mul_(-grad_total[rows, None])  # −p·Σ_k g_k, in the same buffer
             del logp, z
             dz.scatter_add_(1, block_idx[rows], block_grad[rows])  # + g at each id in this block
-            if temperature != 1.0:
-                dz.div_(temperature)
-            dhidden[rows].addmm_(dz, w_compute)  # [C, H], summed over the blocks
-            acc.addmm_(dz.T, hidden[rows] if exact else hidden[rows].to(cdtype))  # [Cv, H], over the row chunks
+            if exact:
+                dhidden[rows].addmm_(dz, w_block, alpha=scale)  # [C, H], summed over the blocks
+                acc.addmm_(dz.T, hidden[rows], alpha=scale)  # [Cv, H], summed over the row chunks
+            else:
+                # input-dtype matmuls (as the unfused path multiplies its bf16 dlogits), each tile's
+                # product rounded once, summed across tiles in the compute dtype
+                dz_low = dz.to(weight.dtype)
+                dhidden[rows].add_(dz_low @ w_block, alpha=scale)
+                acc.add_(dz_low.T @ hidden[rows], alpha=scale)
+                del dz_low
             del dz
         if not exact:
             dweight[cols] = acc  # rounded once to weight's dtype

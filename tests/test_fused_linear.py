@@ -640,7 +640,7 @@ def test_saved_for_backward_is_inputs_and_row_scalars():
 
 def test_bfloat16_backward_in_vocabulary_blocks(monkeypatch):
     """bf16 weights take the blocked backward (a `[Cv, H]` fp32 accumulator per vocabulary block):
-    several blocks give the gradients of one block, to fp32 accumulation order and one bf16 rounding."""
+    several blocks give the gradients of one block, to the bf16 rounding of each tile's product."""
     from lossfx import linear_chunks
 
     hidden, weight, target, dout, dent = make_case(24, 16, 40, seed=21, dtype=torch.bfloat16)
@@ -654,7 +654,8 @@ def test_bfloat16_backward_in_vocabulary_blocks(monkeypatch):
         torch.autograd.backward([lp, ne], [dout.float(), dent.float()])
         grads.append((h.grad.to(F64), w.grad.to(F64)))
     for one, blocked in zip(grads[0], grads[1], strict=True):
-        torch.testing.assert_close(blocked, one, rtol=2**-7, atol=1e-6)
+        # each tile's product is rounded to bf16 once before the fp32 sum: a few 2^-9 roundings
+        torch.testing.assert_close(blocked, one, rtol=0, atol=2**-6 * float(one.abs().max()))
 
 
 def _frozen_hidden_rank(rank, world, group, hidden, weight, target):
