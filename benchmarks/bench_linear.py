@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-runs", type=int, default=3)
     parser.add_argument("--min-run-time", type=float, default=0.0)
     parser.add_argument("--no-compile-time", action="store_true")
+    parser.add_argument("--compile-time-only", action="store_true", help="only the 4- vs 64-chunk compile times")
+    parser.add_argument("--name", default="linear", help="result file stem")
     parser.add_argument("--compile-time-child", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args(argv)
@@ -249,14 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows: list[dict[str, Any]] = []
     compile_rows: list[dict[str, Any]] = []
-    stem = Path(args.out) / "linear"
+    stem = Path(args.out) / args.name
 
     def save() -> None:
         meta = {"environment": env, "skipped": skipped, "compile_time": compile_rows, "targets": _targets()}
         measure.write_results(stem, rows, meta, quiet=True)
-        (stem.parent / "linear.md").write_text(markdown(rows, compile_rows, env))
+        (stem.parent / f"{stem.name}.md").write_text(markdown(rows, compile_rows, env))
 
-    for vocab in vocabs:
+    for vocab in [] if args.compile_time_only else vocabs:
         for dtype in args.dtypes:
             group = []
             for provider in providers:

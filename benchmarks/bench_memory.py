@@ -209,6 +209,33 @@ def measure_figure(spec: dict[str, Any], rss_limit_bytes: int) -> dict[str, Any]
     }
 
 
+def profiler_discrepancy(paths: list[str], dtype: str, shape: tuple[int, int, int]) -> list[dict[str, Any]]:
+    """The same figures by the profiler's allocation events (this process) and by `rss.py` (fresh ones).
+
+    Shows why published figures use the resident high-water mark: the profiler misses compiled
+    code's buffers (README "Memory method").
+    """
+    out = []
+    for path in paths:
+        for mode in MODES:
+            spec = {"path": path, "dtype": dtype, "mode": mode, "shape": list(shape)}
+            run = build(**spec)
+            run()  # warm-up (compiles)
+            profiler = measure.peak_extra_bytes(run)
+            del run
+            rss = peak_rss_extra_bytes("benchmarks.bench_memory:build", spec)
+            logits_bytes = shape[0] * shape[1] * shape[2] * DTYPES[dtype].itemsize
+            out.append(
+                {
+                    **spec,
+                    "profiler_x_logits": round(profiler / logits_bytes, 3),
+                    "rss_x_logits": round(rss / logits_bytes, 3),
+                }
+            )
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
     lines = [
         f"Measured {env['date']} on {env['machine']} (host `{env['host']}`), torch {env['torch']}, "
@@ -240,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--merge", nargs="+", metavar="STEM", help="combine finished result files <out>/STEM.json into <out>/<name>"
     )
+    parser.add_argument(
+        "--compare-profiler", action="store_true", help="--paths by the profiler and by rss.py, at [4, 512, 32000]"
+    )
     parser.add_argument("--rss-limit-gib", type=float, default=12.0, help="stop a figure past this resident size")
     parser.add_argument("--name", default="memory", help="result file stem")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -252,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         measure.write_results(stem, rows, {"environment": env, "method": docs[0]["method"], "parts": args.merge})
         (stem.parent / f"{stem.name}.md").write_text(markdown(rows, env))
         print(markdown(rows, env))
+        return 0
+    if args.compare_profiler:
+        rows = profiler_discrepancy(args.paths, args.dtypes[0], QUICK_SHAPE if args.quick else (4, 512, 32_000))
+        measure.write_results(stem, rows, {"environment": measure.environment()})
         return 0
     shape = QUICK_SHAPE if args.quick else DEFAULT_SHAPE
     specs = figures(args.paths, args.dtypes, args.modes, shape, long_shape=not (args.quick or args.no_long))
