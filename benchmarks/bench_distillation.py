@@ -50,40 +50,46 @@ def with_lossfx(logits, data):
     return out["student_topk_logprobs"], out["H_all"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--k", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--min-run-time", type=float, default=None)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    args = parser.parse_args(argv)
-    batch, seq, vocab = QUICK_SHAPE if args.quick else DEFAULT_SHAPE
-    k = min(args.k, vocab)
+PROVIDERS = ("lossfx-eager", "lossfx-compiled", "dense-eager", "dense-compiled")
+
+
+def build(provider: str, shape: list[int], k: int, dtype: str):
+    """Zero-argument fwd+bwd of `provider` (the `benchmarks.rss` builder: inputs built here, seeded)."""
+    batch, seq, vocab = shape
     gen = torch.Generator().manual_seed(0)
-    logits = (torch.randn(batch, seq, vocab, generator=gen) * 2).to(getattr(torch, args.dtype)).requires_grad_()
+    logits = (torch.randn(batch, seq, vocab, generator=gen) * 2).to(getattr(torch, dtype)).requires_grad_()
     data = {
         "teacher_topk_logits": torch.randn(batch, seq, k, generator=gen),
         "teacher_topk_indices": torch.randint(0, vocab, (batch, seq, k), generator=gen),
     }
     g_student = torch.randn(batch, seq - 1, k, generator=gen)
     g_entropy = torch.randn(batch, seq - 1, generator=gen)
+    fn = with_lossfx if provider.startswith("lossfx") else dense
+    if provider.endswith("compiled"):
+        fn = torch.compile(fn, fullgraph=True)
 
-    def fwd_bwd(fn):
-        def run():
-            student, neg_entropy = fn(logits, data)
-            loss = (student * g_student).sum() + (neg_entropy * g_entropy).sum()
-            return torch.autograd.grad(loss, logits)[0]
+    def run():
+        student, neg_entropy = fn(logits, data)
+        loss = (student * g_student).sum() + (neg_entropy * g_entropy).sum()
+        return torch.autograd.grad(loss, logits)[0]
 
-        return run
+    return run
 
-    providers = {
-        "lossfx-eager": fwd_bwd(with_lossfx),
-        "lossfx-compiled": fwd_bwd(torch.compile(with_lossfx, fullgraph=True)),
-        "dense-eager": fwd_bwd(dense),
-        "dense-compiled": fwd_bwd(torch.compile(dense, fullgraph=True)),
-    }
-    logits_bytes = logits.numel() * logits.element_size()
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--k", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    parser.add_argument("--min-run-time", type=float, default=None)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = parser.parse_args(argv)
+    batch, seq, vocab = QUICK_SHAPE if args.quick else DEFAULT_SHAPE
+    k = min(args.k, vocab)
+    spec = {"shape": [batch, seq, vocab], "k": k, "dtype": args.dtype}
+    providers = {name: ("benchmarks.bench_distillation:build", {"provider": name, **spec}) for name in args.providers}
+    logits_bytes = batch * seq * vocab * getattr(torch, args.dtype).itemsize
     rows = measure.compare_providers(
         providers,
         logits_bytes=logits_bytes,
@@ -95,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             "k": k,
             "dtype": args.dtype,
         },
-        baseline="dense-compiled",
+        baseline="dense-compiled" if "dense-compiled" in providers else None,
     )
     measure.write_results(Path(args.out) / "distillation", rows, {"logits_bytes": logits_bytes, "target_peak_x": 1.3})
     return 0

@@ -12,8 +12,8 @@ Providers, measured side by side in one process, forward + backward (`torch.auto
     dense-compiled   the same dense code under torch.compile(fullgraph=True, inductor)
 
 Reported: median and p20/p80 time, peak extra memory (bytes allocated above the inputs during
-the call, `benchmarks.measure.peak_extra_bytes`; it includes the returned gradient, which alone
-is 1× the student logits), that peak as a multiple of the student logits' size, and compile time
+the call, a resident high-water mark in a fresh process, `benchmarks.rss`; it includes the returned
+gradient, which alone is 1× the student logits), that peak as a multiple of the student logits' size, and compile time
 (first call minus a warm call) for the compiled providers. Results: `<out>/divergence.{csv,json}`.
 """
 
@@ -63,6 +63,27 @@ def _fwd_bwd(fn, student, teacher, dout):
     return run
 
 
+PROVIDERS = {
+    "lossfx-eager": lossfx_reverse_kl,
+    "lossfx-compiled": torch.compile(lossfx_reverse_kl, fullgraph=True),
+    "dense-eager": dense_reverse_kl,
+    "dense-compiled": torch.compile(dense_reverse_kl, fullgraph=True),
+}
+
+
+def _inputs(shape: list[int], dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    student = (torch.randn(*shape, generator=g) * 2).to(getattr(torch, dtype)).requires_grad_()
+    teacher = torch.randn(*shape, generator=g) * 2
+    dout = torch.randn(*shape[:-1], generator=g)
+    return student, teacher, dout
+
+
+def build(provider: str, shape: list[int], dtype: str):
+    """Zero-argument fwd+bwd of `provider` (the `benchmarks.rss` builder: inputs built here, seeded)."""
+    return _fwd_bwd(PROVIDERS[provider], *_inputs(shape, dtype))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shape, short timings (smoke run)")
@@ -78,18 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     min_run_time = args.min_run_time if args.min_run_time is not None else (0.05 if args.quick else 1.0)
     dtype = getattr(torch, args.dtype)
 
-    g = torch.Generator().manual_seed(0)
-    student = (torch.randn(*shape, generator=g) * 2).to(dtype).requires_grad_()
-    teacher = torch.randn(*shape, generator=g) * 2
-    dout = torch.randn(*shape[:-1], generator=g)
+    student, teacher, dout = _inputs(list(shape), args.dtype)
     logits_bytes = student.numel() * student.element_size()
-
-    providers = {
-        "lossfx-eager": lossfx_reverse_kl,
-        "lossfx-compiled": torch.compile(lossfx_reverse_kl, fullgraph=True),
-        "dense-eager": dense_reverse_kl,
-        "dense-compiled": torch.compile(dense_reverse_kl, fullgraph=True),
-    }
+    providers = PROVIDERS
     rows = []
     env = measure.environment()
     reference_value = None
@@ -103,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             reference_value = value
         max_diff = float((value - reference_value).abs().max())
         timing = measure.time_call(run, min_run_time=min_run_time)
-        peak = measure.peak_extra_bytes(run)
+        peak = measure.peak_memory_bytes(
+            "benchmarks.bench_divergence:build", {"provider": name, "shape": list(shape), "dtype": args.dtype}
+        )
         row = {
             "op": "reverse_kl_to_fixed",
             "provider": name,

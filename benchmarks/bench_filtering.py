@@ -12,9 +12,9 @@ fixed upstream gradient):
                      256-row chunk, sort each row, top-k cut, softmax, cumulative sum, top-p cut,
                      scatter the mask back; then log_softmax of the filtered logits and a gather
 
-Reported: median and p20/p80 time, peak extra memory (bytes allocated above what existed before
-the call, `benchmarks.measure.peak_extra_bytes`), that peak as a multiple of the logits' size, and
-the speed-up of lossfx over the sort baseline. Results: `<out>/filtering.{csv,json}`.
+Reported: median and p20/p80 time, peak extra memory (bytes above what existed before the call: a
+resident high-water mark in a fresh process, `benchmarks.rss`), that peak as a multiple of the
+logits' size, and the speed-up of lossfx over the sort baseline. Results: `<out>/filtering.{csv,json}`.
 """
 
 from __future__ import annotations
@@ -73,6 +73,37 @@ def _fwd_bwd(fn, logits, target, dout):
     return run
 
 
+def _inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(logits requiring grad, target, dout)`, seeded; half the targets are the row's argmax."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(case.batch, case.seq, case.vocab, generator=gen).mul_(3.0).requires_grad_(True)
+    target = torch.randint(0, case.vocab, (case.batch, case.seq), generator=gen)
+    # half of the targets among the row's top tokens, so the filtered log-probs are mostly finite
+    top = logits.detach().argmax(-1)
+    target = torch.where(torch.rand(target.shape, generator=gen) < 0.5, top, target)
+    dout = torch.randn(case.batch, case.seq, generator=gen)
+    return logits, target, dout
+
+
+def _functions(k: int, p: float):
+    def lossfx_fn(z, t):
+        return lossfx.filtered_token_logprobs(z, t, top_k=k, top_p=p)
+
+    def sort_fn(z, t):
+        return sort_based_filtered_logprobs(z, t, k, p)
+
+    return lossfx_fn, sort_fn
+
+
+def build(provider: str, case: str, top_k: int, top_p: float):
+    """Zero-argument fwd+bwd of `provider` (the `benchmarks.rss` builder: inputs built here, seeded)."""
+    lossfx_fn, sort_fn = _functions(top_k, top_p)
+    fn = sort_fn if provider == "sort-dense" else lossfx_fn
+    if provider == "lossfx-compiled":
+        fn = torch.compile(fn, fullgraph=True)
+    return _fwd_bwd(fn, *_inputs(get_case(case)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--case", default=None, help=f"shape name from benchmarks.cases (default {DEFAULT_CASE})")
@@ -88,21 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     min_run_time = args.min_run_time if args.min_run_time is not None else (0.05 if args.quick else 1.0)
     k, p = min(args.top_k, case.vocab), args.top_p
 
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(case.batch, case.seq, case.vocab, generator=gen).mul_(3.0).requires_grad_(True)
-    target = torch.randint(0, case.vocab, (case.batch, case.seq), generator=gen)
-    # half of the targets among the row's top tokens, so the filtered log-probs are mostly finite
-    top = logits.detach().argmax(-1)
-    target = torch.where(torch.rand(target.shape, generator=gen) < 0.5, top, target)
-    dout = torch.randn(case.batch, case.seq, generator=gen)
+    logits, target, dout = _inputs(case)
     logits_bytes = logits.numel() * logits.element_size()
-
-    def lossfx_fn(z, t):
-        return lossfx.filtered_token_logprobs(z, t, top_k=k, top_p=p)
-
-    def sort_fn(z, t):
-        return sort_based_filtered_logprobs(z, t, k, p)
-
+    lossfx_fn, sort_fn = _functions(k, p)
     providers = {"lossfx-eager": lossfx_fn}
     if args.compiled:
         providers["lossfx-compiled"] = torch.compile(lossfx_fn, fullgraph=True)
@@ -119,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in providers.items():
         run = _fwd_bwd(fn, logits, target, dout)
         timing = measure.time_call(run, min_run_time=min_run_time)
-        peak = measure.peak_extra_bytes(run)
+        spec = {"provider": name, "case": case.name, "top_k": k, "top_p": p}
+        peak = measure.peak_memory_bytes("benchmarks.bench_filtering:build", spec)
         rows.append(
             {
                 "provider": name,

@@ -63,7 +63,12 @@ def peak_rss_extra_bytes(builder: str, kwargs: dict[str, Any] | None = None, *, 
         **os.environ,
         "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
         "OMP_NUM_THREADS": str(threads),
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]),
+        # the caller's PYTHONPATH first (so `PYTHONPATH=/snapshot:...` chooses which lossfx is measured),
+        # then this repository, so that `benchmarks` is always importable
+        "PYTHONPATH": os.pathsep.join(
+            [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+            + [str(Path(__file__).resolve().parent.parent)]
+        ),
     }
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.rss", builder, json.dumps(kwargs or {})],

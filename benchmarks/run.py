@@ -15,8 +15,9 @@ side by side in one process, one after the other:
 
 in the modes `fwd` (a training forward: the logits require grad, so whatever is saved for backward
 is allocated) and `fwd+bwd` (that forward, then `torch.autograd.grad` with a fixed upstream
-gradient). Reported: median and p20/p80 time, peak extra memory (bytes allocated above what
-existed before the call; the logits, ids and upstream gradient exist before and are not counted),
+gradient). Reported: median and p20/p80 time, peak extra memory (resident bytes above what existed
+before the call, measured in a fresh process per figure by `benchmarks.rss`, so compiled code's
+buffers count; the logits, ids and upstream gradient exist before and are not counted),
 achieved GB/s on the bytes a streaming kernel must move (fwd: one read of the logits; fwd+bwd: two
 reads and one write), compile time (first call, separately), and the ratios the issue targets.
 Results go to `<out>/logprob.{csv,json,md,png}`. See benchmarks/README.md.
@@ -114,6 +115,22 @@ def _moved_bytes(case: Case, dtype: torch.dtype, mode: str) -> int:
     return case.logits_bytes(dtype) * (1 if mode == "fwd" else 3)
 
 
+def _inputs(case: Case, dtype_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(logits [B, S, V] requiring grad, input_ids [B, S], grad_out [B, S-1])`, seeded."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(case.batch, case.seq, case.vocab, generator=gen)).to(DTYPES[dtype_name])
+    logits.requires_grad_(True)
+    input_ids = torch.randint(0, case.vocab, (case.batch, case.seq), generator=gen)
+    grad_out = torch.randn(case.batch, max(case.seq - 1, 0), generator=gen)  # the compute dtype
+    return logits, input_ids, grad_out
+
+
+def build_call(case: str, dtype: str, provider: str, mode: str) -> Callable[[], Any]:
+    """The zero-argument call of one measurement (the `benchmarks.rss` builder: inputs built here)."""
+    logits, input_ids, grad_out = _inputs(get_case(case), dtype)
+    return _callables(provider, logits, input_ids, grad_out)[mode]
+
+
 def bench_case(
     case: Case,
     dtype_name: str,
@@ -122,13 +139,12 @@ def bench_case(
     min_run_time: float,
     min_runs: int = 1,
 ) -> list[dict[str, Any]]:
-    """All providers and modes for one shape and dtype, side by side; one row each."""
+    """All providers and modes for one shape and dtype, side by side; one row each.
+
+    Times are taken in this process; each peak in a fresh one (`measure.peak_memory_bytes`).
+    """
     dtype = DTYPES[dtype_name]
-    gen = torch.Generator().manual_seed(0)
-    logits = (4 * torch.randn(case.batch, case.seq, case.vocab, generator=gen)).to(dtype)
-    logits.requires_grad_(True)
-    input_ids = torch.randint(0, case.vocab, (case.batch, case.seq), generator=gen)
-    grad_out = torch.randn(case.batch, max(case.seq - 1, 0), generator=gen)  # the compute dtype
+    logits, input_ids, grad_out = _inputs(case, dtype_name)
     logits_mb = case.logits_bytes(dtype) / 2**20
     base = {"case": case.name, "batch": case.batch, "seq": case.seq, "vocab": case.vocab, "dtype": dtype_name}
     rows = []
@@ -159,7 +175,8 @@ def bench_case(
             compile_s = time.perf_counter() - t0
         for mode in modes:
             t = measure.time_call(fns[mode], min_run_time=min_run_time, min_runs=min_runs)
-            peak = measure.peak_extra_bytes(fns[mode])
+            spec = {"case": case.name, "dtype": dtype_name, "provider": provider, "mode": mode}
+            peak = measure.peak_memory_bytes("benchmarks.run:build_call", spec)
             rows.append(
                 {
                     **base, "provider": provider, "mode": mode,
