@@ -16,10 +16,12 @@ Pipeline of the forward (one streaming read of student and teacher, one collecti
    `u = Σ exp(z_s − m_s) · (α (z_s − m_s) − β (z_t − m_t))` (each logit shifted by its own local
    max, so `u` is bounded by the spread of the logits, not their level);
 2. one all-gather of the stacked statistics over the tensor-parallel group and an exact merge
-   (proofs/divergence.md §3) into the row log-sum-exps `lse_s`, `lse_t` and `R`.
+   (proofs/divergence.md §3) into `R` and the row statistics `(M_s, log S, M_t, log T)`, with
+   `lse_s = M_s + log S`: the shift and the log-sum are kept apart, never added, so `log S`
+   survives at any logit magnitude (proofs/divergence.md §8).
 
-Saved for backward: the student and teacher logits themselves (no copy) and `lse_s, lse_t, R`
-(`3N` floats). The backward needs **no** collective: with the global statistics known,
+Saved for backward: the student and teacher logits themselves (no copy), the row statistics and
+`R` (`5N` floats). The backward needs **no** collective: with the global statistics known,
 
     dstudent = dout[:, None] · p_s ⊙ (w − R[:, None])
 
@@ -43,7 +45,7 @@ from lossfx._chunking import row_chunks
 from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, all_gather_stack
 from lossfx._dtensor import vocab_shard
-from lossfx._numerics import finite_or_zero, lse_for_softmax
+from lossfx._numerics import finite_or_zero, log_s_for_softmax
 from lossfx._validation import check_floating, check_positive_int
 
 __all__ = ["cross_entropy_to_fixed", "entropy", "reverse_kl_to_fixed"]
@@ -87,8 +89,11 @@ def _local_stats(zs: Tensor, zt: Tensor | None, alpha: int, beta: int) -> Tensor
     return torch.stack([m_s, s_s, m_t, s_t, u])  # [5, C]
 
 
-def _merge(stats: Tensor, alpha: int, beta: int) -> tuple[Tensor, Tensor, Tensor]:
-    """`[R, 5, N]` per-rank statistics -> `(lse_s, lse_t, R)`, each `[N]` (proofs/divergence.md §3)."""
+def _merge(stats: Tensor, alpha: int, beta: int) -> tuple[Tensor, Tensor]:
+    """`[R, 5, N]` per-rank statistics -> `(row_stats [4, N], R [N])` (proofs/divergence.md §3).
+
+    `row_stats` = `(M_s, log S, M_t, log T)`: `lse(z) = M_s + log S`, `lse(y) = M_t + log T`.
+    """
     m_s, s_s, m_t, s_t, u = stats.unbind(1)  # each [R, N]
     # The max-shifted merge of _numerics.merge_max_sumexp, spelled out to keep its pieces.
     big_m_s = finite_or_zero(m_s.amax(dim=0))  # [N], the global shifts
@@ -96,25 +101,26 @@ def _merge(stats: Tensor, alpha: int, beta: int) -> tuple[Tensor, Tensor, Tensor
     scale = torch.exp(m_s - big_m_s)  # [R, N], 0 for an all -inf student shard
     total_s = (s_s * scale).sum(dim=0)  # [N], = exp(lse_s − M_s)
     total_t = (s_t * torch.exp(m_t - big_m_t)).sum(dim=0)  # [N], = exp(lse_t − M_t)
-    log_s = torch.log(total_s)  # [N]
+    log_s = torch.log(total_s)  # [N], −inf for an all −inf student row
     log_t = torch.log(total_t)  # [N], −inf for an all −inf teacher row
-    lse_s, lse_t = big_m_s + log_s, big_m_t + log_t  # [N], [N]
     # Shifting each rank's local shift to the global one: Σ_r e_r (u_r + s_r (α Δs_r − β Δt_r)).
     shift = alpha * (finite_or_zero(m_s) - big_m_s) - beta * (finite_or_zero(m_t) - big_m_t)  # [R, N]
     per_rank = _safe_mul(scale, u + s_s * shift)  # [R, N]
     r = per_rank.sum(dim=0) / total_s - alpha * log_s  # [N]
     if beta:
         # An all -inf teacher row has log p_t = -inf everywhere: R = +inf wherever p_s has mass.
-        r = torch.where(torch.isneginf(lse_t), torch.full_like(r, float("inf")), r + beta * log_t)
+        r = torch.where(torch.isneginf(log_t), torch.full_like(r, float("inf")), r + beta * log_t)
     # A student row that is -inf everywhere has p_s = 0: R = Σ 0·w = 0.
-    r = torch.where(torch.isneginf(lse_s), torch.zeros_like(r), r)
-    return lse_s, lse_t, r
+    r = torch.where(torch.isneginf(log_s), torch.zeros_like(r), r)
+    # The shifts and log-sums stay apart (lse = shift + log_sum would round log_sum away at large
+    # |shift|: proofs/divergence.md §8); stacked `[4, N]` for the backward.
+    return torch.stack([big_m_s, log_s, big_m_t, log_t]), r
 
 
 def _divergence_fwd(
     student: Tensor, teacher: Tensor | None, kind: str, chunk_rows: int | None, group: ProcessGroup | None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """student, teacher `[N, Vl]` -> `(R, lse_s, lse_t)` `[N]` in the compute dtype."""
+) -> tuple[Tensor, Tensor]:
+    """student, teacher `[N, Vl]` -> `(R [N], row_stats [4, N])` in the compute dtype (`_merge`)."""
     alpha, beta = _WEIGHTS[kind]
     n_rows, local_vocab = student.shape
     cdtype = _compute_dtype(student, teacher)
@@ -127,15 +133,14 @@ def _divergence_fwd(
     local = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [5, N]
     # 2. merge across ranks: one all-gather of per-row scalars
     stats = all_gather_stack(local, group)  # [R, 5, N]
-    lse_s, lse_t, r = _merge(stats, alpha, beta)
-    return r, lse_s, lse_t
+    row_stats, r = _merge(stats, alpha, beta)
+    return r, row_stats
 
 
 def _divergence_bwd(
     student: Tensor,
     teacher: Tensor | None,
-    lse_s: Tensor,
-    lse_t: Tensor,
+    row_stats: Tensor,
     r: Tensor,
     dout: Tensor,
     kind: str,
@@ -145,28 +150,31 @@ def _divergence_bwd(
     alpha, beta = _WEIGHTS[kind]
     n_rows, local_vocab = student.shape
     cdtype = _compute_dtype(student, teacher)
-    shift_s = lse_for_softmax(lse_s)  # [N], +inf for an empty row: p_s = 0
+    shift_s, log_s, shift_t, log_t = row_stats.unbind(0)  # each [N]
+    log_s_safe = log_s_for_softmax(log_s)  # [N], +inf for an empty row: p_s = 0
     # A row with R = ±inf (teacher -inf under student mass) or an empty student row: gradient 0.
-    row_ok = torch.isfinite(r) & torch.isfinite(lse_s)  # [N]
+    row_ok = torch.isfinite(r) & torch.isfinite(log_s)  # [N]
     grad = torch.where(row_ok, dout.to(cdtype), torch.zeros_like(r))  # [N]
     r_safe = torch.where(row_ok, r, torch.zeros_like(r))  # [N]
-    lse_t_safe = finite_or_zero(lse_t)  # [N], only read on rows whose gradient is nonzero
+    log_t_safe = finite_or_zero(log_t)  # [N], only read on rows whose gradient is nonzero
     chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
     dstudent = torch.empty_like(student) if len(chunks) > 1 else None
     for start, end in chunks:
-        logp_s = student[start:end].to(cdtype) - shift_s[start:end, None]  # [C, Vl]
+        rows = slice(start, end)
+        # (z − M) − log S: the large shift leaves first, exactly (proofs/divergence.md §8)
+        logp_s = (student[rows].to(cdtype) - shift_s[rows, None]) - log_s_safe[rows, None]  # [C, Vl]
         p_s = torch.exp(logp_s)  # [C, Vl]
         if beta and teacher is not None:  # beta != 0 exactly when a teacher is given
-            logp_t = teacher[start:end].to(cdtype) - lse_t_safe[start:end, None]  # [C, Vl]
+            logp_t = (teacher[rows].to(cdtype) - shift_t[rows, None]) - log_t_safe[rows, None]  # [C, Vl]
             w = logp_s - logp_t if alpha else -logp_t  # [C, Vl]
         else:
             w = logp_s  # [C, Vl]
         # A NaN here is 0·(±inf) (p_s = 0 under w = −inf, or a zeroed row whose R is +inf): it is 0.
         # Where p_s > 0 on a live row, w and R are finite (proofs/divergence.md §4).
-        dchunk = torch.nan_to_num(p_s * (w - r_safe[start:end, None]) * grad[start:end, None], nan=0.0)
+        dchunk = torch.nan_to_num(p_s * (w - r_safe[rows, None]) * grad[rows, None], nan=0.0)
         if dstudent is None:  # one chunk: its rows are the whole gradient
             return dchunk.to(student.dtype)
-        dstudent[start:end] = dchunk  # rounds once to the student's dtype
+        dstudent[rows] = dchunk  # rounds once to the student's dtype
     return dstudent if dstudent is not None else torch.empty_like(student)  # no rows: no chunk
 
 
@@ -178,16 +186,16 @@ class _DivergenceFn(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         student, teacher, kind, chunk_rows, _group = inputs
-        r, lse_s, lse_t = output
-        ctx.save_for_backward(student, teacher, lse_s, lse_t, r)
+        r, row_stats = output
+        ctx.save_for_backward(student, teacher, row_stats, r)
         ctx.kind, ctx.chunk_rows = kind, chunk_rows
-        ctx.mark_non_differentiable(lse_s, lse_t)
+        ctx.mark_non_differentiable(row_stats)
 
     @staticmethod
     @once_differentiable  # the saved statistics are constants of the backward: proofs/divergence.md §5
-    def backward(ctx, dout, _dlse_s, _dlse_t):
-        student, teacher, lse_s, lse_t, r = ctx.saved_tensors
-        dstudent = _divergence_bwd(student, teacher, lse_s, lse_t, r, dout, ctx.kind, ctx.chunk_rows)
+    def backward(ctx, dout, _drow_stats):
+        student, teacher, row_stats, r = ctx.saved_tensors
+        dstudent = _divergence_bwd(student, teacher, row_stats, r, dout, ctx.kind, ctx.chunk_rows)
         return dstudent, None, None, None, None  # one entry per forward input
 
 
@@ -219,9 +227,9 @@ def _apply(
         flat_teacher = teacher.detach().reshape(-1, local_vocab)  # [N, Vl]: the teacher is fixed
     flat_student = student.reshape(-1, local_vocab)  # [N, Vl]
     if torch.is_grad_enabled() and student.requires_grad:
-        r, _, _ = _DivergenceFn.apply(flat_student, flat_teacher, kind, chunk_size, group)
+        r, _ = _DivergenceFn.apply(flat_student, flat_teacher, kind, chunk_size, group)
     else:  # metric-only: no autograd node, nothing saved for backward
-        r, _, _ = _divergence_fwd(flat_student.detach(), flat_teacher, kind, chunk_size, group)
+        r, _ = _divergence_fwd(flat_student.detach(), flat_teacher, kind, chunk_size, group)
     return r.view(student.shape[:-1])
 
 

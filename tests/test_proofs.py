@@ -142,3 +142,28 @@ def test_packing_summed_gradient_convention():
     back[perm] = total
     for r in range(cp):
         torch.testing.assert_close(xs[r].grad, back[r * n : (r + 1) * n], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e4, -1e16, 1e30, -1e300])
+def test_divergence_split_shift_is_exact_at_any_magnitude(offset):
+    """proofs/divergence.md §8: `(z − M) − log S` matches log_softmax at any offset; `z − (M + log S)`
+    does not once `ulp(M)` exceeds `log S`."""
+    from lossfx._numerics import merge_max_logsum
+
+    z = offset + torch.tensor([[0.0, 0.0, -1.0, -3.0, -80.0]], dtype=F64)
+    halves = [z[:, :2], z[:, 2:]]  # two "ranks"
+    m = torch.stack([h.amax(-1) for h in halves])  # [2, 1]
+    s = torch.stack([(h - hm[:, None]).exp().sum(-1) for h, hm in zip(halves, m)])  # [2, 1]
+    shift, log_s = merge_max_logsum(m, s)
+    split = (z - shift[:, None]) - log_s[:, None]
+    torch.testing.assert_close(split, z.log_softmax(-1), rtol=0, atol=4e-16 * (1 + split.abs()).max().item())
+    merged = z - (shift + log_s)[:, None]
+    if abs(offset) >= 1e16:  # ulp(offset) ≥ 2 > log S: the merged form rounds log S away
+        assert not torch.allclose(merged, z.log_softmax(-1))
+    # and the divergence backward uses the split: the entropy gradient matches dense autograd
+    zz = z.clone().requires_grad_()
+    lossfx.entropy(zz).sum().backward()
+    dense = z.log_softmax(-1)
+    p = dense.exp()
+    want = p * (dense - (p * dense).sum(-1, keepdim=True))
+    torch.testing.assert_close(zz.grad, want, rtol=0, atol=1e-12)
