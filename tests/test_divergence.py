@@ -471,3 +471,31 @@ def test_large_magnitudes_inductor():
     ]
     student, teacher = (torch.cat(parts) for parts in zip(*(_magnitude_inputs(c, (3, 12)) for c in cases)))
     check_no_worse_than_torch("reverse_kl", 1, student, teacher, backend="inductor")
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Eager memory: the gradient plus one chunk of temporaries (issue 10.10)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_eager_peak_is_gradient_plus_one_chunk(kind, dtypes):
+    """Eager fwd+bwd allocates the `[N, Vl]` gradient and at most three `[C, Vl]` compute-dtype
+    temporaries at a time (plus `[N]` statistics). The profiler's allocation events see every eager
+    allocation exactly (benchmarks/rss.py is the method for compiled code and whole-process peaks)."""
+    from benchmarks.measure import peak_extra_bytes
+
+    n, v, chunk = 64, 2048, 4
+    student = make_logits((n, v), 1, 3.0, dtype=dtypes[0]).requires_grad_()
+    teacher = make_logits((n, v), 2, 3.0, dtype=dtypes[1])
+    dout = torch.randn(n)
+
+    def run():
+        out = FAST[kind](student, teacher, chunk_size=chunk)
+        return torch.autograd.grad(out, student, dout)[0]
+
+    run()
+    grad_bytes = n * v * student.element_size()
+    chunk_bytes = chunk * v * 4  # one fp32 [C, Vl] temporary
+    assert peak_extra_bytes(run) <= grad_bytes + 3 * chunk_bytes + 64 * n * 4
