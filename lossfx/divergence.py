@@ -37,6 +37,8 @@ has `log p_t = -inf` everywhere. Reference: lossfx.reference.reverse_kl_to_fixed
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -46,7 +48,7 @@ from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, all_gather_stack
 from lossfx._dtensor import vocab_shard
 from lossfx._numerics import finite_or_zero, log_s_for_softmax
-from lossfx._validation import check_floating, check_positive_int
+from lossfx._validation import check_floating, check_integer_ids, check_positive_int
 
 __all__ = ["cross_entropy_to_fixed", "entropy", "reverse_kl_to_fixed"]
 
@@ -169,24 +171,46 @@ def _merge(stats: Tensor, alpha: int, beta: int) -> tuple[Tensor, Tensor]:
     return torch.stack([big_m_s, log_s, big_m_t, log_t]), r
 
 
+# The teacher's rows `[start, end)` as a `[C, Vl]` tensor: a slice of given logits, or a projection
+# of hidden states through an LM-head shard computed on demand (the teacher logits never exist whole).
+TeacherRows = Callable[[int, int], Tensor]
+
+
+def _row_slicer(teacher: Tensor | None) -> TeacherRows | None:
+    return None if teacher is None else (lambda start, end: teacher[start:end])
+
+
+def _stats_eager(
+    student: Tensor,
+    teacher_rows: TeacherRows | None,
+    alpha: int,
+    beta: int,
+    chunk_rows: int | None,
+    cdtype: torch.dtype,
+) -> Tensor:
+    """Local statistics `[5, N]` (`_local_stats` rows), one chunk of rows at a time."""
+    n_rows, local_vocab = student.shape
+    local = student.new_empty((5, n_rows), dtype=cdtype)
+    for start, end in _chunks(n_rows, chunk_rows, local_vocab, cdtype):
+        zt = None if teacher_rows is None else teacher_rows(start, end)  # [C, Vl]
+        chunk_stats = _local_stats_eager(student[start:end], zt, alpha, beta, cdtype)
+        for i, stat in enumerate(chunk_stats):
+            local[i, start:end] = stat
+    return local
+
+
 def _divergence_fwd(
     student: Tensor, teacher: Tensor | None, kind: str, chunk_rows: int | None, group: ProcessGroup | None
 ) -> tuple[Tensor, Tensor]:
     """student, teacher `[N, Vl]` -> `(R [N], row_stats [4, N])` in the compute dtype (`_merge`)."""
     alpha, beta = _WEIGHTS[kind]
-    n_rows, local_vocab = student.shape
     cdtype = _compute_dtype(student, teacher)
     # 1. local statistics, one chunk of rows at a time
     if torch.compiler.is_compiling():  # one fused pass over the whole tensor
         zt = None if teacher is None else teacher.to(cdtype)
         local = _local_stats(student.to(cdtype), zt, alpha, beta)  # [5, N]
-    else:  # row chunks, written into one [5, N] buffer
-        local = student.new_empty((5, n_rows), dtype=cdtype)
-        for start, end in _chunks(n_rows, chunk_rows, local_vocab, cdtype):
-            zt = None if teacher is None else teacher[start:end]
-            chunk_stats = _local_stats_eager(student[start:end], zt, alpha, beta, cdtype)
-            for i, stat in enumerate(chunk_stats):
-                local[i, start:end] = stat
+    else:
+        local = _stats_eager(student, _row_slicer(teacher), alpha, beta, chunk_rows, cdtype)  # [5, N]
     # 2. merge across ranks: one all-gather of per-row scalars
     stats = all_gather_stack(local, group)  # [R, 5, N]
     row_stats, r = _merge(stats, alpha, beta)
@@ -204,15 +228,9 @@ def _divergence_bwd(
 ) -> Tensor:
     """-> dstudent `[N, Vl]` in the student's dtype; no collective."""
     alpha, beta = _WEIGHTS[kind]
-    n_rows, local_vocab = student.shape
     cdtype = _compute_dtype(student, teacher)
-    shift_s, log_s, shift_t, log_t = row_stats.unbind(0)  # each [N]
-    log_s_safe = log_s_for_softmax(log_s)  # [N], +inf for an empty row: p_s = 0
-    # A row with R = ±inf (teacher -inf under student mass) or an empty student row: gradient 0.
-    row_ok = torch.isfinite(r) & torch.isfinite(log_s)  # [N]
-    grad = torch.where(row_ok, dout.to(cdtype), torch.zeros_like(r))  # [N]
-    r_safe = torch.where(row_ok, r, torch.zeros_like(r))  # [N]
-    log_t_safe = finite_or_zero(log_t)  # [N], only read on rows whose gradient is nonzero
+    terms = _backward_terms(row_stats, r, dout, cdtype)
+    shift_s, log_s_safe, shift_t, log_t_safe, grad, r_safe = terms
     if torch.compiler.is_compiling():
         # One expression over the whole tensor: Inductor fuses it into a single loop that reads the
         # logits once and writes dstudent once, in the student's dtype, with no [N, Vl] temporary.
@@ -227,24 +245,51 @@ def _divergence_bwd(
         # Where p_s > 0 on a live row, w and R are finite (proofs/divergence.md §4).
         dchunk = torch.exp(logp_s) * (w - r_safe[:, None]) * grad[:, None]
         return torch.nan_to_num(dchunk, nan=0.0).to(student.dtype)
-    # Eager: per chunk at most two [C, Vl] temporaries, updated in place; the gradient rows are
-    # written directly into dstudent when the student is in the compute dtype (else rounded once).
+    return _grad_eager(student, _row_slicer(teacher), terms, alpha, beta, chunk_rows, cdtype)
+
+
+def _backward_terms(row_stats: Tensor, r: Tensor, dout: Tensor, cdtype: torch.dtype) -> tuple[Tensor, ...]:
+    """Per-row constants of the backward, each `[N]`: `(M_s, log S, M_t, log T, g, R)` made safe."""
+    shift_s, log_s, shift_t, log_t = row_stats.unbind(0)  # each [N]
+    log_s_safe = log_s_for_softmax(log_s)  # +inf for an empty row: p_s = 0
+    # A row with R = ±inf (teacher -inf under student mass) or an empty student row: gradient 0.
+    row_ok = torch.isfinite(r) & torch.isfinite(log_s)
+    grad = torch.where(row_ok, dout.to(cdtype), torch.zeros_like(r))
+    r_safe = torch.where(row_ok, r, torch.zeros_like(r))
+    log_t_safe = finite_or_zero(log_t)  # only read on rows whose gradient is nonzero
+    return shift_s, log_s_safe, shift_t, log_t_safe, grad, r_safe
+
+
+def _grad_eager(
+    student: Tensor,
+    teacher_rows: TeacherRows | None,
+    terms: tuple[Tensor, ...],
+    alpha: int,
+    beta: int,
+    chunk_rows: int | None,
+    cdtype: torch.dtype,
+) -> Tensor:
+    """dstudent `[N, Vl]`, per chunk at most two `[C, Vl]` temporaries (besides the teacher's rows),
+    updated in place; the rows are written directly into dstudent when the student is in the
+    compute dtype (else rounded once)."""
+    shift_s, log_s_safe, shift_t, log_t_safe, grad, r_safe = terms
+    n_rows, local_vocab = student.shape
     direct = student.dtype == cdtype
     dstudent = torch.empty_like(student)
     for start, end in _chunks(n_rows, chunk_rows, local_vocab, cdtype):
         rows = slice(start, end)
         out = dstudent[rows] if direct else None
-        if alpha or teacher is None:  # d := log p_s (in the output rows when direct), p := exp(d)
+        if alpha or teacher_rows is None:  # d := log p_s (in the output rows when direct), p := exp(d)
             d = _sub_rows(student[rows], shift_s[rows], out).sub_(log_s_safe[rows, None])
             p = torch.exp(d)  # [C, Vl]
-            if beta and teacher is not None:  # reverse KL: d := log p_s − log p_t
-                logp_t = _sub_rows(teacher[rows], shift_t[rows])  # [C, Vl]
+            if beta and teacher_rows is not None:  # reverse KL: d := log p_s − log p_t
+                logp_t = _sub_rows(teacher_rows(start, end), shift_t[rows])  # [C, Vl]
                 d.sub_(logp_t.sub_(log_t_safe[rows, None]))
                 del logp_t
         else:  # cross-entropy: p := exp(log p_s), d := −log p_t
             p = _sub_rows(student[rows], shift_s[rows]).sub_(log_s_safe[rows, None]).exp_()
-            d = _sub_rows(teacher[rows], shift_t[rows], out).sub_(log_t_safe[rows, None]).neg_()
-        # g · p · (w − R); a NaN is 0·(±inf) from p = 0 (or a zeroed row): it is 0 (see above)
+            d = _sub_rows(teacher_rows(start, end), shift_t[rows], out).sub_(log_t_safe[rows, None]).neg_()
+        # g · p · (w − R); a NaN is 0·(±inf) from p = 0 (or a zeroed row): it is 0 (proofs §4)
         d.sub_(r_safe[rows, None]).mul_(p.mul_(grad[rows, None])).nan_to_num_(nan=0.0)
         if not direct:
             dstudent[rows] = d  # rounds once to the student's dtype
@@ -422,3 +467,227 @@ for _fn, _ref in (
         + ("\n" + _sep + _example.rstrip() + "\n" if _sep else "")
         + f"\n    See also: proofs/divergence.md, lossfx.reference.{_ref}.\n"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# A teacher given as hidden states and LM-head shards: its logits projected chunk by chunk
+# ---------------------------------------------------------------------------------------------
+
+
+def project_onto_lm_head(h: Tensor, weight: Tensor, logits_dtype: torch.dtype | None) -> Tensor:
+    """`h [..., H] @ weight [Vl, H]ᵀ` with operands in `weight.dtype` and the result in `logits_dtype`.
+
+    The hidden states are first rounded to `weight.dtype`. With another `logits_dtype` the product
+    is computed in `promote_types(weight.dtype, logits_dtype)` (an exact upcast of the operands, so
+    an unrounded product) and returned in `logits_dtype`.
+    """
+    h = h.to(weight.dtype)
+    if logits_dtype is None or logits_dtype == weight.dtype:
+        return h @ weight.T  # [..., Vl]
+    gemm_dtype = torch.promote_types(weight.dtype, logits_dtype)
+    return (h.to(gemm_dtype) @ weight.to(gemm_dtype).T).to(logits_dtype)  # [..., Vl]
+
+
+def _projected_rows(hidden: Tensor, weights: list[Tensor], head: Tensor, logits_dtype: torch.dtype) -> TeacherRows:
+    """Teacher rows `[start, end)`: row `n` of `hidden [N, H]` through `weights[head[n]]` -> `[C, Vl]`.
+
+    The operands are cast once per call (the hidden states to the heads' dtype; both to the GEMM
+    dtype when `logits_dtype` differs), so each chunk costs one `[C, Vl]` product per head it uses.
+    """
+    gemm_dtype = torch.promote_types(weights[0].dtype, logits_dtype)
+    h = hidden.to(weights[0].dtype).to(gemm_dtype)  # [N, H]; rounded to the heads' dtype first
+    heads = [w.to(gemm_dtype) for w in weights]  # [Vl, H] each; no copy when already gemm_dtype
+
+    def rows(start: int, end: int) -> Tensor:
+        if len(heads) == 1:
+            return (h[start:end] @ heads[0].T).to(logits_dtype)  # [C, Vl]
+        out = h.new_empty((end - start, heads[0].shape[0]), dtype=logits_dtype)  # [C, Vl]
+        chunk_head = head[start:end]  # [C]
+        for k, weight in enumerate(heads):  # runs eagerly (inside the custom ops): value-dependent
+            picked = (chunk_head == k).nonzero().squeeze(-1)  # [C_k]
+            if picked.numel():
+                out.index_copy_(0, picked, (h[start:end].index_select(0, picked) @ weight.T).to(logits_dtype))
+        return out
+
+    return rows
+
+
+def _chunk_arg(chunk_rows: int) -> int | None:
+    return None if chunk_rows < 0 else chunk_rows
+
+
+# The chunk loops run inside custom ops: under torch.compile they are one opaque node each (the
+# graph does not grow with the chunk count, and Inductor never sees, hence never materialises, the
+# [N, Vl] matmul output); the collective stays outside, in the traced graph, as a functional one.
+@torch.library.custom_op(
+    "lossfx::projected_teacher_stats",
+    mutates_args=(),
+    schema="(Tensor student, Tensor hidden, Tensor[] weights, Tensor head, str kind, int chunk_rows, "
+    "ScalarType logits_dtype) -> Tensor",
+)
+def _projected_teacher_stats(
+    student: Tensor,
+    hidden: Tensor,
+    weights: list[Tensor],
+    head: Tensor,
+    kind: str,
+    chunk_rows: int,
+    logits_dtype: torch.dtype,
+) -> Tensor:
+    """Local statistics `[5, N]` of `student [N, Vl]` against the projected teacher (chunked)."""
+    alpha, beta = _WEIGHTS[kind]
+    cdtype = _compute_dtype(student, torch.empty((), dtype=logits_dtype))
+    teacher_rows = _projected_rows(hidden, weights, head, logits_dtype)
+    return _stats_eager(student, teacher_rows, alpha, beta, _chunk_arg(chunk_rows), cdtype)
+
+
+@_projected_teacher_stats.register_fake
+def _(student, hidden, weights, head, kind, chunk_rows, logits_dtype):
+    cdtype = _compute_dtype(student, torch.empty((), dtype=logits_dtype))
+    return student.new_empty((5, student.shape[0]), dtype=cdtype)
+
+
+@torch.library.custom_op(
+    "lossfx::projected_teacher_grad",
+    mutates_args=(),
+    schema="(Tensor student, Tensor hidden, Tensor[] weights, Tensor head, Tensor row_stats, Tensor r, "
+    "Tensor dout, str kind, int chunk_rows, ScalarType logits_dtype) -> Tensor",
+)
+def _projected_teacher_grad(
+    student: Tensor,
+    hidden: Tensor,
+    weights: list[Tensor],
+    head: Tensor,
+    row_stats: Tensor,
+    r: Tensor,
+    dout: Tensor,
+    kind: str,
+    chunk_rows: int,
+    logits_dtype: torch.dtype,
+) -> Tensor:
+    """dstudent `[N, Vl]`, each teacher chunk projected again (nothing `[N, Vl]` was saved)."""
+    alpha, beta = _WEIGHTS[kind]
+    cdtype = r.dtype
+    terms = _backward_terms(row_stats, r, dout, cdtype)
+    teacher_rows = _projected_rows(hidden, weights, head, logits_dtype)
+    return _grad_eager(student, teacher_rows, terms, alpha, beta, _chunk_arg(chunk_rows), cdtype)
+
+
+@_projected_teacher_grad.register_fake
+def _(student, hidden, weights, head, row_stats, r, dout, kind, chunk_rows, logits_dtype):
+    return torch.empty_like(student)
+
+
+def _projected_fwd(student, hidden, head, kind, chunk_rows, group, logits_dtype, weights):
+    local = _projected_teacher_stats(student, hidden, list(weights), head, kind, chunk_rows, logits_dtype)
+    stats = all_gather_stack(local, group)  # [R, 5, N]
+    row_stats, r = _merge(stats, *_WEIGHTS[kind])
+    return r, row_stats
+
+
+class _ProjectedDivergenceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(student, hidden, head, kind, chunk_rows, group, logits_dtype, *weights):
+        return _projected_fwd(student, hidden, head, kind, chunk_rows, group, logits_dtype, weights)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        student, hidden, head, kind, chunk_rows, _group, logits_dtype, *weights = inputs
+        r, row_stats = output
+        ctx.save_for_backward(student, hidden, head, row_stats, r, *weights)
+        ctx.kind, ctx.chunk_rows, ctx.logits_dtype = kind, chunk_rows, logits_dtype
+        ctx.mark_non_differentiable(row_stats)
+
+    @staticmethod
+    @once_differentiable  # the saved statistics are constants of the backward: proofs/divergence.md §5
+    def backward(ctx, dout, _drow_stats):
+        student, hidden, head, row_stats, r, *weights = ctx.saved_tensors
+        dstudent = _projected_teacher_grad(
+            student, hidden, weights, head, row_stats, r, dout.contiguous(), ctx.kind, ctx.chunk_rows, ctx.logits_dtype
+        )
+        return (dstudent, None, None, None, None, None, None, *([None] * len(weights)))
+
+
+def divergence_to_projected_teacher(
+    kind: str,
+    student: Tensor,
+    hidden: Tensor,
+    weights: list[Tensor],
+    head: Tensor | None = None,
+    *,
+    group: ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    logits_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """`entropy`/`cross_entropy_to_fixed`/`reverse_kl_to_fixed` with the teacher logits given as
+    hidden states through LM-head shards, projected one row chunk at a time (never `[N, Vl]`).
+
+    Equivalent to ``reverse_kl_to_fixed(student, teacher)`` (for `kind="reverse_kl"`) with
+    ``teacher[n] = project_onto_lm_head(hidden[n], weights[head[n]], logits_dtype)``.
+
+    Args:
+        kind: `"cross_entropy"` or `"reverse_kl"`.
+        student: `[..., Vl]` this rank's student logits shard.
+        hidden: `[..., H]` the teacher's hidden states (same leading dims); fixed (no gradient).
+        weights: `[Vl, H]` LM-head shards (one dtype, one shape); fixed (no gradient).
+        head: `[...]` integer position in `weights` of each row's head; `None` with one head.
+        group, chunk_size: as for `reverse_kl_to_fixed` (eager and compiled alike, the teacher
+            is projected `chunk_size` rows at a time: default about 2 MiB per temporary).
+        logits_dtype: dtype of the projected teacher logits (`None`: the heads' dtype).
+
+    Returns:
+        `[...]` in `promote_types(student, logits_dtype, float32)`; the gradient flows to `student`.
+
+    Note:
+        Under `torch.compile` the chunk loops are two `torch.library` custom ops (forward
+        statistics; backward gradient, recomputing each teacher chunk) around a traced functional
+        all-gather: the graph size does not depend on the chunk count, and no `[N, Vl]` teacher
+        tensor exists in eager or compiled mode. Peak extra memory of forward + backward: the
+        student gradient plus O(chunk).
+    """
+    if kind not in ("cross_entropy", "reverse_kl"):
+        raise ValueError(f"kind must be 'cross_entropy' or 'reverse_kl', got {kind!r}")
+    check_floating("student", student)
+    check_floating("hidden", hidden)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    if not weights:
+        raise ValueError("weights must hold at least one [V_local, H] LM-head shard")
+    ref = weights[0]
+    for i, weight in enumerate(weights):
+        check_floating(f"weights[{i}]", weight)
+        if (
+            weight.dim() != 2
+            or tuple(weight.shape) != (student.shape[-1], hidden.shape[-1])
+            or weight.dtype != ref.dtype
+        ):
+            raise ValueError(
+                f"weights[{i}] must be a [V_local, H] = [{student.shape[-1]}, {hidden.shape[-1]}] LM-head shard of "
+                f"one dtype; got shape {tuple(weight.shape)} and dtype {weight.dtype} (weights[0]: {ref.dtype})"
+            )
+    if tuple(hidden.shape[:-1]) != tuple(student.shape[:-1]):
+        raise ValueError(
+            f"hidden and student must share their leading dims; got hidden.shape={tuple(hidden.shape)} and "
+            f"student.shape={tuple(student.shape)}"
+        )
+    lead = student.shape[:-1]
+    flat_student = student.reshape(-1, student.shape[-1])  # [N, Vl]
+    flat_hidden = hidden.detach().reshape(-1, hidden.shape[-1]).contiguous()  # [N, H]
+    if head is None:
+        if len(weights) > 1:
+            raise ValueError(f"head is required with {len(weights)} LM-head shards")
+        flat_head = torch.zeros(flat_student.shape[0], dtype=torch.int64, device=student.device)
+    else:
+        check_integer_ids("head", head)
+        flat_head = head.reshape(-1).to(device=student.device, dtype=torch.int64)  # [N]
+    heads = tuple(w.detach() for w in weights)
+    logits_dtype = ref.dtype if logits_dtype is None else logits_dtype
+    chunk_arg = -1 if chunk_size is None else chunk_size
+    if torch.is_grad_enabled() and student.requires_grad:
+        r, _ = _ProjectedDivergenceFn.apply(
+            flat_student, flat_hidden, flat_head, kind, chunk_arg, group, logits_dtype, *heads
+        )
+    else:  # metric-only: no autograd node, nothing saved for backward
+        r, _ = _projected_fwd(
+            flat_student.detach(), flat_hidden, flat_head, kind, chunk_arg, group, logits_dtype, heads
+        )
+    return r.view(lead)
