@@ -12,6 +12,7 @@ from harness import compiled_for_rank, run_ranks
 
 import lossfx
 from lossfx import reference as ref
+from lossfx.divergence import divergence_to_projected_teacher
 from lossfx.opd_full import OnPolicyDistillationFullConfig, reconstruct_opd_full_teacher_logits
 
 F64 = torch.float64
@@ -552,7 +553,7 @@ def _projected_rank(rank, world, group, kind, student, h, weights, head, chunk, 
     shards = [w.tensor_split(world, dim=0)[rank] for w in weights]
 
     def fn(s):
-        return lossfx.divergence.divergence_to_projected_teacher(kind, s, h, shards, head, group=group, chunk_size=chunk)
+        return divergence_to_projected_teacher(kind, s, h, shards, head, group=group, chunk_size=chunk)
 
     if backend is not None:
         _, fn = compiled_for_rank(rank, ("projected", kind, world, chunk), fn, backend)
@@ -584,7 +585,7 @@ def test_projected_teacher_gradcheck_and_no_teacher_grad():
     weights = [w.requires_grad_() for w in weights]
 
     def fn(s):
-        return lossfx.divergence.divergence_to_projected_teacher("reverse_kl", s, h, weights, head, chunk_size=2)
+        return divergence_to_projected_teacher("reverse_kl", s, h, weights, head, chunk_size=2)
 
     assert torch.autograd.gradcheck(fn, (student.clone().requires_grad_(),))
     fn(student.clone().requires_grad_()).sum().backward()
@@ -625,7 +626,7 @@ def test_projected_teacher_compiles_fullgraph_graph_independent_of_chunks():
     student, h, weights, head, teacher = _projected_case(n=12)
 
     def fn(s, chunk):
-        return lossfx.divergence.divergence_to_projected_teacher("reverse_kl", s, h, weights, head, chunk_size=chunk)
+        return divergence_to_projected_teacher("reverse_kl", s, h, weights, head, chunk_size=chunk)
 
     nodes = []
     for chunk in (1, 5):
