@@ -16,10 +16,12 @@ Pipeline of the forward (one streaming read of student and teacher, one collecti
    `u = Σ exp(z_s − m_s) · (α (z_s − m_s) − β (z_t − m_t))` (each logit shifted by its own local
    max, so `u` is bounded by the spread of the logits, not their level);
 2. one all-gather of the stacked statistics over the tensor-parallel group and an exact merge
-   (proofs/divergence.md §3) into the row log-sum-exps `lse_s`, `lse_t` and `R`.
+   (proofs/divergence.md §3) into `R` and the row statistics `(M_s, log S, M_t, log T)`, with
+   `lse_s = M_s + log S`: the shift and the log-sum are kept apart, never added, so `log S`
+   survives at any logit magnitude (proofs/divergence.md §8).
 
-Saved for backward: the student and teacher logits themselves (no copy) and `lse_s, lse_t, R`
-(`3N` floats). The backward needs **no** collective: with the global statistics known,
+Saved for backward: the student and teacher logits themselves (no copy), the row statistics and
+`R` (`5N` floats). The backward needs **no** collective: with the global statistics known,
 
     dstudent = dout[:, None] · p_s ⊙ (w − R[:, None])
 
@@ -35,6 +37,8 @@ has `log p_t = -inf` everywhere. Reference: lossfx.reference.reverse_kl_to_fixed
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -43,10 +47,16 @@ from lossfx._chunking import row_chunks
 from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, all_gather_stack
 from lossfx._dtensor import vocab_shard
-from lossfx._numerics import finite_or_zero, lse_for_softmax
-from lossfx._validation import check_floating, check_positive_int
+from lossfx._numerics import finite_or_zero, log_s_for_softmax
+from lossfx._validation import check_floating, check_integer_ids, check_positive_int
 
 __all__ = ["cross_entropy_to_fixed", "entropy", "reverse_kl_to_fixed"]
+
+# Eager default: rows per chunk so that one [C, Vl] compute-dtype temporary is about this many bytes.
+# The kernels make up to 7 in-place passes over each chunk's temporaries; keeping them cache-sized
+# (a few rows at V = 151936) measured ~1.8x faster than 16-row chunks, and the per-chunk Python
+# overhead stays ~3 % at that width.
+CHUNK_BYTES = 2 << 20
 
 # (alpha, beta) of w = alpha * log p_s - beta * log p_t, per kernel kind.
 _WEIGHTS = {"entropy": (1, 0), "cross_entropy": (0, 1), "reverse_kl": (1, 1)}
@@ -63,8 +73,29 @@ def _safe_mul(e: Tensor, x: Tensor) -> Tensor:
     return torch.where(e > 0, e * x, torch.zeros_like(e))
 
 
+def _chunks(n_rows: int, chunk_rows: int | None, local_vocab: int, cdtype: torch.dtype) -> list[tuple[int, int]]:
+    """Row chunks of the eager kernels: `chunk_rows`, or about `CHUNK_BYTES` per temporary."""
+    if chunk_rows is None:
+        itemsize = torch.empty((), dtype=cdtype).element_size()
+        chunk_rows = max(1, CHUNK_BYTES // (local_vocab * itemsize))
+    return row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
+
+
+def _sub_rows(z: Tensor, shift: Tensor, out: Tensor | None = None) -> Tensor:
+    """`z [C, Vl] − shift [C, None]` in `shift`'s dtype, as one fresh buffer (or into `out`).
+
+    A mixed-dtype `torch.sub` (bf16 logits, fp32 shift) would first cast `z` into a hidden
+    temporary; casting into the result buffer and subtracting in place avoids it.
+    """
+    if z.dtype == shift.dtype:
+        return torch.sub(z, shift[:, None], out=out)
+    buf = z.to(shift.dtype) if out is None else out.copy_(z)
+    return buf.sub_(shift[:, None])
+
+
 def _local_stats(zs: Tensor, zt: Tensor | None, alpha: int, beta: int) -> Tensor:
-    """Local statistics `[5, C]` of one chunk `zs, zt [C, Vl]` (compute dtype)."""
+    """Local statistics `[5, C]` of one chunk `zs, zt [C, Vl]` (compute dtype), as one expression
+    (the compiled path: Inductor fuses it into row-reduction loops with no `[C, Vl]` buffer)."""
     m_s = zs.amax(dim=-1)  # [C]
     xs = zs - finite_or_zero(m_s).unsqueeze(-1)  # [C, Vl], ≤ 0 or -inf
     e = torch.exp(xs)  # [C, Vl]
@@ -78,17 +109,45 @@ def _local_stats(zs: Tensor, zt: Tensor | None, alpha: int, beta: int) -> Tensor
         s_t = torch.exp(xt).sum(dim=-1)  # [C]
         weight = xs - xt if alpha else -xt  # [C, Vl]
     # 0·log 0 = 0: a NaN product can only come from e = 0 (0·±inf, or e·(−inf − (−inf))), so
-    # nansum drops exactly those terms; e > 0 under a teacher −inf gives +inf, kept. (A NaN in
+    # exactly those terms are dropped; e > 0 under a teacher −inf gives +inf, kept. (A NaN in
     # the inputs still propagates: through the maxes.)
-    if torch.compiler.is_compiling():  # Inductor fuses this into the exp loop; nansum it does not
-        u = torch.where(e > 0, e * weight, 0.0).sum(dim=-1)  # [C]
-    else:  # one pass fewer in eager
-        u = torch.nansum(e * weight, dim=-1)  # [C]
+    u = torch.where(e > 0, e * weight, 0.0).sum(dim=-1)  # [C]
     return torch.stack([m_s, s_s, m_t, s_t, u])  # [5, C]
 
 
-def _merge(stats: Tensor, alpha: int, beta: int) -> tuple[Tensor, Tensor, Tensor]:
-    """`[R, 5, N]` per-rank statistics -> `(lse_s, lse_t, R)`, each `[N]` (proofs/divergence.md §3)."""
+def _local_stats_eager(
+    zs: Tensor, zt: Tensor | None, alpha: int, beta: int, cdtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`_local_stats` of one chunk `zs, zt [C, Vl]` (any float dtypes) with at most three `[C, Vl]`
+    compute-dtype temporaries (two for entropy and cross-entropy), updated in place; no converted
+    copy of the inputs (`z − m` promotes elementwise). Returns `(m_s, s_s, m_t, s_t, u)`, each `[C]`."""
+    m_s = zs.amax(dim=-1).to(cdtype)  # [C]
+    xs = _sub_rows(zs, finite_or_zero(m_s))  # [C, Vl] temporary 1
+    if zt is None:
+        e = torch.exp(xs)  # [C, Vl] temporary 2
+        s_s = e.sum(dim=-1)  # [C]
+        # e·x; 0·(−inf) = NaN only where e = 0: nansum drops exactly those terms (0·log 0 = 0)
+        u = e.mul_(xs).nansum(dim=-1)  # [C]
+        return m_s, s_s, torch.zeros_like(m_s), torch.ones_like(s_s), u
+    m_t = zt.amax(dim=-1).to(cdtype)  # [C]
+    xt = _sub_rows(zt, finite_or_zero(m_t))  # [C, Vl] temporary 2
+    if alpha:  # reverse KL: w = x_s − x_t
+        e = torch.exp(xs)  # [C, Vl] temporary 3
+        s_s = e.sum(dim=-1)
+        u = e.mul_(xs.sub_(xt)).nansum(dim=-1)  # NaN only where e = 0; +inf (teacher −inf) kept
+    else:  # cross-entropy: w = −x_t; x_s is only needed through e, so exponentiate it in place
+        e = xs.exp_()
+        s_s = e.sum(dim=-1)
+        u = e.mul_(xt).nansum(dim=-1).neg_()
+    s_t = xt.exp_().sum(dim=-1)  # [C]
+    return m_s, s_s, m_t, s_t, u
+
+
+def _merge(stats: Tensor, alpha: int, beta: int) -> tuple[Tensor, Tensor]:
+    """`[R, 5, N]` per-rank statistics -> `(row_stats [4, N], R [N])` (proofs/divergence.md §3).
+
+    `row_stats` = `(M_s, log S, M_t, log T)`: `lse(z) = M_s + log S`, `lse(y) = M_t + log T`.
+    """
     m_s, s_s, m_t, s_t, u = stats.unbind(1)  # each [R, N]
     # The max-shifted merge of _numerics.merge_max_sumexp, spelled out to keep its pieces.
     big_m_s = finite_or_zero(m_s.amax(dim=0))  # [N], the global shifts
@@ -96,46 +155,72 @@ def _merge(stats: Tensor, alpha: int, beta: int) -> tuple[Tensor, Tensor, Tensor
     scale = torch.exp(m_s - big_m_s)  # [R, N], 0 for an all -inf student shard
     total_s = (s_s * scale).sum(dim=0)  # [N], = exp(lse_s − M_s)
     total_t = (s_t * torch.exp(m_t - big_m_t)).sum(dim=0)  # [N], = exp(lse_t − M_t)
-    log_s = torch.log(total_s)  # [N]
+    log_s = torch.log(total_s)  # [N], −inf for an all −inf student row
     log_t = torch.log(total_t)  # [N], −inf for an all −inf teacher row
-    lse_s, lse_t = big_m_s + log_s, big_m_t + log_t  # [N], [N]
     # Shifting each rank's local shift to the global one: Σ_r e_r (u_r + s_r (α Δs_r − β Δt_r)).
     shift = alpha * (finite_or_zero(m_s) - big_m_s) - beta * (finite_or_zero(m_t) - big_m_t)  # [R, N]
     per_rank = _safe_mul(scale, u + s_s * shift)  # [R, N]
     r = per_rank.sum(dim=0) / total_s - alpha * log_s  # [N]
     if beta:
         # An all -inf teacher row has log p_t = -inf everywhere: R = +inf wherever p_s has mass.
-        r = torch.where(torch.isneginf(lse_t), torch.full_like(r, float("inf")), r + beta * log_t)
+        r = torch.where(torch.isneginf(log_t), torch.full_like(r, float("inf")), r + beta * log_t)
     # A student row that is -inf everywhere has p_s = 0: R = Σ 0·w = 0.
-    r = torch.where(torch.isneginf(lse_s), torch.zeros_like(r), r)
-    return lse_s, lse_t, r
+    r = torch.where(torch.isneginf(log_s), torch.zeros_like(r), r)
+    # The shifts and log-sums stay apart (lse = shift + log_sum would round log_sum away at large
+    # |shift|: proofs/divergence.md §8); stacked `[4, N]` for the backward.
+    return torch.stack([big_m_s, log_s, big_m_t, log_t]), r
+
+
+# The teacher's rows `[start, end)` as a `[C, Vl]` tensor: a slice of given logits, or a projection
+# of hidden states through an LM-head shard computed on demand (the teacher logits never exist whole).
+TeacherRows = Callable[[int, int], Tensor]
+
+
+def _row_slicer(teacher: Tensor | None) -> TeacherRows | None:
+    return None if teacher is None else (lambda start, end: teacher[start:end])
+
+
+def _stats_eager(
+    student: Tensor,
+    teacher_rows: TeacherRows | None,
+    alpha: int,
+    beta: int,
+    chunk_rows: int | None,
+    cdtype: torch.dtype,
+) -> Tensor:
+    """Local statistics `[5, N]` (`_local_stats` rows), one chunk of rows at a time."""
+    n_rows, local_vocab = student.shape
+    local = student.new_empty((5, n_rows), dtype=cdtype)
+    for start, end in _chunks(n_rows, chunk_rows, local_vocab, cdtype):
+        zt = None if teacher_rows is None else teacher_rows(start, end)  # [C, Vl]
+        chunk_stats = _local_stats_eager(student[start:end], zt, alpha, beta, cdtype)
+        for i, stat in enumerate(chunk_stats):
+            local[i, start:end] = stat
+    return local
 
 
 def _divergence_fwd(
     student: Tensor, teacher: Tensor | None, kind: str, chunk_rows: int | None, group: ProcessGroup | None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """student, teacher `[N, Vl]` -> `(R, lse_s, lse_t)` `[N]` in the compute dtype."""
+) -> tuple[Tensor, Tensor]:
+    """student, teacher `[N, Vl]` -> `(R [N], row_stats [4, N])` in the compute dtype (`_merge`)."""
     alpha, beta = _WEIGHTS[kind]
-    n_rows, local_vocab = student.shape
     cdtype = _compute_dtype(student, teacher)
     # 1. local statistics, one chunk of rows at a time
-    parts = []
-    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
-        zs = student[start:end].to(cdtype)  # [C, Vl]
-        zt = None if teacher is None else teacher[start:end].to(cdtype)  # [C, Vl]
-        parts.append(_local_stats(zs, zt, alpha, beta))  # [5, C]
-    local = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [5, N]
+    if torch.compiler.is_compiling():  # one fused pass over the whole tensor
+        zt = None if teacher is None else teacher.to(cdtype)
+        local = _local_stats(student.to(cdtype), zt, alpha, beta)  # [5, N]
+    else:
+        local = _stats_eager(student, _row_slicer(teacher), alpha, beta, chunk_rows, cdtype)  # [5, N]
     # 2. merge across ranks: one all-gather of per-row scalars
     stats = all_gather_stack(local, group)  # [R, 5, N]
-    lse_s, lse_t, r = _merge(stats, alpha, beta)
-    return r, lse_s, lse_t
+    row_stats, r = _merge(stats, alpha, beta)
+    return r, row_stats
 
 
 def _divergence_bwd(
     student: Tensor,
     teacher: Tensor | None,
-    lse_s: Tensor,
-    lse_t: Tensor,
+    row_stats: Tensor,
     r: Tensor,
     dout: Tensor,
     kind: str,
@@ -143,31 +228,72 @@ def _divergence_bwd(
 ) -> Tensor:
     """-> dstudent `[N, Vl]` in the student's dtype; no collective."""
     alpha, beta = _WEIGHTS[kind]
-    n_rows, local_vocab = student.shape
     cdtype = _compute_dtype(student, teacher)
-    shift_s = lse_for_softmax(lse_s)  # [N], +inf for an empty row: p_s = 0
-    # A row with R = ±inf (teacher -inf under student mass) or an empty student row: gradient 0.
-    row_ok = torch.isfinite(r) & torch.isfinite(lse_s)  # [N]
-    grad = torch.where(row_ok, dout.to(cdtype), torch.zeros_like(r))  # [N]
-    r_safe = torch.where(row_ok, r, torch.zeros_like(r))  # [N]
-    lse_t_safe = finite_or_zero(lse_t)  # [N], only read on rows whose gradient is nonzero
-    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
-    dstudent = torch.empty_like(student) if len(chunks) > 1 else None
-    for start, end in chunks:
-        logp_s = student[start:end].to(cdtype) - shift_s[start:end, None]  # [C, Vl]
-        p_s = torch.exp(logp_s)  # [C, Vl]
+    terms = _backward_terms(row_stats, r, dout, cdtype)
+    shift_s, log_s_safe, shift_t, log_t_safe, grad, r_safe = terms
+    if torch.compiler.is_compiling():
+        # One expression over the whole tensor: Inductor fuses it into a single loop that reads the
+        # logits once and writes dstudent once, in the student's dtype, with no [N, Vl] temporary.
+        # (z − M) − log S: the large shift leaves first, exactly (proofs/divergence.md §8).
+        logp_s = (student.to(cdtype) - shift_s[:, None]) - log_s_safe[:, None]  # [N, Vl]
         if beta and teacher is not None:  # beta != 0 exactly when a teacher is given
-            logp_t = teacher[start:end].to(cdtype) - lse_t_safe[start:end, None]  # [C, Vl]
-            w = logp_s - logp_t if alpha else -logp_t  # [C, Vl]
+            logp_t = (teacher.to(cdtype) - shift_t[:, None]) - log_t_safe[:, None]  # [N, Vl]
+            w = logp_s - logp_t if alpha else -logp_t  # [N, Vl]
         else:
-            w = logp_s  # [C, Vl]
+            w = logp_s  # [N, Vl]
         # A NaN here is 0·(±inf) (p_s = 0 under w = −inf, or a zeroed row whose R is +inf): it is 0.
         # Where p_s > 0 on a live row, w and R are finite (proofs/divergence.md §4).
-        dchunk = torch.nan_to_num(p_s * (w - r_safe[start:end, None]) * grad[start:end, None], nan=0.0)
-        if dstudent is None:  # one chunk: its rows are the whole gradient
-            return dchunk.to(student.dtype)
-        dstudent[start:end] = dchunk  # rounds once to the student's dtype
-    return dstudent if dstudent is not None else torch.empty_like(student)  # no rows: no chunk
+        dchunk = torch.exp(logp_s) * (w - r_safe[:, None]) * grad[:, None]
+        return torch.nan_to_num(dchunk, nan=0.0).to(student.dtype)
+    return _grad_eager(student, _row_slicer(teacher), terms, alpha, beta, chunk_rows, cdtype)
+
+
+def _backward_terms(row_stats: Tensor, r: Tensor, dout: Tensor, cdtype: torch.dtype) -> tuple[Tensor, ...]:
+    """Per-row constants of the backward, each `[N]`: `(M_s, log S, M_t, log T, g, R)` made safe."""
+    shift_s, log_s, shift_t, log_t = row_stats.unbind(0)  # each [N]
+    log_s_safe = log_s_for_softmax(log_s)  # +inf for an empty row: p_s = 0
+    # A row with R = ±inf (teacher -inf under student mass) or an empty student row: gradient 0.
+    row_ok = torch.isfinite(r) & torch.isfinite(log_s)
+    grad = torch.where(row_ok, dout.to(cdtype), torch.zeros_like(r))
+    r_safe = torch.where(row_ok, r, torch.zeros_like(r))
+    log_t_safe = finite_or_zero(log_t)  # only read on rows whose gradient is nonzero
+    return shift_s, log_s_safe, shift_t, log_t_safe, grad, r_safe
+
+
+def _grad_eager(
+    student: Tensor,
+    teacher_rows: TeacherRows | None,
+    terms: tuple[Tensor, ...],
+    alpha: int,
+    beta: int,
+    chunk_rows: int | None,
+    cdtype: torch.dtype,
+) -> Tensor:
+    """dstudent `[N, Vl]`, per chunk at most two `[C, Vl]` temporaries (besides the teacher's rows),
+    updated in place; the rows are written directly into dstudent when the student is in the
+    compute dtype (else rounded once)."""
+    shift_s, log_s_safe, shift_t, log_t_safe, grad, r_safe = terms
+    n_rows, local_vocab = student.shape
+    direct = student.dtype == cdtype
+    dstudent = torch.empty_like(student)
+    for start, end in _chunks(n_rows, chunk_rows, local_vocab, cdtype):
+        rows = slice(start, end)
+        out = dstudent[rows] if direct else None
+        if alpha or teacher_rows is None:  # d := log p_s (in the output rows when direct), p := exp(d)
+            d = _sub_rows(student[rows], shift_s[rows], out).sub_(log_s_safe[rows, None])
+            p = torch.exp(d)  # [C, Vl]
+            if beta and teacher_rows is not None:  # reverse KL: d := log p_s − log p_t
+                logp_t = _sub_rows(teacher_rows(start, end), shift_t[rows])  # [C, Vl]
+                d.sub_(logp_t.sub_(log_t_safe[rows, None]))
+                del logp_t
+        else:  # cross-entropy: p := exp(log p_s), d := −log p_t
+            p = _sub_rows(student[rows], shift_s[rows]).sub_(log_s_safe[rows, None]).exp_()
+            d = _sub_rows(teacher_rows(start, end), shift_t[rows], out).sub_(log_t_safe[rows, None]).neg_()
+        # g · p · (w − R); a NaN is 0·(±inf) from p = 0 (or a zeroed row): it is 0 (proofs §4)
+        d.sub_(r_safe[rows, None]).mul_(p.mul_(grad[rows, None])).nan_to_num_(nan=0.0)
+        if not direct:
+            dstudent[rows] = d  # rounds once to the student's dtype
+    return dstudent
 
 
 class _DivergenceFn(torch.autograd.Function):
@@ -178,16 +304,16 @@ class _DivergenceFn(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         student, teacher, kind, chunk_rows, _group = inputs
-        r, lse_s, lse_t = output
-        ctx.save_for_backward(student, teacher, lse_s, lse_t, r)
+        r, row_stats = output
+        ctx.save_for_backward(student, teacher, row_stats, r)
         ctx.kind, ctx.chunk_rows = kind, chunk_rows
-        ctx.mark_non_differentiable(lse_s, lse_t)
+        ctx.mark_non_differentiable(row_stats)
 
     @staticmethod
     @once_differentiable  # the saved statistics are constants of the backward: proofs/divergence.md §5
-    def backward(ctx, dout, _dlse_s, _dlse_t):
-        student, teacher, lse_s, lse_t, r = ctx.saved_tensors
-        dstudent = _divergence_bwd(student, teacher, lse_s, lse_t, r, dout, ctx.kind, ctx.chunk_rows)
+    def backward(ctx, dout, _drow_stats):
+        student, teacher, row_stats, r = ctx.saved_tensors
+        dstudent = _divergence_bwd(student, teacher, row_stats, r, dout, ctx.kind, ctx.chunk_rows)
         return dstudent, None, None, None, None  # one entry per forward input
 
 
@@ -219,9 +345,9 @@ def _apply(
         flat_teacher = teacher.detach().reshape(-1, local_vocab)  # [N, Vl]: the teacher is fixed
     flat_student = student.reshape(-1, local_vocab)  # [N, Vl]
     if torch.is_grad_enabled() and student.requires_grad:
-        r, _, _ = _DivergenceFn.apply(flat_student, flat_teacher, kind, chunk_size, group)
+        r, _ = _DivergenceFn.apply(flat_student, flat_teacher, kind, chunk_size, group)
     else:  # metric-only: no autograd node, nothing saved for backward
-        r, _, _ = _divergence_fwd(flat_student.detach(), flat_teacher, kind, chunk_size, group)
+        r, _ = _divergence_fwd(flat_student.detach(), flat_teacher, kind, chunk_size, group)
     return r.view(student.shape[:-1])
 
 
@@ -232,8 +358,8 @@ _COMMON_DOC = """
         group: tensor-parallel process group over the vocabulary, or `None`. The output is the
             same on every rank; the gradient each rank receives is for its own shard only.
         chunk_size: rows of the flattened `[N, Vl]` logits processed at once in eager mode (a
-            memory bound; results do not depend on it). Under `torch.compile` the whole tensor
-            is one fused pass.
+            memory bound; results do not depend on it). Default: about 2 MiB per temporary.
+            Under `torch.compile` the whole tensor is one fused pass.
 
     Returns:
         `[...]` per-token values in `promote_types(student, teacher, float32)` (fp32 for
@@ -341,3 +467,240 @@ for _fn, _ref in (
         + ("\n" + _sep + _example.rstrip() + "\n" if _sep else "")
         + f"\n    See also: proofs/divergence.md, lossfx.reference.{_ref}.\n"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# A teacher given as hidden states and LM-head shards: its logits projected chunk by chunk
+# ---------------------------------------------------------------------------------------------
+
+
+def project_onto_lm_head(h: Tensor, weight: Tensor, logits_dtype: torch.dtype | None) -> Tensor:
+    """`h [..., H] @ weight [Vl, H]ᵀ` with operands in `weight.dtype` and the result in `logits_dtype`.
+
+    The hidden states are first rounded to `weight.dtype`. With another `logits_dtype` the product
+    is computed in `promote_types(weight.dtype, logits_dtype)` (an exact upcast of the operands, so
+    an unrounded product) and returned in `logits_dtype`.
+    """
+    h = h.to(weight.dtype)
+    if logits_dtype is None or logits_dtype == weight.dtype:
+        return h @ weight.T  # [..., Vl]
+    gemm_dtype = torch.promote_types(weight.dtype, logits_dtype)
+    return (h.to(gemm_dtype) @ weight.to(gemm_dtype).T).to(logits_dtype)  # [..., Vl]
+
+
+def _projected_rows(hidden: Tensor, weights: list[Tensor], head: Tensor, logits_dtype: torch.dtype) -> TeacherRows:
+    """Teacher rows `[start, end)`: row `n` of `hidden [N, H]` through `weights[head[n]]` -> `[C, Vl]`.
+
+    The operands are cast once per call (the hidden states to the heads' dtype; both to the GEMM
+    dtype when `logits_dtype` differs), so each chunk costs one `[C, Vl]` product per head it uses.
+    """
+    gemm_dtype = torch.promote_types(weights[0].dtype, logits_dtype)
+    h = hidden.to(weights[0].dtype).to(gemm_dtype)  # [N, H]; rounded to the heads' dtype first
+    heads = [w.to(gemm_dtype) for w in weights]  # [Vl, H] each; no copy when already gemm_dtype
+
+    def rows(start: int, end: int) -> Tensor:
+        if len(heads) == 1:
+            return (h[start:end] @ heads[0].T).to(logits_dtype)  # [C, Vl]
+        out = h.new_empty((end - start, heads[0].shape[0]), dtype=logits_dtype)  # [C, Vl]
+        chunk_head = head[start:end]  # [C]
+        for k, weight in enumerate(heads):  # runs eagerly (inside the custom ops): value-dependent
+            picked = (chunk_head == k).nonzero().squeeze(-1)  # [C_k]
+            if picked.numel():
+                out.index_copy_(0, picked, (h[start:end].index_select(0, picked) @ weight.T).to(logits_dtype))
+        return out
+
+    return rows
+
+
+# Default rows per chunk of a projected teacher: each chunk reads every LM-head shard once, so a
+# chunk of a few rows would make the projection a memory-bound pass over the whole head per chunk
+# (measured ~20x slower at V = 151936, H = 512). 64 rows keep the GEMM efficient; the [C, Vl]
+# blocks stay O(chunk) (fp32 at V = 151936: 39 MB each, 0.03x the logits at N = 2048).
+PROJECTED_CHUNK_ROWS = 64
+
+
+def _chunk_arg(chunk_rows: int, local_vocab: int, cdtype: torch.dtype) -> int:
+    if chunk_rows >= 0:
+        return chunk_rows
+    itemsize = torch.empty((), dtype=cdtype).element_size()
+    return max(PROJECTED_CHUNK_ROWS, CHUNK_BYTES // (local_vocab * itemsize))
+
+
+# The chunk loops run inside custom ops: under torch.compile they are one opaque node each (the
+# graph does not grow with the chunk count, and Inductor never sees, hence never materialises, the
+# [N, Vl] matmul output); the collective stays outside, in the traced graph, as a functional one.
+@torch.library.custom_op(
+    "lossfx::projected_teacher_stats",
+    mutates_args=(),
+    schema="(Tensor student, Tensor hidden, Tensor[] weights, Tensor head, str kind, int chunk_rows, "
+    "ScalarType logits_dtype) -> Tensor",
+)
+def _projected_teacher_stats(
+    student: Tensor,
+    hidden: Tensor,
+    weights: list[Tensor],
+    head: Tensor,
+    kind: str,
+    chunk_rows: int,
+    logits_dtype: torch.dtype,
+) -> Tensor:
+    """Local statistics `[5, N]` of `student [N, Vl]` against the projected teacher (chunked)."""
+    alpha, beta = _WEIGHTS[kind]
+    cdtype = _compute_dtype(student, torch.empty((), dtype=logits_dtype))
+    teacher_rows = _projected_rows(hidden, weights, head, logits_dtype)
+    rows = _chunk_arg(chunk_rows, student.shape[-1], cdtype)
+    return _stats_eager(student, teacher_rows, alpha, beta, rows, cdtype)
+
+
+@_projected_teacher_stats.register_fake
+def _(student, hidden, weights, head, kind, chunk_rows, logits_dtype):
+    cdtype = _compute_dtype(student, torch.empty((), dtype=logits_dtype))
+    return student.new_empty((5, student.shape[0]), dtype=cdtype)
+
+
+@torch.library.custom_op(
+    "lossfx::projected_teacher_grad",
+    mutates_args=(),
+    schema="(Tensor student, Tensor hidden, Tensor[] weights, Tensor head, Tensor row_stats, Tensor r, "
+    "Tensor dout, str kind, int chunk_rows, ScalarType logits_dtype) -> Tensor",
+)
+def _projected_teacher_grad(
+    student: Tensor,
+    hidden: Tensor,
+    weights: list[Tensor],
+    head: Tensor,
+    row_stats: Tensor,
+    r: Tensor,
+    dout: Tensor,
+    kind: str,
+    chunk_rows: int,
+    logits_dtype: torch.dtype,
+) -> Tensor:
+    """dstudent `[N, Vl]`, each teacher chunk projected again (nothing `[N, Vl]` was saved)."""
+    alpha, beta = _WEIGHTS[kind]
+    cdtype = r.dtype
+    terms = _backward_terms(row_stats, r, dout, cdtype)
+    teacher_rows = _projected_rows(hidden, weights, head, logits_dtype)
+    rows = _chunk_arg(chunk_rows, student.shape[-1], cdtype)
+    return _grad_eager(student, teacher_rows, terms, alpha, beta, rows, cdtype)
+
+
+@_projected_teacher_grad.register_fake
+def _(student, hidden, weights, head, row_stats, r, dout, kind, chunk_rows, logits_dtype):
+    return torch.empty_like(student)
+
+
+def _projected_fwd(student, hidden, head, kind, chunk_rows, group, logits_dtype, weights):
+    local = _projected_teacher_stats(student, hidden, list(weights), head, kind, chunk_rows, logits_dtype)
+    stats = all_gather_stack(local, group)  # [R, 5, N]
+    row_stats, r = _merge(stats, *_WEIGHTS[kind])
+    return r, row_stats
+
+
+class _ProjectedDivergenceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(student, hidden, head, kind, chunk_rows, group, logits_dtype, *weights):
+        return _projected_fwd(student, hidden, head, kind, chunk_rows, group, logits_dtype, weights)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        student, hidden, head, kind, chunk_rows, _group, logits_dtype, *weights = inputs
+        r, row_stats = output
+        ctx.save_for_backward(student, hidden, head, row_stats, r, *weights)
+        ctx.kind, ctx.chunk_rows, ctx.logits_dtype = kind, chunk_rows, logits_dtype
+        ctx.mark_non_differentiable(row_stats)
+
+    @staticmethod
+    @once_differentiable  # the saved statistics are constants of the backward: proofs/divergence.md §5
+    def backward(ctx, dout, _drow_stats):
+        student, hidden, head, row_stats, r, *weights = ctx.saved_tensors
+        dstudent = _projected_teacher_grad(
+            student, hidden, weights, head, row_stats, r, dout.contiguous(), ctx.kind, ctx.chunk_rows, ctx.logits_dtype
+        )
+        return (dstudent, None, None, None, None, None, None, *([None] * len(weights)))
+
+
+def divergence_to_projected_teacher(
+    kind: str,
+    student: Tensor,
+    hidden: Tensor,
+    weights: list[Tensor],
+    head: Tensor | None = None,
+    *,
+    group: ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    logits_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """`entropy`/`cross_entropy_to_fixed`/`reverse_kl_to_fixed` with the teacher logits given as
+    hidden states through LM-head shards, projected one row chunk at a time (never `[N, Vl]`).
+
+    Equivalent to ``reverse_kl_to_fixed(student, teacher)`` (for `kind="reverse_kl"`) with
+    ``teacher[n] = project_onto_lm_head(hidden[n], weights[head[n]], logits_dtype)``.
+
+    Args:
+        kind: `"cross_entropy"` or `"reverse_kl"`.
+        student: `[..., Vl]` this rank's student logits shard.
+        hidden: `[..., H]` the teacher's hidden states (same leading dims); fixed (no gradient).
+        weights: `[Vl, H]` LM-head shards (one dtype, one shape); fixed (no gradient).
+        head: `[...]` integer position in `weights` of each row's head; `None` with one head.
+        group, chunk_size: as for `reverse_kl_to_fixed` (eager and compiled alike, the teacher
+            is projected `chunk_size` rows at a time; default 64 rows, so that the GEMM stays
+            efficient: each chunk reads the LM-head shard once).
+        logits_dtype: dtype of the projected teacher logits (`None`: the heads' dtype).
+
+    Returns:
+        `[...]` in `promote_types(student, logits_dtype, float32)`; the gradient flows to `student`.
+
+    Note:
+        Under `torch.compile` the chunk loops are two `torch.library` custom ops (forward
+        statistics; backward gradient, recomputing each teacher chunk) around a traced functional
+        all-gather: the graph size does not depend on the chunk count, and no `[N, Vl]` teacher
+        tensor exists in eager or compiled mode. Peak extra memory of forward + backward: the
+        student gradient plus O(chunk).
+    """
+    if kind not in ("cross_entropy", "reverse_kl"):
+        raise ValueError(f"kind must be 'cross_entropy' or 'reverse_kl', got {kind!r}")
+    check_floating("student", student)
+    check_floating("hidden", hidden)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    if not weights:
+        raise ValueError("weights must hold at least one [V_local, H] LM-head shard")
+    ref = weights[0]
+    for i, weight in enumerate(weights):
+        check_floating(f"weights[{i}]", weight)
+        if (
+            weight.dim() != 2
+            or tuple(weight.shape) != (student.shape[-1], hidden.shape[-1])
+            or weight.dtype != ref.dtype
+        ):
+            raise ValueError(
+                f"weights[{i}] must be a [V_local, H] = [{student.shape[-1]}, {hidden.shape[-1]}] LM-head shard of "
+                f"one dtype; got shape {tuple(weight.shape)} and dtype {weight.dtype} (weights[0]: {ref.dtype})"
+            )
+    if tuple(hidden.shape[:-1]) != tuple(student.shape[:-1]):
+        raise ValueError(
+            f"hidden and student must share their leading dims; got hidden.shape={tuple(hidden.shape)} and "
+            f"student.shape={tuple(student.shape)}"
+        )
+    lead = student.shape[:-1]
+    flat_student = student.reshape(-1, student.shape[-1])  # [N, Vl]
+    flat_hidden = hidden.detach().reshape(-1, hidden.shape[-1]).contiguous()  # [N, H]
+    if head is None:
+        if len(weights) > 1:
+            raise ValueError(f"head is required with {len(weights)} LM-head shards")
+        flat_head = torch.zeros(flat_student.shape[0], dtype=torch.int64, device=student.device)
+    else:
+        check_integer_ids("head", head)
+        flat_head = head.reshape(-1).to(device=student.device, dtype=torch.int64)  # [N]
+    heads = tuple(w.detach() for w in weights)
+    logits_dtype = ref.dtype if logits_dtype is None else logits_dtype
+    chunk_arg = -1 if chunk_size is None else chunk_size
+    if torch.is_grad_enabled() and student.requires_grad:
+        r, _ = _ProjectedDivergenceFn.apply(
+            flat_student, flat_hidden, flat_head, kind, chunk_arg, group, logits_dtype, *heads
+        )
+    else:  # metric-only: no autograd node, nothing saved for backward
+        r, _ = _projected_fwd(
+            flat_student.detach(), flat_hidden, flat_head, kind, chunk_arg, group, logits_dtype, heads
+        )
+    return r.view(lead)

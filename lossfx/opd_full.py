@@ -32,7 +32,13 @@ from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
 from lossfx._dtensor import is_dtensor, replicated, vocab_shard
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
-from lossfx.divergence import cross_entropy_to_fixed, entropy, reverse_kl_to_fixed
+from lossfx.divergence import (
+    cross_entropy_to_fixed,
+    divergence_to_projected_teacher,
+    entropy,
+    project_onto_lm_head,
+    reverse_kl_to_fixed,
+)
 from lossfx.next_token import next_token_logprobs
 
 __all__ = [
@@ -98,17 +104,8 @@ class OnPolicyDistillationFullConfig:
 
 
 def _project_onto_teacher_lm_head(h: Tensor, weight: Tensor, output_dtype: torch.dtype | None) -> Tensor:
-    """`h [..., H] @ weight [Vl, H]ᵀ` with operands in `weight.dtype` and the result in `output_dtype`.
-
-    The hidden states are first rounded to `weight.dtype`. With another `output_dtype` the product
-    is computed in `promote_types(weight.dtype, output_dtype)` (an exact upcast of the operands,
-    so an unrounded product) and returned in `output_dtype`.
-    """
-    h = h.to(weight.dtype)
-    if output_dtype is None or output_dtype == weight.dtype:
-        return h @ weight.T  # [..., Vl]
-    gemm_dtype = torch.promote_types(weight.dtype, output_dtype)
-    return (h.to(gemm_dtype) @ weight.to(gemm_dtype).T).to(output_dtype)  # [..., Vl]
+    """`h [..., H] @ weight [Vl, H]ᵀ` (see `lossfx.divergence.project_onto_lm_head`)."""
+    return project_onto_lm_head(h, weight, output_dtype)
 
 
 def _width_mismatch(key: Any, payload_width: int, weight: Tensor) -> ValueError:
@@ -128,10 +125,24 @@ def _check_weight(key: Any, weight: Any) -> Tensor:
     return weight
 
 
-def _project_per_teacher(
-    payload: Tensor, weights: dict[Any, Tensor], teacher_index: Tensor, output_dtype: torch.dtype | None
-) -> Tensor:
-    """Row `b` of `payload [B, S, H]` through `weights[teacher_index[b]]` -> `[B, S, Vl]`."""
+def _teacher_heads(
+    weights: dict[Any, Tensor], teacher_index: Tensor | None, payload: Tensor
+) -> tuple[list[Tensor], Tensor | None]:
+    """`(heads, position [B])`: the loaded LM-head shards in a list, and each payload row's position
+    in it (`None` with one head and no index). Checks the heads share one shard shape and dtype
+    and, in eager mode, that every row's head is loaded (that check reads values)."""
+    keys = list(weights)
+    heads = [weights[k] for k in keys]
+    ref = heads[0]
+    for key, weight in zip(keys, heads):
+        if (weight.shape[0], weight.dtype) != (ref.shape[0], ref.dtype):
+            raise ValueError(
+                "teacher LM heads must share one vocabulary shard and dtype; got "
+                f"{tuple(weight.shape)}/{weight.dtype} for teacher_index={key} vs "
+                f"{tuple(ref.shape)}/{ref.dtype} for teacher_index={keys[0]}"
+            )
+    if teacher_index is None:
+        return heads, None
     check_integer_ids("teacher_index", teacher_index)
     teacher_index = teacher_index.to(payload.device).reshape(-1)
     if teacher_index.shape[0] != payload.shape[0]:
@@ -139,47 +150,129 @@ def _project_per_teacher(
             f"teacher_index must carry one entry per payload row: got {teacher_index.shape[0]} entries for "
             f"{payload.shape[0]} rows"
         )
-    ref_key = next(iter(weights))
-    ref = weights[ref_key]
-    if torch.compiler.is_compiling():
-        # No value-dependent control flow in a graph: project every loaded head, select per row.
-        # (The per-row "no head loaded" check reads values and runs in eager mode only.)
-        projections = []
-        for key, weight in weights.items():
-            if (weight.shape[0], weight.dtype) != (ref.shape[0], ref.dtype):
+    if not torch.compiler.is_compiling():
+        for idx in [int(i) for i in torch.unique(teacher_index).tolist()]:
+            if idx not in weights:
                 raise ValueError(
-                    "teacher LM heads must share one vocabulary shard and dtype; got "
-                    f"{tuple(weight.shape)}/{weight.dtype} for teacher_index={key} vs "
-                    f"{tuple(ref.shape)}/{ref.dtype} for teacher_index={ref_key}"
+                    f"row tagged teacher_index={idx}, but no teacher LM head is loaded for that index "
+                    f"(loaded: {sorted(weights)})"
                 )
-            projections.append((key, _project_onto_teacher_lm_head(payload, weight, output_dtype)))  # [B, S, Vl]
-        out = projections[0][1]
-        for key, projected in projections[1:]:
-            out = torch.where((teacher_index == key)[:, None, None], projected, out)
+    # position of each row's key in `keys` (an unloaded key, unchecked under compile, reads 0)
+    key_values = torch.tensor(keys, dtype=torch.int64, device=payload.device)  # [K]
+    position = (teacher_index.to(torch.int64)[:, None] == key_values[None, :]).to(torch.int64).argmax(dim=-1)
+    return heads, position  # [B]
+
+
+def _project_per_teacher(
+    payload: Tensor, heads: list[Tensor], position: Tensor | None, output_dtype: torch.dtype | None
+) -> Tensor:
+    """Row `b` of `payload [B, S, H]` through `heads[position[b]]` -> `[B, S, Vl]` (materialised)."""
+    if position is None:
+        return _project_onto_teacher_lm_head(payload, heads[0], output_dtype)
+    if torch.compiler.is_compiling():  # no value-dependent shapes in a graph: project all, select
+        out = _project_onto_teacher_lm_head(payload, heads[0], output_dtype)
+        for k, weight in enumerate(heads[1:], start=1):
+            projected = _project_onto_teacher_lm_head(payload, weight, output_dtype)  # [B, S, Vl]
+            out = torch.where((position == k)[:, None, None], projected, out)
         return out
-    present = [int(i) for i in torch.unique(teacher_index).tolist()]
-    for idx in present:
-        if idx not in weights:
-            raise ValueError(
-                f"row tagged teacher_index={idx}, but no teacher LM head is loaded for that index "
-                f"(loaded: {sorted(weights)})"
-            )
-        if payload.shape[-1] != weights[idx].shape[1]:
-            raise _width_mismatch(idx, payload.shape[-1], weights[idx])
-    if len(present) == 1:
-        return _project_onto_teacher_lm_head(payload, weights[present[0]], output_dtype)
-    out = payload.new_empty((*payload.shape[:-1], ref.shape[0]), dtype=output_dtype or ref.dtype)  # [B, S, Vl]
-    for idx in present:
-        weight = weights[idx]
-        if (weight.shape[0], weight.dtype) != (ref.shape[0], ref.dtype):
-            raise ValueError(
-                "teacher LM heads must share one vocabulary shard and dtype; got "
-                f"{tuple(weight.shape)}/{weight.dtype} for teacher_index={idx} vs "
-                f"{tuple(ref.shape)}/{ref.dtype} for teacher_index={ref_key}"
-            )
-        rows = teacher_index == idx  # [B]
+    out = payload.new_empty((*payload.shape[:-1], heads[0].shape[0]), dtype=output_dtype or heads[0].dtype)
+    for k, weight in enumerate(heads):
+        rows = position == k  # [B]
         out[rows] = _project_onto_teacher_lm_head(payload[rows], weight, output_dtype)
     return out
+
+
+@dataclass(frozen=True)
+class _ProjectedTeacher:
+    """The teacher as aligned hidden states `[B, S_l, H]`, LM-head shards and each row's head."""
+
+    hidden: Tensor
+    heads: list[Tensor]
+    position: Tensor | None  # [B], or None with one head
+
+
+def _aligned_teacher(
+    payload: Tensor,
+    *,
+    teacher_payload: str,
+    student_logits: Tensor,
+    vocab_parallel_rank: int | None,
+    context_parallel_group: ProcessGroup | None,
+    teacher_output_layer_weight_by_index: dict[Any, Tensor] | None,
+    teacher_index: Tensor | None,
+    output_dtype: torch.dtype | None,
+    project: bool,
+) -> Tensor | _ProjectedTeacher:
+    """`reconstruct_opd_full_teacher_logits`; with `project=False` a hidden-states payload comes back
+    as a `_ProjectedTeacher` (validated and aligned, not projected)."""
+    check_floating("payload", payload)
+    check_tensor("student_logits", student_logits)
+    if teacher_payload not in _PAYLOAD_COLUMNS:
+        raise ValueError(f"teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}")
+    if student_logits.dim() != 3:
+        raise ValueError(f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(student_logits.shape)}")
+    if payload.dim() != 3 or payload.shape[0] != student_logits.shape[0]:
+        raise ValueError(
+            f"the teacher payload must be [B, S_p, D] with the student's batch size; got payload.shape="
+            f"{tuple(payload.shape)} and student_logits.shape={tuple(student_logits.shape)}"
+        )
+    local_vocab = student_logits.shape[-1]
+    weights = teacher_output_layer_weight_by_index or {}
+    # 1. validation and vocabulary narrowing, before any other work
+    if teacher_payload == "hidden_states":
+        if not weights:
+            raise ValueError(
+                "opd_full teacher_payload='hidden_states' requires a loaded teacher output-layer "
+                "weight shard "
+                "(teacher_output_layer_weight_by_index is empty or None)"
+            )
+        if len(weights) > 1 and teacher_index is None:
+            raise ValueError(
+                f"{len(weights)} teacher LM-head shards loaded (>1 shards) but no per-row teacher index "
+                f"('{TEACHER_INDEX_FIELD}') was given"
+            )
+        for key in sorted(weights):
+            weight = _check_weight(key, weights[key])
+            if payload.shape[-1] != weight.shape[1]:
+                raise _width_mismatch(key, payload.shape[-1], weight)
+    else:
+        if vocab_parallel_rank is None:
+            raise ValueError("vocab_parallel_rank is required to slice the opd_full logits payload (use 0 without TP)")
+        start = vocab_parallel_rank * local_vocab
+        end = start + local_vocab
+        if payload.shape[-1] < end:
+            raise ValueError(
+                "Teacher logits payload is narrower than this rank's vocabulary window: payload width "
+                f"{payload.shape[-1]} vs required end {end} "
+                f"(rank {vocab_parallel_rank}, V_local {local_vocab})"
+            )
+        payload = payload[..., start:end]  # [B, S_p, Vl]
+    # 2. sequence alignment: zero-pad to the student's window, then this CP rank's part
+    cp_size = group_size(context_parallel_group)
+    target_len = student_logits.shape[1] * cp_size
+    if payload.shape[1] > target_len:
+        raise ValueError(
+            f"Teacher payload is longer than the student forward window: {payload.shape[1]} vs "
+            f"{target_len} (= S_l {student_logits.shape[1]} · CP {cp_size})"
+        )
+    # zero padding is a uniform teacher (zero logits, or zero hidden states through the LM head)
+    payload = shard_padded_for_cp(payload, student_logits.shape[1], context_parallel_group)  # [B, S_l, D]
+    # 3. to the student's device; the logits payload keeps its dtype
+    payload = payload.contiguous().to(student_logits.device)
+    # 4. hidden states: the LM head(s) of each row; the result must be this rank's vocabulary shard
+    width = payload.shape[-1]
+    if teacher_payload == "hidden_states":
+        heads, position = _teacher_heads(weights, teacher_index, payload)
+        width = heads[0].shape[0]
+    if width != local_vocab:
+        raise ValueError(
+            f"Reconstructed teacher logits must match the student vocabulary shard width; got {width} vs {local_vocab}"
+        )
+    if teacher_payload != "hidden_states":
+        return payload
+    if not project:
+        return _ProjectedTeacher(payload, heads, position)
+    return _project_per_teacher(payload, heads, position, output_dtype)  # [B, S_l, Vl]
 
 
 def reconstruct_opd_full_teacher_logits(
@@ -241,75 +334,19 @@ def reconstruct_opd_full_teacher_logits(
                 output_dtype=output_dtype,
             )
         )
-    check_floating("payload", payload)
-    check_tensor("student_logits", student_logits)
-    if teacher_payload not in _PAYLOAD_COLUMNS:
-        raise ValueError(f"teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}")
-    if student_logits.dim() != 3:
-        raise ValueError(f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(student_logits.shape)}")
-    if payload.dim() != 3 or payload.shape[0] != student_logits.shape[0]:
-        raise ValueError(
-            f"the teacher payload must be [B, S_p, D] with the student's batch size; got payload.shape="
-            f"{tuple(payload.shape)} and student_logits.shape={tuple(student_logits.shape)}"
-        )
-    local_vocab = student_logits.shape[-1]
-    weights = teacher_output_layer_weight_by_index or {}
-    # 1. validation and vocabulary narrowing, before any other work
-    if teacher_payload == "hidden_states":
-        if not weights:
-            raise ValueError(
-                "opd_full teacher_payload='hidden_states' requires a loaded teacher output-layer "
-                "weight shard "
-                "(teacher_output_layer_weight_by_index is empty or None)"
-            )
-        if len(weights) > 1 and teacher_index is None:
-            raise ValueError(
-                f"{len(weights)} teacher LM-head shards loaded (>1 shards) but no per-row teacher index "
-                f"('{TEACHER_INDEX_FIELD}') was given"
-            )
-        for key in sorted(weights):
-            weight = _check_weight(key, weights[key])
-            if payload.shape[-1] != weight.shape[1]:
-                raise _width_mismatch(key, payload.shape[-1], weight)
-    else:
-        if vocab_parallel_rank is None:
-            raise ValueError("vocab_parallel_rank is required to slice the opd_full logits payload (use 0 without TP)")
-        start = vocab_parallel_rank * local_vocab
-        end = start + local_vocab
-        if payload.shape[-1] < end:
-            raise ValueError(
-                "Teacher logits payload is narrower than this rank's vocabulary window: payload width "
-                f"{payload.shape[-1]} vs required end {end} "
-                f"(rank {vocab_parallel_rank}, V_local {local_vocab})"
-            )
-        payload = payload[..., start:end]  # [B, S_p, Vl]
-    # 2. sequence alignment: zero-pad to the student's window, then this CP rank's part
-    cp_size = group_size(context_parallel_group)
-    target_len = student_logits.shape[1] * cp_size
-    if payload.shape[1] > target_len:
-        raise ValueError(
-            f"Teacher payload is longer than the student forward window: {payload.shape[1]} vs "
-            f"{target_len} (= S_l {student_logits.shape[1]} · CP {cp_size})"
-        )
-    # zero padding is a uniform teacher (zero logits, or zero hidden states through the LM head)
-    payload = shard_padded_for_cp(payload, student_logits.shape[1], context_parallel_group)  # [B, S_l, D]
-    # 3. to the student's device; the logits payload keeps its dtype
-    payload = payload.contiguous().to(student_logits.device)
-    # 4. hidden states through the LM head(s)
-    if teacher_payload == "hidden_states":
-        if teacher_index is not None:
-            teacher_logits = _project_per_teacher(payload, weights, teacher_index, output_dtype)
-        else:
-            teacher_logits = _project_onto_teacher_lm_head(payload, next(iter(weights.values())), output_dtype)
-    else:
-        teacher_logits = payload
-    # 5. the result must be this rank's vocabulary shard
-    if teacher_logits.shape[-1] != local_vocab:
-        raise ValueError(
-            "Reconstructed teacher logits must match the student vocabulary shard width; got "
-            f"{teacher_logits.shape[-1]} vs {local_vocab}"
-        )
-    return teacher_logits
+    teacher = _aligned_teacher(
+        payload,
+        teacher_payload=teacher_payload,
+        student_logits=student_logits,
+        vocab_parallel_rank=vocab_parallel_rank,
+        context_parallel_group=context_parallel_group,
+        teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+        teacher_index=teacher_index,
+        output_dtype=output_dtype,
+        project=True,
+    )
+    assert isinstance(teacher, Tensor)  # project=True always gives the logits
+    return teacher
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,8 +417,9 @@ def prepare_opd_full(
         )
     index_field = TEACHER_INDEX_FIELD if teacher_payload == "hidden_states" else None
     teacher_index = data.get(index_field) if index_field is not None else None
-    # 2. this rank's teacher logits, fixed
-    teacher_logits = reconstruct_opd_full_teacher_logits(
+    # 2. this rank's teacher, fixed: logits `[B, S_l, Vl]`, or hidden states `[B, S_l, H]` with the
+    #    LM-head shards, projected chunk by chunk inside the divergence (never `[B, S_l, Vl]`)
+    teacher = _aligned_teacher(
         data[column],
         teacher_payload=teacher_payload,
         student_logits=logits,
@@ -390,16 +428,36 @@ def prepare_opd_full(
         teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
         teacher_index=teacher_index,
         output_dtype=teacher_logits_dtype,
-    ).detach()  # [B, S_l, Vl]
+        project=False,
+    )
     # 3. the divergence (differentiable) and the metric-only decomposition (nothing saved)
     rows = None if cfg_chunk is None else int(cfg_chunk) * logits.shape[0]
     group = vocab_parallel_group
-    divergence = reverse_kl_to_fixed(logits, teacher_logits, group=group, chunk_size=rows)  # [B, S_l]
+
+    def divergence_to_teacher(kind: str) -> Tensor:  # [B, S_l]
+        if isinstance(teacher, _ProjectedTeacher):
+            head = None
+            if teacher.position is not None:  # each row's head, for every position of the row
+                head = teacher.position[:, None].expand(logits.shape[:-1])  # [B, S_l]
+            return divergence_to_projected_teacher(
+                kind,
+                logits,
+                teacher.hidden,
+                teacher.heads,
+                head,
+                group=group,
+                chunk_size=rows,
+                logits_dtype=teacher_logits_dtype,
+            )
+        fn = reverse_kl_to_fixed if kind == "reverse_kl" else cross_entropy_to_fixed
+        return fn(logits, teacher.detach(), group=group, chunk_size=rows)
+
+    divergence = divergence_to_teacher("reverse_kl")  # [B, S_l]
     ent = ce = None
     if getattr(cfg, "validate_decomposition", False):
         with torch.no_grad():
             ent = entropy(logits, group=group, chunk_size=rows)  # [B, S_l]
-            ce = cross_entropy_to_fixed(logits, teacher_logits, group=group, chunk_size=rows)  # [B, S_l]
+            ce = divergence_to_teacher("cross_entropy")  # [B, S_l]
     # 4. back to canonical order under CP (gradient summed over CP ranks)
     if cp_size > 1:
         divergence = allgather_cp(divergence, context_parallel_group, seq_dim=1)  # [B, C·S_l]

@@ -12,6 +12,7 @@ from harness import compiled_for_rank, run_ranks
 
 import lossfx
 from lossfx import reference as ref
+from lossfx.divergence import divergence_to_projected_teacher
 from lossfx.opd_full import OnPolicyDistillationFullConfig, reconstruct_opd_full_teacher_logits
 
 F64 = torch.float64
@@ -530,3 +531,116 @@ def test_simple_namespace_config_and_no_group():
         rtol=TOL,
     )
     assert out["opd_full_entropy"] is None and out["opd_full_cross_entropy"] is None
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Hidden-states teacher projected chunk by chunk inside the divergence (issue 9.3)
+# ---------------------------------------------------------------------------------------------
+
+
+def _projected_case(n=9, vocab=16, hidden=5, heads=2, seed=0, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    student = (torch.randn(n, vocab, generator=g, dtype=F64) * 2).to(dtype)
+    h = torch.randn(n, hidden, generator=g, dtype=F64).to(dtype)
+    weights = [torch.randn(vocab, hidden, generator=g, dtype=F64).to(dtype) for _ in range(heads)]
+    head = torch.randint(0, heads, (n,), generator=g)
+    teacher = torch.stack([h[i].to(F64) @ weights[int(head[i])].to(F64).T for i in range(n)])  # [n, V]
+    return student, h, weights, head, teacher
+
+
+def _projected_rank(rank, world, group, kind, student, h, weights, head, chunk, dout, backend=None):
+    s = student.tensor_split(world, dim=-1)[rank].clone().requires_grad_()
+    shards = [w.tensor_split(world, dim=0)[rank] for w in weights]
+
+    def fn(s):
+        return divergence_to_projected_teacher(kind, s, h, shards, head, group=group, chunk_size=chunk)
+
+    if backend is not None:
+        _, fn = compiled_for_rank(rank, ("projected", kind, world, chunk), fn, backend)
+    out = fn(s)
+    (out * dout).sum().backward()
+    return out.detach(), s.grad
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["reverse_kl", "cross_entropy"])
+@pytest.mark.parametrize("chunk", [None, 1, 4])
+def test_projected_teacher_matches_reference(world, kind, chunk):
+    student, h, weights, head, teacher = _projected_case(seed=world + 3 * (chunk or 0))
+    dout = torch.randn(student.shape[0], dtype=F64)
+    want_fn = ref.reverse_kl_to_fixed if kind == "reverse_kl" else ref.cross_entropy_to_fixed
+    s = student.clone().requires_grad_()
+    want = want_fn(s, teacher)
+    (want * dout).sum().backward()
+    grads = s.grad.tensor_split(world, dim=-1)
+    for rank, (out, grad) in enumerate(run_ranks(world, _projected_rank, kind, student, h, weights, head, chunk, dout)):
+        torch.testing.assert_close(out, want.detach(), atol=TOL, rtol=TOL)
+        torch.testing.assert_close(grad, grads[rank], atol=TOL, rtol=TOL)
+
+
+def test_projected_teacher_gradcheck_and_no_teacher_grad():
+    student, h, weights, head, _ = _projected_case(n=5, vocab=7)
+    h.requires_grad_()
+    weights = [w.requires_grad_() for w in weights]
+
+    def fn(s):
+        return divergence_to_projected_teacher("reverse_kl", s, h, weights, head, chunk_size=2)
+
+    assert torch.autograd.gradcheck(fn, (student.clone().requires_grad_(),))
+    fn(student.clone().requires_grad_()).sum().backward()
+    assert h.grad is None and all(w.grad is None for w in weights)
+
+
+def _saved_bytes(fn):
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        fn()
+    return saved
+
+
+def test_branch_hidden_states_never_materialises_teacher_logits():
+    """OPD_FULL with a hidden-states payload saves no `[B, S, Vl]` teacher tensor, and its eager
+    fwd+bwd peak is the student gradient plus O(chunk), not plus the teacher logits."""
+    from benchmarks.measure import peak_extra_bytes
+
+    student, data, weights, _ = make_case("hidden_states", batch=2, seq=64, vocab=1024, hidden=8, payload_len=64)
+    s = student.clone().requires_grad_()
+    lf = loss_fn("hidden_states", validate=True, chunk=2)  # 2 positions x B=2 rows per chunk
+
+    def run():
+        out, _ = lossfx.prepare_loss_input(s, data, lf, teacher_output_layer_weight_by_index=weights)
+        return torch.autograd.grad(out["opd_full_divergence"].sum(), s)[0]
+
+    saved = _saved_bytes(lambda: lossfx.prepare_loss_input(s, data, lf, teacher_output_layer_weight_by_index=weights))
+    assert all(x.numel() < s.numel() or x.data_ptr() == s.data_ptr() for x in saved)
+    run()
+    logits_bytes = s.numel() * s.element_size()
+    chunk_bytes = 4 * 1024 * 8  # one [C = 4, Vl] float64 temporary
+    peak = peak_extra_bytes(run)
+    assert peak <= logits_bytes + 8 * chunk_bytes + 64 * 1024, (peak, logits_bytes)
+
+
+@pytest.mark.compile
+def test_projected_teacher_compiles_fullgraph_graph_independent_of_chunks():
+    student, h, weights, head, teacher = _projected_case(n=12)
+
+    def fn(s, chunk):
+        return divergence_to_projected_teacher("reverse_kl", s, h, weights, head, chunk_size=chunk)
+
+    nodes = []
+    for chunk in (1, 5):
+        explanation = torch._dynamo.explain(fn)(student.clone().requires_grad_(), chunk)
+        assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+        nodes.append(len(explanation.graphs[0].graph.nodes))
+    assert nodes[0] == nodes[1]  # the chunk loop lives inside the custom op
+    counter, compiled = compiled_for_rank(0, "projected-inductor", lambda s: fn(s, 3))
+    s = student.clone().requires_grad_()
+    out = compiled(s)
+    out.sum().backward()
+    s2 = student.clone().requires_grad_()
+    want = ref.reverse_kl_to_fixed(s2, teacher)
+    want.sum().backward()
+    torch.testing.assert_close(out, want.detach(), atol=TOL, rtol=TOL)
+    torch.testing.assert_close(s.grad, s2.grad, atol=TOL, rtol=TOL)
+    assert counter.frame_count == 1

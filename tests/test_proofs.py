@@ -254,3 +254,46 @@ def test_fused_linear_tp_layouts_sum_over_shards():
         torch.testing.assert_close(torch.cat(scattered), hh.grad, rtol=0, atol=1e-12)
         dw = [dz[:, r * vl : (r + 1) * vl].T @ h / 0.9 for r in range(world)]
         torch.testing.assert_close(torch.cat(dw), ww.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e4, -1e16, 1e30, -1e300])
+def test_divergence_split_shift_is_exact_at_any_magnitude(offset):
+    """proofs/divergence.md §8: `(z − M) − log S` matches log_softmax at any offset; `z − (M + log S)`
+    does not once `ulp(M)` exceeds `log S`."""
+    from lossfx._numerics import merge_max_logsum
+
+    z = offset + torch.tensor([[0.0, 0.0, -1.0, -3.0, -80.0]], dtype=F64)
+    halves = [z[:, :2], z[:, 2:]]  # two "ranks"
+    m = torch.stack([h.amax(-1) for h in halves])  # [2, 1]
+    s = torch.stack([(h - hm[:, None]).exp().sum(-1) for h, hm in zip(halves, m)])  # [2, 1]
+    shift, log_s = merge_max_logsum(m, s)
+    split = (z - shift[:, None]) - log_s[:, None]
+    torch.testing.assert_close(split, z.log_softmax(-1), rtol=0, atol=4e-16 * (1 + split.abs()).max().item())
+    merged = z - (shift + log_s)[:, None]
+    if abs(offset) >= 1e16:  # ulp(offset) ≥ 2 > log S: the merged form rounds log S away
+        assert not torch.allclose(merged, z.log_softmax(-1))
+    # and the divergence backward uses the split: the entropy gradient matches dense autograd
+    zz = z.clone().requires_grad_()
+    lossfx.entropy(zz).sum().backward()
+    dense = z.log_softmax(-1)
+    p = dense.exp()
+    want = p * (dense - (p * dense).sum(-1, keepdim=True))
+    torch.testing.assert_close(zz.grad, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_projected_teacher_rows_equal_the_dense_projection(chunk):
+    """proofs/divergence.md §9: per-chunk projection with per-row routing gives every row the same
+    teacher statistics as the materialised teacher logits."""
+    from lossfx.divergence import _projected_teacher_stats, _stats_eager
+
+    gen = torch.Generator().manual_seed(chunk)
+    n, v, h = 7, 11, 4
+    student = torch.randn(n, v, generator=gen, dtype=F64)
+    hidden = torch.randn(n, h, generator=gen, dtype=F64)
+    heads = [torch.randn(v, h, generator=gen, dtype=F64) for _ in range(2)]
+    head = torch.randint(0, 2, (n,), generator=gen)
+    teacher = torch.stack([hidden[i] @ heads[int(head[i])].T for i in range(n)])  # [n, v]
+    projected = _projected_teacher_stats(student, hidden, heads, head, "reverse_kl", chunk, F64)
+    dense = _stats_eager(student, lambda a, b: teacher[a:b], 1, 1, n, F64)
+    torch.testing.assert_close(projected, dense, rtol=1e-14, atol=1e-14)
