@@ -658,3 +658,76 @@ def test_memory_contract_saved_bytes(strategy):
     big = [t for t in saved if t.numel() > 20]
     assert len(big) == 1 and big[0].data_ptr() == x.data_ptr()
     assert sum(t.numel() * t.element_size() for t in saved if t.numel() <= 20) <= 4 * 20 * 8
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Degenerate shapes and NaN rows (issue 10, items 2 and 3)
+# ---------------------------------------------------------------------------------------------
+
+
+def _rank_prepare_shape(rank, world, group, batch, seq, vocab, backend):
+    z = torch.randn(batch, seq, vocab * world, dtype=F64, generator=torch.Generator().manual_seed(batch + seq))
+    data = {"input_ids": torch.zeros(batch, seq, dtype=torch.long)}
+    shard = _shard(z, rank, world).detach().clone().requires_grad_(True)
+    sp = lossfx.TrainingSamplingParams(top_k=2, top_p=0.9)
+    loss_fn = _loss_fn()
+
+    def fn(x):
+        tp_rank = rank if group is not None else None
+        out, _ = lossfx.prepare_loss_input(
+            x, dict(data), loss_fn, vocab_parallel_rank=tp_rank, vocab_parallel_group=group, sampling_params=sp
+        )
+        return out["next_token_logprobs"]
+
+    if backend is not None:
+        _, fn = compiled_for_rank(rank, ("prepare_shape", world, batch, seq), fn, backend)
+    out = fn(shard)
+    (grad,) = torch.autograd.grad(out.sum(), shard, allow_unused=True)
+    return out.detach(), grad
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize("batch,seq", [(0, 4), (2, 1)])
+def test_empty_rows_give_empty_results(world, backend, batch, seq):
+    """decisions.md §9: `B = 0` or `S = 1` (no next-token position) returns `[B, S-1]` results."""
+    for strategy in STRATEGIES:
+        for shape in [(0, 7 * world), (3, 0, 7 * world)]:
+            x = torch.randn(shape, dtype=F64, requires_grad=True)
+            t = torch.zeros(shape[:-1], dtype=torch.long)
+            out = lossfx.filtered_token_logprobs(x, t, top_k=2, top_p=0.5, strategy=strategy)
+            assert out.shape == shape[:-1]
+            (grad,) = torch.autograd.grad(out.sum(), x)
+            assert grad.shape == shape
+            assert lossfx.top_k_top_p_threshold(x, top_k=2, strategy=strategy).shape == shape[:-1]
+            assert lossfx.apply_top_k_top_p(x, top_k=2, top_p=0.5)[1].shape == shape
+    results = run_ranks(world, _rank_prepare_shape, batch, seq, 7, backend)
+    for out, grad in results:
+        assert out.shape == (batch, seq - 1)
+        assert grad is None or (grad.shape == (batch, seq, 7) and not grad.any())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_nan_row_stays_nan_and_confined(world, strategy):
+    """A row holding a NaN gives a NaN log-prob (as `torch.log_softmax` would) and a zero gradient;
+    every other row is exact. Never `-inf` (which `prepare_loss_input` would report as a filter
+    mismatch)."""
+    z, target = make_logits(2, 4, 6 * world, seed=17)
+    z[0, 1, 2] = float("nan")
+    z[1, 3, 5 * world] = float("nan")  # on the last rank's shard
+    for top_k, top_p in [(None, 0.8), (3, 0.8), (3, 1.0), (40, 0.5)]:
+        if strategy == "candidates" and top_k is None:
+            continue
+        ref_out, ref_grad = reference_logprobs(z, target, torch.ones(2, 4, dtype=F64), top_k, top_p)
+        nan_rows = torch.isnan(z).any(-1)
+        assert torch.isnan(ref_out).eq(nan_rows).all()
+        ones = torch.ones(2, 4, dtype=F64)
+        results = run_ranks(world, _rank_logprobs, z, target, ones, top_k, top_p, 3, strategy, None)
+        for out, _ in results:
+            torch.testing.assert_close(out, ref_out, equal_nan=True, **TOL64)
+        grad = torch.cat([g for _, g in results], dim=-1)
+        torch.testing.assert_close(grad, ref_grad, equal_nan=True, **TOL64)
+        assert not grad[nan_rows].any() and torch.isfinite(grad).all()
+        taus = run_ranks(world, _rank_threshold, z, top_k, top_p, None, strategy)
+        assert torch.isnan(taus[0]).eq(nan_rows).all()
