@@ -36,6 +36,11 @@ F64 = torch.float64
 STRATEGIES = ["candidates", "bisection"]
 TOL64 = {"atol": 1e-10, "rtol": 1e-10}
 
+_filter_params = st.tuples(
+    st.one_of(st.none(), st.integers(-2, 40)),
+    st.one_of(st.just(1.0), st.just(1e-9), st.floats(0.01, 0.999)),
+)
+
 # ---------------------------------------------------------------------------------------------
 # 0. Helpers and cases
 # ---------------------------------------------------------------------------------------------
@@ -55,14 +60,19 @@ def make_logits(batch, seq, vocab, *, seed=0, ties=False, neg_inf=False, dtype=F
     return z.to(dtype), target
 
 
-def margin_ok(z: torch.Tensor, top_k, top_p: float, margin: float = 1e-9) -> bool:
-    """True unless some row's mass above a distinct survivor value is within `margin` of top_p."""
+def margin_ok(z: torch.Tensor, top_k, top_p: float, margin: float = 1e-9, ties: str = "together") -> bool:
+    """True unless some row's mass above a distinct survivor value (under `ties="sorted"`: above
+    any survivor, in the sort order) is within `margin` of top_p."""
     if top_p >= 1.0:
         return True
     z = z.to(F64).reshape(-1, z.shape[-1])
     _, keep_k = reference.apply_top_k_top_p(z, top_k, 1.0)
     zk = torch.where(keep_k, z, float("-inf"))
     q = reference.log_softmax(zk).exp()
+    if ties == "sorted":
+        order = torch.sort(zk, dim=-1, stable=True).indices.flip(-1)
+        excl = torch.cumsum(q.gather(-1, order), dim=-1) - q.gather(-1, order)
+        return bool(((excl - top_p).abs() >= margin).all()) and margin_ok(z, top_k, top_p, margin)
     for row_z, row_q in zip(zk, q, strict=True):
         for value in torch.unique(row_z):
             mass = row_q[row_z > value].sum()
@@ -76,40 +86,43 @@ def _shard(z, rank, world):
     return z[..., rank * vl : (rank + 1) * vl]
 
 
-def _rank_threshold(rank, world, group, z, top_k, top_p, chunk, strategy):
+def _rank_threshold(rank, world, group, z, top_k, top_p, chunk, strategy, ties="together"):
     shard = _shard(z, rank, world)
     return lossfx.top_k_top_p_threshold(
-        shard, top_k=top_k, top_p=top_p, group=group, chunk_size=chunk, strategy=strategy
+        shard, top_k=top_k, top_p=top_p, group=group, chunk_size=chunk, strategy=strategy, ties=ties
     )
 
 
-def _rank_logprobs(rank, world, group, z, target, dout, top_k, top_p, chunk, strategy, backend):
+def _rank_logprobs(rank, world, group, z, target, dout, top_k, top_p, chunk, strategy, backend, ties="together"):
     shard = _shard(z, rank, world).detach().clone().requires_grad_(True)
 
     def fn(x, t):
         return lossfx.filtered_token_logprobs(
-            x, t, top_k=top_k, top_p=top_p, group=group, chunk_size=chunk, strategy=strategy
+            x, t, top_k=top_k, top_p=top_p, group=group, chunk_size=chunk, strategy=strategy, ties=ties
         )
 
     if backend is not None:
-        _, fn = compiled_for_rank(rank, ("filtered", world, top_k, top_p, chunk, strategy), fn, backend)
+        key = ("filtered", world, top_k, top_p, chunk, strategy, ties, z.dtype)
+        _, fn = compiled_for_rank(rank, key, fn, backend)
     out = fn(shard, target)
     (grad,) = torch.autograd.grad(out, shard, dout)
     return out.detach(), grad
 
 
-def reference_logprobs(z, target, dout, top_k, top_p):
+def reference_logprobs(z, target, dout, top_k, top_p, ties="together"):
     z64 = z.to(F64).detach().requires_grad_(True)
-    out = reference.filtered_token_logprobs(z64, target, top_k, top_p)
+    out = reference.filtered_token_logprobs(z64, target, top_k, top_p, ties)
     (grad,) = torch.autograd.grad(out, z64, dout.to(F64))
     return out.detach(), grad
 
 
-def check_logprobs(z, target, top_k, top_p, world, *, chunk=None, strategy="auto", backend=None, tol=TOL64):
+def check_logprobs(
+    z, target, top_k, top_p, world, *, chunk=None, strategy="auto", backend=None, tol=TOL64, ties="together"
+):
     dout = torch.randn(target.shape, generator=torch.Generator().manual_seed(7), dtype=F64)
     dout = dout.to(lossfx.filtering.compute_dtype(z.dtype))
-    ref_out, ref_grad = reference_logprobs(z, target, dout, top_k, top_p)
-    results = run_ranks(world, _rank_logprobs, z, target, dout, top_k, top_p, chunk, strategy, backend)
+    ref_out, ref_grad = reference_logprobs(z, target, dout, top_k, top_p, ties)
+    results = run_ranks(world, _rank_logprobs, z, target, dout, top_k, top_p, chunk, strategy, backend, ties)
     for out, _ in results:
         torch.testing.assert_close(out.to(F64), ref_out, **tol)
     grad = torch.cat([g for _, g in results], dim=-1)
@@ -118,13 +131,18 @@ def check_logprobs(z, target, top_k, top_p, world, *, chunk=None, strategy="auto
     torch.testing.assert_close(grad.to(F64), ref_grad, **tol)
 
 
-def check_threshold(z, top_k, top_p, world, *, chunk=None, strategy="auto"):
-    _, ref_keep = reference.apply_top_k_top_p(z, top_k, top_p)
-    taus = run_ranks(world, _rank_threshold, z, top_k, top_p, chunk, strategy)
-    for tau in taus:
-        torch.testing.assert_close(tau, taus[0], rtol=0, atol=0)
-        keep = z.to(tau.dtype) >= tau.unsqueeze(-1)
-        assert torch.equal(keep, ref_keep), (keep, ref_keep, tau)
+def check_threshold(z, top_k, top_p, world, *, chunk=None, strategy="auto", ties="together"):
+    _, ref_keep = reference.apply_top_k_top_p(z, top_k, top_p, ties)
+    found = run_ranks(world, _rank_threshold, z, top_k, top_p, chunk, strategy, ties)
+    for result in found:
+        tau, cut = (result, None) if ties == "together" else result
+        torch.testing.assert_close(tau, found[0] if cut is None else found[0][0], rtol=0, atol=0)
+        zc = z.to(tau.dtype)
+        keep = zc >= tau.unsqueeze(-1)
+        if cut is not None:
+            ids = torch.arange(z.shape[-1])
+            keep = (zc > tau.unsqueeze(-1)) | ((zc == tau.unsqueeze(-1)) & (ids >= cut.unsqueeze(-1)))
+        assert torch.equal(keep, ref_keep), (keep, ref_keep, tau, cut)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,14 +288,66 @@ def test_apply_top_k_top_p_matches_reference_and_masks_grad():
     assert torch.equal(grad, keep.to(F64))
 
 
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sorted_ties_rule_example(world, strategy):
+    """decisions.md item 6: for p = [.5, .2, .2, .1], top_p = 0.6 the sort-order rule keeps {0, 2}
+    (the larger id of the tied pair ranks higher); "together" keeps {0, 1, 2}."""
+    z = torch.tensor([0.5, 0.2, 0.2, 0.1], dtype=F64).log().repeat(1, 1, 1)  # [1, 1, 4]
+    z = torch.cat([z, z + 1.0], dim=1)  # [1, 2, 4]
+    target = torch.tensor([[1, 2]])
+    for ties, expected in [("sorted", [True, False, True, False]), ("together", [True, True, True, False])]:
+        assert reference.apply_top_k_top_p(z[0, :1], None, 0.6, ties)[1][0].tolist() == expected
+        check_threshold(z, 4, 0.6, world, strategy=strategy, ties=ties)
+        check_logprobs(z, target, 4, 0.6, world, strategy=strategy, ties=ties)
+        keep = lossfx.apply_top_k_top_p(z, top_k=4, top_p=0.6, ties=ties)[1]
+        assert keep[0, 0].tolist() == expected
+    out = lossfx.filtered_token_logprobs(z, target, top_p=0.6, ties="sorted")
+    assert torch.isneginf(out[0, 0]) and torch.isfinite(out[0, 1])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sorted_ties_cut_within_large_groups(world, strategy):
+    """Tie groups wider than a shard, cut at the top-p boundary by id, across ranks; with top-k
+    the boundary group is the group at the k-th value too."""
+    gen = torch.Generator().manual_seed(world)
+    z = torch.randint(0, 3, (4, 3, 10 * world), generator=gen).to(F64)
+    target = torch.randint(0, 10 * world, (4, 3), generator=gen)
+    for top_k, top_p in [(None, 0.4567), (3, 0.5123), (7, 0.3141), (12, 0.9), (50, 0.2718)]:
+        if strategy == "candidates" and top_k is None:
+            continue
+        assert margin_ok(z, top_k, top_p, ties="sorted")
+        check_threshold(z, top_k, top_p, world, strategy=strategy, ties="sorted")
+        check_logprobs(z, target, top_k, top_p, world, strategy=strategy, ties="sorted", chunk=5)
+    keep_sorted = reference.apply_top_k_top_p(z, None, 0.4567, "sorted")[1]
+    keep_together = reference.apply_top_k_top_p(z, None, 0.4567)[1]
+    assert (keep_sorted.sum(-1) < keep_together.sum(-1)).any()  # the rules differ on these rows
+
+
+@given(
+    case=strategies.logits_cases(dtypes=(F64,), scales=(1.0, 30.0), worlds=(1, 2)),
+    params=_filter_params,
+    strategy=st.sampled_from(["auto", "bisection"]),
+)
+def test_property_sorted_ties_match_reference(case, params, strategy):
+    top_k, top_p = params
+    z, target = case.logits(), case.target()
+    assume(margin_ok(z, top_k, top_p, ties="sorted"))
+    check_threshold(z, top_k, top_p, case.world, chunk=case.chunk, strategy=strategy, ties="sorted")
+    check_logprobs(z, target, top_k, top_p, case.world, chunk=case.chunk, strategy=strategy, ties="sorted")
+
+
+def test_sorted_ties_compiled_aot_eager_world_2():
+    z = torch.randint(0, 3, (3, 3, 16), generator=torch.Generator().manual_seed(4)).to(F64)
+    target = torch.randint(0, 16, (3, 3), generator=torch.Generator().manual_seed(5))
+    assert margin_ok(z, 5, 0.4567, ties="sorted")
+    check_logprobs(z, target, 5, 0.4567, 2, strategy="candidates", backend="aot_eager", ties="sorted")
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Properties (hypothesis)
 # ---------------------------------------------------------------------------------------------
-
-_filter_params = st.tuples(
-    st.one_of(st.none(), st.integers(-2, 40)),
-    st.one_of(st.just(1.0), st.just(1e-9), st.floats(0.01, 0.999)),
-)
 
 
 @given(
@@ -438,10 +508,10 @@ def _data(batch, seq, vocab, seed):
     }
 
 
-def _rank_prepare(rank, world, group, z, data, kl, top_k, top_p, chunk):
+def _rank_prepare(rank, world, group, z, data, kl, top_k, top_p, chunk, ties="together"):
     shard = _shard(z, rank, world).detach().clone().requires_grad_(True)
     own = dict(data)
-    sp = lossfx.TrainingSamplingParams(top_k=top_k, top_p=top_p)
+    sp = lossfx.TrainingSamplingParams(top_k=top_k, top_p=top_p, ties=ties)
     out, returned = lossfx.prepare_loss_input(
         shard,
         own,
@@ -500,6 +570,26 @@ def test_prepare_loss_input_filtered(world, kl):
             torch.testing.assert_close(extra["curr_logprobs_unfiltered"], unfiltered, **TOL64)
         else:
             assert extra == {}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_prepare_loss_input_sorted_ties(world):
+    """`TrainingSamplingParams(ties="sorted")` reaches the kernel through `prepare_loss_input`."""
+    z = torch.randint(0, 3, (2, 5, 8 * world), generator=torch.Generator().manual_seed(6)).to(F64)
+    data = _data(2, 5, 8 * world, seed=4)
+    assert margin_ok(z[:, :-1], 6, 0.4567, ties="sorted")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = run_ranks(world, _rank_prepare, z, data, 0.0, 6, 0.4567, 2, "sorted")
+    ref, _ = reference.prepare_filtered_logprob_input(z, data, _loss_fn(), 6, 0.4567, "sorted")
+    together, _ = reference.prepare_filtered_logprob_input(z, data, _loss_fn(), 6, 0.4567)
+    assert not torch.equal(ref["next_token_logprobs"], together["next_token_logprobs"])
+    for lp, _, _ in results:
+        torch.testing.assert_close(lp, ref["next_token_logprobs"], **TOL64)
+    with pytest.raises(ValueError, match="ties"):
+        lossfx.TrainingSamplingParams(top_p=0.5, ties="random")
+    with pytest.raises(ValueError, match="ties"):
+        lossfx.filtered_token_logprobs(z[0], data["input_ids"][0], top_p=0.5, ties="stable")
 
 
 def test_prepare_loss_input_defaults_and_failures():
