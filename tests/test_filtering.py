@@ -345,6 +345,105 @@ def test_sorted_ties_compiled_aot_eager_world_2():
     check_logprobs(z, target, 5, 0.4567, 2, strategy="candidates", backend="aot_eager", ties="sorted")
 
 
+def _torch_log_softmax_errors(z, keep, target, dout, ref_out, ref_grad):
+    """`(value error, gradient error)` per row of `torch.log_softmax` on the filtered logits in
+    their own compute dtype: the accuracy floor lossfx must reach (issue 10 item 1)."""
+    cdtype = lossfx.filtering.compute_dtype(z.dtype)
+    x = z.to(cdtype).detach().requires_grad_(True)
+    lp = torch.log_softmax(torch.where(keep, x, float("-inf")), dim=-1).gather(-1, target[..., None])[..., 0]
+    (grad,) = torch.autograd.grad(lp, x, dout.to(cdtype))
+    value_err = torch.where(torch.isfinite(ref_out), (lp.to(F64) - ref_out).abs(), 0.0)
+    return value_err, (grad.to(F64) - ref_grad).abs().amax(-1)
+
+
+@given(
+    dtype=st.sampled_from([F64, torch.float32, torch.bfloat16]),
+    exponent=st.floats(0.0, 1.0),
+    sign=st.sampled_from([1.0, -1.0]),
+    spread=st.sampled_from([0.3, 3.0, 30.0]),
+    ties=st.booleans(),
+    world=st.sampled_from([1, 2]),
+    params=st.sampled_from([(3, 1.0), (None, 0.7), (4, 0.8), (40, 0.9)]),
+    strategy=st.sampled_from(STRATEGIES),
+    seed=st.integers(0, 2**20),
+)
+@example(
+    dtype=F64,
+    exponent=30 / 307,
+    sign=1.0,
+    spread=0.3,
+    ties=True,
+    world=2,
+    params=(3, 1.0),
+    strategy="candidates",
+    seed=0,
+)
+@example(
+    dtype=torch.float32,
+    exponent=4 / 37,
+    sign=1.0,
+    spread=3.0,
+    ties=False,
+    world=1,
+    params=(None, 0.7),
+    strategy="bisection",
+    seed=1,
+)
+def test_property_large_offsets_as_accurate_as_log_softmax(
+    dtype, exponent, sign, spread, ties, world, params, strategy, seed
+):
+    """Logits `offset + base`, `|offset|` up to the dtype's range (the drawn `exponent` scales
+    `log10(max) − 1`): the kept set is the reference's (thresholds exact at any magnitude), and
+    values and gradients are never less accurate than `torch.log_softmax` on the filtered logits in
+    the same compute dtype (the row max and the log-sum are kept apart)."""
+    top_k, top_p = params
+    if strategy == "candidates" and top_k is None:
+        strategy = "bisection"
+    offset = sign * 10.0 ** (exponent * (math.log10(torch.finfo(dtype).max) - 1))
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 6 * world
+    base = (
+        torch.randint(0, 4, (2, 3, vocab), generator=gen).to(F64)
+        if ties
+        else torch.randn(2, 3, vocab, generator=gen, dtype=F64)
+    )
+    z = (offset + spread * base).to(dtype)
+    target = torch.randint(0, vocab, (2, 3), generator=gen)
+    assume(margin_ok(z, top_k, top_p, margin=1e-6))
+    check_threshold(z, top_k, top_p, world, strategy=strategy)
+    dout = torch.randn(2, 3, generator=gen, dtype=F64).to(lossfx.filtering.compute_dtype(dtype))
+    ref_out, ref_grad = reference_logprobs(z, target, dout, top_k, top_p)
+    _, keep = reference.apply_top_k_top_p(z, top_k, top_p)
+    floor_value, floor_grad = _torch_log_softmax_errors(z, keep, target, dout, ref_out, ref_grad)
+    eps = torch.finfo(lossfx.filtering.compute_dtype(dtype)).eps
+    results = run_ranks(world, _rank_logprobs, z, target, dout, top_k, top_p, 2, strategy, None)
+    for out, _ in results:
+        assert torch.equal(torch.isneginf(out), torch.isneginf(ref_out))
+        err = torch.where(torch.isfinite(ref_out), (out.to(F64) - ref_out).abs(), 0.0)
+        assert (err <= floor_value + 4 * eps * (1 + ref_out.abs().nan_to_num(posinf=0, neginf=0))).all(), (
+            err,
+            floor_value,
+        )
+    grad = torch.cat([g for _, g in results], dim=-1).to(F64)
+    grad_eps = torch.finfo(dtype).eps if dtype == torch.bfloat16 else eps
+    grad_err = (grad - ref_grad).abs().amax(-1)
+    assert (grad_err <= floor_grad + 4 * grad_eps * dout.to(F64).abs()).all(), (grad_err, floor_grad)
+
+
+def test_large_offset_examples_from_issue():
+    """issue 10 item 1's cases, through the filtered path: `[1e30, 1e30, -1e30]` (float64) and
+    `[1e4, 1e4, 1e4, -1e4]` (fp32)."""
+    for strategy in STRATEGIES:
+        z = torch.tensor([[1e30, 1e30, -1e30]], dtype=F64, requires_grad=True)
+        lp = lossfx.filtered_token_logprobs(z, torch.tensor([0]), top_k=2, top_p=0.99, strategy=strategy)
+        (grad,) = torch.autograd.grad(lp.sum(), z)
+        torch.testing.assert_close(lp, torch.tensor([-math.log(2)], dtype=F64), **TOL64)
+        torch.testing.assert_close(grad, torch.tensor([[0.5, -0.5, 0.0]], dtype=F64), **TOL64)
+        x = torch.tensor([[1e4, 1e4, 1e4, -1e4]])
+        lp = lossfx.filtered_token_logprobs(x, torch.tensor([0]), top_k=3, strategy=strategy)
+        assert abs(float(lp) - float(torch.log_softmax(x, -1)[0, 0])) <= 1e-7
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Properties (hypothesis)
 # ---------------------------------------------------------------------------------------------
