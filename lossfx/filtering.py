@@ -602,11 +602,12 @@ def _filtered_logprobs_bwd(
     ids = columns + vocab_start  # [Vl] global ids
     chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
     if len(chunks) == 1:  # compiled (or one chunk): one fused expression
-        z = logits.to(cdtype)  # [N, Vl]
+        # no `logits.to(cdtype)` here: the mixed-dtype ops promote elementwise, so AOTAutograd saves
+        # the logits themselves, never an fp32 copy of bf16 logits (issue 10 item 9)
         onehot = columns == local_idx[:, None]  # [N, Vl]
-        probs = torch.exp((z - shift[:, None]) - log_s_safe[:, None])  # [N, Vl]
+        probs = torch.exp((logits - shift[:, None]) - log_s_safe[:, None])  # [N, Vl] in cdtype
         dz = torch.where(onehot, grad_target[:, None], 0.0) - probs * grad[:, None]
-        keep = _keep(z, ids, tau[:, None], None if cut is None else cut[:, None])
+        keep = _keep(logits, ids, tau[:, None], None if cut is None else cut[:, None])  # compared in cdtype
         return torch.where(keep, dz, 0.0).to(logits.dtype)
     # eager: in-place chunk by chunk, written straight into the output when it has the compute
     # dtype (one read, one write), else through one chunk-sized buffer (rounded once)

@@ -920,3 +920,59 @@ def test_nan_row_stays_nan_and_confined(world, strategy):
         assert not grad[nan_rows].any() and torch.isfinite(grad).all()
         taus = run_ranks(world, _rank_threshold, z, top_k, top_p, None, strategy)
         assert torch.isnan(taus[0]).eq(nan_rows).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. Memory bounds (issue 10, items 8 and 9)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # a fresh interpreter: ~20 s on the shared 2-core machine
+def test_eager_forward_temporaries_stay_within_one_chunk(monkeypatch):
+    """issue 10 item 8: the rows whose ties at the k-th value outgrow the local candidates are
+    counted a chunk at a time, never gathered whole (resident high-water mark, fresh process)."""
+    import os
+
+    from benchmarks.rss import peak_rss_extra_bytes
+
+    rows, vocab, chunk = 512, 32768, 16
+    z = (torch.randn(64, vocab, generator=torch.Generator().manual_seed(0)) * 2.0).to(torch.bfloat16)
+    local = torch.topk(z.float(), 51, dim=-1).values
+    assert (local[:, -1] == local[:, -2]).float().mean() > 0.5  # most rows take the counting pass
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("PYTHONPATH", tests_dir + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    peak = peak_rss_extra_bytes("filtering_rss:filtered_forward", {"rows": rows, "vocab": vocab, "chunk": chunk})
+    logits_bytes = rows * vocab * 2
+    assert peak < 0.25 * logits_bytes, (peak, logits_bytes)
+
+
+@pytest.mark.parametrize("ties", ["together", pytest.param("sorted", marks=pytest.mark.slow)])
+def test_compiled_backward_saves_the_logits_not_an_fp32_copy(ties):
+    """issue 10 item 9: under torch.compile (Inductor's decompositions and min-cut partitioner),
+    what the forward saves for the backward holds no `[N, Vl]` tensor but the bf16 logits."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    saved = []
+
+    def bw_compiler(gm, example_inputs):
+        saved.extend((n.meta["val"].dtype, tuple(n.meta["val"].shape)) for n in gm.graph.nodes if n.op == "placeholder")
+        return gm.forward
+
+    backend = aot_autograd(
+        fw_compiler=lambda gm, _: gm.forward,
+        bw_compiler=bw_compiler,
+        partition_fn=min_cut_rematerialization_partition,
+        decompositions=select_decomp_table(),
+    )
+    z, target = make_logits(1, 8, 4096, seed=3, dtype=torch.bfloat16, scale=2.0)
+
+    def fn(x, t):
+        return lossfx.filtered_token_logprobs(x, t, top_k=50, top_p=0.9, ties=ties)
+
+    x = z.clone().requires_grad_(True)
+    out = torch.compile(fn, backend=backend, fullgraph=True)(x, target)
+    out.sum().backward()
+    wide = [(dtype, shape) for dtype, shape in saved if math.prod(shape) >= 8 * 4096]
+    assert wide and all(dtype == torch.bfloat16 for dtype, _ in wide), saved
