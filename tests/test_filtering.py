@@ -880,6 +880,8 @@ def _rank_prepare_shape(rank, world, group, batch, seq, vocab, backend):
 @pytest.mark.parametrize("batch,seq", [(0, 4), (2, 1)])
 def test_empty_rows_give_empty_results(world, backend, batch, seq):
     """decisions.md §9: `B = 0` or `S = 1` (no next-token position) returns `[B, S-1]` results."""
+    if backend is not None and world == 1:
+        pytest.skip("compiled: 2 ranks cover the collectives; 1 rank runs eagerly (compile time)")
     for strategy in STRATEGIES:
         for shape in [(0, 7 * world), (3, 0, 7 * world)]:
             x = torch.randn(shape, dtype=F64, requires_grad=True)
