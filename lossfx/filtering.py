@@ -796,3 +796,95 @@ def apply_top_k_top_p(
         chunk_size=chunk_size,
         ties=ties,
         vocab_start=vocab_start,
+    )
+    tau, cut = (found, None) if ties == "together" else found
+    if vocab_start is None:
+        vocab_start = group_rank(group) * logits.shape[-1]
+    ids = torch.arange(logits.shape[-1], device=logits.device) + vocab_start  # [Vl]
+    keep = _keep(logits.to(tau.dtype), ids, tau.unsqueeze(-1), None if cut is None else cut.unsqueeze(-1))
+    return torch.where(keep, logits, torch.full_like(logits, float("-inf"))), keep
+
+
+@checked_collective(vocab="tiled")
+def filtered_token_logprobs(
+    logits: Tensor,
+    target: Tensor,
+    *,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    group: ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+    strategy: str = "auto",
+    ties: str = "together",
+) -> Tensor:
+    """Log-probability of each target under the top-k/top-p filtered, renormalised distribution.
+
+    Equivalent to ``log_softmax(where(keep, z, -inf), -1).gather(-1, target[..., None])[..., 0]``
+    with ``keep`` from ``lossfx.reference.apply_top_k_top_p`` on the dense logits `z` (all
+    shards concatenated in rank order), without sorting or moving the vocabulary.
+
+    .. math::
+        \\mathrm{out}_n = z_{n,t_n} - \\log \\sum_{v:\\, z_{n,v} \\ge \\tau_n} e^{z_{n,v}}
+        \\quad (-\\infty \\text{ if } z_{n,t_n} < \\tau_n)
+
+    Args:
+        logits: `[..., Vl]` this rank's vocabulary shard (the full vocabulary without a group).
+        target: `[...]` integer global token ids in `[0, V)`.
+        top_k, top_p, group, vocab_size, chunk_size, strategy, ties: as in
+            `top_k_top_p_threshold`.
+        vocab_start: first global id of this shard; default `rank · Vl`.
+
+    Returns:
+        `[...]` in the compute dtype (fp32, or float64 for float64 logits); `-inf` where the
+        target was filtered out; NaN for a row holding a NaN (gradient 0 there). Computed as
+        `(z_t − m) − log s` with `m` the filtered row max: as accurate as `torch.log_softmax` at
+        any magnitude. Gradient: `keep ⊙ (onehot − softmax(filter(z))) · dout` for this
+        rank's shard, in the logits' dtype (no derivative through the thresholds).
+
+    Raises:
+        ValueError: bad `top_k`/`top_p`, shape mismatch, ids outside `[0, V)` (eager only).
+        TypeError: non-float logits, non-integer target.
+
+    Note:
+        Temperature is not applied: divide the logits by it first. Either tie rule gives the same
+        result at every TP size; `B·S` need not divide by the TP size.
+        Double backward is not supported (`once_differentiable`).
+
+    Example:
+        >>> import torch, lossfx
+        >>> z = torch.tensor([[0.0, 1.0, 2.0]])
+        >>> lossfx.filtered_token_logprobs(z, torch.tensor([2]), top_k=2)
+        tensor([-0.3133])
+
+    See also: proofs/filtering.md, lossfx.reference.filtered_token_logprobs.
+    """
+    logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
+        logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
+    )
+    target = replicated(target, "target")
+    check_floating("logits", logits)
+    check_integer_ids("target", target)
+    k, p = check_filter_params(top_k, top_p)
+    _check_strategy(strategy)
+    check_ties(ties)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    if logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
+        raise ValueError(
+            f"logits must be [..., V_local] with leading dims equal to target's; got logits.shape="
+            f"{tuple(logits.shape)} and target.shape={tuple(target.shape)}"
+        )
+    if strategy == "candidates" and k is None:
+        raise ValueError("strategy='candidates' needs top-k enabled (top_k > 0)")
+    flat = _flat_logits(logits)
+    local_vocab = flat.shape[-1]
+    if vocab_start is None:
+        vocab_start = group_rank(group) * local_vocab
+    if vocab_size is None:
+        vocab_size = group_size(group) * local_vocab
+    check_ids_in_range("target", target, vocab_size)
+    out, _shift, _log_s, _tau, _cut = _FilteredLogprobsFn.apply(
+        flat, target.reshape(-1), vocab_start, vocab_size, k, p, chunk_size, group, strategy, ties
+    )
+    return out.view(target.shape)
