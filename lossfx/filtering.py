@@ -39,6 +39,7 @@ Proof of exactness: proofs/filtering.md. Reference: lossfx.reference.filtered_to
 from __future__ import annotations
 
 import numbers
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -55,7 +56,7 @@ from lossfx._distributed import (
     local_columns,
 )
 from lossfx._dtensor import is_dtensor, replicated, vocab_shard
-from lossfx._numerics import compute_dtype, finite_or_zero, lse_for_softmax, merge_max_sumexp, row_max_sumexp
+from lossfx._numerics import compute_dtype, finite_or_zero, log_s_for_softmax, merge_max_logsum, row_max_sumexp
 from lossfx._validation import (
     check_floating,
     check_ids_in_range,
@@ -73,6 +74,8 @@ __all__ = [
 # Largest top-k served by the candidate strategy (an all-gather of `[N, k]` values per row).
 CANDIDATE_TOP_K_MAX = 1024
 _STRATEGIES = ("auto", "candidates", "bisection")
+# Tie rules of top-p: equal logits kept or dropped together, or cut in NeMo RL's sort order.
+TIES = ("together", "sorted")
 _F64 = torch.float64
 
 
@@ -99,6 +102,12 @@ def check_filter_params(top_k: object, top_p: object) -> tuple[int | None, float
 def _check_strategy(strategy: str) -> None:
     if strategy not in _STRATEGIES:
         raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}")
+
+
+def check_ties(ties: object) -> None:
+    """Raise `ValueError` unless `ties` is one of `TIES` ("together", "sorted")."""
+    if not isinstance(ties, str) or ties not in TIES:
+        raise ValueError(f"ties must be one of {TIES}, got {ties!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,37 +165,58 @@ def _count_eq(logits: Tensor, x: Tensor, chunks: list[tuple[int, int]], cdtype: 
     return torch.cat(parts)
 
 
+def _count_nan(logits: Tensor, chunks: list[tuple[int, int]]) -> Tensor:
+    """`[N]` int64: local number of NaN entries."""
+    return torch.cat([torch.isnan(logits[s:e]).sum(dim=-1, dtype=torch.int64) for s, e in chunks])
+
+
+def _count_tied_ids_ge(
+    logits: Tensor, x: Tensor, cut: Tensor, columns: Tensor, chunks: list[tuple[int, int]], cdtype: torch.dtype
+) -> Tensor:
+    """`[N]` int64: local number of entries `z == x[n]` whose global id (`columns [Vl]`) is `≥ cut[n]`."""
+    parts = []
+    for s, e in chunks:
+        tied = (logits[s:e].to(cdtype) == x[s:e, None]) & (columns >= cut[s:e, None])  # [C, Vl]
+        parts.append(tied.sum(dim=-1, dtype=torch.int64))
+    return torch.cat(parts)
+
+
 def _mass_above(
     logits: Tensor,
     x: Tensor,
     tau_k: Tensor,
     shift: Tensor,
+    log_s: Tensor,
     chunks: list[tuple[int, int]],
     cdtype: torch.dtype,
 ) -> Tensor:
-    """`[N]` float64: local `Σ exp(z − shift)` over entries with `z > x` and `z ≥ τ_k`."""
+    """`[N]` float64: local `Σ exp((z − shift) − log_s)` over entries with `z > x` and `z ≥ τ_k`."""
     parts = []
     for s, e in chunks:
         z = logits[s:e].to(cdtype)  # [C, Vl]
         inside = (z > x[s:e, None]) & (z >= tau_k[s:e, None])
-        w = torch.exp(z.to(_F64) - shift[s:e, None])  # [C, Vl]
+        w = torch.exp((z.to(_F64) - shift[s:e, None]) - log_s[s:e, None])  # [C, Vl]
         parts.append(torch.where(inside, w, 0.0).sum(dim=-1))
     return torch.cat(parts)
 
 
-def _masked_lse(
-    logits: Tensor, tau: Tensor, chunks: list[tuple[int, int]], dtype: torch.dtype, group: ProcessGroup | None
-) -> Tensor:
-    """`[N]` global log-sum-exp over the entries `z ≥ τ`, computed in `dtype`."""
+def _masked_logsum(
+    logits: Tensor, keep: Any, chunks: list[tuple[int, int]], dtype: torch.dtype, group: ProcessGroup | None
+) -> tuple[Tensor, Tensor]:
+    """`(shift [N], log_s [N])` in `dtype` over the kept entries, `lse = shift + log_s` (kept apart).
+
+    `keep(z, start, end) -> [C, Vl] bool` selects the kept entries of rows `start:end`; a NaN entry
+    always enters the max, so a row holding a kept NaN gets a NaN `log_s`.
+    """
     maxes, sums = [], []
     for s, e in chunks:
         z = logits[s:e].to(dtype)  # [C, Vl]
-        z = torch.where(z >= tau[s:e, None].to(dtype), z, float("-inf"))
+        z = torch.where(keep(z, s, e), z, float("-inf"))
         m, ssum = row_max_sumexp(z)  # [C], [C]
         maxes.append(m)
         sums.append(ssum)
     stats = all_gather_stack(torch.stack([torch.cat(maxes), torch.cat(sums)]), group)  # [R, 2, N]
-    return merge_max_sumexp(stats[:, 0], stats[:, 1])
+    return merge_max_logsum(stats[:, 0], stats[:, 1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,7 +252,7 @@ def _local_top(logits: Tensor, width: int, cdtype: torch.dtype) -> Tensor:
     offsets = torch.arange(_GROUP, device=logits.device)  # [_GROUP]
     strided = groups.unsqueeze(-1) + offsets * n_main  # [N, w, _GROUP] (main groups)
     packed = n_main * _GROUP + offsets  # [_GROUP] (the tail group)
-    cols = torch.where(groups.unsqueeze(-1) < n_main, strided, packed).reshape(n_rows, -1)  # [N, w·_GROUP]
+    cols = torch.where(groups.unsqueeze(-1) < n_main, strided, packed).reshape(n_rows, width * _GROUP)
     inside = cols < local_vocab
     values = logits.gather(-1, torch.where(inside, cols, 0)).to(cdtype)  # [N, w·_GROUP]
     values = torch.where(inside, values, float("-inf"))
@@ -233,14 +263,19 @@ def _candidates(
     logits: Tensor, k: int, chunks: list[tuple[int, int]], cdtype: torch.dtype, group: ProcessGroup | None
 ) -> tuple[Tensor, Tensor]:
     """`(cand [N, k], local [N, w])`: the k largest values of each global row (descending, with
-    multiplicity), and this rank's `w = min(k + 1, Vl)` largest local values (descending)."""
+    multiplicity), and this rank's `w = min(k + 1, Vl)` largest local values (descending).
+
+    A NaN counts as larger than every number (`torch.topk`'s order), so a row holding one has a
+    NaN first candidate. Eager: row chunk by row chunk (the strided view of a row whose width is
+    not a multiple of `_GROUP` is copied by the reshape: one chunk at a time).
+    """
     n_rows, local_vocab = logits.shape
     width = min(k + 1, local_vocab)
-    local = _local_top(logits, width, cdtype)  # [N, w]
+    local = torch.cat([_local_top(logits[s:e], width, cdtype) for s, e in chunks])  # [N, w]
     mine = local[:, :k]  # [N, min(k, Vl)]
     if mine.shape[1] < k:  # pad to the same width on every rank: -inf never changes the k largest
         mine = torch.cat([mine, mine.new_full((n_rows, k - mine.shape[1]), float("-inf"))], dim=-1)
-    union = all_gather_stack(mine, group).permute(1, 0, 2).reshape(n_rows, -1)  # [N, R·k]
+    union = all_gather_stack(mine, group).permute(1, 0, 2).reshape(n_rows, group_size(group) * k)  # [N, R·k]
     return torch.topk(union, k, dim=-1, sorted=True).values, local  # [N, k], [N, w]
 
 
@@ -257,7 +292,8 @@ def _tie_count(
 
     Compiled: one fused counting pass. Eager: counted in the local top-(k+1) values, which hold
     every local tie unless their smallest also equals `τ_k` while columns remain outside them;
-    only such (rare) rows, flagged identically on every rank, are counted with a pass.
+    only such rows, flagged identically on every rank, are counted with a pass, a chunk of
+    flagged rows at a time (never more than one chunk of rows copied).
     """
     if torch.compiler.is_compiling():
         return all_reduce(_count_eq(logits, tau_k, chunks, cdtype), "sum", group)
@@ -268,19 +304,38 @@ def _tie_count(
     counts, flagged = merged[0], merged[1] > 0
     rows = flagged.nonzero().view(-1)  # the same rows on every rank
     if rows.numel() > 0:
-        sub = logits.index_select(0, rows)  # [F, Vl]
-        sub_chunks = row_chunks(rows.numel(), None, local_vocab, cdtype)
-        exact = all_reduce(_count_eq(sub, tau_k[rows], sub_chunks, cdtype), "sum", group)
+        step = max(e - s for s, e in chunks)
+        parts = []
+        for s in range(0, rows.numel(), step):
+            sub_rows = rows[s : s + step]
+            sub = logits.index_select(0, sub_rows)  # [≤C, Vl]: one chunk
+            parts.append(_count_eq(sub, tau_k[sub_rows], [(0, sub.shape[0])], cdtype))
+        exact = all_reduce(torch.cat(parts), "sum", group)
         counts = counts.index_copy(0, rows, exact)
     return counts
 
 
-def _from_candidates(cand: Tensor, tie_count: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
-    """`(τ [N], lse [N])` of top-k (then top-p) from the sorted candidates `[N, k]`.
+def _keep_at_boundary(mass_above_tau: Tensor, tied: Tensor, q_tau: Tensor, top_p: float) -> Tensor:
+    """`[N]` int64: how many of the `tied` entries equal to `τ` the sort-order rule keeps.
 
-    `cand` holds every survivor with a value above `τ_k = cand[:, -1]` exactly once, and
+    Ranked by id (largest first), the j-th tied entry has the mass `M(τ) + j·q_τ` above it and is
+    kept iff that is `< top_p`: `n = ⌈(top_p − M(τ)) / q_τ⌉`, between 1 and `tied` (`M(τ) < top_p`).
+    """
+    room = torch.ceil((top_p - mass_above_tau) / q_tau)  # [N] float64
+    n = torch.where(q_tau > 0, torch.minimum(room, tied.to(_F64)), tied.to(_F64))
+    return torch.clamp(torch.nan_to_num(n, nan=1.0), min=1.0).to(torch.int64)
+
+
+def _from_candidates(
+    cand: Tensor, tie_count: Tensor, top_p: float, sort_ties: bool
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor]:
+    """`(τ, n, tied, shift, log_s)`, each `[N]`, of top-k (then top-p) from the sorted candidates.
+
+    `cand [N, k]` holds every survivor with a value above `τ_k = cand[:, -1]` exactly once, and
     `tie_count [N]` is the global number of entries equal to `τ_k`; the float64 masses and
-    log-sum-exps over the survivors follow without another pass over the logits.
+    log-sum-exps over the survivors follow without another pass over the logits. `tied` is the
+    number of entries equal to `τ`, `n` how many of them are kept (`None`: all, the
+    "together" rule), and the filtered `lse = shift + log_s` (kept apart: issue 10 item 1).
     """
     n_rows, k = cand.shape
     c = cand.to(_F64)  # [N, k]
@@ -288,25 +343,34 @@ def _from_candidates(cand: Tensor, tie_count: Tensor, top_p: float) -> tuple[Ten
     above = c > tau_k[:, None]  # [N, k]
     shift = finite_or_zero(c[:, 0])  # [N]: the row max, 0 if not finite
     w = torch.where(above, torch.exp(c - shift[:, None]), 0.0)  # [N, k]
-    tie_mass = tie_count.to(_F64) * torch.exp(tau_k - shift)  # [N]
-    lse_k = shift + torch.log(w.sum(dim=-1) + tie_mass)  # [N], -inf for an all -inf row
+    log_s_k = torch.log(w.sum(dim=-1) + tie_count.to(_F64) * torch.exp(tau_k - shift))  # [N]
     if top_p >= 1.0:
-        return cand[:, -1], lse_k.to(cand.dtype)
-    q = torch.where(above, torch.exp(c - lse_for_softmax(lse_k)[:, None]), 0.0)  # [N, k]
-    # M at each candidate: the mass of strictly larger values = exclusive prefix sum at the start
-    # of the candidate's tie group (sorted descending, so a tie group is a contiguous run)
-    excl = torch.cat([torch.zeros_like(q[:, :1]), torch.cumsum(q, dim=-1)[:, :-1]], dim=-1)  # [N, k]
-    positions = torch.arange(k, device=c.device).expand(n_rows, k)  # [N, k]
-    starts = torch.cat([torch.ones_like(above[:, :1]), c[:, 1:] != c[:, :-1]], dim=-1)  # [N, k]
-    group_start = torch.cummax(torch.where(starts, positions, 0), dim=-1).values  # [N, k]
-    mass = excl.gather(-1, group_start)  # [N, k]
-    # M is non-decreasing along the row, so the kept candidates are a prefix; τ is its last value
-    kept = mass < top_p  # [N, k]
-    tau = torch.where(kept, c, float("inf")).amin(dim=-1)  # [N]
-    # the filtered log-sum-exp: candidates above τ_k that are ≥ τ, plus the ties if τ = τ_k
-    w_kept = torch.where(c >= tau[:, None], w, 0.0).sum(dim=-1)  # [N]
-    lse = shift + torch.log(w_kept + torch.where(tau <= tau_k, tie_mass, 0.0))
-    return tau.to(cand.dtype), lse.to(cand.dtype)
+        tau, tied, n = tau_k, tie_count, None
+    else:
+        q = torch.where(above, torch.exp((c - shift[:, None]) - log_s_for_softmax(log_s_k)[:, None]), 0.0)
+        # M at each candidate: the mass of strictly larger values = exclusive prefix sum at the
+        # start of the candidate's tie group (sorted descending, so a tie group is a contiguous run)
+        excl = torch.cat([torch.zeros_like(q[:, :1]), torch.cumsum(q, dim=-1)[:, :-1]], dim=-1)  # [N, k]
+        positions = torch.arange(k, device=c.device).expand(n_rows, k)  # [N, k]
+        starts = torch.cat([torch.ones_like(above[:, :1]), c[:, 1:] != c[:, :-1]], dim=-1)  # [N, k]
+        group_start = torch.cummax(torch.where(starts, positions, 0), dim=-1).values  # [N, k]
+        mass = excl.gather(-1, group_start)  # [N, k]
+        # M is non-decreasing along the row, so the kept candidates are a prefix; τ is its last value
+        kept = mass < top_p  # [N, k]
+        tau = torch.where(kept, c, float("inf")).amin(dim=-1)  # [N]
+        at_tau = c == tau[:, None]  # [N, k]
+        tied = torch.where(tau > tau_k, at_tau.sum(dim=-1), tie_count)  # [N]
+        n = None
+        if sort_ties:
+            mass_tau = torch.where(at_tau, mass, 0.0).amax(dim=-1)  # [N]
+            q_tau = torch.exp((tau - shift) - log_s_for_softmax(log_s_k))  # [N]
+            n = _keep_at_boundary(mass_tau, tied, q_tau, top_p)
+    # the filtered log-sum: candidates above τ, plus the kept entries equal to τ
+    kept_at_tau = (tied if n is None else n).to(_F64) * torch.exp(tau - shift)
+    log_s = torch.log(torch.where(c > tau[:, None], w, 0.0).sum(dim=-1) + kept_at_tau)  # [N]
+    tau = torch.where(torch.isnan(c[:, 0]), c[:, 0], tau)  # a row holding NaN: τ = NaN
+    dtype = cand.dtype
+    return tau.to(dtype), n, tied, shift.to(dtype), log_s.to(dtype)
 
 
 def _top_k_by_bisection(
@@ -327,60 +391,132 @@ def _top_k_by_bisection(
 def _top_p_by_bisection(
     logits: Tensor,
     tau_k: Tensor,
+    shift: Tensor,
+    log_s: Tensor,
     top_p: float,
     chunks: list[tuple[int, int]],
     cdtype: torch.dtype,
     group: ProcessGroup | None,
 ) -> Tensor:
-    """`τ_p [N]`: the least key `t` with `M(float(t)) < top_p`, as a float (see module doc)."""
+    """`τ_p [N]`: the least key `t` with `M(float(t)) < top_p`, as a float (see module doc).
+
+    `(shift, log_s)`: the float64 log-sum of the top-k survivors, kept apart.
+    """
     n_rows = logits.shape[0]
-    lse_k = lse_for_softmax(_masked_lse(logits, tau_k, chunks, _F64, group))  # [N] float64
     lo, hi = _key_limits(n_rows, cdtype, logits.device)  # pred(hi) true: nothing is above +inf
     lo = lo - 1  # pred(lo) taken as false, never evaluated
     for _ in range(_key_bits(cdtype)):
         mid = _floor_avg(lo, hi)
         moving = mid != lo  # mid == lo only once converged (hi = lo + 1): keep the state
         x = _key_to_float(torch.where(moving, mid, hi), cdtype)  # [N], never the sentinel
-        mass = all_reduce(_mass_above(logits, x, tau_k, lse_k, chunks, cdtype), "sum", group)
+        mass = all_reduce(_mass_above(logits, x, tau_k, shift, log_s, chunks, cdtype), "sum", group)
         ok = (mass < top_p) & moving
         lo, hi = torch.where(ok | ~moving, lo, mid), torch.where(ok, mid, hi)
     return _key_to_float(hi, cdtype) + 0.0  # `+ 0.0`: a -0 threshold reads as +0
+
+
+def _id_cut(
+    logits: Tensor,
+    tau: Tensor,
+    n: Tensor,
+    columns: Tensor,
+    vocab_size: int,
+    chunks: list[tuple[int, int]],
+    cdtype: torch.dtype,
+    group: ProcessGroup | None,
+) -> Tensor:
+    """`[N]` int64: the id of the n-th largest id among the entries equal to `τ` (global).
+
+    Bisection on the id: `#{z == τ, id ≥ t}` is non-increasing in `t`, `≥ n` at `t = 0` and `0 < n`
+    at `t = V`; `⌈log2 V⌉` steps of one counting pass and one all-reduce of `[N]` find the largest
+    `t` with a count `≥ n`. The same on every rank and at every TP size (global ids and counts).
+    """
+    lo = torch.zeros_like(n)  # pred true
+    hi = torch.full_like(n, vocab_size)  # pred false (n ≥ 1), never evaluated
+    for _ in range((vocab_size - 1).bit_length()):
+        mid = (lo + hi) // 2
+        count = all_reduce(_count_tied_ids_ge(logits, tau, mid, columns, chunks, cdtype), "sum", group)
+        ok = count >= n
+        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+    return lo
+
+
+class _Filter(NamedTuple):
+    """A row's filter: keep `z > τ`, and `z == τ` when the id is `≥ cut` (every tie if `cut` is None)."""
+
+    tau: Tensor  # [N] compute dtype; NaN for a row holding a NaN (keeps nothing)
+    cut: Tensor | None  # [N] int64 global id, or None
+    shift: Tensor | None  # [N] filtered row max (finite, or 0), or None when not computed
+    log_s: Tensor | None  # [N] filtered log Σ exp(z − shift) over the kept entries
+
+
+def _keep(z: Tensor, ids: Tensor, tau: Tensor, cut: Tensor | None) -> Tensor:
+    """Keep mask of the values `z` with global ids `ids` (broadcasting) under `(τ, cut)`."""
+    if cut is None:
+        return z >= tau
+    return (z > tau) | ((z == tau) & (ids >= cut))
 
 
 def _thresholds(
     logits: Tensor,
     top_k: int | None,
     top_p: float,
+    vocab_start: int,
     vocab_size: int,
     chunk_rows: int | None,
     group: ProcessGroup | None,
     strategy: str,
-) -> tuple[Tensor, Tensor | None]:
-    """`(τ [N], lse [N] or None)` in the compute dtype: the filter keeps exactly `logits ≥ τ`.
+    ties: str,
+) -> _Filter:
+    """The filter of every row (`_Filter`), in the compute dtype.
 
-    The candidate strategy also returns the filtered log-sum-exp (from the candidates); the
-    bisection strategy returns `None` for it.
+    The candidate strategy also returns the filtered log-sum (from the candidates); the bisection
+    strategy returns `None` for it. Under `ties="sorted"` the entries tied at `τ` are cut by id.
     """
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
     chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
     k = None if top_k is None else min(top_k, vocab_size)
     use_top_p = top_p < 1.0
+    sort_ties = ties == "sorted" and use_top_p
     use_candidates = k is not None and (strategy == "candidates" or (strategy == "auto" and k <= CANDIDATE_TOP_K_MAX))
+    shift: Tensor | None = None
+    log_s: Tensor | None = None
+    n: Tensor | None = None
     if k is not None and use_candidates:
         # 1. the global top-k multiset from per-rank candidates: one all-gather of [N, k]
         cand, local = _candidates(logits, k, chunks, cdtype, group)  # [N, k], [N, w]
         # 2. the tie group at τ_k completes the survivors; top-p over the sorted candidates
-        ties = _tie_count(logits, local, cand[:, -1], k, chunks, cdtype, group)  # [N]
-        return _from_candidates(cand, ties, top_p)
-    # bisection: top-k by global counts, then top-p by global masses
-    if k is None or k >= vocab_size:
-        tau_k = torch.full((n_rows,), float("-inf"), dtype=cdtype, device=logits.device)
+        ties_k = _tie_count(logits, local, cand[:, -1], k, chunks, cdtype, group)  # [N]
+        tau, n, tied, shift, log_s = _from_candidates(cand, ties_k, top_p, sort_ties)
     else:
-        tau_k = _top_k_by_bisection(logits, k, chunks, cdtype, group)
-    if not use_top_p:
-        return tau_k, None
-    return torch.maximum(tau_k, _top_p_by_bisection(logits, tau_k, top_p, chunks, cdtype, group)), None
+        # bisection: top-k by global counts, then top-p by global masses
+        if k is None or k >= vocab_size:
+            tau_k = torch.full((n_rows,), float("-inf"), dtype=cdtype, device=logits.device)
+        else:
+            tau_k = _top_k_by_bisection(logits, k, chunks, cdtype, group)
+        tau = tau_k
+        if use_top_p:
+            shift_k, log_s_k = _masked_logsum(logits, lambda z, s, e: z >= tau_k[s:e, None], chunks, _F64, group)
+            log_s_k = log_s_for_softmax(log_s_k)
+            tau_p = _top_p_by_bisection(logits, tau_k, shift_k, log_s_k, top_p, chunks, cdtype, group)
+            tau = torch.maximum(tau_k, tau_p)
+            if sort_ties:
+                above = _mass_above(logits, tau, tau_k, shift_k, log_s_k, chunks, cdtype)
+                counts = all_reduce(torch.stack([above, _count_eq(logits, tau, chunks, cdtype).to(_F64)]), "sum", group)
+                q_tau = torch.exp((tau.to(_F64) - shift_k) - log_s_k)
+                tied = counts[1].to(torch.int64)
+                n = _keep_at_boundary(counts[0], tied, q_tau, top_p)
+        nan_rows = all_reduce(_count_nan(logits, chunks), "sum", group) > 0
+        tau = torch.where(nan_rows, torch.full_like(tau, float("nan")), tau)
+    cut = None
+    if n is not None:
+        columns = torch.arange(local_vocab, device=logits.device) + vocab_start  # [Vl] global ids
+        if torch.compiler.is_compiling() or bool((n < tied).any()):  # eager: skip when no tie is cut
+            cut = _id_cut(logits, tau, n, columns, vocab_size, chunks, cdtype, group)
+        else:
+            cut = torch.zeros_like(n)
+    return _Filter(tau, cut, shift, log_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,61 +534,81 @@ def _filtered_logprobs_fwd(
     chunk_rows: int | None,
     group: ProcessGroup | None,
     strategy: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """logits `[N, Vl]`, target `[N]` -> (out `[N]`, lse `[N]`, τ `[N]`) in the compute dtype."""
+    ties: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """logits `[N, Vl]`, target `[N]` -> (out, shift, log_s, τ, cut), each `[N]` (cut int64).
+
+    `out = (z_t − shift) − log_s`: the row max and the log-sum are subtracted one after the other,
+    never added first (exact at any magnitude, proofs/filtering.md §4).
+    """
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
-    # 1. the threshold (keep = logits ≥ τ) and, from the candidates, the filtered lse
-    tau, lse = _thresholds(logits, top_k, top_p, vocab_size, chunk_rows, group, strategy)  # [N]
+    # 1. the filter (keep = z > τ, or z == τ with id ≥ cut) and, from the candidates, the log-sum
+    tau, cut, shift, log_s = _thresholds(
+        logits, top_k, top_p, vocab_start, vocab_size, chunk_rows, group, strategy, ties
+    )
     local_idx, owned = local_columns(target, vocab_start, local_vocab)  # [N], [N]
     picked = logits.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1).to(cdtype)  # [N]
-    kept = owned & (picked >= tau)  # [N]: the target survives the filter (owner rank only)
+    kept = owned & _keep(picked, target, tau, cut)  # [N]: the target survives (owner rank only)
     picked = torch.where(kept, picked, torch.zeros_like(picked))
     local_stats = [picked, kept.to(cdtype)]
-    if lse is None:
+    if log_s is None:
         # 2. filtered (m, s) per rank, merged with the target's statistics in one all-gather
+        columns = torch.arange(local_vocab, device=logits.device) + vocab_start  # [Vl]
         maxes, sums = [], []
         for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
             z = logits[start:end].to(cdtype)  # [C, Vl]
-            m, s = row_max_sumexp(torch.where(z >= tau[start:end, None], z, float("-inf")))
+            keep = _keep(z, columns, tau[start:end, None], None if cut is None else cut[start:end, None])
+            m, s = row_max_sumexp(torch.where(keep, z, float("-inf")))
             maxes.append(m)
             sums.append(s)
         local_stats += [torch.cat(maxes), torch.cat(sums)]
     stats = all_gather_stack(torch.stack(local_stats), group)  # [R, 2 or 4, N]
-    if lse is None:
-        lse = merge_max_sumexp(stats[:, 2], stats[:, 3])  # [N]
+    if log_s is None:
+        shift, log_s = merge_max_logsum(stats[:, 2], stats[:, 3])  # [N], [N]
+    assert shift is not None
     target_logit = stats[:, 0].sum(dim=0)  # [N]: exactly one rank contributes
     target_kept = stats[:, 1].sum(dim=0) > 0  # [N]
-    dead = torch.isneginf(lse) | ~target_kept
-    out = torch.where(dead, torch.full_like(lse, float("-inf")), target_logit - lse)
-    return out, lse, tau
+    dead = torch.isneginf(log_s) | ~target_kept
+    out = torch.where(dead, torch.full_like(log_s, float("-inf")), (target_logit - shift) - log_s)
+    out = torch.where(torch.isnan(tau), tau, out)  # a row holding NaN: NaN (it keeps nothing)
+    cut_out = torch.zeros_like(target) if cut is None else cut
+    return out, shift, log_s, tau, cut_out
 
 
 def _filtered_logprobs_bwd(
     logits: Tensor,
     target: Tensor,
-    lse: Tensor,
+    shift: Tensor,
+    log_s: Tensor,
     tau: Tensor,
+    cut: Tensor | None,
     dout: Tensor,
     vocab_start: int,
     chunk_rows: int | None,
 ) -> Tensor:
-    """-> dlogits `[N, Vl]` in the logits' dtype; no collective, the mask is a constant."""
+    """-> dlogits `[N, Vl]` in the logits' dtype; no collective, the mask is a constant.
+
+    `dlogits = keep ⊙ (onehot(target) − exp((z − shift) − log_s)) · dout`.
+    """
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
     local_idx, owned = local_columns(target, vocab_start, local_vocab)  # [N], [N]
-    shift = lse_for_softmax(lse)  # [N]
-    grad = torch.where(torch.isneginf(lse), torch.zeros_like(lse), dout.to(cdtype))  # [N]
+    log_s_safe = log_s_for_softmax(log_s)  # [N]
+    grad = torch.where(torch.isneginf(log_s), torch.zeros_like(log_s), dout.to(cdtype))  # [N]
     picked = logits.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1).to(cdtype)  # [N]
-    grad_target = torch.where(owned & (picked >= tau), grad, torch.zeros_like(grad))  # [N]
+    grad_target = torch.where(owned & _keep(picked, target, tau, cut), grad, torch.zeros_like(grad))  # [N]
+    columns = torch.arange(local_vocab, device=logits.device)  # [Vl]
+    ids = columns + vocab_start  # [Vl] global ids
     chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
     if len(chunks) == 1:  # compiled (or one chunk): one fused expression
-        z = logits.to(cdtype)  # [N, Vl]
-        columns = torch.arange(local_vocab, device=logits.device)  # [Vl]
+        # no `logits.to(cdtype)` here: the mixed-dtype ops promote elementwise, so AOTAutograd saves
+        # the logits themselves, never an fp32 copy of bf16 logits (issue 10 item 9)
         onehot = columns == local_idx[:, None]  # [N, Vl]
-        probs = torch.exp(z - shift[:, None])  # [N, Vl]
+        probs = torch.exp((logits - shift[:, None]) - log_s_safe[:, None])  # [N, Vl] in cdtype
         dz = torch.where(onehot, grad_target[:, None], 0.0) - probs * grad[:, None]
-        return torch.where(z >= tau[:, None], dz, 0.0).to(logits.dtype)
+        keep = _keep(logits, ids, tau[:, None], None if cut is None else cut[:, None])  # compared in cdtype
+        return torch.where(keep, dz, 0.0).to(logits.dtype)
     # eager: in-place chunk by chunk, written straight into the output when it has the compute
     # dtype (one read, one write), else through one chunk-sized buffer (rounded once)
     dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
@@ -461,8 +617,9 @@ def _filtered_logprobs_bwd(
         z = logits[start:end].to(cdtype)  # [C, Vl]
         d = dlogits[start:end] if direct else torch.empty_like(z)
         torch.sub(z, shift[start:end, None], out=d)
-        d.exp_().mul_(-grad[start:end, None])  # the softmax term
-        d.masked_fill_(z < tau[start:end, None], 0.0)
+        d.sub_(log_s_safe[start:end, None]).exp_().mul_(-grad[start:end, None])  # the softmax term
+        keep = _keep(z, ids, tau[start:end, None], None if cut is None else cut[start:end, None])
+        d.masked_fill_(~keep, 0.0)
         rows = torch.arange(end - start, device=logits.device)
         d.index_put_((rows, local_idx[start:end]), grad_target[start:end], accumulate=True)  # one-hot
         if not direct:
@@ -472,24 +629,28 @@ def _filtered_logprobs_bwd(
 
 class _FilteredLogprobsFn(torch.autograd.Function):
     @staticmethod
-    def forward(logits, target, vocab_start, vocab_size, top_k, top_p, chunk_rows, group, strategy):
+    def forward(logits, target, vocab_start, vocab_size, top_k, top_p, chunk_rows, group, strategy, ties):
         return _filtered_logprobs_fwd(
-            logits, target, vocab_start, vocab_size, top_k, top_p, chunk_rows, group, strategy
+            logits, target, vocab_start, vocab_size, top_k, top_p, chunk_rows, group, strategy, ties
         )
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        logits, target, vocab_start, _v, _k, _p, chunk_rows, _group, _strategy = inputs
-        ctx.save_for_backward(logits, target, output[1], output[2])
+        logits, target, vocab_start, _v, _k, top_p, chunk_rows, _group, _strategy, ties = inputs
+        _out, shift, log_s, tau, cut = output
+        ctx.save_for_backward(logits, target, shift, log_s, tau, cut)
         ctx.vocab_start, ctx.chunk_rows = vocab_start, chunk_rows
-        ctx.mark_non_differentiable(output[1], output[2])
+        ctx.sort_ties = ties == "sorted" and top_p < 1.0
+        ctx.mark_non_differentiable(shift, log_s, tau, cut)
 
     @staticmethod
-    @once_differentiable  # keep and lse are constants of the backward: proofs/filtering.md §2
-    def backward(ctx, dout, _dlse, _dtau):
-        logits, target, lse, tau = ctx.saved_tensors
-        dlogits = _filtered_logprobs_bwd(logits, target, lse, tau, dout, ctx.vocab_start, ctx.chunk_rows)
-        return dlogits, None, None, None, None, None, None, None, None  # one entry per forward input
+    @once_differentiable  # keep and the log-sum are constants of the backward: proofs/filtering.md §2
+    def backward(ctx, dout, _dshift, _dlog_s, _dtau, _dcut):
+        logits, target, shift, log_s, tau, cut = ctx.saved_tensors
+        dlogits = _filtered_logprobs_bwd(
+            logits, target, shift, log_s, tau, cut if ctx.sort_ties else None, dout, ctx.vocab_start, ctx.chunk_rows
+        )
+        return dlogits, None, None, None, None, None, None, None, None, None  # one entry per forward input
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,7 +674,9 @@ def top_k_top_p_threshold(
     vocab_size: int | None = None,
     chunk_size: int | None = None,
     strategy: str = "auto",
-) -> Tensor:
+    ties: str = "together",
+    vocab_start: int | None = None,
+) -> Any:
     """Per-row threshold `τ` of the top-k/top-p filter: the filter keeps exactly `logits ≥ τ`.
 
     Equivalent to ``where(keep, logits, inf).amin(-1)`` with
@@ -537,17 +700,24 @@ def top_k_top_p_threshold(
         chunk_size: rows per eager chunk (a memory bound; results do not depend on it).
         strategy: `"auto"` (candidates for `top_k <= CANDIDATE_TOP_K_MAX`, else bisection),
             `"candidates"` (needs top-k) or `"bisection"`. All give the same `τ`.
+        ties: top-p's rule among equal logits (docs/filtering.md): `"together"` (default; a tie
+            group is kept or dropped as a whole) or `"sorted"` (NeMo RL's stable sort order: among
+            equal values the larger token id ranks higher, so a tie group at the boundary may be
+            cut by id).
+        vocab_start: first global id of this shard; default `rank · Vl` (only `"sorted"` reads it).
 
     Returns:
-        `[...]` thresholds in the compute dtype (`-inf` when nothing is filtered out).
+        `[...]` thresholds in the compute dtype (`-inf` when nothing is filtered out, NaN for a
+        row holding a NaN, which keeps nothing). With `ties="sorted"`, a pair `(τ, id_cut)`
+        (`id_cut` int64): the filter keeps `z > τ`, and `z == τ` where the global id `≥ id_cut`.
 
     Raises:
         ValueError: `top_p` outside `(0, 1]`, non-integer `top_k`, unknown strategy, bad shapes.
         TypeError: non-float `logits`.
 
     Note:
-        Temperature is not applied: divide the logits by it before calling. Ties are kept or
-        dropped together (the order is by value only), so `τ` is the same at every TP size.
+        Temperature is not applied: divide the logits by it before calling. Either tie rule gives
+        the same result on every run and at every TP size.
 
     Example:
         >>> import torch, lossfx
@@ -555,18 +725,27 @@ def top_k_top_p_threshold(
         >>> lossfx.top_k_top_p_threshold(z, top_k=2)
         tensor([2.])
     """
-    logits, group, _, _, vocab_size, *_ = vocab_shard(logits, group=group, vocab_size=vocab_size)  # lossfx/_dtensor.py
+    logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
+        logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
+    )  # lossfx/_dtensor.py
     check_floating("logits", logits)
     k, p = check_filter_params(top_k, top_p)
     _check_strategy(strategy)
+    check_ties(ties)
     chunk_size = check_positive_int("chunk_size", chunk_size)
     flat = _flat_logits(logits).detach()
+    if vocab_start is None:
+        vocab_start = group_rank(group) * flat.shape[-1]
     if vocab_size is None:
         vocab_size = group_size(group) * flat.shape[-1]
     if strategy == "candidates" and k is None:
         raise ValueError("strategy='candidates' needs top-k enabled (top_k > 0)")
-    tau, _lse = _thresholds(flat, k, p, vocab_size, chunk_size, group, strategy)
-    return tau.view(logits.shape[:-1])
+    found = _thresholds(flat, k, p, vocab_start, vocab_size, chunk_size, group, strategy, ties)
+    tau = found.tau.view(logits.shape[:-1])
+    if ties == "together":
+        return tau
+    cut = torch.zeros_like(flat[:, 0], dtype=torch.int64) if found.cut is None else found.cut
+    return tau, cut.view(logits.shape[:-1])
 
 
 @checked_collective(vocab="sized")
@@ -578,12 +757,14 @@ def apply_top_k_top_p(
     group: ProcessGroup | None = None,
     vocab_size: int | None = None,
     chunk_size: int | None = None,
+    ties: str = "together",
+    vocab_start: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`(filtered, keep)`: this shard with filtered-out entries set to `-inf`, and the keep mask.
 
-    Equivalent to ``lossfx.reference.apply_top_k_top_p(logits, top_k, top_p)`` on the dense logits
-    (for this rank's columns), in the logits' dtype. The gradient is ``grad * keep`` (the mask is a
-    constant). Arguments as in `top_k_top_p_threshold`.
+    Equivalent to ``lossfx.reference.apply_top_k_top_p(logits, top_k, top_p, ties)`` on the dense
+    logits (for this rank's columns), in the logits' dtype. The gradient is ``grad * keep`` (the
+    mask is a constant). Arguments as in `top_k_top_p_threshold`.
 
     Returns:
         `filtered [..., Vl]` (the logits' dtype), `keep [..., Vl]` (bool).
@@ -596,13 +777,31 @@ def apply_top_k_top_p(
     if is_dtensor(logits):  # vocabulary-sharded results come back as DTensors (lossfx/_dtensor.py)
         s = vocab_shard(logits, group=group, vocab_size=vocab_size)
         out = apply_top_k_top_p(
-            s.local, top_k=top_k, top_p=top_p, group=s.group, vocab_size=s.vocab_size, chunk_size=chunk_size
+            s.local,
+            top_k=top_k,
+            top_p=top_p,
+            group=s.group,
+            vocab_size=s.vocab_size,
+            chunk_size=chunk_size,
+            ties=ties,
+            vocab_start=s.vocab_start,
         )
         return s.wrap(out[0]), s.wrap(out[1])
-    tau = top_k_top_p_threshold(
-        logits, top_k=top_k, top_p=top_p, group=group, vocab_size=vocab_size, chunk_size=chunk_size
+    found = top_k_top_p_threshold(
+        logits,
+        top_k=top_k,
+        top_p=top_p,
+        group=group,
+        vocab_size=vocab_size,
+        chunk_size=chunk_size,
+        ties=ties,
+        vocab_start=vocab_start,
     )
-    keep = logits.to(tau.dtype) >= tau.unsqueeze(-1)  # [..., Vl]
+    tau, cut = (found, None) if ties == "together" else found
+    if vocab_start is None:
+        vocab_start = group_rank(group) * logits.shape[-1]
+    ids = torch.arange(logits.shape[-1], device=logits.device) + vocab_start  # [Vl]
+    keep = _keep(logits.to(tau.dtype), ids, tau.unsqueeze(-1), None if cut is None else cut.unsqueeze(-1))
     return torch.where(keep, logits, torch.full_like(logits, float("-inf"))), keep
 
 
@@ -618,6 +817,7 @@ def filtered_token_logprobs(
     vocab_size: int | None = None,
     chunk_size: int | None = None,
     strategy: str = "auto",
+    ties: str = "together",
 ) -> Tensor:
     """Log-probability of each target under the top-k/top-p filtered, renormalised distribution.
 
@@ -632,12 +832,15 @@ def filtered_token_logprobs(
     Args:
         logits: `[..., Vl]` this rank's vocabulary shard (the full vocabulary without a group).
         target: `[...]` integer global token ids in `[0, V)`.
-        top_k, top_p, group, vocab_size, chunk_size, strategy: as in `top_k_top_p_threshold`.
+        top_k, top_p, group, vocab_size, chunk_size, strategy, ties: as in
+            `top_k_top_p_threshold`.
         vocab_start: first global id of this shard; default `rank · Vl`.
 
     Returns:
         `[...]` in the compute dtype (fp32, or float64 for float64 logits); `-inf` where the
-        target was filtered out. Gradient: `keep ⊙ (onehot − softmax(filter(z))) · dout` for this
+        target was filtered out; NaN for a row holding a NaN (gradient 0 there). Computed as
+        `(z_t − m) − log s` with `m` the filtered row max: as accurate as `torch.log_softmax` at
+        any magnitude. Gradient: `keep ⊙ (onehot − softmax(filter(z))) · dout` for this
         rank's shard, in the logits' dtype (no derivative through the thresholds).
 
     Raises:
@@ -645,8 +848,8 @@ def filtered_token_logprobs(
         TypeError: non-float logits, non-integer target.
 
     Note:
-        Temperature is not applied: divide the logits by it first. Tied logits are kept or
-        dropped together, identically at every TP size; `B·S` need not divide by the TP size.
+        Temperature is not applied: divide the logits by it first. Either tie rule gives the same
+        result at every TP size; `B·S` need not divide by the TP size.
         Double backward is not supported (`once_differentiable`).
 
     Example:
@@ -665,6 +868,7 @@ def filtered_token_logprobs(
     check_integer_ids("target", target)
     k, p = check_filter_params(top_k, top_p)
     _check_strategy(strategy)
+    check_ties(ties)
     chunk_size = check_positive_int("chunk_size", chunk_size)
     if logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
         raise ValueError(
@@ -680,7 +884,7 @@ def filtered_token_logprobs(
     if vocab_size is None:
         vocab_size = group_size(group) * local_vocab
     check_ids_in_range("target", target, vocab_size)
-    out, _lse, _tau = _FilteredLogprobsFn.apply(
-        flat, target.reshape(-1), vocab_start, vocab_size, k, p, chunk_size, group, strategy
+    out, _shift, _log_s, _tau, _cut = _FilteredLogprobsFn.apply(
+        flat, target.reshape(-1), vocab_start, vocab_size, k, p, chunk_size, group, strategy, ties
     )
     return out.view(target.shape)

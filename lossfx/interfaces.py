@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import numbers
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Any, Literal, Protocol, TypeGuard, runtime_checkable
 
 __all__ = ["LossFunction", "LossInputType", "TrainingSamplingParams", "need_top_k_or_top_p_filtering"]
 
@@ -35,14 +35,20 @@ class TrainingSamplingParams:
             reaches `top_p`. `1.0` disables top-p. Must lie in `(0, 1]`.
         temperature: carried for the caller only. **No lossfx function divides by it**: divide
             the logits by the temperature before calling, exactly once.
+        ties: top-p's rule among equal logits at the boundary (docs/filtering.md, "Ties"):
+            `"together"` (default: a tie group is kept or dropped as a whole, as threshold
+            samplers do) or `"sorted"` (NeMo RL's ascending stable sort order: among equal values
+            the larger token id ranks higher, as sort-based samplers keep a prefix of their
+            order). Either is deterministic and the same at every TP size.
 
     Raises:
-        ValueError: `top_p` outside `(0, 1]`, or a non-integer `top_k`.
+        ValueError: `top_p` outside `(0, 1]`, a non-integer `top_k`, or an unknown `ties`.
     """
 
     top_k: int | None = None
     top_p: float = 1.0
     temperature: float = 1.0
+    ties: Literal["together", "sorted"] = "together"
 
     def __post_init__(self) -> None:
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral)):
@@ -55,6 +61,8 @@ class TrainingSamplingParams:
             raise ValueError(f"temperature must be a real number, got {self.temperature!r}")
         if not float(self.temperature) > 0.0:
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if self.ties not in ("together", "sorted"):
+            raise ValueError(f"ties must be 'together' or 'sorted', got {self.ties!r}")
 
     @property
     def top_k_enabled(self) -> bool:

@@ -112,6 +112,7 @@ def target_logprobs(
             target,
             top_k=sampling_params.top_k,
             top_p=sampling_params.top_p,
+            ties=sampling_params.ties,
             group=group,
             chunk_size=chunk_size,
             vocab_start=vocab_start,

@@ -1,11 +1,18 @@
 """Dense references of the top-k/top-p filter, the filtered log-probs and the filtered LOGPROB input.
 
-The rule (`semantics.md` §3.3 with lossfx's stable tie order, `decisions.md` item 6): top-k keeps
-every value `≥` the k-th largest (ties kept); top-p then runs on the survivors' renormalised
-softmax `q` and keeps a survivor iff the mass of the tokens with a **strictly larger** logit is
-`< top_p`, so equal logits are kept or dropped together (and the largest always survives). The
-masses are float64. Implemented the way the field does it: a stable descending sort, a cumulative
-sum, a scatter back.
+The rule (`semantics.md` §3.3, `decisions.md` item 6): top-k keeps every value `≥` the k-th
+largest (ties kept); top-p then runs on the survivors' renormalised softmax `q` and keeps a
+survivor iff the mass ranked **strictly above** it is `< top_p` (the largest always survives).
+Two tie rules say what "ranked above" means among equal logits:
+
+* `ties="together"`: only strictly larger logits rank above, so equal logits are kept or dropped
+  together;
+* `ties="sorted"`: NeMo RL's order, an ascending **stable** sort of the values, in which the larger
+  token id ranks higher among equal values (for `p = [.5, .2, .2, .1]`, `top_p = 0.6` it keeps
+  tokens {0, 2}).
+
+A row holding a NaN keeps nothing and its log-probs are NaN. The masses are float64. Implemented
+the way the field does it: a stable sort, a cumulative sum, a scatter back.
 """
 
 from __future__ import annotations
@@ -35,14 +42,27 @@ def _top_k_keep(z: Tensor, top_k: int | None) -> Tensor:
     return z >= kth
 
 
-def _top_p_keep(z: Tensor, keep_k: Tensor, top_p: float) -> Tensor:
+TIES = ("together", "sorted")
+
+
+def _check_ties(ties: str) -> None:
+    if ties not in TIES:
+        raise ValueError(f"ties must be one of {TIES}, got {ties!r}")
+
+
+def _top_p_keep(z: Tensor, keep_k: Tensor, top_p: float, ties: str) -> Tensor:
     if top_p >= 1.0:
         return torch.ones_like(z, dtype=torch.bool)
     zk = torch.where(keep_k, z, float("-inf"))
     q = torch.where(keep_k, log_softmax(zk).exp(), 0.0)
-    values, order = torch.sort(zk, dim=-1, descending=True, stable=True)
-    q_sorted = q.gather(-1, order)
+    if ties == "sorted":  # NeMo RL's ascending stable sort, read from the top: larger id first among equals
+        order = torch.sort(zk, dim=-1, stable=True).indices.flip(-1)
+    else:
+        order = torch.sort(zk, dim=-1, descending=True, stable=True).indices
+    values, q_sorted = zk.gather(-1, order), q.gather(-1, order)
     excl = torch.cat([torch.zeros_like(q_sorted[..., :1]), torch.cumsum(q_sorted, dim=-1)[..., :-1]], dim=-1)
+    if ties == "sorted":  # each position's own mass above it
+        return torch.zeros_like(keep_k).scatter(-1, order, excl < top_p)
     # the mass strictly above a value: the exclusive sum at the first element of its tie group
     new_group = torch.cat(
         [torch.ones_like(values[..., :1], dtype=torch.bool), values[..., 1:] != values[..., :-1]], dim=-1
@@ -54,25 +74,37 @@ def _top_p_keep(z: Tensor, keep_k: Tensor, top_p: float) -> Tensor:
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
-def apply_top_k_top_p(logits: Tensor, top_k: int | None = None, top_p: float = 1.0) -> tuple[Tensor, Tensor]:
-    """`[..., V]` -> `(filtered, keep)`: float64 logits with dropped entries `-inf`, bool mask."""
+def apply_top_k_top_p(
+    logits: Tensor, top_k: int | None = None, top_p: float = 1.0, ties: str = "together"
+) -> tuple[Tensor, Tensor]:
+    """`[..., V]` -> `(filtered, keep)`: float64 logits with dropped entries `-inf`, bool mask.
+
+    A row holding a NaN keeps nothing.
+    """
+    _check_ties(ties)
     z = logits.to(_F64)
     keep_k = _top_k_keep(z.detach(), top_k)
-    keep = keep_k & _top_p_keep(z.detach(), keep_k, float(top_p))
+    keep = keep_k & _top_p_keep(z.detach(), keep_k, float(top_p), ties)
+    keep = keep & ~torch.isnan(z.detach()).any(dim=-1, keepdim=True)
     return torch.where(keep, z, float("-inf")), keep
 
 
-def filtered_token_logprobs(logits: Tensor, target: Tensor, top_k: int | None = None, top_p: float = 1.0) -> Tensor:
-    """`[..., V]`, `[...]` -> `[...]`: `log_softmax(filter(logits))[..., target]` in float64."""
-    filtered, _ = apply_top_k_top_p(logits, top_k, top_p)
-    return log_softmax(filtered).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+def filtered_token_logprobs(
+    logits: Tensor, target: Tensor, top_k: int | None = None, top_p: float = 1.0, ties: str = "together"
+) -> Tensor:
+    """`[..., V]`, `[...]` -> `[...]`: `log_softmax(filter(logits))[..., target]` in float64; NaN for a
+    row holding a NaN (its gradient is 0)."""
+    filtered, _ = apply_top_k_top_p(logits, top_k, top_p, ties)
+    out = log_softmax(filtered).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    nan_row = torch.isnan(logits.detach()).any(dim=-1)
+    return torch.where(nan_row, torch.full_like(out, float("nan")), out)
 
 
 def next_token_filtered_logprobs(
-    logits: Tensor, input_ids: Tensor, top_k: int | None = None, top_p: float = 1.0
+    logits: Tensor, input_ids: Tensor, top_k: int | None = None, top_p: float = 1.0, ties: str = "together"
 ) -> Tensor:
     """`[B, S, V]`, `[B, S]` -> `[B, S-1]`: the filtered log-prob of `input_ids[:, t+1]`."""
-    return filtered_token_logprobs(logits[:, :-1], input_ids[:, 1:], top_k, top_p)
+    return filtered_token_logprobs(logits[:, :-1], input_ids[:, 1:], top_k, top_p, ties)
 
 
 def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -81,7 +113,7 @@ def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor) -> Tensor:
 
 
 def prepare_filtered_logprob_input(
-    logits: Tensor, data: dict[str, Any], loss_fn: Any, top_k: int | None, top_p: float
+    logits: Tensor, data: dict[str, Any], loss_fn: Any, top_k: int | None, top_p: float, ties: str = "together"
 ) -> tuple[dict[str, Tensor], Tensor | None]:
     """The filtered LOGPROB loss input and the unfiltered copy (or `None`) from dense `[B, S, V]`.
 
@@ -97,7 +129,7 @@ def prepare_filtered_logprob_input(
         mask = mask * data["token_mask"].to(_F64)
     if "sample_mask" in data:
         mask = mask * data["sample_mask"].to(_F64)[:, None]
-    logprobs = next_token_filtered_logprobs(logits, input_ids, top_k, top_p)
+    logprobs = next_token_filtered_logprobs(logits, input_ids, top_k, top_p, ties)
     logprobs = mask_out_neg_inf_logprobs(logprobs, mask[:, 1:])
     unfiltered = None
     if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
