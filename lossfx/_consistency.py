@@ -10,7 +10,7 @@ Before the function runs, every rank encodes its call into a fixed-length int64 
 (`[SIGNATURE_LEN]`: the function called, every tensor argument's shape and dtype (not
 `requires_grad`: a sharded gradcheck differentiates one rank's shard), every scalar argument,
 the fields of `sampling_params`, `loss_fn` and `data`, this rank's vocabulary shard width and
-`vocab_start`), and one all-gather of it runs per process
+`vocab_start`; the rows of a fused LM-head `weight [Vl, H]`), and one all-gather of it runs per process
 group (tensor parallel first, then context parallel). The length is fixed, so ranks that disagree
 about everything else still agree on the size of this one collective. Every rank then compares
 the same gathered matrix with the same rules, so every rank raises the same error (naming the
@@ -127,6 +127,7 @@ _functions: dict[int, str] = {}  # crc32 of a checked function's name -> the nam
 
 # argument names
 _VOCAB_TENSORS = ("logits", "student", "teacher", "student_logits", "teacher_logits")  # [..., Vl] shards
+_VOCAB_ROWS = ("weight",)  # [Vl, H] LM-head shards (the fused functions): rows are the vocabulary
 _VOCAB_COLUMNS = ("teacher_full_logits",)  # data columns over the vocabulary: last dim not compared
 _PER_RANK = ("vocab_start", "vocab_parallel_rank")  # may differ across the tensor-parallel group
 _TYPE_ONLY = ("cp_sharder",)  # objects whose state is rank-specific: only their type is compared
@@ -263,6 +264,14 @@ def _signature(name: str, arguments: Mapping[str, Any]) -> tuple[Tensor, list[st
                 header[_H_WIDTH] = int(value.shape[-1])
             fields.walk(arg, value, vocab_dim=True)
             fields.add(f"{arg}.shape[-1] == logits' shard width", int(value.shape[-1]) == header[_H_WIDTH])
+        elif arg in _VOCAB_ROWS and isinstance(value, Tensor) and value.dim():
+            # an LM-head shard: its row count is this rank's vocabulary width; the other dims must agree
+            header[_H_WIDTH] = int(value.shape[0])
+            fields.add(arg, _Kind("Tensor"))
+            fields.add(f"{arg}.ndim", value.dim())
+            for i, d in enumerate(value.shape[1:], start=1):
+                fields.add(f"{arg}.shape[{i}]", int(d))
+            fields.add(f"{arg}.dtype", value.dtype)
         else:
             if arg == "vocab_size":
                 header[_H_SIZE] = _NONE if value is None else int(value)

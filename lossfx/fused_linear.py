@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lossfx._consistency import checked_collective
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
@@ -44,6 +45,7 @@ from lossfx._distributed import (
     local_columns,
     reduce_scatter_sum,
 )
+from lossfx._dtensor import _same_group, is_dtensor, replicated, vocab_shard
 from lossfx._numerics import log_softmax_rows, merge_max_logsum
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
 from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
@@ -109,6 +111,50 @@ class _FusedLinearFn(torch.autograd.Function):
         else:
             dhidden = all_reduce(dhidden, "sum", ctx.group)  # [N, H]: the full gradient on every rank
         return dhidden.to(ctx.hidden_dtype), dweight, None, None, None, None, None, None, None
+
+
+def _local_arguments(
+    hidden: Any,
+    weight: Any,
+    group: ProcessGroup | None,
+    vocab_start: int | None,
+    vocab_size: int | None,
+    sequence_parallel: bool,
+    seq_dim: int,
+) -> tuple[Tensor, Tensor, ProcessGroup | None, int | None, int | None]:
+    """The DTensor boundary (docs/dtensor.md): `(hidden, weight, group, vocab_start, vocab_size)`
+    as plain local tensors and the group-based layout.
+
+    `weight` may be a `Shard(0)` DTensor (a `ColwiseParallel` LM head; uneven rows included): the
+    group and offsets come from its placement. `hidden` may be plain or `Replicate()`; with
+    `sequence_parallel=True` it may instead be sharded on its sequence dim `seq_dim` (`Shard(0)` of
+    the token functions' rows, `Shard(1)` of `linear_next_token_logprobs`' `[B, S, H]`) over the
+    weight's tensor-parallel group, in equal parts.
+    """
+    w, group, _, vocab_start, vocab_size, *_ = vocab_shard(
+        weight, dim=0, name="weight", group=group, vocab_start=vocab_start, vocab_size=vocab_size
+    )
+    if not is_dtensor(hidden) or not sequence_parallel:
+        return replicated(hidden, "hidden"), w, group, vocab_start, vocab_size
+    if hidden.dim() <= seq_dim + 1:
+        raise ValueError(f"hidden must have a sequence dim {seq_dim} before H, got shape {tuple(hidden.shape)}")
+    h = vocab_shard(hidden, dim=seq_dim, name="hidden")  # the same placement rule: Shard(seq_dim) on one mesh dim
+    if h.group is None:
+        raise ValueError(
+            f"with sequence_parallel=True, a DTensor hidden must be Shard({seq_dim}) over the tensor-parallel "
+            f"mesh dim; got placements {tuple(hidden.placements)}"
+        )
+    if group is None or not _same_group(h.group, group):
+        raise ValueError(
+            f"hidden is sharded over a group of {h.group.size()} ranks, which is not the weight's tensor-parallel "
+            f"group ({'none' if group is None else f'{group.size()} ranks'}); shard both over the same mesh dim"
+        )
+    if hidden.shape[seq_dim] % h.group.size():
+        raise ValueError(
+            f"with sequence_parallel=True, hidden's sequence dim {seq_dim} (global size {hidden.shape[seq_dim]}) must "
+            f"split evenly over the {h.group.size()} tensor-parallel ranks"
+        )
+    return h.local, w, group, vocab_start, vocab_size
 
 
 def _check_temperature(temperature: object) -> float:
@@ -183,6 +229,7 @@ def _linear_gather(
     return logprobs.view(ids.shape), neg_entropy.view(ids.shape[:-1])
 
 
+@checked_collective(vocab="tiled")
 def linear_gather_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -246,6 +293,10 @@ def linear_gather_logprobs(
 
     See also: proofs/fused_linear.md, lossfx.reference.linear_gather_logprobs.
     """
+    hidden, weight, group, vocab_start, vocab_size = _local_arguments(
+        hidden, weight, group, vocab_start, vocab_size, sequence_parallel, seq_dim=0
+    )
+    ids = replicated(ids, "ids")
     logprobs, neg_entropy = _linear_gather(
         hidden,
         weight,
@@ -292,6 +343,7 @@ def linear_token_logprobs(
     chunk_size: int | None = ...,
     return_entropy: typing.Literal[True],
 ) -> tuple[Tensor, Tensor]: ...
+@checked_collective(vocab="tiled")
 def linear_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -362,6 +414,10 @@ def linear_token_logprobs(
 
     See also: docs/fused_linear.md, proofs/fused_linear.md, lossfx.reference.linear_token_logprobs.
     """
+    hidden, weight, group, vocab_start, vocab_size = _local_arguments(
+        hidden, weight, group, vocab_start, vocab_size, sequence_parallel, seq_dim=0
+    )
+    target = replicated(target, "target")
     check_integer_ids("target", target)
     logprobs, neg_entropy = _linear_gather(
         hidden,
@@ -380,6 +436,7 @@ def linear_token_logprobs(
     return logprobs.squeeze(-1)
 
 
+@checked_collective(vocab="tiled")
 def linear_next_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -437,6 +494,10 @@ def linear_next_token_logprobs(
         >>> lossfx.linear_next_token_logprobs(h, w, torch.tensor([[0, 1, 2]]))
         tensor([[-1.3863, -1.3863]])
     """
+    hidden, weight, group, vocab_start, vocab_size = _local_arguments(
+        hidden, weight, group, vocab_start, vocab_size, sequence_parallel, seq_dim=1
+    )
+    input_ids = replicated(input_ids, "input_ids")
     check_floating("hidden", hidden)
     check_integer_ids("input_ids", input_ids)
     cp_size = 1 if cp_sharder is not None else group_size(context_parallel_group)
