@@ -1,0 +1,106 @@
+"""The cross-rank consistency check on the fused LM-head functions (issue 10 item 6), on a real
+2-process gloo pool: ranks that disagree (hidden shape, dtype, weight rows against the declared
+vocabulary, a scalar argument) get the same clear ValueError on every rank within seconds, and
+the group stays in step: a consistent call afterwards (uneven 6 + 5 rows) matches the reference.
+The shard width of a fused call is the weight's row count (`lossfx/_consistency.py`).
+"""
+
+import time
+
+import harness
+import pytest
+import torch
+from harness import gloo_pool
+
+import lossfx
+from lossfx import reference
+
+pytestmark = pytest.mark.distributed
+
+F64 = torch.float64
+SECONDS = 20.0
+H = 4
+
+
+@pytest.fixture(autouse=True)
+def _short_pool_timeout(monkeypatch):
+    """A hang fails the test after 60 s instead of the harness's default 600 s."""
+    monkeypatch.setattr(harness, "_TIMEOUT_S", 60.0)
+
+
+def _data(n, vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, H, generator=gen, dtype=F64)
+    weight = torch.randn(vocab, H, generator=gen, dtype=F64)
+    return hidden, weight, torch.randint(0, vocab, (n,), generator=gen)
+
+
+def _call(case, rank, group):
+    """This rank's side of a mismatch case (V = 12 split 6 + 6 unless stated)."""
+    hidden, weight, target = _data(5, 12, 0)
+    rows = weight[rank * 6 : (rank + 1) * 6]
+    if case == "hidden_shape":
+        return lossfx.linear_token_logprobs(hidden[: 5 - rank], rows, target[: 5 - rank], group=group)
+    if case == "dtype":
+        h, w = (hidden.float(), rows.float()) if rank == 0 else (hidden, rows)
+        return lossfx.linear_token_logprobs(h, w, target, group=group)
+    if case == "weight_rows_vs_vocab_size":  # rows 6 + 5 declared as V = 12
+        w = weight[:6] if rank == 0 else weight[6:11]
+        return lossfx.linear_token_logprobs(hidden, w, target % 11, group=group, vocab_start=6 * rank, vocab_size=12)
+    if case == "weight_rows_default_layout":  # rows 6 + 5 without vocab_start / vocab_size
+        w = weight[:6] if rank == 0 else weight[6:11]
+        return lossfx.linear_token_logprobs(hidden, w, target % 11, group=group)
+    if case == "gather_convention":
+        ids = torch.stack([target, (target + 1) % 12], -1)
+        return lossfx.linear_gather_logprobs(hidden, rows, ids, zero_outside_topk=rank == 0, group=group)
+    if case == "next_token_temperature":
+        ids = target.view(1, 5)
+        return lossfx.linear_next_token_logprobs(hidden[None], rows, ids, group=group, temperature=1.0 + rank)
+    raise AssertionError(case)
+
+
+def _error_then_ok(rank, world, group, case):
+    """`(message or None, seconds, a consistent call's values and weight gradient)` on this rank."""
+    start = time.perf_counter()
+    try:
+        _call(case, rank, group)
+        message = None
+    except ValueError as err:
+        message = str(err)
+    seconds = time.perf_counter() - start
+    hidden, weight, target = _data(3, 11, 1)
+    rows = weight[:6] if rank == 0 else weight[6:]  # uneven 6 + 5, declared
+    rows = rows.clone().requires_grad_()
+    after = lossfx.linear_token_logprobs(hidden, rows, target, group=group, vocab_start=6 * rank, vocab_size=11)
+    after.sum().backward()
+    return message, seconds, after.detach(), rows.grad
+
+
+EXPECTED = {
+    "hidden_shape": ["hidden.shape[0] (rank 0: 5, rank 1: 4)"],
+    "dtype": ["hidden.dtype (rank 0: torch.float32, rank 1: torch.float64)"],
+    "weight_rows_vs_vocab_size": ["rank 0: [0, 6), rank 1: [6, 11)", "do not tile [0, 12)"],
+    "weight_rows_default_layout": ["vocabulary size V (rank 0: 12, rank 1: 10"],
+    "gather_convention": ["zero_outside_topk (rank 0: True, rank 1: False)"],
+    "next_token_temperature": ["temperature (rank 0: 1.0, rank 1: 2.0)"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_fused_mismatch_raises_on_every_rank(case):
+    results = gloo_pool(2).run(_error_then_ok, case)
+    messages = [m for m, _, _, _ in results]
+    for rank, message in enumerate(messages):
+        assert message is not None, f"rank {rank} did not raise"
+        for part in EXPECTED[case]:
+            assert part in message, (rank, message)
+    assert messages[0] == messages[1], "every rank raises the same error"
+    assert max(s for _, s, _, _ in results) < SECONDS
+    hidden, weight, target = _data(3, 11, 1)
+    weight = weight.clone().requires_grad_()
+    ref = reference.linear_token_logprobs(hidden, weight, target)[0]
+    ref.sum().backward()
+    for _, _, after, _ in results:
+        torch.testing.assert_close(after, ref.detach(), rtol=0, atol=1e-10)
+    grad = torch.cat([g for _, _, _, g in results])
+    torch.testing.assert_close(grad, weight.grad, rtol=0, atol=1e-10)
