@@ -257,8 +257,9 @@ def linear_gather_logprobs(
     Args:
         hidden: `[..., H]` last hidden states (replicated over the TP group), or with
             `sequence_parallel=True` this rank's rows: the flattened rows `[r·N/R, (r+1)·N/R)`.
-        weight: `[Vl, H]` this rank's rows of the LM head (the whole head without a group); the
-            same dtype as `hidden`.
+        weight: `[Vl, H]` this rank's rows of the LM head (the whole head without a group), or
+            a `Shard(0)` DTensor head (group and offsets from its placement; docs/dtensor.md);
+            the same dtype as `hidden`.
         ids: `[..., K]` integer global ids in `[0, V)` (the full `N` rows on every rank); duplicates
             allowed (their gradients add).
         zero_outside_topk: `True`: normalise over the full vocabulary (`log_softmax(z)[ids]`);
@@ -377,9 +378,11 @@ def linear_token_logprobs(
             rank's `hidden.grad` is the full gradient (one all-reduce of `[N, H]` in the
             backward). `sequence_parallel=True`: this rank's rows of the flattened `[N, H]`
             (rows `[r·N/R, (r+1)·N/R)`, any leading shape); forward all-gathers them, backward
-            reduce-scatters their gradient.
+            reduce-scatters their gradient. A `Replicate()` DTensor, or with sequence
+            parallelism a `Shard(0)` DTensor over the weight's mesh dim, is accepted.
         weight: `[Vl, H]` this rank's rows of the LM head (vocabulary-sharded; the whole head
-            without a group); same dtype as `hidden`. Its gradient is this shard's, accumulated
+            without a group), or a `Shard(0)` DTensor head (`ColwiseParallel`; group and offsets
+            from its placement, docs/dtensor.md); same dtype as `hidden`. Its gradient is this shard's, accumulated
             across chunks in the compute dtype and returned in `weight`'s dtype.
         target: `[...]` integer global ids in `[0, V)`; the full `N` positions on every rank.
         group: tensor-parallel group over the vocabulary, or `None`.
@@ -465,8 +468,9 @@ def linear_next_token_logprobs(
             this rank's load-balanced part (chunks `r` and `2C−1−r` of `2C`, the sequence
             zero-padded to `C·S_l`) with `context_parallel_group`, or the sharder's layout with
             `cp_sharder`. With `sequence_parallel=True` (TP group `R`), `[B, S_l/R, H]`: this
-            TP rank's contiguous `S_l/R` positions of that local sequence.
-        weight: `[Vl, H]` this rank's LM-head rows.
+            TP rank's contiguous `S_l/R` positions of that local sequence (as a DTensor:
+            `Shard(1)` over the weight's mesh dim; else plain or `Replicate()`).
+        weight: `[Vl, H]` this rank's LM-head rows, or a `Shard(0)` DTensor head.
         input_ids: `[B, S]` canonical token ids (the full sequence on every rank).
         group, vocab_start, vocab_size, temperature, chunk_size: as in `linear_token_logprobs`
             (`chunk_size` counts rows of the flattened `[B·S_l, H]`).

@@ -264,9 +264,9 @@ def _next_token_rank(rank, world, group, hidden, weight, input_ids, dout, dent, 
     h = local.clone().requires_grad_()
     kwargs = {"group": tp_group, "sequence_parallel": sp, "chunk_size": 3, "temperature": 0.9, "return_entropy": True}
     if layout == "sharder":
-        kwargs["cp_sharder"] = LoadBalancedSharder(cp_group)
+        kwargs.update({"cp_sharder": LoadBalancedSharder(cp_group)})
     elif layout == "cp":
-        kwargs["context_parallel_group"] = cp_group
+        kwargs.update({"context_parallel_group": cp_group})
 
     def fn(h, w, ids):
         return lossfx.linear_next_token_logprobs(h, w, ids, **kwargs)
