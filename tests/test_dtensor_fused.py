@@ -5,7 +5,8 @@ The LM head is a `Shard(0)` DTensor weight `[V, H]` (a `ColwiseParallel` head; V
 `sequence_parallel=True`, sharded on its sequence dim over the same mesh. Each case
 backpropagates a fixed weighting of its outputs and compares the outputs, the full weight
 gradient (which must keep `Shard(0)`) and the hidden gradient with `lossfx.reference` in float64
-at 1e-10. One case runs under `torch.compile(fullgraph=True)` (aot_eager, one compile).
+at 1e-10, on a 1-D mesh and on the tp dim of a (dp=1, tp=2) mesh. One case runs under
+`torch.compile(fullgraph=True)` (aot_eager, one compile).
 """
 
 import pytest
@@ -86,12 +87,19 @@ def _loss(outs):
 _meshes: dict = {}
 
 
-def _mesh():
+def _mesh(shape=(2,)):
     from torch.distributed.device_mesh import init_device_mesh
 
-    if "tp" not in _meshes:
-        _meshes["tp"] = init_device_mesh("cpu", (2,))
-    return _meshes["tp"]
+    if shape not in _meshes:
+        _meshes[shape] = init_device_mesh("cpu", shape, mesh_dim_names=None if len(shape) == 1 else ("dp", "tp"))
+    return _meshes[shape]
+
+
+def _on_tp(mesh, placement):
+    """`placement` on the last (tensor-parallel) mesh dim, `Replicate()` on the others."""
+    from torch.distributed.tensor import Replicate
+
+    return [Replicate()] * (mesh.ndim - 1) + [placement]
 
 
 def _hidden(layout, full, mesh):
@@ -100,22 +108,22 @@ def _hidden(layout, full, mesh):
     if layout == "plain":
         return full.clone().requires_grad_()
     if layout == "rep":
-        return distribute_tensor(full, mesh, [Replicate()], src_data_rank=None).requires_grad_()
+        return distribute_tensor(full, mesh, [Replicate()] * mesh.ndim, src_data_rank=None).requires_grad_()
     if layout == "sp_rows":
-        return distribute_tensor(full.flatten(0, 1), mesh, [Shard(0)], src_data_rank=None).requires_grad_()
-    return distribute_tensor(full, mesh, [Shard(1)], src_data_rank=None).requires_grad_()
+        return distribute_tensor(full.flatten(0, 1), mesh, _on_tp(mesh, Shard(0)), src_data_rank=None).requires_grad_()
+    return distribute_tensor(full, mesh, _on_tp(mesh, Shard(1)), src_data_rank=None).requires_grad_()
 
 
-def _run(rank, world, group, vocab, names, backend=None):
+def _run(rank, world, group, vocab, names, backend=None, mesh_shape=(2,)):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    mesh = _mesh()
+    mesh = _mesh(tuple(mesh_shape))
     c = _case(vocab)
-    c["target_rep"] = distribute_tensor(c["target"], mesh, [Replicate()], src_data_rank=None)
+    c["target_rep"] = distribute_tensor(c["target"], mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
     results = {}
     for name in names:
         layout, call, _ = CASES[name]
-        w = distribute_tensor(c["weight"], mesh, [Shard(0)], src_data_rank=None).requires_grad_()
+        w = distribute_tensor(c["weight"], mesh, _on_tp(mesh, Shard(0)), src_data_rank=None).requires_grad_()
         h = _hidden(layout, c["hidden"], mesh)
         fn, counter = call, None
         if backend is not None:
@@ -146,15 +154,15 @@ def _reference(name, vocab):
     return [o.detach() for o in outs], wgrad, hgrad
 
 
-HIDDEN_PLACEMENT = {
-    "plain": "plain",
-    "rep": "(Replicate(),)",
-    "sp_rows": "(Shard(dim=0),)",
-    "sp_seq": "(Shard(dim=1),)",
-}
+def _placements(layout, mesh_ndim):
+    """The expected `str(tuple(grad.placements))` of the weight (`"weight"`) or of a hidden layout."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    on_tp = {"weight": Shard(0), "rep": Replicate(), "sp_rows": Shard(0), "sp_seq": Shard(1)}
+    return "plain" if layout == "plain" else str((Replicate(),) * (mesh_ndim - 1) + (on_tp[layout],))
 
 
-def _check(results, vocab, frames=None):
+def _check(results, vocab, frames=None, mesh_ndim=1):
     for name in results[0]:
         ref_outs, ref_wgrad, ref_hgrad = _reference(name, vocab)
         for rank, per_rank in enumerate(results):
@@ -165,8 +173,8 @@ def _check(results, vocab, frames=None):
                 torch.testing.assert_close(out, ref, **TIGHT, msg=lambda m, msg=msg: f"{msg}: {m}")
             torch.testing.assert_close(wgrad, ref_wgrad, **TIGHT, msg=lambda m, msg=msg: f"{msg} dweight: {m}")
             torch.testing.assert_close(hgrad, ref_hgrad, **TIGHT, msg=lambda m, msg=msg: f"{msg} dhidden: {m}")
-            assert wwhere == "(Shard(dim=0),)", f"{msg}: weight gradient placement {wwhere}"
-            assert hwhere == HIDDEN_PLACEMENT[CASES[name][0]], f"{msg}: hidden gradient placement {hwhere}"
+            assert wwhere == _placements("weight", mesh_ndim), f"{msg}: weight gradient placement {wwhere}"
+            assert hwhere == _placements(CASES[name][0], mesh_ndim), f"{msg}: hidden gradient placement {hwhere}"
             if frames is not None:
                 assert n_frames == frames, f"{msg}: {n_frames} compiles"
 
@@ -174,6 +182,12 @@ def _check(results, vocab, frames=None):
 @pytest.mark.parametrize("vocab", [11, 12])  # uneven 6 + 5 rows, even 6 + 6
 def test_fused_functions_on_shard0_dtensor_weight(vocab):
     _check(gloo_pool(2).run(_run, vocab, list(CASES)), vocab)
+
+
+def test_fused_functions_on_one_dim_of_a_2d_mesh():
+    """mesh (dp=1, tp=2): the head sharded over the second mesh dim, `Replicate()` on the first."""
+    names = ["token/replicated_hidden_and_target", "token/sequence_parallel_rows", "next_token/sequence_parallel"]
+    _check(gloo_pool(2).run(_run, 11, names, mesh_shape=(1, 2)), 11, mesh_ndim=2)
 
 
 def test_fused_compiled_fullgraph_aot_eager():
