@@ -18,7 +18,7 @@ Pipeline (`next_token_logprobs`):
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -218,16 +218,18 @@ def next_token_filtered_logprobs(
     top_p: float = 1.0,
     group: ProcessGroup | None = None,
     chunk_size: int | None = None,
+    ties: Literal["together", "sorted"] = "together",
 ) -> Tensor:
     """Filtered next-token log-probs `[B, S-1]`: position `t` scores `input_ids[:, t+1]`.
 
     Equivalent to ``lossfx.reference.next_token_filtered_logprobs(logits, input_ids, top_k,
-    top_p)`` (the dense filter of `logits[:, :-1]`), without slicing or copying the logits.
+    top_p, ties)`` (the dense filter of `logits[:, :-1]`), without slicing or copying the logits.
 
     Args:
         logits: `[B, S, Vl]` this rank's vocabulary shard.
         input_ids: `[B, S]` integer ids in `[0, V)`.
         top_k, top_p, group: as in `filtered_token_logprobs`.
+        ties: top-p's rule among equal logits, `"together"` or `"sorted"` (`TrainingSamplingParams.ties`).
         chunk_size: sequence positions per eager chunk.
 
     Returns:
@@ -239,6 +241,6 @@ def next_token_filtered_logprobs(
         logits,
         input_ids,
         vocab_parallel_group=group,
-        sampling_params=TrainingSamplingParams(top_k=top_k, top_p=top_p),
+        sampling_params=TrainingSamplingParams(top_k=top_k, top_p=top_p, ties=ties),
         chunk_size=chunk_size,
     )

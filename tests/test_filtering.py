@@ -530,6 +530,18 @@ def test_compiled_inductor_world_2():
     check_logprobs(z, target, 4, 0.8, 2, strategy="candidates", backend="inductor")
 
 
+@pytest.mark.parametrize("ties", ["together", "sorted"])
+def test_next_token_filtered_logprobs_tie_rule(ties):
+    # p = [.5, .2, .2, .1], top_p = 0.6: "sorted" keeps {0, 2}, "together" keeps {0, 1, 2}
+    row = torch.tensor([0.5, 0.2, 0.2, 0.1], dtype=torch.float64).log()
+    z = row.repeat(1, 4, 1)  # [1, 4, 4]
+    ids = torch.tensor([[0, 1, 2, 0]])  # scored: token 1 at t=0, token 2 at t=1, token 0 at t=2
+    got = lossfx.next_token_filtered_logprobs(z, ids, top_p=0.6, ties=ties)
+    want = reference.next_token_filtered_logprobs(z, ids, None, 0.6, ties)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert bool(torch.isneginf(got[0, 0])) == (ties == "sorted")  # token 1 dropped only by id order
+
+
 def test_compiled_graph_has_no_breaks():
     z, target = make_logits(2, 3, 8, seed=1)
 
