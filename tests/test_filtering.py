@@ -964,6 +964,7 @@ def test_eager_forward_temporaries_stay_within_one_chunk(monkeypatch):
 def test_compiled_backward_saves_the_logits_not_an_fp32_copy(ties):
     """issue 10 item 9: under torch.compile (Inductor's decompositions and min-cut partitioner),
     what the forward saves for the backward holds no `[N, Vl]` tensor but the bf16 logits."""
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
@@ -972,10 +973,10 @@ def test_compiled_backward_saves_the_logits_not_an_fp32_copy(ties):
 
     def bw_compiler(gm, example_inputs):
         saved.extend((n.meta["val"].dtype, tuple(n.meta["val"].shape)) for n in gm.graph.nodes if n.op == "placeholder")
-        return gm.forward
+        return make_boxed_func(gm.forward)
 
     backend = aot_autograd(
-        fw_compiler=lambda gm, _: gm.forward,
+        fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
         bw_compiler=bw_compiler,
         partition_fn=min_cut_rematerialization_partition,
         decompositions=select_decomp_table(),

@@ -254,10 +254,13 @@ def test_gloo_uneven_widths_match_reference(top_k, packed):
 
 
 def _count_gathers(rank, world, group, counts):
-    z, ids = _logits(2, 6, 16, 0)[..., rank * 8 : (rank + 1) * 8], _ids(2, 6, 16, 0)
+    full = _logits(2, 6, 16, 0)
+    # every scored id is its row's argmax, so the top-3 filter keeps it (no -inf warning)
+    ids = torch.cat([torch.zeros_like(full[:, :1, 0], dtype=torch.long), full.argmax(-1)[:, :-1]], dim=1)
+    z = full[..., rank * 8 : (rank + 1) * 8]
     sp = lossfx.TrainingSamplingParams(top_k=3)
     loss_fn = SimpleNamespace(input_type="logprob", reference_policy_kl_penalty=0.1)
-    data = {"input_ids": ids}
+    data = {"input_ids": ids, "token_mask": torch.ones_like(ids)}
     before = counts[rank]
     lossfx.prepare_loss_input(z, data, loss_fn, rank, group, sampling_params=sp)
     return counts[rank] - before
