@@ -160,7 +160,8 @@ def _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, chunk_size
     vocab_start = group_rank(group) * local_vocab if vocab_start is None else vocab_start
     vocab_size = group_size(group) * local_vocab if vocab_size is None else vocab_size
     check_ids_in_range("ids", ids, vocab_size)
-    return local_vocab, vocab_start, chunk_size
+    # int64 ids: gather needs int32/int64, and `ids - vocab_start` must not wrap (uint8/int16)
+    return ids.to(torch.int64), local_vocab, vocab_start, chunk_size
 
 
 @checked_collective(vocab="tiled")
@@ -185,7 +186,8 @@ def gather_logprobs(
 
     Args:
         logits: `[..., Vl]` this rank's vocabulary shard (the full vocabulary without a group).
-        ids: `[..., K]` integer global ids in `[0, V)`; duplicates allowed (their gradients add).
+        ids: `[..., K]` global ids in `[0, V)`, any integer dtype; duplicates allowed (their
+            gradients add).
         with_entropy: also return the negative entropy `Σ p log p` `[...]` (else `None`).
         group: tensor-parallel group over the vocabulary, or `None`; outputs are replicated,
             each rank's gradient is its own shard's.
@@ -216,7 +218,9 @@ def gather_logprobs(
         logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
     )
     ids = replicated(ids, "ids")
-    local_vocab, vocab_start, chunk_size = _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, chunk_size)
+    ids, local_vocab, vocab_start, chunk_size = _check_ids_arguments(
+        logits, ids, group, vocab_start, vocab_size, chunk_size
+    )
     flat_logits = logits.reshape(-1, local_vocab)  # [N, Vl]
     flat_ids = ids.reshape(-1, ids.shape[-1])  # [N, K]
     logprobs, neg_entropy, _, _ = _GatherLogprobsFn.apply(
@@ -258,7 +262,7 @@ def gather_logits(
         logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
     )
     ids = replicated(ids, "ids")
-    local_vocab, vocab_start, _ = _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, None)
+    ids, local_vocab, vocab_start, _ = _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, None)
     local_idx, owned = local_columns(ids, vocab_start, local_vocab)
     local = logits.gather(-1, local_idx).to(compute_dtype(logits.dtype))  # [..., K]
     local = torch.where(owned, local, torch.zeros_like(local))

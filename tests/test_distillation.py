@@ -426,7 +426,8 @@ def test_distillation_errors():
     z = _logits((1, 4, 6), 0)
     with pytest.raises(ValueError, match="topk must be positive"):
         _distill(z, torch.zeros(1, 4, 0, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"ids must lie in \[0, 6\).*values \[6\]"):
+    oob = r"teacher_topk_indices must lie in \[0, 6\).*values \[6\] at positions \[\[0, 2, 0\]\]"
+    with pytest.raises(ValueError, match=oob):
         _distill(z, torch.tensor([[[0], [1], [6], [2]]]))
     with pytest.raises(ValueError, match="teacher_topk_logits and teacher_topk_indices"):
         _distill(z, torch.zeros(1, 4, 2, dtype=torch.long), teacher=torch.zeros(1, 4, 3))
