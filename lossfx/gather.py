@@ -45,6 +45,27 @@ def _shifted_terms(z: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
     return e, ed
 
 
+def _chunk_stats(z: Tensor, cdtype: torch.dtype, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Rows `z [C, Vl]` -> `(m, s, u)` `[C]` in `cdtype`: max, `Σ e`, `Σ e·(z − m)`, `e = exp(z − m)`.
+
+    Eager: `z − m` promotes to `cdtype` into one fresh `[C, Vl]` buffer (no converted copy of `z`),
+    and the exponentials into one more, updated in place. Compiled: one fused expression.
+    """
+    if torch.compiler.is_compiling():
+        z = z.to(cdtype)
+        m = z.amax(dim=-1)
+        e, ed = _shifted_terms(z, finite_or_zero(m))
+        return m, e.sum(dim=-1), ed.sum(dim=-1) if with_entropy else None
+    m = z.amax(dim=-1).to(cdtype)  # exact in any dtype
+    d = z - finite_or_zero(m).unsqueeze(-1)  # [C, Vl] in cdtype
+    e = torch.exp(d)  # [C, Vl]
+    s = e.sum(dim=-1)
+    if not with_entropy:
+        return m, s, None
+    d.masked_fill_(torch.isneginf(d), 0.0)  # 0·log 0 = 0 (d = −∞ exactly where z = −∞)
+    return m, s, e.mul_(d).sum(dim=-1)
+
+
 def _merge_neg_entropy(m: Tensor, s: Tensor, u: Tensor, shift: Tensor, log_s: Tensor) -> Tensor:
     """`Σ p log p` `[N]` from per-shard `m, s, u [R, N]`, `u_r = Σ exp(z − m_r)·(z − m_r)`.
 
@@ -66,13 +87,11 @@ def _gather_logprobs_fwd(logits, ids, vocab_start, with_entropy, chunk_rows, gro
     # 1. local statistics per chunk: max, Σ exp(z − m), and Σ exp(z − m)·(z − m) for the entropy
     maxes, sums, weighted = [], [], []
     for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
-        z = logits[start:end].to(cdtype)  # [C, Vl]
-        m = z.amax(dim=-1)  # [C]
-        e, ed = _shifted_terms(z, finite_or_zero(m))
+        m, s, u = _chunk_stats(logits[start:end], cdtype, with_entropy)
         maxes.append(m)
-        sums.append(e.sum(dim=-1))
-        if with_entropy:
-            weighted.append(ed.sum(dim=-1))
+        sums.append(s)
+        if u is not None:
+            weighted.append(u)
     picked = logits.gather(-1, local_idx).to(cdtype)  # [N, K]
     picked = torch.where(owned, picked, torch.zeros_like(picked))
     rows = [torch.cat(maxes).unsqueeze(0), torch.cat(sums).unsqueeze(0), picked.transpose(0, 1)]
@@ -94,8 +113,19 @@ def _gather_logprobs_fwd(logits, ids, vocab_start, with_entropy, chunk_rows, gro
     return logprobs, neg_entropy, shift, log_s
 
 
+def _dense_grad(z, shift, log_s_sm, neg_entropy, h, g_total):
+    """`p · (h (log p − H) − Σg)` `[..]` from logits `z` in the compute dtype (no scatter term).
+
+    `shift, log_s_sm, neg_entropy, h, g_total` broadcast against `z` (trailing dim 1). A `−∞`
+    logit has `p = 0` and contributes 0 (its `log p − H` is taken as 0, so no `0·∞`).
+    """
+    log_p = (z - shift) - log_s_sm
+    log_p_minus_h = torch.where(torch.isneginf(z), torch.zeros_like(z), log_p - neg_entropy)
+    return torch.exp(log_p) * (h * log_p_minus_h - g_total)
+
+
 def _gather_logprobs_bwd(logits, ids, shift, log_s, neg_entropy, dlogprobs, dneg_entropy, vocab_start, chunk_rows):
-    """-> dlogits `[N, Vl]` in the logits' dtype; no collective."""
+    """-> dlogits `[N, Vl]` in the logits' dtype, rounded once; no collective."""
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
     local_idx, owned = local_columns(ids, vocab_start, local_vocab)
@@ -105,18 +135,32 @@ def _gather_logprobs_bwd(logits, ids, shift, log_s, neg_entropy, dlogprobs, dneg
     g_owned = torch.where(owned, g, torch.zeros_like(g))  # [N, K]
     g_total = g.sum(dim=-1)  # [N]
     log_s_sm = log_s_for_softmax(log_s)  # [N], +inf for an all -inf row: p = 0
-    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
-    dlogits = None if len(chunks) == 1 else torch.empty_like(logits)
-    for start, end in chunks:
-        z = logits[start:end].to(cdtype)  # [C, Vl]
-        log_p = (z - shift[start:end, None]) - log_s_sm[start:end, None]  # [C, Vl]
-        p = torch.exp(log_p)  # [C, Vl]
-        log_p_minus_h = torch.where(torch.isneginf(z), torch.zeros_like(z), log_p - neg_entropy[start:end, None])
-        coeff = h[start:end, None] * log_p_minus_h - g_total[start:end, None]  # [C, Vl]
-        dchunk = (p * coeff).scatter_add(-1, local_idx[start:end], g_owned[start:end])
-        if dlogits is None:
-            return dchunk.to(logits.dtype)
-        dlogits[start:end] = dchunk  # rounds once to the logits' dtype
+    if torch.compiler.is_compiling():
+        # A scatter-add cannot fuse into the dense loop, and would need the whole [N, Vl] in the
+        # compute dtype (an fp32 copy of bf16 logits). Instead: the dense part in one fused loop
+        # straight into the logits' dtype, then the K id columns recomputed and overwritten with
+        # dense + Σ (owned g at that column), rounded once. Duplicate ids get identical values.
+        stats = (shift[:, None], log_s_sm[:, None], neg_entropy[:, None], h[:, None], g_total[:, None])
+        dlogits = _dense_grad(logits.to(cdtype), *stats).to(logits.dtype)  # [N, Vl]
+        at_ids = _dense_grad(logits.gather(-1, local_idx).to(cdtype), *stats)  # [N, K]
+        same_column = local_idx[:, :, None] == local_idx[:, None, :]  # [N, K, K]
+        g_column = torch.where(same_column, g_owned[:, None, :], 0.0).sum(dim=-1)  # [N, K]
+        return dlogits.scatter(-1, local_idx, (at_ids + g_column).to(logits.dtype))
+    # Eager: per chunk one [C, Vl] buffer in the compute dtype (the gradient rows themselves when the
+    # logits are in it), updated in place, plus one exp and one mask of the chunk.
+    direct = logits.dtype == cdtype
+    dlogits = torch.empty_like(logits)
+    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
+        rows = slice(start, end)
+        d = torch.sub(logits[rows], shift[rows, None], out=dlogits[rows] if direct else None)  # [C, Vl]
+        d.sub_(log_s_sm[rows, None])  # log p
+        p = torch.exp(d)  # [C, Vl]
+        d.sub_(neg_entropy[rows, None]).masked_fill_(torch.isneginf(d), 0.0)  # log p − H, 0 where p = 0
+        d.mul_(h[rows, None]).sub_(g_total[rows, None]).mul_(p)  # p (h (log p − H) − Σg)
+        del p
+        d.scatter_add_(1, local_idx[rows], g_owned[rows])  # + g at the ids (duplicates add)
+        if not direct:
+            dlogits[rows] = d  # rounds once to the logits' dtype
     return dlogits
 
 

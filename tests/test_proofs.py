@@ -329,3 +329,31 @@ def test_logprobs_exact_at_any_magnitude():
             lost.append(k)
             assert abs(summed - truth) == pytest.approx(-truth, rel=1e-6)
     assert lost and lost[0] <= 28, "the textbook order must lose log s from offset ~2^25 in fp32"
+
+
+@pytest.mark.parametrize("vocab_start", [0, 4])
+def test_gather_compiled_backward_overwrite_identity(vocab_start):
+    """proofs/gather.md §5: dense term everywhere, then `D_c + G_c` written over the id columns,
+    equals §2's scatter-add formula (duplicate ids, ids owned by another shard), in float64."""
+    from unittest import mock
+
+    from lossfx._numerics import merge_max_logsum
+    from lossfx.gather import _gather_logprobs_bwd
+
+    n, v, k = 5, 9, 4
+    z = _logits(n, v, 21)
+    ids = torch.randint(0, v + 4, (n, k), generator=torch.Generator().manual_seed(3))  # global ids, V = v + 4
+    ids[:, 1] = ids[:, 0]  # duplicates
+    g, h = torch.randn(n, k, dtype=F64), torch.randn(n, dtype=F64)
+    shift, log_s = merge_max_logsum(z.amax(-1)[None], torch.exp(z - z.amax(-1, keepdim=True)).sum(-1)[None])
+    log_p = torch.log_softmax(z, -1)
+    neg_h = (log_p.exp() * log_p).sum(-1)
+    local = ids - vocab_start
+    owned = (local >= 0) & (local < v)
+    expected = torch.zeros(n, v, dtype=F64).scatter_add(-1, torch.where(owned, local, 0), torch.where(owned, g, 0.0))
+    expected += log_p.exp() * (h[:, None] * (log_p - neg_h[:, None]) - g.sum(-1, keepdim=True))
+    with mock.patch("torch.compiler.is_compiling", return_value=True):
+        compiled_form = _gather_logprobs_bwd(z, ids, shift, log_s, neg_h, g, h, vocab_start, None)
+    eager_form = _gather_logprobs_bwd(z, ids, shift, log_s, neg_h, g, h, vocab_start, 2)
+    torch.testing.assert_close(compiled_form, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(eager_form, expected, rtol=0, atol=1e-12)
