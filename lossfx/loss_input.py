@@ -290,7 +290,7 @@ def _prepare_logprob_input(
     if not filtering:
         return {"next_token_logprobs": logprobs}
     # The -inf rule (semantics.md §1.1 step 3, §3.5): positions whose token fell outside the kept
-    # set, or whose mask = token_mask · sample_mask (both columns required) is 0, become 0.
+    # set, or whose mask = token_mask · sample_mask (token_mask required, a missing sample_mask is ones) is 0, become 0.
     # Everything is computed before `data` is touched, so a call that raises leaves it unchanged.
     mask = loss_mask_from_data(data, input_ids)  # [B, S] bool
     logprobs = mask_out_neg_inf_logprobs(logprobs, mask[:, 1:], "curr_logprobs")

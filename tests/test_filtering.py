@@ -695,7 +695,7 @@ def test_prepare_loss_input_defaults_and_failures():
     z, target = make_logits(2, 4, 10, seed=5)
     data = {"input_ids": target}
     sp = lossfx.TrainingSamplingParams(top_k=2, top_p=0.9)
-    with pytest.raises(ValueError, match="'token_mask' and 'sample_mask'"):  # decisions.md §5: no defaults
+    with pytest.raises(ValueError, match="'token_mask'"):  # decisions.md §5: no default token_mask
         lossfx.prepare_loss_input(z, data, _loss_fn(), sampling_params=sp)
     assert set(data) == {"input_ids"}
     data = {"input_ids": target, "token_mask": torch.ones(2, 4), "sample_mask": torch.ones(2)}
