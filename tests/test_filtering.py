@@ -860,7 +860,7 @@ def test_memory_contract_saved_bytes(strategy):
 
 def _rank_prepare_shape(rank, world, group, batch, seq, vocab, backend):
     z = torch.randn(batch, seq, vocab * world, dtype=F64, generator=torch.Generator().manual_seed(batch + seq))
-    data = {"input_ids": torch.zeros(batch, seq, dtype=torch.long)}
+    data = {"input_ids": torch.zeros(batch, seq, dtype=torch.long), "token_mask": torch.ones(batch, seq)}
     shard = _shard(z, rank, world).detach().clone().requires_grad_(True)
     sp = lossfx.TrainingSamplingParams(top_k=2, top_p=0.9)
     loss_fn = _loss_fn()
