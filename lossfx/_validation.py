@@ -2,7 +2,9 @@
 
 Static properties (types, shapes, dtypes, plain arguments) are checked always. Checks that read
 tensor values (ids in range) run in eager mode only and are skipped while `torch.compile` traces,
-so they never cause a graph break; the docs say which checks those are.
+so they never cause a graph break; the docs say which checks those are. They are also skipped for
+tensors on the `meta` device, which have shapes but no values: shape-only tracing on `meta` runs
+every static check and returns `meta` results of the right shapes.
 """
 
 from __future__ import annotations
@@ -48,18 +50,28 @@ def check_positive_int(name: str, value: object, *, allow_none: bool = True) -> 
     return int(value)
 
 
-def values_checkable() -> bool:
-    """True when value-dependent checks may run (eager mode, not while compiling)."""
-    return not torch.compiler.is_compiling()
+def values_checkable(*tensors: object) -> bool:
+    """True when value-dependent checks may run: eager mode (not while compiling), and none of
+    `tensors` is on the `meta` device (shapes without values)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not any(isinstance(t, Tensor) and t.is_meta for t in tensors)
 
 
-def check_ids_in_range(name: str, ids: Tensor, high: int, *, low: int = 0) -> None:
-    """Raise `ValueError` listing (up to 5) entries of `ids` outside `[low, high)`. Eager only."""
-    if not values_checkable() or ids.numel() == 0:
+def check_ids_in_range(name: str, ids: Tensor, high: int, *, low: int = 0, column_offset: int = 0) -> None:
+    """Raise `ValueError` listing (up to 5) entries of `ids` outside `[low, high)`. Eager only.
+
+    Positions are reported in the caller's coordinates: `column_offset` is added to the last index
+    (for a check of `x[..., 1:]` pass 1, so the positions name entries of `x`).
+    """
+    if not values_checkable(ids) or ids.numel() == 0:
         return
     bad = (ids < low) | (ids >= high)
     if bool(bad.any()):
-        where = bad.nonzero()[:5].tolist()
+        index = bad.nonzero()[:5]
+        if column_offset and index.shape[-1]:
+            index[:, -1] += column_offset
+        where = index.tolist()
         values = ids[bad][:5].tolist()
         count = int(bad.sum())
         raise ValueError(

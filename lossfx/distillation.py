@@ -15,13 +15,14 @@ Pipeline (`distillation_topk_logprobs`), every step on this rank's `[B, S_l, Vl]
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, group_size
 from lossfx._dtensor import replicated, vocab_shard
 from lossfx._numerics import compute_dtype, log_softmax_rows
-from lossfx._validation import check_floating, check_integer_ids, check_positive_int
+from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
 from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
 from lossfx.gather import gather_logits, gather_logprobs
 
@@ -72,7 +73,8 @@ def distillation_topk_logprobs(
         student_logits: `[B, S_l, Vl]` this rank's shard (TP over the vocabulary, CP over the
             sequence in the load-balanced layout; `S_l = S` without CP).
         teacher_topk_logits: `[B, S, K]` canonical teacher logits at its top-k ids.
-        teacher_topk_indices: `[B, S, K]` canonical global ids in `[0, V)`; duplicates allowed.
+        teacher_topk_indices: `[B, S, K]` canonical global ids in `[0, V)`, any integer dtype;
+            duplicates allowed.
         zero_outside_topk: normalise the student over the full vocabulary (True) or over the K
             ids (False; a duplicated id then counts twice in the normaliser, as in the reference).
         calculate_entropy: also return `H_all = Σ_v p log p` (the negative entropy); only
@@ -120,7 +122,10 @@ def distillation_topk_logprobs(
         raise ValueError(
             f"student_logits has {local_len} positions but the teacher top-k has {seq} (no context parallelism)"
         )
-    ids = _to_cp_local(teacher_topk_indices, local_len, context_parallel_group)  # [B, S_l, K]
+    vocab = group_size(vocab_parallel_group) * student_logits.shape[-1]
+    check_ids_in_range("teacher_topk_indices", teacher_topk_indices, vocab)
+    # any integer dtype: int64 for gather (uint8 ids would also wrap in `ids - vocab_start`)
+    ids = _to_cp_local(teacher_topk_indices.to(torch.int64), local_len, context_parallel_group)  # [B, S_l, K]
     rows = None if chunk_size is None else chunk_size * batch
     neg_entropy = None
     if zero_outside_topk:

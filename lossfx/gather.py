@@ -4,12 +4,15 @@
 
 over a vocabulary that may be sharded across tensor-parallel ranks. Pipeline of the forward:
 
-1. per row chunk, this shard's statistics `(m, s, u)`: max, `Σ exp(z − m)` and `Σ exp(z − m)·z`
-   (the last only when the entropy is requested); the logits at the ids this rank owns (0 elsewhere);
+1. per row chunk, this shard's statistics `(m, s, u)`: max, `Σ exp(z − m)` and
+   `Σ exp(z − m)·(z − m)` (the last only when the entropy is requested); the logits at the ids this
+   rank owns (0 elsewhere);
 2. one all-gather of the stacked per-row scalars `[2 + K (+1), N]`, then an exact max-shifted merge
-   into `lse`, `Σ p z = U / S` and the gathered logits (`_numerics`).
+   into `(shift, log_s)` (`lse = shift + log_s`, kept apart), `Σ p (z − shift)` and the gathered
+   logits (`_numerics`). Log-probs are `(z − shift) − log_s`: exact at any magnitude.
 
-Saved for backward: the logits (no copy), the ids, `lse` and the negative entropy `H` (per row).
+Saved for backward: the logits (no copy), the ids, `shift`, `log_s` and the negative entropy `H`
+(per row).
 The backward needs no collective (proofs/gather.md):
 
     dlogits = scatter_add_k(ids, g) − p · Σ_k g_k + h · p ⊙ (log p − H)
@@ -28,34 +31,67 @@ from lossfx._chunking import row_chunks
 from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size, local_columns
 from lossfx._dtensor import replicated, vocab_shard
-from lossfx._numerics import compute_dtype, finite_or_zero, lse_for_softmax, merge_max_sumexp
+from lossfx._numerics import compute_dtype, finite_or_zero, log_s_for_softmax, merge_max_logsum
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
 
 __all__ = ["gather_logits", "gather_logprobs"]
 
 
-def _xlogx_terms(z: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
-    """`(e, e·z)` with `e = exp(z − shift)`, and `e·z = 0` where `z = −inf` (0·log 0 = 0)."""
-    e = torch.exp(z - shift.unsqueeze(-1))  # [C, Vl]
-    ez = torch.where(torch.isneginf(z), torch.zeros_like(e), e * z)  # [C, Vl]
-    return e, ez
+def _shifted_terms(z: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
+    """`(e, e·d)` with `d = z − shift`, `e = exp(d)`, and `e·d = 0` where `z = −inf` (0·log 0 = 0)."""
+    d = z - shift.unsqueeze(-1)  # [C, Vl]
+    e = torch.exp(d)  # [C, Vl]
+    ed = torch.where(torch.isneginf(z), torch.zeros_like(e), e * d)  # [C, Vl]
+    return e, ed
+
+
+def _chunk_stats(z: Tensor, cdtype: torch.dtype, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Rows `z [C, Vl]` -> `(m, s, u)` `[C]` in `cdtype`: max, `Σ e`, `Σ e·(z − m)`, `e = exp(z − m)`.
+
+    Eager: `z − m` promotes to `cdtype` into one fresh `[C, Vl]` buffer (no converted copy of `z`),
+    and the exponentials into one more, updated in place. Compiled: one fused expression.
+    """
+    if torch.compiler.is_compiling():
+        z = z.to(cdtype)
+        m = z.amax(dim=-1)
+        e, ed = _shifted_terms(z, finite_or_zero(m))
+        return m, e.sum(dim=-1), ed.sum(dim=-1) if with_entropy else None
+    m = z.amax(dim=-1).to(cdtype)  # exact in any dtype
+    d = z - finite_or_zero(m).unsqueeze(-1)  # [C, Vl] in cdtype
+    e = torch.exp(d)  # [C, Vl]
+    s = e.sum(dim=-1)
+    if not with_entropy:
+        return m, s, None
+    d.masked_fill_(torch.isneginf(d), 0.0)  # 0·log 0 = 0 (d = −∞ exactly where z = −∞)
+    return m, s, e.mul_(d).sum(dim=-1)
+
+
+def _merge_neg_entropy(m: Tensor, s: Tensor, u: Tensor, shift: Tensor, log_s: Tensor) -> Tensor:
+    """`Σ p log p` `[N]` from per-shard `m, s, u [R, N]`, `u_r = Σ exp(z − m_r)·(z − m_r)`.
+
+    With `w_r = exp(m_r − shift)`: `Σ_v p_v (z_v − shift) = Σ_r w_r (u_r + (m_r − shift) s_r) / Σ_r w_r s_r`
+    and `Σ p log p = Σ p (z − shift) − log_s`. Every term is relative to the row max, so nothing
+    of size `|shift|` is ever subtracted (proofs/gather.md §4).
+    """
+    offset = m - shift.unsqueeze(0)  # [R, N], −inf for an all −inf shard
+    weight = torch.exp(offset)  # [R, N]
+    shifted = torch.where(weight > 0, weight * (u + offset * s), torch.zeros_like(u))  # no 0·(−∞)
+    return (shifted.sum(dim=0) / (weight * s).sum(dim=0)) - log_s
 
 
 def _gather_logprobs_fwd(logits, ids, vocab_start, with_entropy, chunk_rows, group):
-    """logits `[N, Vl]`, ids `[N, K]` -> (logprobs `[N, K]`, neg_entropy `[N]`, lse `[N]`)."""
+    """logits `[N, Vl]`, ids `[N, K]` -> (logprobs `[N, K]`, neg_entropy `[N]`, shift `[N]`, log_s `[N]`)."""
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
     local_idx, owned = local_columns(ids, vocab_start, local_vocab)
-    # 1. local statistics per chunk: max, Σ exp(z − m), and Σ exp(z − m)·z for the entropy
+    # 1. local statistics per chunk: max, Σ exp(z − m), and Σ exp(z − m)·(z − m) for the entropy
     maxes, sums, weighted = [], [], []
     for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
-        z = logits[start:end].to(cdtype)  # [C, Vl]
-        m = z.amax(dim=-1)  # [C]
-        e, ez = _xlogx_terms(z, finite_or_zero(m))
+        m, s, u = _chunk_stats(logits[start:end], cdtype, with_entropy)
         maxes.append(m)
-        sums.append(e.sum(dim=-1))
-        if with_entropy:
-            weighted.append(ez.sum(dim=-1))
+        sums.append(s)
+        if u is not None:
+            weighted.append(u)
     picked = logits.gather(-1, local_idx).to(cdtype)  # [N, K]
     picked = torch.where(owned, picked, torch.zeros_like(picked))
     rows = [torch.cat(maxes).unsqueeze(0), torch.cat(sums).unsqueeze(0), picked.transpose(0, 1)]
@@ -64,41 +100,67 @@ def _gather_logprobs_fwd(logits, ids, vocab_start, with_entropy, chunk_rows, gro
     # 2. merge across ranks: one all-gather of per-row scalars
     stats = all_gather_stack(torch.cat(rows), group)  # [R, 2 + K (+1), N]
     n_ids = ids.shape[-1]
-    lse = merge_max_sumexp(stats[:, 0], stats[:, 1])  # [N]
+    shift, log_s = merge_max_logsum(stats[:, 0], stats[:, 1])  # [N], [N]; lse = shift + log_s
     gathered = stats[:, 2 : 2 + n_ids].sum(dim=0).transpose(0, 1)  # [N, K], one owner per id
-    finite_row = ~torch.isneginf(lse)
-    logprobs = torch.where(finite_row.unsqueeze(-1), gathered - lse.unsqueeze(-1), float("-inf"))
+    finite_row = ~torch.isneginf(log_s)
+    # the large part first: (z − shift) − log_s, exact at any magnitude (proofs/logprobs.md §4.1)
+    logprobs = (gathered - shift.unsqueeze(-1)) - log_s.unsqueeze(-1)  # [N, K]
+    logprobs = torch.where(finite_row.unsqueeze(-1), logprobs, float("-inf"))
     if not with_entropy:
-        return logprobs, torch.zeros_like(lse), lse
-    shift = finite_or_zero(stats[:, 0].amax(dim=0))  # [N], the shift merge_max_sumexp used
-    scale = torch.exp(stats[:, 0] - shift)  # [R, N]
-    mean_z = (scale * stats[:, -1]).sum(0) / (scale * stats[:, 1]).sum(0)  # Σ p z
-    neg_entropy = torch.where(finite_row, mean_z - lse, torch.zeros_like(lse))  # Σ p log p
-    return logprobs, neg_entropy, lse
+        return logprobs, torch.zeros_like(log_s), shift, log_s
+    neg_entropy = _merge_neg_entropy(stats[:, 0], stats[:, 1], stats[:, -1], shift, log_s)  # Σ p log p
+    neg_entropy = torch.where(finite_row, neg_entropy, torch.zeros_like(neg_entropy))
+    return logprobs, neg_entropy, shift, log_s
 
 
-def _gather_logprobs_bwd(logits, ids, lse, neg_entropy, dlogprobs, dneg_entropy, vocab_start, chunk_rows):
-    """-> dlogits `[N, Vl]` in the logits' dtype; no collective."""
+def _dense_grad(z, shift, log_s_sm, neg_entropy, h, g_total):
+    """`p · (h (log p − H) − Σg)` `[..]` from logits `z` in the compute dtype (no scatter term).
+
+    `shift, log_s_sm, neg_entropy, h, g_total` broadcast against `z` (trailing dim 1). A `−∞`
+    logit has `p = 0` and contributes 0 (its `log p − H` is taken as 0, so no `0·∞`).
+    """
+    log_p = (z - shift) - log_s_sm
+    log_p_minus_h = torch.where(torch.isneginf(z), torch.zeros_like(z), log_p - neg_entropy)
+    return torch.exp(log_p) * (h * log_p_minus_h - g_total)
+
+
+def _gather_logprobs_bwd(logits, ids, shift, log_s, neg_entropy, dlogprobs, dneg_entropy, vocab_start, chunk_rows):
+    """-> dlogits `[N, Vl]` in the logits' dtype, rounded once; no collective."""
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
     local_idx, owned = local_columns(ids, vocab_start, local_vocab)
-    finite_row = ~torch.isneginf(lse)  # all -inf rows are constant: zero gradient
+    finite_row = ~torch.isneginf(log_s)  # all -inf rows are constant: zero gradient
     g = torch.where(finite_row.unsqueeze(-1), dlogprobs.to(cdtype), 0.0)  # [N, K]
     h = torch.where(finite_row, dneg_entropy.to(cdtype), 0.0)  # [N]
     g_owned = torch.where(owned, g, torch.zeros_like(g))  # [N, K]
     g_total = g.sum(dim=-1)  # [N]
-    shift = lse_for_softmax(lse)
-    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
-    dlogits = None if len(chunks) == 1 else torch.empty_like(logits)
-    for start, end in chunks:
-        z = logits[start:end].to(cdtype)  # [C, Vl]
-        p = torch.exp(z - shift[start:end, None])  # [C, Vl]
-        log_p_minus_h = torch.where(torch.isneginf(z), torch.zeros_like(z), z - (lse + neg_entropy)[start:end, None])
-        coeff = h[start:end, None] * log_p_minus_h - g_total[start:end, None]  # [C, Vl]
-        dchunk = (p * coeff).scatter_add(-1, local_idx[start:end], g_owned[start:end])
-        if dlogits is None:
-            return dchunk.to(logits.dtype)
-        dlogits[start:end] = dchunk  # rounds once to the logits' dtype
+    log_s_sm = log_s_for_softmax(log_s)  # [N], +inf for an all -inf row: p = 0
+    if torch.compiler.is_compiling():
+        # A scatter-add cannot fuse into the dense loop, and would need the whole [N, Vl] in the
+        # compute dtype (an fp32 copy of bf16 logits). Instead: the dense part in one fused loop
+        # straight into the logits' dtype, then the K id columns recomputed and overwritten with
+        # dense + Σ (owned g at that column), rounded once. Duplicate ids get identical values.
+        stats = (shift[:, None], log_s_sm[:, None], neg_entropy[:, None], h[:, None], g_total[:, None])
+        dlogits = _dense_grad(logits.to(cdtype), *stats).to(logits.dtype)  # [N, Vl]
+        at_ids = _dense_grad(logits.gather(-1, local_idx).to(cdtype), *stats)  # [N, K]
+        same_column = local_idx[:, :, None] == local_idx[:, None, :]  # [N, K, K]
+        g_column = torch.where(same_column, g_owned[:, None, :], 0.0).sum(dim=-1)  # [N, K]
+        return dlogits.scatter(-1, local_idx, (at_ids + g_column).to(logits.dtype))
+    # Eager: per chunk one [C, Vl] buffer in the compute dtype (the gradient rows themselves when the
+    # logits are in it), updated in place, plus one exp and one mask of the chunk.
+    direct = logits.dtype == cdtype
+    dlogits = torch.empty_like(logits)
+    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
+        rows = slice(start, end)
+        d = torch.sub(logits[rows], shift[rows, None], out=dlogits[rows] if direct else None)  # [C, Vl]
+        d.sub_(log_s_sm[rows, None])  # log p
+        p = torch.exp(d)  # [C, Vl]
+        d.sub_(neg_entropy[rows, None]).masked_fill_(torch.isneginf(d), 0.0)  # log p − H, 0 where p = 0
+        d.mul_(h[rows, None]).sub_(g_total[rows, None]).mul_(p)  # p (h (log p − H) − Σg)
+        del p
+        d.scatter_add_(1, local_idx[rows], g_owned[rows])  # + g at the ids (duplicates add)
+        if not direct:
+            dlogits[rows] = d  # rounds once to the logits' dtype
     return dlogits
 
 
@@ -110,17 +172,17 @@ class _GatherLogprobsFn(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         logits, ids, vocab_start, _with_entropy, chunk_rows, _group = inputs
-        _logprobs, neg_entropy, lse = output
-        ctx.save_for_backward(logits, ids, lse, neg_entropy)
+        _logprobs, neg_entropy, shift, log_s = output
+        ctx.save_for_backward(logits, ids, shift, log_s, neg_entropy)
         ctx.vocab_start, ctx.chunk_rows = vocab_start, chunk_rows
-        ctx.mark_non_differentiable(lse)
+        ctx.mark_non_differentiable(shift, log_s)
 
     @staticmethod
-    @once_differentiable  # lse and H are saved constants: see proofs/gather.md §5
-    def backward(ctx, dlogprobs, dneg_entropy, _dlse):
-        logits, ids, lse, neg_entropy = ctx.saved_tensors
+    @once_differentiable  # (shift, log_s) and H are saved constants: see proofs/gather.md §5
+    def backward(ctx, dlogprobs, dneg_entropy, _dshift, _dlog_s):
+        logits, ids, shift, log_s, neg_entropy = ctx.saved_tensors
         dlogits = _gather_logprobs_bwd(
-            logits, ids, lse, neg_entropy, dlogprobs, dneg_entropy, ctx.vocab_start, ctx.chunk_rows
+            logits, ids, shift, log_s, neg_entropy, dlogprobs, dneg_entropy, ctx.vocab_start, ctx.chunk_rows
         )
         return dlogits, None, None, None, None, None  # one entry per forward input
 
@@ -142,7 +204,8 @@ def _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, chunk_size
     vocab_start = group_rank(group) * local_vocab if vocab_start is None else vocab_start
     vocab_size = group_size(group) * local_vocab if vocab_size is None else vocab_size
     check_ids_in_range("ids", ids, vocab_size)
-    return local_vocab, vocab_start, chunk_size
+    # int64 ids: gather needs int32/int64, and `ids - vocab_start` must not wrap (uint8/int16)
+    return ids.to(torch.int64), local_vocab, vocab_start, chunk_size
 
 
 @checked_collective(vocab="tiled")
@@ -167,7 +230,8 @@ def gather_logprobs(
 
     Args:
         logits: `[..., Vl]` this rank's vocabulary shard (the full vocabulary without a group).
-        ids: `[..., K]` integer global ids in `[0, V)`; duplicates allowed (their gradients add).
+        ids: `[..., K]` global ids in `[0, V)`, any integer dtype; duplicates allowed (their
+            gradients add).
         with_entropy: also return the negative entropy `Σ p log p` `[...]` (else `None`).
         group: tensor-parallel group over the vocabulary, or `None`; outputs are replicated,
             each rank's gradient is its own shard's.
@@ -198,10 +262,12 @@ def gather_logprobs(
         logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
     )
     ids = replicated(ids, "ids")
-    local_vocab, vocab_start, chunk_size = _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, chunk_size)
+    ids, local_vocab, vocab_start, chunk_size = _check_ids_arguments(
+        logits, ids, group, vocab_start, vocab_size, chunk_size
+    )
     flat_logits = logits.reshape(-1, local_vocab)  # [N, Vl]
     flat_ids = ids.reshape(-1, ids.shape[-1])  # [N, K]
-    logprobs, neg_entropy, _ = _GatherLogprobsFn.apply(
+    logprobs, neg_entropy, _, _ = _GatherLogprobsFn.apply(
         flat_logits, flat_ids, vocab_start, with_entropy, chunk_size, group
     )
     logprobs = logprobs.view(ids.shape)
@@ -240,7 +306,7 @@ def gather_logits(
         logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
     )
     ids = replicated(ids, "ids")
-    local_vocab, vocab_start, _ = _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, None)
+    ids, local_vocab, vocab_start, _ = _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, None)
     local_idx, owned = local_columns(ids, vocab_start, local_vocab)
     local = logits.gather(-1, local_idx).to(compute_dtype(logits.dtype))  # [..., K]
     local = torch.where(owned, local, torch.zeros_like(local))

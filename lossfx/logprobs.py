@@ -7,12 +7,18 @@ Pipeline of the forward (one streaming read of the logits):
 1. per row chunk, the local statistics `(m, s)`: max and `Σ exp(z − m)` over this rank's columns;
    the target logit is gathered once, on the rank that owns the target's column (0 elsewhere);
 2. one all-gather of the stacked `[3, N]` statistics over the tensor-parallel group, then an exact
-   max-shifted merge into the row log-sum-exp `lse [N]` and the target logit (`_numerics`).
+   max-shifted merge into the row's `(shift, log_s)` (`lse = shift + log_s`, kept as two parts) and
+   the target logit (`_numerics.merge_max_logsum`).
 
-Saved for backward: the logits themselves (no copy) and `lse` (`N` floats). The backward needs no
-collective: with the global `lse` known, each rank's slice of the softmax is local, so
+The output is `(z_t − shift) − log_s`, never `z_t − lse`: once `|shift|` dwarfs `log_s`, the sum
+`shift + log_s` rounds `log_s` away, while subtracting the large part first is exact to a few ulps at
+any magnitude, like `torch.log_softmax` (proofs/logprobs.md §4.1).
 
-    dlogits = dout[:, None] * (onehot(target) − exp(logits − lse[:, None]))
+Saved for backward: the logits themselves (no copy) and `shift, log_s` (`2N` floats). The backward
+needs no collective: with the global `(shift, log_s)` known, each rank's slice of the softmax is
+local, so
+
+    dlogits = dout[:, None] * (onehot(target) − exp((logits − shift[:, None]) − log_s[:, None]))
 
 is written chunk by chunk into one buffer of the logits' dtype: one read, one write.
 Derivation and the merge proof: proofs/logprobs.md. Reference: lossfx.reference.token_logprobs.
@@ -28,7 +34,7 @@ from lossfx._chunking import row_chunks
 from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size, local_columns
 from lossfx._dtensor import replicated, vocab_shard
-from lossfx._numerics import compute_dtype, lse_for_softmax, merge_max_sumexp, row_max_sumexp
+from lossfx._numerics import compute_dtype, log_s_for_softmax, merge_max_logsum, row_max_sumexp
 from lossfx._validation import (
     check_floating,
     check_ids_in_range,
@@ -41,8 +47,8 @@ __all__ = ["token_logprobs"]
 
 def _token_logprobs_fwd(
     logits: Tensor, target: Tensor, vocab_start: int, chunk_rows: int | None, group: ProcessGroup | None
-) -> tuple[Tensor, Tensor]:
-    """logits `[N, Vl]`, target `[N]` (global ids) -> (out `[N]`, lse `[N]`) in the compute dtype."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """logits `[N, Vl]`, target `[N]` (global ids) -> (out, shift, log_s), each `[N]` in the compute dtype."""
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
     local_idx, owned = local_columns(target, vocab_start, local_vocab)
@@ -57,28 +63,36 @@ def _token_logprobs_fwd(
     local_stats = torch.stack([torch.cat(maxes), torch.cat(sums), picked])  # [3, N]
     # 2. merge across ranks: one all-gather of per-row scalars
     stats = all_gather_stack(local_stats, group)  # [R, 3, N]
-    lse = merge_max_sumexp(stats[:, 0], stats[:, 1])  # [N]
+    shift, log_s = merge_max_logsum(stats[:, 0], stats[:, 1])  # [N], [N]; lse = shift + log_s
     target_logit = stats[:, 2].sum(dim=0)  # [N], exactly one rank contributes
-    out = torch.where(torch.isneginf(lse), torch.full_like(lse, float("-inf")), target_logit - lse)
-    return out, lse
+    # the large part first: (z_t − shift) is exact or rounded once, as in torch.log_softmax
+    logprob = (target_logit - shift) - log_s  # [N]
+    out = torch.where(torch.isneginf(log_s), torch.full_like(log_s, float("-inf")), logprob)
+    return out, shift, log_s
 
 
 def _token_logprobs_bwd(
-    logits: Tensor, target: Tensor, lse: Tensor, dout: Tensor, vocab_start: int, chunk_rows: int | None
+    logits: Tensor,
+    target: Tensor,
+    shift: Tensor,
+    log_s: Tensor,
+    dout: Tensor,
+    vocab_start: int,
+    chunk_rows: int | None,
 ) -> Tensor:
     """-> dlogits `[N, Vl]` in the logits' dtype; no collective."""
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
     local_idx, owned = local_columns(target, vocab_start, local_vocab)
-    shift = lse_for_softmax(lse)  # [N]
+    log_s_sm = log_s_for_softmax(log_s)  # [N], +inf for an all -inf row: its softmax is 0
     # An all -inf row has a constant output (-inf): its gradient is 0.
-    grad = torch.where(torch.isneginf(lse), torch.zeros_like(lse), dout.to(cdtype))  # [N]
+    grad = torch.where(torch.isneginf(log_s), torch.zeros_like(log_s), dout.to(cdtype))  # [N]
     grad_target = torch.where(owned, grad, torch.zeros_like(grad))  # [N]
     if torch.compiler.is_compiling():
         # One expression over the whole tensor: Inductor fuses it into a single loop that reads the
         # logits once and writes dlogits once, in the logits' dtype, with no [N, Vl] temporary.
         columns = torch.arange(local_vocab, device=logits.device)  # [Vl]
-        probs = torch.exp(logits.to(cdtype) - shift[:, None])  # [N, Vl]
+        probs = torch.exp((logits.to(cdtype) - shift[:, None]) - log_s_sm[:, None])  # [N, Vl]
         onehot = columns == local_idx[:, None]  # [N, Vl]
         return (torch.where(onehot, grad_target[:, None], 0.0) - probs * grad[:, None]).to(logits.dtype)
     # Eager: per chunk, one fresh [C, Vl] buffer (the output rows themselves when the logits are in
@@ -90,7 +104,7 @@ def _token_logprobs_bwd(
     for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
         rows = slice(start, end)
         d = torch.sub(logits[rows], shift[rows, None], out=dlogits[rows] if direct else None)  # [C, Vl]
-        d.exp_().mul_(neg_grad[rows, None])  # -dout · softmax
+        d.sub_(log_s_sm[rows, None]).exp_().mul_(neg_grad[rows, None])  # -dout · softmax
         d.scatter_add_(1, local_idx[rows, None], grad_target[rows, None])  # + dout at the target
         if not direct:
             dlogits[rows] = d  # rounds once to the logits' dtype
@@ -105,15 +119,16 @@ class _TokenLogprobsFn(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         logits, target, vocab_start, chunk_rows, _group = inputs
-        ctx.save_for_backward(logits, target, output[1])
+        _out, shift, log_s = output
+        ctx.save_for_backward(logits, target, shift, log_s)
         ctx.vocab_start, ctx.chunk_rows = vocab_start, chunk_rows
-        ctx.mark_non_differentiable(output[1])
+        ctx.mark_non_differentiable(shift, log_s)
 
     @staticmethod
-    @once_differentiable  # the backward treats the saved lse as a constant: see proofs/logprobs.md §5
-    def backward(ctx, dout, _dlse):
-        logits, target, lse = ctx.saved_tensors
-        dlogits = _token_logprobs_bwd(logits, target, lse, dout, ctx.vocab_start, ctx.chunk_rows)
+    @once_differentiable  # the backward treats the saved (shift, log_s) as constants: proofs/logprobs.md §5
+    def backward(ctx, dout, _dshift, _dlog_s):
+        logits, target, shift, log_s = ctx.saved_tensors
+        dlogits = _token_logprobs_bwd(logits, target, shift, log_s, dout, ctx.vocab_start, ctx.chunk_rows)
         return dlogits, None, None, None, None  # one entry per forward input
 
 
@@ -127,7 +142,11 @@ def token_logprobs_with_lse(
     vocab_size: int | None = None,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """`token_logprobs` that also returns the row log-sum-exp `[...]` (not differentiable)."""
+    """`token_logprobs` that also returns the row log-sum-exp `[...]` (not differentiable).
+
+    The log-probabilities are formed from the max and the log-sum kept apart (exact at any
+    magnitude); the returned `lse = shift + log_s` is their rounded sum, for callers that need it.
+    """
     logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
         logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
     )
@@ -151,8 +170,8 @@ def token_logprobs_with_lse(
     flat_logits = logits.reshape(-1, local_vocab)  # [N, Vl], a view when the layout allows
     # int64 ids: gather needs int32/int64, and `target - vocab_start` must not wrap (uint8/int16)
     flat_target = target.reshape(-1).to(torch.int64)  # [N]
-    out, lse = _TokenLogprobsFn.apply(flat_logits, flat_target, vocab_start, chunk_size, group)
-    return out.view(target.shape), lse.view(target.shape)
+    out, shift, log_s = _TokenLogprobsFn.apply(flat_logits, flat_target, vocab_start, chunk_size, group)
+    return out.view(target.shape), (shift + log_s).view(target.shape)
 
 
 @checked_collective(vocab="tiled")

@@ -26,10 +26,10 @@ import torch
 from torch import Tensor
 
 from lossfx._consistency import checked_collective, loss_input_vocab_policy, vocab_shard_range
-from lossfx._distributed import ProcessGroup, check_vocab_parallel
+from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
 from lossfx._dtensor import entry_point_on_local, has_dtensor, replicated, vocab_shard
 from lossfx._numerics import compute_dtype
-from lossfx._validation import check_floating, check_tensor
+from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.loss_masks import loss_mask_from_data, mask_out_neg_inf_logprobs
 from lossfx.next_token import next_token_logprobs as _next_token_logprobs
@@ -272,6 +272,12 @@ def _prepare_logprob_input(
             )
         width = max(input_ids.shape[1] - 1, 0)
         return {"next_token_logprobs": logits.to(compute_dtype(logits.dtype))[:, :width]}
+    check_integer_ids("data['input_ids']", input_ids)
+    if input_ids.dim() == 2 and logits.dim() == 3:  # else next_token_logprobs raises on the shapes
+        # the scored ids input_ids[:, 1:] (position 0 is never scored), reported at their own (b, t)
+        _, vocab_size = vocab_shard_range(logits.shape[-1], vocab_parallel_group)  # uneven shards (eager)
+        vocab = vocab_size if vocab_size is not None else group_size(vocab_parallel_group) * logits.shape[-1]
+        check_ids_in_range("data['input_ids']", input_ids[:, 1:], vocab, column_offset=1)
     layout = {
         "vocab_parallel_rank": vocab_parallel_rank,
         "vocab_parallel_group": vocab_parallel_group,
@@ -284,7 +290,7 @@ def _prepare_logprob_input(
     if not filtering:
         return {"next_token_logprobs": logprobs}
     # The -inf rule (semantics.md §1.1 step 3, §3.5): positions whose token fell outside the kept
-    # set, or whose mask = token_mask · sample_mask (missing columns count as ones) is 0, become 0.
+    # set, or whose mask = token_mask · sample_mask (token_mask required, a missing sample_mask is ones) is 0, become 0.
     # Everything is computed before `data` is touched, so a call that raises leaves it unchanged.
     mask = loss_mask_from_data(data, input_ids)  # [B, S] bool
     logprobs = mask_out_neg_inf_logprobs(logprobs, mask[:, 1:], "curr_logprobs")
@@ -431,7 +437,7 @@ def prepare_packed_loss_input(
             sampling_params=sampling_params,
             chunk_size=chunk_size,
         )
-    from lossfx.packing import packed_next_token_logprobs
+    from lossfx.packing import _packed_next_token_logprobs as packed_next_token_logprobs
 
     input_type = _input_type(loss_fn)
     if input_type is not LossInputType.LOGPROB:
@@ -460,6 +466,7 @@ def prepare_packed_loss_input(
         cu_seqlens_q_padded,
         sampling_params=sampling_params,
         chunk_size=chunk_size,
+        ids_name="data['input_ids']",
         **layout,
     )
     if not need_top_k_or_top_p_filtering(sampling_params):

@@ -3,7 +3,8 @@
 Data-dict plumbing of the entry points (`loss_input.py`), kept apart from the kernels: it knows the
 column names of a batch (`token_mask`, `sample_mask`) but nothing about vocabularies or layouts.
 
-* `loss_mask_from_data`: `token_mask · sample_mask[:, None]` `[B, S]` (a missing column is ones);
+* `loss_mask_from_data`: `token_mask · sample_mask[:, None]` `[B, S]` (a missing `token_mask`
+  raises `ValueError`, decisions.md §5; a missing `sample_mask` is ones);
 * `mask_out_neg_inf_logprobs`: `where(mask & isfinite(logprobs), logprobs, 0)`, warning in eager
   mode about valid tokens a top-k/top-p filter removed.
 
@@ -56,7 +57,7 @@ def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logpr
         )
     valid = mask != 0
     finite = torch.isfinite(logprobs)
-    if values_checkable():
+    if values_checkable(logprobs, mask):
         bad = int((valid & ~finite).sum())
         if bad:
             warnings.warn(
@@ -68,16 +69,23 @@ def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logpr
 
 
 def loss_mask_from_data(data: Mapping[str, Any], input_ids: Tensor) -> Tensor:
-    """`token_mask · sample_mask[:, None]` `[B, S]` from `data`; a missing column counts as ones."""
+    """`token_mask · sample_mask[:, None] != 0` `[B, S]` bool from `data`.
+
+    `token_mask` `[B, S]` is required (a missing one raises `ValueError` naming it, decisions.md
+    §5; it is never taken as ones); `sample_mask` `[B]` is an optional per-sequence weight (ones
+    when absent). Any numeric or bool dtype.
+    """
     batch, seq = input_ids.shape
-    token_mask = data.get("token_mask")
+    if data.get("token_mask") is None:
+        raise ValueError(
+            "data must contain 'token_mask' under a top-k/top-p filter (the -inf rule masks with "
+            f"token_mask · sample_mask); it has {sorted(data.keys())}"
+        )
+    token_mask = check_tensor("data['token_mask']", data["token_mask"])
+    if tuple(token_mask.shape) != (batch, seq):
+        raise ValueError(f"data['token_mask'] must be [B, S] = {(batch, seq)}, got {tuple(token_mask.shape)}")
+    mask = token_mask != 0
     sample_mask = data.get("sample_mask")
-    mask = torch.ones(batch, seq, dtype=torch.bool, device=input_ids.device)
-    if token_mask is not None:
-        check_tensor("data['token_mask']", token_mask)
-        if tuple(token_mask.shape) != (batch, seq):
-            raise ValueError(f"data['token_mask'] must be [B, S] = {(batch, seq)}, got {tuple(token_mask.shape)}")
-        mask = mask & (token_mask != 0)
     if sample_mask is not None:
         check_tensor("data['sample_mask']", sample_mask)
         if tuple(sample_mask.shape) != (batch,):

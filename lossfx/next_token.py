@@ -4,9 +4,9 @@
 
 Pipeline (`next_token_logprobs`):
 
-1. the shift happens on the **canonical** sequence, as a roll of the targets (never a slice of
-   the logits, which would copy them): `target[:, t] = input_ids[:, t+1]`, the wrapped last column
-   is a valid id whose result is dropped;
+1. the shift happens on the **canonical** sequence, on the targets (never a slice of the logits,
+   which would copy them): `target[:, t] = input_ids[:, t+1]`, and the last column, whose result
+   is dropped, is id 0 (so `input_ids[:, 0]`, never scored, is never read);
 2. with context parallelism the targets are zero-padded to `C·S_l` and laid out like the logits:
    this rank's load-balanced part (`context_parallel.shard_padded_for_cp`), or the sharder's
    `shard_token_tensor`;
@@ -26,7 +26,7 @@ from torch import Tensor
 from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, group_rank, group_size
 from lossfx._dtensor import replicated, vocab_shard
-from lossfx._validation import check_floating, check_integer_ids, check_positive_int
+from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
 from lossfx.context_parallel import allgather_cp, shard_for_cp_rank, shard_padded_for_cp
 from lossfx.filtering import filtered_token_logprobs
 from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
@@ -144,7 +144,8 @@ def next_token_logprobs(
     Args:
         logits: `[B, S_l, Vl]`: this rank's vocabulary shard (TP) and sequence part (CP:
             load-balanced, `S_l = S_pad / C`, or the sharder's layout); `S_l = S` without CP.
-        input_ids: `[B, S]` canonical ids in `[0, V)`.
+        input_ids: `[B, S]` canonical ids; the scored ones, `input_ids[:, 1:]`, in `[0, V)`
+            (`input_ids[:, 0]` is never read).
         vocab_parallel_group: TP group over the vocabulary, or `None`.
         context_parallel_group: CP group for the load-balanced layout, or `None`.
         cp_sharder: an object with `shard_token_tensor`/`gather_token_tensor`
@@ -159,7 +160,8 @@ def next_token_logprobs(
 
     Raises:
         ValueError: shape mismatches; with CP, `C·S_l < S` or an odd local length (the
-            load-balanced layout needs a multiple of `2C`).
+            load-balanced layout needs a multiple of `2C`); an id of `input_ids[:, 1:]` outside
+            `[0, V)` (eager only; the message gives its `(b, t)` in `input_ids` and its value).
     """
     check_floating("logits", logits)
     check_integer_ids("input_ids", input_ids)
@@ -183,8 +185,11 @@ def next_token_logprobs(
             f"cover input_ids' {seq} positions with an even local length (a multiple of 2·{cp_size} "
             "in all; pad the sequence to it)"
         )
-    # 1. the shift, on the canonical sequence
-    target = torch.roll(input_ids, shifts=-1, dims=1).to(logits.device)  # [B, S]
+    # only the scored ids input_ids[:, 1:] must be in range; positions are reported as input_ids'
+    vocab = vocab_size if vocab_size is not None else group_size(vocab_parallel_group) * logits.shape[-1]
+    check_ids_in_range("input_ids", input_ids[:, 1:], vocab, column_offset=1)
+    # 1. the shift, on the canonical sequence; the last column (dropped) scores id 0
+    target = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1).to(logits.device)  # [B, S]
     # 2. the targets in the logits' layout
     if cp_sharder is not None:
         target = cp_sharder.shard_token_tensor(target, seq_dim=1, fill=0)

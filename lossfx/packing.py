@@ -24,6 +24,7 @@ Pipeline (`packed_next_token_logprobs`):
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,26 +37,37 @@ from lossfx._validation import check_integer_ids, check_tensor, values_checkable
 from lossfx.interfaces import TrainingSamplingParams
 from lossfx.next_token import target_logprobs
 
-__all__ = ["check_cu_seqlens", "packed_next_token_logprobs"]
+__all__ = ["check_cu_seqlens", "check_packed_input_ids", "packed_next_token_logprobs"]
+
+
+def _check_cu_type(name: str, cu: Any) -> None:
+    """Raise `TypeError` naming `name` and the value unless `cu` is a 1-D integer tensor or a
+    sequence of ints."""
+    if isinstance(cu, Tensor):
+        check_integer_ids(name, cu)
+        if cu.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(cu.shape)}")
+        return
+    if not isinstance(cu, Sequence) or isinstance(cu, (str, bytes)):
+        raise TypeError(f"{name} must be a sequence of ints or a 1-D integer tensor, got {type(cu).__name__} {cu!r}")
+    bad = [v for v in cu if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
+    if bad:
+        raise TypeError(f"{name} must hold ints, got {cu!r} (non-int entries {bad[:5]!r})")
 
 
 def _as_int_list(name: str, cu: Any) -> list[int]:
     """Host-side values of a `cu_seqlens` argument (eager only)."""
+    _check_cu_type(name, cu)
     if isinstance(cu, Tensor):
-        check_integer_ids(name, cu)
         return [int(v) for v in cu.reshape(-1).tolist()]
     return [int(v) for v in cu]
 
 
 def _as_tensor(name: str, cu: Any, device: torch.device) -> Tensor:
     """`cu_seqlens` as a 1-D int64 tensor on `device` (tuples of ints and int tensors accepted)."""
+    _check_cu_type(name, cu)
     if isinstance(cu, Tensor):
-        check_integer_ids(name, cu)
-        if cu.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(cu.shape)}")
         return cu.to(device=device, dtype=torch.int64)
-    if not isinstance(cu, Sequence) or isinstance(cu, (str, bytes)):
-        raise TypeError(f"{name} must be a sequence of ints or a 1-D integer tensor, got {type(cu).__name__}")
     return torch.tensor(list(cu), dtype=torch.int64, device=device)
 
 
@@ -66,7 +78,9 @@ def check_cu_seqlens(cu_seqlens_q: Any, cu_seqlens_q_padded: Any, n_seqs: int, t
     least its unpadded length, the padded total equal to `total` (the packed logits' `C·T/C`),
     and, with context parallelism, every padded length a multiple of `2C`. Eager only.
     """
-    if not values_checkable():
+    _check_cu_type("cu_seqlens_q", cu_seqlens_q)  # types always; values in eager mode only
+    _check_cu_type("cu_seqlens_q_padded", cu_seqlens_q_padded)
+    if not values_checkable(cu_seqlens_q, cu_seqlens_q_padded):
         return
     cu_q = _as_int_list("cu_seqlens_q", cu_seqlens_q)
     cu_p = _as_int_list("cu_seqlens_q_padded", cu_seqlens_q_padded)
@@ -94,6 +108,38 @@ def check_cu_seqlens(cu_seqlens_q: Any, cu_seqlens_q_padded: Any, n_seqs: int, t
                 f"with context parallelism {cp_size}, every padded length must be a multiple of "
                 f"2·{cp_size}; (sequence, padded length): {odd[:5]}"
             )
+
+
+def check_packed_input_ids(
+    name: str, input_ids: Tensor, cu_seqlens_q: Any, cu_seqlens_q_padded: Any, vocab: int, prepacked: bool
+) -> None:
+    """Raise `ValueError` for a scored id outside `[0, vocab)`, naming its `(b, t)` in `input_ids`.
+
+    The scored ids are each sequence's tokens after its first: `input_ids[b, 1:len_b]` (unpacked,
+    `len_b` the real length, clipped to the row and to the padded length), or
+    `input_ids[0, cu_p[i] + 1 : cu_p[i+1]]` (pre-packed). Other entries (first tokens, padding) are
+    never read and may hold anything. Eager only; call after `check_cu_seqlens`.
+    """
+    if not values_checkable(input_ids, cu_seqlens_q, cu_seqlens_q_padded) or input_ids.numel() == 0:
+        return
+    cu_p = _as_int_list("cu_seqlens_q_padded", cu_seqlens_q_padded)
+    position = torch.arange(input_ids.shape[1], device=input_ids.device)  # [S]
+    scored = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+    if prepacked:
+        for start, end in zip(cu_p[:-1], cu_p[1:]):
+            scored[0] |= (position > start) & (position < end)
+    else:
+        cu_q = _as_int_list("cu_seqlens_q", cu_seqlens_q)
+        for b in range(input_ids.shape[0]):
+            length = min(cu_q[b + 1] - cu_q[b], cu_p[b + 1] - cu_p[b])
+            scored[b] = (position >= 1) & (position < length)
+    bad = scored & ((input_ids < 0) | (input_ids >= vocab))
+    if bool(bad.any()):
+        where = bad.nonzero()[:5].tolist()
+        raise ValueError(
+            f"{name} must lie in [0, {vocab}) at the scored positions (each sequence's tokens after its "
+            f"first); {int(bad.sum())} entries do not, e.g. values {input_ids[bad][:5].tolist()} at positions {where}"
+        )
 
 
 def _slot_of_local(cu_p: Tensor, local_len: int, cp_rank: int, cp_size: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -179,19 +225,60 @@ def packed_next_token_logprobs(
     Returns:
         `[B, S−1]` (position `t` of row `i` scores token `t+1` of sequence `i`; 0 past the padded
         length), or `[1, T−1]` when `prepacked`; in the compute dtype.
+
+    Raises:
+        TypeError: `cu_seqlens_*` neither a sequence of ints nor a 1-D integer tensor.
+        ValueError: bad shapes; malformed `cu_seqlens` (`check_cu_seqlens`); a scored id outside
+            `[0, V)` (`check_packed_input_ids`: first tokens and padding are never read). Eager only.
     """
+    return _packed_next_token_logprobs(
+        logits,
+        input_ids,
+        cu_seqlens_q,
+        cu_seqlens_q_padded,
+        prepacked=prepacked,
+        vocab_parallel_group=vocab_parallel_group,
+        context_parallel_group=context_parallel_group,
+        sampling_params=sampling_params,
+        chunk_size=chunk_size,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+    )
+
+
+def _packed_next_token_logprobs(
+    logits: Tensor,
+    input_ids: Tensor,
+    cu_seqlens_q: Any,
+    cu_seqlens_q_padded: Any,
+    *,
+    prepacked: bool,
+    vocab_parallel_group: ProcessGroup | None,
+    context_parallel_group: ProcessGroup | None,
+    sampling_params: TrainingSamplingParams | None = None,
+    chunk_size: int | None = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    ids_name: str = "input_ids",
+) -> Tensor:
+    """`packed_next_token_logprobs`; errors about the ids name them `ids_name` (the entry point
+    passes `data['input_ids']`)."""
     check_tensor("logits", logits)
-    check_integer_ids("input_ids", input_ids)
+    check_integer_ids(ids_name, input_ids)
     if logits.dim() != 3 or logits.shape[0] != 1:
         raise ValueError(f"packed logits must be [1, T/C, V_local], got shape {tuple(logits.shape)}")
     if input_ids.dim() != 2 or (prepacked and input_ids.shape[0] != 1):
         raise ValueError(
             f"input_ids must be [B, S] (or [1, T] for pre-packed data), got shape {tuple(input_ids.shape)}"
         )
+    _check_cu_type("cu_seqlens_q", cu_seqlens_q)
+    _check_cu_type("cu_seqlens_q_padded", cu_seqlens_q_padded)
     cp_size, cp_rank = group_size(context_parallel_group), group_rank(context_parallel_group)
     local_len = logits.shape[1]
     n_seqs = len(cu_seqlens_q_padded) - 1 if prepacked else input_ids.shape[0]
     check_cu_seqlens(cu_seqlens_q, cu_seqlens_q_padded, n_seqs, local_len * cp_size, cp_size)
+    vocab = vocab_size if vocab_size is not None else group_size(vocab_parallel_group) * logits.shape[-1]
+    check_packed_input_ids(ids_name, input_ids, cu_seqlens_q, cu_seqlens_q_padded, vocab, prepacked)
     device = logits.device
     cu_q = _as_tensor("cu_seqlens_q", cu_seqlens_q, device)
     cu_p = _as_tensor("cu_seqlens_q_padded", cu_seqlens_q_padded, device)

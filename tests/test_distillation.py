@@ -426,7 +426,8 @@ def test_distillation_errors():
     z = _logits((1, 4, 6), 0)
     with pytest.raises(ValueError, match="topk must be positive"):
         _distill(z, torch.zeros(1, 4, 0, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"ids must lie in \[0, 6\).*values \[6\]"):
+    oob = r"teacher_topk_indices must lie in \[0, 6\).*values \[6\] at positions \[\[0, 2, 0\]\]"
+    with pytest.raises(ValueError, match=oob):
         _distill(z, torch.tensor([[[0], [1], [6], [2]]]))
     with pytest.raises(ValueError, match="teacher_topk_logits and teacher_topk_indices"):
         _distill(z, torch.zeros(1, 4, 2, dtype=torch.long), teacher=torch.zeros(1, 4, 3))
@@ -488,7 +489,7 @@ def test_gather_logprobs_saves_logits_without_copy_and_mutates_nothing():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         lp, h = lossfx.gather_logprobs(z, ids, with_entropy=True, chunk_size=2)
     total = sum(t.numel() * t.element_size() for t in saved)
-    per_row = 2 * 4 + ids.shape[-1] * 8  # lse + H (fp32) and the int64 ids
+    per_row = 3 * 4 + ids.shape[-1] * 8  # shift, log_s, H (fp32) and the int64 ids
     assert total <= z.numel() * z.element_size() + z.shape[0] * per_row
     assert any(t.data_ptr() == z.data_ptr() for t in saved), "logits must be saved without a copy"
     (lp.sum() + h.sum()).backward()

@@ -707,22 +707,26 @@ def test_prepare_loss_input_defaults_and_failures():
     z, target = make_logits(2, 4, 10, seed=5)
     data = {"input_ids": target}
     sp = lossfx.TrainingSamplingParams(top_k=2, top_p=0.9)
+    with pytest.raises(ValueError, match="'token_mask'"):  # decisions.md §5: no default token_mask
+        lossfx.prepare_loss_input(z, data, _loss_fn(), sampling_params=sp)
+    assert set(data) == {"input_ids"}
+    data = {"input_ids": target, "token_mask": torch.ones(2, 4), "sample_mask": torch.ones(2)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out, _ = lossfx.prepare_loss_input(z, data, _loss_fn(), sampling_params=sp)
     lp = reference.next_token_filtered_logprobs(z, target, 2, 0.9)
-    expected = torch.where(torch.isfinite(lp), lp, 0.0)  # no masks: ones
+    expected = torch.where(torch.isfinite(lp), lp, 0.0)  # masks of ones
     torch.testing.assert_close(out["next_token_logprobs"], expected, **TOL64)
-    assert set(data) == {"input_ids"}
+    data = {"input_ids": target}
     # a failing call leaves data untouched
-    bad = {"input_ids": target, "token_mask": torch.ones(2, 3)}
+    bad = {"input_ids": target, "token_mask": torch.ones(2, 3), "sample_mask": torch.ones(2)}
     with pytest.raises(ValueError, match="token_mask"):
         lossfx.prepare_loss_input(z, bad, _loss_fn(kl=1.0), sampling_params=sp)
-    assert set(bad) == {"input_ids", "token_mask"}
-    bad = {"input_ids": target, "sample_mask": torch.ones(3)}
+    assert set(bad) == {"input_ids", "token_mask", "sample_mask"}
+    bad = {"input_ids": target, "token_mask": torch.ones(2, 4), "sample_mask": torch.ones(3)}
     with pytest.raises(ValueError, match="sample_mask"):
         lossfx.prepare_loss_input(z, bad, _loss_fn(kl=1.0), sampling_params=sp)
-    assert set(bad) == {"input_ids", "sample_mask"}
+    assert set(bad) == {"input_ids", "token_mask", "sample_mask"}
     fused = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB, use_fused_linear_logprobs=True)
     with pytest.raises(ValueError, match="fused"):
         lossfx.prepare_loss_input(z[..., 0], data, fused, sampling_params=sp)
@@ -746,7 +750,7 @@ def test_mask_out_neg_inf_logprobs_warns_and_is_nan_free():
 
 def test_prepare_loss_input_compiled_aot_eager():
     z, target = make_logits(2, 4, 10, seed=8)
-    data = {"input_ids": target, "token_mask": torch.ones(2, 4)}
+    data = {"input_ids": target, "token_mask": torch.ones(2, 4), "sample_mask": torch.ones(2)}
     sp = lossfx.TrainingSamplingParams(top_k=3, top_p=0.9)
 
     loss_fn = _loss_fn()
@@ -868,7 +872,7 @@ def test_memory_contract_saved_bytes(strategy):
 
 def _rank_prepare_shape(rank, world, group, batch, seq, vocab, backend):
     z = torch.randn(batch, seq, vocab * world, dtype=F64, generator=torch.Generator().manual_seed(batch + seq))
-    data = {"input_ids": torch.zeros(batch, seq, dtype=torch.long)}
+    data = {"input_ids": torch.zeros(batch, seq, dtype=torch.long), "token_mask": torch.ones(batch, seq)}
     shard = _shard(z, rank, world).detach().clone().requires_grad_(True)
     sp = lossfx.TrainingSamplingParams(top_k=2, top_p=0.9)
     loss_fn = _loss_fn()

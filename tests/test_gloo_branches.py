@@ -53,8 +53,10 @@ def _run_branches(rank, world, group, mode, case):
 
     z = _local(case["z"], rank, world, mode).clone().requires_grad_()
     sp = lossfx.TrainingSamplingParams(top_k=5, top_p=0.9)
+    ids = case["ids"]
+    masks = {"token_mask": torch.ones(ids.shape), "sample_mask": torch.ones(ids.shape[0])}  # required under a filter
     res, _ = lossfx.prepare_loss_input(
-        z, {"input_ids": case["ids"]}, SimpleNamespace(input_type="logprob"), sampling_params=sp, **tp, **cp
+        z, {"input_ids": ids, **masks}, SimpleNamespace(input_type="logprob"), sampling_params=sp, **tp, **cp
     )
     res["next_token_logprobs"].sum().backward()
     out["logprob"], out["logprob_grad"] = res["next_token_logprobs"].detach(), z.grad

@@ -303,16 +303,14 @@ def test_ids_out_of_range(bad):
     assert data["input_ids"] is ids and ids[1, 1] == bad and data.keys() == {"input_ids"}
 
 
-def test_first_position_id_out_of_range_is_checked():
-    """Position 0 is never a target, but an out-of-range id there is still bad input.
-
-    (lossfx rolls the ids, so `input_ids[:, 0]` lands in the discarded last slot: it must still be
-    range-checked rather than silently used as a gather index.)
-    """
-    ids = torch.zeros(2, 3, dtype=torch.long)
+def test_first_position_id_is_never_checked():
+    """Position 0 is never a target: any value there is accepted and changes nothing (issue 10 item 12)."""
+    ids = torch.tensor([[0, 1, 2], [3, 2, 1]])
+    logits = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
+    expected = _call(logits, data={"input_ids": ids.clone()})
     ids[0, 0] = 99
-    with pytest.raises(ValueError, match="99"):
-        _call(data={"input_ids": ids})
+    got = _call(logits, data={"input_ids": ids})
+    assert torch.equal(got[0]["next_token_logprobs"], expected[0]["next_token_logprobs"])
 
 
 @pytest.mark.parametrize(("chunk", "exc"), [(0, ValueError), (-1, ValueError), (1.5, TypeError)])

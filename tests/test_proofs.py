@@ -86,7 +86,10 @@ def test_gather_vjp_formula_with_duplicates():
 
 @pytest.mark.parametrize("shards", [1, 2, 3])
 def test_gather_entropy_merge_identity(shards):
-    """proofs/gather.md §3: H = U/S − lse from per-shard (m, s, u) over any partition."""
+    """proofs/gather.md §3: H = Σ_r w_r (u_r + (m_r − m) s_r) / S − log S from per-shard (m, s, u)."""
+    from lossfx._numerics import merge_max_logsum
+    from lossfx.gather import _merge_neg_entropy, _shifted_terms
+
     n, v = 4, 10
     z = _logits(n, v, 5 + shards, neg_inf=True)[1:]  # drop the all -inf row: H is defined as 0 there
     bounds = torch.linspace(0, v, shards + 1).round().long().tolist()
@@ -94,17 +97,16 @@ def test_gather_entropy_merge_identity(shards):
     for a, b in zip(bounds[:-1], bounds[1:]):
         part = z[:, a:b]
         m = part.amax(-1)
-        shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        e = torch.exp(part - shift[:, None])
+        e, ed = _shifted_terms(part, torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
         ms.append(m)
         ss.append(e.sum(-1))
-        us.append(torch.where(torch.isneginf(part), torch.zeros_like(e), e * part).sum(-1))
-    m = torch.stack(ms).amax(0)
-    scale = torch.exp(torch.stack(ms) - m)
-    big_s, big_u = (scale * torch.stack(ss)).sum(0), (scale * torch.stack(us)).sum(0)
-    lse = m + torch.log(big_s)
+        us.append(ed.sum(-1))
+    m, s, u = torch.stack(ms), torch.stack(ss), torch.stack(us)
+    shift, log_s = merge_max_logsum(m, s)
+    torch.testing.assert_close(shift + log_s, torch.logsumexp(z, -1), rtol=0, atol=1e-12)
     _, neg_h_ref = reference.gather_logprobs(z, torch.zeros(z.shape[0], 1, dtype=torch.long))
-    torch.testing.assert_close(big_u / big_s - lse, neg_h_ref, rtol=0, atol=1e-12)
+    neg_h = _merge_neg_entropy(m, s, u, shift, log_s)
+    torch.testing.assert_close(neg_h, neg_h_ref, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -297,3 +299,61 @@ def test_projected_teacher_rows_equal_the_dense_projection(chunk):
     projected = _projected_teacher_stats(student, hidden, heads, head, "reverse_kl", chunk, F64)
     dense = _stats_eager(student, lambda a, b: teacher[a:b], 1, 1, n, F64)
     torch.testing.assert_close(projected, dense, rtol=1e-14, atol=1e-14)
+
+
+def test_logprobs_exact_at_any_magnitude():
+    """proofs/logprobs.md §4.1: `(z_t − m) − log s` is within a few ulps at any offset; `z_t − (m + log s)` is not.
+
+    fp32 rows `c + y`, with `y` a few exact levels (multiples of `ulp(c)`, so `c + y` is exact);
+    the truth is the float64 log-softmax of `y` (log-softmax is shift-invariant).
+    """
+    u = torch.finfo(torch.float32).eps / 2
+    levels = torch.tensor([0.0, 0.0, 0.0, -1.0, -3.0], dtype=F64)
+    lost = []
+    for k in range(0, 121, 4):
+        c = 2.0**k
+        y = levels * max(1.0, 2.0 ** (k - 23))  # exact levels at this offset
+        z = (c + y).to(torch.float32)
+        assert torch.equal(z.to(F64) - c, y)
+        truth = torch.log_softmax(y, -1)[0].item()
+        m = z.max()
+        log_s = torch.log(torch.exp(z - m).sum())
+        split = ((z[0] - m) - log_s).item()  # lossfx's order
+        summed = (z[0] - (m + log_s)).item()  # the textbook order
+        bound = 4 * u * (abs(truth) + abs((z[0] - m).item()) + len(levels) * 2)
+        assert abs(split - truth) <= bound, (k, split, truth)
+        assert abs(lossfx.token_logprobs(z[None], torch.tensor([0])).item() - truth) <= bound, k
+        # the textbook order: once log s < ulp(m)/2 the sum rounds to m and log s is lost entirely
+        if 2.0 ** (k - 24) > log_s.item():
+            assert summed == (z[0] - m).item() == 0.0
+            lost.append(k)
+            assert abs(summed - truth) == pytest.approx(-truth, rel=1e-6)
+    assert lost and lost[0] <= 28, "the textbook order must lose log s from offset ~2^25 in fp32"
+
+
+@pytest.mark.parametrize("vocab_start", [0, 4])
+def test_gather_compiled_backward_overwrite_identity(vocab_start):
+    """proofs/gather.md §5: dense term everywhere, then `D_c + G_c` written over the id columns,
+    equals §2's scatter-add formula (duplicate ids, ids owned by another shard), in float64."""
+    from unittest import mock
+
+    from lossfx._numerics import merge_max_logsum
+    from lossfx.gather import _gather_logprobs_bwd
+
+    n, v, k = 5, 9, 4
+    z = _logits(n, v, 21)
+    ids = torch.randint(0, v + 4, (n, k), generator=torch.Generator().manual_seed(3))  # global ids, V = v + 4
+    ids[:, 1] = ids[:, 0]  # duplicates
+    g, h = torch.randn(n, k, dtype=F64), torch.randn(n, dtype=F64)
+    shift, log_s = merge_max_logsum(z.amax(-1)[None], torch.exp(z - z.amax(-1, keepdim=True)).sum(-1)[None])
+    log_p = torch.log_softmax(z, -1)
+    neg_h = (log_p.exp() * log_p).sum(-1)
+    local = ids - vocab_start
+    owned = (local >= 0) & (local < v)
+    expected = torch.zeros(n, v, dtype=F64).scatter_add(-1, torch.where(owned, local, 0), torch.where(owned, g, 0.0))
+    expected += log_p.exp() * (h[:, None] * (log_p - neg_h[:, None]) - g.sum(-1, keepdim=True))
+    with mock.patch("torch.compiler.is_compiling", return_value=True):
+        compiled_form = _gather_logprobs_bwd(z, ids, shift, log_s, neg_h, g, h, vocab_start, None)
+    eager_form = _gather_logprobs_bwd(z, ids, shift, log_s, neg_h, g, h, vocab_start, 2)
+    torch.testing.assert_close(compiled_form, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(eager_form, expected, rtol=0, atol=1e-12)

@@ -221,11 +221,12 @@ def _uneven(rank, world, group, top_k, packed):
     ids = _ids(2, 6, 64, 7)
     sp = None if top_k is None else lossfx.TrainingSamplingParams(top_k=top_k, top_p=0.9)
     tp = {"vocab_parallel_rank": rank, "vocab_parallel_group": group, "sampling_params": sp}
+    data = {"input_ids": ids, "token_mask": torch.ones(2, 6), "sample_mask": torch.ones(2)}  # required under a filter
     if packed:  # the two rows packed into one, cu_seqlens [0, 6, 12]
         flat = z.reshape(1, 12, -1)
-        out, _ = lossfx.prepare_packed_loss_input(flat, {"input_ids": ids}, LOGPROB, (0, 6, 12), (0, 6, 12), **tp)
+        out, _ = lossfx.prepare_packed_loss_input(flat, data, LOGPROB, (0, 6, 12), (0, 6, 12), **tp)
     else:
-        out, _ = lossfx.prepare_loss_input(z, {"input_ids": ids}, LOGPROB, **tp)
+        out, _ = lossfx.prepare_loss_input(z, data, LOGPROB, **tp)
     lp = out["next_token_logprobs"]
     lp.masked_fill(torch.isneginf(lp), 0.0).sum().backward()
     return lp.detach(), z.grad
@@ -260,7 +261,7 @@ def _count_gathers(rank, world, group, counts):
     z = full[..., rank * 8 : (rank + 1) * 8]
     sp = lossfx.TrainingSamplingParams(top_k=3)
     loss_fn = SimpleNamespace(input_type="logprob", reference_policy_kl_penalty=0.1)
-    data = {"input_ids": ids, "token_mask": torch.ones_like(ids)}
+    data = {"input_ids": ids, "token_mask": torch.ones(2, 6)}  # token_mask: required under a filter
     before = counts[rank]
     lossfx.prepare_loss_input(z, data, loss_fn, rank, group, sampling_params=sp)
     return counts[rank] - before

@@ -51,8 +51,7 @@ def test_lossfx_kernels_pass_their_own_checkers():
     lt.check_kl_fn(lossfx.reverse_kl_to_fixed, cases=EXACT_AT_ANY_OFFSET)
 
 
-@pytest.mark.xfail(reason="issue 10 item 1: lse = m + log s is rounded at |m| = 1e4 in float32", strict=False)
-def test_lossfx_token_logprobs_is_exact_at_an_offset_of_1e4():
+def test_lossfx_token_logprobs_is_exact_at_an_offset_of_1e4():  # issue 10 item 1 (was an xfail)
     lt.check_logprob_fn(lossfx.token_logprobs, cases=["offset 1e4"], dtypes=(torch.float32,))
 
 

@@ -18,7 +18,7 @@ def gather_logprobs(logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
     absent = torch.isneginf(lp)
     lp_safe = torch.where(absent, torch.zeros_like(lp), lp)  # no 0·(−∞) in the backward either
     plogp = torch.where(absent, torch.zeros_like(lp), lp_safe.exp() * lp_safe)
-    return lp.gather(-1, ids), plogp.sum(-1)
+    return lp.gather(-1, ids.to(torch.int64)), plogp.sum(-1)
 
 
 def vocab_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -36,10 +36,11 @@ def distillation_topk_logprobs(
     calculate_entropy: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Canonical `[B, S, V]` student and `[B, S, K]` teacher -> the three `[B, S-1, ...]` outputs."""
+    ids = teacher_topk_indices.to(torch.int64)
     if zero_outside_topk:
-        student_lp, neg_entropy = gather_logprobs(student_logits, teacher_topk_indices)
+        student_lp, neg_entropy = gather_logprobs(student_logits, ids)
     else:
-        student_lp = log_softmax(student_logits.to(_F64).gather(-1, teacher_topk_indices))
+        student_lp = log_softmax(student_logits.to(_F64).gather(-1, ids))
         neg_entropy = None
     teacher_lp = log_softmax(teacher_topk_logits)
     entropy_out = neg_entropy[:, :-1] if (calculate_entropy and neg_entropy is not None) else None

@@ -117,16 +117,13 @@ def prepare_filtered_logprob_input(
 ) -> tuple[dict[str, Tensor], Tensor | None]:
     """The filtered LOGPROB loss input and the unfiltered copy (or `None`) from dense `[B, S, V]`.
 
-    `mask = token_mask · sample_mask[:, None]` (missing columns count as ones); positions with
+    `mask = token_mask · sample_mask[:, None]` (`token_mask` required, `sample_mask` ones if absent); positions with
     `mask[:, 1:] == 0` or a non-finite filtered log-prob become 0. The unfiltered copy is what
     `prepare_loss_input` stores in `data["curr_logprobs_unfiltered"]` when
     `loss_fn.reference_policy_kl_penalty != 0`.
     """
     input_ids = data["input_ids"]
-    batch, seq = input_ids.shape
-    mask = torch.ones(batch, seq, dtype=_F64)
-    if "token_mask" in data:
-        mask = mask * data["token_mask"].to(_F64)
+    mask = data["token_mask"].to(_F64)
     if "sample_mask" in data:
         mask = mask * data["sample_mask"].to(_F64)[:, None]
     logprobs = next_token_filtered_logprobs(logits, input_ids, top_k, top_p, ties)
