@@ -5,7 +5,7 @@ column names of a batch (`token_mask`, `sample_mask`) but nothing about vocabula
 
 * `loss_mask_from_data`: `token_mask · sample_mask[:, None]` `[B, S]` (a missing `token_mask`
   raises `ValueError`, decisions.md §5; a missing `sample_mask` is ones);
-* `mask_out_neg_inf_logprobs`: `where(mask & isfinite(logprobs), logprobs, 0)`, warning in eager
+* `mask_out_neg_inf_logprobs`: `where(mask & ~isinf(logprobs), logprobs, 0)`, warning in eager
   mode about valid tokens a top-k/top-p filter removed.
 
 Reference: `lossfx.reference.mask_out_neg_inf_logprobs`.
@@ -29,7 +29,8 @@ __all__ = ["loss_mask_from_data", "mask_out_neg_inf_logprobs"]
 def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logprobs") -> Tensor:
     """Zero every position whose mask is 0 or whose log-prob is `±inf`; warn about valid ones.
 
-    Equivalent to ``torch.where((mask != 0) & isfinite(logprobs), logprobs, 0)``. The gradient is
+    Equivalent to ``torch.where((mask != 0) & ~isinf(logprobs), logprobs, 0)`` (the seed's rule): a
+    NaN at a valid position stays NaN, since it signals broken logits, not a filter mismatch. The gradient is
     0 at the zeroed positions (never NaN). In eager mode, when some position with a nonzero mask
     holds `±inf`, a `UserWarning` reports how many of the valid tokens were masked out; under
     `torch.compile` the count and the warning are skipped (no graph break).
@@ -56,16 +57,16 @@ def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logpr
             f"{name}.shape={tuple(logprobs.shape)}"
         )
     valid = mask != 0
-    finite = torch.isfinite(logprobs)
+    not_inf = ~torch.isinf(logprobs)  # NaN passes through (issue 10 item 3)
     if values_checkable(logprobs, mask):
-        bad = int((valid & ~finite).sum())
+        bad = int((valid & ~not_inf).sum())
         if bad:
             warnings.warn(
                 f"{bad}/{int(valid.sum())} valid tokens have -inf in {name} (policy top-k/top-p "
                 "mismatch). Masking out these positions.",
                 stacklevel=2,
             )
-    return torch.where(valid & finite, logprobs, torch.zeros_like(logprobs))
+    return torch.where(valid & not_inf, logprobs, torch.zeros_like(logprobs))
 
 
 def loss_mask_from_data(data: Mapping[str, Any], input_ids: Tensor) -> Tensor:

@@ -940,6 +940,28 @@ def test_nan_row_stays_nan_and_confined(world, strategy):
         assert torch.isnan(taus[0]).eq(nan_rows).all()
 
 
+def test_nan_row_is_not_a_filter_mismatch():
+    """issue 10 item 3, end to end: through `prepare_loss_input` a NaN row stays NaN at its own
+    position (no "policy top-k/top-p mismatch" warning, no silent 0), a `-inf` one becomes 0 with the
+    warning, every other position equals the reference."""
+    z, target = make_logits(1, 5, 12, seed=23)
+    target[:, 1:] = z[:, :-1].argmax(-1)  # every scored token is its row's argmax: kept by any filter
+    z[0, 1, 4] = float("nan")  # the row scoring target[0, 2]
+    data = {"input_ids": target, "token_mask": torch.ones(1, 5)}
+    sp = lossfx.TrainingSamplingParams(top_p=0.8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a NaN row is no mismatch: nothing to warn about
+        out = lossfx.prepare_loss_input(z, dict(data), _loss_fn(), sampling_params=sp)[0]["next_token_logprobs"]
+    raw = reference.next_token_filtered_logprobs(z, target, None, 0.8)
+    want = reference.mask_out_neg_inf_logprobs(raw, data["token_mask"][:, 1:])
+    assert torch.isnan(out[0, 1]) and torch.isnan(out).sum() == 1
+    torch.testing.assert_close(out, want, equal_nan=True, **TOL64)
+    lp = torch.tensor([[float("nan"), float("-inf"), -1.0]])
+    with pytest.warns(UserWarning, match="1/3 valid tokens"):
+        masked = lossfx.mask_out_neg_inf_logprobs(lp, torch.ones(1, 3))
+    torch.testing.assert_close(masked, torch.tensor([[float("nan"), 0.0, -1.0]]), equal_nan=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # 10. Memory bounds (issue 10, items 8 and 9)
 # ---------------------------------------------------------------------------------------------

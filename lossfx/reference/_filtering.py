@@ -108,8 +108,8 @@ def next_token_filtered_logprobs(
 
 
 def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor) -> Tensor:
-    """Zero where `mask == 0` or the log-prob is `±inf`."""
-    return torch.where((mask != 0) & torch.isfinite(logprobs), logprobs, torch.zeros_like(logprobs))
+    """Zero where `mask == 0` or the log-prob is `±inf` (a NaN at a valid position stays NaN)."""
+    return torch.where((mask != 0) & ~torch.isinf(logprobs), logprobs, torch.zeros_like(logprobs))
 
 
 def prepare_filtered_logprob_input(
@@ -118,7 +118,7 @@ def prepare_filtered_logprob_input(
     """The filtered LOGPROB loss input and the unfiltered copy (or `None`) from dense `[B, S, V]`.
 
     `mask = token_mask · sample_mask[:, None]` (`token_mask` required, `sample_mask` ones if absent); positions with
-    `mask[:, 1:] == 0` or a non-finite filtered log-prob become 0. The unfiltered copy is what
+    `mask[:, 1:] == 0` or an infinite filtered log-prob become 0 (NaN stays NaN). The unfiltered copy is what
     `prepare_loss_input` stores in `data["curr_logprobs_unfiltered"]` when
     `loss_fn.reference_policy_kl_penalty != 0`.
     """
