@@ -187,6 +187,41 @@ class _GatherLogprobsFn(torch.autograd.Function):
         return dlogits, None, None, None, None, None  # one entry per forward input
 
 
+class _GatherColumnsFn(torch.autograd.Function):
+    """`logits.gather(-1, idx)` in the compute dtype, with a lean backward.
+
+    torch's own gather backward scatter-adds into a zero tensor of the logits' shape; for bf16 on CPU
+    that scatter-add works in a float32 buffer of the whole logits (3× their bytes in all). Here the
+    duplicate columns of a row are summed first, on `[..., K]` in the compute dtype, and one indexed
+    write puts each column's total (rounded once) into a zero gradient of the logits' dtype.
+    Duplicates write identical values, so the write is deterministic.
+    """
+
+    @staticmethod
+    def forward(logits, idx):
+        return logits.gather(-1, idx).to(compute_dtype(logits.dtype))  # [..., K]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        logits, idx = inputs
+        ctx.save_for_backward(idx)
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        same_column = idx.unsqueeze(-1) == idx.unsqueeze(-2)  # [..., K, K]
+        column_total = torch.where(same_column, grad.unsqueeze(-2), 0.0).sum(dim=-1)  # [..., K]
+        dlogits = torch.zeros(ctx.logits_shape, dtype=ctx.logits_dtype, device=grad.device)
+        # index_put_ on the flat view: CPU's scatter_ also goes through a float32 copy for bf16
+        vocab = ctx.logits_shape[-1]
+        rows = torch.arange(idx.numel() // idx.shape[-1], device=idx.device).view(-1, 1) * vocab  # [N, 1]
+        flat = (rows + idx.reshape(-1, idx.shape[-1])).reshape(-1)  # [N·K] offsets into dlogits
+        dlogits.view(-1).index_put_((flat,), column_total.to(ctx.logits_dtype).reshape(-1))
+        return dlogits, None  # one entry per forward input
+
+
 def _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, chunk_size):
     check_floating("logits", logits)
     check_integer_ids("ids", ids)
@@ -308,7 +343,7 @@ def gather_logits(
     ids = replicated(ids, "ids")
     ids, local_vocab, vocab_start, _ = _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, None)
     local_idx, owned = local_columns(ids, vocab_start, local_vocab)
-    local = logits.gather(-1, local_idx).to(compute_dtype(logits.dtype))  # [..., K]
+    local = _GatherColumnsFn.apply(logits, local_idx)  # [..., K] in the compute dtype
     local = torch.where(owned, local, torch.zeros_like(local))
     total = all_reduce(local.detach(), "sum", group)
     # value: the sum over ranks; gradient: the identity onto this rank's own contribution

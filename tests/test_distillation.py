@@ -513,3 +513,25 @@ def test_branches_do_not_mutate_data():
         assert returned is data and set(data) == keys
         for k in keys:
             assert torch.equal(data[k], before[k])
+
+
+def test_gather_logits_bf16_backward_allocates_only_the_gradient():
+    """`zero_outside_topk=False` reads the student through `gather_logits`; torch's own gather
+    backward scatter-adds through a float32 buffer of the whole bf16 logits (3× their bytes). The
+    lean backward allocates the bf16 gradient and `[N, K]`-sized temporaries only (profiler events
+    see every eager allocation)."""
+    from benchmarks.measure import peak_extra_bytes
+
+    n, vocab, k = 256, 4096, 16
+    z = torch.randn(n, vocab, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.randint(0, vocab, (n, k))
+    ids[:, 1] = ids[:, 0]  # duplicates add
+    g = torch.randn(n, k)
+
+    def run():
+        return torch.autograd.grad(lossfx.gather_logits(z, ids), z, g)[0]
+
+    grad = run()
+    want = torch.zeros(n, vocab).scatter_add_(1, ids, g).to(torch.bfloat16)
+    torch.testing.assert_close(grad, want, rtol=0, atol=0)  # one rounding of the exact column sums
+    assert peak_extra_bytes(run) <= z.numel() * z.element_size() + 64 * n * k * 4
