@@ -132,6 +132,21 @@ def unshard(shards: list[Tensor] | tuple[Tensor, ...], seq_dim: int = 1) -> Tens
     return _unshard_stacked(torch.stack(list(shards)), seq_dim)
 
 
+def check_covers_sequence(what: str, local_len: int, seq: int, cp_size: int, has_sharder: bool, got: str) -> None:
+    """Raise `ValueError` unless `local_len` positions per CP rank can hold the `seq` tokens of
+    `input_ids`: exactly `seq` without context parallelism (and no external sharder), otherwise
+    `C·S_l ≥ seq` with an even `S_l` (the load-balanced layout's two halves). `got` describes the
+    offending shapes for the message."""
+    if not has_sharder and cp_size == 1 and local_len != seq:
+        raise ValueError(f"{what} must cover input_ids' {seq} positions without context parallelism; got {got}")
+    if cp_size > 1 and (local_len * cp_size < seq or local_len % 2):
+        raise ValueError(
+            f"context-parallel {what} hold {local_len} positions on each of {cp_size} ranks; they must "
+            f"cover input_ids' {seq} positions with an even local length (a multiple of 2·{cp_size} "
+            "in all; pad the sequence to it)"
+        )
+
+
 def shard_padded_for_cp(x: Tensor, local_len: int, group: ProcessGroup | None) -> Tensor:
     """Canonical `x [B, S, ...]` zero-padded along dim 1 to `C·local_len`, then this rank's part.
 

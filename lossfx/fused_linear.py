@@ -48,7 +48,7 @@ from lossfx._distributed import (
 from lossfx._dtensor import _same_group, is_dtensor, replicated, vocab_shard
 from lossfx._numerics import log_softmax_rows, merge_max_logsum
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
-from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
+from lossfx.context_parallel import allgather_cp, check_covers_sequence, shard_padded_for_cp
 from lossfx.linear_chunks import linear_local_grads, linear_local_stats
 
 __all__ = ["linear_gather_logprobs", "linear_next_token_logprobs", "linear_token_logprobs"]
@@ -513,18 +513,11 @@ def linear_next_token_logprobs(
         )
     seq = input_ids.shape[1]
     local_len = hidden.shape[1] * tp_size  # this CP rank's positions
-    if cp_sharder is None and cp_size == 1 and local_len != seq:
-        raise ValueError(
-            f"hidden must cover input_ids' {seq} positions without context parallelism; got "
-            f"hidden.shape={tuple(hidden.shape)} (x{tp_size} sequence-parallel ranks) and "
-            f"input_ids.shape={tuple(input_ids.shape)}"
-        )
-    if cp_size > 1 and (local_len * cp_size < seq or local_len % 2):
-        raise ValueError(
-            f"context-parallel hidden states hold {local_len} positions on each of {cp_size} ranks; they "
-            f"must cover input_ids' {seq} positions with an even local length (a multiple of 2·{cp_size} "
-            "in all; pad the sequence to it)"
-        )
+    shapes = (
+        f"hidden.shape={tuple(hidden.shape)} (x{tp_size} sequence-parallel ranks) and "
+        f"input_ids.shape={tuple(input_ids.shape)}"
+    )
+    check_covers_sequence("hidden states", local_len, seq, cp_size, cp_sharder is not None, shapes)
     # 1. the shift, on the canonical sequence; 2. the targets in hidden's (CP) layout
     target = torch.roll(input_ids, shifts=-1, dims=1).to(hidden.device)  # [B, S]
     if cp_sharder is not None:

@@ -27,7 +27,7 @@ from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, group_rank, group_size
 from lossfx._dtensor import replicated, vocab_shard
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
-from lossfx.context_parallel import allgather_cp, shard_for_cp_rank, shard_padded_for_cp
+from lossfx.context_parallel import allgather_cp, check_covers_sequence, shard_for_cp_rank, shard_padded_for_cp
 from lossfx.filtering import filtered_token_logprobs
 from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.logprobs import token_logprobs
@@ -174,17 +174,8 @@ def next_token_logprobs(
         )
     batch, seq = input_ids.shape
     local_len = logits.shape[1]
-    if cp_sharder is None and cp_size == 1 and local_len != seq:
-        raise ValueError(
-            f"logits and input_ids must have the same sequence length without context parallelism; "
-            f"got logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
-        )
-    if cp_size > 1 and (local_len * cp_size < seq or local_len % 2):
-        raise ValueError(
-            f"context-parallel logits hold {local_len} positions on each of {cp_size} ranks; they must "
-            f"cover input_ids' {seq} positions with an even local length (a multiple of 2·{cp_size} "
-            "in all; pad the sequence to it)"
-        )
+    shapes = f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
+    check_covers_sequence("logits", local_len, seq, cp_size, cp_sharder is not None, shapes)
     # only the scored ids input_ids[:, 1:] must be in range; positions are reported as input_ids'
     vocab = vocab_size if vocab_size is not None else group_size(vocab_parallel_group) * logits.shape[-1]
     check_ids_in_range("input_ids", input_ids[:, 1:], vocab, column_offset=1)
