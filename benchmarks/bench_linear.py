@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ import torch
 
 import lossfx
 from benchmarks import measure
+from benchmarks.rss import run_module_fresh
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOKENS, HIDDEN, VOCABS = 2048, 512, (32_000, 151_936)
@@ -174,25 +174,11 @@ def _compile_time_here(tokens: int, hidden: int, vocab: int, chunks: int) -> dic
 def compile_time(tokens: int, hidden: int, vocab: int, chunks: int) -> dict[str, float]:
     """`_compile_time_here` in a fresh process with an empty Inductor cache (a cold compile)."""
     with tempfile.TemporaryDirectory(prefix="lossfx-compile-") as cache:
-        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        paths.append(str(Path(__file__).resolve().parent.parent))  # after the caller's: see the docstring
-        env = {
-            **os.environ,
-            "TORCHINDUCTOR_CACHE_DIR": cache,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(paths),
-        }
         args = json.dumps([tokens, hidden, vocab, chunks])
-        proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks.bench_linear", "--compile-time-child", args],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
+        env = {"TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
+        return run_module_fresh(
+            ["benchmarks.bench_linear", "--compile-time-child", args], env, "compile-time measurement"
         )
-    if proc.returncode != 0:
-        raise RuntimeError(f"compile-time measurement failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def markdown(rows: list[dict[str, Any]], compile_rows: list[dict[str, Any]], env: dict[str, Any]) -> str:

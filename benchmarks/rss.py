@@ -53,33 +53,34 @@ def _measure_here(builder: str, kwargs: dict[str, Any]) -> dict[str, int]:
     return {"rss_before_bytes": before * 1024, "peak_extra_bytes": (peak - before) * 1024}
 
 
+def run_module_fresh(module_args: list[str], env: dict[str, str], what: str) -> dict[str, Any]:
+    """`python -m <module_args>` in a fresh process; returns the JSON object on its last output line.
+
+    `env` is laid over `os.environ`. `PYTHONPATH` is the caller's first (so `PYTHONPATH=/snapshot:...`
+    chooses which lossfx is measured), then this repository, so `benchmarks` is always importable.
+    """
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths.append(str(Path(__file__).resolve().parent.parent))
+    full_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(paths)}
+    proc = subprocess.run(
+        [sys.executable, "-m", *module_args], env=full_env, capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def peak_rss_extra_bytes(builder: str, kwargs: dict[str, Any] | None = None, *, threads: int = 1) -> int:
     """Peak resident bytes of one call above what existed before it, measured in a fresh process.
 
     `builder` is `"module:function"`; `function(**kwargs)` (JSON-serialisable kwargs) builds the
     inputs and returns the callable to measure. See the module docstring for the method.
     """
-    env = {
-        **os.environ,
-        "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
-        "OMP_NUM_THREADS": str(threads),
-        # the caller's PYTHONPATH first (so `PYTHONPATH=/snapshot:...` chooses which lossfx is measured),
-        # then this repository, so that `benchmarks` is always importable
-        "PYTHONPATH": os.pathsep.join(
-            [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-            + [str(Path(__file__).resolve().parent.parent)]
-        ),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.rss", builder, json.dumps(kwargs or {})],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
+    env = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "OMP_NUM_THREADS": str(threads)}
+    result = run_module_fresh(
+        ["benchmarks.rss", builder, json.dumps(kwargs or {})], env, f"peak measurement of {builder}({kwargs})"
     )
-    if proc.returncode != 0:
-        raise RuntimeError(f"peak measurement of {builder}({kwargs}) failed:\n{proc.stderr[-4000:]}")
-    return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_extra_bytes"])
+    return int(result["peak_extra_bytes"])
 
 
 if __name__ == "__main__":
