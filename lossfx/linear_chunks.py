@@ -46,7 +46,7 @@ __all__ = ["default_linear_chunk_rows", "linear_local_grads", "linear_local_stat
 # from memory for every few rows: measured 2x slower at C = 32 than at C = 256 on one CPU core),
 # and the tile near DEFAULT_TILE_BYTES in the compute dtype (a loop keeps two tiles alive).
 DEFAULT_TILE_BYTES = 4 << 20
-MAX_BLOCK = 4096  # vocabulary rows per tile, at most
+MAX_BLOCK = 2048  # vocabulary rows per tile, at most
 MIN_BLOCK = 128  # ... and at least, when dweight needs a compute-dtype accumulator per block
 MIN_ROWS = 8
 
@@ -70,11 +70,30 @@ def default_linear_chunk_rows(block: int, dtype: torch.dtype) -> int:
     return max(MIN_ROWS, DEFAULT_TILE_BYTES // max(1, block * _itemsize(compute_dtype(dtype))))
 
 
-def _logits_chunk(hidden_rows: Tensor, weight: Tensor, temperature: float, cdtype: torch.dtype) -> Tensor:
-    """`hidden_rows [C, H] @ weight.T / T` -> a fresh `[C, Cv]` tensor in `cdtype`."""
-    z = hidden_rows @ weight.T  # [C, Cv] in the input dtype (fp32 accumulation inside the BLAS)
-    if z.dtype != cdtype:
-        z = z.to(cdtype)
+def _tile_buffers(
+    rows: int, cols: int, dtype: torch.dtype, cdtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor | None]:
+    """Flat scratch for one `[rows, cols]` tile in `cdtype` and, when `dtype` is lower, one in `dtype`.
+
+    Reused by every tile of a loop (`torch.mm(..., out=)` into a view): a fresh multi-MiB tensor per
+    tile costs a page-faulting allocation each time (measured ~6% of a CPU matmul at 4 MiB tiles)."""
+    low = None if dtype == cdtype else torch.empty(rows * cols, dtype=dtype, device=device)
+    return torch.empty(rows * cols, dtype=cdtype, device=device), low
+
+
+def _view(buffer: Tensor, rows: int, cols: int) -> Tensor:
+    """The first `rows * cols` elements of a flat buffer as a contiguous `[rows, cols]` tensor."""
+    return buffer[: rows * cols].view(rows, cols)
+
+
+def _logits_chunk(hidden_rows: Tensor, weight: Tensor, temperature: float, out: Tensor, low: Tensor | None) -> Tensor:
+    """`hidden_rows [C, H] @ weight.T / T` written into the flat buffer `out` -> `[C, Cv]` view of it
+    (in `out`'s dtype; the product is taken in the inputs' dtype, in `low` when that is lower)."""
+    z = _view(out, hidden_rows.shape[0], weight.shape[0])
+    if low is None:
+        torch.mm(hidden_rows, weight.T, out=z)
+    else:  # input-dtype matmul (fp32 accumulation inside the BLAS), rounded once, then widened
+        z.copy_(torch.mm(hidden_rows, weight.T, out=_view(low, hidden_rows.shape[0], weight.shape[0])))
     if temperature != 1.0:
         z.div_(temperature)
     return z
@@ -116,6 +135,8 @@ def linear_local_stats(
     block = _vocab_block(local_vocab, hidden_size, weight.dtype)
     chunk_rows = chunk_rows or default_linear_chunk_rows(block, weight.dtype)
     stats = torch.zeros(3 + n_ids, n_rows, dtype=cdtype, device=hidden.device)
+    tile, low = _tile_buffers(min(chunk_rows, n_rows), block, weight.dtype, cdtype, hidden.device)
+    second = torch.empty_like(tile) if with_entropy else None
     for col0 in range(0, local_vocab, block):
         cols = slice(col0, min(local_vocab, col0 + block))
         w_block = weight[cols]  # [Cv, H]
@@ -123,7 +144,7 @@ def linear_local_stats(
         block_idx = torch.where(in_block, local_idx - col0, torch.zeros_like(local_idx))
         for start in range(0, n_rows, chunk_rows):
             rows = slice(start, min(n_rows, start + chunk_rows))
-            z = _logits_chunk(hidden[rows], w_block, temperature, cdtype)  # [C, Cv]
+            z = _logits_chunk(hidden[rows], w_block, temperature, tile, low)  # [C, Cv]
             picked = z.gather(1, block_idx[rows])  # [C, K]
             # each owned id lies in exactly one block: adding 0 elsewhere is exact
             stats[3:, rows] += torch.where(in_block[rows], picked, torch.zeros_like(picked)).T
@@ -131,7 +152,8 @@ def linear_local_stats(
             z.sub_(m_b[:, None])  # z − m_b, in place
             u_b = None
             if with_entropy:
-                e = torch.exp(z)  # [C, Cv], the second temporary
+                assert second is not None
+                e = torch.exp(z, out=_view(second, z.shape[0], z.shape[1]))  # [C, Cv], the second tile
                 s_b = e.sum(dim=1)
                 u_b = e.mul_(z).sum(dim=1)
                 del e
@@ -196,6 +218,8 @@ def linear_local_grads(
     # shift and log_s apart for the log-prob *values*, where it would not be)
     lse = shift + log_s  # [N]
     scale = 1.0 / temperature  # dz/T folded into the two matmuls (alpha), not a pass over the tile
+    tile, low = _tile_buffers(min(chunk_rows, n_rows), block, weight.dtype, cdtype, hidden.device)
+    second = torch.empty_like(tile) if with_entropy else None
     for col0 in range(0, local_vocab, block):
         cols = slice(col0, min(local_vocab, col0 + block))
         w_block = weight[cols]  # [Cv, H]
@@ -205,11 +229,12 @@ def linear_local_grads(
         block_grad = torch.where(in_block, grad_ids, torch.zeros_like(grad_ids))
         for start in range(0, n_rows, chunk_rows):
             rows = slice(start, min(n_rows, start + chunk_rows))
-            z = _logits_chunk(hidden[rows], w_block, temperature, cdtype)  # [C, Cv]
+            z = _logits_chunk(hidden[rows], w_block, temperature, tile, low)  # [C, Cv]
             logp = z.sub_(lse[rows, None])  # log p, in place
             if with_entropy:
                 # dz = p ⊙ (h·(log p − H) − Σ_k g_k): reuse the log p buffer for the bracket
-                p = torch.exp(logp)  # [C, Cv], the second temporary
+                assert second is not None
+                p = torch.exp(logp, out=_view(second, z.shape[0], z.shape[1]))  # [C, Cv], the second tile
                 bracket = logp.sub_(neg_entropy[rows, None]).mul_(grad_entropy[rows, None])
                 dz = p.mul_(bracket.sub_(grad_total[rows, None]))
                 del p
@@ -223,7 +248,8 @@ def linear_local_grads(
             else:
                 # input-dtype matmuls (as the unfused path multiplies its bf16 dlogits), each tile's
                 # product rounded once, summed across tiles in the compute dtype
-                dz_low = dz.to(weight.dtype)
+                assert low is not None
+                dz_low = _view(low, dz.shape[0], dz.shape[1]).copy_(dz)
                 dhidden[rows].add_(dz_low @ w_block, alpha=scale)
                 acc.add_(dz_low.T @ hidden[rows], alpha=scale)
                 del dz_low
