@@ -10,6 +10,9 @@ backward of `Σ g · logprob` with respect to `hidden` and `weight` (fixed rando
 
     linear-eager      lossfx.linear_token_logprobs(hidden, weight, target)   [if lossfx has it]
     linear-compiled   the same under torch.compile(fullgraph=True)           [if lossfx has it]
+    objective-eager   lossfx.linear_logprob_objective(hidden, weight, target, g): the same Σ g · logprob
+                      with the gradients formed in the forward (three matmuls)  [if lossfx has it]
+    objective-compiled  the same under torch.compile(fullgraph=True)         [if lossfx has it]
     unfused-compiled  lossfx.token_logprobs(hidden @ weight.T, target) under torch.compile(fullgraph=True)
     naive-compiled    log_softmax((hidden @ weight.T).float()).gather(target) under torch.compile(fullgraph=True)
     cce-compiled      −cut_cross_entropy.linear_cross_entropy(hidden, weight, target, impl="torch_compile",
@@ -54,7 +57,15 @@ from benchmarks.rss import run_module_fresh
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOKENS, HIDDEN, VOCABS = 2048, 512, (32_000, 151_936)
 QUICK = {"tokens": 64, "hidden": 32, "vocabs": (1000,)}
-PROVIDERS = ("linear-eager", "linear-compiled", "unfused-compiled", "naive-compiled", "cce-compiled")
+PROVIDERS = (
+    "linear-eager",
+    "linear-compiled",
+    "objective-eager",
+    "objective-compiled",
+    "unfused-compiled",
+    "naive-compiled",
+    "cce-compiled",
+)
 BASELINE = "unfused-compiled"
 MEMORY_TARGET, TIME_TARGET, COMPILE_TARGET = 0.1, 1.4, 1.5
 
@@ -75,6 +86,8 @@ def has_cce() -> bool:
 def available(provider: str) -> bool:
     if provider.startswith("linear"):
         return has_linear()
+    if provider.startswith("objective"):
+        return hasattr(lossfx, "linear_logprob_objective")
     if provider.startswith("cce"):
         return has_cce()
     return True
@@ -96,9 +109,13 @@ def _cce(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> to
 
 
 def provider_function(provider: str, chunk_size: int | None = None) -> Callable[..., torch.Tensor]:
-    """`fn(hidden [N, H], weight [V, H], target [N]) -> logprobs [N]` of `provider`."""
+    """`fn(hidden [N, H], weight [V, H], target [N]) -> logprobs [N]` of `provider` (the objective
+    providers: `fn(hidden, weight, target, g [N]) -> Σ g · logprobs`)."""
     if provider.startswith("linear"):
         fn: Callable[..., torch.Tensor] = lambda h, w, t: lossfx.linear_token_logprobs(h, w, t, chunk_size=chunk_size)  # noqa: E731
+        return torch.compile(fn, fullgraph=True) if provider.endswith("compiled") else fn
+    if provider.startswith("objective"):  # fn(h, w, t, g) -> Σ g · logprob, a scalar
+        fn = lambda h, w, t, g: lossfx.linear_logprob_objective(h, w, t, g, chunk_size=chunk_size)[0]  # noqa: E731
         return torch.compile(fn, fullgraph=True) if provider.endswith("compiled") else fn
     if provider == "unfused-compiled":
         return torch.compile(_unfused, fullgraph=True)
@@ -121,7 +138,11 @@ def build(
     fn = provider_function(provider, chunk_size)
 
     def fwd_bwd() -> tuple[torch.Tensor, torch.Tensor]:
-        dh, dw = torch.autograd.grad((fn(h, w, target).float() * g).sum(), (h, w))
+        if provider.startswith("objective"):
+            loss = fn(h, w, target, g)
+        else:
+            loss = (fn(h, w, target).float() * g).sum()
+        dh, dw = torch.autograd.grad(loss, (h, w))
         return dh, dw
 
     return fwd_bwd

@@ -20,6 +20,7 @@ from lossfx.interfaces import (
     TrainingSamplingParams,
     need_top_k_or_top_p_filtering,
 )
+from lossfx.linear_objective import linear_logprob_objective
 from lossfx.logprobs import token_logprobs, token_logprobs_with_lse
 from lossfx.loss_input import (
     next_token_logprobs,
@@ -50,6 +51,7 @@ __all__ = [
     "gather_logits",
     "gather_logprobs",
     "linear_gather_logprobs",
+    "linear_logprob_objective",
     "linear_next_token_logprobs",
     "linear_token_logprobs",
     "map_to_draft_vocab",

@@ -46,26 +46,12 @@ from lossfx._distributed import (
     reduce_scatter_sum,
 )
 from lossfx._dtensor import _same_group, is_dtensor, replicated, vocab_shard
-from lossfx._numerics import log_softmax_rows, merge_max_logsum
+from lossfx._numerics import log_softmax_rows
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
 from lossfx.context_parallel import allgather_cp, check_covers_sequence, shard_padded_for_cp
-from lossfx.linear_chunks import linear_local_grads, linear_local_stats
+from lossfx.linear_chunks import linear_local_grads, linear_local_stats, merge_row_stats
 
 __all__ = ["linear_gather_logprobs", "linear_next_token_logprobs", "linear_token_logprobs"]
-
-
-def _merge_stats(stats: Tensor, n_ids: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Every rank's `[R, 3 + K, N]` -> (logprobs `[N, K]`, neg_entropy `[N]`, shift `[N]`, log_s `[N]`)."""
-    m, s, u = stats[:, 0], stats[:, 1], stats[:, 2]  # [R, N] each
-    shift, log_s = merge_max_logsum(m, s)  # lse = shift + log_s
-    picked = stats[:, 3 : 3 + n_ids].sum(dim=0)  # [K, N]; exactly one rank owns each id
-    logprobs = ((picked - shift) - log_s).T  # [N, K]
-    # Σ_v p (z − shift) = Σ_r w_r (u_r + (m_r − shift) s_r) / Σ_r w_r s_r,  w_r = exp(m_r − shift)
-    delta = m - shift  # [R, N], <= 0
-    weight = torch.exp(delta)
-    mean_shifted = (weight * (u + delta * s)).sum(dim=0) / (weight * s).sum(dim=0)
-    neg_entropy = mean_shifted - log_s  # Σ p log p = Σ p (z − shift) − log_s
-    return logprobs, neg_entropy, shift, log_s
 
 
 class _FusedLinearFn(torch.autograd.Function):
@@ -77,7 +63,7 @@ class _FusedLinearFn(torch.autograd.Function):
             full_hidden = all_gather_stack(hidden, group).flatten(0, 1)  # [N, H], rank order
         stats = linear_local_stats(full_hidden, weight, local_idx, owned, temperature, with_entropy, chunk_rows)
         merged = all_gather_stack(stats, group)  # [R, 3 + K, N]: per-row scalars only
-        logprobs, neg_entropy, shift, log_s = _merge_stats(merged, local_idx.shape[1])
+        logprobs, neg_entropy, shift, log_s = merge_row_stats(merged, local_idx.shape[1])
         ctx.save_for_backward(full_hidden, weight, local_idx, owned, shift, log_s, neg_entropy)
         ctx.temperature, ctx.with_entropy, ctx.chunk_rows = temperature, with_entropy, chunk_rows
         ctx.group, ctx.seq_parallel = group, seq_parallel
@@ -166,20 +152,30 @@ def _check_temperature(temperature: object) -> float:
     return value
 
 
-def _linear_gather(
+class LinearRows(typing.NamedTuple):
+    """Validated, flattened arguments of the fused LM-head kernels (`prepare_linear_rows`)."""
+
+    hidden: Tensor  # [N or N/R, H]
+    local_idx: Tensor  # [N, K] column of each id in this shard (0 where not owned)
+    owned: Tensor  # [N, K] whether this shard owns the id
+    temperature: float
+    chunk_rows: int  # 0: the loop picks its default
+
+
+def prepare_linear_rows(
     hidden: Tensor,
     weight: Tensor,
     ids: Tensor,
     *,
-    with_entropy: bool,
     group: ProcessGroup | None,
     vocab_start: int | None,
     vocab_size: int | None,
     temperature: float,
     sequence_parallel: bool,
     chunk_size: int | None,
-) -> tuple[Tensor, Tensor]:
-    """Validated core: hidden `[..., H]`, ids `[..., K]` -> (logprobs `[..., K]`, neg_entropy `[...]`)."""
+) -> LinearRows:
+    """Check hidden `[..., H]`, weight `[Vl, H]`, ids `[..., K]` and the options (TypeError/ValueError
+    naming the argument) and flatten them to the kernels' `[N, H]` / `[N, K]` rows."""
     check_floating("hidden", hidden)
     check_floating("weight", weight)
     check_integer_ids("ids", ids)
@@ -223,8 +219,44 @@ def _linear_gather(
     flat_hidden = hidden.reshape(hidden_rows, hidden_size)  # [N or N/R, H]
     flat_ids = ids.reshape(n_rows, ids.shape[-1]).to(torch.int64)  # [N, K]
     local_idx, owned = local_columns(flat_ids, vocab_start, local_vocab)
+    return LinearRows(flat_hidden, local_idx, owned, temperature, chunk_rows)
+
+
+def _linear_gather(
+    hidden: Tensor,
+    weight: Tensor,
+    ids: Tensor,
+    *,
+    with_entropy: bool,
+    group: ProcessGroup | None,
+    vocab_start: int | None,
+    vocab_size: int | None,
+    temperature: float,
+    sequence_parallel: bool,
+    chunk_size: int | None,
+) -> tuple[Tensor, Tensor]:
+    """Validated core: hidden `[..., H]`, ids `[..., K]` -> (logprobs `[..., K]`, neg_entropy `[...]`)."""
+    rows = prepare_linear_rows(
+        hidden,
+        weight,
+        ids,
+        group=group,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        sequence_parallel=sequence_parallel,
+        chunk_size=chunk_size,
+    )
     logprobs, neg_entropy = _FusedLinearFn.apply(
-        flat_hidden, weight, local_idx, owned, temperature, with_entropy, chunk_rows, group, sequence_parallel
+        rows.hidden,
+        weight,
+        rows.local_idx,
+        rows.owned,
+        rows.temperature,
+        with_entropy,
+        rows.chunk_rows,
+        group,
+        sequence_parallel,
     )
     return logprobs.view(ids.shape), neg_entropy.view(ids.shape[:-1])
 

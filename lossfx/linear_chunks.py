@@ -37,9 +37,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lossfx._numerics import compute_dtype
+from lossfx._numerics import compute_dtype, merge_max_logsum
 
-__all__ = ["default_linear_chunk_rows", "linear_local_grads", "linear_local_stats"]
+__all__ = ["default_linear_chunk_rows", "linear_local_grads", "linear_local_stats", "merge_row_stats"]
 
 # Tiles: `[C, Cv]` logits, `C` rows of `hidden` by `Cv` vocabulary rows of `weight`. Both sides are
 # kept large enough for an efficient matmul (a skinny `[C, H] @ [H, Vl]` streams the whole `weight`
@@ -110,6 +110,20 @@ def _fold_block(stats: Tensor, rows: slice, m_b: Tensor, s_b: Tensor, u_b: Tenso
         stats[2, rows] = w_old * (u + (m - m_new) * s) + w_b * (u_b + (m_b - m_new) * s_b)
     stats[1, rows] = w_old * s + w_b * s_b
     stats[0, rows] = m_new
+
+
+def merge_row_stats(stats: Tensor, n_ids: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Every rank's `[R, 3 + K, N]` -> (logprobs `[N, K]`, neg_entropy `[N]`, shift `[N]`, log_s `[N]`)."""
+    m, s, u = stats[:, 0], stats[:, 1], stats[:, 2]  # [R, N] each
+    shift, log_s = merge_max_logsum(m, s)  # lse = shift + log_s
+    picked = stats[:, 3 : 3 + n_ids].sum(dim=0)  # [K, N]; exactly one rank owns each id
+    logprobs = ((picked - shift) - log_s).T  # [N, K]
+    # Σ_v p (z − shift) = Σ_r w_r (u_r + (m_r − shift) s_r) / Σ_r w_r s_r,  w_r = exp(m_r − shift)
+    delta = m - shift  # [R, N], <= 0
+    weight = torch.exp(delta)
+    mean_shifted = (weight * (u + delta * s)).sum(dim=0) / (weight * s).sum(dim=0)
+    neg_entropy = mean_shifted - log_s  # Σ p log p = Σ p (z − shift) − log_s
+    return logprobs, neg_entropy, shift, log_s
 
 
 @torch.library.custom_op("lossfx::linear_local_stats", mutates_args=())

@@ -197,8 +197,8 @@ def test_fused_linear_merge_identity(shards, scale):
     """proofs/fused_linear.md §5: per-shard (m, s, u, z at owned ids) over any partition of the
     vocabulary merge into log p = (z − shift) − log_s and E = Σ_r w_r(u_r + (m_r − shift)s_r)/S − log_s."""
     from lossfx._distributed import local_columns
-    from lossfx.fused_linear import _merge_stats
     from lossfx.linear_chunks import linear_local_stats
+    from lossfx.linear_chunks import merge_row_stats as _merge_stats
 
     h, w, ids, _, _ = _linear_case(10 + shards)
     h = h * scale

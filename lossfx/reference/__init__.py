@@ -36,6 +36,7 @@ from lossfx.reference._filtering import (
 from lossfx.reference._linear import (
     linear_gather_logprobs,
     linear_logits,
+    linear_logprob_objective,
     linear_next_token_logprobs,
     linear_token_logprobs,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "gather_logprobs",
     "linear_gather_logprobs",
     "linear_logits",
+    "linear_logprob_objective",
     "linear_next_token_logprobs",
     "linear_token_logprobs",
     "log_softmax",

@@ -8,7 +8,13 @@ from torch import Tensor
 from lossfx.reference._distillation import gather_logprobs
 from lossfx.reference._logprobs import log_softmax
 
-__all__ = ["linear_gather_logprobs", "linear_logits", "linear_next_token_logprobs", "linear_token_logprobs"]
+__all__ = [
+    "linear_gather_logprobs",
+    "linear_logits",
+    "linear_logprob_objective",
+    "linear_next_token_logprobs",
+    "linear_token_logprobs",
+]
 
 _F64 = torch.float64
 
@@ -45,3 +51,20 @@ def linear_next_token_logprobs(
 ) -> tuple[Tensor, Tensor]:
     """Canonical `[B, S, H]`, `[V, H]`, `[B, S]` -> (`[B, S−1]` next-token log-probs, `[B, S−1]` `Σ p log p`)."""
     return linear_token_logprobs(hidden[:, :-1], weight, input_ids[:, 1:], temperature)
+
+
+def linear_logprob_objective(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    logprob_weight: Tensor,
+    entropy_weight: Tensor | None = None,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`[..., H]`, `[V, H]`, `[...]`, `[...]` -> (`Σ a·log p(target) + Σ b·Σ p log p` scalar, log-probs
+    `[...]`, `Σ p log p` `[...]`), float64, all differentiable; no entropy term when `b` is `None`."""
+    logprobs, neg_entropy = linear_token_logprobs(hidden, weight, target, temperature)
+    objective = (logprob_weight.to(_F64) * logprobs).sum()
+    if entropy_weight is not None:
+        objective = objective + (entropy_weight.to(_F64) * neg_entropy).sum()
+    return objective, logprobs, neg_entropy

@@ -1,0 +1,375 @@
+"""A weighted sum of token log-probs from hidden states, its gradient formed in the forward pass.
+
+    objective = Σ_n a_n · log p_n(t_n) + Σ_n b_n · Σ_v p_n(v) log p_n(v),   z = hidden @ weight.T / T
+
+with per-token coefficients `a` (and optionally `b`) known before the forward: a negative
+log-likelihood (`a = −mask / Σ mask`), an on-policy policy gradient (`a = −advantage · mask / norm`,
+the gradient of GRPO's or PPO's clipped ratio loss when the ratio is 1), an entropy bonus (`b`).
+
+Why: `linear_token_logprobs` does not know the upstream gradient of its log-probs in the forward,
+so its backward must recompute every logits tile: four matmuls against the unfused path's three.
+Here the upstream gradient of every logit is known as soon as the row's softmax is, so one pass
+over the rows forms `dlogits` and both gradients (three matmuls, as unfused), and the backward only
+scales them by the upstream gradient of the scalar.
+
+The loop (`lossfx::linear_objective_rows`, one opaque custom op under `torch.compile`) walks
+chunks of `C` rows of `hidden` and keeps one `[C, Vl]` chunk of logits of this rank's vocabulary
+shard, the most any design with three matmuls needs: per chunk it forms the logits (in vocabulary
+blocks), the row statistics, merges them over the tensor-parallel ranks (one all-gather of `[R, 4,
+C]` per-row scalars, inside the op), turns the chunk into `dlogits` in place and adds its products
+to `dhidden` and `dweight` (proofs/linear_objective.md). The dense equivalent:
+`lossfx.reference.linear_logprob_objective`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lossfx._consistency import checked_collective
+from lossfx._distributed import ProcessGroup, all_reduce, is_distributed, reduce_scatter_sum
+from lossfx._dtensor import replicated
+from lossfx._numerics import compute_dtype
+from lossfx._validation import check_floating, check_integer_ids
+from lossfx.fused_linear import _local_arguments, prepare_linear_rows
+from lossfx.linear_chunks import merge_row_stats
+
+__all__ = ["linear_logprob_objective"]
+
+# One `[C, Vl]` chunk of logits (compute dtype) near this many bytes when the caller gives no
+# chunk size; at least MIN_ROWS rows. The three matmuls of a chunk are `[C, H] x [H, Vl]`-shaped
+# with the whole head streamed once each, so C trades memory for speed (measured, N = 2048,
+# H = 512, V = 151936 fp32, one core: C = 110 / 165 / 256 -> 1.15 / 1.11 / 1.05x the unfused time).
+DEFAULT_CHUNK_BYTES = 96 << 20
+MIN_ROWS = 16
+BLOCK = 2048  # vocabulary columns per matmul tile
+
+
+def default_objective_chunk_rows(local_vocab: int, dtype: torch.dtype) -> int:
+    """Rows per chunk when the caller gives none: a `[C, Vl]` compute-dtype chunk near 96 MiB."""
+    itemsize = torch.empty((), dtype=compute_dtype(dtype)).element_size()
+    return max(MIN_ROWS, DEFAULT_CHUNK_BYTES // max(1, local_vocab * itemsize))
+
+
+def _resolve_group(group_name: str) -> Any:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)  # type: ignore[arg-type]
+
+
+@torch.library.custom_op("lossfx::linear_objective_rows", mutates_args=())
+def linear_objective_rows(
+    hidden: Tensor,
+    weight: Tensor,
+    local_idx: Tensor,
+    owned: Tensor,
+    logprob_weight: Tensor,
+    entropy_weight: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    need_dhidden: bool,
+    need_dweight: bool,
+    chunk_rows: int,
+    group_name: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (rows `[2, N]`: log p(t) and `Σ p log p`, merged over the group; this shard's
+    `dhidden [N, H]` (compute dtype) and `dweight [Vl, H]` (weight's dtype) of the objective).
+
+    hidden `[N, H]` (all rows), weight `[Vl, H]`, local_idx/owned `[N]` (the target's column in
+    this shard and whether it is here), logprob_weight/entropy_weight `[N]` in the compute dtype
+    (`a`, `b`). `group_name` is `""` without a tensor-parallel group; else each chunk's per-row
+    statistics are all-gathered over that group (eager c10d: the op is opaque to the compiler).
+    A gradient that is not needed is returned as an empty `[0, H]` tensor and its matmul skipped.
+    """
+    n_rows, hidden_size = hidden.shape
+    local_vocab = weight.shape[0]
+    cdtype = compute_dtype(hidden.dtype)
+    exact = weight.dtype == cdtype
+    group = _resolve_group(group_name) if group_name else None
+    world = 1 if group is None else group.size()
+    chunk_rows = min(n_rows, chunk_rows or default_objective_chunk_rows(local_vocab, weight.dtype)) or 1
+    device = hidden.device
+    rows_out = torch.empty(2, n_rows, dtype=cdtype, device=device)
+    dhidden = torch.zeros(n_rows if need_dhidden else 0, hidden_size, dtype=cdtype, device=device)
+    dweight = weight.new_empty((local_vocab if need_dweight else 0, hidden_size))
+    if need_dweight:
+        dweight.zero_()
+    # bf16/fp16: dweight is summed over the row chunks in the compute dtype and rounded once
+    acc = dweight if exact else torch.zeros(dweight.shape, dtype=cdtype, device=device)
+    scale = 1.0 / temperature
+    block = min(local_vocab, BLOCK)
+    chunk = torch.empty(chunk_rows * local_vocab, dtype=cdtype, device=device)
+    tile = torch.empty(chunk_rows * block, dtype=cdtype, device=device)
+    low = None if exact else torch.empty(chunk_rows * block, dtype=weight.dtype, device=device)
+    blocks = [slice(c0, min(local_vocab, c0 + block)) for c0 in range(0, local_vocab, block)]
+    for start in range(0, n_rows, chunk_rows):
+        rows = slice(start, min(n_rows, start + chunk_rows))
+        n = rows.stop - start
+        h_rows = hidden[rows]
+        z = chunk[: n * local_vocab].view(n, local_vocab)  # [C, Vl]
+        if exact:
+            torch.mm(h_rows, weight.T, out=z)
+        else:
+            assert low is not None
+            for cols in blocks:  # input-dtype matmul tiles, each product rounded once, then widened
+                width = cols.stop - cols.start
+                z[:, cols].copy_(torch.mm(h_rows, weight[cols].T, out=low[: n * width].view(n, width)))
+        if temperature != 1.0:
+            z.div_(temperature)
+        idx, own = local_idx[rows, None], owned[rows]
+        m = z.amax(dim=1)  # [C]
+        s = torch.zeros(n, dtype=cdtype, device=device)
+        u = torch.zeros(n, dtype=cdtype, device=device)
+        for cols in blocks:  # s = Σ exp(z − m), u = Σ exp(z − m)(z − m), per block in a small tile
+            width = cols.stop - cols.start
+            shifted = torch.sub(z[:, cols], m[:, None], out=tile[: n * width].view(n, width))
+            if with_entropy:
+                e = torch.exp(shifted)
+                s += e.sum(dim=1)
+                u += e.mul_(shifted).sum(dim=1)
+            else:
+                s += shifted.exp_().sum(dim=1)
+        picked = torch.where(own, z.gather(1, idx)[:, 0], torch.zeros_like(m))
+        local = torch.stack([m, s, u, picked])  # [4, C]
+        if group is None:
+            every = local[None]
+        else:
+            every = torch.empty(world * 4, n, dtype=cdtype, device=device)  # rank-major, as c10d fills it
+            gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+            gather(every, local, group=group)
+            every = every.view(world, 4, n)
+        logprob, neg_entropy, shift, log_s = merge_row_stats(every, 1)
+        rows_out[0, rows], rows_out[1, rows] = logprob[:, 0], neg_entropy
+        if not (need_dhidden or need_dweight):
+            continue
+        a, b = logprob_weight[rows, None], entropy_weight[rows, None]
+        # dz = p ⊙ (b·(log p − Σ p log p) − a) + a·onehot(t)        (proofs/linear_objective.md §1)
+        logp = z.sub_(shift[:, None]).sub_(log_s[:, None])  # log p, in place
+        if with_entropy:
+            for cols in blocks:
+                width = cols.stop - cols.start
+                p = torch.exp(logp[:, cols], out=tile[: n * width].view(n, width))
+                logp[:, cols].sub_(neg_entropy[:, None]).mul_(b).sub_(a).mul_(p)
+        else:
+            logp.exp_().mul_(-a)
+        dz = logp
+        dz.scatter_add_(1, idx, torch.where(own[:, None], a, torch.zeros_like(a)))
+        if exact:
+            if need_dhidden:
+                dhidden[rows].addmm_(dz, weight, alpha=scale)  # [C, H]
+            if need_dweight:
+                acc.addmm_(dz.T, h_rows, alpha=scale)  # [Vl, H], summed over the row chunks
+            continue
+        assert low is not None
+        for cols in blocks:  # input-dtype matmuls of each rounded tile, summed in the compute dtype
+            width = cols.stop - cols.start
+            dz_low = low[: n * width].view(n, width).copy_(dz[:, cols])
+            if need_dhidden:
+                dhidden[rows].add_(dz_low @ weight[cols], alpha=scale)
+            if need_dweight:
+                acc[cols].add_(dz_low.T @ h_rows, alpha=scale)
+    if need_dweight and not exact:
+        dweight.copy_(acc)  # rounded once to weight's dtype
+    return rows_out, dhidden, dweight
+
+
+@linear_objective_rows.register_fake
+def _(hidden, weight, local_idx, owned, lw, ew, temperature, with_entropy, need_dhidden, need_dweight, *args):
+    n_rows, hidden_size = hidden.shape
+    cdtype = compute_dtype(hidden.dtype)
+    return (
+        hidden.new_empty((2, n_rows), dtype=cdtype),
+        hidden.new_empty((n_rows if need_dhidden else 0, hidden_size), dtype=cdtype),
+        weight.new_empty((weight.shape[0] if need_dweight else 0, hidden_size)),
+    )
+
+
+class _LinearObjectiveFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, local_idx, owned, lw, ew, temperature, with_entropy, chunk_rows, group, seq_par, repeat
+    ):
+        full_hidden = hidden
+        if seq_par and is_distributed(group):
+            from lossfx._distributed import all_gather_stack
+
+            full_hidden = all_gather_stack(hidden, group).flatten(0, 1)  # [N, H], rank order
+        need_dhidden, need_dweight = hidden.requires_grad, weight.requires_grad
+        cdtype = compute_dtype(hidden.dtype)
+        rows, dhidden, dweight = linear_objective_rows(
+            full_hidden,
+            weight,
+            local_idx,
+            owned,
+            lw.detach().to(cdtype),
+            ew.detach().to(cdtype),
+            temperature,
+            with_entropy,
+            need_dhidden,
+            need_dweight,
+            chunk_rows,
+            group.group_name if is_distributed(group) else "",
+        )
+        logprobs, neg_entropy = rows[0], rows[1]
+        objective = (lw.to(cdtype) * logprobs).sum()
+        if with_entropy:
+            objective = objective + (ew.to(cdtype) * neg_entropy).sum()
+        if need_dhidden:  # the gradient of the objective, formed now: the collective runs in the forward
+            if seq_par:
+                dhidden = reduce_scatter_sum(dhidden, group)  # [N/R, H]: this rank's rows, summed
+            else:
+                dhidden = all_reduce(dhidden, "sum", group)  # [N, H]: the full gradient on every rank
+        ctx.save_for_backward(dhidden, dweight, logprobs, neg_entropy)
+        ctx.hidden_dtype, ctx.with_entropy, ctx.repeat = hidden.dtype, with_entropy, repeat
+        ctx.mark_non_differentiable(logprobs, neg_entropy)
+        return objective, logprobs, neg_entropy
+
+    @staticmethod
+    def backward(ctx, dobjective, _dlogprobs, _dneg_entropy):
+        dhidden, dweight, logprobs, neg_entropy = ctx.saved_tensors
+        dh = dw = dlw = dew = None
+        if ctx.needs_input_grad[0]:
+            dh = (dhidden * dobjective.to(dhidden.dtype)).to(ctx.hidden_dtype)
+        if ctx.needs_input_grad[1]:
+            # by default scaled where it lies (a second [Vl, H] buffer would double the gradient's
+            # memory); saved tensors are version-checked, so a second backward then raises
+            scale = dobjective.to(dweight.dtype)
+            dw = dweight * scale if ctx.repeat else dweight.mul_(scale)
+        if ctx.needs_input_grad[4]:
+            dlw = logprobs * dobjective
+        if ctx.needs_input_grad[5] and ctx.with_entropy:
+            dew = neg_entropy * dobjective
+        return dh, dw, None, None, dlw, dew, None, None, None, None, None, None
+
+
+@checked_collective(vocab="tiled")
+def linear_logprob_objective(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    logprob_weight: Tensor,
+    *,
+    entropy_weight: Tensor | None = None,
+    group: ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    sequence_parallel: bool = False,
+    chunk_size: int | None = None,
+    allow_repeated_backward: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`Σ a·log p(target) (+ Σ b·Σ p log p)` from hidden states, gradients formed in the forward.
+
+    Equivalent, on the full LM head (all ranks' shards in rank order), to::
+
+        lp = (hidden @ weight.T / temperature).log_softmax(-1)
+        logprobs, neg_entropy = lp.gather(-1, target[..., None])[..., 0], (lp.exp() * lp).sum(-1)
+        objective = (logprob_weight * logprobs).sum() + (entropy_weight * neg_entropy).sum()
+        return objective, logprobs.detach(), neg_entropy.detach()
+
+    in three matmuls per logits element (the unfused path's count; `linear_token_logprobs` needs
+    four, because its backward recomputes the logits) and one `[C, Vl]` chunk of logits alive.
+    Use it when the per-token coefficients are known before the forward: negative log-likelihood
+    (`a = −mask / Σ mask`, then minimise `−objective`), on-policy policy gradients (`a = −A·mask /
+    norm`: the gradient of a clipped-ratio loss at ratio 1), entropy bonuses (`b`). When the
+    coefficient depends on the log-prob itself (an off-policy clipped ratio), use
+    `linear_token_logprobs` and any loss.
+
+    Args:
+        hidden: `[..., H]` last hidden states, replicated on every TP rank (each rank's
+            `hidden.grad` is the full gradient: the all-reduce of `[N, H]` runs in the forward),
+            or with `sequence_parallel=True` this rank's rows of the flattened `[N, H]` (all-gathered
+            in the forward, the gradient reduce-scattered in the forward). DTensor layouts as in
+            `linear_token_logprobs`.
+        weight: `[Vl, H]` this rank's rows of the LM head (the whole head without a group), or a
+            `Shard(0)` DTensor head; same dtype as `hidden`.
+        target: `[...]` integer global ids in `[0, V)`; the full `N` positions on every rank.
+        logprob_weight: `[...]` float coefficients `a` of the log-probs (the target's shape; the
+            full `N` on every rank). Its gradient is `logprobs` (scaled).
+        entropy_weight: `[...]` float coefficients `b` of `Σ_v p log p`, or `None` (no entropy
+            term, and `neg_entropy` is not computed).
+        group: tensor-parallel group over the vocabulary, or `None`.
+        vocab_start: first global id of this shard; default `rank · Vl`.
+        vocab_size: global vocabulary size `V`; default `world_size · Vl`.
+        temperature: divides the logits (> 0).
+        sequence_parallel: the hidden layout described above.
+        chunk_size: rows per chunk; one `[C, Vl]` chunk of logits in the compute dtype is alive
+            (results do not depend on it). Default: a chunk near 96 MiB, at least 16 rows.
+        allow_repeated_backward: `False`: the backward scales the `weight` gradient formed in the
+            forward in place (no second `[Vl, H]` buffer), and a second backward through the same
+            graph raises; `True`: it scales a copy, so `retain_graph=True` and `gradcheck` work,
+            at one more `[Vl, H]` buffer during the backward.
+
+    Returns:
+        `(objective, logprobs, neg_entropy)`: the scalar objective in
+        `promote_types(dtype, float32)` (differentiable with respect to `hidden`, `weight` and the
+        coefficients), and the values `logprobs [...]` and `neg_entropy [...]` (or `None`) without
+        gradient, replicated over the TP group.
+
+    Gradient contract: `hidden`/`weight` gradients are formed in the forward and scaled by the
+    objective's upstream gradient in the backward (`weight`'s in its dtype: exact when that
+    gradient is 1; in place unless `allow_repeated_backward`). Extra
+    memory: the gradients themselves from the forward on, one `[C, Vl]` chunk, and for bf16/fp16
+    weights one `[Vl, H]` fp32 accumulator of `dweight` (the rows-outer loop revisits every
+    vocabulary row once per chunk).
+
+    Raises:
+        TypeError: non-float `hidden`/`weight`/coefficients, different dtypes, non-integer `target`,
+            a non-bool `allow_repeated_backward`.
+        ValueError: shape mismatches, `temperature <= 0`, `chunk_size <= 0`, target ids outside
+            `[0, V)` (eager only).
+
+    Example:
+        >>> import torch, lossfx
+        >>> h, w = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0], [1.0, 0.0], [2.0, 0.0]])
+        >>> objective, lp, _ = lossfx.linear_logprob_objective(h, w, torch.tensor([2]), torch.tensor([-1.0]))
+        >>> objective, lp
+        (tensor(0.4076), tensor([-0.4076]))
+
+    See also: docs/fused_linear.md, proofs/linear_objective.md, lossfx.reference.linear_logprob_objective.
+    """
+    hidden, weight, group, vocab_start, vocab_size = _local_arguments(
+        hidden, weight, group, vocab_start, vocab_size, sequence_parallel, seq_dim=0
+    )
+    target = replicated(target, "target")
+    check_integer_ids("target", target)
+    coefficients = {"logprob_weight": replicated(logprob_weight, "logprob_weight")}
+    if entropy_weight is not None:
+        coefficients["entropy_weight"] = replicated(entropy_weight, "entropy_weight")
+    for name, value in coefficients.items():
+        check_floating(name, value)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"{name} must have the target's shape {tuple(target.shape)}, got {tuple(value.shape)}")
+    rows = prepare_linear_rows(
+        hidden,
+        weight,
+        target.unsqueeze(-1),
+        group=group,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        sequence_parallel=sequence_parallel,
+        chunk_size=chunk_size,
+    )
+    if not isinstance(allow_repeated_backward, bool):
+        raise TypeError(f"allow_repeated_backward must be a bool, got {allow_repeated_backward!r}")
+    lw = coefficients["logprob_weight"].reshape(-1)
+    with_entropy = entropy_weight is not None
+    ew = coefficients["entropy_weight"].reshape(-1) if with_entropy else torch.zeros_like(lw)
+    objective, logprobs, neg_entropy = _LinearObjectiveFn.apply(
+        rows.hidden,
+        weight,
+        rows.local_idx[:, 0],
+        rows.owned[:, 0],
+        lw,
+        ew,
+        rows.temperature,
+        with_entropy,
+        rows.chunk_rows,
+        group,
+        sequence_parallel,
+        allow_repeated_backward,
+    )
+    return objective, logprobs.view(target.shape), (neg_entropy.view(target.shape) if with_entropy else None)
