@@ -31,6 +31,8 @@ def _case(vocab):
         "weight": torch.randn(vocab, H, generator=gen, dtype=F64),
         "target": torch.randint(0, vocab, (B, S), generator=gen),
         "ids": torch.randint(0, vocab, (B, S, K), generator=gen),
+        "a": torch.randn(B, S, generator=gen, dtype=F64),
+        "b": torch.randn(B, S, generator=gen, dtype=F64),
     }
 
 
@@ -69,8 +71,22 @@ CASES = {
         lambda h, w, c: lossfx.linear_next_token_logprobs(h, w, c["target"], sequence_parallel=True, temperature=T),
         lambda h, w, c: reference.linear_next_token_logprobs(h, w, c["target"], T)[0],
     ),
+    "objective/plain_hidden": (
+        "plain",
+        lambda h, w, c: lossfx.linear_logprob_objective(h, w, c["target"], c["a"], entropy_weight=c["b"], chunk_size=3)[
+            0
+        ],
+        lambda h, w, c: reference.linear_logprob_objective(h, w, c["target"], c["a"], c["b"])[0],
+    ),
+    "objective/sequence_parallel_rows": (
+        "sp_rows",
+        lambda h, w, c: lossfx.linear_logprob_objective(
+            h, w, c["target"].flatten(), c["a"].flatten(), sequence_parallel=True, temperature=T
+        )[0],
+        lambda h, w, c: reference.linear_logprob_objective(h, w, c["target"].flatten(), c["a"].flatten(), None, T)[0],
+    ),
 }
-COMPILED = ["token/plain_hidden"]
+COMPILED = ["token/plain_hidden", "objective/plain_hidden"]
 
 
 def _as_tuple(out):

@@ -56,6 +56,9 @@ def _call(case, rank, group):
     if case == "next_token_temperature":
         ids = target.view(1, 5)
         return lossfx.linear_next_token_logprobs(hidden[None], rows, ids, group=group, temperature=1.0 + rank)
+    if case == "objective_chunk_size":  # the objective's loop runs one collective per chunk
+        coefficients = torch.ones(5, dtype=F64)
+        return lossfx.linear_logprob_objective(hidden, rows, target, coefficients, group=group, chunk_size=2 + rank)
     raise AssertionError(case)
 
 
@@ -83,6 +86,7 @@ EXPECTED = {
     "weight_rows_default_layout": ["vocabulary size V (rank 0: 12, rank 1: 10"],
     "gather_convention": ["zero_outside_topk (rank 0: True, rank 1: False)"],
     "next_token_temperature": ["temperature (rank 0: 1.0, rank 1: 2.0)"],
+    "objective_chunk_size": ["chunk_size (rank 0: 2, rank 1: 3)"],
 }
 
 
