@@ -344,10 +344,13 @@ def _tiling_error(sigs: list[list[int]], policy: str) -> str | None:
             return f"the vocabulary shard width logits.shape[-1] ({shown}); this function needs equal shards"
         return None
     world = len(sigs)
-    if policy.startswith("topk:"):  # `vocab_topk`: every rank sends min(k, Vl) candidates
+    if policy.startswith("topk:"):  # `vocab_topk`: every rank sends min(k, R·Vl) candidates
         k = int(policy.removeprefix("topk:"))
-        if len({min(k, w) for w in widths}) > 1:
-            return f"the vocabulary shard width logits.shape[-1] ({shown}): vocab_topk needs min(k={k}, width) equal"
+        if len({min(k, len(widths) * w) for w in widths}) > 1:
+            return (
+                f"the vocabulary shard width logits.shape[-1] ({shown}): with uneven shards vocab_topk needs "
+                f"k={k} <= world_size · the smallest width ({len(widths) * min(widths)})"
+            )
         policy, sizes = "tiled", [sum(widths)] * world
     else:
         sizes = [s[_H_SIZE] if s[_H_SIZE] != _NONE else world * s[_H_WIDTH] for s in sigs]
@@ -524,7 +527,7 @@ def vocab_shard_range(local_vocab: int, group: dist.ProcessGroup | None) -> tupl
 
 
 def vocab_topk_policy(arguments: Mapping[str, Any]) -> str:
-    """The `vocab` policy of `vocab_topk`: shards tile the vocabulary, `min(k, Vl)` is equal."""
+    """The `vocab` policy of `vocab_topk`: shards tile the vocabulary, `min(k, R·Vl)` is equal."""
     k = arguments.get("k")
     return f"topk:{k}" if isinstance(k, int) and not isinstance(k, bool) and k > 0 else "free"
 

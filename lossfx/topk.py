@@ -1,7 +1,10 @@
 """Top-k values and global ids over a vocabulary sharded across tensor-parallel ranks.
 
-1. each rank takes its local top `min(k, Vl)` values and turns their columns into global ids;
-2. one all-gather of the candidates `[R, N, k_local]` (values and ids, a few scalars per row);
+1. each rank takes its local top `min(k, Vl)` values and turns their columns into global ids,
+   padded to `k' = min(k, R·Vl)` candidates with `(-inf, sentinel id)` (the sentinel sorts after
+   every real id, so padding is never chosen while real candidates remain: there are at least
+   `min(k', V)` of them), so that every rank sends the same number even when `k` exceeds a shard;
+2. one all-gather of the candidates `[R, N, k']` (values and ids, a few scalars per row);
 3. the global top-k is the top-k of the union of the candidates: every member of the global top-k
    is in its own shard's local top-k, since fewer than k values of that shard exceed it.
 
@@ -59,6 +62,8 @@ def vocab_topk(
     Args:
         logits: `[..., Vl]` this rank's shard (the full vocabulary without a group).
         k: how many per row; clamped to `V` (a `k` larger than the vocabulary returns all of it).
+            With uneven plain shards (no DTensor), `k <= world_size · the smallest shard width`
+            (checked across ranks).
         group: tensor-parallel group over the vocabulary, or `None`.
         vocab_start: first global id of this shard; default `rank · Vl`.
 
@@ -86,16 +91,20 @@ def vocab_topk(
         vocab_start = group_rank(group) * local_vocab
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, local_vocab).to(compute_dtype(logits.dtype))  # [N, Vl]
-    k_local = min(k, local_vocab)
+    k_out = min(k, world * local_vocab)  # equal on every rank (the consistency check enforces it)
+    k_local = min(k_out, local_vocab)
     # 1. local candidates, ties broken by the smaller id (torch.topk's tie order is unspecified)
     columns = _local_topk_columns(flat, k_local)  # [N, k_local]
     values, ids = flat.gather(-1, columns), columns + vocab_start
+    if k_local < k_out:  # k wider than this shard: pad to the common candidate count
+        pad = (flat.shape[0], k_out - k_local)
+        values = torch.cat([values, values.new_full(pad, float("-inf"))], dim=-1)
+        ids = torch.cat([ids, ids.new_full(pad, torch.iinfo(torch.int64).max)], dim=-1)
     # 2. the union over ranks
-    values = all_gather_stack(values, group)  # [R, N, k_local]
-    ids = all_gather_stack(ids, group)  # [R, N, k_local]
-    values = values.permute(1, 0, 2).reshape(flat.shape[0], world * k_local)  # [N, R·k_local]
-    ids = ids.permute(1, 0, 2).reshape(flat.shape[0], world * k_local)
+    values = all_gather_stack(values, group)  # [R, N, k_out]
+    ids = all_gather_stack(ids, group)  # [R, N, k_out]
+    values = values.permute(1, 0, 2).reshape(flat.shape[0], world * k_out)  # [N, R·k_out]
+    ids = ids.permute(1, 0, 2).reshape(flat.shape[0], world * k_out)
     # 3. the global top-k of the union
-    k_out = min(k, world * local_vocab)
     values, ids = _sorted_by_value_then_id(values, ids, k_out)
     return values.view(*lead, k_out), ids.view(*lead, k_out)

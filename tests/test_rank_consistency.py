@@ -60,6 +60,9 @@ def _call(case, rank, group):
         }
         loss_fn = SimpleNamespace(input_type="distillation", zero_outside_topk=False, kl_type="forward")
         return lossfx.prepare_loss_input(z, data, loss_fn, **tp)[0]["student_topk_logprobs"]
+    if case == "topk_wider_than_uneven_shards":  # widths 3 / 7: k = 7 > world · 3
+        start, width = (0, 3) if rank == 0 else (3, 7)
+        return lossfx.vocab_topk(_logits(2, 6, 10, 0)[..., start : start + width], 7, group=group, vocab_start=start)
     z, ids = _logits(2, 6, 16, 0)[..., rank * 8 : (rank + 1) * 8], _ids(2, 6, 16, 0)
     sp = None
     if case == "sampling":  # issue item 5: rank 0 top_k=3, rank 1 no filter
@@ -105,6 +108,10 @@ EXPECTED = {
     "batch": ["logits.shape[0] (rank 0: 2, rank 1: 1)"],
     "seq": ["logits.shape[1] (rank 0: 6, rank 1: 5)"],
     "dtype": ["logits.dtype (rank 0: torch.float32, rank 1: torch.float64)"],
+    "topk_wider_than_uneven_shards": [
+        "rank 0: 3, rank 1: 7",
+        "vocab_topk needs k=7 <= world_size · the smallest width (6)",
+    ],
     "kernel": ["the function called (rank 0: lossfx.filtered_token_logprobs, rank 1: lossfx.token_logprobs)"],
 }
 
