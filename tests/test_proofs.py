@@ -258,6 +258,54 @@ def test_fused_linear_tp_layouts_sum_over_shards():
         torch.testing.assert_close(torch.cat(dw), ww.grad, rtol=0, atol=1e-12)
 
 
+# proofs/linear_objective.md ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 100])
+def test_linear_objective_gradient_formula_and_chunk_sums(chunk):
+    """proofs/linear_objective.md §1–3: D = p ⊙ (b (log p − E) − a) + a·onehot(t); with upstream G,
+    dh = G·D W / T, dW = G·Σ_c D_cᵀ h_c / T, da = G·ℓ, db = G·E, whatever the row chunking."""
+    h, w, ids, _, _ = _linear_case(40, n=7)
+    t = ids[:, 0]
+    gen = torch.Generator().manual_seed(41)
+    a, b = torch.randn(7, generator=gen, dtype=F64), torch.randn(7, generator=gen, dtype=F64)
+    temperature, upstream = 0.8, -2.5
+    lp = (h @ w.T / temperature).log_softmax(-1)
+    p, ell = lp.exp(), lp.gather(1, t[:, None])[:, 0]
+    neg_entropy = (p * lp).sum(-1)
+    d = p * (b[:, None] * (lp - neg_entropy[:, None]) - a[:, None])
+    d = d + a[:, None] * torch.nn.functional.one_hot(t, w.shape[0]).to(F64)
+    dw_chunks = sum(d[c : c + chunk].T @ h[c : c + chunk] for c in range(0, 7, chunk)) / temperature
+    hh, ww, aa, bb = (x.clone().requires_grad_() for x in (h, w, a, b))
+    objective, _, _ = lossfx.linear_logprob_objective(
+        hh, ww, t, aa, entropy_weight=bb, temperature=temperature, chunk_size=chunk
+    )
+    (upstream * objective).backward()
+    torch.testing.assert_close(objective, (a * ell).sum() + (b * neg_entropy).sum(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(hh.grad, upstream * d @ w / temperature, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ww.grad, upstream * dw_chunks, rtol=0, atol=1e-12)
+    torch.testing.assert_close(aa.grad, upstream * ell, rtol=0, atol=1e-12)
+    torch.testing.assert_close(bb.grad, upstream * neg_entropy, rtol=0, atol=1e-12)
+
+
+def test_linear_objective_shards_form_their_own_columns():
+    """proofs/linear_objective.md §4: after the per-chunk merge each shard's columns of D give its
+    dW_r = D_{𝒱_r}ᵀ h / T, and Σ_r D_{𝒱_r} W_r / T is the full dh (all-reduce or reduce-scatter)."""
+    h, w, ids, _, _ = _linear_case(42, n=8, vocab=12)
+    t, a = ids[:, 0], torch.linspace(-1, 1, 8, dtype=F64)
+    lp = (h @ w.T).log_softmax(-1)
+    d = a[:, None] * (torch.nn.functional.one_hot(t, 12).to(F64) - lp.exp())
+    for world in (2, 3, 4):
+        vl = 12 // world
+        shards = [slice(r * vl, (r + 1) * vl) for r in range(world)]
+        dw = torch.cat([d[:, s].T @ h for s in shards])
+        dh = sum(d[:, s] @ w[s] for s in shards)
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lossfx.linear_logprob_objective(hh, ww, t, a)[0].backward()
+        torch.testing.assert_close(dw, ww.grad, rtol=0, atol=1e-12)
+        torch.testing.assert_close(dh, hh.grad, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("offset", [0.0, 1e4, -1e16, 1e30, -1e300])
 def test_divergence_split_shift_is_exact_at_any_magnitude(offset):
     """proofs/divergence.md §8: `(z − M) − log S` matches log_softmax at any offset; `z − (M + log S)`
