@@ -228,19 +228,18 @@ def prepare_loss_input(
         return _prepare_draft_input(
             logits, data, d2t, vocab_parallel_rank, vocab_parallel_group, context_parallel_group
         ), data
-    if input_type is LossInputType.LOGPROB:
-        return _prepare_logprob_input(
-            logits,
-            data,
-            loss_fn,
-            vocab_parallel_rank,
-            vocab_parallel_group,
-            context_parallel_group,
-            cp_sharder,
-            sampling_params,
-            chunk_size,
-        ), data
-    raise NotImplementedError(f"LossInputType.{input_type.name} is not implemented yet")
+    # the last of LossInputType's five members (`_input_type` rejects anything else)
+    return _prepare_logprob_input(
+        logits,
+        data,
+        loss_fn,
+        vocab_parallel_rank,
+        vocab_parallel_group,
+        context_parallel_group,
+        cp_sharder,
+        sampling_params,
+        chunk_size,
+    ), data
 
 
 def _prepare_logprob_input(
