@@ -38,19 +38,23 @@ from lossfx.linear_chunks import merge_row_stats
 
 __all__ = ["linear_logprob_objective"]
 
-# One `[C, Vl]` chunk of logits (compute dtype) near this many bytes when the caller gives no
-# chunk size; at least MIN_ROWS rows. The three matmuls of a chunk are `[C, H] x [H, Vl]`-shaped
-# with the whole head streamed once each, so C trades memory for speed (measured, N = 2048,
-# H = 512, V = 151936 fp32, one core: C = 110 / 165 / 256 -> 1.15 / 1.11 / 1.05x the unfused time).
+# Default rows per chunk: at most 1/ROW_FRACTION of the rows (so the `[C, Vl]` chunk is at most
+# 1/16 of the logits whatever N) and a chunk near DEFAULT_CHUNK_BYTES in the compute dtype, at
+# least MIN_ROWS. The three matmuls of a chunk are `[C, H] x [H, Vl]`-shaped with the whole head
+# streamed once each, so C trades memory for speed (measured, N = 2048, H = 512, V = 151936 fp32,
+# one core: C = 128 / 165 / 256 -> 1.14 / 1.11 / 1.05x the unfused time).
 DEFAULT_CHUNK_BYTES = 96 << 20
+ROW_FRACTION = 16
 MIN_ROWS = 16
 BLOCK = 2048  # vocabulary columns per matmul tile
 
 
-def default_objective_chunk_rows(local_vocab: int, dtype: torch.dtype) -> int:
-    """Rows per chunk when the caller gives none: a `[C, Vl]` compute-dtype chunk near 96 MiB."""
+def default_objective_chunk_rows(n_rows: int, local_vocab: int, dtype: torch.dtype) -> int:
+    """Rows per chunk when the caller gives none: `min(N / 16, a [C, Vl] compute-dtype chunk near
+    96 MiB)`, at least 16."""
     itemsize = torch.empty((), dtype=compute_dtype(dtype)).element_size()
-    return max(MIN_ROWS, DEFAULT_CHUNK_BYTES // max(1, local_vocab * itemsize))
+    by_bytes = DEFAULT_CHUNK_BYTES // max(1, local_vocab * itemsize)
+    return max(MIN_ROWS, min(-(-n_rows // ROW_FRACTION), by_bytes))
 
 
 def _resolve_group(group_name: str) -> Any:
@@ -89,7 +93,7 @@ def linear_objective_rows(
     exact = weight.dtype == cdtype
     group = _resolve_group(group_name) if group_name else None
     world = 1 if group is None else group.size()
-    chunk_rows = min(n_rows, chunk_rows or default_objective_chunk_rows(local_vocab, weight.dtype)) or 1
+    chunk_rows = min(n_rows, chunk_rows or default_objective_chunk_rows(n_rows, local_vocab, weight.dtype)) or 1
     device = hidden.device
     rows_out = torch.empty(2, n_rows, dtype=cdtype, device=device)
     dhidden = torch.zeros(n_rows if need_dhidden else 0, hidden_size, dtype=cdtype, device=device)
@@ -296,7 +300,8 @@ def linear_logprob_objective(
         temperature: divides the logits (> 0).
         sequence_parallel: the hidden layout described above.
         chunk_size: rows per chunk; one `[C, Vl]` chunk of logits in the compute dtype is alive
-            (results do not depend on it). Default: a chunk near 96 MiB, at least 16 rows.
+            (results do not depend on it). Default: `N / 16` rows, at most a chunk near 96 MiB,
+            at least 16 rows.
         allow_repeated_backward: `False`: the backward scales the `weight` gradient formed in the
             forward in place (no second `[Vl, H]` buffer), and a second backward through the same
             graph raises; `True`: it scales a copy, so `retain_graph=True` and `gradcheck` work,

@@ -488,3 +488,11 @@ def test_bad_arguments(change, error, match):
     kwargs = {"hidden": hidden, "weight": weight, "target": target, "logprob_weight": a} | change
     with pytest.raises(error, match=match):
         lossfx.linear_logprob_objective(**kwargs)
+
+
+def test_default_chunk_is_at_most_a_sixteenth_of_the_logits_and_96_mib():
+    rows = linear_objective.default_objective_chunk_rows
+    assert rows(2048, 151936, torch.float32) == 128  # N / 16
+    assert rows(32768, 151936, torch.float32) == (96 << 20) // (151936 * 4)  # the 96 MiB cap: 165
+    assert rows(32768, 151936, torch.bfloat16) == 165  # the chunk is fp32 (the compute dtype)
+    assert rows(40, 1000, torch.float64) == 16  # at least 16 rows
