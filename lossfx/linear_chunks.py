@@ -39,7 +39,15 @@ from torch import Tensor
 
 from lossfx._numerics import compute_dtype, merge_max_logsum
 
-__all__ = ["default_linear_chunk_rows", "linear_local_grads", "linear_local_stats", "merge_row_stats"]
+__all__ = [
+    "default_linear_chunk_rows",
+    "itemsize",
+    "linear_local_grads",
+    "linear_local_stats",
+    "merge_row_stats",
+    "tile_buffers",
+    "tile_view",
+]
 
 # Tiles: `[C, Cv]` logits, `C` rows of `hidden` by `Cv` vocabulary rows of `weight`. Both sides are
 # kept large enough for an efficient matmul (a skinny `[C, H] @ [H, Vl]` streams the whole `weight`
@@ -51,7 +59,7 @@ MIN_BLOCK = 128  # ... and at least, when dweight needs a compute-dtype accumula
 MIN_ROWS = 8
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -61,16 +69,16 @@ def _vocab_block(local_vocab: int, hidden_size: int, dtype: torch.dtype) -> int:
     cdtype = compute_dtype(dtype)
     block = MAX_BLOCK
     if dtype != cdtype:
-        block = min(block, max(MIN_BLOCK, DEFAULT_TILE_BYTES // max(1, hidden_size * _itemsize(cdtype))))
+        block = min(block, max(MIN_BLOCK, DEFAULT_TILE_BYTES // max(1, hidden_size * itemsize(cdtype))))
     return max(1, min(local_vocab, block))
 
 
 def default_linear_chunk_rows(block: int, dtype: torch.dtype) -> int:
     """Rows `C` per tile when the caller gives none: a `[C, block]` compute-dtype tile near 4 MiB, C >= 8."""
-    return max(MIN_ROWS, DEFAULT_TILE_BYTES // max(1, block * _itemsize(compute_dtype(dtype))))
+    return max(MIN_ROWS, DEFAULT_TILE_BYTES // max(1, block * itemsize(compute_dtype(dtype))))
 
 
-def _tile_buffers(
+def tile_buffers(
     rows: int, cols: int, dtype: torch.dtype, cdtype: torch.dtype, device: torch.device
 ) -> tuple[Tensor, Tensor | None]:
     """Flat scratch for one `[rows, cols]` tile in `cdtype` and, when `dtype` is lower, one in `dtype`.
@@ -81,7 +89,7 @@ def _tile_buffers(
     return torch.empty(rows * cols, dtype=cdtype, device=device), low
 
 
-def _view(buffer: Tensor, rows: int, cols: int) -> Tensor:
+def tile_view(buffer: Tensor, rows: int, cols: int) -> Tensor:
     """The first `rows * cols` elements of a flat buffer as a contiguous `[rows, cols]` tensor."""
     return buffer[: rows * cols].view(rows, cols)
 
@@ -89,11 +97,11 @@ def _view(buffer: Tensor, rows: int, cols: int) -> Tensor:
 def _logits_chunk(hidden_rows: Tensor, weight: Tensor, temperature: float, out: Tensor, low: Tensor | None) -> Tensor:
     """`hidden_rows [C, H] @ weight.T / T` written into the flat buffer `out` -> `[C, Cv]` view of it
     (in `out`'s dtype; the product is taken in the inputs' dtype, in `low` when that is lower)."""
-    z = _view(out, hidden_rows.shape[0], weight.shape[0])
+    z = tile_view(out, hidden_rows.shape[0], weight.shape[0])
     if low is None:
         torch.mm(hidden_rows, weight.T, out=z)
     else:  # input-dtype matmul (fp32 accumulation inside the BLAS), rounded once, then widened
-        z.copy_(torch.mm(hidden_rows, weight.T, out=_view(low, hidden_rows.shape[0], weight.shape[0])))
+        z.copy_(torch.mm(hidden_rows, weight.T, out=tile_view(low, hidden_rows.shape[0], weight.shape[0])))
     if temperature != 1.0:
         z.div_(temperature)
     return z
@@ -149,7 +157,7 @@ def linear_local_stats(
     block = _vocab_block(local_vocab, hidden_size, weight.dtype)
     chunk_rows = chunk_rows or default_linear_chunk_rows(block, weight.dtype)
     stats = torch.zeros(3 + n_ids, n_rows, dtype=cdtype, device=hidden.device)
-    tile, low = _tile_buffers(min(chunk_rows, n_rows), block, weight.dtype, cdtype, hidden.device)
+    tile, low = tile_buffers(min(chunk_rows, n_rows), block, weight.dtype, cdtype, hidden.device)
     second = torch.empty_like(tile) if with_entropy else None
     for col0 in range(0, local_vocab, block):
         cols = slice(col0, min(local_vocab, col0 + block))
@@ -167,7 +175,7 @@ def linear_local_stats(
             u_b = None
             if with_entropy:
                 assert second is not None
-                e = torch.exp(z, out=_view(second, z.shape[0], z.shape[1]))  # [C, Cv], the second tile
+                e = torch.exp(z, out=tile_view(second, z.shape[0], z.shape[1]))  # [C, Cv], the second tile
                 s_b = e.sum(dim=1)
                 u_b = e.mul_(z).sum(dim=1)
                 del e
@@ -232,7 +240,7 @@ def linear_local_grads(
     # shift and log_s apart for the log-prob *values*, where it would not be)
     lse = shift + log_s  # [N]
     scale = 1.0 / temperature  # dz/T folded into the two matmuls (alpha), not a pass over the tile
-    tile, low = _tile_buffers(min(chunk_rows, n_rows), block, weight.dtype, cdtype, hidden.device)
+    tile, low = tile_buffers(min(chunk_rows, n_rows), block, weight.dtype, cdtype, hidden.device)
     second = torch.empty_like(tile) if with_entropy else None
     for col0 in range(0, local_vocab, block):
         cols = slice(col0, min(local_vocab, col0 + block))
@@ -248,7 +256,7 @@ def linear_local_grads(
             if with_entropy:
                 # dz = p ⊙ (h·(log p − H) − Σ_k g_k): reuse the log p buffer for the bracket
                 assert second is not None
-                p = torch.exp(logp, out=_view(second, z.shape[0], z.shape[1]))  # [C, Cv], the second tile
+                p = torch.exp(logp, out=tile_view(second, z.shape[0], z.shape[1]))  # [C, Cv], the second tile
                 bracket = logp.sub_(neg_entropy[rows, None]).mul_(grad_entropy[rows, None])
                 dz = p.mul_(bracket.sub_(grad_total[rows, None]))
                 del p
@@ -263,7 +271,7 @@ def linear_local_grads(
                 # input-dtype matmuls (as the unfused path multiplies its bf16 dlogits), each tile's
                 # product rounded once, summed across tiles in the compute dtype
                 assert low is not None
-                dz_low = _view(low, dz.shape[0], dz.shape[1]).copy_(dz)
+                dz_low = tile_view(low, dz.shape[0], dz.shape[1]).copy_(dz)
                 dhidden[rows].add_(dz_low @ w_block, alpha=scale)
                 acc.add_(dz_low.T @ hidden[rows], alpha=scale)
                 del dz_low

@@ -29,12 +29,12 @@ import torch
 from torch import Tensor
 
 from lossfx._consistency import checked_collective
-from lossfx._distributed import ProcessGroup, all_reduce, is_distributed, reduce_scatter_sum
+from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, is_distributed, reduce_scatter_sum
 from lossfx._dtensor import replicated
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_integer_ids
 from lossfx.fused_linear import _local_arguments, prepare_linear_rows
-from lossfx.linear_chunks import merge_row_stats
+from lossfx.linear_chunks import itemsize, merge_row_stats, tile_buffers, tile_view
 
 __all__ = ["linear_logprob_objective"]
 
@@ -52,8 +52,7 @@ BLOCK = 2048  # vocabulary columns per matmul tile
 def default_objective_chunk_rows(n_rows: int, local_vocab: int, dtype: torch.dtype) -> int:
     """Rows per chunk when the caller gives none: `min(N / 16, a [C, Vl] compute-dtype chunk near
     96 MiB)`, at least 16."""
-    itemsize = torch.empty((), dtype=compute_dtype(dtype)).element_size()
-    by_bytes = DEFAULT_CHUNK_BYTES // max(1, local_vocab * itemsize)
+    by_bytes = DEFAULT_CHUNK_BYTES // max(1, local_vocab * itemsize(compute_dtype(dtype)))
     return max(MIN_ROWS, min(-(-n_rows // ROW_FRACTION), by_bytes))
 
 
@@ -105,21 +104,20 @@ def linear_objective_rows(
     scale = 1.0 / temperature
     block = min(local_vocab, BLOCK)
     chunk = torch.empty(chunk_rows * local_vocab, dtype=cdtype, device=device)
-    tile = torch.empty(chunk_rows * block, dtype=cdtype, device=device)
-    low = None if exact else torch.empty(chunk_rows * block, dtype=weight.dtype, device=device)
+    tile, low = tile_buffers(chunk_rows, block, weight.dtype, cdtype, device)
     blocks = [slice(c0, min(local_vocab, c0 + block)) for c0 in range(0, local_vocab, block)]
     for start in range(0, n_rows, chunk_rows):
         rows = slice(start, min(n_rows, start + chunk_rows))
         n = rows.stop - start
         h_rows = hidden[rows]
-        z = chunk[: n * local_vocab].view(n, local_vocab)  # [C, Vl]
+        z = tile_view(chunk, n, local_vocab)  # [C, Vl]
         if exact:
             torch.mm(h_rows, weight.T, out=z)
         else:
             assert low is not None
             for cols in blocks:  # input-dtype matmul tiles, each product rounded once, then widened
                 width = cols.stop - cols.start
-                z[:, cols].copy_(torch.mm(h_rows, weight[cols].T, out=low[: n * width].view(n, width)))
+                z[:, cols].copy_(torch.mm(h_rows, weight[cols].T, out=tile_view(low, n, width)))
         if temperature != 1.0:
             z.div_(temperature)
         idx, own = local_idx[rows, None], owned[rows]
@@ -128,7 +126,7 @@ def linear_objective_rows(
         u = torch.zeros(n, dtype=cdtype, device=device)
         for cols in blocks:  # s = Σ exp(z − m), u = Σ exp(z − m)(z − m), per block in a small tile
             width = cols.stop - cols.start
-            shifted = torch.sub(z[:, cols], m[:, None], out=tile[: n * width].view(n, width))
+            shifted = torch.sub(z[:, cols], m[:, None], out=tile_view(tile, n, width))
             if with_entropy:
                 e = torch.exp(shifted)
                 s += e.sum(dim=1)
@@ -154,7 +152,7 @@ def linear_objective_rows(
         if with_entropy:
             for cols in blocks:
                 width = cols.stop - cols.start
-                p = torch.exp(logp[:, cols], out=tile[: n * width].view(n, width))
+                p = torch.exp(logp[:, cols], out=tile_view(tile, n, width))
                 logp[:, cols].sub_(neg_entropy[:, None]).mul_(b).sub_(a).mul_(p)
         else:
             logp.exp_().mul_(-a)
@@ -169,7 +167,7 @@ def linear_objective_rows(
         assert low is not None
         for cols in blocks:  # input-dtype matmuls of each rounded tile, summed in the compute dtype
             width = cols.stop - cols.start
-            dz_low = low[: n * width].view(n, width).copy_(dz[:, cols])
+            dz_low = tile_view(low, n, width).copy_(dz[:, cols])
             if need_dhidden:
                 dhidden[rows].add_(dz_low @ weight[cols], alpha=scale)
             if need_dweight:
@@ -197,10 +195,8 @@ class _LinearObjectiveFn(torch.autograd.Function):
     ):
         full_hidden = hidden
         if seq_par and is_distributed(group):
-            from lossfx._distributed import all_gather_stack
-
             full_hidden = all_gather_stack(hidden, group).flatten(0, 1)  # [N, H], rank order
-        need_dhidden, need_dweight = hidden.requires_grad, weight.requires_grad
+        need_dhidden, need_dweight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         cdtype = compute_dtype(hidden.dtype)
         rows, dhidden, dweight = linear_objective_rows(
             full_hidden,
