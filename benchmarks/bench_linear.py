@@ -206,8 +206,8 @@ def markdown(rows: list[dict[str, Any]], compile_rows: list[dict[str, Any]], env
     lines = [
         f"Measured {env['date']} on {env['machine']} (host `{env['host']}`), torch {env['torch']}, "
         f"lossfx {env['lossfx']} from `{env['lossfx_path']}`, cut-cross-entropy {env['cce']}. "
-        f"CPU: {_cpu_model()}. CPU-sized shapes; the load on the machine during the run is stated in "
-        "benchmarks/README.md.",
+        f"CPU: {env.get('cpu_model') or 'unknown'}. CPU-sized shapes; the load on the machine during the "
+        "run is stated in benchmarks/README.md.",
         "",
         "| N | H | V | dtype | provider | median ms [p20, p80] | ÷ unfused | peak extra MiB | − grads MiB "
         "| beyond grads × fp32 logits |",
@@ -301,16 +301,6 @@ def _targets() -> dict[str, str]:
         "time": f"linear-compiled median <= {TIME_TARGET} x {BASELINE}",
         "compile": f"compile time at 64 chunks <= {COMPILE_TARGET} x at 4 chunks",
     }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def _cce_version() -> str:

@@ -128,6 +128,15 @@ def read_pass_seconds(x: torch.Tensor, *, min_run_time: float = 1.0, compiled: b
     return time_call(lambda: fn(x), min_run_time=min_run_time)["median_s"]
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else ""."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def environment() -> dict[str, str]:
     """Date, machine and versions to publish beside every result."""
     import lossfx
@@ -137,6 +146,7 @@ def environment() -> dict[str, str]:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "host": platform.node(),
         "machine": f"{platform.machine()} {device}, {torch.get_num_threads()} threads",
+        "cpu_model": cpu_model(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "lossfx": lossfx.__version__,

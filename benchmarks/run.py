@@ -339,15 +339,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _cpu_model() -> str:
-    """The CPU's model name (Linux), else ""."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:  # re-render the table and the plot of a finished run
@@ -360,7 +351,6 @@ def main(argv: list[str] | None = None) -> int:
     cases = [get_case(name) for name in args.cases]
     env = {
         **measure.environment(),
-        "cpu_model": _cpu_model(),
         "cpu_count": str(os.cpu_count()),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
     }
