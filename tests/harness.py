@@ -384,3 +384,10 @@ def sharded_gradcheck(
             analytic[o] = grad.reshape(-1)
     torch.testing.assert_close(analytic, numeric, atol=atol, rtol=rtol)
     return True
+
+
+def shard_rows(x, rank, world):
+    """Rows `[r·N/R, (r+1)·N/R)` of the flattened leading dims of `x [..., H]` -> `[N/R, H]`."""
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0] // world
+    return flat[rank * n : (rank + 1) * n]

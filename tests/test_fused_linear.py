@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 import torch._dynamo.testing
-from harness import compiled_for_rank, gloo_pool, mesh_groups, run_ranks
+from harness import compiled_for_rank, gloo_pool, mesh_groups, run_ranks, shard_rows
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -64,13 +64,6 @@ def reference_token(hidden, weight, target, dout, dent, temperature=1.0):
     lp, ne = reference.linear_token_logprobs(h, w, target, temperature)
     dh, dw = torch.autograd.grad([lp, ne], [h, w], [dout.to(F64), dent.to(F64)])
     return lp.detach(), ne.detach(), dh, dw
-
-
-def shard_rows(x, rank, world):
-    """Rows `[r·N/R, (r+1)·N/R)` of the flattened leading dims of `x [..., H]` -> `[N/R, H]`."""
-    flat = x.reshape(-1, x.shape[-1])
-    n = flat.shape[0] // world
-    return flat[rank * n : (rank + 1) * n]
 
 
 def _token_rank(rank, world, group, hidden, weight, target, dout, dent, chunk, temperature, sp, compiled=None):

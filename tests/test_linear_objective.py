@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 import torch._dynamo.testing
-from harness import compiled_for_rank, gloo_pool, run_ranks
+from harness import compiled_for_rank, gloo_pool, run_ranks, shard_rows
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -63,12 +63,6 @@ def reference_objective(hidden, weight, target, a, b, temperature=1.0):
         a.grad,
         (None if no_entropy else b.grad),
     )
-
-
-def shard_rows(x, rank, world):
-    flat = x.reshape(-1, x.shape[-1])
-    n = flat.shape[0] // world
-    return flat[rank * n : (rank + 1) * n]
 
 
 def _objective_rank(rank, world, group, hidden, weight, target, a, b, chunk, temperature, sp, compiled=None):
