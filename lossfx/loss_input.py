@@ -163,7 +163,8 @@ def prepare_loss_input(
             `shard_token_tensor`/`gather_token_tensor` (`lossfx.next_token.ContextParallelSharder`,
             e.g. `lossfx.next_token.LoadBalancedSharder`); takes precedence over
             `context_parallel_group`.
-        teacher_output_layer_weight_by_index: per-teacher LM-head shards (`OPD_FULL` only).
+        teacher_output_layer_weight_by_index: per-teacher LM-head shards, split like the logits
+            (`OPD_FULL` only; see `prepare_opd_full_loss_input`).
         teacher_logits_dtype: dtype of teacher logits projected from hidden states (`OPD_FULL`).
 
     Returns:
@@ -347,7 +348,9 @@ def prepare_opd_full_loss_input(
         sampling_params: accepted and unused (as in the reference).
         chunk_size: sequence positions per eager chunk of the `next_token_logprobs` kernel; the
             divergence chunk comes from `loss_fn.opd_full.chunk_size`.
-        teacher_output_layer_weight_by_index: `{index: W [Vl, H]}` teacher LM-head shards.
+        teacher_output_layer_weight_by_index: `{index: W [Vl, H]}` teacher LM-head shards, split
+            like the logits: this rank's rows (a short rank of an uneven DTensor split: its real
+            rows), a `Shard(0)` DTensor on the logits' mesh, or the full `[V, H]` beside full logits.
         teacher_logits_dtype: dtype of teacher logits projected from hidden states.
 
     Returns:

@@ -312,7 +312,8 @@ def reconstruct_opd_full_teacher_logits(
         context_parallel_group: CP group or `None`; with `C > 1` the padded payload
             (`S_l·C` long) is split in the load-balanced layout.
         teacher_output_layer_weight_by_index: `{teacher_index: W [Vl, H]}` LM-head shards
-            (hidden states only).
+            (hidden states only), split like `student_logits`: this rank's rows or a `Shard(0)`
+            DTensor on its mesh.
         teacher_index: `[B]` integer teacher of each row; required with more than one head.
         output_dtype: dtype of projected logits (`None`: the head's dtype). The logits payload
             keeps its dtype.
