@@ -9,6 +9,7 @@ threads and on real gloo processes and compares the outputs and the student grad
 
 from __future__ import annotations
 
+import re
 import threading
 from types import SimpleNamespace
 
@@ -310,4 +311,4 @@ def test_heads_that_do_not_match_the_shard_raise_on_every_rank(bad, world, match
     messages = run_ranks(world, _error, vocab, bad)
     for rank, message in enumerate(messages):
         assert message is not None, f"rank {rank} did not raise"
-        assert __import__("re").search(match, message), f"rank {rank}: {message}"
+        assert re.search(match, message), f"rank {rank}: {message}"
