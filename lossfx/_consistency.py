@@ -129,6 +129,9 @@ _functions: dict[int, str] = {}  # crc32 of a checked function's name -> the nam
 _VOCAB_TENSORS = ("logits", "student", "teacher", "student_logits", "teacher_logits")  # [..., Vl] shards
 _VOCAB_ROWS = ("weight",)  # [Vl, H] LM-head shards (the fused functions): rows are the vocabulary
 _VOCAB_COLUMNS = ("teacher_full_logits",)  # data columns over the vocabulary: last dim not compared
+# `{key: W [rows, H]}` LM heads beside vocabulary-sharded logits (OPD_FULL's teacher): the rows are
+# this rank's vocabulary, checked against this rank's shard instead of across ranks
+_VOCAB_ROW_MAPPINGS = ("teacher_output_layer_weight_by_index",)
 _PER_RANK = ("vocab_start", "vocab_parallel_rank")  # may differ across the tensor-parallel group
 _TYPE_ONLY = ("cp_sharder",)  # objects whose state is rank-specific: only their type is compared
 
@@ -252,8 +255,11 @@ def _signature(name: str, arguments: Mapping[str, Any]) -> tuple[Tensor, list[st
     _scope.names = {}  # the strings of this call only: bounded memory over a long run
     header[_H_MAGIC], header[_H_PATH] = _MAGIC, zlib.crc32(name.encode())
     header[_H_WIDTH] = header[_H_START] = header[_H_SIZE] = header[_H_RANK] = _NONE
+    heads = []
     for arg, value in arguments.items():
-        if arg in _PER_RANK:
+        if arg in _VOCAB_ROW_MAPPINGS and isinstance(value, Mapping) and value:
+            heads.append((arg, value))  # after the loop, when this rank's shard is known
+        elif arg in _PER_RANK:
             slot = _H_START if arg == "vocab_start" else _H_RANK
             header[slot] = _NONE if value is None else int(value)
         elif arg in _TYPE_ONLY:
@@ -276,12 +282,39 @@ def _signature(name: str, arguments: Mapping[str, Any]) -> tuple[Tensor, list[st
             if arg == "vocab_size":
                 header[_H_SIZE] = _NONE if value is None else int(value)
             fields.walk(arg, value)
+    for arg, value in heads:
+        _head_fields(fields, arg, value, header)
     flat = [x for code in fields.codes for x in code]
     header[_H_COUNT] = len(fields.codes)
     header[_H_DIGEST] = zlib.crc32(struct.pack(f"<{len(flat)}q", *flat))
     body = flat[: 2 * _MAX_FIELDS]
     body += [0] * (SIGNATURE_LEN - _HEADER - len(body))
     return torch.tensor(header + body, dtype=torch.int64), fields.labels
+
+
+def _head_fields(fields: _Fields, arg: str, heads: Mapping[Any, Any], header: list[int]) -> None:
+    """Fields of `{key: W [rows, H]}` LM-head shards beside the logits: every dim but the rows, and
+    whether the rows are this rank's vocabulary rows (the logits' width, or with `vocab_size` the
+    real part `clamp(V - rank·width, 0, width)` of a shard padded to the even width)."""
+    width, size, rank = header[_H_WIDTH], header[_H_SIZE], header[_H_RANK]
+    rows = width if _NONE in (width, size, rank) else min(max(size - rank * width, 0), width)
+    keys = sorted(heads, key=str)
+    fields.add(arg, _Kind(f"mapping with keys {[str(k) for k in keys]}"))
+    for key in keys:
+        label, w = f"{arg}[{key!r}]", heads[key]
+        if not isinstance(w, Tensor) or not w.dim():
+            fields.walk(label, w, 1)
+            continue
+        fields.add(label, _Kind("Tensor"))
+        fields.add(f"{label}.ndim", w.dim())
+        for i, d in enumerate(w.shape[1:], start=1):
+            fields.add(f"{label}.shape[{i}]", int(d))
+        fields.add(f"{label}.dtype", w.dtype)
+        n = int(w.shape[0])
+        fields.add(
+            f"{label}.shape[0], this rank's vocabulary rows",
+            _Kind("as the shard" if n == rows else f"{n} rows, the shard has {rows}"),
+        )
 
 
 # ---------------------------------------------------------------------------------------------

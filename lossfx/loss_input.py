@@ -33,6 +33,7 @@ from lossfx._validation import check_floating, check_ids_in_range, check_integer
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.loss_masks import loss_mask_from_data, mask_out_neg_inf_logprobs
 from lossfx.next_token import next_token_logprobs as _next_token_logprobs
+from lossfx.opd_full import has_dtensor_head, prepare_opd_full, prepare_opd_full_on_local
 
 __all__ = [
     "next_token_logprobs",
@@ -162,7 +163,8 @@ def prepare_loss_input(
             `shard_token_tensor`/`gather_token_tensor` (`lossfx.next_token.ContextParallelSharder`,
             e.g. `lossfx.next_token.LoadBalancedSharder`); takes precedence over
             `context_parallel_group`.
-        teacher_output_layer_weight_by_index: per-teacher LM-head shards (`OPD_FULL` only).
+        teacher_output_layer_weight_by_index: per-teacher LM-head shards, split like the logits
+            (`OPD_FULL` only; see `prepare_opd_full_loss_input`).
         teacher_logits_dtype: dtype of teacher logits projected from hidden states (`OPD_FULL`).
 
     Returns:
@@ -187,6 +189,20 @@ def prepare_loss_input(
         >>> out["next_token_logprobs"]
         tensor([[-1.3863, -1.3863]])
     """
+    dtensors = has_dtensor(logits, data) or has_dtensor_head(teacher_output_layer_weight_by_index)
+    if dtensors and _input_type(loss_fn) is LossInputType.OPD_FULL:  # its boundary also maps the teacher heads
+        return prepare_opd_full_loss_input(
+            logits,
+            data,
+            loss_fn,
+            vocab_parallel_rank=vocab_parallel_rank,
+            vocab_parallel_group=vocab_parallel_group,
+            context_parallel_group=context_parallel_group,
+            sampling_params=sampling_params,
+            chunk_size=chunk_size,
+            teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+            teacher_logits_dtype=teacher_logits_dtype,
+        ), data
     if has_dtensor(logits, data):  # DTensor boundary: lossfx/_dtensor.py
         return entry_point_on_local(
             prepare_loss_input,
@@ -332,7 +348,9 @@ def prepare_opd_full_loss_input(
         sampling_params: accepted and unused (as in the reference).
         chunk_size: sequence positions per eager chunk of the `next_token_logprobs` kernel; the
             divergence chunk comes from `loss_fn.opd_full.chunk_size`.
-        teacher_output_layer_weight_by_index: `{index: W [Vl, H]}` teacher LM-head shards.
+        teacher_output_layer_weight_by_index: `{index: W [Vl, H]}` teacher LM-head shards, split
+            like the logits: this rank's rows (a short rank of an uneven DTensor split: its real
+            rows), a `Shard(0)` DTensor on the logits' mesh, or the full `[V, H]` beside full logits.
         teacher_logits_dtype: dtype of teacher logits projected from hidden states.
 
     Returns:
@@ -343,9 +361,9 @@ def prepare_opd_full_loss_input(
     Raises:
         ValueError: every error condition of semantics.md §1.2.1, missing columns, bad shapes.
     """
-    if has_dtensor(logits, data):  # DTensor boundary: lossfx/_dtensor.py
-        return entry_point_on_local(
-            prepare_opd_full_loss_input,
+    if has_dtensor(logits, data) or has_dtensor_head(teacher_output_layer_weight_by_index):
+        # DTensor boundary: lossfx/_dtensor.py, with the teacher heads as this rank's rows
+        return prepare_opd_full_on_local(
             logits,
             data,
             loss_fn,
@@ -357,8 +375,6 @@ def prepare_opd_full_loss_input(
             teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
             teacher_logits_dtype=teacher_logits_dtype,
         )
-    from lossfx.opd_full import prepare_opd_full
-
     return prepare_opd_full(
         logits,
         data,

@@ -21,15 +21,16 @@ Pipeline of `prepare_opd_full` (semantics.md §1.2, decisions.md):
 from __future__ import annotations
 
 import numbers
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
-from lossfx._dtensor import is_dtensor, replicated, vocab_shard
+from lossfx._dtensor import VocabShard, _same_group, entry_point_on_local, is_dtensor, replicated, vocab_shard
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
 from lossfx.divergence import (
@@ -43,7 +44,10 @@ from lossfx.next_token import next_token_logprobs
 
 __all__ = [
     "OnPolicyDistillationFullConfig",
+    "has_dtensor_head",
+    "local_teacher_heads",
     "prepare_opd_full",
+    "prepare_opd_full_on_local",
     "reconstruct_opd_full_teacher_logits",
 ]
 
@@ -265,8 +269,15 @@ def _aligned_teacher(
         heads, position = _teacher_heads(weights, teacher_index, payload)
         width = heads[0].shape[0]
     if width != local_vocab:
+        hint = ""
+        if teacher_payload == "hidden_states":
+            hint = (
+                f" (the teacher LM heads have {width} rows; pass this rank's {local_vocab} rows of each head, "
+                "split like the student logits, or the head as a Shard(0) DTensor on the logits' mesh)"
+            )
         raise ValueError(
-            f"Reconstructed teacher logits must match the student vocabulary shard width; got {width} vs {local_vocab}"
+            "Reconstructed teacher logits must match the student vocabulary shard width; got "
+            f"{width} vs {local_vocab}{hint}"
         )
     if teacher_payload != "hidden_states":
         return payload
@@ -301,7 +312,8 @@ def reconstruct_opd_full_teacher_logits(
         context_parallel_group: CP group or `None`; with `C > 1` the padded payload
             (`S_l·C` long) is split in the load-balanced layout.
         teacher_output_layer_weight_by_index: `{teacher_index: W [Vl, H]}` LM-head shards
-            (hidden states only).
+            (hidden states only), split like `student_logits`: this rank's rows or a `Shard(0)`
+            DTensor on its mesh.
         teacher_index: `[B]` integer teacher of each row; required with more than one head.
         output_dtype: dtype of projected logits (`None`: the head's dtype). The logits payload
             keeps its dtype.
@@ -318,18 +330,18 @@ def reconstruct_opd_full_teacher_logits(
             batch differs from the student's. (The per-row head check reads values and runs in
             eager mode only.)
     """
-    if is_dtensor(student_logits) or is_dtensor(payload):  # sharded like the student logits (lossfx/_dtensor.py)
-        s = vocab_shard(student_logits, name="student_logits", rank=vocab_parallel_rank, even=True)
+    if is_dtensor(student_logits) or is_dtensor(payload) or has_dtensor_head(teacher_output_layer_weight_by_index):
+        # sharded like the student logits (lossfx/_dtensor.py); a projection needs no even width
+        logits_payload = teacher_payload == "logits"
+        s = vocab_shard(student_logits, name="student_logits", rank=vocab_parallel_rank, even=logits_payload)
         return s.wrap(
             reconstruct_opd_full_teacher_logits(
-                s.pad_full(replicated(payload, "payload"))
-                if teacher_payload == "logits"
-                else replicated(payload, "payload"),
+                s.pad_full(replicated(payload, "payload")) if logits_payload else replicated(payload, "payload"),
                 teacher_payload=teacher_payload,
                 student_logits=s.local,
                 vocab_parallel_rank=s.rank,
                 context_parallel_group=context_parallel_group,
-                teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+                teacher_output_layer_weight_by_index=local_teacher_heads(teacher_output_layer_weight_by_index, s),
                 teacher_index=replicated(teacher_index, "teacher_index"),
                 output_dtype=output_dtype,
             )
@@ -350,6 +362,83 @@ def reconstruct_opd_full_teacher_logits(
 
 
 # ---------------------------------------------------------------------------------------------
+# Teacher LM heads at the DTensor boundary
+# ---------------------------------------------------------------------------------------------
+
+
+def has_dtensor_head(weights: Any) -> bool:
+    """True iff a teacher LM head of `teacher_output_layer_weight_by_index` is a DTensor."""
+    return isinstance(weights, Mapping) and any(is_dtensor(w) for w in weights.values())
+
+
+def local_teacher_heads(weights: Any, shard: VocabShard) -> Any:
+    """Each teacher LM head as this rank's rows `[Vl, H]`, beside the student logits' `shard`.
+
+    A `Shard(0)` DTensor head over the logits' vocabulary group gives its local rows (torch's
+    split, uneven included: the same rows as the logits' columns); a `Replicate()` one gives the
+    full `[V, H]`; a plain tensor is this rank's rows already. The row counts are checked against
+    the student's shard afterwards (`_aligned_teacher`; across ranks by the consistency check).
+
+    Raises:
+        ValueError: a head placement other than `Shard(0)` / `Replicate()`; a head sharded over
+            another group than the logits, or over a group when the DTensor logits are not
+            vocabulary-parallel.
+    """
+    if not has_dtensor_head(weights):
+        return weights
+    out = {}
+    for key, weight in weights.items():
+        if is_dtensor(weight):
+            name = f"teacher_output_layer_weight_by_index[{key!r}]"
+            head = vocab_shard(weight, dim=0, name=name)
+            if head.group is not None and (
+                (shard.group is None and shard.dtensor is not None)
+                or (shard.group is not None and not _same_group(head.group, shard.group))
+            ):
+                where = "not vocabulary-parallel" if shard.group is None else "sharded over another group"
+                raise ValueError(
+                    f"{name} is a DTensor sharded on its rows over {head.group.size()} ranks (placements "
+                    f"{tuple(weight.placements)}), but the student logits are {where}: shard the teacher head "
+                    "like the student logits (Shard(0) over the logits' vocabulary mesh dim), or pass this "
+                    "rank's rows as a plain tensor"
+                )
+            weight = head.local
+        out[key] = weight
+    return out
+
+
+def prepare_opd_full_on_local(
+    logits: Tensor,
+    data: MutableMapping[str, Any],
+    loss_fn: Any,
+    *,
+    vocab_parallel_rank: int | None,
+    vocab_parallel_group: ProcessGroup | None,
+    teacher_output_layer_weight_by_index: dict[Any, Tensor] | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """The DTensor boundary of OPD_FULL: `prepare_opd_full` on this rank's local tensors.
+
+    The logits become their local shard, padded with `-inf` columns to the even width `ceil(V/R)`
+    on a short rank (`entry_point_on_local`); each teacher head becomes this rank's rows
+    (`local_teacher_heads`), unpadded; `vocab_size = V` tells the branch which of its columns are
+    real, so the hidden-states teacher is projected onto exactly those.
+    """
+    shard = vocab_shard(logits, group=vocab_parallel_group, rank=vocab_parallel_rank)
+    return entry_point_on_local(
+        prepare_opd_full,
+        logits,
+        data,
+        loss_fn,
+        vocab_parallel_rank=vocab_parallel_rank,
+        vocab_parallel_group=vocab_parallel_group,
+        teacher_output_layer_weight_by_index=local_teacher_heads(teacher_output_layer_weight_by_index, shard),
+        vocab_size=shard.vocab_size if shard.group is not None else None,
+        **kwargs,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # The branch
 # ---------------------------------------------------------------------------------------------
 
@@ -361,6 +450,7 @@ def _tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int
     return check_vocab_parallel(vocab_parallel_rank, group)
 
 
+@checked_collective(vocab="equal")
 def prepare_opd_full(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -373,8 +463,15 @@ def prepare_opd_full(
     chunk_size: int | None,
     teacher_output_layer_weight_by_index: dict[Any, Tensor] | None = None,
     teacher_logits_dtype: torch.dtype | None = None,
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
-    """The OPD_FULL loss inputs; see `lossfx.prepare_opd_full_loss_input` for the contract."""
+    """The OPD_FULL loss inputs; see `lossfx.prepare_opd_full_loss_input` for the contract.
+
+    `vocab_size`: the global `V` when `logits [B, S_l, Vl]` is this rank's shard padded with
+    `-inf` columns to the even width `Vl = ceil(V/R)` (the DTensor boundary's layout): only its
+    first `clamp(V − rank·Vl, 0, Vl)` columns are real, and the teacher heads hold that many rows.
+    `None`: every column is real.
+    """
     from lossfx._validation import check_positive_int
 
     # 1. config, arguments and columns (all checked before any work; `data` is never modified)
@@ -417,12 +514,25 @@ def prepare_opd_full(
         )
     index_field = TEACHER_INDEX_FIELD if teacher_payload == "hidden_states" else None
     teacher_index = data.get(index_field) if index_field is not None else None
+    # the student the divergence sees: a short rank's -inf padding columns dropped for a projected
+    # teacher (exact: they hold no probability), so its columns are the teacher heads' rows
+    student = logits
+    if vocab_size is not None and vocab_parallel_group is not None and teacher_payload == "hidden_states":
+        width, ranks = logits.shape[-1], group_size(vocab_parallel_group)
+        if (ranks - 1) * width >= vocab_size:  # the same verdict on every rank
+            raise ValueError(
+                f"a vocabulary of V={vocab_size} split over {ranks} ranks leaves the last rank(s) no rows "
+                f"(torch's split: {width} per rank); a hidden-states teacher needs every rank to hold at "
+                "least one vocabulary row: use fewer ranks or pad the vocabulary"
+            )
+        real = min(vocab_size - tp_rank * width, width)
+        student = logits.narrow(-1, 0, real) if real < logits.shape[-1] else logits
     # 2. this rank's teacher, fixed: logits `[B, S_l, Vl]`, or hidden states `[B, S_l, H]` with the
     #    LM-head shards, projected chunk by chunk inside the divergence (never `[B, S_l, Vl]`)
     teacher = _aligned_teacher(
         data[column],
         teacher_payload=teacher_payload,
-        student_logits=logits,
+        student_logits=student,
         vocab_parallel_rank=tp_rank,
         context_parallel_group=context_parallel_group,
         teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
@@ -441,7 +551,7 @@ def prepare_opd_full(
                 head = teacher.position[:, None].expand(logits.shape[:-1])  # [B, S_l]
             return divergence_to_projected_teacher(
                 kind,
-                logits,
+                student,
                 teacher.hidden,
                 teacher.heads,
                 head,
@@ -456,7 +566,7 @@ def prepare_opd_full(
     ent = ce = None
     if getattr(cfg, "validate_decomposition", False):
         with torch.no_grad():
-            ent = entropy(logits, group=group, chunk_size=rows)  # [B, S_l]
+            ent = entropy(student, group=group, chunk_size=rows)  # [B, S_l]
             ce = divergence_to_teacher("cross_entropy")  # [B, S_l]
     # 4. back to canonical order under CP (gradient summed over CP ranks)
     if cp_size > 1:
@@ -471,7 +581,8 @@ def prepare_opd_full(
         "opd_full_cross_entropy": None if ce is None else ce[:, :width],
     }
     if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
-        check_ids_in_range("data['input_ids']", input_ids, logits.shape[-1] * group_size(group))
+        vocab = vocab_size if vocab_size is not None else logits.shape[-1] * group_size(group)
+        check_ids_in_range("data['input_ids']", input_ids, vocab)
         out["next_token_logprobs"] = next_token_logprobs(
             logits,
             input_ids,
