@@ -18,9 +18,9 @@ Eager on 1 and 2 ranks with chunking, compiled (`fullgraph=True`, inductor) on 1
 Issue 16, item 1 extends this to the fused LM-head paths (`linear_token_logprobs` with and without
 entropy, `linear_gather_logprobs`, `linear_next_token_logprobs`, `linear_logprob_objective`: the
 gradients of `hidden` and `weight`) and to a teacher given as hidden states
-(`divergence_to_projected_teacher`: the student's gradient); the construction and the tolerance
-are in the comment of that section. float64 fused results are also within 1e-10 of the float64
-truth for offsets up to 2**14.
+(`divergence_to_projected_teacher`: the student's gradient), eager (1 and 2 ranks, chunked) and
+compiled (1 and 2 ranks); the construction and the tolerance are in the comment of that section.
+float64 fused results are also within 1e-10 of the float64 truth for offsets up to 2**14.
 """
 
 from __future__ import annotations
@@ -585,33 +585,47 @@ def test_fused_linear_gradients_with_a_common_offset(name, offset, temperature):
 # ---------------------------------------------------------------------------------------------
 
 
-def _projected_rank_fn(rank, world, group, kind, student, hidden, weight, dout, chunk):
+def _projected_rank_fn(rank, world, group, kind, student, hidden, weight, dout, chunk, compiled):
     from lossfx.divergence import divergence_to_projected_teacher
 
     vl = weight.shape[0] // world
     s = student[:, rank * vl : (rank + 1) * vl].detach().clone().requires_grad_(True)
     w = weight[rank * vl : (rank + 1) * vl]
-    out = divergence_to_projected_teacher(kind, s, hidden, [w], group=group if world > 1 else None, chunk_size=chunk)
+
+    def step(s, hidden, w):
+        return divergence_to_projected_teacher(
+            kind, s, hidden, [w], group=group if world > 1 else None, chunk_size=chunk
+        )
+
+    frames = 0
+    if compiled:
+        counter, step = compiled_for_rank(rank, ("projected magnitudes", kind, world, student.dtype), step)
+    out = step(s, hidden, w)
+    if compiled:
+        frames = counter.frame_count
     (out * dout.to(out.dtype)).sum().backward()
-    return out.detach(), s.grad
+    return out.detach(), s.grad, frames
 
 
 @settings(max_examples=25)
 @given(teacher=linear_cases(), log2_student=st.one_of(st.just(-math.inf), st.floats(0, 60)), data=st.data())
 @pytest.mark.parametrize("kind", ["reverse_kl", "cross_entropy"])
 def test_projected_teacher_never_less_accurate_than_unfused(kind, teacher, log2_student, data):
+    _run_projected(kind, teacher, log2_student, data.draw(st.sampled_from([1e-3, 1.0, 10.0])))
+
+
+def _run_projected(kind, teacher, log2_student, scale, compiled=False):
     """Student logits `c_s + y` (exact, as above) against the teacher `h W` of a `LinearCase` (exact
     logits `c + h W₀ᵀ`); truth: the float64 divergence of `y` against `h W₀ᵀ`. Rule as above, with
     `tol` a few roundings of each term of `g·p_v·(w_v − Σ p w)` (`w = log p_s − log p_t`, or
     `−log p_t`) in the size of the log-probs that form it."""
     t = LinearCase(**{**teacher.__dict__, "temperature": 1.0})
     hidden, weight, w0, _, _, _ = t.build()
-    scale = data.draw(st.sampled_from([1e-3, 1.0, 10.0]))
     log2_student = min(log2_student, math.log2(torch.finfo(t.dtype).max) - 8)
     student_case = OffsetCase(t.dtype, t.world, t.rows, t.local_vocab, 1, log2_student, t.negative, scale, None, t.seed)
     x, y, _, _ = student_case.build()
     dout = torch.randn(t.rows, generator=torch.Generator().manual_seed(t.seed), dtype=F64)
-    results = run_ranks(t.world, _projected_rank_fn, kind, x, hidden, weight, dout, teacher.chunk)
+    results = run_ranks(t.world, _projected_rank_fn, kind, x, hidden, weight, dout, teacher.chunk, compiled)
     grad = torch.cat([r[1] for r in results], dim=-1)
     ref = reference.reverse_kl_to_fixed if kind == "reverse_kl" else reference.cross_entropy_to_fixed
     yy = y.clone().requires_grad_(True)
@@ -633,6 +647,25 @@ def test_projected_teacher_never_less_accurate_than_unfused(kind, teacher, log2_
         results[0][0], b_out.detach(), t_out.detach(), tol=8 * eps * sizes.amax(-1), what=f"value {tag}"
     )
     _assert_not_less_accurate(grad, xx.grad, yy.grad, tol=tol, what=f"student gradient {tag}")
+    return max(r[2] for r in results)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    ("kind", "world"), [("reverse_kl", 2), pytest.param("cross_entropy", 1, marks=pytest.mark.slow)]
+)
+def test_compiled_projected_teacher_never_less_accurate_than_unfused(kind, world):
+    @settings(max_examples=6)
+    @given(
+        teacher=linear_cases(dtypes=(torch.float32,), worlds=(world,), fixed=1.0),
+        log2_student=st.one_of(st.just(-math.inf), st.floats(0, 60)),
+        scale=st.sampled_from([1e-3, 1.0, 10.0]),
+    )
+    def prop(teacher, log2_student, scale):
+        frames = _run_projected(kind, teacher, log2_student, scale, compiled=True)
+        assert frames == 1, f"recompiled: {frames} frames for one shape and dtype"
+
+    prop()
 
 
 # Compiled (fullgraph, inductor): fused paths on 1 and 2 ranks, fixed shapes and temperature so
