@@ -224,7 +224,7 @@ def linear_local_grads(
         grad_ids: `[N, K]` upstream gradient of the log-probs at the ids this rank owns (0 elsewhere).
         grad_total: `[N]` `Σ_k` of the upstream gradient over all `K` ids (owned or not).
         grad_entropy: `[N]` upstream gradient of `Σ p log p` (ignored unless `with_entropy`).
-        shift, log_s: `[N]` the merged row statistics, `lse = shift + log_s`.
+        shift, log_s: `[N]` the merged row statistics, `p = exp(z − shift) / exp(log_s)`.
         neg_entropy: `[N]` the merged `Σ p log p` (used only `with_entropy`).
         chunk_rows: rows per tile; 0 for the default (a `[C, Cv]` tile near 4 MiB).
     """
@@ -236,9 +236,12 @@ def linear_local_grads(
     chunk_rows = chunk_rows or default_linear_chunk_rows(block, weight.dtype)
     dhidden = torch.zeros(n_rows, hidden_size, dtype=cdtype, device=hidden.device)
     dweight = torch.empty_like(weight)
-    # p = exp(z − lse): a relative error of eps·|lse| in p is that of z itself (the forward keeps
-    # shift and log_s apart for the log-prob *values*, where it would not be)
-    lse = shift + log_s  # [N]
+    # p = exp(z − shift) · exp(−log_s), never exp(z − (shift + log_s)): the rounding of
+    # `shift + log_s` (eps·|shift|) would be one relative error common to the whole row of p, so
+    # Σ p ≠ 1 by it, and `dz W` multiplies Σ dz ≠ 0 by W's common direction (proofs/fused_linear.md
+    # §8). `exp(−log_s)` is a per-row factor, folded into the per-row scalars below (no extra pass).
+    inv_s = torch.exp(-log_s)  # [N], 1/S with S >= 1
+    centre = log_s + neg_entropy  # [N], Σ p (z − shift): log p − H = (z − shift) − centre
     scale = 1.0 / temperature  # dz/T folded into the two matmuls (alpha), not a pass over the tile
     tile, low = tile_buffers(min(chunk_rows, n_rows), block, weight.dtype, cdtype, hidden.device)
     second = torch.empty_like(tile) if with_entropy else None
@@ -252,17 +255,18 @@ def linear_local_grads(
         for start in range(0, n_rows, chunk_rows):
             rows = slice(start, min(n_rows, start + chunk_rows))
             z = _logits_chunk(hidden[rows], w_block, temperature, tile, low)  # [C, Cv]
-            logp = z.sub_(lse[rows, None])  # log p, in place
+            x = z.sub_(shift[rows, None])  # z − shift, in place
+            r = inv_s[rows, None]
             if with_entropy:
-                # dz = p ⊙ (h·(log p − H) − Σ_k g_k): reuse the log p buffer for the bracket
+                # dz = p ⊙ (h·(log p − H) − Σ_k g_k) = exp(x) ⊙ ((x − centre)·h/S − Σ_k g_k/S)
                 assert second is not None
-                p = torch.exp(logp, out=tile_view(second, z.shape[0], z.shape[1]))  # [C, Cv], the second tile
-                bracket = logp.sub_(neg_entropy[rows, None]).mul_(grad_entropy[rows, None])
-                dz = p.mul_(bracket.sub_(grad_total[rows, None]))
-                del p
+                e = torch.exp(x, out=tile_view(second, z.shape[0], z.shape[1]))  # [C, Cv], the second tile
+                bracket = x.sub_(centre[rows, None]).mul_(grad_entropy[rows, None] * r)
+                dz = e.mul_(bracket.sub_(grad_total[rows, None] * r))
+                del e
             else:
-                dz = logp.exp_().mul_(-grad_total[rows, None])  # −p·Σ_k g_k, in the same buffer
-            del logp, z
+                dz = x.exp_().mul_(-grad_total[rows, None] * r)  # −p·Σ_k g_k, in the same buffer
+            del x, z
             dz.scatter_add_(1, block_idx[rows], block_grad[rows])  # + g at each id in this block
             if exact:
                 dhidden[rows].addmm_(dz, w_block, alpha=scale)  # [C, H], summed over the blocks

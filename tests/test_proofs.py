@@ -258,6 +258,54 @@ def test_fused_linear_tp_layouts_sum_over_shards():
         torch.testing.assert_close(torch.cat(dw), ww.grad, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("offset", [1e2, 1e3, 1e4])
+@pytest.mark.parametrize("temperature", [1.0, 0.3])
+def test_fused_linear_backward_row_sums_at_large_offsets(offset, temperature):
+    """proofs/fused_linear.md §8: with z = c + y (h_0 = 1, W_0 = c + b), dh = dz W₀/T + (c/T)(Σ dz) e₀;
+    `exp(z − shift)·exp(−log_s)` keeps Σ p = 1 to O(ε), `exp(z − (shift + log_s))` does not (its
+    error grows with c), and the fused fp32 backward's offset column is off by O(ε c/T) only."""
+    from lossfx._distributed import local_columns
+    from lossfx.linear_chunks import linear_local_stats, merge_row_stats
+
+    f32, eps = torch.float32, torch.finfo(torch.float32).eps
+    gen = torch.Generator().manual_seed(0)
+    n, hidden, vocab = 8, 6, 64
+    h = torch.randn(n, hidden, generator=gen, dtype=F64)
+    h[:, 0] = 1
+    w = torch.randn(vocab, hidden, generator=gen, dtype=F64)
+    w[:, 0] += offset
+    h, w = h.to(f32), w.to(f32)
+    w0 = w.to(F64)
+    w0[:, 0] -= offset  # exact: the unshifted head of the same fp32 inputs
+    t = torch.randint(0, vocab, (n,), generator=gen)
+    g = torch.randn(n, generator=gen, dtype=F64)
+    # the identity (float64): the offset enters dh only through the row sums of dz
+    z0 = h.to(F64) @ w0.T / temperature
+    dz = torch.nn.functional.one_hot(t, vocab).to(F64) * g[:, None] - z0.softmax(-1) * g[:, None]
+    shifted = w0.clone()
+    shifted[:, 0] += offset
+    e0 = torch.nn.functional.one_hot(torch.tensor(0), hidden).to(F64)
+    split = dz @ w0 / temperature + (offset / temperature) * dz.sum(-1, keepdim=True) * e0
+    torch.testing.assert_close(dz @ shifted / temperature, split, rtol=0, atol=1e-9)
+    assert dz.sum(-1).abs().max() < 1e-14
+    # the two forms of p in fp32, from the kernel's own row statistics
+    idx, owned = local_columns(t[:, None], 0, vocab)
+    stats = linear_local_stats(h, w, idx, owned, temperature, False, 0)
+    _, _, shift, log_s = merge_row_stats(stats[None], 1)
+    z = (h @ w.T) / temperature
+    p_split = torch.exp(z - shift[:, None]) * torch.exp(-log_s)[:, None]
+    p_merged = torch.exp(z - (shift + log_s)[:, None])
+    # each p_v: one rounding of z − shift (scaled by |z − shift| <= ~20 here), of exp, of 1/S
+    assert (p_split.to(F64).sum(-1) - 1).abs().max() < 8 * eps
+    assert (p_merged.to(F64).sum(-1) - 1).abs().max() > 0.05 * eps * offset / temperature
+    # the fused backward: its offset column is off by a few ε·(c/T)·Σ|dz|, not ε·(c/T)²
+    hh = h.clone().requires_grad_()
+    lossfx.linear_token_logprobs(hh, w, t, temperature=temperature).backward(g.to(f32))
+    truth = dz @ w0 / temperature  # Σ dz = 0: the exact gradient of the shifted inputs
+    bound = 8 * eps * (offset / temperature) * dz.abs().sum(-1)
+    assert ((hh.grad[:, 0].to(F64) - truth[:, 0]).abs() <= bound).all()
+
+
 # proofs/linear_objective.md ------------------------------------------------------------------
 
 
