@@ -249,10 +249,6 @@ def test_the_strided_case_hands_fn_non_contiguous_inputs_and_upstream_gradient()
     assert not targets[0].is_contiguous()
 
 
-def test_lossfx_token_logprobs_is_exact_at_an_offset_of_1e4():  # issue 10 item 1 (was an xfail)
-    lt.check_logprob_fn(lossfx.token_logprobs, cases=["offset 1e4"], dtypes=(torch.float32,))
-
-
 @pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
 def test_tolerance_accepts_one_rounding_to_the_dtype_and_rejects_one_through_the_next_lower(dtype):
     """The justification of `TOLERANCES`, checked: the exact result rounded once passes..."""
