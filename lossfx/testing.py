@@ -5,14 +5,17 @@ worst entry on failure, and returns `None` on success:
 
 * `check_logprob_fn(fn)`: `fn(logits [N, V], target [N]) -> log softmax(logits)[target] [N]`;
 * `check_entropy_fn(fn)`: `fn(logits [N, V]) -> Σ p log p [N]` (≤ 0: lossfx's sign, `lossfx.entropy`);
-* `check_kl_fn(fn)`: `fn(student [N, V], teacher [N, V]) -> KL(p_s ‖ p_t) [N]`, the teacher fixed.
+* `check_kl_fn(fn)`: `fn(student [N, V], teacher [N, V]) -> KL(p_s ‖ p_t) [N]`, the teacher fixed;
+  `divergence="cross_entropy"` checks `−Σ p_s log p_t` instead (the divergences lossfx ships).
 
 Each runs `fn` on `CASES` (ties, `-inf` entries and targets, scales `1e-4` and `1e4`, an offset of
-`1e4`, a 5003-wide vocabulary, a one-column vocabulary; `CASE_NOTES` says what each one catches)
-in every dtype of `dtypes`, backpropagates
-a fixed random upstream gradient, and compares values and gradients with `lossfx.reference` in
-float64, computed on the very (rounded) inputs `fn` saw. It also fails when `fn` modifies its
-input, returns NaN where the reference is finite, or gives no gradient. Tolerances: `TOLERANCES`.
+`1e4`, a 5003-wide and a one-column vocabulary, 65539 rows, a 131075-wide vocabulary with targets
+at ids 2^15, 2^16 − 1, 2^16 and V − 1, non-contiguous inputs and upstream gradient; `CASE_NOTES`
+says what each one catches) in every dtype of `dtypes`, backpropagates a fixed random upstream
+gradient, and compares values and gradients with `lossfx.reference` in float64, computed on the
+very (rounded) inputs `fn` saw. It also fails when `fn` returns an output dtype the contract
+`out_dtype` does not allow, modifies its input, raises, returns NaN where the reference is
+finite, or gives no gradient. Tolerances: `TOLERANCES`.
 
 Strategies (need `hypothesis`, imported only when called): `logits()` draws `[N, V]` logits with
 ties, `-inf` entries and extreme scales; `sharded_logits()` also splits the vocabulary over 1, 2 or
@@ -50,7 +53,7 @@ _F64 = torch.float64
 # (atol, rtol) per input dtype: an entry passes when |got − reference| <= atol + rtol·|reference|.
 # The reference is computed in float64 from the inputs after their rounding to the dtype, so the
 # tolerance measures the kernel's own arithmetic only. Each allows a correct kernel in that dtype
-# (a few roundings, a log-sum-exp over up to ~10⁴ columns) with a wide margin, and fails one that
+# (a few roundings, a log-sum-exp over up to ~10⁵ columns) with a wide margin, and fails one that
 # rounds through the next lower precision even once (`tests/test_testing_module.py` checks both):
 #   float64  1e-10: unit roundoff 1.1e-16; one float32 rounding (6e-8 relative) fails it.
 #   float32  1e-5:  unit roundoff 6e-8, so ~100 roundings; one bfloat16 rounding (4e-3) fails it.
@@ -63,6 +66,8 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 }
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16)
 _SCALES = (1e-4, 1.0, 30.0, 1e4)  # near-uniform, normal, peaked, exp-overflowing (exp(1e4) = inf)
+_MANY_ROWS = 65539  # a prime past 2^16
+_WIDE_VOCAB = 131075  # past 2^17
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,6 +87,9 @@ class _Spec:
     ties: bool = False
     neg_inf: bool = False
     seed: int = 0
+    peaks: tuple[int, ...] = ()  # the targets of the first rows, whose logits are set to `peak`
+    peak: float = 0.0
+    strided: bool = False  # fn sees non-contiguous views (`_strided`)
 
     def _draw(self, gen: torch.Generator) -> Tensor:
         shape = (self.rows, self.vocab)
@@ -102,8 +110,12 @@ class _Spec:
             # the teacher is -inf only where the student is too, so KL(student ‖ teacher) stays finite
             teacher = teacher.masked_fill(masked & (torch.rand(masked.shape, generator=gen) < 0.5), float("-inf"))
             target[0] = int(masked[0].nonzero()[0, 0]) if masked[0].any() else target[0]  # a -inf target
+        if self.peaks:  # about half of these rows' mass (student and teacher) sits on the probed ids
+            rows, ids = torch.arange(len(self.peaks)), torch.tensor(self.peaks)
+            target[rows] = ids
+            student[rows, ids] = teacher[rows, ids] = self.peak
         dout = torch.randn(self.rows, generator=gen, dtype=_F64)
-        return _Case(self.name, student, target, teacher, dout)
+        return _Case(self.name, student, target, teacher, dout, self.strided)
 
 
 @dataclass(frozen=True)
@@ -113,9 +125,22 @@ class _Case:
     target: Tensor  # [N] int64
     teacher: Tensor  # [N, V] float64
     dout: Tensor  # [N] float64 upstream gradient
+    strided: bool = False
+
+
+def _strided(t: Tensor, fill: float) -> Tensor:
+    """A non-contiguous copy of `t` (`[N]` or `[N, V]`): every other element of a larger buffer,
+    at storage offset 1, `[N, V]` also column-major; the rest of the buffer holds `fill` (NaN, an
+    out-of-range id), so a kernel that assumes contiguous strides reads it."""
+    if t.dim() == 1:
+        view = t.new_full((2 * t.shape[0] + 1,), fill)[1::2]
+    else:
+        view = t.new_full((t.shape[1], 2 * t.shape[0] + 1), fill)[:, 1::2].t()
+    return view.copy_(t)
 
 
 # The built-in cases, by name, with what each one catches (printed with a failure).
+_RARE_IDS = (_WIDE_VOCAB - 1, 2**16, 2**16 - 1, 2**15, 5003, 5002)
 CASE_NOTES: dict[str, str] = {
     "normal": "8 × 32 standard-normal logits",
     "ties": "few distinct values: tied maxima and tied competitors",
@@ -125,6 +150,18 @@ CASE_NOTES: dict[str, str] = {
     "offset 1e4": "a constant offset: lse = m + log s formed and then subtracted loses log s to rounding",
     "vocab 5003": "a wide vocabulary that is no multiple of a power of two (block and chunk edges)",
     "vocab 1": "a one-column vocabulary: log-prob 0, entropy 0, zero gradient",
+    f"rows {_MANY_ROWS}": (
+        f"{_MANY_ROWS} rows (a prime past 2^16) × 17: more rows than any row chunk, block or grid"
+        " dimension, so every chunking leaves a partial last chunk"
+    ),
+    f"vocab {_WIDE_VOCAB}": (
+        f"6 rows × {_WIDE_VOCAB} (past 2^17): targets {list(_RARE_IDS)}, each holding about half"
+        " of its row's mass (student and teacher): 16-bit ids, vocabulary blocks and tables that stop early"
+    ),
+    "strided": (
+        "non-contiguous inputs and upstream gradient (every other element, storage offset 1, the logits"
+        " column-major; NaN / out-of-range ids in between): kernels that assume contiguous strides"
+    ),
 }
 CASES: tuple[str, ...] = tuple(CASE_NOTES)
 _SPECS = (
@@ -136,6 +173,10 @@ _SPECS = (
     _Spec("offset 1e4", 8, 32, offset=1e4, seed=6),
     _Spec("vocab 5003", 2, 5003, scale=3.0, seed=7),
     _Spec("vocab 1", 3, 1, seed=8),
+    _Spec(f"rows {_MANY_ROWS}", _MANY_ROWS, 17, scale=3.0, seed=9),
+    # log V ≈ 11.8 plus the normal spread: a peak of 12.5 holds about half of the row's mass
+    _Spec(f"vocab {_WIDE_VOCAB}", len(_RARE_IDS), _WIDE_VOCAB, peaks=_RARE_IDS, peak=12.5, seed=10),
+    _Spec("strided", 13, 40, scale=3.0, neg_inf=True, strided=True, seed=11),
 )
 
 
@@ -167,7 +208,7 @@ def _fail(where: str, message: str) -> AssertionError:
     return AssertionError(f"{where}: {message}")
 
 
-def _compare(where: str, quantity: str, got: Tensor, want: Tensor, dtype: torch.dtype, hint: str = "") -> None:
+def _compare(where: str, quantity: str, got: Tensor, want: Tensor, dtype: torch.dtype, note: str = "") -> None:
     """Raise when `got` (any dtype) differs from the float64 `want` beyond `TOLERANCES[dtype]`."""
     atol, rtol = TOLERANCES[dtype]
     if tuple(got.shape) != tuple(want.shape):
@@ -190,63 +231,118 @@ def _compare(where: str, quantity: str, got: Tensor, want: Tensor, dtype: torch.
     )
     if bool(torch.isnan(got).any()):
         message += f"\n  got NaN in {int(torch.isnan(got).sum())} entries"
-    raise _fail(where, message + hint)
+    raise _fail(where, message + note)
+
+
+# A formula someone may have meant instead, and what to say when `fn` computes exactly that.
+_Lookalike = tuple[Callable[..., Tensor], str]
+
+_OUT_DTYPES = ("either", "input", "promoted")
+
+
+def _allowed_out_dtypes(dtype: torch.dtype, out_dtype: str) -> tuple[torch.dtype, ...]:
+    """The output dtypes `out_dtype` allows for logits of `dtype`."""
+    promoted = torch.promote_types(dtype, torch.float32)  # lossfx's contract: bf16 -> fp32
+    return {"input": (dtype,), "promoted": (promoted,), "either": tuple({dtype: 0, promoted: 0})}[out_dtype]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _call(where: str, what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`call(*args, **kwargs)`, with an exception of the kernel under test reported against the case."""
+    try:
+        return call(*args, **kwargs)
+    except Exception as err:
+        raise _fail(where, f"{what} raised {type(err).__name__}: {err}") from err
+
+
+@dataclass(frozen=True)
+class _Checker:
+    """What one checker compares: `fn`'s arguments, the reference, the output dtype contract."""
+
+    name: str
+    ref_fn: Callable[..., Tensor]
+    with_target: bool
+    with_teacher: bool
+    out_dtype: str
+    lookalikes: Sequence[_Lookalike] = ()
 
 
 def _check(
-    checker: str,
+    checker: _Checker,
     fn: Callable[..., Tensor],
-    ref_fn: Callable[..., Tensor],
-    with_target: bool,
-    with_teacher: bool,
     cases: Sequence[_Case],
     dtypes: Sequence[torch.dtype],
     device: torch.device | str,
-    sign_hint: str = "",
 ) -> None:
     if not callable(fn):
-        raise TypeError(f"{checker}: fn must be callable, got {fn!r}")
+        raise TypeError(f"{checker.name}: fn must be callable, got {fn!r}")
     for dtype in dtypes:
         if dtype not in TOLERANCES:
-            raise ValueError(f"{checker}: no tolerance for {dtype}; dtypes must be among {list(TOLERANCES)}")
+            raise ValueError(f"{checker.name}: no tolerance for {dtype}; dtypes must be among {list(TOLERANCES)}")
+    if checker.out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"{checker.name}: out_dtype must be one of {list(_OUT_DTYPES)}, got {checker.out_dtype!r}")
     for dtype in dtypes:
         for case in cases:
-            where = f"{checker}, case {case.name!r}, {str(dtype).removeprefix('torch.')}"
-            note = f"\n  case {case.name!r}: {CASE_NOTES[case.name]}" if case.name in CASE_NOTES else ""
-            x = case.logits.to(dtype).to(device).requires_grad_(True)
-            args: list[Tensor] = [x]
-            if with_target:
-                args.append(case.target.to(device))
-            if with_teacher:
-                args.append(case.teacher.to(dtype).to(device))
-            inputs = [a.detach().clone() for a in args]
-            out = fn(*args)
-            if not isinstance(out, Tensor):
-                raise _fail(where, f"fn returned {type(out).__name__}, not a tensor")
-            for name, before, after in zip(("first", "second", "third"), inputs, args):
-                if not torch.equal(before, after.detach()):
-                    raise _fail(where, f"fn modified its {name} argument in place")
-            # the reference sees exactly what fn saw: the rounded inputs, upcast exactly
-            x_ref = x.detach().cpu().to(_F64).requires_grad_(True)
-            ref_args: list[Tensor] = [x_ref]
-            if with_target:
-                ref_args.append(case.target)
-            if with_teacher:
-                ref_args.append(args[-1].detach().cpu().to(_F64))
-            want = ref_fn(*ref_args)
-            hint = ""
-            if sign_hint and out.shape == want.shape and torch.allclose(out.detach().cpu().to(_F64), -want):
-                hint = "\n  " + sign_hint
-            _compare(where, "values", out, want.detach(), dtype, hint + note)
-            # gradients, with no upstream gradient where the value is infinite (a loss masks those)
-            dout = torch.where(torch.isfinite(want.detach()), case.dout, 0).to(out.dtype).to(out.device)
-            if not out.requires_grad:
-                raise _fail(where, "no gradient reaches the logits (the output does not require grad)")
-            (x_grad,) = torch.autograd.grad(out, x, dout, allow_unused=True)
-            if x_grad is None:
-                raise _fail(where, "no gradient reaches the logits")
-            (want_grad,) = torch.autograd.grad(want, x_ref, dout.cpu().to(_F64))
-            _compare(where, "gradients", x_grad, want_grad, dtype, note)
+            _check_case(checker, fn, case, dtype, device)
+
+
+def _check_case(checker: _Checker, fn: Callable[..., Tensor], case: _Case, dtype: torch.dtype, device: Any) -> None:
+    """Run `fn` on one case in one dtype and compare values and gradients with the reference."""
+    where = f"{checker.name}, case {case.name!r}, {_dtype_name(dtype)}"
+    note = f"\n  case {case.name!r}: {CASE_NOTES[case.name]}" if case.name in CASE_NOTES else ""
+
+    def lay_out(t: Tensor, fill: float) -> Tensor:
+        return _strided(t, fill) if case.strided else t
+
+    x = lay_out(case.logits.to(dtype).to(device), float("nan")).requires_grad_(True)
+    args: list[Tensor] = [x]
+    if checker.with_target:
+        args.append(lay_out(case.target.to(device), case.logits.shape[-1]))
+    if checker.with_teacher:
+        args.append(lay_out(case.teacher.to(dtype).to(device), float("nan")))
+    inputs = [a.detach().clone() for a in args]
+    out = _call(where, "fn", fn, *args)
+    if not isinstance(out, Tensor):
+        raise _fail(where, f"fn returned {type(out).__name__}, not a tensor")
+    for name, before, after in zip(("first", "second", "third"), inputs, args):
+        if not torch.equal(before, after.detach()):
+            raise _fail(where, f"fn modified its {name} argument in place")
+    allowed = _allowed_out_dtypes(dtype, checker.out_dtype)
+    if out.dtype not in allowed:
+        names = " or ".join(_dtype_name(d) for d in allowed)
+        message = f"fn returned {_dtype_name(out.dtype)} for {_dtype_name(dtype)} logits"
+        raise _fail(where, f"{message}; out_dtype={checker.out_dtype!r} allows {names}")
+    # the reference sees exactly what fn saw: the rounded inputs, upcast exactly
+    x_ref = x.detach().cpu().to(_F64).requires_grad_(True)
+    ref_args: list[Tensor] = [x_ref]
+    if checker.with_target:
+        ref_args.append(case.target)
+    if checker.with_teacher:
+        ref_args.append(args[-1].detach().cpu().to(_F64))
+    want = checker.ref_fn(*ref_args)
+    try:
+        _compare(where, "values", out, want.detach(), dtype)
+    except AssertionError as err:  # say so when fn computes a known other formula
+        got = out.detach().cpu().to(_F64)
+        for formula, message in checker.lookalikes:
+            other = formula(*(a.detach() for a in ref_args))
+            if got.shape == other.shape and torch.allclose(got, other, equal_nan=True):
+                raise AssertionError(f"{err}\n  {message}{note}") from None
+        raise AssertionError(f"{err}{note}") from None
+    # gradients, with no upstream gradient where the value is infinite (a loss masks those)
+    dout = torch.where(torch.isfinite(want.detach()), case.dout, 0).to(out.dtype).to(out.device)
+    if not out.requires_grad:
+        raise _fail(where, "no gradient reaches the logits (the output does not require grad)")
+    (x_grad,) = _call(
+        where, "the backward of fn", torch.autograd.grad, out, x, lay_out(dout, float("nan")), allow_unused=True
+    )
+    if x_grad is None:
+        raise _fail(where, "no gradient reaches the logits")
+    (want_grad,) = torch.autograd.grad(want, x_ref, dout.cpu().to(_F64))
+    _compare(where, "gradients", x_grad, want_grad, dtype, note)
 
 
 def check_logprob_fn(
@@ -257,6 +353,7 @@ def check_logprob_fn(
     cases: Sequence[str] = CASES,
     dtypes: Sequence[torch.dtype] = _DTYPES,
     device: torch.device | str = "cpu",
+    out_dtype: str = "either",
 ) -> None:
     """Check `fn(logits, target)` = `log_softmax(logits)[..., target]`, values and gradients.
 
@@ -266,22 +363,27 @@ def check_logprob_fn(
 
     Args:
         fn: the function under test: `[..., V]` logits in the case dtype, `[...]` int64 target ->
-            `[...]` log-probs (any float dtype), differentiable in the logits.
+            `[...]` log-probs, differentiable in the logits.
         logits: a float `[..., V]` case of your own instead of `CASES` (e.g. drawn by `logits()`).
         target: `[...]` int64 ids for `logits` (default: seeded random ids).
         cases: names from `CASES` to run (all by default); ignored when tensors are given.
         dtypes: the dtypes the logits are cast to before `fn` sees them.
         device: where `fn` runs; the reference runs on the CPU.
+        out_dtype: the dtype contract of the output: `"input"` (the logits' dtype, as
+            `torch.log_softmax`), `"promoted"` (`torch.promote_types(dtype, float32)`, lossfx's:
+            bf16 -> fp32) or `"either"` of the two.
 
     Raises:
-        AssertionError: the first case, dtype and quantity that differ, with the worst entry.
+        AssertionError: the first case, dtype and quantity that differ, with the worst entry (or
+            the wrong output dtype, an in-place change, an exception raised by `fn`).
 
     Example:
         >>> import torch, lossfx.testing
         >>> lossfx.testing.check_logprob_fn(lambda z, t: z.log_softmax(-1).gather(-1, t[..., None])[..., 0])
     """
     chosen = _built_in(cases) if logits is None else [_given_case(logits, target, None)]
-    _check("check_logprob_fn", fn, reference.token_logprobs, True, False, chosen, dtypes, device)
+    checker = _Checker("check_logprob_fn", reference.token_logprobs, True, False, out_dtype)
+    _check(checker, fn, chosen, dtypes, device)
 
 
 def check_entropy_fn(
@@ -291,6 +393,7 @@ def check_entropy_fn(
     cases: Sequence[str] = CASES,
     dtypes: Sequence[torch.dtype] = _DTYPES,
     device: torch.device | str = "cpu",
+    out_dtype: str = "either",
 ) -> None:
     """Check `fn(logits)` = `Σ p log p` (≤ 0, the sign of `lossfx.entropy`), values and gradients.
 
@@ -304,13 +407,29 @@ def check_entropy_fn(
         cases: names from `CASES` to run (all by default); ignored when tensors are given.
         dtypes: the dtypes the logits are cast to before `fn` sees them.
         device: where `fn` runs; the reference runs on the CPU.
+        out_dtype: `"input"`, `"promoted"` or `"either"`, as in `check_logprob_fn`.
 
     Raises:
         AssertionError: the first case, dtype and quantity that differ, with the worst entry.
     """
     chosen = _built_in(cases) if logits is None else [_given_case(logits, None, None)]
     hint = "the values have the opposite sign: lossfx's entropy is Σ p log p (≤ 0); pass lambda z: -fn(z)"
-    _check("check_entropy_fn", fn, reference.entropy, False, False, chosen, dtypes, device, hint)
+    lookalikes: list[_Lookalike] = [(lambda z: -reference.entropy(z), hint)]
+    checker = _Checker("check_entropy_fn", reference.entropy, False, False, out_dtype, lookalikes)
+    _check(checker, fn, chosen, dtypes, device)
+
+
+def _forward_kl(student: Tensor, teacher: Tensor) -> Tensor:
+    """`KL(p_t ‖ p_s) = Σ p_t log p_t − Σ p_t log p_s` (values only: a lookalike, not a reference)."""
+    return reference.entropy(teacher) + reference.cross_entropy_to_fixed(teacher, student)
+
+
+# the divergences lossfx ships (the entropy has its own checker), and one it does not, as a lookalike
+_DIVERGENCES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "reverse_kl": reference.reverse_kl_to_fixed,
+    "cross_entropy": reference.cross_entropy_to_fixed,
+}
+_KL_LOOKALIKES = {**_DIVERGENCES, "forward KL(p_t ‖ p_s)": _forward_kl}
 
 
 def check_kl_fn(
@@ -321,12 +440,18 @@ def check_kl_fn(
     cases: Sequence[str] = CASES,
     dtypes: Sequence[torch.dtype] = _DTYPES,
     device: torch.device | str = "cpu",
+    divergence: str = "reverse_kl",
+    out_dtype: str = "either",
 ) -> None:
-    """Check `fn(student, teacher)` = `KL(p_s ‖ p_t) = Σ p_s (log p_s − log p_t)`, values and gradients.
+    """Check `fn(student, teacher)` against a student/teacher divergence lossfx ships, values and gradients.
 
-    Equivalent to comparing with ``lossfx.reference.reverse_kl_to_fixed(student, teacher)`` on
-    `CASES` (or `student`/`teacher`) in every dtype of `dtypes`, within `TOLERANCES`; the
-    gradient is the student's (the teacher is a fixed tensor without gradient).
+    `divergence="reverse_kl"` (default): `KL(p_s ‖ p_t) = Σ p_s (log p_s − log p_t)`, compared with
+    ``lossfx.reference.reverse_kl_to_fixed(student, teacher)``; `divergence="cross_entropy"`:
+    `−Σ p_s log p_t`, compared with ``lossfx.reference.cross_entropy_to_fixed``. On `CASES` (or
+    `student`/`teacher`) in every dtype of `dtypes`, within `TOLERANCES`; the gradient is the
+    student's (the teacher is a fixed tensor without gradient). A result that is another of these
+    divergences, or the forward KL `KL(p_t ‖ p_s)`, says so in the failure. For the entropy use
+    `check_entropy_fn`.
 
     Args:
         fn: the function under test: `[..., V]` student and teacher logits -> `[...]`,
@@ -336,12 +461,29 @@ def check_kl_fn(
         cases: names from `CASES` to run (all by default); ignored when tensors are given.
         dtypes: the dtypes both logits are cast to before `fn` sees them.
         device: where `fn` runs; the reference runs on the CPU.
+        divergence: `"reverse_kl"` or `"cross_entropy"`.
+        out_dtype: `"input"`, `"promoted"` or `"either"`, as in `check_logprob_fn`.
 
     Raises:
         AssertionError: the first case, dtype and quantity that differ, with the worst entry.
     """
+    if divergence not in _DIVERGENCES:
+        raise ValueError(f"check_kl_fn: divergence must be one of {list(_DIVERGENCES)}, got {divergence!r}")
+    lookalikes: list[_Lookalike] = [
+        (formula, f"the values are the {name}; lossfx ships {' and '.join(map(repr, _DIVERGENCES))}")
+        if name not in _DIVERGENCES
+        else (formula, f"the values are the {name}: pass divergence={name!r} if fn is meant to compute that")
+        for name, formula in _KL_LOOKALIKES.items()
+        if name != divergence
+    ]
     chosen = _built_in(cases) if student is None else [_given_case(student, None, teacher)]
-    _check("check_kl_fn", fn, reference.reverse_kl_to_fixed, False, True, chosen, dtypes, device)
+    _check(
+        _Checker("check_kl_fn", _DIVERGENCES[divergence], False, True, out_dtype, lookalikes),
+        fn,
+        chosen,
+        dtypes,
+        device,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,9 +21,9 @@ from lossfx import reference
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 F64 = torch.float64
 LOWER = {F64: torch.float32, torch.float32: torch.bfloat16}  # one rounding here must fail
-# issue 10 item 1 (being fixed on its own branch): lossfx forms `lse = m + log s` and subtracts it,
-# which loses `log s` to the rounding of a large max in float32.
-EXACT_AT_ANY_OFFSET = [c for c in lt.CASES if c != "offset 1e4"]
+# the cases of the first release: every kernel of the zoo below that these accept was accepted then
+FIRST_RELEASE_CASES = ["normal", "ties", "-inf", "scale 1e4", "scale 1e-4", "offset 1e4", "vocab 5003", "vocab 1"]
+ROWS, WIDE = f"rows {lt._MANY_ROWS}", f"vocab {lt._WIDE_VOCAB}"
 
 
 def _logprobs_by_cross_entropy(logits, target):
@@ -37,22 +37,216 @@ def _expect_failure(check, fn, *args, **kwargs) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Correct kernels pass
+# Plain dense torch implementations (correct), and a zoo of deliberately wrong kernels
 # ---------------------------------------------------------------------------------------------
 
 
-def test_torch_cross_entropy_passes_every_case_and_dtype():
-    lt.check_logprob_fn(_logprobs_by_cross_entropy, cases=lt.CASES, dtypes=(F64, torch.float32, torch.bfloat16))
+def plain_logprobs(z, t):
+    return z.log_softmax(-1).gather(-1, t[:, None])[:, 0]
 
 
-def test_lossfx_kernels_pass_their_own_checkers():
-    lt.check_logprob_fn(lossfx.token_logprobs, cases=EXACT_AT_ANY_OFFSET, device="cpu")
-    lt.check_entropy_fn(lossfx.entropy, cases=EXACT_AT_ANY_OFFSET)
-    lt.check_kl_fn(lossfx.reverse_kl_to_fixed, cases=EXACT_AT_ANY_OFFSET)
+def _where_mass(p, w):
+    return p * w.masked_fill(p == 0, 0)  # 0 · log 0 = 0, and no NaN in the gradient
 
 
-def test_lossfx_token_logprobs_is_exact_at_an_offset_of_1e4():  # issue 10 item 1 (was an xfail)
-    lt.check_logprob_fn(lossfx.token_logprobs, cases=["offset 1e4"], dtypes=(torch.float32,))
+def _at_least_fp32(*zs):  # bf16 throughout is too coarse for the differences and products below
+    return [z.to(torch.promote_types(z.dtype, torch.float32)) for z in zs]
+
+
+def plain_entropy(z):
+    (z,) = _at_least_fp32(z)
+    lp = z.log_softmax(-1)
+    return _where_mass(lp.exp(), lp).sum(-1)
+
+
+def plain_reverse_kl(s, t):
+    s, t = _at_least_fp32(s, t)
+    return _where_mass(s.softmax(-1), s.log_softmax(-1) - t.log_softmax(-1)).sum(-1)
+
+
+def plain_cross_entropy(s, t):
+    s, t = _at_least_fp32(s, t)
+    return -_where_mass(s.softmax(-1), t.log_softmax(-1)).sum(-1)
+
+
+def first_8_rows_only(z, t):  # a launch grid of one 8-row block: the other rows stay 0
+    lp = plain_logprobs(z, t)
+    return torch.cat([lp[:8], torch.zeros_like(lp[8:])])
+
+
+def chunks_of_1000_reuse_the_first_targets(z, t):  # a chunked kernel that forgets the row offset
+    starts = range(0, z.shape[0], 1000)
+    return torch.cat([plain_logprobs(z[a : a + 1000], t[: z[a : a + 1000].shape[0]]) for a in starts])
+
+
+def targets_looked_up_in_the_first_5003_columns(z, t):
+    return z.log_softmax(-1)[:, :5003].gather(-1, t.clamp(max=5002)[:, None])[:, 0]
+
+
+def sixteen_bit_ids(z, t):
+    return plain_logprobs(z, t % 2**16)
+
+
+def assumes_contiguous_logits(z, t):
+    return plain_logprobs(z.as_strided(z.shape, (z.shape[-1], 1)), t)
+
+
+def flattens_the_logits_with_view(z, t):  # as a flat buffer for a kernel: raises on the strided case
+    return plain_logprobs(z.view(-1).view(z.shape), t)
+
+
+class _ContiguousGradLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, t):
+        lp = z.log_softmax(-1)
+        ctx.save_for_backward(lp, t)
+        return lp.gather(-1, t[:, None])[:, 0]
+
+    @staticmethod
+    def backward(ctx, dout):
+        lp, t = ctx.saved_tensors
+        dout = dout.as_strided(dout.shape, (1,))  # assumes the upstream gradient is contiguous
+        dz = -lp.exp() * dout[:, None]
+        return dz.scatter_add(-1, t[:, None], dout[:, None]), None
+
+
+def backward_assumes_contiguous_upstream(z, t):
+    return _ContiguousGradLogprobs.apply(z, t)
+
+
+def returns_float64(z, t):  # right values, twice the memory
+    return plain_logprobs(z.double(), t)
+
+
+def returns_float16_for_bfloat16(z, t):
+    return plain_logprobs(z.float(), t).half() if z.dtype == torch.bfloat16 else plain_logprobs(z, t)
+
+
+def subtracts_a_rounded_lse(z, t):  # lse = m + log s rounded at |m| = 1e4, then subtracted
+    return z.gather(-1, t[:, None])[:, 0] - torch.logsumexp(z, -1)
+
+
+def entropy_of_the_other_sign(z):
+    return -plain_entropy(z)
+
+
+def entropy_of_the_first_2_16_columns(z):  # a vocabulary loop that stops at 2^16
+    return plain_entropy(z[:, : 2**16])
+
+
+def entropy_of_the_first_8_rows(z):
+    h = plain_entropy(z)
+    return torch.cat([h[:8], torch.zeros_like(h[8:])])
+
+
+def entropy_with_a_rounded_lse(z):
+    lp = z - torch.logsumexp(z, -1, keepdim=True)
+    return _where_mass(lp.exp(), lp).sum(-1)
+
+
+def kl_teacher_of_the_first_2_16_columns(s, t):
+    return plain_reverse_kl(s, torch.cat([t[:, : 2**16], torch.full_like(t[:, 2**16 :], float("-inf"))], -1))
+
+
+def kl_chunks_of_1000_reuse_the_first_teacher_rows(s, t):
+    starts = range(0, s.shape[0], 1000)
+    return torch.cat([plain_reverse_kl(s[a : a + 1000], t[: s[a : a + 1000].shape[0]]) for a in starts])
+
+
+def forward_kl(s, t):
+    s, t = _at_least_fp32(s, t)
+    return _where_mass(t.softmax(-1), t.log_softmax(-1) - s.log_softmax(-1)).sum(-1)
+
+
+LP, ENT, KL = lt.check_logprob_fn, lt.check_entropy_fn, lt.check_kl_fn
+
+# (checker, kernel, keyword arguments, what the message must say, accepted by the first release's cases)
+ZOO = [
+    (LP, first_8_rows_only, {}, [f"case '{ROWS}', float64: values differ"], True),
+    (LP, chunks_of_1000_reuse_the_first_targets, {}, [f"case '{ROWS}', float64: values differ"], True),
+    (LP, targets_looked_up_in_the_first_5003_columns, {}, [f"case '{WIDE}', float64: values differ"], True),
+    (LP, sixteen_bit_ids, {}, [f"case '{WIDE}', float64: values differ", "worst at [0]"], True),
+    (LP, assumes_contiguous_logits, {}, ["case 'strided', float64: values differ", "got NaN"], True),
+    (LP, flattens_the_logits_with_view, {}, ["case 'strided', float64: fn raised RuntimeError"], True),
+    (LP, backward_assumes_contiguous_upstream, {}, ["case 'strided', float64: gradients differ"], True),
+    (LP, returns_float64, {}, ["case 'normal', float32: fn returned float64 for float32 logits"], False),
+    (LP, returns_float16_for_bfloat16, {}, ["case 'normal', bfloat16: fn returned float16 for bfloat16"], False),
+    (LP, subtracts_a_rounded_lse, {}, ["case 'offset 1e4', float32: values differ"], False),
+    (LP, plain_logprobs, {"out_dtype": "promoted"}, ["bfloat16: fn returned bfloat16", "allows float32"], False),
+    (ENT, entropy_of_the_other_sign, {}, ["case 'normal', float64", "opposite sign"], False),
+    (ENT, entropy_of_the_first_2_16_columns, {}, [f"case '{WIDE}', float64: values differ"], True),
+    (ENT, entropy_of_the_first_8_rows, {}, [f"case '{ROWS}', float64: values differ"], True),
+    (ENT, entropy_with_a_rounded_lse, {}, ["case 'offset 1e4', float32: values differ"], False),
+    (KL, kl_teacher_of_the_first_2_16_columns, {}, [f"case '{WIDE}', float64: values differ"], True),
+    (KL, kl_chunks_of_1000_reuse_the_first_teacher_rows, {}, [f"case '{ROWS}', float64: values differ"], True),
+    (KL, forward_kl, {}, ["values differ", "the values are the forward KL"], False),
+    (KL, plain_cross_entropy, {}, ["values differ", "pass divergence='cross_entropy'"], False),
+    (KL, plain_reverse_kl, {"divergence": "cross_entropy"}, ["values differ", "pass divergence='reverse_kl'"], False),
+]
+
+
+@pytest.mark.parametrize(
+    ("check", "fn", "kwargs", "says", "first_release_accepts"), ZOO, ids=[z[1].__name__ for z in ZOO]
+)
+def test_each_wrong_kernel_of_the_zoo_is_rejected_with_a_clear_message(check, fn, kwargs, says, first_release_accepts):
+    message = _expect_failure(check, fn, **kwargs)
+    for fragment in says:
+        assert fragment in message, message
+    if first_release_accepts:  # wrong only where the first release did not look: its cases accept it
+        check(fn, cases=FIRST_RELEASE_CASES, **kwargs)
+
+
+CORRECT = [
+    (LP, _logprobs_by_cross_entropy, {"out_dtype": "input"}),
+    (LP, plain_logprobs, {"out_dtype": "input"}),
+    (LP, lossfx.token_logprobs, {"out_dtype": "promoted"}),
+    (ENT, plain_entropy, {"out_dtype": "promoted"}),
+    (ENT, lossfx.entropy, {"out_dtype": "promoted"}),
+    (KL, plain_reverse_kl, {"out_dtype": "promoted"}),
+    (KL, lossfx.reverse_kl_to_fixed, {"out_dtype": "promoted"}),
+    (KL, plain_cross_entropy, {"divergence": "cross_entropy", "out_dtype": "promoted"}),
+    (KL, lossfx.cross_entropy_to_fixed, {"divergence": "cross_entropy", "out_dtype": "promoted"}),
+]
+
+
+@pytest.mark.parametrize(("check", "fn", "kwargs"), CORRECT, ids=[f"{c[1].__name__}-{c[2]}" for c in CORRECT])
+def test_lossfx_kernels_and_plain_torch_pass_every_case_and_dtype(check, fn, kwargs):
+    check(fn, cases=lt.CASES, dtypes=(F64, torch.float32, torch.bfloat16), device="cpu", **kwargs)
+
+
+def test_the_wide_and_long_cases_hold_what_their_notes_promise():
+    cases = {case.name: case for case in lt._built_in(lt.CASES)}
+    rows = cases[ROWS]
+    assert rows.logits.shape[0] > 2**16 and all(rows.logits.shape[0] % d for d in range(2, 256))  # no even chunking
+    wide = cases[WIDE]
+    assert wide.logits.shape[-1] > 2**17
+    rare = torch.tensor([wide.logits.shape[-1] - 1, 2**16, 2**16 - 1, 2**15, 5003, 5002])
+    assert torch.equal(wide.target, rare)
+    for z in (wide.logits, wide.teacher):  # the probed ids carry about half of their rows' mass
+        p = reference.token_logprobs(z, rare).exp()
+        assert bool(((p > 0.3) & (p < 0.8)).all()), p
+
+
+def test_the_strided_case_hands_fn_non_contiguous_inputs_and_upstream_gradient():
+    seen = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, s, t):
+            seen.extend([s, t])
+            return reference.reverse_kl_to_fixed(s.to(F64), t.to(F64)).to(s.dtype)
+
+        @staticmethod
+        def backward(ctx, dout):
+            seen.append(dout)
+            raise RuntimeError("stop")
+
+    message = _expect_failure(lt.check_kl_fn, Spy.apply, cases=["strided"], dtypes=(torch.float32,))
+    assert "the backward of fn raised RuntimeError: stop" in message
+    assert len(seen) == 3 and not any(t.is_contiguous() for t in seen), [t.stride() for t in seen]
+    targets = []
+    lt.check_logprob_fn(lambda z, t: targets.append(t) or plain_logprobs(z, t), cases=["strided"], dtypes=(F64,))
+    assert not targets[0].is_contiguous()
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
@@ -61,6 +255,9 @@ def test_tolerance_accepts_one_rounding_to_the_dtype_and_rejects_one_through_the
     lt.check_logprob_fn(lambda z, t: reference.token_logprobs(z, t).to(z.dtype), dtypes=(dtype,))
     lt.check_entropy_fn(lambda z: reference.entropy(z).to(z.dtype), dtypes=(dtype,))
     lt.check_kl_fn(lambda s, t: reference.reverse_kl_to_fixed(s, t).to(s.dtype), dtypes=(dtype,))
+    lt.check_kl_fn(
+        lambda s, t: reference.cross_entropy_to_fixed(s, t).to(s.dtype), dtypes=(dtype,), divergence="cross_entropy"
+    )
     if dtype in LOWER:  # ...and rounded once through the next lower precision, it fails
         lower = LOWER[dtype]
         message = _expect_failure(
@@ -114,16 +311,9 @@ def test_right_values_wrong_gradient_fails_on_gradients():
     assert "gradients differ" in message
 
 
-def test_entropy_of_the_other_sign_gets_a_hint_and_nan_is_reported():
-    message = _expect_failure(lt.check_entropy_fn, lambda z: -(z.softmax(-1) * z.log_softmax(-1)).sum(-1))
-    assert "opposite sign" in message
+def test_entropy_without_the_zero_mass_convention_reports_nan():
     message = _expect_failure(lt.check_entropy_fn, lambda z: (z.softmax(-1) * z.log_softmax(-1)).sum(-1))
     assert "case '-inf'" in message and "got NaN" in message
-
-
-def test_forward_kl_is_not_the_reverse_kl():
-    forward = lambda s, t: (t.softmax(-1) * (t.log_softmax(-1) - s.log_softmax(-1))).sum(-1)  # noqa: E731
-    assert "values differ" in _expect_failure(lt.check_kl_fn, forward, dtypes=(F64,))
 
 
 def test_in_place_no_gradient_and_bad_return_are_reported():
@@ -147,6 +337,12 @@ def test_bad_arguments_raise_value_and_type_errors():
         lt.check_logprob_fn(lossfx.token_logprobs, cases=["nope"])
     with pytest.raises(TypeError, match="callable"):
         lt.check_entropy_fn("entropy")
+    with pytest.raises(ValueError, match=r"out_dtype must be one of \['either', 'input', 'promoted'\], got 'float32'"):
+        lt.check_entropy_fn(lossfx.entropy, out_dtype="float32")
+    with pytest.raises(
+        ValueError, match=r"divergence must be one of \['reverse_kl', 'cross_entropy'\], got 'forward_kl'"
+    ):
+        lt.check_kl_fn(lossfx.reverse_kl_to_fixed, divergence="forward_kl")
 
 
 # ---------------------------------------------------------------------------------------------
