@@ -18,6 +18,7 @@ The fused LM-head functions take a vocabulary-sharded weight `[Vl, H]` the same 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, NamedTuple
 
@@ -27,19 +28,23 @@ from torch import Tensor
 
 ProcessGroup = dist.ProcessGroup
 
-
-try:  # torch builds without distributed support have no DTensor
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
-
 __all__ = ["VocabShard", "entry_point_on_local", "has_dtensor", "is_dtensor", "replicated", "vocab_shard"]
+
+# `torch.distributed.tensor` is never imported here: it costs ~0.5 s, more than the rest of
+# lossfx. A DTensor can only exist once its module was imported by whoever built it, so the
+# module is looked up in `sys.modules` (a dict read, which Dynamo also traces).
+_DTENSOR_MODULE = "torch.distributed.tensor"
+
+
+def _dtensor_module() -> Any:
+    """`torch.distributed.tensor` if something imported it already, else `None`."""
+    return sys.modules.get(_DTENSOR_MODULE)
 
 
 def is_dtensor(x: object) -> bool:
-    """True iff `x` is a `torch.distributed.tensor.DTensor`."""
-    return DTensor is not None and isinstance(x, DTensor)
+    """True iff `x` is a `torch.distributed.tensor.DTensor` (without importing that module)."""
+    module = _dtensor_module()
+    return module is not None and isinstance(x, module.DTensor)
 
 
 class VocabShard(NamedTuple):
@@ -110,7 +115,9 @@ class VocabShard(NamedTuple):
     def _from_local(self, out: Tensor, global_vocab: int) -> Tensor:
         shape = [*out.shape[:-1], global_vocab]
         mesh, placements = self.dtensor.device_mesh, self.dtensor.placements
-        return DTensor.from_local(out, mesh, placements, shape=torch.Size(shape), stride=_contiguous_strides(shape))
+        return _dtensor_module().DTensor.from_local(
+            out, mesh, placements, shape=torch.Size(shape), stride=_contiguous_strides(shape)
+        )
 
 
 def _contiguous_strides(shape: list[int]) -> tuple[int, ...]:
@@ -137,11 +144,12 @@ def _placement_error(name: str, x: Any, why: str) -> ValueError:
 
 def _vocab_mesh_dim(x: Any, dim: int, name: str) -> int | None:
     """The mesh dim that shards `x`'s dim `dim`, or `None` when every placement is `Replicate()`."""
+    placements = _dtensor_module()  # loaded: `x` is a DTensor
     found = None
     for mesh_dim, placement in enumerate(x.placements):
-        if isinstance(placement, Replicate):
+        if isinstance(placement, placements.Replicate):
             continue
-        if type(placement) is Shard and placement.dim % x.dim() == dim:
+        if type(placement) is placements.Shard and placement.dim % x.dim() == dim:
             if found is not None:
                 raise _placement_error(name, x, "the vocabulary may be sharded over one mesh dim only")
             found = mesh_dim
@@ -214,6 +222,8 @@ def _dtensor_vocab_shard(
     else:
         mesh = x.device_mesh
         mesh_group, mesh_rank = mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim)
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # loaded with DTensor
+
         start = compute_local_shape_and_global_offset(x.shape, mesh, x.placements)[1][vdim]
     if group is not None and not (group.size() == 1 if mesh_group is None else _same_group(group, mesh_group)):
         raise ValueError(
@@ -237,13 +247,18 @@ def _dtensor_vocab_shard(
     return VocabShard(local, mesh_group, mesh_rank, start, global_vocab, x, padded)
 
 
+def _all_replicate(x: Any) -> bool:
+    """True iff every placement of the DTensor `x` is `Replicate()`."""
+    replicate = _dtensor_module().Replicate
+    return all(isinstance(p, replicate) for p in x.placements)
+
+
 def replicated(x: Any, name: str) -> Any:
     """A replicated argument (ids, masks, teacher payloads): a plain tensor (or anything else)
     passes through; an all-`Replicate()` DTensor gives its local (full) tensor; others raise."""
     if not is_dtensor(x):
         return x
-    placements: Any = x.placements
-    if not all(isinstance(p, Replicate) for p in placements):
+    if not _all_replicate(x):
         raise _placement_error(name, x, "this argument must be a plain tensor or a Replicate() DTensor")
     return x.to_local()
 
@@ -251,10 +266,7 @@ def replicated(x: Any, name: str) -> Any:
 def _replicated_columns(data: Mapping[str, Any]) -> dict[str, Any]:
     """A new dict: every all-`Replicate()` DTensor column of `data` replaced by its local tensor;
     other columns (plain tensors, a sharded `student_logits` passed through) as they are."""
-    return {
-        k: v.to_local() if is_dtensor(v) and all(isinstance(p, Replicate) for p in v.placements) else v
-        for k, v in data.items()
-    }
+    return {k: v.to_local() if is_dtensor(v) and _all_replicate(v) else v for k, v in data.items()}
 
 
 def has_dtensor(logits: Any, data: Mapping[str, Any]) -> bool:
