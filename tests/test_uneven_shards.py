@@ -9,6 +9,7 @@ chunk counts do differ); values and gradients are compared with the float64 refe
 
 import contextlib
 import math
+from types import SimpleNamespace
 
 import harness
 import pytest
@@ -77,6 +78,14 @@ def _width_based_chunks(case, width):
     return math.ceil(N / _chunking.default_chunk_rows(width, F64))
 
 
+def _weighted(out, d, case):
+    """A fixed weighting of a logits path's output, to backpropagate (top-k: its values only)."""
+    if case == "vocab_topk":
+        out = out[:, :5]
+    g = d["g"].repeat(1, 2)[: out.shape[0], : out.shape[-1]] if out.dim() == 2 else d["g"][: out.shape[0], 0]
+    return (out * g).sum()
+
+
 def _logits_call(case, shard, d, group, start):
     span = {"group": group, "vocab_start": start, "vocab_size": V}
     if case == "token_logprobs":
@@ -87,6 +96,16 @@ def _logits_call(case, shard, d, group, start):
         return lossfx.gather_logprobs(shard, d["ids"], **span)[0]
     if case == "entropy":
         return lossfx.entropy(shard, group=group)
+    if case == "prepare_loss_input":  # plain uneven shards: the widths come from the ranks
+        data = {"input_ids": d["target"][None]}
+        loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
+        out, _ = lossfx.prepare_loss_input(
+            shard[None], data, loss_fn, vocab_parallel_group=group, vocab_parallel_rank=group.rank()
+        )
+        return out["next_token_logprobs"][0]
+    if case == "vocab_topk":
+        values, ids = lossfx.vocab_topk(shard, 5, group=group, vocab_start=start)
+        return torch.cat([values, ids.to(values.dtype)], -1)
     raise AssertionError(case)
 
 
@@ -121,11 +140,12 @@ def _uneven(rank, world, group, case):
     cols = slice(start, start + WIDTHS[rank])
     with _budgets():
         chunks = _width_based_chunks(case, WIDTHS[rank])
-        if case in ("token_logprobs", "filtered", "gather", "entropy"):
+        if case in LOGITS_CASES:
             shard = d["z"][:, cols].clone().requires_grad_()
             out = _logits_call(case, shard, d, group, start)
-            g = d["g"][:, : out.shape[-1]] if out.dim() == 2 else d["g"][:, 0]
-            (out * g).sum().backward()
+            if case == "vocab_topk":  # values only: its outputs carry no gradient
+                return chunks, out, (None,)
+            _weighted(out, d, case).backward()
             return chunks, out.detach(), (shard.grad,)
         hidden = d["hidden"].clone().requires_grad_()
         w = d["weight"][cols].clone().requires_grad_()
@@ -139,7 +159,7 @@ def _uneven(rank, world, group, case):
 
 def _reference(case):
     d = _data()
-    if case in ("token_logprobs", "filtered", "gather", "entropy"):
+    if case in LOGITS_CASES:
         z = d["z"].clone().requires_grad_()
         if case == "token_logprobs":
             out = reference.token_logprobs(z, d["target"])
@@ -147,10 +167,14 @@ def _reference(case):
             out = reference.filtered_token_logprobs(z, d["top"], top_k=7, top_p=0.9)
         elif case == "gather":
             out = reference.gather_logprobs(z, d["ids"])[0]
-        else:
+        elif case == "entropy":
             out = reference.entropy(z)
-        g = d["g"][:, : out.shape[-1]] if out.dim() == 2 else d["g"][:, 0]
-        (out * g).sum().backward()
+        elif case == "prepare_loss_input":
+            out = reference.next_token_logprobs(z[None], d["target"][None])[0]
+        else:
+            values, ids = reference.vocab_topk(z, 5)
+            out = torch.cat([values, ids.to(values.dtype)], -1)
+        _weighted(out, d, case).backward()
         return out.detach(), (z.grad,)
     hidden = d["hidden"].clone().requires_grad_()
     weight = d["weight"].clone().requires_grad_()
@@ -165,11 +189,9 @@ def _reference(case):
     return values.detach(), (hidden.grad, weight.grad)
 
 
+LOGITS_CASES = ("token_logprobs", "filtered", "gather", "entropy", "prepare_loss_input", "vocab_topk")
 CASES = [
-    "token_logprobs",
-    "filtered",
-    "gather",
-    "entropy",
+    *LOGITS_CASES,
     "fused_token",
     "objective",
     "objective_sequence_parallel",
@@ -185,7 +207,9 @@ def test_uneven_shards_with_rank_dependent_default_chunks_match_the_reference(ca
     want_values, want_grads = _reference(case)
     for rank, (_, values, grads) in enumerate(results):
         torch.testing.assert_close(values, want_values, **TIGHT)
-        if len(want_grads) == 1:  # logits paths: this rank's columns of the gradient
+        if case == "vocab_topk":
+            assert grads == (None,)
+        elif len(want_grads) == 1:  # logits paths: this rank's columns of the gradient
             start = sum(WIDTHS[:rank])
             torch.testing.assert_close(grads[0], want_grads[0][:, start : start + WIDTHS[rank]], **TIGHT)
         else:  # fused paths: the full hidden gradient, this rank's weight rows
