@@ -181,6 +181,7 @@ def vocab_shard(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     even: bool = False,
+    group_arg: str = "group",
 ) -> VocabShard:
     """Split a possibly-DTensor argument sharded on its vocabulary dim `dim` into what the kernels take.
 
@@ -191,13 +192,72 @@ def vocab_shard(
     `ceil(V/R)` of torch's sharding rule, so that assumption holds; `-inf` logits have zero
     probability and receive no gradient, and `wrap` strips the padding.
 
+    `group_arg` names the group argument in error messages (`"vocab_parallel_group"` for the
+    entry points).
+
     Raises:
+        TypeError: a `group` that is not a `ProcessGroup` (or `None`), a non-int `vocab_start` /
+            `vocab_size`.
         ValueError: a placement other than `Shard(dim)` on one mesh dim and `Replicate()`
-            elsewhere; an explicit argument that contradicts the DTensor.
+            elsewhere; an explicit argument that contradicts the DTensor; for a plain `x`, a
+            vocabulary range it cannot hold (`_check_span`).
     """
+    _check_span_types(group, group_arg, vocab_start, vocab_size)
     if not is_dtensor(x):
+        _check_span(x, dim, name, group, group_arg, vocab_start, vocab_size)
         return VocabShard(x, group, rank, vocab_start, vocab_size)
     return _dtensor_vocab_shard(x, dim, name, group, rank, vocab_start, vocab_size, even)
+
+
+def _check_span_types(group: Any, group_arg: str, vocab_start: Any, vocab_size: Any) -> None:
+    if group is not None and not isinstance(group, ProcessGroup):
+        raise TypeError(
+            f"{group_arg} must be a torch.distributed.ProcessGroup or None, got {group!r} ({type(group).__name__}); "
+            "pass the group object (e.g. device_mesh.get_group('tp')), not its name"
+        )
+    for arg, value in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{arg} must be an int or None, got {value!r} ({type(value).__name__})")
+
+
+def _check_span(
+    x: Any, dim: int, name: str, group: Any, group_arg: str, vocab_start: int | None, vocab_size: int | None
+) -> None:
+    """The explicit vocabulary range of a plain shard `x` (its dim `dim` holds `Vl` ids).
+
+    Without a tensor-parallel group (or with a group of one rank) `x` is the whole vocabulary:
+    `vocab_start` must be 0 and `vocab_size` must be `Vl`. With a group, this shard's ids
+    `[vocab_start, vocab_start + Vl)` must lie inside `[0, vocab_size)` (the default `vocab_size`
+    is `R · Vl`); that the shards of all ranks tile `[0, V)` is the cross-rank check's business.
+    """
+    if (vocab_start is None and vocab_size is None) or not isinstance(x, Tensor) or x.dim() == 0:
+        return  # nothing explicit to check, or the caller's own checks reject `x`
+    width = x.shape[dim]
+    world = 1 if group is None else group.size()
+    if world == 1:
+        if vocab_start not in (None, 0):
+            raise ValueError(
+                f"vocab_start={vocab_start} without a tensor-parallel group ({group_arg} of one rank or None): "
+                f"{name} then holds the whole vocabulary [0, {width}), which starts at 0; pass {group_arg} for a shard"
+            )
+        if vocab_size not in (None, width):
+            raise ValueError(
+                f"vocab_size={vocab_size} without a tensor-parallel group ({group_arg} of one rank or None) must "
+                f"equal the {width} vocabulary entries of {name} (its dim {dim}), which hold the whole vocabulary"
+            )
+        return
+    size = world * width if vocab_size is None else vocab_size
+    if vocab_size is not None and vocab_size < width:
+        raise ValueError(
+            f"vocab_size={vocab_size} is smaller than this rank's shard: {name} has {width} vocabulary entries"
+        )
+    if vocab_start is not None and not 0 <= vocab_start <= size - width:
+        raise ValueError(
+            f"vocab_start={vocab_start} puts this rank's {width} vocabulary entries of {name} at "
+            f"[{vocab_start}, {vocab_start + width}), outside [0, {size}) (vocab_size"
+            f"{'' if vocab_size is not None else f' defaults to {world} ranks x {width}'}); vocab_start must lie "
+            f"in [0, {size - width}]"
+        )
 
 
 def _dtensor_vocab_shard(
@@ -294,7 +354,9 @@ def entry_point_on_local(
     `"logits"` (`LOGIT`) is the caller's DTensor and `"teacher_logits"` (`DRAFT`) a DTensor
     sharded like the logits over its vocabulary; every other result is a plain tensor.
     """
-    shard = vocab_shard(logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True)
+    shard = vocab_shard(
+        logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True, group_arg="vocab_parallel_group"
+    )
     local_data = _replicated_columns(data)
     if "teacher_full_logits" in local_data:  # OPD_FULL's full-vocabulary payload, padded like the logits
         local_data["teacher_full_logits"] = shard.pad_full(local_data["teacher_full_logits"])

@@ -91,7 +91,7 @@ def distillation_topk_logprobs(
         ValueError: `K <= 0`, ids outside `[0, V)`, shape mismatches. TypeError: bad dtypes.
     """
     student_logits, vocab_parallel_group, *_ = vocab_shard(
-        student_logits, name="student_logits", group=vocab_parallel_group, even=True
+        student_logits, name="student_logits", group=vocab_parallel_group, even=True, group_arg="vocab_parallel_group"
     )
     teacher_topk_logits, teacher_topk_indices = (
         replicated(teacher_topk_logits, "teacher_topk_logits"),

@@ -24,6 +24,7 @@ from lossfx._consistency import checked_collective
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
+    check_group,
     group_rank,
     group_size,
     local_columns,
@@ -90,6 +91,7 @@ def map_to_draft_vocab(
     Raises:
         ValueError: a target id outside `[0, V)` (eager only), `D` not divisible by TP.
     """
+    check_group("vocab_parallel_group", vocab_parallel_group)
     if is_dtensor(teacher_logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_dtensor.py)
         s = vocab_shard(
             teacher_logits, name="teacher_logits", group=vocab_parallel_group, rank=vocab_parallel_rank, even=True
@@ -150,6 +152,8 @@ def draft_targets(
         `(teacher_logits [B, S_l, D/TP] in the logits' dtype, token_mask [B, S_l])`, both in this
         rank's CP layout.
     """
+    check_group("vocab_parallel_group", vocab_parallel_group)
+    check_group("context_parallel_group", context_parallel_group)
     if is_dtensor(logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_dtensor.py)
         s, d2t = (
             vocab_shard(logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True),

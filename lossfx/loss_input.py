@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from lossfx._consistency import checked_collective, loss_input_vocab_policy, vocab_shard_range
-from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
+from lossfx._distributed import ProcessGroup, check_group, check_vocab_parallel, group_size
 from lossfx._dtensor import entry_point_on_local, has_dtensor, replicated, vocab_shard
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
@@ -102,7 +102,7 @@ def next_token_logprobs(
         CP the gradient is summed over CP ranks (divide the loss by the CP size).
     """
     logits, vocab_parallel_group, vocab_parallel_rank, *_ = vocab_shard(
-        logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True
+        logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True, group_arg="vocab_parallel_group"
     )
     input_ids = replicated(input_ids, "input_ids")  # DTensor boundary: lossfx/_dtensor.py
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
@@ -205,6 +205,8 @@ def prepare_loss_input(
         )
     input_type = _input_type(loss_fn)
     check_tensor("logits", logits)
+    check_group("vocab_parallel_group", vocab_parallel_group)
+    check_group("context_parallel_group", context_parallel_group)
     if input_type is LossInputType.LOGIT:
         return {"logits": logits}, data
     if input_type is LossInputType.OPD_FULL:
