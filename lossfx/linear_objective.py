@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective
 from lossfx._distributed import (
     ProcessGroup,
@@ -271,6 +272,7 @@ class _LinearObjectiveFn(torch.autograd.Function):
         return dh, dw, None, None, dlw, dew, None, None, None, None, None, None, None
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="tiled")
 def linear_logprob_objective(
     hidden: Tensor,

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective, loss_input_vocab_policy, vocab_shard_range
 from lossfx._distributed import ProcessGroup, check_group, check_vocab_parallel, group_size
 from lossfx._dtensor import entry_point_on_local, has_dtensor, replicated, vocab_shard
@@ -66,6 +67,7 @@ def _vocab_parallel(
     return check_vocab_parallel(vocab_parallel_rank, vocab_parallel_group), vocab_parallel_group
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="auto")
 def next_token_logprobs(
     logits: Tensor,
@@ -120,6 +122,7 @@ def next_token_logprobs(
     )
 
 
+@keep_errors_under_compile
 @checked_collective(vocab=loss_input_vocab_policy)
 def prepare_loss_input(
     logits: Tensor,
@@ -301,6 +304,7 @@ def _prepare_logprob_input(
     return {"next_token_logprobs": logprobs}
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="equal")
 def prepare_opd_full_loss_input(
     logits: Tensor,
@@ -378,6 +382,7 @@ def prepare_opd_full_loss_input(
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="auto")
 def prepare_packed_loss_input(
     logits: Tensor,
