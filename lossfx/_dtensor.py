@@ -227,8 +227,8 @@ def _check_span(
 
     Without a tensor-parallel group (or with a group of one rank) `x` is the whole vocabulary:
     `vocab_start` must be 0 and `vocab_size` must be `Vl`. With a group, this shard's ids
-    `[vocab_start, vocab_start + Vl)` must lie inside `[0, vocab_size)` (the default `vocab_size`
-    is `R · Vl`); that the shards of all ranks tile `[0, V)` is the cross-rank check's business.
+    `[vocab_start, vocab_start + Vl)` must lie inside `[0, vocab_size)` (without `vocab_size`:
+    `vocab_start >= 0`); that the shards of all ranks tile `[0, V)` is the cross-rank check's business.
     """
     if (vocab_start is None and vocab_size is None) or not isinstance(x, Tensor) or x.dim() == 0:
         return  # nothing explicit to check, or the caller's own checks reject `x`
@@ -246,17 +246,16 @@ def _check_span(
                 f"equal the {width} vocabulary entries of {name} (its dim {dim}), which hold the whole vocabulary"
             )
         return
-    size = world * width if vocab_size is None else vocab_size
     if vocab_size is not None and vocab_size < width:
         raise ValueError(
             f"vocab_size={vocab_size} is smaller than this rank's shard: {name} has {width} vocabulary entries"
         )
-    if vocab_start is not None and not 0 <= vocab_start <= size - width:
+    high = None if vocab_size is None else vocab_size - width  # without vocab_size the cross-rank check bounds it
+    if vocab_start is not None and (vocab_start < 0 or (high is not None and vocab_start > high)):
         raise ValueError(
             f"vocab_start={vocab_start} puts this rank's {width} vocabulary entries of {name} at "
-            f"[{vocab_start}, {vocab_start + width}), outside [0, {size}) (vocab_size"
-            f"{'' if vocab_size is not None else f' defaults to {world} ranks x {width}'}); vocab_start must lie "
-            f"in [0, {size - width}]"
+            f"[{vocab_start}, {vocab_start + width}), outside [0, {'V' if vocab_size is None else vocab_size}); "
+            f"vocab_start must lie in [0, {'V - ' + str(width) if high is None else high}]"
         )
 
 

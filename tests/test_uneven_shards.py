@@ -92,6 +92,8 @@ def _logits_call(case, shard, d, group, start):
         return lossfx.token_logprobs(shard, d["target"], **span)
     if case == "filtered":
         return lossfx.filtered_token_logprobs(shard, d["top"], top_k=7, top_p=0.9, **span)
+    if case == "filtered_bisection":  # top-p alone: bisection, one all-reduce per step; ties cut by id
+        return lossfx.filtered_token_logprobs(shard, d["top"], top_p=0.8, ties="sorted", **span)
     if case == "gather":
         return lossfx.gather_logprobs(shard, d["ids"], **span)[0]
     if case == "entropy":
@@ -165,6 +167,8 @@ def _reference(case):
             out = reference.token_logprobs(z, d["target"])
         elif case == "filtered":
             out = reference.filtered_token_logprobs(z, d["top"], top_k=7, top_p=0.9)
+        elif case == "filtered_bisection":
+            out = reference.filtered_token_logprobs(z, d["top"], top_p=0.8, ties="sorted")
         elif case == "gather":
             out = reference.gather_logprobs(z, d["ids"])[0]
         elif case == "entropy":
@@ -189,7 +193,15 @@ def _reference(case):
     return values.detach(), (hidden.grad, weight.grad)
 
 
-LOGITS_CASES = ("token_logprobs", "filtered", "gather", "entropy", "prepare_loss_input", "vocab_topk")
+LOGITS_CASES = (
+    "token_logprobs",
+    "filtered",
+    "filtered_bisection",
+    "gather",
+    "entropy",
+    "prepare_loss_input",
+    "vocab_topk",
+)
 CASES = [
     *LOGITS_CASES,
     "fused_token",
