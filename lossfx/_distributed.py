@@ -124,9 +124,9 @@ def check_vocab_parallel(vocab_parallel_rank: int | None, vocab_parallel_group: 
         ValueError: a group without a rank, or a rank that is not this process's rank in it.
         TypeError: a group that is not a `ProcessGroup`, a non-int rank.
     """
-    check_group("vocab_parallel_group", vocab_parallel_group)
     if vocab_parallel_rank is None:
         raise ValueError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
+    check_group("vocab_parallel_group", vocab_parallel_group)
     if isinstance(vocab_parallel_rank, bool) or not isinstance(vocab_parallel_rank, int):
         raise TypeError(f"vocab_parallel_rank must be an int, got {vocab_parallel_rank!r}")
     rank = group_rank(vocab_parallel_group)

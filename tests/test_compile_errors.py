@@ -21,6 +21,8 @@ Z = torch.randn(2, 5, 12, generator=GEN, dtype=F64)
 IDS = torch.randint(0, 12, (2, 5), generator=GEN)
 HID = torch.randn(2, 5, 4, generator=GEN, dtype=F64)
 W = torch.randn(12, 4, generator=GEN, dtype=F64)
+pytestmark = pytest.mark.compile
+
 LOGPROB = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
 
 # name -> (call with keyword overrides, the overrides that are bad input)

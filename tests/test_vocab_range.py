@@ -106,6 +106,7 @@ def _sharded_range(rank, world, group, arguments):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("arguments", "messages"),
     [
@@ -120,6 +121,7 @@ def test_with_a_group_a_shard_outside_the_vocabulary_raises_on_every_rank(argume
         assert len(per_rank) == 2 and all(any(m in got for m in messages) for got in per_rank), per_rank
 
 
+@pytest.mark.distributed
 def test_with_a_group_the_explicit_range_matches_the_reference():
     got = run_ranks(
         2,
