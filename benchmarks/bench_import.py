@@ -80,7 +80,9 @@ def main() -> None:
         s = result[key]
         print(f"| {label} | {s['median_s']:.3f} | {s['p20_s']:.3f} | {s['p80_s']:.3f} |")
     print(f"lossfx imported from {result['lossfx_file']}")
-    print(f"modules beyond the standard library that `import lossfx` added: {result['modules_added_beyond_stdlib']}")
+    added = result["modules_added_beyond_stdlib"]
+    packages = sorted({".".join(m.split(".")[:3]) if m.startswith("torch.") else m.split(".")[0] for m in added})
+    print(f"modules beyond the standard library that `import lossfx` added: {len(added)} {packages}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "import_time.json").write_text(json.dumps(result, indent=1) + "\n")
