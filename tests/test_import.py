@@ -54,3 +54,12 @@ def test_import_adds_only_lossfx_and_standard_library_modules():
 
 def test_dtensor_imported_after_lossfx_is_recognised():
     assert _python(_DTENSOR_AFTER_LOSSFX) == "ok"
+
+
+def test_bench_import_runs_and_records_the_environment(tmp_path):
+    env_cmd = [sys.executable, "-m", "benchmarks.bench_import", "--runs", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(env_cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((tmp_path / "import_time.json").read_text())
+    assert {"date", "machine", "torch", "lossfx"} <= set(doc["environment"])
+    assert doc["lossfx"]["median_s"] > 0 and doc["modules_added_beyond_stdlib"] == []
