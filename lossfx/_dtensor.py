@@ -18,6 +18,7 @@ The fused LM-head functions take a vocabulary-sharded weight `[Vl, H]` the same 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, NamedTuple
 
@@ -27,19 +28,23 @@ from torch import Tensor
 
 ProcessGroup = dist.ProcessGroup
 
-
-try:  # torch builds without distributed support have no DTensor
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
-
 __all__ = ["VocabShard", "entry_point_on_local", "has_dtensor", "is_dtensor", "replicated", "vocab_shard"]
+
+# `torch.distributed.tensor` is never imported here: it costs ~0.5 s, more than the rest of
+# lossfx. A DTensor can only exist once its module was imported by whoever built it, so the
+# module is looked up in `sys.modules` (a dict read, which Dynamo also traces).
+_DTENSOR_MODULE = "torch.distributed.tensor"
+
+
+def _dtensor_module() -> Any:
+    """`torch.distributed.tensor` if something imported it already, else `None`."""
+    return sys.modules.get(_DTENSOR_MODULE)
 
 
 def is_dtensor(x: object) -> bool:
-    """True iff `x` is a `torch.distributed.tensor.DTensor`."""
-    return DTensor is not None and isinstance(x, DTensor)
+    """True iff `x` is a `torch.distributed.tensor.DTensor` (without importing that module)."""
+    module = _dtensor_module()
+    return module is not None and isinstance(x, module.DTensor)
 
 
 class VocabShard(NamedTuple):
@@ -110,7 +115,9 @@ class VocabShard(NamedTuple):
     def _from_local(self, out: Tensor, global_vocab: int) -> Tensor:
         shape = [*out.shape[:-1], global_vocab]
         mesh, placements = self.dtensor.device_mesh, self.dtensor.placements
-        return DTensor.from_local(out, mesh, placements, shape=torch.Size(shape), stride=_contiguous_strides(shape))
+        return _dtensor_module().DTensor.from_local(
+            out, mesh, placements, shape=torch.Size(shape), stride=_contiguous_strides(shape)
+        )
 
 
 def _contiguous_strides(shape: list[int]) -> tuple[int, ...]:
@@ -137,11 +144,12 @@ def _placement_error(name: str, x: Any, why: str) -> ValueError:
 
 def _vocab_mesh_dim(x: Any, dim: int, name: str) -> int | None:
     """The mesh dim that shards `x`'s dim `dim`, or `None` when every placement is `Replicate()`."""
+    placements = _dtensor_module()  # loaded: `x` is a DTensor
     found = None
     for mesh_dim, placement in enumerate(x.placements):
-        if isinstance(placement, Replicate):
+        if isinstance(placement, placements.Replicate):
             continue
-        if type(placement) is Shard and placement.dim % x.dim() == dim:
+        if type(placement) is placements.Shard and placement.dim % x.dim() == dim:
             if found is not None:
                 raise _placement_error(name, x, "the vocabulary may be sharded over one mesh dim only")
             found = mesh_dim
@@ -173,6 +181,7 @@ def vocab_shard(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     even: bool = False,
+    group_arg: str = "group",
 ) -> VocabShard:
     """Split a possibly-DTensor argument sharded on its vocabulary dim `dim` into what the kernels take.
 
@@ -183,13 +192,71 @@ def vocab_shard(
     `ceil(V/R)` of torch's sharding rule, so that assumption holds; `-inf` logits have zero
     probability and receive no gradient, and `wrap` strips the padding.
 
+    `group_arg` names the group argument in error messages (`"vocab_parallel_group"` for the
+    entry points).
+
     Raises:
+        TypeError: a `group` that is not a `ProcessGroup` (or `None`), a non-int `vocab_start` /
+            `vocab_size`.
         ValueError: a placement other than `Shard(dim)` on one mesh dim and `Replicate()`
-            elsewhere; an explicit argument that contradicts the DTensor.
+            elsewhere; an explicit argument that contradicts the DTensor; for a plain `x`, a
+            vocabulary range it cannot hold (`_check_span`).
     """
+    _check_span_types(group, group_arg, vocab_start, vocab_size)
     if not is_dtensor(x):
+        _check_span(x, dim, name, group, group_arg, vocab_start, vocab_size)
         return VocabShard(x, group, rank, vocab_start, vocab_size)
     return _dtensor_vocab_shard(x, dim, name, group, rank, vocab_start, vocab_size, even)
+
+
+def _check_span_types(group: Any, group_arg: str, vocab_start: Any, vocab_size: Any) -> None:
+    if group is not None and not isinstance(group, ProcessGroup):
+        raise TypeError(
+            f"{group_arg} must be a torch.distributed.ProcessGroup or None, got {group!r} ({type(group).__name__}); "
+            "pass the group object (e.g. device_mesh.get_group('tp')), not its name"
+        )
+    for arg, value in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{arg} must be an int or None, got {value!r} ({type(value).__name__})")
+
+
+def _check_span(
+    x: Any, dim: int, name: str, group: Any, group_arg: str, vocab_start: int | None, vocab_size: int | None
+) -> None:
+    """The explicit vocabulary range of a plain shard `x` (its dim `dim` holds `Vl` ids).
+
+    Without a tensor-parallel group (or with a group of one rank) `x` is the whole vocabulary:
+    `vocab_start` must be 0 and `vocab_size` must be `Vl`. With a group, this shard's ids
+    `[vocab_start, vocab_start + Vl)` must lie inside `[0, vocab_size)` (without `vocab_size`:
+    `vocab_start >= 0`); that the shards of all ranks tile `[0, V)` is the cross-rank check's business.
+    """
+    if (vocab_start is None and vocab_size is None) or not isinstance(x, Tensor) or x.dim() == 0:
+        return  # nothing explicit to check, or the caller's own checks reject `x`
+    width = x.shape[dim]
+    world = 1 if group is None else group.size()
+    if world == 1:
+        if vocab_start not in (None, 0):
+            raise ValueError(
+                f"vocab_start={vocab_start} without a tensor-parallel group ({group_arg} of one rank or None): "
+                f"{name} then holds the whole vocabulary [0, {width}), which starts at 0; pass {group_arg} for a shard"
+            )
+        if vocab_size not in (None, width):
+            raise ValueError(
+                f"vocab_size={vocab_size} without a tensor-parallel group ({group_arg} of one rank or None) must "
+                f"equal the {width} vocabulary entries of {name} (its dim {dim}), which hold the whole vocabulary"
+            )
+        return
+    if vocab_size is not None and vocab_size < width:
+        raise ValueError(
+            f"vocab_size={vocab_size} is smaller than this rank's shard: {name} has {width} vocabulary entries"
+        )
+    high = None if vocab_size is None else vocab_size - width  # without vocab_size the cross-rank check bounds it
+    if vocab_start is not None and (vocab_start < 0 or (high is not None and vocab_start > high)):
+        raise ValueError(
+            f"vocab_start={vocab_start} puts this rank's {width} vocabulary entries of {name} at "
+            f"[{vocab_start}, {vocab_start + width}), outside [0, {'V' if vocab_size is None else vocab_size}); "
+            f"vocab_start must lie in [0, {'V - ' + str(width) if high is None else high}]"
+        )
 
 
 def _dtensor_vocab_shard(
@@ -214,6 +281,8 @@ def _dtensor_vocab_shard(
     else:
         mesh = x.device_mesh
         mesh_group, mesh_rank = mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim)
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # loaded with DTensor
+
         start = compute_local_shape_and_global_offset(x.shape, mesh, x.placements)[1][vdim]
     if group is not None and not (group.size() == 1 if mesh_group is None else _same_group(group, mesh_group)):
         raise ValueError(
@@ -237,13 +306,18 @@ def _dtensor_vocab_shard(
     return VocabShard(local, mesh_group, mesh_rank, start, global_vocab, x, padded)
 
 
+def _all_replicate(x: Any) -> bool:
+    """True iff every placement of the DTensor `x` is `Replicate()`."""
+    replicate = _dtensor_module().Replicate
+    return all(isinstance(p, replicate) for p in x.placements)
+
+
 def replicated(x: Any, name: str) -> Any:
     """A replicated argument (ids, masks, teacher payloads): a plain tensor (or anything else)
     passes through; an all-`Replicate()` DTensor gives its local (full) tensor; others raise."""
     if not is_dtensor(x):
         return x
-    placements: Any = x.placements
-    if not all(isinstance(p, Replicate) for p in placements):
+    if not _all_replicate(x):
         raise _placement_error(name, x, "this argument must be a plain tensor or a Replicate() DTensor")
     return x.to_local()
 
@@ -251,10 +325,7 @@ def replicated(x: Any, name: str) -> Any:
 def _replicated_columns(data: Mapping[str, Any]) -> dict[str, Any]:
     """A new dict: every all-`Replicate()` DTensor column of `data` replaced by its local tensor;
     other columns (plain tensors, a sharded `student_logits` passed through) as they are."""
-    return {
-        k: v.to_local() if is_dtensor(v) and all(isinstance(p, Replicate) for p in v.placements) else v
-        for k, v in data.items()
-    }
+    return {k: v.to_local() if is_dtensor(v) and _all_replicate(v) else v for k, v in data.items()}
 
 
 def has_dtensor(logits: Any, data: Mapping[str, Any]) -> bool:
@@ -282,7 +353,9 @@ def entry_point_on_local(
     `"logits"` (`LOGIT`) is the caller's DTensor and `"teacher_logits"` (`DRAFT`) a DTensor
     sharded like the logits over its vocabulary; every other result is a plain tensor.
     """
-    shard = vocab_shard(logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True)
+    shard = vocab_shard(
+        logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True, group_arg="vocab_parallel_group"
+    )
     local_data = _replicated_columns(data)
     if "teacher_full_logits" in local_data:  # OPD_FULL's full-vocabulary payload, padded like the logits
         local_data["teacher_full_logits"] = shard.pad_full(local_data["teacher_full_logits"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, group_size
 from lossfx._dtensor import replicated, vocab_shard
@@ -47,6 +48,7 @@ def _to_canonical(x: Tensor, seq: int, cp_group: ProcessGroup | None) -> Tensor:
     return allgather_cp(x, cp_group, seq_dim=1)[:, :seq]
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="equal")
 def distillation_topk_logprobs(
     student_logits: Tensor,
@@ -91,7 +93,7 @@ def distillation_topk_logprobs(
         ValueError: `K <= 0`, ids outside `[0, V)`, shape mismatches. TypeError: bad dtypes.
     """
     student_logits, vocab_parallel_group, *_ = vocab_shard(
-        student_logits, name="student_logits", group=vocab_parallel_group, even=True
+        student_logits, name="student_logits", group=vocab_parallel_group, even=True, group_arg="vocab_parallel_group"
     )
     teacher_topk_logits, teacher_topk_indices = (
         replicated(teacher_topk_logits, "teacher_topk_logits"),

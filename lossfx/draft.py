@@ -20,10 +20,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
+    check_group,
     group_rank,
     group_size,
     local_columns,
@@ -36,6 +38,7 @@ from lossfx.context_parallel import shard_for_cp_rank
 __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
 
 
+@keep_errors_under_compile
 @checked_collective(cp="cp_group")
 def shift_left(x: Tensor, cp_group: ProcessGroup | None = None) -> Tensor:
     """Shift `x [B, S_l, ...]` one position left along dim 1 in canonical order; last row zero.
@@ -68,6 +71,7 @@ def shift_left(x: Tensor, cp_group: ProcessGroup | None = None) -> Tensor:
     return torch.cat([x[:, 1:n], after_first.unsqueeze(1), x[:, n + 1 :], after_second.unsqueeze(1)], dim=1)
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="equal")
 def map_to_draft_vocab(
     teacher_logits: Tensor,
@@ -90,6 +94,7 @@ def map_to_draft_vocab(
     Raises:
         ValueError: a target id outside `[0, V)` (eager only), `D` not divisible by TP.
     """
+    check_group("vocab_parallel_group", vocab_parallel_group)
     if is_dtensor(teacher_logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_dtensor.py)
         s = vocab_shard(
             teacher_logits, name="teacher_logits", group=vocab_parallel_group, rank=vocab_parallel_rank, even=True
@@ -122,6 +127,7 @@ def map_to_draft_vocab(
     return mine.movedim(0, -1)
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="equal")
 def draft_targets(
     logits: Tensor,
@@ -150,6 +156,8 @@ def draft_targets(
         `(teacher_logits [B, S_l, D/TP] in the logits' dtype, token_mask [B, S_l])`, both in this
         rank's CP layout.
     """
+    check_group("vocab_parallel_group", vocab_parallel_group)
+    check_group("context_parallel_group", context_parallel_group)
     if is_dtensor(logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_dtensor.py)
         s, d2t = (
             vocab_shard(logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True),

@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
+from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective
 from lossfx._distributed import (
     ProcessGroup,
@@ -664,6 +665,7 @@ def _flat_logits(logits: Tensor) -> Tensor:
     return logits.reshape(-1, logits.shape[-1])  # [N, Vl]
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="sized")
 def top_k_top_p_threshold(
     logits: Tensor,
@@ -748,6 +750,7 @@ def top_k_top_p_threshold(
     return tau, cut.view(logits.shape[:-1])
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="sized")
 def apply_top_k_top_p(
     logits: Tensor,
@@ -805,6 +808,7 @@ def apply_top_k_top_p(
     return torch.where(keep, logits, torch.full_like(logits, float("-inf"))), keep
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="tiled")
 def filtered_token_logprobs(
     logits: Tensor,

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective
 from lossfx._distributed import (
     ProcessGroup,
@@ -261,6 +262,7 @@ def _linear_gather(
     return logprobs.view(ids.shape), neg_entropy.view(ids.shape[:-1])
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="tiled")
 def linear_gather_logprobs(
     hidden: Tensor,
@@ -376,6 +378,7 @@ def linear_token_logprobs(
     chunk_size: int | None = ...,
     return_entropy: typing.Literal[True],
 ) -> tuple[Tensor, Tensor]: ...
+@keep_errors_under_compile
 @checked_collective(vocab="tiled")
 def linear_token_logprobs(
     hidden: Tensor,
@@ -471,6 +474,7 @@ def linear_token_logprobs(
     return logprobs.squeeze(-1)
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="tiled")
 def linear_next_token_logprobs(
     hidden: Tensor,

@@ -28,8 +28,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective
-from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, is_distributed, reduce_scatter_sum
+from lossfx._distributed import (
+    ProcessGroup,
+    all_gather_stack,
+    all_reduce,
+    group_size,
+    is_distributed,
+    reduce_scatter_sum,
+)
 from lossfx._dtensor import replicated
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_integer_ids
@@ -49,10 +57,14 @@ MIN_ROWS = 16
 BLOCK = 2048  # vocabulary columns per matmul tile
 
 
-def default_objective_chunk_rows(n_rows: int, local_vocab: int, dtype: torch.dtype) -> int:
-    """Rows per chunk when the caller gives none: `min(N / 16, a [C, Vl] compute-dtype chunk near
-    96 MiB)`, at least 16."""
-    by_bytes = DEFAULT_CHUNK_BYTES // max(1, local_vocab * itemsize(compute_dtype(dtype)))
+def default_objective_chunk_rows(n_rows: int, shard_width: int, dtype: torch.dtype) -> int:
+    """Rows per chunk when the caller gives none: `min(N / 16, a [C, shard_width] compute-dtype
+    chunk near 96 MiB)`, at least 16.
+
+    Each chunk runs one all-gather, so every rank must walk the same chunks: `shard_width` is
+    `ceil(V / R)` (the same on every rank, also with uneven shards), never this rank's width.
+    """
+    by_bytes = DEFAULT_CHUNK_BYTES // max(1, shard_width * itemsize(compute_dtype(dtype)))
     return max(MIN_ROWS, min(-(-n_rows // ROW_FRACTION), by_bytes))
 
 
@@ -75,6 +87,7 @@ def linear_objective_rows(
     need_dhidden: bool,
     need_dweight: bool,
     chunk_rows: int,
+    shard_width: int,
     group_name: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (rows `[2, N]`: log p(t) and `Σ p log p`, merged over the group; this shard's
@@ -82,7 +95,8 @@ def linear_objective_rows(
 
     hidden `[N, H]` (all rows), weight `[Vl, H]`, local_idx/owned `[N]` (the target's column in
     this shard and whether it is here), logprob_weight/entropy_weight `[N]` in the compute dtype
-    (`a`, `b`). `group_name` is `""` without a tensor-parallel group; else each chunk's per-row
+    (`a`, `b`). `chunk_rows = 0` picks the default from `N` and `shard_width = ceil(V / R)`,
+    both rank-independent. `group_name` is `""` without a tensor-parallel group; else each chunk's per-row
     statistics are all-gathered over that group (eager c10d: the op is opaque to the compiler).
     A gradient that is not needed is returned as an empty `[0, H]` tensor and its matmul skipped.
     """
@@ -92,7 +106,7 @@ def linear_objective_rows(
     exact = weight.dtype == cdtype
     group = _resolve_group(group_name) if group_name else None
     world = 1 if group is None else group.size()
-    chunk_rows = min(n_rows, chunk_rows or default_objective_chunk_rows(n_rows, local_vocab, weight.dtype)) or 1
+    chunk_rows = min(n_rows, chunk_rows or default_objective_chunk_rows(n_rows, shard_width, weight.dtype)) or 1
     device = hidden.device
     rows_out = torch.empty(2, n_rows, dtype=cdtype, device=device)
     dhidden = torch.zeros(n_rows if need_dhidden else 0, hidden_size, dtype=cdtype, device=device)
@@ -191,7 +205,20 @@ def _(hidden, weight, local_idx, owned, lw, ew, temperature, with_entropy, need_
 class _LinearObjectiveFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden, weight, local_idx, owned, lw, ew, temperature, with_entropy, chunk_rows, group, seq_par, repeat
+        ctx,
+        hidden,
+        weight,
+        local_idx,
+        owned,
+        lw,
+        ew,
+        temperature,
+        with_entropy,
+        chunk_rows,
+        shard_width,
+        group,
+        seq_par,
+        repeat,
     ):
         full_hidden = hidden
         if seq_par and is_distributed(group):
@@ -210,6 +237,7 @@ class _LinearObjectiveFn(torch.autograd.Function):
             need_dhidden,
             need_dweight,
             chunk_rows,
+            shard_width,
             group.group_name if is_distributed(group) else "",
         )
         logprobs, neg_entropy = rows[0], rows[1]
@@ -241,9 +269,10 @@ class _LinearObjectiveFn(torch.autograd.Function):
             dlw = logprobs * dobjective
         if ctx.needs_input_grad[5] and ctx.with_entropy:
             dew = neg_entropy * dobjective
-        return dh, dw, None, None, dlw, dew, None, None, None, None, None, None
+        return dh, dw, None, None, dlw, dew, None, None, None, None, None, None, None
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="tiled")
 def linear_logprob_objective(
     hidden: Tensor,
@@ -296,8 +325,9 @@ def linear_logprob_objective(
         temperature: divides the logits (> 0).
         sequence_parallel: the hidden layout described above.
         chunk_size: rows per chunk; one `[C, Vl]` chunk of logits in the compute dtype is alive
-            (results do not depend on it). Default: `N / 16` rows, at most a chunk near 96 MiB,
-            at least 16 rows.
+            (results do not depend on it). Default: `N / 16` rows, at most a `[C, ceil(V/R)]`
+            chunk near 96 MiB, at least 16 rows: the same on every rank, uneven shards included
+            (each chunk runs one all-gather over the group).
         allow_repeated_backward: `False`: the backward scales the `weight` gradient formed in the
             forward in place (no second `[Vl, H]` buffer), and a second backward through the same
             graph raises; `True`: it scales a copy, so `retain_graph=True` and `gradcheck` work,
@@ -359,6 +389,9 @@ def linear_logprob_objective(
     lw = coefficients["logprob_weight"].reshape(-1)
     with_entropy = entropy_weight is not None
     ew = coefficients["entropy_weight"].reshape(-1) if with_entropy else torch.zeros_like(lw)
+    world = group_size(group)
+    vocab = vocab_size if vocab_size is not None else world * weight.shape[0]
+    shard_width = -(-vocab // world)  # sizes the default chunk: rank-independent, unlike weight.shape[0]
     objective, logprobs, neg_entropy = _LinearObjectiveFn.apply(
         rows.hidden,
         weight,
@@ -369,6 +402,7 @@ def linear_logprob_objective(
         rows.temperature,
         with_entropy,
         rows.chunk_rows,
+        shard_width,
         group,
         sequence_parallel,
         allow_repeated_backward,

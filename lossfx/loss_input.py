@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective, loss_input_vocab_policy, vocab_shard_range
-from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
+from lossfx._distributed import ProcessGroup, check_group, check_vocab_parallel, group_size
 from lossfx._dtensor import entry_point_on_local, has_dtensor, replicated, vocab_shard
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
@@ -67,6 +68,7 @@ def _vocab_parallel(
     return check_vocab_parallel(vocab_parallel_rank, vocab_parallel_group), vocab_parallel_group
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="auto")
 def next_token_logprobs(
     logits: Tensor,
@@ -103,7 +105,7 @@ def next_token_logprobs(
         CP the gradient is summed over CP ranks (divide the loss by the CP size).
     """
     logits, vocab_parallel_group, vocab_parallel_rank, *_ = vocab_shard(
-        logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True
+        logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True, group_arg="vocab_parallel_group"
     )
     input_ids = replicated(input_ids, "input_ids")  # DTensor boundary: lossfx/_dtensor.py
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
@@ -121,6 +123,7 @@ def next_token_logprobs(
     )
 
 
+@keep_errors_under_compile
 @checked_collective(vocab=loss_input_vocab_policy)
 def prepare_loss_input(
     logits: Tensor,
@@ -221,6 +224,8 @@ def prepare_loss_input(
         )
     input_type = _input_type(loss_fn)
     check_tensor("logits", logits)
+    check_group("vocab_parallel_group", vocab_parallel_group)
+    check_group("context_parallel_group", context_parallel_group)
     if input_type is LossInputType.LOGIT:
         return {"logits": logits}, data
     if input_type is LossInputType.OPD_FULL:
@@ -315,6 +320,7 @@ def _prepare_logprob_input(
     return {"next_token_logprobs": logprobs}
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="equal")
 def prepare_opd_full_loss_input(
     logits: Tensor,
@@ -392,6 +398,7 @@ def prepare_opd_full_loss_input(
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="auto")
 def prepare_packed_loss_input(
     logits: Tensor,

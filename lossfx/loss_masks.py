@@ -20,12 +20,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._dtensor import replicated
 from lossfx._validation import check_floating, check_tensor, values_checkable
 
 __all__ = ["loss_mask_from_data", "mask_out_neg_inf_logprobs"]
 
 
+@keep_errors_under_compile
 def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logprobs") -> Tensor:
     """Zero every position whose mask is 0 or whose log-prob is `±inf`; warn about valid ones.
 

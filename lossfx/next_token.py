@@ -23,6 +23,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, group_rank, group_size
 from lossfx._dtensor import replicated, vocab_shard
@@ -205,6 +206,7 @@ def next_token_logprobs(
     return local[:, : max(seq - 1, 0)]
 
 
+@keep_errors_under_compile
 @checked_collective(vocab="equal")
 def next_token_filtered_logprobs(
     logits: Tensor,

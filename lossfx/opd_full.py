@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
 from lossfx._dtensor import VocabShard, _same_group, entry_point_on_local, is_dtensor, replicated, vocab_shard
@@ -286,6 +287,7 @@ def _aligned_teacher(
     return _project_per_teacher(payload, heads, position, output_dtype)  # [B, S_l, Vl]
 
 
+@keep_errors_under_compile
 def reconstruct_opd_full_teacher_logits(
     payload: Tensor,
     *,

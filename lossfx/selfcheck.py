@@ -12,11 +12,17 @@ and compiles (`torch.compile(fullgraph=True)`) a training step:
 The same step runs densely in float64 through `lossfx.reference` (full `W`), and the log-probs,
 the loss and both gradients are compared. It prints one row per (dtype, rank) and exits non-zero
 on any mismatch, a graph break, or an unexpected recompile.
+
+The ranks meet over TCP on 127.0.0.1. Without a usable loopback network (e.g. a network
+namespace whose `lo` is down) it exits with status 2 and says so at once, and a rendezvous that
+does not complete fails after `--rendezvous-timeout` seconds (default 30) instead of torch's
+30-minute default.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import socket
 import sys
@@ -29,6 +35,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+LOOPBACK = "127.0.0.1"
+NO_NETWORK_EXIT = 2
 
 # Tolerances against the float64 reference; fp32 bounds are ~100× fp32 epsilon at these sizes.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -62,9 +71,21 @@ def _reference(dtype: torch.dtype, seq: int) -> dict[str, torch.Tensor]:
     return {"logprobs": lp.detach(), "loss": loss.detach(), "dhidden": h64.grad, "dweight": w64.grad}
 
 
-def _worker(rank: int, world: int, port: int, dtypes: list[str], backend: str, queue) -> None:
+def _worker(
+    rank: int, world: int, port: int, dtypes: list[str], backend: str, queue, rendezvous_s: float = 30.0
+) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{LOOPBACK}:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=rendezvous_s),
+        )
+    except Exception as exc:  # report why, never retry for torch's default 30 minutes
+        queue.put((rank, [], f"the gloo rendezvous on {LOOPBACK}:{port} failed within {rendezvous_s:g} s: {exc!r}"))
+        return
     group = dist.group.WORLD
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -117,8 +138,48 @@ def _worker(rank: int, world: int, port: int, dtypes: list[str], backend: str, q
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def loopback_error(timeout_s: float = 5.0) -> str | None:
+    """`None` if this process can open a TCP connection to itself on 127.0.0.1 within
+    `timeout_s`, else the reason (the ranks of the self-check rendezvous there)."""
+    try:
+        with socket.socket() as server:
+            server.bind((LOOPBACK, 0))
+            server.listen(1)
+            with socket.create_connection(server.getsockname()[:2], timeout=timeout_s):
+                pass
+    except OSError as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _collect(procs: list, queue, deadline_s: float) -> tuple[list, list[str]]:
+    """Every rank's `(rows, error)`; a rank that dies without reporting, or no answer within
+    `deadline_s`, is a failure (never a wait on a rank that is gone)."""
+    import queue as queue_module
+
+    results: list = []
+    failures: list[str] = []
+    pending = set(range(len(procs)))
+    end = time.monotonic() + deadline_s
+    while pending and time.monotonic() < end:
+        try:
+            rank, rows, error = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            dead = [r for r in pending if procs[r].exitcode not in (None, 0)]
+            for r in dead:
+                failures.append(f"rank {r}: exited with status {procs[r].exitcode} without a result")
+                pending.discard(r)
+            continue
+        pending.discard(rank)
+        results.extend(rows)
+        if error:
+            failures.append(f"rank {rank}: {error}")
+    failures += [f"rank {r}: no result within {deadline_s:g} s" for r in sorted(pending)]
+    return results, failures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--dtypes", default="float64,float32")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (inductor, aot_eager)")
+    parser.add_argument(
+        "--rendezvous-timeout", type=float, default=30.0, help="seconds for the ranks to meet on 127.0.0.1"
+    )
     args = parser.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for name in dtypes:
@@ -135,24 +199,32 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--world-size must divide the vocabulary (96), got {args.world_size}")
 
     print(f"lossfx self-check: torch {torch.__version__}, {args.world_size} gloo ranks, backend={args.backend}")
+    why = loopback_error()
+    if why is not None:
+        print(
+            f"lossfx self-check: no loopback network: a TCP connection to {LOOPBACK} failed ({why}). The self-check "
+            f"runs its {args.world_size} ranks as local processes that meet over gloo on {LOOPBACK}; bring the "
+            "loopback interface up (`ip link set lo up`) or run it where one is available.\nSELF-CHECK FAILED",
+            file=sys.stderr,
+        )
+        return NO_NETWORK_EXIT
     print("compiling a TP training step (first inductor compile takes ~20 s) ...", flush=True)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, args.world_size, port, dtypes, args.backend, queue))
+        ctx.Process(
+            target=_worker, args=(r, args.world_size, port, dtypes, args.backend, queue, args.rendezvous_timeout)
+        )
         for r in range(args.world_size)
     ]
     for p in procs:
         p.start()
-    results, failures = [], []
-    for _ in procs:
-        rank, rows, error = queue.get(timeout=900)
-        results.extend(rows)
-        if error:
-            failures.append(f"rank {rank}: {error}")
+    results, failures = _collect(procs, queue, deadline_s=900.0)
     for p in procs:
         p.join(timeout=60)
+        if p.is_alive():  # a rank stuck in a collective after another failed
+            p.kill()
 
     header = f"{'dtype':9} {'rank':>4} {'S':>3} {'compiles':>8} {'step s':>7}  " + "  ".join(
         f"{k:>10}" for k in ("|Δ logprob|", "|Δ loss|", "|Δ dW|", "|Δ dh|")

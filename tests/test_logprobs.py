@@ -456,11 +456,12 @@ def test_target_out_of_range(bad_id):
 
 
 def test_target_out_of_range_of_global_vocab_with_shard_args():
-    """With an explicit `vocab_size`, ids are checked against the global vocabulary."""
+    """With an explicit `vocab_size`, ids are checked against the global vocabulary (without a
+    group it must be the logits' width: a wider one is rejected, tests/test_vocab_range.py)."""
     logits, target = make_inputs((1, 4, 3))
     target[0, 0] = 7
     with pytest.raises(ValueError, match=r"target.*7"):
-        lossfx.token_logprobs(logits, target, vocab_start=0, vocab_size=5)
+        lossfx.token_logprobs(logits, target, vocab_start=0, vocab_size=3)
 
 
 def _oob_rank_fn(rank, world, group, logits, target):
