@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
     parser.add_argument("--vocabs", nargs="+", type=int, default=None)
+    parser.add_argument("--tokens", type=int, default=None, help=f"N (default {TOKENS}; a multiple of {SEQUENCES})")
+    parser.add_argument("--hidden", type=int, default=None, help=f"H (default {HIDDEN})")
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     parser.add_argument("--min-runs", type=int, default=3)
     parser.add_argument("--min-run-time", type=float, default=0.0)
@@ -272,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args(argv)
     tokens, hidden = (QUICK["tokens"], QUICK["hidden"]) if args.quick else (TOKENS, HIDDEN)
+    tokens, hidden = args.tokens or tokens, args.hidden or hidden
+    if tokens % SEQUENCES:
+        parser.error(f"--tokens must be a multiple of the {SEQUENCES} sequences, got {tokens}")
     vocabs = args.vocabs or (QUICK["vocabs"] if args.quick else VOCABS)
     providers = [p for p in args.providers if available(p)]
     skipped = [p for p in args.providers if not available(p)]
