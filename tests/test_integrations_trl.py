@@ -18,6 +18,7 @@ import pytest
 import torch
 from harness import gloo_pool
 
+import lossfx
 from lossfx import reference
 from lossfx.integrations import trl as lossfx_trl
 
@@ -81,6 +82,35 @@ def test_matches_dense_definition(keep, temperature, use_labels, padding_free):
     assert torch.equal(input_ids, inputs_before[0]) and torch.equal(mask, inputs_before[1])
     if labels is not None:
         assert torch.equal(labels, inputs_before[2])
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (None, 0.8), (8, 0.9)])
+def test_filtered_logps_match_the_dense_filtered_distribution(top_k, top_p):
+    hidden, weight, input_ids, mask = make_case(seed=6)
+    keep, temperature = 6, 0.8
+    params = lossfx.TrainingSamplingParams(top_k=top_k, top_p=top_p)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = lossfx_trl.per_token_logps_and_entropies(
+        h, w, input_ids, mask, logits_to_keep=keep, temperature=temperature, compute_entropy=True,
+        sampling_params=params,
+    )  # fmt: skip
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    z = reference.linear_logits(h2, w2, temperature)
+    ok = (input_ids.masked_fill(mask == 0, -100)[:, 1:] != -100)[:, -keep:]
+    rlp = reference.next_token_filtered_logprobs(z, input_ids, top_k, top_p)[:, -keep:]
+    rlp = torch.where(ok, rlp, 0.0)
+    rent = dense(h2, w2, input_ids, mask, keep, temperature)[1]
+    torch.testing.assert_close(lp, rlp, **TIGHT)
+    torch.testing.assert_close(ent, rent, **TIGHT)
+    assert torch.isneginf(lp).any() and (lp[ok & torch.isfinite(lp)] < 0).all()  # some targets filtered out
+    gen = torch.Generator().manual_seed(7)
+    dlp = torch.randn(lp.shape, generator=gen, dtype=F64) * torch.isfinite(lp)  # no gradient into −inf
+    dent = torch.randn(lp.shape, generator=gen, dtype=F64)
+    got = torch.autograd.grad([lp, ent], [h, w], [dlp, dent])
+    finite = torch.where(torch.isfinite(rlp), rlp, 0.0)
+    want = torch.autograd.grad([finite, rent], [h2, w2], [dlp, dent])
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, **TIGHT)
 
 
 def test_mixed_dtypes_cast_hidden_to_the_head_dtype():
@@ -172,6 +202,20 @@ def test_mixin_matches_stock_grpo_method_values_and_gradients():
     for name in g_t:
         torch.testing.assert_close(g_l[name], g_t[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     assert (lp_t == 0).any() and (lp_t != 0).any()
+
+
+def test_mixin_filtered_mode_scores_the_samplers_distribution():
+    model = tiny_qwen2()
+    trainer = _fake_trainer(0.9)
+    trainer.top_k, trainer.top_p, trainer.lossfx_filtered_logprobs = 10, 0.95, True
+    input_ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(input_ids)
+    lp, _, _ = lossfx_trl.LossfxGRPOMixin._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, 5)
+    hidden = model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+    z = hidden.double() @ model.lm_head.weight.double().T / 0.9
+    expected = reference.next_token_filtered_logprobs(z, input_ids, 10, 0.95)[:, -5:]
+    torch.testing.assert_close(lp.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.isneginf(expected).any()
 
 
 def test_mixin_refuses_a_head_it_would_get_wrong():

@@ -24,6 +24,8 @@ from torch import Tensor
 from lossfx._dtensor import is_dtensor
 from lossfx._validation import check_floating, check_integer_ids
 from lossfx.fused_linear import linear_next_token_logprobs
+from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
+from lossfx.next_token import next_token_logprobs
 
 # LossfxGRPOTrainer comes from the module's __getattr__ (built on first access)
 __all__ = ["LossfxGRPOMixin", "LossfxGRPOTrainer", "lm_head_weight", "per_token_logps_and_entropies"]  # noqa: F822
@@ -100,6 +102,7 @@ def per_token_logps_and_entropies(
     position_ids: Tensor | None = None,
     chunk_size: int | None = None,
     sharded_head: ShardedHead = "raise",
+    sampling_params: TrainingSamplingParams | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """TRL's per-token log-probs (and entropies) of the last `K` tokens, from hidden states, fused.
 
@@ -134,6 +137,11 @@ def per_token_logps_and_entropies(
         chunk_size: rows per logits chunk of the fused kernel (memory bound only).
         sharded_head: what a sharded DTensor `weight` means (`lm_head_weight`): `"raise"`,
             `"gather"` or `"tensor_parallel"`.
+        sampling_params: the rollout's top-k/top-p filter (`lossfx.TrainingSamplingParams`; its
+            `temperature` is ignored, `temperature` above applies). With a filter, `logps` are
+            those of the filtered distribution the sampler drew from (`−inf` where the token lies
+            outside it), computed on the logits path: the `[B, K, V]` logits are materialised.
+            The entropies stay those of the unfiltered distribution (TRL's metric).
 
     Returns:
         `(logps [B, K], entropies [B, K] or None)` in fp32 (float64 for a float64 head); 0 with
@@ -171,6 +179,9 @@ def per_token_logps_and_entropies(
     hidden = hidden_states[:, start:]
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
+    pos = None if position_ids is None else position_ids[:, start:]
+    if need_top_k_or_top_p_filtering(sampling_params):
+        return _filtered(hidden, weight, targets, scored, temperature, compute_entropy, pos, sampling_params)
     with torch.autocast(hidden.device.type, enabled=False):  # the head's dtype decides the matmul's
         result = linear_next_token_logprobs(
             hidden,
@@ -179,13 +190,38 @@ def per_token_logps_and_entropies(
             temperature=temperature,
             chunk_size=chunk_size,
             return_entropy=bool(compute_entropy),
-            position_ids=None if position_ids is None else position_ids[:, start:],
+            position_ids=pos,
         )
     logps, neg_entropy = result if isinstance(result, tuple) else (result, None)
     zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
     logps = torch.where(scored, logps, zero)
     entropies = None if neg_entropy is None else torch.where(scored, -neg_entropy, zero)
     return logps, entropies
+
+
+def _filtered(
+    hidden: Tensor,
+    weight: Any,
+    targets: Tensor,
+    scored: Tensor,
+    temperature: float,
+    compute_entropy: bool,
+    position_ids: Tensor | None,
+    sampling_params: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """The logits path of `per_token_logps_and_entropies` under a top-k/top-p filter."""
+    if is_dtensor(weight):
+        raise ValueError("sampling_params with a top-k/top-p filter needs a plain (or gathered) LM-head weight")
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = hidden @ weight.T / temperature  # [B, K+1, V]
+        logps = next_token_logprobs(logits, targets, sampling_params=sampling_params, position_ids=position_ids)
+        entropies = None
+        if compute_entropy:
+            lp = torch.log_softmax(logits[:, :-1].to(logps.dtype), dim=-1)
+            entropies = -(lp.exp() * lp).sum(-1)
+    zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
+    logps = torch.where(scored, logps, zero)
+    return logps, None if entropies is None else torch.where(scored, entropies, zero)
 
 
 def _check_plain_head(model: Any) -> None:
@@ -211,11 +247,14 @@ class LossfxGRPOMixin:
     per sequence instead of `S`), then `per_token_logps_and_entropies` scores the completion from
     the last hidden states and the LM head. Multimodal batches and MoE auxiliary losses go to
     the stock method. `lossfx_sharded_head` (class attribute, default `"raise"`) is passed as
-    `sharded_head`: set it to `"gather"` under FSDP2.
+    `sharded_head`: set it to `"gather"` under FSDP2. `lossfx_filtered_logprobs = True` scores
+    the completions under the trainer's `top_k` / `top_p` (the sampler's filtered distribution,
+    on the logits path) instead of the full distribution stock TRL scores.
     """
 
     lossfx_sharded_head: ShardedHead = "raise"
     lossfx_chunk_size: int | None = None
+    lossfx_filtered_logprobs: bool = False
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -236,6 +275,10 @@ class LossfxGRPOMixin:
         unwrapped = self.accelerator.unwrap_model(model)  # type: ignore[attr-defined]
         _check_plain_head(unwrapped)
         takes_keep = "logits_to_keep" in inspect.signature(unwrapped.forward).parameters
+        sampling = None
+        if self.lossfx_filtered_logprobs:
+            top_k = getattr(self, "top_k", None)
+            sampling = TrainingSamplingParams(top_k=top_k or None, top_p=float(getattr(self, "top_p", 1.0) or 1.0))
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
@@ -254,6 +297,7 @@ class LossfxGRPOMixin:
                 compute_entropy=compute_entropy,
                 chunk_size=self.lossfx_chunk_size,
                 sharded_head=self.lossfx_sharded_head,
+                sampling_params=sampling,
             )
             logps.append(lp)
             if ent is not None:
