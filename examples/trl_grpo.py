@@ -138,11 +138,17 @@ def compare(stock: list[dict[str, float]], fused: list[dict[str, float]]) -> lis
     if len(stock) != STEPS or len(fused) != STEPS:
         raise AssertionError(f"expected {STEPS} logged steps, got {len(stock)} (stock) and {len(fused)} (lossfx)")
     lines, bad = (
-        [f"{'step':>4} {'loss TRL':>14} {'loss lossfx':>14} {'grad_norm TRL':>14} {'grad_norm lossfx':>16}"],
+        [
+            f"{'step':>4} {'loss TRL':>14} {'loss lossfx':>14} {'grad_norm TRL':>14} {'grad_norm lossfx':>16} "
+            f"{'entropy TRL':>12} {'entropy lossfx':>14}"
+        ],
         [],
     )
     for step, (a, b) in enumerate(zip(stock, fused), start=1):
-        lines.append(f"{step:>4} {a['loss']:>14.8g} {b['loss']:>14.8g} {a['grad_norm']:>14.8g} {b['grad_norm']:>16.8g}")
+        lines.append(
+            f"{step:>4} {a['loss']:>14.8g} {b['loss']:>14.8g} {a['grad_norm']:>14.8g} {b['grad_norm']:>16.8g} "
+            f"{a['entropy']:>12.8g} {b['entropy']:>14.8g}"
+        )
         for key in ("loss", "grad_norm", "entropy"):
             if not math.isclose(a[key], b[key], rel_tol=RTOL, abs_tol=ATOL):
                 bad.append(f"step {step} {key}: TRL {a[key]!r} vs lossfx {b[key]!r}")
