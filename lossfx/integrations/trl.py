@@ -180,6 +180,8 @@ def per_token_logps_and_entropies(
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
     pos = None if position_ids is None else position_ids[:, start:]
+    if pos is not None:  # a sequence's last position scores nothing (both paths, both outputs)
+        scored = scored & (pos[:, 1:] != 0)
     if need_top_k_or_top_p_filtering(sampling_params):
         return _filtered(hidden, weight, targets, scored, temperature, compute_entropy, pos, sampling_params)
     with torch.autocast(hidden.device.type, enabled=False):  # the head's dtype decides the matmul's
