@@ -51,6 +51,7 @@ from lossfx._numerics import log_softmax_rows
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
 from lossfx.context_parallel import allgather_cp, check_covers_sequence, shard_padded_for_cp
 from lossfx.linear_chunks import linear_local_grads, linear_local_stats, merge_row_stats
+from lossfx.next_token import check_position_ids, mask_sequence_ends, zero_sequence_ends
 
 __all__ = ["linear_gather_logprobs", "linear_next_token_logprobs", "linear_token_logprobs"]
 
@@ -490,6 +491,7 @@ def linear_next_token_logprobs(
     cp_sharder: Any = None,
     chunk_size: int | None = None,
     return_entropy: bool = False,
+    position_ids: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Next-token log-probs `[B, S−1]` from hidden states: position `t` scores `input_ids[:, t+1]`.
 
@@ -519,13 +521,19 @@ def linear_next_token_logprobs(
             (`lossfx.next_token.ContextParallelSharder`); takes precedence over
             `context_parallel_group`.
         return_entropy: also return `Σ_v p log p` at the same `[B, S−1]` positions.
+        position_ids: `[B, S]` canonical positions of padding-free rows (several sequences per
+            row, each restarting at 0), or `None`. Each sequence's last position (where
+            `position_ids[:, t+1] == 0`) gets log-prob 0 and `Σ p log p` 0, with zero gradients,
+            instead of scoring the next sequence's first token; dense equivalent:
+            ``torch.where(position_ids[:, 1:] == 0, 0, out)`` for each output.
 
     Returns:
         `[B, S−1]` (or `(logprobs, neg_entropy)`) in the compute dtype, replicated on every TP and
         CP rank.
 
     Raises:
-        ValueError: shape mismatches; with CP, `C·S_l < S` or an odd local length; with sequence
+        ValueError: shape mismatches (`position_ids` must be `input_ids`' shape); with CP,
+            `C·S_l < S` or an odd local length; with sequence
             parallelism, a local length not divisible by the TP size.
 
     Example:
@@ -540,6 +548,7 @@ def linear_next_token_logprobs(
     input_ids = replicated(input_ids, "input_ids")
     check_floating("hidden", hidden)
     check_integer_ids("input_ids", input_ids)
+    position_ids = check_position_ids(position_ids, input_ids)
     cp_size = 1 if cp_sharder is not None else group_size(context_parallel_group)
     tp_size = group_size(group) if sequence_parallel else 1
     if hidden.dim() != 3 or input_ids.dim() != 2 or hidden.shape[0] != input_ids.shape[0]:
@@ -556,6 +565,7 @@ def linear_next_token_logprobs(
     check_covers_sequence("hidden states", local_len, seq, cp_size, cp_sharder is not None, shapes)
     # 1. the shift, on the canonical sequence; 2. the targets in hidden's (CP) layout
     target = torch.roll(input_ids, shifts=-1, dims=1).to(hidden.device)  # [B, S]
+    target, ends = mask_sequence_ends(target, position_ids)  # padding-free rows: no shift across sequences
     if cp_sharder is not None:
         target = cp_sharder.shard_token_tensor(target, seq_dim=1, fill=0)
     elif cp_size > 1:
@@ -588,5 +598,5 @@ def linear_next_token_logprobs(
         outputs = [cp_sharder.gather_token_tensor(x, seq_dim=1, trim=True) for x in outputs]
     elif cp_size > 1:
         outputs = [allgather_cp(x, context_parallel_group, seq_dim=1) for x in outputs]  # [B, C·S_l]
-    outputs = [x[:, : max(seq - 1, 0)] for x in outputs]
+    outputs = [zero_sequence_ends(x[:, : max(seq - 1, 0)], ends) for x in outputs]
     return (outputs[0], outputs[1]) if return_entropy else outputs[0]

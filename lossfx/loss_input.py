@@ -80,6 +80,7 @@ def next_token_logprobs(
     cp_sharder: Any = None,
     sampling_params: TrainingSamplingParams | None = None,
     chunk_size: int | None = None,
+    position_ids: Tensor | None = None,
 ) -> Tensor:
     """Next-token log-probs: position `t` scores token `input_ids[:, t+1]`.
 
@@ -98,6 +99,10 @@ def next_token_logprobs(
         sampling_params: top-k/top-p filter; filtered-out tokens get `-inf`.
         chunk_size: sequence positions per eager chunk (a memory bound; results do not depend
             on it).
+        position_ids: `[B, S]` canonical positions of padding-free rows (several sequences per
+            row, each restarting at 0), or `None`: each sequence's last position (where
+            `position_ids[:, t+1] == 0`) gets 0 and a zero gradient instead of scoring the next
+            sequence's first token (``reference.next_token_logprobs(..., position_ids=)``).
 
     Returns:
         `[B, S-1]` in the compute dtype (fp32, or float64 for float64 logits); replicated on
@@ -120,6 +125,7 @@ def next_token_logprobs(
         cp_sharder=cp_sharder,
         sampling_params=sampling_params,
         chunk_size=chunk_size,
+        position_ids=position_ids,
     )
 
 

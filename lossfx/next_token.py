@@ -14,6 +14,11 @@ Pipeline (`next_token_logprobs`):
    under a top-k/top-p filter) on this rank's `[B, S_l, Vl]` logits, tensor parallel and chunked;
 4. back to canonical order (`allgather_cp`, or the sharder's `gather_token_tensor`), replicated on
    every CP rank; the gradient is summed over CP ranks (divide the loss by `C`); then `[:, :S−1]`.
+
+Padding-free rows (`position_ids=`, several sequences in one row, positions restarting at 0): the
+shift must not cross a sequence boundary, so `mask_sequence_ends` blanks the target of each
+sequence's last position (where `position_ids[:, t+1] == 0`) in step 1 and `zero_sequence_ends`
+sets its result to 0 (zero gradient) after step 4, as the packed path treats a sequence's last slot.
 """
 
 from __future__ import annotations
@@ -36,10 +41,55 @@ from lossfx.logprobs import token_logprobs
 __all__ = [
     "ContextParallelSharder",
     "LoadBalancedSharder",
+    "check_position_ids",
+    "mask_sequence_ends",
     "next_token_filtered_logprobs",
     "next_token_logprobs",
     "target_logprobs",
+    "zero_sequence_ends",
 ]
+
+
+def check_position_ids(position_ids: object, input_ids: Tensor) -> Tensor | None:
+    """`None`, or `position_ids` checked: an integer tensor of `input_ids`' shape `[B, S]`."""
+    if position_ids is None:
+        return None
+    position_ids = check_integer_ids("position_ids", replicated(position_ids, "position_ids"))
+    if tuple(position_ids.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"position_ids must have input_ids' shape [B, S]; got position_ids.shape={tuple(position_ids.shape)} "
+            f"and input_ids.shape={tuple(input_ids.shape)}"
+        )
+    return position_ids
+
+
+def mask_sequence_ends(target: Tensor, position_ids: Tensor | None, fill: int = 0) -> tuple[Tensor, Tensor | None]:
+    """Padding-free rows: the next-token shift must not cross into the next sequence.
+
+    Args:
+        target: `[B, S]` shifted targets, `target[:, t]` scores `input_ids[:, t+1]` (canonical order).
+        position_ids: `[B, S]` positions restarting at 0 where a sequence starts (transformers'
+            and TRL's padding-free collators), or `None` (then nothing changes).
+        fill: the id written at each sequence's last position (a placeholder whose result is
+            discarded by `zero_sequence_ends`).
+
+    Returns:
+        `(target, ends)`: `target` with `fill` where `ends`; `ends [B, S]` bool, `True` at each
+        sequence's last position (`position_ids[:, t+1] == 0`, and the row's last column), or
+        `None` without `position_ids`. Tensor ops only (no host sync).
+    """
+    if position_ids is None:
+        return target, None
+    starts = position_ids[:, 1:].to(target.device) == 0  # [B, S-1]: t+1 opens a new sequence
+    ends = torch.cat([starts, torch.ones_like(starts[:, :1])], dim=1)  # [B, S]
+    return torch.where(ends, torch.full_like(target, fill), target), ends
+
+
+def zero_sequence_ends(x: Tensor, ends: Tensor | None) -> Tensor:
+    """`x [B, S']` (`S' <= S`) with 0 (and a zero gradient) where `ends[:, :S']`; `x` when `ends` is `None`."""
+    if ends is None:
+        return x
+    return torch.where(ends[:, : x.shape[1]], torch.zeros_like(x), x)
 
 
 @runtime_checkable
@@ -136,6 +186,7 @@ def next_token_logprobs(
     chunk_size: int | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
+    position_ids: Tensor | None = None,
 ) -> Tensor:
     """Next-token log-probs `[B, S−1]` from logits in any sequence layout.
 
@@ -155,12 +206,18 @@ def next_token_logprobs(
         chunk_size: sequence positions per eager chunk (memory bound only).
         vocab_start, vocab_size: this shard's first id and `V`, for uneven shards (defaults
             `rank · Vl` and `TP · Vl`).
+        position_ids: `[B, S]` canonical positions of padding-free rows (several sequences per
+            row, each restarting at 0), or `None`. Position `t` with `position_ids[:, t+1] == 0`
+            is a sequence's last and gets 0 with a zero gradient (it would score the next
+            sequence's first token); the dense equivalent is
+            ``torch.where(position_ids[:, 1:] == 0, 0, next_token_logprobs(logits, input_ids))``.
 
     Returns:
         `[B, S−1]` in the compute dtype, replicated on every TP and CP rank.
 
     Raises:
-        ValueError: shape mismatches; with CP, `C·S_l < S` or an odd local length (the
+        ValueError: shape mismatches (`position_ids` must be `input_ids`' shape); with CP, `C·S_l < S`
+            or an odd local length (the
             load-balanced layout needs a multiple of `2C`); an id of `input_ids[:, 1:]` outside
             `[0, V)` (eager only; the message gives its `(b, t)` in `input_ids` and its value).
     """
@@ -173,6 +230,7 @@ def next_token_logprobs(
             f"logits must be [B, S_local, V_local] and input_ids [B, S] with the same B; got "
             f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
         )
+    position_ids = check_position_ids(position_ids, input_ids)
     batch, seq = input_ids.shape
     local_len = logits.shape[1]
     shapes = f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
@@ -182,6 +240,7 @@ def next_token_logprobs(
     check_ids_in_range("input_ids", input_ids[:, 1:], vocab, column_offset=1)
     # 1. the shift, on the canonical sequence; the last column (dropped) scores id 0
     target = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1).to(logits.device)  # [B, S]
+    target, ends = mask_sequence_ends(target, position_ids)  # padding-free rows: no shift across sequences
     # 2. the targets in the logits' layout
     if cp_sharder is not None:
         target = cp_sharder.shard_token_tensor(target, seq_dim=1, fill=0)
@@ -203,7 +262,7 @@ def next_token_logprobs(
         local = cp_sharder.gather_token_tensor(local, seq_dim=1, trim=True)
     elif cp_size > 1:
         local = allgather_cp(local, context_parallel_group, seq_dim=1)  # [B, C·S_l]
-    return local[:, : max(seq - 1, 0)]
+    return zero_sequence_ends(local[:, : max(seq - 1, 0)], ends)
 
 
 @keep_errors_under_compile

@@ -74,3 +74,34 @@ def test_bench_linear_quick_runs(tmp_path):
     for r in doc["results"]:
         assert r["median_ms"] > 0 and r["peak_extra_mib"] >= 0 and r["time_vs_unfused"] > 0
     assert "| N | H | V |" in (tmp_path / "linear.md").read_text()
+
+
+def _check_grpo_results(tmp_path, providers):
+    doc = json.loads((tmp_path / "grpo.json").read_text())
+    assert {"date", "machine", "torch", "trl", "liger", "cce"} <= set(doc["environment"])
+    measured = {r["provider"] for r in doc["results"]}
+    assert measured | set(doc["skipped"]) == set(providers) and measured
+    for r in doc["results"]:
+        assert r["median_ms"] > 0 and r["peak_extra_mib"] >= 0 and r["grad_norm"] > 0
+    assert "| N | H | V | provider | entropy |" in (tmp_path / "grpo.md").read_text()
+    return doc
+
+
+def test_bench_grpo_quick_runs_eager_providers(tmp_path):
+    providers = ["lossfx-fused", "trl-fused"]
+    _run(["-m", "benchmarks.bench_grpo", "--quick", "--min-runs", "1", "--providers", *providers], tmp_path)
+    doc = _check_grpo_results(tmp_path, providers)
+    rows = {r["provider"]: r for r in doc["results"]}
+    if "trl-fused" in rows:  # the same loss and gradient from every provider (fp32 rounding)
+        for key in ("loss", "grad_norm"):
+            assert abs(rows["trl-fused"][key] - rows["lossfx-fused"][key]) <= 1e-5 * abs(rows["lossfx-fused"][key])
+
+
+@pytest.mark.slow  # every provider, compiled ones too, each also in a fresh process: minutes on 2 cores
+def test_bench_grpo_quick_runs_every_provider(tmp_path):
+    from benchmarks.bench_grpo import PROVIDERS
+
+    _run(["-m", "benchmarks.bench_grpo", "--quick", "--min-runs", "1"], tmp_path)
+    doc = _check_grpo_results(tmp_path, list(PROVIDERS))
+    for r in doc["results"]:
+        assert r["time_vs_naive"] > 0 and r["grad_norm_rel"] < 1e-4, r

@@ -100,3 +100,31 @@ def test_grpo_step_tensor_parallel_dtensor_logits_match_reference():
         assert result["lm_head_grad"] == "(Shard(dim=0),)", result["lm_head_grad"]
         assert result["warnings"] == [], result["warnings"]
         assert (result["errors"] <= 1e-10).all(), (rank, result["errors"])
+
+
+def test_trl_grpo_example_agrees_with_stock_trl():
+    """examples/trl_grpo.py in its own process: stock TRL and LossfxGRPOTrainer, 3 steps, exit 0."""
+    import subprocess
+
+    pytest.importorskip("trl")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    out = subprocess.run(
+        [sys.executable, "-m", "examples.trl_grpo"], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "OK: 3 GRPO steps" in out.stdout, out.stdout
+    assert "lossfx calls)" in out.stdout and "(0 lossfx calls)" not in out.stdout
+
+
+def test_trl_grpo_example_check_can_fail():
+    from examples import trl_grpo
+
+    logs = [{"loss": -0.1, "grad_norm": 2.0, "entropy": 3.4} for _ in range(trl_grpo.STEPS)]
+    assert len(trl_grpo.compare(logs, [dict(x) for x in logs])) == trl_grpo.STEPS + 1
+    off = [dict(x) for x in logs]
+    off[1]["grad_norm"] *= 1 + 10 * trl_grpo.RTOL
+    with pytest.raises(AssertionError, match="step 2 grad_norm"):
+        trl_grpo.compare(logs, off)
+    with pytest.raises(AssertionError, match="expected 3 logged steps"):
+        trl_grpo.compare(logs, logs[:2])

@@ -47,10 +47,17 @@ def linear_gather_logprobs(
 
 
 def linear_next_token_logprobs(
-    hidden: Tensor, weight: Tensor, input_ids: Tensor, temperature: float = 1.0
+    hidden: Tensor, weight: Tensor, input_ids: Tensor, temperature: float = 1.0, position_ids: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Canonical `[B, S, H]`, `[V, H]`, `[B, S]` -> (`[B, S−1]` next-token log-probs, `[B, S−1]` `Σ p log p`)."""
-    return linear_token_logprobs(hidden[:, :-1], weight, input_ids[:, 1:], temperature)
+    """Canonical `[B, S, H]`, `[V, H]`, `[B, S]` -> (`[B, S−1]` next-token log-probs, `[B, S−1]` `Σ p log p`).
+
+    With padding-free `position_ids [B, S]`, both are 0 at each sequence's last position
+    (`position_ids[:, t+1] == 0`)."""
+    logprobs, neg_entropy = linear_token_logprobs(hidden[:, :-1], weight, input_ids[:, 1:], temperature)
+    if position_ids is None:
+        return logprobs, neg_entropy
+    ends = position_ids[:, 1:] == 0
+    return torch.where(ends, 0.0, logprobs), torch.where(ends, 0.0, neg_entropy)
 
 
 def linear_logprob_objective(

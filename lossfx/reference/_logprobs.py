@@ -30,9 +30,15 @@ def token_logprobs(logits: Tensor, target: Tensor) -> Tensor:
     return log_softmax(logits).gather(-1, target.unsqueeze(-1)).squeeze(-1)
 
 
-def next_token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
-    """`[B, S, V]`, `[B, S]` -> `[B, S-1]`: position `t` scores token `input_ids[:, t+1]`."""
-    return token_logprobs(logits[:, :-1], input_ids[:, 1:])
+def next_token_logprobs(logits: Tensor, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+    """`[B, S, V]`, `[B, S]` -> `[B, S-1]`: position `t` scores token `input_ids[:, t+1]`.
+
+    With padding-free `position_ids [B, S]` (positions restarting at 0 where a sequence starts),
+    0 at each sequence's last position (`position_ids[:, t+1] == 0`)."""
+    logprobs = token_logprobs(logits[:, :-1], input_ids[:, 1:])
+    if position_ids is None:
+        return logprobs
+    return torch.where(position_ids[:, 1:] == 0, 0.0, logprobs)
 
 
 def prepare_loss_input(logits: Tensor, data: dict[str, Any], loss_fn: Any) -> dict[str, Any]:

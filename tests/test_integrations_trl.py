@@ -1,0 +1,291 @@
+"""lossfx.integrations.trl: TRL's per-token log-probs and entropies through the fused head.
+
+`per_token_logps_and_entropies` against its dense float64 definition (values and gradients at
+1e-10: temperature, `logits_to_keep`, padding, `-100` labels, padding-free rows), against TRL's own
+fused LM head on a tiny Qwen2 in fp32, the mixin against the stock `GRPOTrainer` method, the
+DTensor head rules on 2 gloo ranks, and the lazy import. The TRL parts skip without `trl`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from harness import gloo_pool
+
+import lossfx
+from lossfx import reference
+from lossfx.integrations import trl as lossfx_trl
+
+F64 = torch.float64
+TIGHT = {"rtol": 0, "atol": 1e-10}
+
+
+def make_case(seed=0, batch=3, seq=10, hidden_size=6, vocab=20, dtype=F64):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, seq, hidden_size, generator=gen, dtype=F64).to(dtype)
+    weight = (torch.randn(vocab, hidden_size, generator=gen, dtype=F64) * 3 / math.sqrt(hidden_size)).to(dtype)
+    input_ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    mask[1, -2:] = 0  # right padding
+    return hidden, weight, input_ids, mask
+
+
+def dense(hidden, weight, input_ids, mask, keep, temperature, labels=None, position_ids=None):
+    """The docstring's dense equivalent, float64 (TRL's definition)."""
+    if labels is None:
+        labels = input_ids.masked_fill(mask == 0, -100)
+    labels = labels[:, 1:]
+    lp, ne = reference.linear_token_logprobs(hidden[:, :-1], weight, labels.clamp(min=0), temperature)
+    ok = (labels != -100) & (mask[:, 1:] != 0)
+    if position_ids is not None:
+        ok = ok & (position_ids[:, 1:] != 0)
+    return torch.where(ok, lp, 0.0)[:, -keep:], torch.where(ok, -ne, 0.0)[:, -keep:]
+
+
+@pytest.mark.parametrize(("keep", "temperature", "use_labels", "padding_free"), [
+    (4, 1.0, False, False), (9, 0.7, False, False), (5, 1.3, True, False), (9, 1.0, False, True),
+])  # fmt: skip
+def test_matches_dense_definition(keep, temperature, use_labels, padding_free):
+    hidden, weight, input_ids, mask = make_case()
+    labels = position_ids = None
+    if use_labels:
+        labels = input_ids.clone()
+        labels[:, -3] = -100  # a masked completion token
+        labels[2, -1] = -100
+    if padding_free:
+        position_ids = torch.cat([torch.arange(4), torch.arange(6)]).expand(3, 10).clone()
+        mask = torch.ones_like(mask)
+    inputs_before = (input_ids.clone(), mask.clone(), None if labels is None else labels.clone())
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = lossfx_trl.per_token_logps_and_entropies(
+        h, w, input_ids, mask, logits_to_keep=keep, temperature=temperature, compute_entropy=True,
+        labels=labels, position_ids=position_ids, chunk_size=4,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    dlp, dent = torch.randn(lp.shape, generator=gen, dtype=F64), torch.randn(lp.shape, generator=gen, dtype=F64)
+    dh, dw = torch.autograd.grad([lp, ent], [h, w], [dlp, dent])
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    rlp, rent = dense(h2, w2, input_ids, mask, keep, temperature, labels, position_ids)
+    rdh, rdw = torch.autograd.grad([rlp, rent], [h2, w2], [dlp, dent])
+    assert lp.shape == (3, keep)
+    for got, want in ((lp, rlp), (ent, rent), (dh, rdh), (dw, rdw)):
+        torch.testing.assert_close(got, want, **TIGHT)
+    assert (rlp == 0).any() and (rlp != 0).any()  # masked and scored positions both present
+    assert (ent >= 0).all()  # TRL's sign: entropy, not Σ p log p
+    assert torch.equal(input_ids, inputs_before[0]) and torch.equal(mask, inputs_before[1])
+    if labels is not None:
+        assert torch.equal(labels, inputs_before[2])
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (None, 0.8), (8, 0.9)])
+def test_filtered_logps_match_the_dense_filtered_distribution(top_k, top_p):
+    hidden, weight, input_ids, mask = make_case(seed=6)
+    keep, temperature = 6, 0.8
+    params = lossfx.TrainingSamplingParams(top_k=top_k, top_p=top_p)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = lossfx_trl.per_token_logps_and_entropies(
+        h, w, input_ids, mask, logits_to_keep=keep, temperature=temperature, compute_entropy=True,
+        sampling_params=params,
+    )  # fmt: skip
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    z = reference.linear_logits(h2, w2, temperature)
+    ok = (input_ids.masked_fill(mask == 0, -100)[:, 1:] != -100)[:, -keep:]
+    rlp = reference.next_token_filtered_logprobs(z, input_ids, top_k, top_p)[:, -keep:]
+    rlp = torch.where(ok, rlp, 0.0)
+    rent = dense(h2, w2, input_ids, mask, keep, temperature)[1]
+    torch.testing.assert_close(lp, rlp, **TIGHT)
+    torch.testing.assert_close(ent, rent, **TIGHT)
+    assert torch.isneginf(lp).any() and (lp[ok & torch.isfinite(lp)] < 0).all()  # some targets filtered out
+    gen = torch.Generator().manual_seed(7)
+    dlp = torch.randn(lp.shape, generator=gen, dtype=F64) * torch.isfinite(lp)  # no gradient into −inf
+    dent = torch.randn(lp.shape, generator=gen, dtype=F64)
+    got = torch.autograd.grad([lp, ent], [h, w], [dlp, dent])
+    finite = torch.where(torch.isfinite(rlp), rlp, 0.0)
+    want = torch.autograd.grad([finite, rent], [h2, w2], [dlp, dent])
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, **TIGHT)
+
+
+def test_mixed_dtypes_cast_hidden_to_the_head_dtype():
+    hidden, weight, input_ids, mask = make_case(seed=2)
+    lp, _ = lossfx_trl.per_token_logps_and_entropies(hidden.float(), weight, input_ids, mask, logits_to_keep=5)
+    assert lp.dtype == F64
+    torch.testing.assert_close(lp, dense(hidden.float().double(), weight, input_ids, mask, 5, 1.0)[0], **TIGHT)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"logits_to_keep": 0}, ValueError, r"logits_to_keep must lie in \[1, S-1\] = \[1, 9\].*got 0"),
+        ({"logits_to_keep": 10}, ValueError, r"logits_to_keep must lie in .* got 10"),
+        ({"logits_to_keep": 2.0}, TypeError, "logits_to_keep must be an int"),
+        ({"labels": torch.full((3, 9), 1)}, ValueError, r"labels must have input_ids' shape \(3, 10\)"),
+        ({"labels": torch.full((3, 10), -5)}, ValueError, r"target must lie in \[0, 20\).*-5"),
+        ({"sharded_head": "shard"}, ValueError, "sharded_head must be"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    hidden, weight, input_ids, mask = make_case()
+    with pytest.raises(error, match=match):
+        lossfx_trl.per_token_logps_and_entropies(hidden, weight, input_ids, mask, **kwargs)
+
+
+def test_importing_the_integration_imports_neither_trl_nor_transformers():
+    code = "import sys, lossfx.integrations.trl; print(sorted({'trl', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Against TRL itself (fp32, a tiny random Qwen2)
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_qwen2(vocab=96, seed=0):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.Qwen2ForCausalLM(config).float()
+
+
+class _FakeTrainer(lossfx_trl.LossfxGRPOMixin):
+    """What both methods read of a trainer: `accelerator` (unwrap, autocast) and `temperature`."""
+
+    def __init__(self, temperature):
+        self.accelerator = SimpleNamespace(
+            unwrap_model=lambda m: m, autocast=contextlib.nullcontext, is_main_process=True
+        )
+        self.temperature = temperature
+
+
+def _fake_trainer(temperature):
+    return _FakeTrainer(temperature)
+
+
+def test_mixin_matches_stock_grpo_method_values_and_gradients():
+    pytest.importorskip("trl")
+    from trl import GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = tiny_qwen2()
+    add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
+    gen = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, 96, (4, 12), generator=gen)
+    mask = torch.ones_like(input_ids)
+    mask[0, :4] = 0
+    mask[3, -3:] = 0
+    trainer = _fake_trainer(0.8)
+    results = []
+    for method in (
+        GRPOTrainer._get_per_token_logps_and_entropies,
+        lossfx_trl.LossfxGRPOMixin._get_per_token_logps_and_entropies,
+    ):
+        model.zero_grad()
+        lp, ent, aux = method(trainer, model, input_ids, mask, 7, batch_size=3, compute_entropy=True)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        results.append((lp.detach(), ent.detach(), aux, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (lp_t, ent_t, aux_t, g_t), (lp_l, ent_l, aux_l, g_l) = results
+    assert aux_t is None and aux_l is None and lp_l.shape == (4, 7)
+    # fp32 both; different summation orders: rounding-level agreement
+    torch.testing.assert_close(lp_l, lp_t, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent_l, ent_t, rtol=1e-5, atol=1e-5)
+    for name in g_t:
+        torch.testing.assert_close(g_l[name], g_t[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert (lp_t == 0).any() and (lp_t != 0).any()
+
+
+def test_mixin_filtered_mode_scores_the_samplers_distribution():
+    model = tiny_qwen2()
+    trainer = _fake_trainer(0.9)
+    trainer.top_k, trainer.top_p, trainer.lossfx_filtered_logprobs = 10, 0.95, True
+    input_ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(input_ids)
+    lp, _, _ = lossfx_trl.LossfxGRPOMixin._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, 5)
+    hidden = model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+    z = hidden.double() @ model.lm_head.weight.double().T / 0.9
+    expected = reference.next_token_filtered_logprobs(z, input_ids, 10, 0.95)[:, -5:]
+    torch.testing.assert_close(lp.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.isneginf(expected).any()
+
+
+def test_mixin_refuses_a_head_it_would_get_wrong():
+    pytest.importorskip("trl")
+    model = tiny_qwen2()
+    model.config.final_logit_softcapping = 30.0
+    input_ids = torch.randint(0, 96, (2, 6))
+    with pytest.raises(ValueError, match=r"final_logit_softcapping=30\.0"):
+        lossfx_trl.LossfxGRPOMixin._get_per_token_logps_and_entropies(
+            _fake_trainer(1.0), model, input_ids, torch.ones_like(input_ids), 3
+        )
+
+
+def test_trainer_class_is_built_lazily_on_grpo_trainer():
+    trl = pytest.importorskip("trl")
+    cls = lossfx_trl.LossfxGRPOTrainer
+    assert issubclass(cls, trl.GRPOTrainer) and issubclass(cls, lossfx_trl.LossfxGRPOMixin)
+    assert cls is lossfx_trl.LossfxGRPOTrainer
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        lossfx_trl.Nope  # noqa: B018
+
+
+# ---------------------------------------------------------------------------------------------
+# DTensor heads (FSDP2-style Shard(0) over ranks with different data): never a silent wrong answer
+# ---------------------------------------------------------------------------------------------
+
+
+def _dtensor_heads(rank, world, group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    hidden, weight, input_ids, mask = make_case(seed=5, vocab=20)
+    own = make_case(seed=10 + rank, vocab=20)[0]  # data parallel: each rank its own hidden states
+    out = {}
+    sharded = distribute_tensor(weight, mesh, [Shard(0)], src_data_rank=None).requires_grad_()
+    try:
+        lossfx_trl.per_token_logps_and_entropies(own, sharded, input_ids, mask, logits_to_keep=4)
+        out["raised"] = ""
+    except ValueError as e:
+        out["raised"] = str(e)
+    lp, _ = lossfx_trl.per_token_logps_and_entropies(
+        own, sharded, input_ids, mask, logits_to_keep=4, sharded_head="gather"
+    )
+    lp.sum().backward()
+    out["gather"], out["gather_grad"] = lp.detach(), sharded.grad.to_local()
+    out["gather_ref"] = dense(own, weight, input_ids, mask, 4, 1.0)[0]
+    tp = distribute_tensor(weight, mesh, [Shard(0)], src_data_rank=None)
+    out["tp"] = lossfx_trl.per_token_logps_and_entropies(
+        hidden, tp, input_ids, mask, logits_to_keep=4, sharded_head="tensor_parallel"
+    )[0]
+    out["tp_ref"] = dense(hidden, weight, input_ids, mask, 4, 1.0)[0]
+    rep = distribute_tensor(weight, mesh, [Replicate()], src_data_rank=None)
+    out["replicated"] = lossfx_trl.per_token_logps_and_entropies(hidden, rep, input_ids, mask, logits_to_keep=4)[0]
+    return out
+
+
+@pytest.mark.distributed
+def test_dtensor_heads_raise_gather_or_run_tensor_parallel():
+    results = gloo_pool(2).run(_dtensor_heads)
+    w = make_case(seed=5, vocab=20)[1].clone().requires_grad_()
+    # gather: the head's gradient is the mean over ranks (FSDP2's reduction), each rank its own data
+    total = sum(
+        dense(make_case(seed=10 + r, vocab=20)[0], w, *make_case(seed=5, vocab=20)[2:], 4, 1.0)[0].sum()
+        for r in range(2)
+    )
+    (dw,) = torch.autograd.grad(total / 2, w)
+    for rank, res in enumerate(results):
+        assert "placements (Shard(dim=0),)" in res["raised"] and "sharded_head='gather'" in res["raised"]
+        torch.testing.assert_close(res["gather"], res["gather_ref"], **TIGHT)
+        torch.testing.assert_close(res["gather_grad"], dw[rank * 10 : (rank + 1) * 10], **TIGHT)
+        torch.testing.assert_close(res["tp"], res["tp_ref"], **TIGHT)
+        torch.testing.assert_close(res["replicated"], res["tp_ref"], **TIGHT)
