@@ -315,8 +315,9 @@ def _prepare_logprob_input(
     )  # [B, S-1]; validates the shapes
     if not filtering:
         return {"next_token_logprobs": logprobs}
-    # The -inf rule (semantics.md §1.1 step 3, §3.5): positions whose token fell outside the kept
-    # set, or whose mask = token_mask · sample_mask (token_mask required, a missing sample_mask is ones) is 0, become 0.
+    # The -inf rule (NeMo's `mask_out_neg_inf_logprobs`, docs/decisions.md §3): positions whose token fell
+    # outside the kept set, or whose mask = token_mask · sample_mask (token_mask required, a missing sample_mask
+    # is ones) is 0, become 0.
     # Everything is computed before `data` is touched, so a call that raises leaves it unchanged.
     mask = loss_mask_from_data(data, input_ids)  # [B, S] bool
     logprobs = mask_out_neg_inf_logprobs(logprobs, mask[:, 1:], "curr_logprobs")
@@ -371,7 +372,8 @@ def prepare_opd_full_loss_input(
         when `reference_policy_kl_penalty != 0`), in `promote_types(student, teacher, fp32)`.
 
     Raises:
-        ValueError: every error condition of semantics.md §1.2.1, missing columns, bad shapes.
+        ValueError: every error condition of NeMo's payload reconstruction (docs/decisions.md §3),
+            missing columns, bad shapes.
     """
     if has_dtensor(logits, data) or has_dtensor_head(teacher_output_layer_weight_by_index):
         # DTensor boundary: lossfx/_dtensor.py, with the teacher heads as this rank's rows

@@ -4,7 +4,7 @@ Data-dict plumbing of the entry points (`loss_input.py`), kept apart from the ke
 column names of a batch (`token_mask`, `sample_mask`) but nothing about vocabularies or layouts.
 
 * `loss_mask_from_data`: `token_mask · sample_mask[:, None]` `[B, S]` (a missing `token_mask`
-  raises `ValueError`, decisions.md §5; a missing `sample_mask` is ones);
+  raises `ValueError`, docs/decisions.md §2.5; a missing `sample_mask` is ones);
 * `mask_out_neg_inf_logprobs`: `where(mask & ~isinf(logprobs), logprobs, 0)`, warning in eager
   mode about valid tokens a top-k/top-p filter removed.
 
@@ -74,8 +74,8 @@ def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logpr
 def loss_mask_from_data(data: Mapping[str, Any], input_ids: Tensor) -> Tensor:
     """`token_mask · sample_mask[:, None] != 0` `[B, S]` bool from `data`.
 
-    `token_mask` `[B, S]` is required (a missing one raises `ValueError` naming it, decisions.md
-    §5; it is never taken as ones); `sample_mask` `[B]` is an optional per-sequence weight (ones
+    `token_mask` `[B, S]` is required (a missing one raises `ValueError` naming it, docs/decisions.md
+    §2.5; it is never taken as ones); `sample_mask` `[B]` is an optional per-sequence weight (ones
     when absent). Any numeric or bool dtype.
     """
     batch, seq = input_ids.shape

@@ -1,6 +1,6 @@
 """Full-vocabulary on-policy distillation (`LossInputType.OPD_FULL`): teacher logits and the branch.
 
-Pipeline of `prepare_opd_full` (semantics.md §1.2, decisions.md):
+Pipeline of `prepare_opd_full` (NeMo RL's OPD_FULL branch; docs/opd_full.md, docs/decisions.md §3):
 
 1. read the config `loss_fn.opd_full` and the teacher payload column (`teacher_full_logits`
    `[B, S_p, V]`, or `teacher_full_hidden_states` `[B, S_p, H]` with the per-row
@@ -324,9 +324,9 @@ def reconstruct_opd_full_teacher_logits(
         `[B, S_l, Vl]` on the student's device (not detached: the caller detaches).
 
     Raises:
-        ValueError: every error condition of semantics.md §1.2.1: no/unusable LM head, several
-            heads without a row index, width mismatches, a row tagged with an unloaded head,
-            heads of different shard width or dtype, a payload narrower than this rank's
+        ValueError: every error condition of NeMo's payload reconstruction (docs/decisions.md §3):
+            no/unusable LM head, several heads without a row index, width mismatches, a row tagged with an
+            unloaded head, heads of different shard width or dtype, a payload narrower than this rank's
             vocabulary window or longer than the student's window, a result whose width is not
             `Vl`; also a bad `teacher_payload`, a payload that is not `[B, S_p, D]` or whose
             batch differs from the student's. (The per-row head check reads values and runs in
