@@ -1,4 +1,4 @@
-"""OPD_FULL: config, teacher logits reconstruction (semantics.md §1.2.1) and the branch (§1.2)."""
+"""OPD_FULL: config, teacher logits reconstruction (NeMo's payload rules, docs/opd_full.md) and the branch."""
 
 from __future__ import annotations
 
