@@ -7,11 +7,12 @@ This module turns every such disagreement into the same `ValueError` on every ra
 
 How (one idea): each public function that runs collectives is wrapped by `checked_collective`.
 Before the function runs, every rank encodes its call into a fixed-length int64 *signature*
-(`[SIGNATURE_LEN]`: the function called, every tensor argument's shape and dtype (not
-`requires_grad`: a sharded gradcheck differentiates one rank's shard), every scalar argument,
-the fields of `sampling_params`, `loss_fn` and `data`, this rank's vocabulary shard width and
-`vocab_start`; the rows of a fused LM-head `weight [Vl, H]`), and one all-gather of it runs per process
-group (tensor parallel first, then context parallel). The length is fixed, so ranks that disagree
+(`[SIGNATURE_LEN]`: the function called, grad mode, every tensor argument's shape, dtype and
+`requires_grad` (they decide the backward's collectives), a `fingerprint` of the values of every
+tensor that must be replicated over the group, every scalar argument, the fields of
+`sampling_params`, `loss_fn` and `data`, this rank's vocabulary shard width and `vocab_start`;
+the rows of a fused LM-head `weight [Vl, H]`), and one all-gather of it runs per process group
+(tensor parallel first, then context parallel). The length is fixed, so ranks that disagree
 about everything else still agree on the size of this one collective. Every rank then compares
 the same gathered matrix with the same rules, so every rank raises the same error (naming the
 field and each rank's value) or none does; after an error the group is still in step.
@@ -19,12 +20,14 @@ field and each rank's value) or none does; after an error the group is still in 
 Rules across the tensor-parallel group: every field must agree except the shard's own layout
 (`vocab_start`, `vocab_parallel_rank`, the vocabulary width of the logits), which must tile
 `[0, V)` as the kernels will read it (`vocab` policy of the wrapped function, see
-`checked_collective`). Across the context-parallel group every field must agree.
+`checked_collective`). Tensors sharded per rank (vocabulary shards, sequence-parallel `hidden`)
+are not fingerprinted. Across the context-parallel group every field but the fingerprints
+(sequence shards) must agree.
 
 Nested public calls are checked once: the outermost wrapped call checks, the calls it makes
-inside its scope do not (a thread-local flag). The check is skipped under `torch.compile` (it
-reads Python values and runs an eager collective; no graph break, nothing is traced) and when
-switched off with `set_consistency_checks(False)` or `LOSSFX_CONSISTENCY_CHECKS=0`.
+inside its scope do not. There is no switch. Under `torch.compile` the check is traced into the
+graph (`_check_in_graph`: a functional all-gather and an in-graph assertion; no graph break, no
+host read).
 """
 
 from __future__ import annotations
@@ -60,19 +63,19 @@ _scope = threading.local()  # .active: inside a checked call; .widths: {id(group
 # ---------------------------------------------------------------------------------------------
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_ROW_MIX = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64 (golden-ratio multiplier)
-_COL_MIX = -0x3D4D51C2D82B14B1  # 0xC2B2AE3D27D4EB4F as a signed int64
+_MIX = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64 (odd: a bijection mod 2^64)
+_LOW32 = 0xFFFFFFFF
 
 
 def fingerprint(x: Tensor) -> Tensor:
     """A 0-d int64 fingerprint of `x`'s bits, computed on `x`'s device (no host read).
 
-    With `x` bit-cast to integers and viewed as `[R, C]` (`C` its last dim), it is
-    `Σ_ij x_ij · wr_i · wc_j mod 2^64` with odd weights `wr_i = (i · K1) | 1`, `wc_j = (j · K2) | 1`:
-    an odd weight is invertible mod 2^64, so changing any one element always changes it, and the
-    position-dependent weights tell moved elements apart (a permutation almost surely changes it).
-    Integer arithmetic wraps and is associative: every rank and every reduction order get the same
-    value. Compiles (`fullgraph=True`) to one fused pass.
+    With `x` bit-cast to integers, flattened, and each element mixed by a bijection of int64
+    (`h = v · K`, `h ^= h >>> 32`), it is `Σ_i h_i · (2i + 1) mod 2^64`. Each weight is odd, so
+    invertible mod 2^64: changing any one element always changes the fingerprint; the weights
+    depend on the position, so moved elements almost surely do too. Integer arithmetic wraps and
+    is associative: every rank and every reduction order (eager, Inductor) get the same value.
+    Dense equivalent: a checksum of `x.flatten()`. Compiles (`fullgraph=True`) to one fused pass.
     """
     t = x.detach()
     if t.is_complex():
@@ -81,10 +84,11 @@ def fingerprint(x: Tensor) -> Tensor:
         t = t.to(torch.uint8)
     elif t.is_floating_point():
         t = t.contiguous().view(_INT_OF_SIZE[t.element_size()])
-    t = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
-    rows = torch.arange(t.shape[0], device=t.device, dtype=torch.int64) * _ROW_MIX
-    cols = torch.arange(t.shape[1], device=t.device, dtype=torch.int64) * _COL_MIX
-    return ((t.to(torch.int64) * (cols | 1)).sum(-1) * (rows | 1)).sum()
+    h = t.reshape(-1).to(torch.int64) * _MIX
+    h = h ^ ((h >> 32) & _LOW32)  # a logical shift: the top half is kept, so this is a bijection
+    # (the weights stay small: Inductor's index arithmetic must not overflow)
+    weights = torch.arange(h.shape[0], device=h.device, dtype=torch.int64) * 2 + 1
+    return (h * weights).sum()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,6 +119,7 @@ _PER_RANK = ("vocab_start", "vocab_parallel_rank")  # may differ across the tens
 _TYPE_ONLY = ("cp_sharder",)  # objects whose state is rank-specific: only their type is compared
 
 
+@torch.compiler.assume_constant_result  # under torch.compile: run at trace time, a constant in the graph
 def _crc(text: str) -> int:
     """A 32-bit code of `text`, remembered for this thread's messages until the next signature."""
     code = zlib.crc32(text.encode())
@@ -173,14 +178,20 @@ class _Fields:
     on the values of fields before it (a tensor's `ndim` precedes its dims, a mapping's keys
     precede its entries), so ranks compare labels position by position."""
 
-    def __init__(self) -> None:
+    def __init__(self, fingerprints: bool = True) -> None:
+        self.fingerprints = fingerprints
         self.labels: list[str] = []
         self.codes: list[tuple[int, int]] = []
         self.values: list[tuple[int, Tensor]] = []  # (field index, fingerprint of a replicated tensor)
+        self.floats: list[tuple[int, Tensor]] = []  # (field index, bits of a float) when traced
 
     def add(self, label: str, value: Any) -> None:
         self.labels.append(label)
-        self.codes.append(_encode(value))
+        if isinstance(value, float) and torch.compiler.is_compiling():  # maybe symbolic: its bits in the graph
+            self.floats.append((len(self.codes), torch.tensor(value, dtype=torch.float64).view(torch.int64)))
+            self.codes.append((_K_FLOAT, 0))
+        else:
+            self.codes.append(_encode(value))
 
     def tensor(self, label: str, value: Tensor, dims: Any, replicated: bool) -> None:
         """A tensor's fields: kind, ndim, the compared `dims` (`(i, size)` pairs), dtype, whether autograd tracks it
@@ -192,7 +203,8 @@ class _Fields:
         self.add(f"{label}.dtype", value.dtype)
         self.add(f"{label}.requires_grad", value.requires_grad)
         if replicated and not _is_fake(value) and value.numel():
-            self.values.append((len(self.codes), fingerprint(value)))
+            if self.fingerprints:
+                self.values.append((len(self.codes), fingerprint(value)))
             self.labels.append(f"the values of {label} (which must be the same on every rank)")
             self.codes.append((_K_VALUES, 0))  # the value slot is filled on the device
 
@@ -207,7 +219,7 @@ class _Fields:
             self.add(label, _Kind(f"process group of size {value.size()}"))
         elif value is None or isinstance(value, (bool, int, float, str, enum.Enum, torch.dtype)):
             self.add(label, value)
-        elif depth >= 2 or callable(value):
+        elif depth >= 2:
             self.add(label, value)
         elif isinstance(value, Mapping):
             keys = sorted(value.keys(), key=str)
@@ -218,6 +230,8 @@ class _Fields:
             self.add(label, _Kind(f"sequence of length {len(value)}"))
             for i, item in enumerate(value[:32]):
                 self.walk(f"{label}[{i}]", item, depth + 1, replicated=replicated)
+        elif callable(value):
+            self.add(label, value)
         else:  # a config object (dataclass, SimpleNamespace, a loss function): its public attributes
             self.add(label, value)
             attrs = (
@@ -239,15 +253,16 @@ def _is_fake(t: Tensor) -> bool:
     return t.device.type == "meta"
 
 
-def _signature(name: str, arguments: Mapping[str, Any]) -> tuple[Tensor, list[str]]:
+def _signature(name: str, arguments: Mapping[str, Any], values: bool = True) -> tuple[Tensor, list[str]]:
     """`(signature [SIGNATURE_LEN] int64, labels)` of a call of `name` with bound `arguments`.
 
     The static fields are known on the host; the fingerprints of replicated tensors are computed
-    on their device and written into the vector there (no host read)."""
-    fields = _Fields()
+    on their device and written into the vector there (no host read); `values=False` leaves
+    them 0 (a group over which those tensors are shards)."""
+    fields = _Fields(values)
     header = [0] * _HEADER
     _scope.names = {}  # the strings of this call only: bounded memory over a long run
-    header[_H_MAGIC], header[_H_PATH] = _MAGIC, zlib.crc32(name.encode())
+    header[_H_MAGIC], header[_H_PATH] = _MAGIC, _crc(name)
     header[_H_WIDTH] = header[_H_START] = header[_H_SIZE] = header[_H_RANK] = _NONE
     fields.add("torch.is_grad_enabled()", torch.is_grad_enabled())  # decides the backward's collectives
     per_rank_hidden = bool(arguments.get("sequence_parallel"))  # hidden is this rank's rows
@@ -273,17 +288,22 @@ def _signature(name: str, arguments: Mapping[str, Any]) -> tuple[Tensor, list[st
             fields.walk(arg, value, replicated=not (arg == "hidden" and per_rank_hidden))
     flat = [x for code in fields.codes for x in code]
     header[_H_COUNT] = len(fields.codes)
-    header[_H_DIGEST] = zlib.crc32(struct.pack(f"<{len(flat)}q", *flat))
+    if not torch.compiler.is_compiling():  # traced, shapes may be symbolic: no digest of the fields past the body
+        header[_H_DIGEST] = zlib.crc32(struct.pack(f"<{len(flat)}q", *flat))
     body = flat[: 2 * _MAX_FIELDS]
     body += [0] * (SIGNATURE_LEN - _HEADER - len(body))
     device = fields.values[0][1].device if fields.values else None
     sig = torch.tensor(header + body, dtype=torch.int64, device=device)
+    if fields.floats:
+        slots = [_HEADER + 2 * i + 1 for i, _ in fields.floats if i < _MAX_FIELDS]
+        bits = torch.stack([b for _, b in fields.floats][: len(slots)]).to(sig.device)
+        sig = sig.index_put((torch.tensor(slots, device=device),), bits)
     if fields.values:
         prints = torch.stack([v for _, v in fields.values])
         slots = [_HEADER + 2 * i + 1 for i, _ in fields.values if i < _MAX_FIELDS]
         if slots:
             sig = sig.index_put((torch.tensor(slots, device=device),), prints[: len(slots)])
-        mix = torch.arange(len(fields.values), device=device, dtype=torch.int64) * _ROW_MIX | 1
+        mix = torch.arange(len(fields.values), device=device, dtype=torch.int64) * 2 + 1
         sig = sig.index_put((torch.tensor([_H_VALUES], device=device),), (prints * mix).sum().reshape(1))
     return sig, fields.labels
 
@@ -453,6 +473,38 @@ def _check(
         )
 
 
+_PER_RANK_SLOTS = (_H_VERDICT, _H_WIDTH, _H_START, _H_RANK)  # the shard layout: differs across the TP group
+
+
+def _check_in_graph(name: str, arguments: Mapping[str, Any], tp_arg: str | None, cp_arg: str | None) -> None:
+    """The check inside a `torch.compile`d graph: the signature (static fields a constant of the
+    graph, fingerprints computed in it) all-gathered with a functional collective, and an in-graph
+    assertion that every rank's equals this rank's: no graph break, no host read. A mismatch
+    raises `RuntimeError` with the same message on every rank (they all see the same gathered
+    matrix). Not compared here: the shard layout (widths, offsets: the kernels' uniform default
+    is assumed) and, across the context-parallel group, the fingerprints."""
+    from torch.distributed import _functional_collectives as fc
+
+    tp = arguments.get(tp_arg) if tp_arg else None
+    cp = arguments.get(cp_arg) if cp_arg else None
+    if cp is None and arguments.get("cp_sharder") is not None:
+        cp, cp_arg = getattr(arguments["cp_sharder"], "cp_group", None), "cp_sharder.cp_group"
+    for group, group_name, with_values in ((tp, tp_arg, True), (cp, cp_arg, False)):
+        if group is None or not _is_distributed(group):
+            continue
+        sig, _ = _signature(name, arguments, values=with_values)
+        skip = _PER_RANK_SLOTS if with_values else (_H_VERDICT,)
+        keep = torch.tensor([i not in skip for i in range(SIGNATURE_LEN)], device=sig.device)
+        gathered = fc.all_gather_tensor(sig, 0, group).view(group.size(), SIGNATURE_LEN)
+        agree = ((gathered == gathered[0]) | ~keep).all()
+        torch._assert_async(
+            agree,
+            f"lossfx.{name}: the ranks of {group_name} disagree on the call (its function, shapes, dtypes, "
+            "scalar arguments, requires_grad or the values of replicated inputs; compiled, so the field is "
+            "not named: run the same call eagerly to see it). Every rank of a group must make the same call",
+        )
+
+
 def _message(name: str, group_name: str | None, group: dist.ProcessGroup, what: str) -> str:
     where = "lossfx" if what.startswith("the function called") else f"lossfx.{name}"  # the same on every rank
     return f"{where}: the {group.size()} ranks of {group_name} disagree on {what}"
@@ -476,6 +528,7 @@ def _is_group_or_sharder(arg: Any) -> bool:
 
 
 Local = Callable[[dict[str, Any]], tuple[dict[str, Any], str]]
+_traced_depth = [0]  # nesting of checked calls being traced by Dynamo (tracing is serialised by a lock)
 
 
 def checked_collective(
@@ -507,11 +560,13 @@ def checked_collective(
         tp_arg = tp or next((p for p in ("vocab_parallel_group", "group") if p in params and p != cp), None)
         cp_arg = cp or ("context_parallel_group" if "context_parallel_group" in params else None)
         name = fn.__name__
-        _functions[zlib.crc32(name.encode())] = name
+        _functions[zlib.crc32(name.encode())] = name  # (the same code as _crc(name))
 
         @functools.wraps(fn)
         def checked(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling() or getattr(_scope, "active", False):
+            if torch.compiler.is_compiling():
+                return _traced(*args, **kwargs)
+            if getattr(_scope, "active", False):
                 return fn(*args, **kwargs)
             values = (*args, *kwargs.values())
             dtensors = any(map(_has_dtensor, values))
@@ -534,6 +589,20 @@ def checked_collective(
             finally:
                 _scope.active, _scope.widths = False, {}
 
+        def _traced(*args: Any, **kwargs: Any) -> Any:
+            """Under `torch.compile`: the in-graph check at the outermost checked call."""
+            if _traced_depth[0] or (any(map(_has_dtensor, (*args, *kwargs.values()))) and local is None):
+                return fn(*args, **kwargs)
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            arguments = local(dict(bound.arguments))[0] if local is not None else bound.arguments
+            _check_in_graph(name, arguments, tp_arg, cp_arg)
+            _traced_depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _traced_depth[0] -= 1
+
         return checked  # type: ignore[return-value]
 
     return wrap
@@ -543,7 +612,7 @@ def vocab_shard_range(local_vocab: int, group: dist.ProcessGroup | None) -> tupl
     """`(vocab_start, vocab_size)` of this rank's shard when shards may have uneven widths.
 
     Eager: the widths every rank reported to the consistency check of the enclosing call (or one
-    all-gather of the widths when the check is off); this rank's shard starts after the lower
+    all-gather of the widths outside a checked call); this rank's shard starts after the lower
     ranks' shards (rank order) and `V` is their sum. Under `torch.compile` and without a group:
     `(None, None)`, which the kernels read as uniform shards (`rank · Vl`, `R · Vl`).
     """

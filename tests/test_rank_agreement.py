@@ -9,6 +9,7 @@ the same group, which must match the float64 reference (the group is still in st
 """
 
 import os
+import types
 from types import SimpleNamespace
 
 import harness
@@ -218,6 +219,58 @@ def test_agreeing_dtensor_head_is_exact():
         torch.testing.assert_close(dw, w.grad, rtol=0, atol=1e-10)
 
 
+class _LossHead(torch.nn.Module):
+    """The LM head with the loss inside its forward: where FSDP2 has unsharded the weight."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.lm_head = torch.nn.Linear(H, V, bias=False, dtype=F64)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(weight)
+
+    def forward(self, hidden, target):
+        return lossfx.linear_token_logprobs(hidden, self.lm_head.weight, target)
+
+
+def _fsdp2_real(rank, world, group):
+    """`fully_shard` leaves the head Shard(0) over the data-parallel ranks outside the forward:
+    an error with the remedy. Inside the module's forward (the FSDP2 recipe) the weight is whole:
+    exact values, and FSDP2's reduce-scatter averages the ranks' gradients into the shards."""
+    from torch.distributed.fsdp import fully_shard
+
+    _head(torch.zeros(2, 1), rank)  # the mesh
+    module = _LossHead(_fused(0)[1])
+    fully_shard(module, mesh=_MESH["mesh"])
+    hidden, _, target = _fused(10 + rank)
+    weight = module.lm_head.weight
+    try:
+        lossfx.linear_token_logprobs(hidden, weight, target)
+        message = None
+    except ValueError as err:
+        message = str(err)
+    out = module(hidden, target)
+    out.sum().backward()
+    return message, type(weight).__name__, out.detach(), module.lm_head.weight.grad.full_tensor()
+
+
+def test_fsdp2_fully_sharded_head():
+    results = gloo_pool(2).run(_fsdp2_real)
+    _, weight, _ = _fused(0)
+    grads = []
+    for rank, (message, kind, out, _) in enumerate(results):
+        assert kind == "DTensor"
+        assert all(part in message for part in [VALUES.format("hidden"), *FSDP]), message
+        hidden, _, target = _fused(10 + rank)
+        w = weight.clone().requires_grad_()
+        ref = reference.linear_token_logprobs(hidden, w, target)[0]
+        ref.sum().backward()
+        torch.testing.assert_close(out, ref.detach(), rtol=0, atol=1e-10)
+        grads.append(w.grad)
+    assert results[0][0] == results[1][0]
+    for _, _, _, grad in results:  # FSDP2 averages over the data-parallel ranks
+        torch.testing.assert_close(grad, (grads[0] + grads[1]) / 2, rtol=0, atol=1e-10)
+
+
 def _env_off_on_one_rank(rank, world, group):
     """The old switch's environment variable on one rank: the check still runs on both."""
     if rank == 0:
@@ -266,3 +319,108 @@ def test_fingerprint_does_not_mutate_and_skips_empty():
     fingerprint(x.t())  # non-contiguous
     assert torch.equal(x, before)
     assert fingerprint(torch.tensor(2.5)).dim() == 0
+
+
+def test_fingerprint_compiled_equals_eager():
+    """Inductor (static, then "automatic dynamic" shapes) computes the eager value: ranks whose
+    graphs differ (one recompiled dynamic) still agree. A large multiplier in the position weights
+    once broke this (Inductor's index arithmetic overflowed)."""
+    compiled = torch.compile(fingerprint, fullgraph=True, backend="inductor")
+    x = torch.randn(40, 37, generator=_gen(3), dtype=F64)
+    for rows in (40, 39, 38, 40):
+        assert torch.equal(compiled(x[:rows]), fingerprint(x[:rows])), rows
+    y = torch.randint(-(2**62), 2**62, (9, 5), generator=_gen(4))
+    assert torch.equal(compiled(y), fingerprint(y))
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 5: the check inside compiled graphs (fullgraph=True, no host read)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fused_step(hidden, rows, target, group, temperature, chunk):
+    return lossfx.linear_token_logprobs(hidden, rows, target, group=group, temperature=temperature, chunk_size=chunk)
+
+
+def _logits_step(z, ids, rank, group):
+    data = {"input_ids": ids}
+    return lossfx.prepare_loss_input(z, data, LOGPROB, rank, group)[0]["next_token_logprobs"]
+
+
+def _own_code(fn, tag):
+    """A copy of `fn` with its own code object: Dynamo's automatic-dynamic state lives on the code
+    object, so each backend's recompile counts do not depend on which ran first."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _compiled_cases(rank, world, group, backend):
+    """Per case `(message or None)`, then the consistent calls' values and compile counts."""
+    from harness import compiled_for_rank
+
+    fused_counter, fused = compiled_for_rank(
+        rank, ("agreement-fused", backend), _own_code(_fused_step, backend), backend
+    )
+    logits_counter, logits = compiled_for_rank(
+        rank, ("agreement-logits", backend), _own_code(_logits_step, backend), backend
+    )
+    hidden, weight, target = _fused(0)
+    rows = weight[rank * 6 : (rank + 1) * 6]
+    z = torch.randn(2, 5, V, generator=_gen(1), dtype=F64)[..., rank * 6 : (rank + 1) * 6]
+    ids = torch.randint(0, V, (2, 5), generator=_gen(2))
+    ok = [fused(hidden, rows, target, group, 0.7, 4), logits(z, ids, rank, group)]
+    counts = [fused_counter.frame_count, logits_counter.frame_count]
+    cases = {
+        "temperature": lambda: fused(hidden, rows, target, group, 0.7 if rank == 0 else 1.0, 4),
+        "chunk_size": lambda: fused(hidden, rows, target, group, 0.7, 4 if rank == 0 else 3),
+        "N": lambda: fused(hidden[: 6 - rank], rows, target[: 6 - rank], group, 0.7, 4),
+        "target_values": lambda: fused(hidden, rows, _bump(target, rank, (2,)), group, 0.7, 4),
+        "S": lambda: logits(z[:, : 5 - rank], ids[:, : 5 - rank], rank, group),
+        "input_ids_values": lambda: logits(z, _bump(ids, rank, (1, 2)), rank, group),
+    }
+    if backend == "inductor":  # compiles are slow: the two cases that abort or are silent without the check
+        cases = {case: cases[case] for case in ("temperature", "N")}
+    messages, compiles = {}, {}
+    for case, call in cases.items():
+        before = fused_counter.frame_count + logits_counter.frame_count
+        try:
+            call()
+            messages[case] = None
+        except RuntimeError as err:
+            messages[case] = str(err)
+        compiles[case] = fused_counter.frame_count + logits_counter.frame_count - before
+    again = [fused(hidden, rows, target, group, 0.7, 4), logits(z, ids, rank, group)]
+    return messages, ok, again, counts, [fused_counter.frame_count, logits_counter.frame_count], compiles
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_disagreement_raises_on_every_rank(backend, monkeypatch):
+    monkeypatch.setattr(harness, "_TIMEOUT_S", 600.0)  # several Inductor compiles on a loaded machine
+    results = gloo_pool(2).run(_compiled_cases, backend)
+    hidden, weight, target = _fused(0)
+    ref_fused = reference.linear_token_logprobs(hidden, weight, target, 0.7)[0]
+    z = torch.randn(2, 5, V, generator=_gen(1), dtype=F64)
+    ids = torch.randint(0, V, (2, 5), generator=_gen(2))
+    ref_logits = reference.next_token_logprobs(z, ids)
+    for rank, (messages, ok, again, counts, final_counts, compiles) in enumerate(results):
+        for case, message in messages.items():
+            assert message is not None, case
+            assert "lossfx.linear_token_logprobs: the ranks of group disagree" in message or (
+                "lossfx.prepare_loss_input: the ranks of vocab_parallel_group disagree" in message
+            ), (case, message)
+        for out in (ok, again):
+            torch.testing.assert_close(out[0], ref_fused, rtol=0, atol=1e-10)
+            torch.testing.assert_close(out[1], ref_logits, rtol=0, atol=1e-10)
+        assert counts == [1, 1]
+        # rank 0 makes the first call's arguments every time: no recompile. Rank 1's differ:
+        # a new float, chunk_size, N, S: one "automatic dynamic" recompile each (see below);
+        # each; new values never recompile; the consistent calls afterwards reuse the graphs
+        expected = dict.fromkeys(compiles, 0)
+        if rank == 1:  # a new float: aot_eager specialises it once before making it dynamic
+            new = {"temperature": 2 if backend == "aot_eager" else 1, "chunk_size": 1, "N": 1, "S": 1}
+            expected.update({case: n for case, n in new.items() if case in compiles})
+        assert compiles == expected
+        logits_compiles = expected.get("S", 0)
+        assert final_counts == [1 + sum(expected.values()) - logits_compiles, 1 + logits_compiles]
+    assert results[0][0] == results[1][0], "every rank raises the same errors"
