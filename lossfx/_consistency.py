@@ -116,6 +116,7 @@ _VOCAB_TENSORS = ("logits", "student", "teacher", "student_logits", "teacher_log
 _VOCAB_ROWS = ("weight",)  # [Vl, H] LM-head shards (the fused functions): rows are the vocabulary
 _VOCAB_COLUMNS = ("teacher_full_logits",)  # data columns over the vocabulary: last dim not compared
 _PER_RANK = ("vocab_start", "vocab_parallel_rank")  # may differ across the tensor-parallel group
+_SHARD_MAPPINGS = ("teacher_output_layer_weight_by_index",)  # {index: [Vl, H] LM-head shard}: not replicated
 _TYPE_ONLY = ("cp_sharder",)  # objects whose state is rank-specific: only their type is compared
 
 
@@ -193,7 +194,7 @@ class _Fields:
         else:
             self.codes.append(_encode(value))
 
-    def tensor(self, label: str, value: Tensor, dims: Any, replicated: bool) -> None:
+    def tensor(self, label: str, value: Tensor, dims: Any, replicated: bool, grad_flag: bool = True) -> None:
         """A tensor's fields: kind, ndim, the compared `dims` (`(i, size)` pairs), dtype, whether autograd tracks it
         (it decides the backward's collectives), and for a `replicated` one its fingerprint."""
         self.add(label, _Kind("Tensor"))
@@ -201,20 +202,32 @@ class _Fields:
         for i, d in dims:
             self.add(f"{label}.shape[{i}]", int(d))
         self.add(f"{label}.dtype", value.dtype)
-        self.add(f"{label}.requires_grad", value.requires_grad)
+        if grad_flag:
+            self.add(f"{label}.requires_grad", value.requires_grad)
         if replicated and not _is_fake(value) and value.numel():
             if self.fingerprints:
                 self.values.append((len(self.codes), fingerprint(value)))
             self.labels.append(f"the values of {label} (which must be the same on every rank)")
             self.codes.append((_K_VALUES, 0))  # the value slot is filled on the device
 
-    def walk(self, label: str, value: Any, depth: int = 0, vocab_dim: bool = False, replicated: bool = True) -> None:
+    def walk(
+        self,
+        label: str,
+        value: Any,
+        depth: int = 0,
+        vocab_dim: bool = False,
+        replicated: bool = True,
+        logits: bool = False,
+    ) -> None:
         """Fields of `value`; its first field is always labelled `label` (its kind or value), so
         ranks passing different kinds of values still disagree on a field of the same label.
-        Tensors that are `replicated` (not a per-rank shard) are fingerprinted."""
+        Tensors that are `replicated` (not a per-rank shard) are fingerprinted. The
+        `requires_grad` of `logits` (a vocabulary shard of logits) is not compared: the
+        logits-path backwards run no collective, and a sharded gradcheck differentiates one
+        rank's shard."""
         if isinstance(value, Tensor):
             dims = value.shape[:-1] if vocab_dim and value.dim() else value.shape
-            self.tensor(label, value, enumerate(dims), replicated and not vocab_dim)
+            self.tensor(label, value, enumerate(dims), replicated and not vocab_dim, grad_flag=not logits)
         elif isinstance(value, dist.ProcessGroup):
             self.add(label, _Kind(f"process group of size {value.size()}"))
         elif value is None or isinstance(value, (bool, int, float, str, enum.Enum, torch.dtype)):
@@ -276,7 +289,7 @@ def _signature(name: str, arguments: Mapping[str, Any], values: bool = True) -> 
             # the shard width is per rank (header); a second shard (a teacher) must match the first
             if header[_H_WIDTH] == _NONE:
                 header[_H_WIDTH] = int(value.shape[-1])
-            fields.walk(arg, value, vocab_dim=True)
+            fields.walk(arg, value, vocab_dim=True, logits=True)
             fields.add(f"{arg}.shape[-1] == logits' shard width", int(value.shape[-1]) == header[_H_WIDTH])
         elif arg in _VOCAB_ROWS and isinstance(value, Tensor) and value.dim():
             # an LM-head shard: its row count is this rank's vocabulary width; the other dims must agree
@@ -285,7 +298,8 @@ def _signature(name: str, arguments: Mapping[str, Any], values: bool = True) -> 
         else:
             if arg == "vocab_size":
                 header[_H_SIZE] = _NONE if value is None else int(value)
-            fields.walk(arg, value, replicated=not (arg == "hidden" and per_rank_hidden))
+            per_rank = (arg == "hidden" and per_rank_hidden) or arg in _SHARD_MAPPINGS
+            fields.walk(arg, value, replicated=not per_rank)
     flat = [x for code in fields.codes for x in code]
     header[_H_COUNT] = len(fields.codes)
     if not torch.compiler.is_compiling():  # traced, shapes may be symbolic: no digest of the fields past the body
