@@ -88,7 +88,7 @@ def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
     for batch, seq, vocab in [(2, 16, 64 * world), (4, 512, 4096 * world)]:
         gen = torch.Generator().manual_seed(0)
         logits = torch.randn(batch, seq, vocab // world, generator=gen)
-        data = {"input_ids": torch.randint(0, vocab, (batch, seq), generator=gen)}
+        data = {"input_ids": torch.randint(0, vocab, (batch, seq), generator=gen), "token_mask": torch.ones(batch, seq)}
         sp = lossfx.TrainingSamplingParams(top_k=50, top_p=0.9)
         kwargs = {"vocab_parallel_rank": rank, "vocab_parallel_group": group, "sampling_params": sp}
         arguments = {"logits": logits, "data": data, "loss_fn": loss_fn, **kwargs}
@@ -130,8 +130,8 @@ def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
         rows.append((label, *_interleaved(call, call_unchecked, iters)))
         if batch * seq >= 2048:  # compiled (inductor, fullgraph): the check is in the graph
 
-            def call_step(fn, z, ids, kwargs=kwargs):
-                return fn(z, {"input_ids": ids}, loss_fn, **kwargs)[0]["next_token_logprobs"]
+            def call_step(fn, z, ids, kwargs=kwargs, mask=data["token_mask"]):
+                return fn(z, {"input_ids": ids, "token_mask": mask}, loss_fn, **kwargs)[0]["next_token_logprobs"]
 
             entry = lossfx.prepare_loss_input
             on = torch.compile(lambda z, ids, entry=entry: call_step(entry, z, ids), fullgraph=True)

@@ -424,3 +424,31 @@ def test_compiled_disagreement_raises_on_every_rank(backend, monkeypatch):
         logits_compiles = expected.get("S", 0)
         assert final_counts == [1 + sum(expected.values()) - logits_compiles, 1 + logits_compiles]
     assert results[0][0] == results[1][0], "every rank raises the same errors"
+
+
+# ---------------------------------------------------------------------------------------------
+# Host reads (item 7): the check's own, and none in compiled graphs
+# ---------------------------------------------------------------------------------------------
+
+
+def _host_reads(rank, world, group):
+    from benchmarks.bench_syncs import compiled_host_reads, count_host_reads, entry_points
+    from lossfx import _consistency
+
+    calls = entry_points(rank, world, group)
+    hidden, weight, target = _fused(0)
+    arguments = {"hidden": hidden, "weight": weight[rank * 6 : (rank + 1) * 6], "target": target, "group": group}
+    _consistency._scope.widths = {}
+    check = count_host_reads(lambda: _consistency._check("linear_token_logprobs", arguments, "free", "group", None))
+    names = ("prepare_loss_input LOGPROB top-k + KL", "linear_logprob_objective")
+    return check, {name: compiled_host_reads(calls[name]) for name in names}
+
+
+@pytest.mark.compile
+def test_host_reads_of_the_check(monkeypatch):
+    """The eager check reads the gathered signatures once (fingerprints included); compiled
+    entry points (check in the graph) read nothing. Counted with a TorchDispatchMode."""
+    monkeypatch.setattr(harness, "_TIMEOUT_S", 300.0)
+    for check, compiled in gloo_pool(2).run(_host_reads):
+        assert check == 1
+        assert compiled == dict.fromkeys(compiled, 0)
