@@ -152,7 +152,7 @@ def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
                 run_on()
                 run_off()
             label = f"compiled (inductor) prepare_loss_input LOGPROB top-k 50 top-p 0.9 fwd, [{batch}, {seq}, {vocab}]"
-            rows.append((label, *_interleaved(run_on, run_off, max(iters // 4, 20))))
+            rows.append((label, *_interleaved(run_on, run_off, iters)))
     if rank == 0:
         queue.put(rows)
     dist.barrier()
