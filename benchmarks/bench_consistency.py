@@ -4,7 +4,7 @@
     python -m benchmarks.bench_consistency --world 4 --iters 400
 
 Per call, on every rank (medians over `--iters` calls, check-on and check-off calls interleaved so
-both see the same machine load):
+both see the same machine load; rows of the whole call compare it with and without the check):
 
 - `gather`: one all-gather of the `[256]` int64 signature alone (the collective the check adds),
   and for scale the `[3, B·S]` statistics all-gather the log-prob kernel runs anyway;
@@ -12,7 +12,9 @@ both see the same machine load):
 - `check`: the whole check of a `prepare_loss_input` call (build the signature from the
   arguments, the all-gather, the comparison);
 - `prepare_loss_input` (`LOGPROB`, forward, tensor parallel over the group) with the check on and
-  off, at a tiny shape (where the fixed cost shows) and a moderate one.
+  off (the entry point's `__wrapped__` function: there is no switch), at a tiny shape (where the
+  fixed cost shows) and `[4, 512, 8192]`, eager and compiled (inductor, `fullgraph=True`; the
+  check-off graph is traced as a nested call, which skips the check).
 
 Prints a markdown table (rank 0's numbers).
 """
@@ -48,6 +50,16 @@ def _stats_us(times: list[float]) -> tuple[float, float]:
     return statistics.median(ordered) * 1e6, ordered[len(ordered) // 10] * 1e6
 
 
+def _interleaved(on, off, iters: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """`(stats of on, stats of off)`, the calls alternating so that both see the same load."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(iters):
+        start = time.perf_counter()
+        (on if i % 2 == 0 else off)()
+        times[i % 2].append(time.perf_counter() - start)
+    return _stats_us(times[0]), _stats_us(times[1])
+
+
 def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import warnings
@@ -76,7 +88,7 @@ def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
     for batch, seq, vocab in [(2, 16, 64 * world), (4, 512, 4096 * world)]:
         gen = torch.Generator().manual_seed(0)
         logits = torch.randn(batch, seq, vocab // world, generator=gen)
-        data = {"input_ids": torch.randint(0, vocab, (batch, seq), generator=gen)}
+        data = {"input_ids": torch.randint(0, vocab, (batch, seq), generator=gen), "token_mask": torch.ones(batch, seq)}
         sp = lossfx.TrainingSamplingParams(top_k=50, top_p=0.9)
         kwargs = {"vocab_parallel_rank": rank, "vocab_parallel_group": group, "sampling_params": sp}
         arguments = {"logits": logits, "data": data, "loss_fn": loss_fn, **kwargs}
@@ -109,16 +121,38 @@ def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
         rows.append((label, _stats_us(_times(kernel_gather, iters)), None))
         label = f"check of a prepare_loss_input call, [{batch}, {seq}, {vocab}]"
         rows.append((label, _stats_us(_times(check, iters)), None))
-        on, off = [], []
-        for i in range(iters):
-            enabled = i % 2 == 0
-            lossfx.set_consistency_checks(enabled)
-            start = time.perf_counter()
-            call()
-            (on if enabled else off).append(time.perf_counter() - start)
-        lossfx.set_consistency_checks(True)
+        unchecked = lossfx.prepare_loss_input.__wrapped__  # the entry point without its check
+
+        def call_unchecked(logits=logits, data=data, kwargs=kwargs, unchecked=unchecked):
+            unchecked(logits, data, loss_fn, **kwargs)
+
         label = f"prepare_loss_input LOGPROB top-k 50 top-p 0.9 fwd, [{batch}, {seq}, {vocab}]"
-        rows.append((label, _stats_us(on), _stats_us(off)))
+        rows.append((label, *_interleaved(call, call_unchecked, iters)))
+        if batch * seq >= 2048:  # compiled (inductor, fullgraph): the check is in the graph
+
+            def call_step(fn, z, ids, kwargs=kwargs, mask=data["token_mask"]):
+                return fn(z, {"input_ids": ids, "token_mask": mask}, loss_fn, **kwargs)[0]["next_token_logprobs"]
+
+            entry = lossfx.prepare_loss_input
+            on = torch.compile(lambda z, ids, entry=entry: call_step(entry, z, ids), fullgraph=True)
+            off = torch.compile(lambda z, ids, entry=unchecked: call_step(entry, z, ids), fullgraph=True)
+            ids = data["input_ids"]
+
+            def run_on(z=logits, ids=ids, on=on):
+                on(z, ids)
+
+            def run_off(z=logits, ids=ids, off=off):
+                _consistency._traced_depth[0] = 1  # traced as if nested: no check in this graph
+                try:
+                    off(z, ids)
+                finally:
+                    _consistency._traced_depth[0] = 0
+
+            for _ in range(3):
+                run_on()
+                run_off()
+            label = f"compiled (inductor) prepare_loss_input LOGPROB top-k 50 top-p 0.9 fwd, [{batch}, {seq}, {vocab}]"
+            rows.append((label, *_interleaved(run_on, run_off, iters)))
     if rank == 0:
         queue.put(rows)
     dist.barrier()

@@ -6,7 +6,6 @@ beneath them, and `lossfx.reference`, the dense float64 reference of everything.
 """
 
 from lossfx import reference
-from lossfx._consistency import set_consistency_checks
 from lossfx.context_parallel import allgather_cp, shard_for_cp_rank, unshard
 from lossfx.distillation import distillation_topk_logprobs
 from lossfx.divergence import cross_entropy_to_fixed, entropy, reverse_kl_to_fixed
@@ -65,7 +64,6 @@ __all__ = [
     "reconstruct_opd_full_teacher_logits",
     "reference",
     "reverse_kl_to_fixed",
-    "set_consistency_checks",
     "shard_for_cp_rank",
     "shift_left",
     "token_logprobs",

@@ -7,11 +7,12 @@ This module turns every such disagreement into the same `ValueError` on every ra
 
 How (one idea): each public function that runs collectives is wrapped by `checked_collective`.
 Before the function runs, every rank encodes its call into a fixed-length int64 *signature*
-(`[SIGNATURE_LEN]`: the function called, every tensor argument's shape and dtype (not
-`requires_grad`: a sharded gradcheck differentiates one rank's shard), every scalar argument,
-the fields of `sampling_params`, `loss_fn` and `data`, this rank's vocabulary shard width and
-`vocab_start`; the rows of a fused LM-head `weight [Vl, H]`), and one all-gather of it runs per process
-group (tensor parallel first, then context parallel). The length is fixed, so ranks that disagree
+(`[SIGNATURE_LEN]`: the function called, grad mode, every tensor argument's shape, dtype and
+`requires_grad` (they decide the backward's collectives), a `fingerprint` of the values of every
+tensor that must be replicated over the group, every scalar argument, the fields of
+`sampling_params`, `loss_fn` and `data`, this rank's vocabulary shard width and `vocab_start`;
+the rows of a fused LM-head `weight [Vl, H]`), and one all-gather of it runs per process group
+(tensor parallel first, then context parallel). The length is fixed, so ranks that disagree
 about everything else still agree on the size of this one collective. Every rank then compares
 the same gathered matrix with the same rules, so every rank raises the same error (naming the
 field and each rank's value) or none does; after an error the group is still in step.
@@ -19,12 +20,14 @@ field and each rank's value) or none does; after an error the group is still in 
 Rules across the tensor-parallel group: every field must agree except the shard's own layout
 (`vocab_start`, `vocab_parallel_rank`, the vocabulary width of the logits), which must tile
 `[0, V)` as the kernels will read it (`vocab` policy of the wrapped function, see
-`checked_collective`). Across the context-parallel group every field must agree.
+`checked_collective`). Tensors sharded per rank (vocabulary shards, sequence-parallel `hidden`)
+are not fingerprinted. Across the context-parallel group every field but the fingerprints
+(sequence shards) must agree.
 
 Nested public calls are checked once: the outermost wrapped call checks, the calls it makes
-inside its scope do not (a thread-local flag). The check is skipped under `torch.compile` (it
-reads Python values and runs an eager collective; no graph break, nothing is traced) and when
-switched off with `set_consistency_checks(False)` or `LOSSFX_CONSISTENCY_CHECKS=0`.
+inside its scope do not. There is no switch. Under `torch.compile` the check is traced into the
+graph (`_check_in_graph`: a functional all-gather and an in-graph assertion; no graph break, no
+host read).
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import dataclasses
 import enum
 import functools
 import inspect
-import os
 import struct
 import threading
 import zlib
@@ -47,62 +49,46 @@ from torch import Tensor
 __all__ = [
     "SIGNATURE_LEN",
     "checked_collective",
-    "consistency_checks_enabled",
-    "set_consistency_checks",
+    "fingerprint",
     "vocab_shard_range",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_ENV = "LOSSFX_CONSISTENCY_CHECKS"
-
-
-def _enabled_by(environ: Mapping[str, str]) -> bool:
-    """The default setting: on unless `LOSSFX_CONSISTENCY_CHECKS` is `0`, `false`, `off` or `no`."""
-    return environ.get(_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-_enabled = _enabled_by(os.environ)
 _scope = threading.local()  # .active: inside a checked call; .widths: {id(group): [w_0, ..., w_R-1]}
 
 
-def set_consistency_checks(enabled: bool) -> bool:
-    """Switch the cross-rank consistency check on or off for this process; returns the previous
-    setting (so `prev = set_consistency_checks(False); ...; set_consistency_checks(prev)`).
+# ---------------------------------------------------------------------------------------------
+# Fingerprints of replicated tensors
+# ---------------------------------------------------------------------------------------------
 
-    On by default in eager mode (`LOSSFX_CONSISTENCY_CHECKS=0` in the environment turns it off
-    at import). Before every public call that runs collectives, each rank all-gathers a fixed-size
-    int64 signature of its call (about 2 KiB, one all-gather per process group) and every rank
-    raises the same `ValueError` when the ranks disagree (shapes, dtypes, filter parameters,
-    vocabulary shards), instead of aborting, hanging or returning a wrong answer. Switch it the
-    same way on every rank: a rank that checks waits for its peers' signatures. Never runs inside
-    `torch.compile`d code. Cost: `benchmarks/README.md` ("Cross-rank consistency check").
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MIX = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64 (odd: a bijection mod 2^64)
+_LOW32 = 0xFFFFFFFF
 
-    Args:
-        enabled: `True` to check every eager call that runs collectives, `False` to skip it.
 
-    Returns:
-        The previous setting.
+def fingerprint(x: Tensor) -> Tensor:
+    """A 0-d int64 fingerprint of `x`'s bits, computed on `x`'s device (no host read).
 
-    Raises:
-        TypeError: a non-bool `enabled`.
-
-    Example:
-        >>> import lossfx
-        >>> previous = lossfx.set_consistency_checks(False)
-        >>> lossfx.set_consistency_checks(previous)
-        False
+    With `x` bit-cast to integers, flattened, and each element mixed by a bijection of int64
+    (`h = v · K`, `h ^= h >>> 32`), it is `Σ_i h_i · (2i + 1) mod 2^64`. Each weight is odd, so
+    invertible mod 2^64: changing any one element always changes the fingerprint; the weights
+    depend on the position, so moved elements almost surely do too. Integer arithmetic wraps and
+    is associative: every rank and every reduction order (eager, Inductor) get the same value.
+    Dense equivalent: a checksum of `x.flatten()`. Compiles (`fullgraph=True`) to one fused pass.
     """
-    global _enabled
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {enabled!r}")
-    previous, _enabled = _enabled, enabled
-    return previous
-
-
-def consistency_checks_enabled() -> bool:
-    """Whether the eager cross-rank consistency check is on (see `set_consistency_checks`)."""
-    return _enabled
+    t = x.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    elif t.is_floating_point():
+        t = t.contiguous().view(_INT_OF_SIZE[t.element_size()])
+    h = t.reshape(-1).to(torch.int64) * _MIX
+    h = h ^ ((h >> 32) & _LOW32)  # a logical shift: the top half is kept, so this is a bijection
+    # (the weights stay small: Inductor's index arithmetic must not overflow)
+    weights = torch.arange(h.shape[0], device=h.device, dtype=torch.int64) * 2 + 1
+    return (h * weights).sum()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,13 +98,13 @@ def consistency_checks_enabled() -> bool:
 SIGNATURE_LEN = 256
 _MAGIC = 0x4C4F53534658_01  # "LOSSFX", format 1
 # header slots
-_H_MAGIC, _H_PATH, _H_DIGEST, _H_COUNT, _H_VERDICT, _H_WIDTH, _H_START, _H_SIZE, _H_RANK = range(9)
+_H_MAGIC, _H_PATH, _H_DIGEST, _H_COUNT, _H_VERDICT, _H_WIDTH, _H_START, _H_SIZE, _H_RANK, _H_VALUES = range(10)
 _HEADER = 12
 _MAX_FIELDS = (SIGNATURE_LEN - _HEADER) // 2  # each field is (kind, value)
 _NONE = -(2**63)  # a header value that was not given
 
 # field kinds
-_K_NONE, _K_BOOL, _K_INT, _K_FLOAT, _K_STR, _K_DTYPE, _K_TYPE = range(7)
+_K_NONE, _K_BOOL, _K_INT, _K_FLOAT, _K_STR, _K_DTYPE, _K_TYPE, _K_VALUES = range(8)  # _K_VALUES: a fingerprint
 _DTYPES = [
     torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -136,6 +122,7 @@ _PER_RANK = ("vocab_start", "vocab_parallel_rank")  # may differ across the tens
 _TYPE_ONLY = ("cp_sharder",)  # objects whose state is rank-specific: only their type is compared
 
 
+@torch.compiler.assume_constant_result  # under torch.compile: run at trace time, a constant in the graph
 def _crc(text: str) -> int:
     """A 32-bit code of `text`, remembered for this thread's messages until the next signature."""
     code = zlib.crc32(text.encode())
@@ -184,6 +171,8 @@ def _decode(kind: int, value: int) -> str:
         return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else _names().get(value, f"dtype#{value}")
     if kind == _K_TYPE:
         return _names().get(value, f"an object #{value:x}")
+    if kind == _K_VALUES:
+        return f"fingerprint {value & (2**64 - 1):016x}"
     return _names().get(value, f"value#{value:x}")
 
 
@@ -192,41 +181,72 @@ class _Fields:
     on the values of fields before it (a tensor's `ndim` precedes its dims, a mapping's keys
     precede its entries), so ranks compare labels position by position."""
 
-    def __init__(self) -> None:
+    def __init__(self, fingerprints: bool = True) -> None:
+        self.fingerprints = fingerprints
         self.labels: list[str] = []
         self.codes: list[tuple[int, int]] = []
+        self.values: list[tuple[int, Tensor]] = []  # (field index, fingerprint of a replicated tensor)
+        self.floats: list[tuple[int, Tensor]] = []  # (field index, bits of a float) when traced
 
     def add(self, label: str, value: Any) -> None:
         self.labels.append(label)
-        self.codes.append(_encode(value))
+        if isinstance(value, float) and torch.compiler.is_compiling():  # maybe symbolic: its bits in the graph
+            self.floats.append((len(self.codes), torch.tensor(value, dtype=torch.float64).view(torch.int64)))
+            self.codes.append((_K_FLOAT, 0))
+        else:
+            self.codes.append(_encode(value))
 
-    def walk(self, label: str, value: Any, depth: int = 0, vocab_dim: bool = False) -> None:
+    def tensor(self, label: str, value: Tensor, dims: Any, replicated: bool, grad_flag: bool = True) -> None:
+        """A tensor's fields: kind, ndim, the compared `dims` (`(i, size)` pairs), dtype, whether autograd tracks it
+        (it decides the backward's collectives), and for a `replicated` one its fingerprint."""
+        self.add(label, _Kind("Tensor"))
+        self.add(f"{label}.ndim", value.dim())
+        for i, d in dims:
+            self.add(f"{label}.shape[{i}]", int(d))
+        self.add(f"{label}.dtype", value.dtype)
+        if grad_flag:
+            self.add(f"{label}.requires_grad", value.requires_grad)
+        if replicated and not _is_fake(value) and value.numel():
+            if self.fingerprints:
+                self.values.append((len(self.codes), fingerprint(value)))
+            self.labels.append(f"the values of {label} (which must be the same on every rank)")
+            self.codes.append((_K_VALUES, 0))  # the value slot is filled on the device
+
+    def walk(
+        self,
+        label: str,
+        value: Any,
+        depth: int = 0,
+        vocab_dim: bool = False,
+        replicated: bool = True,
+        logits: bool = False,
+    ) -> None:
         """Fields of `value`; its first field is always labelled `label` (its kind or value), so
-        ranks passing different kinds of values still disagree on a field of the same label."""
+        ranks passing different kinds of values still disagree on a field of the same label.
+        Tensors that are `replicated` (not a per-rank shard) are fingerprinted. The
+        `requires_grad` of `logits` (a vocabulary shard of logits) is not compared: the
+        logits-path backwards run no collective, and a sharded gradcheck differentiates one
+        rank's shard."""
         if isinstance(value, Tensor):
-            self.add(label, _Kind("Tensor"))
-            self.add(f"{label}.ndim", value.dim())
             dims = value.shape[:-1] if vocab_dim and value.dim() else value.shape
-            for i, d in enumerate(dims):
-                self.add(f"{label}.shape[{i}]", int(d))
-            self.add(f"{label}.dtype", value.dtype)
-            if not value.is_floating_point() and value.dim() == 1 and value.numel() <= 64 and not _is_fake(value):
-                self.add(f"{label}.values", _Kind(str(value.tolist())))  # small int tensors (cu_seqlens)
+            self.tensor(label, value, enumerate(dims), replicated and not vocab_dim, grad_flag=not logits)
         elif isinstance(value, dist.ProcessGroup):
             self.add(label, _Kind(f"process group of size {value.size()}"))
         elif value is None or isinstance(value, (bool, int, float, str, enum.Enum, torch.dtype)):
             self.add(label, value)
-        elif depth >= 2 or callable(value):
+        elif depth >= 2:
             self.add(label, value)
         elif isinstance(value, Mapping):
             keys = sorted(value.keys(), key=str)
             self.add(label, _Kind(f"mapping with keys {[str(k) for k in keys]}"))
             for key in keys:  # a vocabulary-wide column's last dim may differ (padded per rank)
-                self.walk(f"{label}[{key!r}]", value[key], depth + 1, vocab_dim=key in _VOCAB_COLUMNS)
+                self.walk(f"{label}[{key!r}]", value[key], depth + 1, key in _VOCAB_COLUMNS, replicated)
         elif isinstance(value, (list, tuple)):
             self.add(label, _Kind(f"sequence of length {len(value)}"))
             for i, item in enumerate(value[:32]):
-                self.walk(f"{label}[{i}]", item, depth + 1)
+                self.walk(f"{label}[{i}]", item, depth + 1, replicated=replicated)
+        elif callable(value):
+            self.add(label, value)
         else:  # a config object (dataclass, SimpleNamespace, a loss function): its public attributes
             self.add(label, value)
             attrs = (
@@ -237,7 +257,7 @@ class _Fields:
             for attr in attrs:
                 item = getattr(value, attr, None)
                 if "rank" not in attr and not isinstance(item, dist.ProcessGroup):
-                    self.walk(f"{label}.{attr}", item, depth + 1)
+                    self.walk(f"{label}.{attr}", item, depth + 1, replicated=replicated)
 
 
 class _Kind(str):
@@ -248,14 +268,20 @@ def _is_fake(t: Tensor) -> bool:
     return t.device.type == "meta"
 
 
-def _signature(name: str, arguments: Mapping[str, Any]) -> tuple[Tensor, list[str]]:
-    """`(signature [SIGNATURE_LEN] int64, labels)` of a call of `name` with bound `arguments`."""
-    fields = _Fields()
+def _signature(name: str, arguments: Mapping[str, Any], values: bool = True) -> tuple[Tensor, list[str]]:
+    """`(signature [SIGNATURE_LEN] int64, labels)` of a call of `name` with bound `arguments`.
+
+    The static fields are known on the host; the fingerprints of replicated tensors are computed
+    on their device and written into the vector there (no host read); `values=False` leaves
+    them 0 (a group over which those tensors are shards)."""
+    fields = _Fields(values)
     header = [0] * _HEADER
     _scope.names = {}  # the strings of this call only: bounded memory over a long run
-    header[_H_MAGIC], header[_H_PATH] = _MAGIC, zlib.crc32(name.encode())
+    header[_H_MAGIC], header[_H_PATH] = _MAGIC, _crc(name)
     header[_H_WIDTH] = header[_H_START] = header[_H_SIZE] = header[_H_RANK] = _NONE
     heads = []
+    fields.add("torch.is_grad_enabled()", torch.is_grad_enabled())  # decides the backward's collectives
+    per_rank_hidden = bool(arguments.get("sequence_parallel"))  # hidden is this rank's rows
     for arg, value in arguments.items():
         if arg in _VOCAB_ROW_MAPPINGS and isinstance(value, Mapping) and value:
             heads.append((arg, value))  # after the loop, when this rank's shard is known
@@ -268,28 +294,39 @@ def _signature(name: str, arguments: Mapping[str, Any]) -> tuple[Tensor, list[st
             # the shard width is per rank (header); a second shard (a teacher) must match the first
             if header[_H_WIDTH] == _NONE:
                 header[_H_WIDTH] = int(value.shape[-1])
-            fields.walk(arg, value, vocab_dim=True)
+            fields.walk(arg, value, vocab_dim=True, logits=True)
             fields.add(f"{arg}.shape[-1] == logits' shard width", int(value.shape[-1]) == header[_H_WIDTH])
         elif arg in _VOCAB_ROWS and isinstance(value, Tensor) and value.dim():
             # an LM-head shard: its row count is this rank's vocabulary width; the other dims must agree
             header[_H_WIDTH] = int(value.shape[0])
-            fields.add(arg, _Kind("Tensor"))
-            fields.add(f"{arg}.ndim", value.dim())
-            for i, d in enumerate(value.shape[1:], start=1):
-                fields.add(f"{arg}.shape[{i}]", int(d))
-            fields.add(f"{arg}.dtype", value.dtype)
+            fields.tensor(arg, value, list(enumerate(value.shape))[1:], replicated=False)
         else:
             if arg == "vocab_size":
                 header[_H_SIZE] = _NONE if value is None else int(value)
-            fields.walk(arg, value)
+            per_rank = (arg == "hidden" and per_rank_hidden) or arg in _VOCAB_ROW_MAPPINGS
+            fields.walk(arg, value, replicated=not per_rank)
     for arg, value in heads:
         _head_fields(fields, arg, value, header)
     flat = [x for code in fields.codes for x in code]
     header[_H_COUNT] = len(fields.codes)
-    header[_H_DIGEST] = zlib.crc32(struct.pack(f"<{len(flat)}q", *flat))
+    if not torch.compiler.is_compiling():  # traced, shapes may be symbolic: no digest of the fields past the body
+        header[_H_DIGEST] = zlib.crc32(struct.pack(f"<{len(flat)}q", *flat))
     body = flat[: 2 * _MAX_FIELDS]
     body += [0] * (SIGNATURE_LEN - _HEADER - len(body))
-    return torch.tensor(header + body, dtype=torch.int64), fields.labels
+    device = fields.values[0][1].device if fields.values else None
+    sig = torch.tensor(header + body, dtype=torch.int64, device=device)
+    if fields.floats:
+        slots = [_HEADER + 2 * i + 1 for i, _ in fields.floats if i < _MAX_FIELDS]
+        bits = torch.stack([b for _, b in fields.floats][: len(slots)]).to(sig.device)
+        sig = sig.index_put((torch.tensor(slots, device=device),), bits)
+    if fields.values:
+        prints = torch.stack([v for _, v in fields.values])
+        slots = [_HEADER + 2 * i + 1 for i, _ in fields.values if i < _MAX_FIELDS]
+        if slots:
+            sig = sig.index_put((torch.tensor(slots, device=device),), prints[: len(slots)])
+        mix = torch.arange(len(fields.values), device=device, dtype=torch.int64) * 2 + 1
+        sig = sig.index_put((torch.tensor([_H_VALUES], device=device),), (prints * mix).sum().reshape(1))
+    return sig, fields.labels
 
 
 def _head_fields(fields: _Fields, arg: str, heads: Mapping[Any, Any], header: list[int]) -> None:
@@ -329,9 +366,14 @@ def _first_disagreement(
 
     The check is the same on every rank (it reads only the gathered `sigs`); the label is this
     rank's, which is every rank's (labels depend only on the fields before the first difference).
+    Across the tensor-parallel group (`per_rank_header`) the fingerprints of replicated tensors
+    are compared; across the context-parallel group they are not (those tensors are sequence shards).
     """
 
     def differs(slot: int) -> bool:
+        fingerprint = slot == _H_VALUES or (slot >= _HEADER and (slot - _HEADER) % 2 and own[slot - 1] == _K_VALUES)
+        if fingerprint and not per_rank_header:
+            return False
         return len({s[slot] for s in sigs}) > 1
 
     if differs(_H_MAGIC):
@@ -354,6 +396,8 @@ def _first_disagreement(
             return labels[i], _decode(own[kind_slot], own[value_slot])
     if differs(_H_COUNT) or differs(_H_DIGEST):
         return f"an argument field past the first {_MAX_FIELDS}", f"digest {own[_H_DIGEST]:x}"
+    if differs(_H_VALUES):
+        return f"the values of a replicated tensor past the first {_MAX_FIELDS} fields", f"{own[_H_VALUES]:x}"
     return None
 
 
@@ -415,17 +459,20 @@ def _tiling_error(sigs: list[list[int]], policy: str) -> str | None:
 
 
 def _gather(x: Tensor, group: dist.ProcessGroup) -> list[list[int]]:
-    """Every rank's `x` (1-D int64), in rank order: one eager all-gather."""
+    """Every rank's `x` (1-D int64), in rank order: one eager all-gather, one host read."""
     out = [torch.empty_like(x) for _ in range(group.size())]
     dist.all_gather(out, x, group=group)
-    return [t.tolist() for t in out]
+    rows: list[list[int]] = torch.stack(out).tolist()
+    return rows
 
 
 def _is_distributed(group: Any) -> bool:
     return isinstance(group, dist.ProcessGroup) and group.size() > 1
 
 
-def _check(name: str, arguments: Mapping[str, Any], policy: str, tp_arg: str | None, cp_arg: str | None) -> None:
+def _check(
+    name: str, arguments: Mapping[str, Any], policy: str, tp_arg: str | None, cp_arg: str | None, hint: str = ""
+) -> None:
     """All-gather this call's signature over its groups and raise on any disagreement.
 
     Every rank runs the same collectives whatever it finds (the tensor-parallel gather, then the
@@ -440,19 +487,22 @@ def _check(name: str, arguments: Mapping[str, Any], policy: str, tp_arg: str | N
     if tp is None and cp is None:
         return
     sig, labels = _signature(name, arguments)
-    own = sig.tolist()
     errors: list[str] = []
     if tp is not None:  # 1. tensor parallel: the shard layout may differ, it must tile the vocabulary
         sigs = _gather(sig, tp)
+        own = sigs[tp.rank()]
         found = _first_disagreement(sigs, own, labels, per_rank_header=True)
         problem = _describe(found, tp) if found else _tiling_error(sigs, policy)
         if problem is None:
             _scope.widths[id(tp)] = [s[_H_WIDTH] for s in sigs]
         else:
+            if hint and found and found[0].startswith(("hidden", "the values of hidden")):
+                problem += hint
             errors.append(_message(name, tp_arg, tp, problem))
         sig[_H_VERDICT] = int(problem is not None)
     if cp is not None:  # 2. context parallel: everything agrees; a peer's failed TP check fails us too
         sigs = _gather(sig, cp)
+        own = sigs[cp.rank()]
         found = _first_disagreement(sigs, own, labels, per_rank_header=False)
         if found:
             errors.append(_message(name, cp_arg, cp, _describe(found, cp)))
@@ -466,6 +516,38 @@ def _check(name: str, arguments: Mapping[str, Any], policy: str, tp_arg: str | N
         raise ValueError(
             f"{errors[0]}. Every rank of a group must make the same call (raised on every rank by "
             "lossfx's cross-rank consistency check; see docs/design.md)"
+        )
+
+
+_PER_RANK_SLOTS = (_H_VERDICT, _H_WIDTH, _H_START, _H_RANK)  # the shard layout: differs across the TP group
+
+
+def _check_in_graph(name: str, arguments: Mapping[str, Any], tp_arg: str | None, cp_arg: str | None) -> None:
+    """The check inside a `torch.compile`d graph: the signature (static fields a constant of the
+    graph, fingerprints computed in it) all-gathered with a functional collective, and an in-graph
+    assertion that every rank's equals this rank's: no graph break, no host read. A mismatch
+    raises `RuntimeError` with the same message on every rank (they all see the same gathered
+    matrix). Not compared here: the shard layout (widths, offsets: the kernels' uniform default
+    is assumed) and, across the context-parallel group, the fingerprints."""
+    from torch.distributed import _functional_collectives as fc
+
+    tp = arguments.get(tp_arg) if tp_arg else None
+    cp = arguments.get(cp_arg) if cp_arg else None
+    if cp is None and arguments.get("cp_sharder") is not None:
+        cp, cp_arg = getattr(arguments["cp_sharder"], "cp_group", None), "cp_sharder.cp_group"
+    for group, group_name, with_values in ((tp, tp_arg, True), (cp, cp_arg, False)):
+        if group is None or not _is_distributed(group):
+            continue
+        sig, _ = _signature(name, arguments, values=with_values)
+        skip = _PER_RANK_SLOTS if with_values else (_H_VERDICT,)
+        keep = torch.tensor([i not in skip for i in range(SIGNATURE_LEN)], device=sig.device)
+        gathered = fc.all_gather_tensor(sig, 0, group).view(group.size(), SIGNATURE_LEN)
+        agree = ((gathered == gathered[0]) | ~keep).all()
+        torch._assert_async(
+            agree,
+            f"lossfx.{name}: the ranks of {group_name} disagree on the call (its function, shapes, dtypes, "
+            "scalar arguments, requires_grad or the values of replicated inputs; compiled, so the field is "
+            "not named: run the same call eagerly to see it). Every rank of a group must make the same call",
         )
 
 
@@ -491,8 +573,16 @@ def _is_group_or_sharder(arg: Any) -> bool:
     return not isinstance(arg, Tensor) and isinstance(getattr(arg, "cp_group", None), dist.ProcessGroup)
 
 
+Local = Callable[[dict[str, Any]], tuple[dict[str, Any], str]]
+_traced_depth = [0]  # nesting of checked calls being traced by Dynamo (tracing is serialised by a lock)
+
+
 def checked_collective(
-    *, vocab: str | Callable[[Mapping[str, Any]], str] = "free", tp: str | None = None, cp: str | None = None
+    *,
+    vocab: str | Callable[[Mapping[str, Any]], str] = "free",
+    tp: str | None = None,
+    cp: str | None = None,
+    local: Local | None = None,
 ) -> Callable[[F], F]:
     """Wrap a public function that runs collectives with the cross-rank consistency check.
 
@@ -504,6 +594,10 @@ def checked_collective(
             or `"auto"` (any widths: the function reads its layout from `vocab_shard_range`).
         tp: name of the tensor-parallel group argument (default: `vocab_parallel_group`, else
             `group`); cp: of the context-parallel one (default: `context_parallel_group`).
+        local: for a function that takes DTensors and does not re-enter itself with local
+            tensors: maps the bound arguments to `(arguments with local tensors and the group and
+            offsets of their placements, a hint appended to a disagreement on hidden)`. Without
+            it, a call with DTensors is checked when it re-enters with local tensors.
     """
 
     def wrap(fn: F) -> F:
@@ -512,17 +606,21 @@ def checked_collective(
         tp_arg = tp or next((p for p in ("vocab_parallel_group", "group") if p in params and p != cp), None)
         cp_arg = cp or ("context_parallel_group" if "context_parallel_group" in params else None)
         name = fn.__name__
-        _functions[zlib.crc32(name.encode())] = name
+        _functions[zlib.crc32(name.encode())] = name  # (the same code as _crc(name))
 
         @functools.wraps(fn)
         def checked(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling() or not _enabled or getattr(_scope, "active", False):
+            if torch.compiler.is_compiling():
+                return _traced(*args, **kwargs)
+            if getattr(_scope, "active", False):
                 return fn(*args, **kwargs)
             values = (*args, *kwargs.values())
-            if not any(map(_is_group_or_sharder, values)) or any(map(_has_dtensor, values)):
-                # no group: no collective. DTensors: the function's DTensor boundary validates them
-                # against their mesh, and an entry point re-enters with local tensors (checked then)
+            dtensors = any(map(_has_dtensor, values))
+            if dtensors and local is None:
+                # the function's DTensor boundary re-enters it with local tensors (checked then)
                 return fn(*args, **kwargs)
+            if not dtensors and not any(map(_is_group_or_sharder, values)):
+                return fn(*args, **kwargs)  # no group: no collective
             try:
                 bound = sig.bind(*args, **kwargs)
             except TypeError:
@@ -530,11 +628,26 @@ def checked_collective(
             bound.apply_defaults()
             _scope.active, _scope.widths = True, {}
             try:
-                policy = vocab(bound.arguments) if callable(vocab) else vocab
-                _check(name, bound.arguments, policy, tp_arg, cp_arg)
+                arguments, hint = local(dict(bound.arguments)) if dtensors and local else (bound.arguments, "")
+                policy = vocab(arguments) if callable(vocab) else vocab
+                _check(name, arguments, policy, tp_arg, cp_arg, hint)
                 return fn(*args, **kwargs)
             finally:
                 _scope.active, _scope.widths = False, {}
+
+        def _traced(*args: Any, **kwargs: Any) -> Any:
+            """Under `torch.compile`: the in-graph check at the outermost checked call."""
+            if _traced_depth[0] or (any(map(_has_dtensor, (*args, *kwargs.values()))) and local is None):
+                return fn(*args, **kwargs)
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            arguments = local(dict(bound.arguments))[0] if local is not None else bound.arguments
+            _check_in_graph(name, arguments, tp_arg, cp_arg)
+            _traced_depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _traced_depth[0] -= 1
 
         return checked  # type: ignore[return-value]
 
@@ -545,7 +658,7 @@ def vocab_shard_range(local_vocab: int, group: dist.ProcessGroup | None) -> tupl
     """`(vocab_start, vocab_size)` of this rank's shard when shards may have uneven widths.
 
     Eager: the widths every rank reported to the consistency check of the enclosing call (or one
-    all-gather of the widths when the check is off); this rank's shard starts after the lower
+    all-gather of the widths outside a checked call); this rank's shard starts after the lower
     ranks' shards (rank order) and `V` is their sum. Under `torch.compile` and without a group:
     `(None, None)`, which the kernels read as uniform shards (`rank · Vl`, `R · Vl`).
     """

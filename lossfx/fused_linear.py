@@ -145,6 +145,40 @@ def _local_arguments(
     return h.local, w, group, vocab_start, vocab_size
 
 
+_FSDP_HINT = (
+    ". The LM head weight is a Shard(0) DTensor and the ranks hold different hidden states: if it is "
+    "FSDP2's data-parallel sharding of the head (outside the forward), that is not vocabulary parallelism. "
+    "Gather it with weight.full_tensor() and call without a group, or pass the tensor-parallel shard "
+    "(docs/dtensor.md, FSDP2)"
+)
+_REPLICATED = ("ids", "target", "input_ids", "logprob_weight", "entropy_weight")
+
+
+def local_view(seq_dim: int) -> Any:
+    """The consistency check's view of a fused call with DTensors (`checked_collective(local=...)`):
+    the arguments with local tensors and the group and offsets of the weight's placement, and the
+    FSDP2 remedy to append when the ranks' hidden states differ under a DTensor weight."""
+
+    def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        dtensor_weight = is_dtensor(arguments["weight"])
+        hidden, weight, group, vocab_start, vocab_size = _local_arguments(
+            arguments["hidden"],
+            arguments["weight"],
+            arguments["group"],
+            arguments["vocab_start"],
+            arguments["vocab_size"],
+            arguments["sequence_parallel"],
+            seq_dim,
+        )
+        arguments.update(hidden=hidden, weight=weight, group=group, vocab_start=vocab_start, vocab_size=vocab_size)
+        for name in _REPLICATED:
+            if name in arguments:
+                arguments[name] = replicated(arguments[name], name)
+        return arguments, _FSDP_HINT if dtensor_weight else ""
+
+    return view
+
+
 def _check_temperature(temperature: object) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a positive float, got {temperature!r}")
@@ -264,7 +298,7 @@ def _linear_gather(
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="tiled")
+@checked_collective(vocab="tiled", local=local_view(seq_dim=0))
 def linear_gather_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -380,7 +414,7 @@ def linear_token_logprobs(
     return_entropy: typing.Literal[True],
 ) -> tuple[Tensor, Tensor]: ...
 @keep_errors_under_compile
-@checked_collective(vocab="tiled")
+@checked_collective(vocab="tiled", local=local_view(seq_dim=0))
 def linear_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -476,7 +510,7 @@ def linear_token_logprobs(
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="tiled")
+@checked_collective(vocab="tiled", local=local_view(seq_dim=1))
 def linear_next_token_logprobs(
     hidden: Tensor,
     weight: Tensor,

@@ -41,7 +41,7 @@ from lossfx._distributed import (
 from lossfx._dtensor import replicated
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_integer_ids
-from lossfx.fused_linear import _local_arguments, prepare_linear_rows
+from lossfx.fused_linear import _local_arguments, local_view, prepare_linear_rows
 from lossfx.linear_chunks import itemsize, merge_row_stats, tile_buffers, tile_view
 
 __all__ = ["linear_logprob_objective"]
@@ -273,7 +273,7 @@ class _LinearObjectiveFn(torch.autograd.Function):
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="tiled")
+@checked_collective(vocab="tiled", local=local_view(seq_dim=0))
 def linear_logprob_objective(
     hidden: Tensor,
     weight: Tensor,

@@ -186,7 +186,7 @@ def prepare_loss_input(
     Raises:
         ValueError: unknown input type, missing columns, bad shapes or ids, `chunk_size <= 0`;
             on every rank, ranks of a group whose calls disagree (shapes, dtypes, sampling
-            parameters, shard layout: the eager cross-rank check, `lossfx.set_consistency_checks`).
+            parameters, values of replicated columns, shard layout: the cross-rank check).
         TypeError: wrong argument types.
 
     Example:
