@@ -47,56 +47,69 @@ from lossfx._distributed import (
 )
 from lossfx._dtensor import _same_group, is_dtensor, replicated, vocab_shard
 from lossfx._numerics import log_softmax_rows
-from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
+from lossfx._validation import (
+    check_floating,
+    check_ids_in_range,
+    check_integer_ids,
+    check_positive_int,
+    values_checkable,
+)
 from lossfx.context_parallel import allgather_cp, check_covers_sequence, shard_padded_for_cp
-from lossfx.linear_chunks import linear_local_grads, linear_local_stats, merge_row_stats
+from lossfx.linear_chunks import LogitHead, linear_local_grads, linear_local_stats, merge_row_stats
 
 __all__ = ["linear_gather_logprobs", "linear_next_token_logprobs", "linear_token_logprobs"]
 
 
 class _FusedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, local_idx, owned, temperature, with_entropy, chunk_rows, group, seq_parallel):
-        # hidden [N or N/R, H], weight [Vl, H], local_idx/owned [N, K]
+    def forward(ctx, hidden, weight, bias, local_idx, owned, valid, head, with_entropy, chunk_rows, group, seq_par):
+        # hidden [N or N/R, H], weight [Vl, H], bias [Vl] or None, local_idx/owned/valid [N, K]
         full_hidden = hidden
-        if seq_parallel and is_distributed(group):
+        if seq_par and is_distributed(group):
             full_hidden = all_gather_stack(hidden, group).flatten(0, 1)  # [N, H], rank order
-        stats = linear_local_stats(full_hidden, weight, local_idx, owned, temperature, with_entropy, chunk_rows)
+        active = valid.any(dim=1)  # [N]: rows with at least one id that is not ignore_index
+        stats = linear_local_stats(full_hidden, weight, bias, local_idx, owned, active, *head, with_entropy, chunk_rows)
         merged = all_gather_stack(stats, group)  # [R, 3 + K, N]: per-row scalars only
         logprobs, neg_entropy, shift, log_s = merge_row_stats(merged, local_idx.shape[1])
-        ctx.save_for_backward(full_hidden, weight, local_idx, owned, shift, log_s, neg_entropy)
-        ctx.temperature, ctx.with_entropy, ctx.chunk_rows = temperature, with_entropy, chunk_rows
-        ctx.group, ctx.seq_parallel = group, seq_parallel
+        logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))  # ignored ids: 0
+        neg_entropy = torch.where(active, neg_entropy, torch.zeros_like(neg_entropy))  # ignored rows: 0
+        ctx.save_for_backward(full_hidden, weight, bias, local_idx, owned, valid, active, shift, log_s, neg_entropy)
+        ctx.head, ctx.with_entropy, ctx.chunk_rows = head, with_entropy, chunk_rows
+        ctx.group, ctx.seq_par = group, seq_par
         ctx.hidden_dtype = hidden.dtype
         return logprobs, neg_entropy
 
     @staticmethod
     def backward(ctx, dlogprobs, dneg_entropy):
-        full_hidden, weight, local_idx, owned, shift, log_s, neg_entropy = ctx.saved_tensors
+        full_hidden, weight, bias, local_idx, owned, valid, active, shift, log_s, neg_entropy = ctx.saved_tensors
         cdtype = shift.dtype
-        g = dlogprobs.to(cdtype)  # [N, K]
+        g = torch.where(valid, dlogprobs.to(cdtype), torch.zeros((), dtype=cdtype, device=shift.device))  # [N, K]
         grad_ids = torch.where(owned, g, torch.zeros_like(g))
-        dhidden, dweight = linear_local_grads(
+        dhidden, dweight, dbias = linear_local_grads(
             full_hidden,
             weight,
+            bias,
             local_idx,
+            active,
             grad_ids,
             g.sum(dim=1),
             dneg_entropy.to(cdtype),
             shift,
             log_s,
             neg_entropy,
-            ctx.temperature,
+            *ctx.head,
             ctx.with_entropy,
             ctx.chunk_rows,
         )
+        dbias = None if bias is None else dbias.to(bias.dtype)
+        nones = (None,) * 8
         if not ctx.needs_input_grad[0]:  # the same on every rank, so the collective is skipped by all
-            return None, dweight, None, None, None, None, None, None, None
-        if ctx.seq_parallel:
+            return None, dweight, dbias, *nones
+        if ctx.seq_par:
             dhidden = reduce_scatter_sum(dhidden, ctx.group)  # [N/R, H]: this rank's rows, summed
         else:
             dhidden = all_reduce(dhidden, "sum", ctx.group)  # [N, H]: the full gradient on every rank
-        return dhidden.to(ctx.hidden_dtype), dweight, None, None, None, None, None, None, None
+        return dhidden.to(ctx.hidden_dtype), dweight, dbias, *nones
 
 
 def _local_arguments(
@@ -143,22 +156,26 @@ def _local_arguments(
     return h.local, w, group, vocab_start, vocab_size
 
 
-def _check_temperature(temperature: object) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a positive float, got {temperature!r}")
-    value = float(temperature)
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    return value
+def _check_positive_float(name: str, value: object, optional: bool = False) -> float | None:
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        kind = "None or a positive float" if optional else "a positive float"
+        raise TypeError(f"{name} must be {kind}, got {value!r}")
+    number = float(value)
+    if not number > 0 or number == float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return number
 
 
 class LinearRows(typing.NamedTuple):
     """Validated, flattened arguments of the fused LM-head kernels (`prepare_linear_rows`)."""
 
     hidden: Tensor  # [N or N/R, H]
-    local_idx: Tensor  # [N, K] column of each id in this shard (0 where not owned)
-    owned: Tensor  # [N, K] whether this shard owns the id
-    temperature: float
+    local_idx: Tensor  # [N, K] column of each id in this shard (0 where not owned or ignored)
+    owned: Tensor  # [N, K] whether this shard owns the id (False where ignored)
+    valid: Tensor  # [N, K] whether the id is not ignore_index
+    head: LogitHead  # temperature, logit_scale, softcap
     chunk_rows: int  # 0: the loop picks its default
 
 
@@ -167,24 +184,30 @@ def prepare_linear_rows(
     weight: Tensor,
     ids: Tensor,
     *,
+    bias: Tensor | None = None,
     group: ProcessGroup | None,
     vocab_start: int | None,
     vocab_size: int | None,
     temperature: float,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
     sequence_parallel: bool,
     chunk_size: int | None,
 ) -> LinearRows:
-    """Check hidden `[..., H]`, weight `[Vl, H]`, ids `[..., K]` and the options (TypeError/ValueError
-    naming the argument) and flatten them to the kernels' `[N, H]` / `[N, K]` rows."""
+    """Check hidden `[..., H]`, weight `[Vl, H]`, bias `[Vl]`, ids `[..., K]` and the options
+    (TypeError/ValueError naming the argument) and flatten them to the kernels' `[N, H]` / `[N, K]` rows."""
     check_floating("hidden", hidden)
     check_floating("weight", weight)
     check_integer_ids("ids", ids)
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    temperature = _check_temperature(temperature)
+    temperature = typing.cast(float, _check_positive_float("temperature", temperature))
+    logit_scale = typing.cast(float, _check_positive_float("logit_scale", logit_scale))
+    softcap = _check_positive_float("softcap", softcap, optional=True)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"hidden and weight must share one dtype; got {hidden.dtype} and {weight.dtype}")
     if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"weight must be [V_local, H] and hidden [..., H] with the same H; got "
@@ -193,6 +216,13 @@ def prepare_linear_rows(
     local_vocab, hidden_size = weight.shape
     if local_vocab < 1:
         raise ValueError(f"weight must hold at least one vocabulary row, got shape {tuple(weight.shape)}")
+    if bias is not None:
+        check_floating("bias", bias)
+        if tuple(bias.shape) != (local_vocab,):
+            raise ValueError(
+                f"bias must be [V_local] = [{local_vocab}] (this rank's rows of the head's bias, like weight's), "
+                f"got shape {tuple(bias.shape)}"
+            )
     if ids.dim() < 1 or ids.shape[-1] < 1:
         raise ValueError(f"ids must be [..., K] with K >= 1, got shape {tuple(ids.shape)}")
     world = group_size(group)
@@ -214,12 +244,39 @@ def prepare_linear_rows(
         vocab_start = group_rank(group) * local_vocab
     if vocab_size is None:
         vocab_size = world * local_vocab
-    check_ids_in_range("target" if ids.shape[-1] == 1 else "ids", ids, vocab_size)
+    flat_ids = ids.reshape(n_rows, ids.shape[-1]).to(torch.int64)  # [N, K]
+    valid = flat_ids != ignore_index
+    if values_checkable(ids):  # ignore_index is never out of range
+        name = "target" if ids.shape[-1] == 1 else "ids"
+        check_ids_in_range(name, ids.masked_fill(ids == ignore_index, 0), vocab_size)
     chunk_rows = 0 if chunk_size is None else chunk_size  # 0: each loop picks its default
     flat_hidden = hidden.reshape(hidden_rows, hidden_size)  # [N or N/R, H]
-    flat_ids = ids.reshape(n_rows, ids.shape[-1]).to(torch.int64)  # [N, K]
-    local_idx, owned = local_columns(flat_ids, vocab_start, local_vocab)
-    return LinearRows(flat_hidden, local_idx, owned, temperature, chunk_rows)
+    local_idx, owned = local_columns(torch.where(valid, flat_ids, -1), vocab_start, local_vocab)
+    return LinearRows(flat_hidden, local_idx, owned, valid, LogitHead(temperature, logit_scale, softcap), chunk_rows)
+
+
+def _options(
+    bias: Tensor | None,
+    group: ProcessGroup | None,
+    vocab_start: int | None,
+    vocab_size: int | None,
+    temperature: float,
+    logit_scale: float,
+    softcap: float | None,
+) -> dict[str, Any]:
+    """`prepare_linear_rows`' keywords, with a `Shard(0)` DTensor `bias` taken as its local shard
+    (it must agree with the weight's group and offsets)."""
+    if bias is not None and is_dtensor(bias):
+        bias = vocab_shard(bias, dim=0, name="bias", group=group, vocab_start=vocab_start, vocab_size=vocab_size).local
+    return {
+        "bias": bias,
+        "group": group,
+        "vocab_start": vocab_start,
+        "vocab_size": vocab_size,
+        "temperature": temperature,
+        "logit_scale": logit_scale,
+        "softcap": softcap,
+    }
 
 
 def _linear_gather(
@@ -228,37 +285,25 @@ def _linear_gather(
     ids: Tensor,
     *,
     with_entropy: bool,
-    group: ProcessGroup | None,
-    vocab_start: int | None,
-    vocab_size: int | None,
-    temperature: float,
-    sequence_parallel: bool,
-    chunk_size: int | None,
-) -> tuple[Tensor, Tensor]:
-    """Validated core: hidden `[..., H]`, ids `[..., K]` -> (logprobs `[..., K]`, neg_entropy `[...]`)."""
-    rows = prepare_linear_rows(
-        hidden,
-        weight,
-        ids,
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        temperature=temperature,
-        sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size,
-    )
+    options: dict[str, Any],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Validated core: hidden `[..., H]`, ids `[..., K]` -> (logprobs `[..., K]`, neg_entropy `[...]`,
+    valid `[..., K]`); `options` are `prepare_linear_rows`' keywords."""
+    rows = prepare_linear_rows(hidden, weight, ids, **options)
     logprobs, neg_entropy = _FusedLinearFn.apply(
         rows.hidden,
         weight,
+        options["bias"],
         rows.local_idx,
         rows.owned,
-        rows.temperature,
+        rows.valid,
+        rows.head,
         with_entropy,
         rows.chunk_rows,
-        group,
-        sequence_parallel,
+        options["group"],
+        options["sequence_parallel"],
     )
-    return logprobs.view(ids.shape), neg_entropy.view(ids.shape[:-1])
+    return logprobs.view(ids.shape), neg_entropy.view(ids.shape[:-1]), rows.valid.view(ids.shape)
 
 
 @checked_collective(vocab="tiled")
@@ -273,6 +318,10 @@ def linear_gather_logprobs(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     temperature: float = 1.0,
+    bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
     sequence_parallel: bool = False,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
@@ -330,21 +379,15 @@ def linear_gather_logprobs(
         hidden, weight, group, vocab_start, vocab_size, sequence_parallel, seq_dim=0
     )
     ids = replicated(ids, "ids")
-    logprobs, neg_entropy = _linear_gather(
-        hidden,
-        weight,
-        ids,
-        with_entropy=bool(with_entropy),
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        temperature=temperature,
-        sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size,
-    )
+    options = _options(bias, group, vocab_start, vocab_size, temperature, logit_scale, softcap)
+    options.update(ignore_index=ignore_index, sequence_parallel=sequence_parallel, chunk_size=chunk_size)
+    logprobs, neg_entropy, valid = _linear_gather(hidden, weight, ids, with_entropy=bool(with_entropy), options=options)
     if not zero_outside_topk:
-        # log_softmax over the K ids is unchanged by the per-row lse already subtracted
-        logprobs = log_softmax_rows(logprobs)
+        # log_softmax over the K ids is unchanged by the per-row lse already subtracted; ignored ids
+        # take no part (-inf), and a row without any keeps its zeros
+        zero = torch.zeros_like(logprobs)
+        fill = torch.where(valid.any(dim=-1, keepdim=True), torch.full_like(logprobs, float("-inf")), zero)
+        logprobs = torch.where(valid, log_softmax_rows(torch.where(valid, logprobs, fill)), zero)
     return logprobs, (neg_entropy if with_entropy else None)
 
 
@@ -358,6 +401,10 @@ def linear_token_logprobs(
     vocab_start: int | None = ...,
     vocab_size: int | None = ...,
     temperature: float = ...,
+    bias: Tensor | None = ...,
+    logit_scale: float = ...,
+    softcap: float | None = ...,
+    ignore_index: int = ...,
     sequence_parallel: bool = ...,
     chunk_size: int | None = ...,
     return_entropy: typing.Literal[False] = ...,
@@ -372,6 +419,10 @@ def linear_token_logprobs(
     vocab_start: int | None = ...,
     vocab_size: int | None = ...,
     temperature: float = ...,
+    bias: Tensor | None = ...,
+    logit_scale: float = ...,
+    softcap: float | None = ...,
+    ignore_index: int = ...,
     sequence_parallel: bool = ...,
     chunk_size: int | None = ...,
     return_entropy: typing.Literal[True],
@@ -386,6 +437,10 @@ def linear_token_logprobs(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     temperature: float = 1.0,
+    bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
     sequence_parallel: bool = False,
     chunk_size: int | None = None,
     return_entropy: bool = False,
@@ -454,17 +509,10 @@ def linear_token_logprobs(
     )
     target = replicated(target, "target")
     check_integer_ids("target", target)
-    logprobs, neg_entropy = _linear_gather(
-        hidden,
-        weight,
-        target.unsqueeze(-1),
-        with_entropy=bool(return_entropy),
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        temperature=temperature,
-        sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size,
+    options = _options(bias, group, vocab_start, vocab_size, temperature, logit_scale, softcap)
+    options.update(ignore_index=ignore_index, sequence_parallel=sequence_parallel, chunk_size=chunk_size)
+    logprobs, neg_entropy, _ = _linear_gather(
+        hidden, weight, target.unsqueeze(-1), with_entropy=bool(return_entropy), options=options
     )
     if return_entropy:
         return logprobs.squeeze(-1), neg_entropy
@@ -481,6 +529,10 @@ def linear_next_token_logprobs(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     temperature: float = 1.0,
+    bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
     sequence_parallel: bool = False,
     context_parallel_group: ProcessGroup | None = None,
     cp_sharder: Any = None,
@@ -572,9 +624,13 @@ def linear_next_token_logprobs(
         vocab_start=vocab_start,
         vocab_size=vocab_size,
         temperature=temperature,
+        bias=bias,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        ignore_index=ignore_index,
         sequence_parallel=sequence_parallel,
         chunk_size=chunk_size,
-        return_entropy=return_entropy,  # type: ignore[call-overload]
+        return_entropy=return_entropy,  # type: ignore[call-overload, misc]
     )
     outputs = list(result) if isinstance(result, tuple) else [result]
     if seq_major:

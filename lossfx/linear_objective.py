@@ -33,8 +33,17 @@ from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, is_d
 from lossfx._dtensor import replicated
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_integer_ids
-from lossfx.fused_linear import _local_arguments, prepare_linear_rows
-from lossfx.linear_chunks import itemsize, merge_row_stats, tile_buffers, tile_view
+from lossfx.fused_linear import _local_arguments, _options, prepare_linear_rows
+from lossfx.linear_chunks import (
+    LogitHead,
+    add_rows_,
+    itemsize,
+    matmul_dtype,
+    merge_row_stats,
+    row_chunks,
+    tile_buffers,
+    tile_view,
+)
 
 __all__ = ["linear_logprob_objective"]
 
@@ -66,60 +75,74 @@ def _resolve_group(group_name: str) -> Any:
 def linear_objective_rows(
     hidden: Tensor,
     weight: Tensor,
+    bias: Tensor | None,
     local_idx: Tensor,
     owned: Tensor,
+    active: Tensor,
     logprob_weight: Tensor,
     entropy_weight: Tensor,
     temperature: float,
+    logit_scale: float,
+    softcap: float | None,
     with_entropy: bool,
     need_dhidden: bool,
     need_dweight: bool,
     chunk_rows: int,
     group_name: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (rows `[2, N]`: log p(t) and `Σ p log p`, merged over the group; this shard's
-    `dhidden [N, H]` (compute dtype) and `dweight [Vl, H]` (weight's dtype) of the objective).
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (rows `[2, N]`: log p(t) and `Σ p log p`, merged over the group (0 at inactive rows); this
+    shard's `dhidden [N, H]` (compute dtype), `dweight [Vl, H]` (weight's dtype) and `dbias [Vl]`
+    (compute dtype) of the objective).
 
-    hidden `[N, H]` (all rows), weight `[Vl, H]`, local_idx/owned `[N]` (the target's column in
-    this shard and whether it is here), logprob_weight/entropy_weight `[N]` in the compute dtype
-    (`a`, `b`). `group_name` is `""` without a tensor-parallel group; else each chunk's per-row
-    statistics are all-gathered over that group (eager c10d: the op is opaque to the compiler).
-    A gradient that is not needed is returned as an empty `[0, H]` tensor and its matmul skipped.
+    hidden `[N, H]` (all rows), weight `[Vl, H]`, bias `[Vl]` or None, local_idx/owned `[N]` (the
+    target's column in this shard and whether it is here), active `[N]` (the rows to compute: the
+    others are skipped), logprob_weight/entropy_weight `[N]` in the compute dtype (`a`, `b`);
+    temperature, logit_scale, softcap as `LogitHead`. `group_name` is `""` without a
+    tensor-parallel group; else each chunk's per-row statistics are all-gathered over that group
+    (eager c10d: the op is opaque to the compiler; every rank has the same `active`, so the same
+    chunks). A gradient that is not needed is returned empty (`[0, H]`, `[0]`) and its work skipped.
     """
     n_rows, hidden_size = hidden.shape
     local_vocab = weight.shape[0]
-    cdtype = compute_dtype(hidden.dtype)
-    exact = weight.dtype == cdtype
+    mm_dtype = matmul_dtype(hidden, weight)
+    cdtype = compute_dtype(mm_dtype)
+    exact = mm_dtype == cdtype
+    head = LogitHead(temperature, logit_scale, softcap)
     group = _resolve_group(group_name) if group_name else None
     world = 1 if group is None else group.size()
-    chunk_rows = min(n_rows, chunk_rows or default_objective_chunk_rows(n_rows, local_vocab, weight.dtype)) or 1
+    chunk_rows = min(n_rows, chunk_rows or default_objective_chunk_rows(n_rows, local_vocab, mm_dtype)) or 1
     device = hidden.device
-    rows_out = torch.empty(2, n_rows, dtype=cdtype, device=device)
+    rows_out = torch.zeros(2, n_rows, dtype=cdtype, device=device)
     dhidden = torch.zeros(n_rows if need_dhidden else 0, hidden_size, dtype=cdtype, device=device)
     dweight = weight.new_empty((local_vocab if need_dweight else 0, hidden_size))
     if need_dweight:
         dweight.zero_()
-    # bf16/fp16: dweight is summed over the row chunks in the compute dtype and rounded once
-    acc = dweight if exact else torch.zeros(dweight.shape, dtype=cdtype, device=device)
-    scale = 1.0 / temperature
+    dbias = torch.zeros(local_vocab if need_dweight and bias is not None else 0, dtype=cdtype, device=device)
+    # dweight is summed over the row chunks in the compute dtype (a bf16/fp16 one rounded once)
+    in_place = exact and weight.dtype == cdtype
+    acc = dweight if in_place else torch.zeros(dweight.shape, dtype=cdtype, device=device)
+    scale = head.scale  # dz/dr = s/T (· (1 − tanh²) with a soft-cap)
     block = min(local_vocab, BLOCK)
     chunk = torch.empty(chunk_rows * local_vocab, dtype=cdtype, device=device)
-    tile, low = tile_buffers(chunk_rows, block, weight.dtype, cdtype, device)
+    tile, low = tile_buffers(chunk_rows, block, mm_dtype, cdtype, device)
+    cap_tile = torch.empty_like(tile) if softcap is not None else None
     blocks = [slice(c0, min(local_vocab, c0 + block)) for c0 in range(0, local_vocab, block)]
-    for start in range(0, n_rows, chunk_rows):
-        rows = slice(start, min(n_rows, start + chunk_rows))
-        n = rows.stop - start
-        h_rows = hidden[rows]
+    w_mm = weight.to(mm_dtype)  # a copy only for a head of a lower dtype than hidden's
+    b_c = None if bias is None else bias.to(cdtype)
+    for rows in row_chunks(active, n_rows, chunk_rows):
+        h_rows = hidden[rows].to(mm_dtype)
+        n = h_rows.shape[0]
         z = tile_view(chunk, n, local_vocab)  # [C, Vl]
         if exact:
-            torch.mm(h_rows, weight.T, out=z)
+            torch.mm(h_rows, w_mm.T, out=z)
         else:
             assert low is not None
             for cols in blocks:  # input-dtype matmul tiles, each product rounded once, then widened
                 width = cols.stop - cols.start
-                z[:, cols].copy_(torch.mm(h_rows, weight[cols].T, out=tile_view(low, n, width)))
-        if temperature != 1.0:
-            z.div_(temperature)
+                z[:, cols].copy_(torch.mm(h_rows, w_mm[cols].T, out=tile_view(low, n, width)))
+        if b_c is not None:
+            z.add_(b_c)
+        head.apply_(z)
         idx, own = local_idx[rows, None], owned[rows]
         m = z.amax(dim=1)  # [C]
         s = torch.zeros(n, dtype=cdtype, device=device)
@@ -133,7 +156,8 @@ def linear_objective_rows(
                 u += e.mul_(shifted).sum(dim=1)
             else:
                 s += shifted.exp_().sum(dim=1)
-        picked = torch.where(own, z.gather(1, idx)[:, 0], torch.zeros_like(m))
+        z_t = z.gather(1, idx)[:, 0]  # [C], the logit of the target (where owned)
+        picked = torch.where(own, z_t, torch.zeros_like(m))
         local = torch.stack([m, s, u, picked])  # [4, C]
         if group is None:
             every = local[None]
@@ -148,19 +172,33 @@ def linear_objective_rows(
             continue
         a, b = logprob_weight[rows, None], entropy_weight[rows, None]
         # dz = p ⊙ (b·(log p − Σ p log p) − a) + a·onehot(t)        (proofs/linear_objective.md §1)
-        logp = z.sub_(shift[:, None]).sub_(log_s[:, None])  # log p, in place
-        if with_entropy:
-            for cols in blocks:
-                width = cols.stop - cols.start
-                p = torch.exp(logp[:, cols], out=tile_view(tile, n, width))
-                logp[:, cols].sub_(neg_entropy[:, None]).mul_(b).sub_(a).mul_(p)
-        else:
-            logp.exp_().mul_(-a)
-        dz = logp
-        dz.scatter_add_(1, idx, torch.where(own[:, None], a, torch.zeros_like(a)))
+        if cap_tile is None and not with_entropy:
+            z.sub_(shift[:, None]).sub_(log_s[:, None]).exp_().mul_(-a)  # −a·p, in place
+        for cols in blocks if cap_tile is not None or with_entropy else ():
+            width = cols.stop - cols.start
+            zc = z[:, cols]
+            cap = None
+            if cap_tile is not None:  # 1 − tanh², from the logits before they are overwritten
+                cap = head.cap_derivative(zc, tile_view(cap_tile, n, width))
+            logp = zc.sub_(shift[:, None]).sub_(log_s[:, None])  # log p, in place
+            if with_entropy:
+                p = torch.exp(logp, out=tile_view(tile, n, width))
+                logp.sub_(neg_entropy[:, None]).mul_(b).sub_(a).mul_(p)
+            else:
+                logp.exp_().mul_(-a)
+            if cap is not None:
+                logp.mul_(cap)
+        dz = z  # dz/dr up to the factor s/T
+        onehot = a if softcap is None else a * head.cap_derivative(z_t, torch.empty_like(z_t))[:, None]
+        dz.scatter_add_(1, idx, torch.where(own[:, None], onehot, torch.zeros_like(onehot)))
+        if dbias.numel():
+            dbias.add_(dz.sum(dim=0), alpha=scale)
         if exact:
             if need_dhidden:
-                dhidden[rows].addmm_(dz, weight, alpha=scale)  # [C, H]
+                if isinstance(rows, slice):
+                    dhidden[rows].addmm_(dz, w_mm, alpha=scale)  # [C, H]
+                else:
+                    dhidden.index_add_(0, rows, dz @ w_mm, alpha=scale)
             if need_dweight:
                 acc.addmm_(dz.T, h_rows, alpha=scale)  # [Vl, H], summed over the row chunks
             continue
@@ -169,43 +207,62 @@ def linear_objective_rows(
             width = cols.stop - cols.start
             dz_low = tile_view(low, n, width).copy_(dz[:, cols])
             if need_dhidden:
-                dhidden[rows].add_(dz_low @ weight[cols], alpha=scale)
+                add_rows_(dhidden, rows, dz_low @ w_mm[cols], alpha=scale)
             if need_dweight:
                 acc[cols].add_(dz_low.T @ h_rows, alpha=scale)
-    if need_dweight and not exact:
+    if need_dweight and not in_place:
         dweight.copy_(acc)  # rounded once to weight's dtype
-    return rows_out, dhidden, dweight
+    return rows_out, dhidden, dweight, dbias
 
 
 @linear_objective_rows.register_fake
-def _(hidden, weight, local_idx, owned, lw, ew, temperature, with_entropy, need_dhidden, need_dweight, *args):
+def _(hidden, weight, bias, local_idx, owned, active, lw, ew, t, s, c, with_entropy, need_dhidden, need_dweight, *args):
     n_rows, hidden_size = hidden.shape
-    cdtype = compute_dtype(hidden.dtype)
+    cdtype = compute_dtype(matmul_dtype(hidden, weight))
+    n_bias = weight.shape[0] if need_dweight and bias is not None else 0
     return (
         hidden.new_empty((2, n_rows), dtype=cdtype),
         hidden.new_empty((n_rows if need_dhidden else 0, hidden_size), dtype=cdtype),
         weight.new_empty((weight.shape[0] if need_dweight else 0, hidden_size)),
+        hidden.new_empty((n_bias,), dtype=cdtype),
     )
 
 
 class _LinearObjectiveFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden, weight, local_idx, owned, lw, ew, temperature, with_entropy, chunk_rows, group, seq_par, repeat
+        ctx,
+        hidden,
+        weight,
+        bias,
+        local_idx,
+        owned,
+        active,
+        lw,
+        ew,
+        head,
+        with_entropy,
+        chunk_rows,
+        group,
+        seq_par,
+        repeat,
     ):
         full_hidden = hidden
         if seq_par and is_distributed(group):
             full_hidden = all_gather_stack(hidden, group).flatten(0, 1)  # [N, H], rank order
-        need_dhidden, need_dweight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        cdtype = compute_dtype(hidden.dtype)
-        rows, dhidden, dweight = linear_objective_rows(
+        need_dhidden = ctx.needs_input_grad[0]
+        need_dweight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
+        cdtype = compute_dtype(matmul_dtype(hidden, weight))
+        rows, dhidden, dweight, dbias = linear_objective_rows(
             full_hidden,
             weight,
+            bias,
             local_idx,
             owned,
+            active,
             lw.detach().to(cdtype),
             ew.detach().to(cdtype),
-            temperature,
+            *head,
             with_entropy,
             need_dhidden,
             need_dweight,
@@ -221,15 +278,16 @@ class _LinearObjectiveFn(torch.autograd.Function):
                 dhidden = reduce_scatter_sum(dhidden, group)  # [N/R, H]: this rank's rows, summed
             else:
                 dhidden = all_reduce(dhidden, "sum", group)  # [N, H]: the full gradient on every rank
-        ctx.save_for_backward(dhidden, dweight, logprobs, neg_entropy)
+        ctx.save_for_backward(dhidden, dweight, dbias, logprobs, neg_entropy)
         ctx.hidden_dtype, ctx.with_entropy, ctx.repeat = hidden.dtype, with_entropy, repeat
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.mark_non_differentiable(logprobs, neg_entropy)
         return objective, logprobs, neg_entropy
 
     @staticmethod
     def backward(ctx, dobjective, _dlogprobs, _dneg_entropy):
-        dhidden, dweight, logprobs, neg_entropy = ctx.saved_tensors
-        dh = dw = dlw = dew = None
+        dhidden, dweight, dbias, logprobs, neg_entropy = ctx.saved_tensors
+        dh = dw = db = dlw = dew = None
         if ctx.needs_input_grad[0]:
             dh = (dhidden * dobjective.to(dhidden.dtype)).to(ctx.hidden_dtype)
         if ctx.needs_input_grad[1]:
@@ -237,11 +295,13 @@ class _LinearObjectiveFn(torch.autograd.Function):
             # memory); saved tensors are version-checked, so a second backward then raises
             scale = dobjective.to(dweight.dtype)
             dw = dweight * scale if ctx.repeat else dweight.mul_(scale)
-        if ctx.needs_input_grad[4]:
+        if ctx.needs_input_grad[2] and ctx.bias_dtype is not None:
+            db = (dbias * dobjective.to(dbias.dtype)).to(ctx.bias_dtype)
+        if ctx.needs_input_grad[6]:
             dlw = logprobs * dobjective
-        if ctx.needs_input_grad[5] and ctx.with_entropy:
+        if ctx.needs_input_grad[7] and ctx.with_entropy:
             dew = neg_entropy * dobjective
-        return dh, dw, None, None, dlw, dew, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, dlw, dew, None, None, None, None, None, None
 
 
 @checked_collective(vocab="tiled")
@@ -256,6 +316,10 @@ def linear_logprob_objective(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     temperature: float = 1.0,
+    bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
     sequence_parallel: bool = False,
     chunk_size: int | None = None,
     allow_repeated_backward: bool = False,
@@ -343,17 +407,9 @@ def linear_logprob_objective(
         check_floating(name, value)
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"{name} must have the target's shape {tuple(target.shape)}, got {tuple(value.shape)}")
-    rows = prepare_linear_rows(
-        hidden,
-        weight,
-        target.unsqueeze(-1),
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        temperature=temperature,
-        sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size,
-    )
+    options = _options(bias, group, vocab_start, vocab_size, temperature, logit_scale, softcap)
+    options.update(ignore_index=ignore_index, sequence_parallel=sequence_parallel, chunk_size=chunk_size)
+    rows = prepare_linear_rows(hidden, weight, target.unsqueeze(-1), **options)
     if not isinstance(allow_repeated_backward, bool):
         raise TypeError(f"allow_repeated_backward must be a bool, got {allow_repeated_backward!r}")
     lw = coefficients["logprob_weight"].reshape(-1)
@@ -362,11 +418,13 @@ def linear_logprob_objective(
     objective, logprobs, neg_entropy = _LinearObjectiveFn.apply(
         rows.hidden,
         weight,
+        options["bias"],
         rows.local_idx[:, 0],
         rows.owned[:, 0],
+        rows.valid[:, 0],
         lw,
         ew,
-        rows.temperature,
+        rows.head,
         with_entropy,
         rows.chunk_rows,
         group,
