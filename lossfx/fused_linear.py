@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numbers
 import typing
+import warnings
 from typing import Any
 
 import torch
@@ -255,6 +256,23 @@ def prepare_linear_rows(
     return LinearRows(flat_hidden, local_idx, owned, valid, LogitHead(temperature, logit_scale, softcap), chunk_rows)
 
 
+def renamed_keyword(new_name: str, new: Any, old_name: str, old: Any) -> Any:
+    """The value of a keyword renamed so that its name carries the sign of `Σ p log p` (the negative
+    entropy): `old` (deprecated, same meaning) when given, with a FutureWarning in eager mode."""
+    if old is None:
+        return new
+    if new is not None and new is not False:
+        raise TypeError(f"pass {new_name} only; {old_name} is its deprecated name")
+    if not torch.compiler.is_compiling():
+        warnings.warn(
+            f"{old_name} is deprecated: its value is Σ p log p, the NEGATIVE entropy (≤ 0); pass {new_name} "
+            "for the same value (the entropy is its negation)",
+            FutureWarning,
+            stacklevel=4,
+        )
+    return old
+
+
 def _options(
     bias: Tensor | None,
     group: ProcessGroup | None,
@@ -313,7 +331,8 @@ def linear_gather_logprobs(
     ids: Tensor,
     *,
     zero_outside_topk: bool = True,
-    with_entropy: bool = False,
+    with_neg_entropy: bool = False,
+    with_entropy: bool | None = None,
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
@@ -331,7 +350,7 @@ def linear_gather_logprobs(
 
         lp = z.log_softmax(-1)
         out = lp.gather(-1, ids) if zero_outside_topk else z.gather(-1, ids).log_softmax(-1)
-        return out, (lp.exp() * lp).sum(-1) if with_entropy else None
+        return out, (lp.exp() * lp).sum(-1) if with_neg_entropy else None
 
     without materialising more than one `[C, Cv]` tile of `z` (`Cv <= Vl`; eager or compiled).
 
@@ -340,18 +359,26 @@ def linear_gather_logprobs(
             `sequence_parallel=True` this rank's rows: the flattened rows `[r·N/R, (r+1)·N/R)`.
         weight: `[Vl, H]` this rank's rows of the LM head (the whole head without a group), or
             a `Shard(0)` DTensor head (group and offsets from its placement; docs/dtensor.md);
-            the same dtype as `hidden`.
+            any floating dtype (matmuls in `promote_types(hidden.dtype, weight.dtype)`).
         ids: `[..., K]` integer global ids in `[0, V)` (the full `N` rows on every rank); duplicates
             allowed (their gradients add).
         zero_outside_topk: `True`: normalise over the full vocabulary (`log_softmax(z)[ids]`);
             `False`: renormalise over the `K` ids (`log_softmax(z[ids])`, a duplicated id counts
             twice), the two conventions of `prepare_loss_input(DISTILLATION)`.
-        with_entropy: also return `Σ_v p log p` `[...]` (the negative entropy over the full
+        with_neg_entropy: also return `Σ_v p log p` `[...]` (the negative entropy over the full
             vocabulary), from the same pass; else `None`.
+        with_entropy: deprecated name of `with_neg_entropy` (same value; a FutureWarning).
         group: TP group over the vocabulary, or `None`.
         vocab_start: first global id of this shard; default `rank · Vl`.
         vocab_size: global `V`; default `world_size · Vl`.
         temperature: the logits are `hidden @ weight.T / temperature` (> 0).
+        bias: `[Vl]` this rank's rows of the LM head's bias (or a `Shard(0)` DTensor), or `None`;
+            its gradient is returned in its dtype.
+        logit_scale: `s > 0`, multiplies `hidden @ weight.T + bias` (before the soft-cap).
+        softcap: `c > 0` or `None`: the logits are `c · tanh(s · (hidden @ weight.T + bias) / c) / T`
+            (TRL's order; without it `s · (hidden @ weight.T + bias) / T`).
+        ignore_index: ids equal to it get log-prob 0, zero gradient and `Σ p log p = 0`,
+            and their rows are never computed (docs/fused_linear.md, "Options").
         sequence_parallel: `hidden` is this rank's row slice (all-gathered in the forward; its
             gradient reduce-scattered in the backward).
         chunk_size: rows per logits chunk (memory bound; results do not depend on it). Default:
@@ -362,14 +389,15 @@ def linear_gather_logprobs(
         replicated over the TP group.
 
     Raises:
-        TypeError: non-float hidden/weight, different dtypes, non-integer ids, bad temperature type.
+        TypeError: non-float hidden/weight/bias, non-integer ids, bad temperature/logit_scale/softcap/
+            ignore_index type.
         ValueError: shape mismatches, `K = 0`, `temperature <= 0`, `chunk_size <= 0`, ids outside
             `[0, V)` (eager only).
 
     Example:
         >>> import torch, lossfx
         >>> lp, h = lossfx.linear_gather_logprobs(torch.zeros(1, 2), torch.ones(4, 2), torch.tensor([[0, 3]]),
-        ...                                        with_entropy=True)
+        ...                                        with_neg_entropy=True)
         >>> lp, h
         (tensor([[-1.3863, -1.3863]]), tensor([-1.3863]))
 
@@ -381,14 +409,15 @@ def linear_gather_logprobs(
     ids = replicated(ids, "ids")
     options = _options(bias, group, vocab_start, vocab_size, temperature, logit_scale, softcap)
     options.update(ignore_index=ignore_index, sequence_parallel=sequence_parallel, chunk_size=chunk_size)
-    logprobs, neg_entropy, valid = _linear_gather(hidden, weight, ids, with_entropy=bool(with_entropy), options=options)
+    with_neg_entropy = bool(renamed_keyword("with_neg_entropy", with_neg_entropy, "with_entropy", with_entropy))
+    logprobs, neg_entropy, valid = _linear_gather(hidden, weight, ids, with_entropy=with_neg_entropy, options=options)
     if not zero_outside_topk:
         # log_softmax over the K ids is unchanged by the per-row lse already subtracted; ignored ids
         # take no part (-inf), and a row without any keeps its zeros
         zero = torch.zeros_like(logprobs)
         fill = torch.where(valid.any(dim=-1, keepdim=True), torch.full_like(logprobs, float("-inf")), zero)
         logprobs = torch.where(valid, log_softmax_rows(torch.where(valid, logprobs, fill)), zero)
-    return logprobs, (neg_entropy if with_entropy else None)
+    return logprobs, (neg_entropy if with_neg_entropy else None)
 
 
 @typing.overload
@@ -407,7 +436,8 @@ def linear_token_logprobs(
     ignore_index: int = ...,
     sequence_parallel: bool = ...,
     chunk_size: int | None = ...,
-    return_entropy: typing.Literal[False] = ...,
+    return_neg_entropy: typing.Literal[False] = ...,
+    return_entropy: typing.Literal[False] | None = ...,
 ) -> Tensor: ...
 @typing.overload
 def linear_token_logprobs(
@@ -425,8 +455,28 @@ def linear_token_logprobs(
     ignore_index: int = ...,
     sequence_parallel: bool = ...,
     chunk_size: int | None = ...,
-    return_entropy: typing.Literal[True],
+    return_neg_entropy: typing.Literal[True],
+    return_entropy: bool | None = ...,
 ) -> tuple[Tensor, Tensor]: ...
+@typing.overload
+def linear_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    *,
+    group: ProcessGroup | None = ...,
+    vocab_start: int | None = ...,
+    vocab_size: int | None = ...,
+    temperature: float = ...,
+    bias: Tensor | None = ...,
+    logit_scale: float = ...,
+    softcap: float | None = ...,
+    ignore_index: int = ...,
+    sequence_parallel: bool = ...,
+    chunk_size: int | None = ...,
+    return_neg_entropy: bool = ...,
+    return_entropy: bool | None = ...,
+) -> Tensor | tuple[Tensor, Tensor]: ...
 @checked_collective(vocab="tiled")
 def linear_token_logprobs(
     hidden: Tensor,
@@ -443,7 +493,8 @@ def linear_token_logprobs(
     ignore_index: int = -100,
     sequence_parallel: bool = False,
     chunk_size: int | None = None,
-    return_entropy: bool = False,
+    return_neg_entropy: bool = False,
+    return_entropy: bool | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Token log-probs of `softmax(hidden @ weight.T / temperature)`, logits never materialised.
 
@@ -451,7 +502,7 @@ def linear_token_logprobs(
 
         lp = (hidden @ weight.T / temperature).log_softmax(-1)
         out = lp.gather(-1, target[..., None])[..., 0]
-        return (out, (lp.exp() * lp).sum(-1)) if return_entropy else out
+        return (out, (lp.exp() * lp).sum(-1)) if return_neg_entropy else out
 
     computed one `[C, Cv]` tile of logits at a time (`Cv <= Vl` columns of this shard), in eager
     mode and under `torch.compile` (`fullgraph=True`; each tile loop is one opaque op, so the graph
@@ -469,7 +520,7 @@ def linear_token_logprobs(
             parallelism a `Shard(0)` DTensor over the weight's mesh dim, is accepted.
         weight: `[Vl, H]` this rank's rows of the LM head (vocabulary-sharded; the whole head
             without a group), or a `Shard(0)` DTensor head (`ColwiseParallel`; group and offsets
-            from its placement, docs/dtensor.md); same dtype as `hidden`. Its gradient is this shard's, accumulated
+            from its placement, docs/dtensor.md); any floating dtype. Its gradient is this shard's, accumulated
             across chunks in the compute dtype and returned in `weight`'s dtype.
         target: `[...]` integer global ids in `[0, V)`; the full `N` positions on every rank.
         group: tensor-parallel group over the vocabulary, or `None`.
@@ -477,22 +528,33 @@ def linear_token_logprobs(
             `vocab_size` for uneven shards).
         vocab_size: global vocabulary size `V`; default `world_size · Vl`.
         temperature: divides the logits (> 0); a parameter here because the caller has no logits.
+        bias: `[Vl]` this rank's rows of the LM head's bias (or a `Shard(0)` DTensor), or `None`;
+            its gradient is returned in its dtype.
+        logit_scale: `s > 0`, multiplies `hidden @ weight.T + bias` (before the soft-cap).
+        softcap: `c > 0` or `None`: the logits are `c · tanh(s · (hidden @ weight.T + bias) / c) / T`
+            (TRL's order; without it `s · (hidden @ weight.T + bias) / T`).
+        ignore_index: targets equal to it get log-prob 0, zero gradient and `Σ p log p = 0`,
+            and their rows are never computed (docs/fused_linear.md, "Options").
         sequence_parallel: the hidden layout described above.
         chunk_size: rows per logits chunk (a memory bound; results do not depend on it).
-        return_entropy: also return `neg_entropy = Σ_v p log p` `[...]` from the same pass.
+        return_neg_entropy: also return `neg_entropy = Σ_v p log p` `[...]` (the negative entropy,
+            ≤ 0: an entropy bonus is `−neg_entropy`) from the same pass.
+        return_entropy: deprecated name of `return_neg_entropy` (same value; a FutureWarning).
 
     Returns:
-        `[...]` log-probs (or `(logprobs, neg_entropy)`) in `promote_types(dtype, float32)`,
+        `[...]` log-probs (or `(logprobs, neg_entropy)`) in the compute dtype (the matmul dtype, at least fp32),
         replicated over the TP group. Gradients reach `hidden` and `weight` through both.
 
-    Precision: bf16/fp16 inputs use matmuls in their own dtype (the BLAS accumulates in fp32 and
-    rounds each product once: the logits of the unfused `hidden @ weight.T`, and per tile the
-    products its backward forms from bf16 `dlogits`); the softmax statistics, `dlogits`, and the
-    sums of the tile products into `dweight` and `dhidden` are fp32, each gradient rounded once to
-    the input dtype at the end. float64 stays float64 end to end.
+    Precision: the matmuls run in `promote_types(hidden.dtype, weight.dtype)` (a bf16 `hidden`
+    with an fp32 head: fp32, bit-identical to casting `hidden` up first). bf16/fp16 matmuls
+    accumulate in fp32 inside the BLAS and round each product once (the logits of the unfused
+    `hidden @ weight.T`, and per tile the products its backward forms from bf16 `dlogits`); the
+    softmax statistics, `dlogits`, and the sums of the tile products into `dweight` and `dhidden`
+    are fp32, each gradient rounded once to its input's dtype at the end. float64 stays float64
+    end to end.
 
     Raises:
-        TypeError: non-float `hidden`/`weight`, different dtypes, non-integer `target`.
+        TypeError: non-float `hidden`/`weight`/`bias`, non-integer `target`, a non-int `ignore_index`.
         ValueError: shape mismatches, `temperature <= 0`, `chunk_size <= 0`, target ids outside
             `[0, V)` (eager only: the check reads values and is skipped while compiling).
 
@@ -509,12 +571,15 @@ def linear_token_logprobs(
     )
     target = replicated(target, "target")
     check_integer_ids("target", target)
+    return_neg_entropy = bool(
+        renamed_keyword("return_neg_entropy", return_neg_entropy, "return_entropy", return_entropy)
+    )
     options = _options(bias, group, vocab_start, vocab_size, temperature, logit_scale, softcap)
     options.update(ignore_index=ignore_index, sequence_parallel=sequence_parallel, chunk_size=chunk_size)
     logprobs, neg_entropy, _ = _linear_gather(
-        hidden, weight, target.unsqueeze(-1), with_entropy=bool(return_entropy), options=options
+        hidden, weight, target.unsqueeze(-1), with_entropy=return_neg_entropy, options=options
     )
-    if return_entropy:
+    if return_neg_entropy:
         return logprobs.squeeze(-1), neg_entropy
     return logprobs.squeeze(-1)
 
@@ -537,7 +602,8 @@ def linear_next_token_logprobs(
     context_parallel_group: ProcessGroup | None = None,
     cp_sharder: Any = None,
     chunk_size: int | None = None,
-    return_entropy: bool = False,
+    return_neg_entropy: bool = False,
+    return_entropy: bool | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Next-token log-probs `[B, S−1]` from hidden states: position `t` scores `input_ids[:, t+1]`.
 
@@ -558,6 +624,8 @@ def linear_next_token_logprobs(
         input_ids: `[B, S]` canonical token ids (the full sequence on every rank).
         group, vocab_start, vocab_size, temperature, chunk_size: as in `linear_token_logprobs`
             (`chunk_size` counts rows of the flattened `[B·S_l, H]`).
+        bias, logit_scale, softcap, ignore_index: as in `linear_token_logprobs` (an
+            `ignore_index` at `input_ids[:, t+1]` skips position `t`).
         sequence_parallel: the hidden layout above; the gradient reaching `hidden` is this rank's
             positions' (reduce-scattered), else the full gradient on every TP rank.
         context_parallel_group: CP group for the load-balanced layout, or `None`. Gradients follow
@@ -566,7 +634,9 @@ def linear_next_token_logprobs(
         cp_sharder: an object with `shard_token_tensor` / `gather_token_tensor`
             (`lossfx.next_token.ContextParallelSharder`); takes precedence over
             `context_parallel_group`.
-        return_entropy: also return `Σ_v p log p` at the same `[B, S−1]` positions.
+        return_neg_entropy: also return `Σ_v p log p` (the negative entropy) at the same `[B, S−1]`
+            positions.
+        return_entropy: deprecated name of `return_neg_entropy` (same value; a FutureWarning).
 
     Returns:
         `[B, S−1]` (or `(logprobs, neg_entropy)`) in the compute dtype, replicated on every TP and
@@ -582,6 +652,9 @@ def linear_next_token_logprobs(
         >>> lossfx.linear_next_token_logprobs(h, w, torch.tensor([[0, 1, 2]]))
         tensor([[-1.3863, -1.3863]])
     """
+    return_neg_entropy = bool(
+        renamed_keyword("return_neg_entropy", return_neg_entropy, "return_entropy", return_entropy)
+    )
     hidden, weight, group, vocab_start, vocab_size = _local_arguments(
         hidden, weight, group, vocab_start, vocab_size, sequence_parallel, seq_dim=1
     )
@@ -630,7 +703,7 @@ def linear_next_token_logprobs(
         ignore_index=ignore_index,
         sequence_parallel=sequence_parallel,
         chunk_size=chunk_size,
-        return_entropy=return_entropy,  # type: ignore[call-overload, misc]
+        return_neg_entropy=return_neg_entropy,
     )
     outputs = list(result) if isinstance(result, tuple) else [result]
     if seq_major:
@@ -641,4 +714,4 @@ def linear_next_token_logprobs(
     elif cp_size > 1:
         outputs = [allgather_cp(x, context_parallel_group, seq_dim=1) for x in outputs]  # [B, C·S_l]
     outputs = [x[:, : max(seq - 1, 0)] for x in outputs]
-    return (outputs[0], outputs[1]) if return_entropy else outputs[0]
+    return (outputs[0], outputs[1]) if return_neg_entropy else outputs[0]

@@ -4,7 +4,8 @@
 
 with per-token coefficients `a` (and optionally `b`) known before the forward: a negative
 log-likelihood (`a = −mask / Σ mask`), an on-policy policy gradient (`a = −advantage · mask / norm`,
-the gradient of GRPO's or PPO's clipped ratio loss when the ratio is 1), an entropy bonus (`b`).
+the gradient of GRPO's or PPO's clipped ratio loss when the ratio is 1), an entropy bonus (`b`,
+the coefficient of the negative entropy `Σ p log p`: a bonus β is `b = −β · mask / norm`).
 
 Why: `linear_token_logprobs` does not know the upstream gradient of its log-probs in the forward,
 so its backward must recompute every logits tile: four matmuls against the unfused path's three.
@@ -33,7 +34,7 @@ from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, is_d
 from lossfx._dtensor import replicated
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_integer_ids
-from lossfx.fused_linear import _local_arguments, _options, prepare_linear_rows
+from lossfx.fused_linear import _local_arguments, _options, prepare_linear_rows, renamed_keyword
 from lossfx.linear_chunks import (
     LogitHead,
     add_rows_,
@@ -311,6 +312,7 @@ def linear_logprob_objective(
     target: Tensor,
     logprob_weight: Tensor,
     *,
+    neg_entropy_weight: Tensor | None = None,
     entropy_weight: Tensor | None = None,
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
@@ -330,14 +332,15 @@ def linear_logprob_objective(
 
         lp = (hidden @ weight.T / temperature).log_softmax(-1)
         logprobs, neg_entropy = lp.gather(-1, target[..., None])[..., 0], (lp.exp() * lp).sum(-1)
-        objective = (logprob_weight * logprobs).sum() + (entropy_weight * neg_entropy).sum()
+        objective = (logprob_weight * logprobs).sum() + (neg_entropy_weight * neg_entropy).sum()
         return objective, logprobs.detach(), neg_entropy.detach()
 
     in three matmuls per logits element (the unfused path's count; `linear_token_logprobs` needs
     four, because its backward recomputes the logits) and one `[C, Vl]` chunk of logits alive.
     Use it when the per-token coefficients are known before the forward: negative log-likelihood
     (`a = −mask / Σ mask`, then minimise `−objective`), on-policy policy gradients (`a = −A·mask /
-    norm`: the gradient of a clipped-ratio loss at ratio 1), entropy bonuses (`b`). When the
+    norm`: the gradient of a clipped-ratio loss at ratio 1), entropy bonuses (`b = −β·mask/norm`:
+    `b` multiplies the negative entropy, so minimising `−objective` then raises the entropy). When the
     coefficient depends on the log-prob itself (an off-policy clipped ratio), use
     `linear_token_logprobs` and any loss.
 
@@ -348,16 +351,24 @@ def linear_logprob_objective(
             in the forward, the gradient reduce-scattered in the forward). DTensor layouts as in
             `linear_token_logprobs`.
         weight: `[Vl, H]` this rank's rows of the LM head (the whole head without a group), or a
-            `Shard(0)` DTensor head; same dtype as `hidden`.
+            `Shard(0)` DTensor head; any floating dtype (matmuls in the promoted dtype).
         target: `[...]` integer global ids in `[0, V)`; the full `N` positions on every rank.
         logprob_weight: `[...]` float coefficients `a` of the log-probs (the target's shape; the
             full `N` on every rank). Its gradient is `logprobs` (scaled).
-        entropy_weight: `[...]` float coefficients `b` of `Σ_v p log p`, or `None` (no entropy
-            term, and `neg_entropy` is not computed).
+        neg_entropy_weight: `[...]` float coefficients `b` of `Σ_v p log p` (the negative
+            entropy), or `None` (no entropy term, and `neg_entropy` is not computed).
+        entropy_weight: deprecated name of `neg_entropy_weight` (same meaning; a FutureWarning).
         group: tensor-parallel group over the vocabulary, or `None`.
         vocab_start: first global id of this shard; default `rank · Vl`.
         vocab_size: global vocabulary size `V`; default `world_size · Vl`.
         temperature: divides the logits (> 0).
+        bias: `[Vl]` this rank's rows of the LM head's bias (or a `Shard(0)` DTensor), or `None`;
+            its gradient is returned in its dtype.
+        logit_scale: `s > 0`, multiplies `hidden @ weight.T + bias` (before the soft-cap).
+        softcap: `c > 0` or `None`: the logits are `c · tanh(s · (hidden @ weight.T + bias) / c) / T`
+            (TRL's order; without it `s · (hidden @ weight.T + bias) / T`).
+        ignore_index: targets equal to it get log-prob 0, zero gradient and `Σ p log p = 0` (nothing in the objective),
+            and their rows are never computed (docs/fused_linear.md, "Options").
         sequence_parallel: the hidden layout described above.
         chunk_size: rows per chunk; one `[C, Vl]` chunk of logits in the compute dtype is alive
             (results do not depend on it). Default: `N / 16` rows, at most a chunk near 96 MiB,
@@ -381,7 +392,7 @@ def linear_logprob_objective(
     vocabulary row once per chunk).
 
     Raises:
-        TypeError: non-float `hidden`/`weight`/coefficients, different dtypes, non-integer `target`,
+        TypeError: non-float `hidden`/`weight`/`bias`/coefficients, non-integer `target`,
             a non-bool `allow_repeated_backward`.
         ValueError: shape mismatches, `temperature <= 0`, `chunk_size <= 0`, target ids outside
             `[0, V)` (eager only).
@@ -401,8 +412,10 @@ def linear_logprob_objective(
     target = replicated(target, "target")
     check_integer_ids("target", target)
     coefficients = {"logprob_weight": replicated(logprob_weight, "logprob_weight")}
-    if entropy_weight is not None:
-        coefficients["entropy_weight"] = replicated(entropy_weight, "entropy_weight")
+    b_name = "neg_entropy_weight" if entropy_weight is None else "entropy_weight"  # as the caller named it
+    b = renamed_keyword("neg_entropy_weight", neg_entropy_weight, "entropy_weight", entropy_weight)
+    if b is not None:
+        coefficients[b_name] = replicated(b, b_name)
     for name, value in coefficients.items():
         check_floating(name, value)
         if tuple(value.shape) != tuple(target.shape):
@@ -413,8 +426,8 @@ def linear_logprob_objective(
     if not isinstance(allow_repeated_backward, bool):
         raise TypeError(f"allow_repeated_backward must be a bool, got {allow_repeated_backward!r}")
     lw = coefficients["logprob_weight"].reshape(-1)
-    with_entropy = entropy_weight is not None
-    ew = coefficients["entropy_weight"].reshape(-1) if with_entropy else torch.zeros_like(lw)
+    with_entropy = b is not None
+    ew = coefficients[b_name].reshape(-1) if with_entropy else torch.zeros_like(lw)
     objective, logprobs, neg_entropy = _LinearObjectiveFn.apply(
         rows.hidden,
         weight,

@@ -5,7 +5,8 @@ in both conventions, `linear_next_token_logprobs`, `linear_logprob_objective`).
 Sections: 0 helpers; 1 reference equivalence (float64, 1e-10, TP 1/2 rank threads, both hidden
 layouts, uneven shards); 2 gradcheck of the soft-cap/scale/bias backward; 3 compile (fullgraph,
 few small cases); 4 real gloo processes; 5 ignored rows are skipped (matmul rows counted);
-6 mixed dtypes; 7 errors and the cross-rank check of the new arguments.
+6 mixed dtypes; 7 errors and the cross-rank check of the new arguments; 8 the negative entropy's
+names (the deprecated ones keep their meaning and warn).
 
 Rank `r` holds rows `[r·Vl, (r+1)·Vl)` of the head and of its bias; concatenated in rank order,
 their gradients must equal the reference's, and every rank's `hidden.grad` the reference's (or,
@@ -15,6 +16,7 @@ with `sequence_parallel=True`, rank `r`'s rows of it).
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -60,14 +62,16 @@ def make_case(name, rows, hidden_size, vocab, *, seed=0, ignored=0.3, scale=3.0)
 def call(name, hidden, weight, ids, extra, **kw):
     """The fused function `name` -> its outputs as a tuple of tensors (differentiable ones first)."""
     if name == "token":
-        return lossfx.linear_token_logprobs(hidden, weight, ids, return_entropy=True, **kw)
+        return lossfx.linear_token_logprobs(hidden, weight, ids, return_neg_entropy=True, **kw)
     if name.startswith("gather"):
         topk = name == "gather"
-        return lossfx.linear_gather_logprobs(hidden, weight, ids, zero_outside_topk=topk, with_entropy=True, **kw)
+        return lossfx.linear_gather_logprobs(hidden, weight, ids, zero_outside_topk=topk, with_neg_entropy=True, **kw)
     if name == "next":
-        return lossfx.linear_next_token_logprobs(hidden, weight, ids, return_entropy=True, **kw)
+        return lossfx.linear_next_token_logprobs(hidden, weight, ids, return_neg_entropy=True, **kw)
     a, b = extra
-    return lossfx.linear_logprob_objective(hidden, weight, ids, a, entropy_weight=b, allow_repeated_backward=True, **kw)
+    return lossfx.linear_logprob_objective(
+        hidden, weight, ids, a, neg_entropy_weight=b, allow_repeated_backward=True, **kw
+    )
 
 
 def call_reference(name, hidden, weight, ids, extra, temperature=1.0, **kw):
@@ -147,6 +151,21 @@ def test_options_match_reference(name, opts_name, world):
     check_ranks(results, values, grads, sp=False)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", ["token", "gather_renorm", "objective"])
+def test_options_over_vocabulary_blocks(name, world, monkeypatch):
+    """Several vocabulary blocks per shard (5 columns each): the bias and the soft-cap factor are
+    taken per block, and the ignored rows skipped in each."""
+    from lossfx import linear_chunks, linear_objective
+
+    monkeypatch.setattr(linear_chunks, "_vocab_block", lambda vl, hs, dt: min(vl, 5))
+    monkeypatch.setattr(linear_objective, "BLOCK", 5)
+    opts = OPTIONS["softcap"]
+    case = make_case(name, 10, 4, 24, seed=18, ignored=0.3)
+    values, grads = expected(name, case, opts)
+    check_ranks(run_ranks(world, _rank, name, case, opts, False, 3), values, grads, sp=False)
+
+
 @pytest.mark.parametrize("name", ["token", "gather_renorm", "objective"])
 def test_options_sequence_parallel_two_ranks(name):
     opts = OPTIONS["softcap"]
@@ -162,7 +181,15 @@ def _uneven_rank(rank, world, group, case, opts):
     w, b = weight[rows].clone().requires_grad_(), bias[rows].clone().requires_grad_()
     h = hidden.clone().requires_grad_()
     lp, ne = lossfx.linear_token_logprobs(
-        h, w, ids, bias=b, group=group, vocab_start=rows.start, vocab_size=weight.shape[0], return_entropy=True, **opts
+        h,
+        w,
+        ids,
+        bias=b,
+        group=group,
+        vocab_start=rows.start,
+        vocab_size=weight.shape[0],
+        return_neg_entropy=True,
+        **opts,
     )
     torch.autograd.backward([lp, ne], upstream("token", (lp, ne)))
     return [lp.detach(), ne.detach()], (h.grad, w.grad, b.grad), None
@@ -189,7 +216,7 @@ def test_ignored_rows_are_zero_with_zero_gradient():
     hidden, weight, bias, ids, _ = make_case("token", 9, 4, 10, seed=7, ignored=0.5)
     assert (ids == -100).any() and (ids != -100).any()
     h = hidden.clone().requires_grad_()
-    lp, ne = lossfx.linear_token_logprobs(h, weight, ids, bias=bias, return_entropy=True)
+    lp, ne = lossfx.linear_token_logprobs(h, weight, ids, bias=bias, return_neg_entropy=True)
     ignored = ids == -100
     assert torch.equal(lp[ignored], torch.zeros_like(lp[ignored]))
     assert torch.equal(ne[ignored], torch.zeros_like(ne[ignored]))
@@ -210,7 +237,9 @@ def test_every_row_ignored():
     hidden, weight, bias, ids, extra = make_case("objective", 6, 3, 7, seed=8)
     ids = torch.full_like(ids, -100)
     h = hidden.clone().requires_grad_()
-    objective, lp, ne = lossfx.linear_logprob_objective(h, weight, ids, extra[0], entropy_weight=extra[1], bias=bias)
+    objective, lp, ne = lossfx.linear_logprob_objective(
+        h, weight, ids, extra[0], neg_entropy_weight=extra[1], bias=bias
+    )
     objective.backward()
     assert objective.item() == 0 and not lp.any() and not ne.any() and not h.grad.any()
 
@@ -385,3 +414,52 @@ def test_ranks_that_disagree_on_an_option_all_raise(key, values):
     hidden, weight, _, ids, _ = make_case("token", 4, 3, 8, seed=16, ignored=0)
     messages = run_ranks(2, _disagreeing_rank, hidden, weight, ids, key, values)
     assert all(m is not None and key in m for m in messages), messages
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. The negative entropy's names
+# ---------------------------------------------------------------------------------------------
+
+RENAMED = [
+    ("token", "return_neg_entropy", "return_entropy", True),
+    ("next", "return_neg_entropy", "return_entropy", True),
+    ("gather", "with_neg_entropy", "with_entropy", True),
+    ("objective", "neg_entropy_weight", "entropy_weight", None),
+]
+
+
+def _call_flag(name, hidden, weight, ids, extra, key, value):
+    if name == "token":
+        return lossfx.linear_token_logprobs(hidden, weight, ids, **{key: value})
+    if name == "next":
+        return lossfx.linear_next_token_logprobs(hidden, weight, ids, **{key: value})
+    if name == "gather":
+        return lossfx.linear_gather_logprobs(hidden, weight, ids, **{key: value})
+    return lossfx.linear_logprob_objective(hidden, weight, ids, extra[0], **{key: extra[1] if value is None else value})
+
+
+@pytest.mark.parametrize(("name", "new", "old", "value"), RENAMED)
+def test_old_entropy_names_keep_their_value_and_warn(name, new, old, value):
+    """The value is Σ p log p (≤ 0, the reference's) under the new name; the old name gives the same
+    value with a FutureWarning naming the sign; both names together are a TypeError."""
+    hidden, weight, _, ids, extra = make_case(name, 6, 3, 9, seed=17, ignored=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh = _call_flag(name, hidden, weight, ids, extra, new, value)
+    with pytest.warns(FutureWarning, match=f"{old} is deprecated: its value is Σ p log p, the NEGATIVE entropy"):
+        legacy = _call_flag(name, hidden, weight, ids, extra, old, value)
+    for a, b in zip(fresh, legacy, strict=True):
+        assert torch.equal(a, b)
+    neg_entropy = fresh[-1]
+    assert (neg_entropy <= 0).all()
+    ref = call_reference(name, hidden, weight, ids, extra)[-1]
+    torch.testing.assert_close(neg_entropy, ref, **TIGHT)
+    with pytest.raises(TypeError, match=f"pass {new} only; {old} is its deprecated name"):
+        both = {new: extra[1] if value is None else value, old: extra[1] if value is None else value}
+        call_name = {"token": "linear_token_logprobs", "next": "linear_next_token_logprobs"}.get(name)
+        if call_name:
+            getattr(lossfx, call_name)(hidden, weight, ids, **both)
+        elif name == "gather":
+            lossfx.linear_gather_logprobs(hidden, weight, ids, **both)
+        else:
+            lossfx.linear_logprob_objective(hidden, weight, ids, extra[0], **both)
