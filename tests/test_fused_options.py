@@ -286,12 +286,35 @@ def gloo_rank(rank, world, group, case, opts):
     return _rank(rank, world, group, "token", case, opts, False, 4)
 
 
+def gloo_dtensor_rank(rank, world, group, case, opts):
+    """A `Shard(0)` DTensor head and bias (uneven rows 6 + 5) -> (values, full grads, grad placements)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    hidden, weight, bias, ids, _ = case
+    mesh = init_device_mesh("cpu", (world,))
+    w = distribute_tensor(weight, mesh, [Shard(0)], src_data_rank=None).requires_grad_()
+    b = distribute_tensor(bias, mesh, [Shard(0)], src_data_rank=None).requires_grad_()
+    h = hidden.clone().requires_grad_()
+    outs = lossfx.linear_token_logprobs(h, w, ids, bias=b, return_neg_entropy=True, **opts)
+    torch.autograd.backward(list(outs), upstream("token", outs))
+    grads = (h.grad, w.grad.full_tensor(), b.grad.full_tensor())
+    return [o.detach() for o in outs], grads, str(tuple(b.grad.placements))
+
+
 @pytest.mark.distributed
 def test_gloo_two_ranks_with_every_option():
     opts = OPTIONS["softcap"]
     case = make_case("token", 10, 4, 12, seed=11, ignored=0.3)
     values, grads = expected("token", case, opts)
     check_ranks(gloo_pool(2).run(gloo_rank, case, opts), values, grads, sp=False)
+    # DTensor head and bias (a ColwiseParallel LM head with a bias), uneven shards
+    case = make_case("token", 10, 4, 11, seed=19, ignored=0.3)
+    values, grads = expected("token", case, opts)
+    for got_values, got_grads, placement in gloo_pool(2).run(gloo_dtensor_rank, case, opts):
+        assert placement == "(Shard(dim=0),)"
+        for got, want in zip([*got_values, *got_grads], [*values, *grads], strict=True):
+            torch.testing.assert_close(got, want, **TIGHT)
 
 
 # ---------------------------------------------------------------------------------------------
