@@ -3,9 +3,11 @@
     z = hidden @ weight.T / T                       (logits, [N, V]; only ever one [C, Cv] tile)
     out[n, k] = z[n, ids[n, k]] − logsumexp_v z[n, v]        neg_entropy[n] = Σ_v p log p
 
-over a vocabulary sharded across tensor-parallel (TP) ranks (`weight` is this rank's `[Vl, H]`
-rows of the LM head). One kernel serves every entry point: ids `[N, K]`, with token log-probs the
-`K = 1` case. Pipeline of the forward:
+(with the options `bias`, `logit_scale`, `softcap`: `z = c · tanh(s · (hidden @ weight.T + bias) / c)
+/ T`; ids equal to `ignore_index` give 0 and their rows are never computed) over a vocabulary
+sharded across tensor-parallel (TP) ranks (`weight` is this rank's `[Vl, H]` rows of the LM head),
+matmuls in `promote_types(hidden.dtype, weight.dtype)`. One kernel serves every entry point:
+ids `[N, K]`, with token log-probs the `K = 1` case. Pipeline of the forward:
 
 1. with `sequence_parallel=True`, all-gather this rank's `[N/R, H]` rows of `hidden`;
 2. `lossfx::linear_local_stats` (`lossfx.linear_chunks`): per tile, one `[C, Cv]` block of logits
