@@ -439,6 +439,22 @@ def test_ranks_that_disagree_on_an_option_all_raise(key, values):
     assert all(m is not None and key in m for m in messages), messages
 
 
+def _bad_bias_rank(rank, world, group, hidden, weight, ids):
+    w = weight[rank * 4 : (rank + 1) * 4]
+    try:
+        lossfx.linear_token_logprobs(hidden, w, ids, bias=torch.zeros(4 + rank), group=group)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_bias_that_is_not_the_shard_width_raises_on_every_rank():
+    """The cross-rank check reads `bias` as a vocabulary shard: its width must be the head's rows."""
+    hidden, weight, _, ids, _ = make_case("token", 4, 3, 8, seed=20, ignored=0)
+    messages = run_ranks(2, _bad_bias_rank, hidden, weight, ids)
+    assert all(m is not None and "bias" in m for m in messages), messages
+
+
 # ---------------------------------------------------------------------------------------------
 # 8. The negative entropy's names
 # ---------------------------------------------------------------------------------------------
