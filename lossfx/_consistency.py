@@ -112,7 +112,8 @@ _DTYPES = [
 _functions: dict[int, str] = {}  # crc32 of a checked function's name -> the name
 
 # argument names
-_VOCAB_TENSORS = ("logits", "student", "teacher", "student_logits", "teacher_logits")  # [..., Vl] shards
+# [..., Vl] shards (`bias`: a fused LM head's `[Vl]`, after its `weight`)
+_VOCAB_TENSORS = ("logits", "student", "teacher", "student_logits", "teacher_logits", "bias")
 _VOCAB_ROWS = ("weight",)  # [Vl, H] LM-head shards (the fused functions): rows are the vocabulary
 _VOCAB_COLUMNS = ("teacher_full_logits",)  # data columns over the vocabulary: last dim not compared
 # `{key: W [rows, H]}` LM heads beside vocabulary-sharded logits (OPD_FULL's teacher): the rows are

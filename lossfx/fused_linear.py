@@ -3,9 +3,11 @@
     z = hidden @ weight.T / T                       (logits, [N, V]; only ever one [C, Cv] tile)
     out[n, k] = z[n, ids[n, k]] − logsumexp_v z[n, v]        neg_entropy[n] = Σ_v p log p
 
-over a vocabulary sharded across tensor-parallel (TP) ranks (`weight` is this rank's `[Vl, H]`
-rows of the LM head). One kernel serves every entry point: ids `[N, K]`, with token log-probs the
-`K = 1` case. Pipeline of the forward:
+(with the options `bias`, `logit_scale`, `softcap`: `z = c · tanh(s · (hidden @ weight.T + bias) / c)
+/ T`; ids equal to `ignore_index` give 0 and their rows are never computed) over a vocabulary
+sharded across tensor-parallel (TP) ranks (`weight` is this rank's `[Vl, H]` rows of the LM head),
+matmuls in `promote_types(hidden.dtype, weight.dtype)`. One kernel serves every entry point:
+ids `[N, K]`, with token log-probs the `K = 1` case. Pipeline of the forward:
 
 1. with `sequence_parallel=True`, all-gather this rank's `[N/R, H]` rows of `hidden`;
 2. `lossfx::linear_local_stats` (`lossfx.linear_chunks`): per tile, one `[C, Cv]` block of logits
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import numbers
 import typing
+import warnings
 from typing import Any
 
 import torch
@@ -48,57 +51,70 @@ from lossfx._distributed import (
 )
 from lossfx._dtensor import _same_group, is_dtensor, replicated, vocab_shard
 from lossfx._numerics import log_softmax_rows
-from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
+from lossfx._validation import (
+    check_floating,
+    check_ids_in_range,
+    check_integer_ids,
+    check_positive_int,
+    values_checkable,
+)
 from lossfx.context_parallel import allgather_cp, check_covers_sequence, shard_padded_for_cp
-from lossfx.linear_chunks import linear_local_grads, linear_local_stats, merge_row_stats
-from lossfx.next_token import check_position_ids, mask_sequence_ends, zero_sequence_ends
+from lossfx.linear_chunks import LogitHead, linear_local_grads, linear_local_stats, merge_row_stats
+from lossfx.next_token import check_position_ids, mask_sequence_ends
 
 __all__ = ["linear_gather_logprobs", "linear_next_token_logprobs", "linear_token_logprobs"]
 
 
 class _FusedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, local_idx, owned, temperature, with_entropy, chunk_rows, group, seq_parallel):
-        # hidden [N or N/R, H], weight [Vl, H], local_idx/owned [N, K]
+    def forward(ctx, hidden, weight, bias, local_idx, owned, valid, head, with_entropy, chunk_rows, group, seq_par):
+        # hidden [N or N/R, H], weight [Vl, H], bias [Vl] or None, local_idx/owned/valid [N, K]
         full_hidden = hidden
-        if seq_parallel and is_distributed(group):
+        if seq_par and is_distributed(group):
             full_hidden = all_gather_stack(hidden, group).flatten(0, 1)  # [N, H], rank order
-        stats = linear_local_stats(full_hidden, weight, local_idx, owned, temperature, with_entropy, chunk_rows)
+        active = valid.any(dim=1)  # [N]: rows with at least one id that is not ignore_index
+        stats = linear_local_stats(full_hidden, weight, bias, local_idx, owned, active, *head, with_entropy, chunk_rows)
         merged = all_gather_stack(stats, group)  # [R, 3 + K, N]: per-row scalars only
         logprobs, neg_entropy, shift, log_s = merge_row_stats(merged, local_idx.shape[1])
-        ctx.save_for_backward(full_hidden, weight, local_idx, owned, shift, log_s, neg_entropy)
-        ctx.temperature, ctx.with_entropy, ctx.chunk_rows = temperature, with_entropy, chunk_rows
-        ctx.group, ctx.seq_parallel = group, seq_parallel
+        logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))  # ignored ids: 0
+        neg_entropy = torch.where(active, neg_entropy, torch.zeros_like(neg_entropy))  # ignored rows: 0
+        ctx.save_for_backward(full_hidden, weight, bias, local_idx, owned, valid, active, shift, log_s, neg_entropy)
+        ctx.head, ctx.with_entropy, ctx.chunk_rows = head, with_entropy, chunk_rows
+        ctx.group, ctx.seq_par = group, seq_par
         ctx.hidden_dtype = hidden.dtype
         return logprobs, neg_entropy
 
     @staticmethod
     def backward(ctx, dlogprobs, dneg_entropy):
-        full_hidden, weight, local_idx, owned, shift, log_s, neg_entropy = ctx.saved_tensors
+        full_hidden, weight, bias, local_idx, owned, valid, active, shift, log_s, neg_entropy = ctx.saved_tensors
         cdtype = shift.dtype
-        g = dlogprobs.to(cdtype)  # [N, K]
+        g = torch.where(valid, dlogprobs.to(cdtype), torch.zeros((), dtype=cdtype, device=shift.device))  # [N, K]
         grad_ids = torch.where(owned, g, torch.zeros_like(g))
-        dhidden, dweight = linear_local_grads(
+        dhidden, dweight, dbias = linear_local_grads(
             full_hidden,
             weight,
+            bias,
             local_idx,
+            active,
             grad_ids,
             g.sum(dim=1),
             dneg_entropy.to(cdtype),
             shift,
             log_s,
             neg_entropy,
-            ctx.temperature,
+            *ctx.head,
             ctx.with_entropy,
             ctx.chunk_rows,
         )
+        dbias = None if bias is None else dbias.to(bias.dtype)
+        nones = (None,) * 8
         if not ctx.needs_input_grad[0]:  # the same on every rank, so the collective is skipped by all
-            return None, dweight, None, None, None, None, None, None, None
-        if ctx.seq_parallel:
+            return None, dweight, dbias, *nones
+        if ctx.seq_par:
             dhidden = reduce_scatter_sum(dhidden, ctx.group)  # [N/R, H]: this rank's rows, summed
         else:
             dhidden = all_reduce(dhidden, "sum", ctx.group)  # [N, H]: the full gradient on every rank
-        return dhidden.to(ctx.hidden_dtype), dweight, None, None, None, None, None, None, None
+        return dhidden.to(ctx.hidden_dtype), dweight, dbias, *nones
 
 
 def _local_arguments(
@@ -179,22 +195,26 @@ def local_view(seq_dim: int) -> Any:
     return view
 
 
-def _check_temperature(temperature: object) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a positive float, got {temperature!r}")
-    value = float(temperature)
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    return value
+def _check_positive_float(name: str, value: object, optional: bool = False) -> float | None:
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        kind = "None or a positive float" if optional else "a positive float"
+        raise TypeError(f"{name} must be {kind}, got {value!r}")
+    number = float(value)
+    if not number > 0 or number == float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return number
 
 
 class LinearRows(typing.NamedTuple):
     """Validated, flattened arguments of the fused LM-head kernels (`prepare_linear_rows`)."""
 
     hidden: Tensor  # [N or N/R, H]
-    local_idx: Tensor  # [N, K] column of each id in this shard (0 where not owned)
-    owned: Tensor  # [N, K] whether this shard owns the id
-    temperature: float
+    local_idx: Tensor  # [N, K] column of each id in this shard (0 where not owned or ignored)
+    owned: Tensor  # [N, K] whether this shard owns the id (False where ignored)
+    valid: Tensor  # [N, K] whether the id is not ignore_index
+    head: LogitHead  # temperature, logit_scale, softcap
     chunk_rows: int  # 0: the loop picks its default
 
 
@@ -203,24 +223,30 @@ def prepare_linear_rows(
     weight: Tensor,
     ids: Tensor,
     *,
+    bias: Tensor | None = None,
     group: ProcessGroup | None,
     vocab_start: int | None,
     vocab_size: int | None,
     temperature: float,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
     sequence_parallel: bool,
     chunk_size: int | None,
 ) -> LinearRows:
-    """Check hidden `[..., H]`, weight `[Vl, H]`, ids `[..., K]` and the options (TypeError/ValueError
-    naming the argument) and flatten them to the kernels' `[N, H]` / `[N, K]` rows."""
+    """Check hidden `[..., H]`, weight `[Vl, H]`, bias `[Vl]`, ids `[..., K]` and the options
+    (TypeError/ValueError naming the argument) and flatten them to the kernels' `[N, H]` / `[N, K]` rows."""
     check_floating("hidden", hidden)
     check_floating("weight", weight)
     check_integer_ids("ids", ids)
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    temperature = _check_temperature(temperature)
+    temperature = typing.cast(float, _check_positive_float("temperature", temperature))
+    logit_scale = typing.cast(float, _check_positive_float("logit_scale", logit_scale))
+    softcap = _check_positive_float("softcap", softcap, optional=True)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"hidden and weight must share one dtype; got {hidden.dtype} and {weight.dtype}")
     if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"weight must be [V_local, H] and hidden [..., H] with the same H; got "
@@ -229,6 +255,13 @@ def prepare_linear_rows(
     local_vocab, hidden_size = weight.shape
     if local_vocab < 1:
         raise ValueError(f"weight must hold at least one vocabulary row, got shape {tuple(weight.shape)}")
+    if bias is not None:
+        check_floating("bias", bias)
+        if tuple(bias.shape) != (local_vocab,):
+            raise ValueError(
+                f"bias must be [V_local] = [{local_vocab}] (this rank's rows of the head's bias, like weight's), "
+                f"got shape {tuple(bias.shape)}"
+            )
     if ids.dim() < 1 or ids.shape[-1] < 1:
         raise ValueError(f"ids must be [..., K] with K >= 1, got shape {tuple(ids.shape)}")
     world = group_size(group)
@@ -250,12 +283,56 @@ def prepare_linear_rows(
         vocab_start = group_rank(group) * local_vocab
     if vocab_size is None:
         vocab_size = world * local_vocab
-    check_ids_in_range("target" if ids.shape[-1] == 1 else "ids", ids, vocab_size)
+    flat_ids = ids.reshape(n_rows, ids.shape[-1]).to(torch.int64)  # [N, K]
+    valid = flat_ids != ignore_index
+    if values_checkable(ids):  # ignore_index is never out of range
+        name = "target" if ids.shape[-1] == 1 else "ids"
+        check_ids_in_range(name, ids.masked_fill(ids == ignore_index, 0), vocab_size)
     chunk_rows = 0 if chunk_size is None else chunk_size  # 0: each loop picks its default
     flat_hidden = hidden.reshape(hidden_rows, hidden_size)  # [N or N/R, H]
-    flat_ids = ids.reshape(n_rows, ids.shape[-1]).to(torch.int64)  # [N, K]
-    local_idx, owned = local_columns(flat_ids, vocab_start, local_vocab)
-    return LinearRows(flat_hidden, local_idx, owned, temperature, chunk_rows)
+    local_idx, owned = local_columns(torch.where(valid, flat_ids, -1), vocab_start, local_vocab)
+    return LinearRows(flat_hidden, local_idx, owned, valid, LogitHead(temperature, logit_scale, softcap), chunk_rows)
+
+
+def renamed_keyword(new_name: str, new: Any, old_name: str, old: Any) -> Any:
+    """The value of a keyword renamed so that its name carries the sign of `Σ p log p` (the negative
+    entropy): `old` (deprecated, same meaning) when given, with a FutureWarning in eager mode."""
+    if old is None:
+        return new
+    if new is not None and new is not False:
+        raise TypeError(f"pass {new_name} only; {old_name} is its deprecated name")
+    if not torch.compiler.is_compiling():
+        warnings.warn(
+            f"{old_name} is deprecated: its value is Σ p log p, the NEGATIVE entropy (≤ 0); pass {new_name} "
+            "for the same value (the entropy is its negation)",
+            FutureWarning,
+            stacklevel=4,
+        )
+    return old
+
+
+def _options(
+    bias: Tensor | None,
+    group: ProcessGroup | None,
+    vocab_start: int | None,
+    vocab_size: int | None,
+    temperature: float,
+    logit_scale: float,
+    softcap: float | None,
+) -> dict[str, Any]:
+    """`prepare_linear_rows`' keywords, with a `Shard(0)` DTensor `bias` taken as its local shard
+    (it must agree with the weight's group and offsets)."""
+    if bias is not None and is_dtensor(bias):
+        bias = vocab_shard(bias, dim=0, name="bias", group=group, vocab_start=vocab_start, vocab_size=vocab_size).local
+    return {
+        "bias": bias,
+        "group": group,
+        "vocab_start": vocab_start,
+        "vocab_size": vocab_size,
+        "temperature": temperature,
+        "logit_scale": logit_scale,
+        "softcap": softcap,
+    }
 
 
 def _linear_gather(
@@ -264,37 +341,25 @@ def _linear_gather(
     ids: Tensor,
     *,
     with_entropy: bool,
-    group: ProcessGroup | None,
-    vocab_start: int | None,
-    vocab_size: int | None,
-    temperature: float,
-    sequence_parallel: bool,
-    chunk_size: int | None,
-) -> tuple[Tensor, Tensor]:
-    """Validated core: hidden `[..., H]`, ids `[..., K]` -> (logprobs `[..., K]`, neg_entropy `[...]`)."""
-    rows = prepare_linear_rows(
-        hidden,
-        weight,
-        ids,
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        temperature=temperature,
-        sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size,
-    )
+    options: dict[str, Any],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Validated core: hidden `[..., H]`, ids `[..., K]` -> (logprobs `[..., K]`, neg_entropy `[...]`,
+    valid `[..., K]`); `options` are `prepare_linear_rows`' keywords."""
+    rows = prepare_linear_rows(hidden, weight, ids, **options)
     logprobs, neg_entropy = _FusedLinearFn.apply(
         rows.hidden,
         weight,
+        options["bias"],
         rows.local_idx,
         rows.owned,
-        rows.temperature,
+        rows.valid,
+        rows.head,
         with_entropy,
         rows.chunk_rows,
-        group,
-        sequence_parallel,
+        options["group"],
+        options["sequence_parallel"],
     )
-    return logprobs.view(ids.shape), neg_entropy.view(ids.shape[:-1])
+    return logprobs.view(ids.shape), neg_entropy.view(ids.shape[:-1]), rows.valid.view(ids.shape)
 
 
 @keep_errors_under_compile
@@ -305,11 +370,16 @@ def linear_gather_logprobs(
     ids: Tensor,
     *,
     zero_outside_topk: bool = True,
-    with_entropy: bool = False,
+    with_neg_entropy: bool = False,
+    with_entropy: bool | None = None,
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     temperature: float = 1.0,
+    bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
     sequence_parallel: bool = False,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
@@ -319,7 +389,7 @@ def linear_gather_logprobs(
 
         lp = z.log_softmax(-1)
         out = lp.gather(-1, ids) if zero_outside_topk else z.gather(-1, ids).log_softmax(-1)
-        return out, (lp.exp() * lp).sum(-1) if with_entropy else None
+        return out, (lp.exp() * lp).sum(-1) if with_neg_entropy else None
 
     without materialising more than one `[C, Cv]` tile of `z` (`Cv <= Vl`; eager or compiled).
 
@@ -328,18 +398,26 @@ def linear_gather_logprobs(
             `sequence_parallel=True` this rank's rows: the flattened rows `[r·N/R, (r+1)·N/R)`.
         weight: `[Vl, H]` this rank's rows of the LM head (the whole head without a group), or
             a `Shard(0)` DTensor head (group and offsets from its placement; docs/dtensor.md);
-            the same dtype as `hidden`.
+            any floating dtype (matmuls in `promote_types(hidden.dtype, weight.dtype)`).
         ids: `[..., K]` integer global ids in `[0, V)` (the full `N` rows on every rank); duplicates
             allowed (their gradients add).
         zero_outside_topk: `True`: normalise over the full vocabulary (`log_softmax(z)[ids]`);
             `False`: renormalise over the `K` ids (`log_softmax(z[ids])`, a duplicated id counts
             twice), the two conventions of `prepare_loss_input(DISTILLATION)`.
-        with_entropy: also return `Σ_v p log p` `[...]` (the negative entropy over the full
+        with_neg_entropy: also return `Σ_v p log p` `[...]` (the negative entropy over the full
             vocabulary), from the same pass; else `None`.
+        with_entropy: deprecated name of `with_neg_entropy` (same value; a FutureWarning).
         group: TP group over the vocabulary, or `None`.
         vocab_start: first global id of this shard; default `rank · Vl`.
         vocab_size: global `V`; default `world_size · Vl`.
         temperature: the logits are `hidden @ weight.T / temperature` (> 0).
+        bias: `[Vl]` this rank's rows of the LM head's bias (or a `Shard(0)` DTensor), or `None`;
+            its gradient is returned in its dtype.
+        logit_scale: `s > 0`, multiplies `hidden @ weight.T + bias` (before the soft-cap).
+        softcap: `c > 0` or `None`: the logits are `c · tanh(s · (hidden @ weight.T + bias) / c) / T`
+            (TRL's order; without it `s · (hidden @ weight.T + bias) / T`).
+        ignore_index: ids equal to it get log-prob 0, zero gradient and `Σ p log p = 0`,
+            and their rows are never computed (docs/fused_linear.md, "Options").
         sequence_parallel: `hidden` is this rank's row slice (all-gathered in the forward; its
             gradient reduce-scattered in the backward).
         chunk_size: rows per logits chunk (memory bound; results do not depend on it). Default:
@@ -350,14 +428,15 @@ def linear_gather_logprobs(
         replicated over the TP group.
 
     Raises:
-        TypeError: non-float hidden/weight, different dtypes, non-integer ids, bad temperature type.
+        TypeError: non-float hidden/weight/bias, non-integer ids, bad temperature/logit_scale/softcap/
+            ignore_index type.
         ValueError: shape mismatches, `K = 0`, `temperature <= 0`, `chunk_size <= 0`, ids outside
             `[0, V)` (eager only).
 
     Example:
         >>> import torch, lossfx
         >>> lp, h = lossfx.linear_gather_logprobs(torch.zeros(1, 2), torch.ones(4, 2), torch.tensor([[0, 3]]),
-        ...                                        with_entropy=True)
+        ...                                        with_neg_entropy=True)
         >>> lp, h
         (tensor([[-1.3863, -1.3863]]), tensor([-1.3863]))
 
@@ -367,22 +446,17 @@ def linear_gather_logprobs(
         hidden, weight, group, vocab_start, vocab_size, sequence_parallel, seq_dim=0
     )
     ids = replicated(ids, "ids")
-    logprobs, neg_entropy = _linear_gather(
-        hidden,
-        weight,
-        ids,
-        with_entropy=bool(with_entropy),
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        temperature=temperature,
-        sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size,
-    )
+    options = _options(bias, group, vocab_start, vocab_size, temperature, logit_scale, softcap)
+    options.update(ignore_index=ignore_index, sequence_parallel=sequence_parallel, chunk_size=chunk_size)
+    with_neg_entropy = bool(renamed_keyword("with_neg_entropy", with_neg_entropy, "with_entropy", with_entropy))
+    logprobs, neg_entropy, valid = _linear_gather(hidden, weight, ids, with_entropy=with_neg_entropy, options=options)
     if not zero_outside_topk:
-        # log_softmax over the K ids is unchanged by the per-row lse already subtracted
-        logprobs = log_softmax_rows(logprobs)
-    return logprobs, (neg_entropy if with_entropy else None)
+        # log_softmax over the K ids is unchanged by the per-row lse already subtracted; ignored ids
+        # take no part (-inf), and a row without any keeps its zeros
+        zero = torch.zeros_like(logprobs)
+        fill = torch.where(valid.any(dim=-1, keepdim=True), torch.full_like(logprobs, float("-inf")), zero)
+        logprobs = torch.where(valid, log_softmax_rows(torch.where(valid, logprobs, fill)), zero)
+    return logprobs, (neg_entropy if with_neg_entropy else None)
 
 
 @typing.overload
@@ -395,9 +469,14 @@ def linear_token_logprobs(
     vocab_start: int | None = ...,
     vocab_size: int | None = ...,
     temperature: float = ...,
+    bias: Tensor | None = ...,
+    logit_scale: float = ...,
+    softcap: float | None = ...,
+    ignore_index: int = ...,
     sequence_parallel: bool = ...,
     chunk_size: int | None = ...,
-    return_entropy: typing.Literal[False] = ...,
+    return_neg_entropy: typing.Literal[False] = ...,
+    return_entropy: typing.Literal[False] | None = ...,
 ) -> Tensor: ...
 @typing.overload
 def linear_token_logprobs(
@@ -409,10 +488,34 @@ def linear_token_logprobs(
     vocab_start: int | None = ...,
     vocab_size: int | None = ...,
     temperature: float = ...,
+    bias: Tensor | None = ...,
+    logit_scale: float = ...,
+    softcap: float | None = ...,
+    ignore_index: int = ...,
     sequence_parallel: bool = ...,
     chunk_size: int | None = ...,
-    return_entropy: typing.Literal[True],
+    return_neg_entropy: typing.Literal[True],
+    return_entropy: bool | None = ...,
 ) -> tuple[Tensor, Tensor]: ...
+@typing.overload
+def linear_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    *,
+    group: ProcessGroup | None = ...,
+    vocab_start: int | None = ...,
+    vocab_size: int | None = ...,
+    temperature: float = ...,
+    bias: Tensor | None = ...,
+    logit_scale: float = ...,
+    softcap: float | None = ...,
+    ignore_index: int = ...,
+    sequence_parallel: bool = ...,
+    chunk_size: int | None = ...,
+    return_neg_entropy: bool = ...,
+    return_entropy: bool | None = ...,
+) -> Tensor | tuple[Tensor, Tensor]: ...
 @keep_errors_under_compile
 @checked_collective(vocab="tiled", local=local_view(seq_dim=0))
 def linear_token_logprobs(
@@ -424,9 +527,14 @@ def linear_token_logprobs(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     temperature: float = 1.0,
+    bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
     sequence_parallel: bool = False,
     chunk_size: int | None = None,
-    return_entropy: bool = False,
+    return_neg_entropy: bool = False,
+    return_entropy: bool | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Token log-probs of `softmax(hidden @ weight.T / temperature)`, logits never materialised.
 
@@ -434,7 +542,7 @@ def linear_token_logprobs(
 
         lp = (hidden @ weight.T / temperature).log_softmax(-1)
         out = lp.gather(-1, target[..., None])[..., 0]
-        return (out, (lp.exp() * lp).sum(-1)) if return_entropy else out
+        return (out, (lp.exp() * lp).sum(-1)) if return_neg_entropy else out
 
     computed one `[C, Cv]` tile of logits at a time (`Cv <= Vl` columns of this shard), in eager
     mode and under `torch.compile` (`fullgraph=True`; each tile loop is one opaque op, so the graph
@@ -452,7 +560,7 @@ def linear_token_logprobs(
             parallelism a `Shard(0)` DTensor over the weight's mesh dim, is accepted.
         weight: `[Vl, H]` this rank's rows of the LM head (vocabulary-sharded; the whole head
             without a group), or a `Shard(0)` DTensor head (`ColwiseParallel`; group and offsets
-            from its placement, docs/dtensor.md); same dtype as `hidden`. Its gradient is this shard's, accumulated
+            from its placement, docs/dtensor.md); any floating dtype. Its gradient is this shard's, accumulated
             across chunks in the compute dtype and returned in `weight`'s dtype.
         target: `[...]` integer global ids in `[0, V)`; the full `N` positions on every rank.
         group: tensor-parallel group over the vocabulary, or `None`.
@@ -460,22 +568,33 @@ def linear_token_logprobs(
             `vocab_size` for uneven shards).
         vocab_size: global vocabulary size `V`; default `world_size · Vl`.
         temperature: divides the logits (> 0); a parameter here because the caller has no logits.
+        bias: `[Vl]` this rank's rows of the LM head's bias (or a `Shard(0)` DTensor), or `None`;
+            its gradient is returned in its dtype.
+        logit_scale: `s > 0`, multiplies `hidden @ weight.T + bias` (before the soft-cap).
+        softcap: `c > 0` or `None`: the logits are `c · tanh(s · (hidden @ weight.T + bias) / c) / T`
+            (TRL's order; without it `s · (hidden @ weight.T + bias) / T`).
+        ignore_index: targets equal to it get log-prob 0, zero gradient and `Σ p log p = 0`,
+            and their rows are never computed (docs/fused_linear.md, "Options").
         sequence_parallel: the hidden layout described above.
         chunk_size: rows per logits chunk (a memory bound; results do not depend on it).
-        return_entropy: also return `neg_entropy = Σ_v p log p` `[...]` from the same pass.
+        return_neg_entropy: also return `neg_entropy = Σ_v p log p` `[...]` (the negative entropy,
+            ≤ 0: an entropy bonus is `−neg_entropy`) from the same pass.
+        return_entropy: deprecated name of `return_neg_entropy` (same value; a FutureWarning).
 
     Returns:
-        `[...]` log-probs (or `(logprobs, neg_entropy)`) in `promote_types(dtype, float32)`,
+        `[...]` log-probs (or `(logprobs, neg_entropy)`) in the compute dtype (the matmul dtype, at least fp32),
         replicated over the TP group. Gradients reach `hidden` and `weight` through both.
 
-    Precision: bf16/fp16 inputs use matmuls in their own dtype (the BLAS accumulates in fp32 and
-    rounds each product once: the logits of the unfused `hidden @ weight.T`, and per tile the
-    products its backward forms from bf16 `dlogits`); the softmax statistics, `dlogits`, and the
-    sums of the tile products into `dweight` and `dhidden` are fp32, each gradient rounded once to
-    the input dtype at the end. float64 stays float64 end to end.
+    Precision: the matmuls run in `promote_types(hidden.dtype, weight.dtype)` (a bf16 `hidden`
+    with an fp32 head: fp32, bit-identical to casting `hidden` up first). bf16/fp16 matmuls
+    accumulate in fp32 inside the BLAS and round each product once (the logits of the unfused
+    `hidden @ weight.T`, and per tile the products its backward forms from bf16 `dlogits`); the
+    softmax statistics, `dlogits`, and the sums of the tile products into `dweight` and `dhidden`
+    are fp32, each gradient rounded once to its input's dtype at the end. float64 stays float64
+    end to end.
 
     Raises:
-        TypeError: non-float `hidden`/`weight`, different dtypes, non-integer `target`.
+        TypeError: non-float `hidden`/`weight`/`bias`, non-integer `target`, a non-int `ignore_index`.
         ValueError: shape mismatches, `temperature <= 0`, `chunk_size <= 0`, target ids outside
             `[0, V)` (eager only: the check reads values and is skipped while compiling).
 
@@ -492,19 +611,15 @@ def linear_token_logprobs(
     )
     target = replicated(target, "target")
     check_integer_ids("target", target)
-    logprobs, neg_entropy = _linear_gather(
-        hidden,
-        weight,
-        target.unsqueeze(-1),
-        with_entropy=bool(return_entropy),
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        temperature=temperature,
-        sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size,
+    return_neg_entropy = bool(
+        renamed_keyword("return_neg_entropy", return_neg_entropy, "return_entropy", return_entropy)
     )
-    if return_entropy:
+    options = _options(bias, group, vocab_start, vocab_size, temperature, logit_scale, softcap)
+    options.update(ignore_index=ignore_index, sequence_parallel=sequence_parallel, chunk_size=chunk_size)
+    logprobs, neg_entropy, _ = _linear_gather(
+        hidden, weight, target.unsqueeze(-1), with_entropy=return_neg_entropy, options=options
+    )
+    if return_neg_entropy:
         return logprobs.squeeze(-1), neg_entropy
     return logprobs.squeeze(-1)
 
@@ -520,11 +635,16 @@ def linear_next_token_logprobs(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     temperature: float = 1.0,
+    bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
     sequence_parallel: bool = False,
     context_parallel_group: ProcessGroup | None = None,
     cp_sharder: Any = None,
     chunk_size: int | None = None,
-    return_entropy: bool = False,
+    return_neg_entropy: bool = False,
+    return_entropy: bool | None = None,
     position_ids: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Next-token log-probs `[B, S−1]` from hidden states: position `t` scores `input_ids[:, t+1]`.
@@ -546,6 +666,8 @@ def linear_next_token_logprobs(
         input_ids: `[B, S]` canonical token ids (the full sequence on every rank).
         group, vocab_start, vocab_size, temperature, chunk_size: as in `linear_token_logprobs`
             (`chunk_size` counts rows of the flattened `[B·S_l, H]`).
+        bias, logit_scale, softcap, ignore_index: as in `linear_token_logprobs` (an
+            `ignore_index` at `input_ids[:, t+1]` skips position `t`).
         sequence_parallel: the hidden layout above; the gradient reaching `hidden` is this rank's
             positions' (reduce-scattered), else the full gradient on every TP rank.
         context_parallel_group: CP group for the load-balanced layout, or `None`. Gradients follow
@@ -554,7 +676,9 @@ def linear_next_token_logprobs(
         cp_sharder: an object with `shard_token_tensor` / `gather_token_tensor`
             (`lossfx.next_token.ContextParallelSharder`); takes precedence over
             `context_parallel_group`.
-        return_entropy: also return `Σ_v p log p` at the same `[B, S−1]` positions.
+        return_neg_entropy: also return `Σ_v p log p` (the negative entropy) at the same `[B, S−1]`
+            positions.
+        return_entropy: deprecated name of `return_neg_entropy` (same value; a FutureWarning).
         position_ids: `[B, S]` canonical positions of padding-free rows (several sequences per
             row, each restarting at 0), or `None`. Each sequence's last position (where
             `position_ids[:, t+1] == 0`) gets log-prob 0 and `Σ p log p` 0, with zero gradients,
@@ -576,6 +700,9 @@ def linear_next_token_logprobs(
         >>> lossfx.linear_next_token_logprobs(h, w, torch.tensor([[0, 1, 2]]))
         tensor([[-1.3863, -1.3863]])
     """
+    return_neg_entropy = bool(
+        renamed_keyword("return_neg_entropy", return_neg_entropy, "return_entropy", return_entropy)
+    )
     hidden, weight, group, vocab_start, vocab_size = _local_arguments(
         hidden, weight, group, vocab_start, vocab_size, sequence_parallel, seq_dim=1
     )
@@ -599,7 +726,8 @@ def linear_next_token_logprobs(
     check_covers_sequence("hidden states", local_len, seq, cp_size, cp_sharder is not None, shapes)
     # 1. the shift, on the canonical sequence; 2. the targets in hidden's (CP) layout
     target = torch.roll(input_ids, shifts=-1, dims=1).to(hidden.device)  # [B, S]
-    target, ends = mask_sequence_ends(target, position_ids)  # padding-free rows: no shift across sequences
+    # padding-free rows: no shift across sequences; each sequence's last position is an ignored (skipped) row
+    target, _ = mask_sequence_ends(target, position_ids, fill=ignore_index)
     if cp_sharder is not None:
         target = cp_sharder.shard_token_tensor(target, seq_dim=1, fill=0)
     elif cp_size > 1:
@@ -620,9 +748,13 @@ def linear_next_token_logprobs(
         vocab_start=vocab_start,
         vocab_size=vocab_size,
         temperature=temperature,
+        bias=bias,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        ignore_index=ignore_index,
         sequence_parallel=sequence_parallel,
         chunk_size=chunk_size,
-        return_entropy=return_entropy,  # type: ignore[call-overload]
+        return_neg_entropy=return_neg_entropy,
     )
     outputs = list(result) if isinstance(result, tuple) else [result]
     if seq_major:
@@ -632,5 +764,5 @@ def linear_next_token_logprobs(
         outputs = [cp_sharder.gather_token_tensor(x, seq_dim=1, trim=True) for x in outputs]
     elif cp_size > 1:
         outputs = [allgather_cp(x, context_parallel_group, seq_dim=1) for x in outputs]  # [B, C·S_l]
-    outputs = [zero_sequence_ends(x[:, : max(seq - 1, 0)], ends) for x in outputs]
-    return (outputs[0], outputs[1]) if return_entropy else outputs[0]
+    outputs = [x[:, : max(seq - 1, 0)] for x in outputs]
+    return (outputs[0], outputs[1]) if return_neg_entropy else outputs[0]

@@ -4,7 +4,8 @@
 
 with per-token coefficients `a` (and optionally `b`) known before the forward: a negative
 log-likelihood (`a = −mask / Σ mask`), an on-policy policy gradient (`a = −advantage · mask / norm`,
-the gradient of GRPO's or PPO's clipped ratio loss when the ratio is 1), an entropy bonus (`b`).
+the gradient of GRPO's or PPO's clipped ratio loss when the ratio is 1), an entropy bonus (`b`,
+the coefficient of the negative entropy `Σ p log p`: a bonus β is `b = −β · mask / norm`).
 
 Why: `linear_token_logprobs` does not know the upstream gradient of its log-probs in the forward,
 so its backward must recompute every logits tile: four matmuls against the unfused path's three.
@@ -41,8 +42,17 @@ from lossfx._distributed import (
 from lossfx._dtensor import replicated
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_integer_ids
-from lossfx.fused_linear import _local_arguments, local_view, prepare_linear_rows
-from lossfx.linear_chunks import itemsize, merge_row_stats, tile_buffers, tile_view
+from lossfx.fused_linear import _local_arguments, _options, local_view, prepare_linear_rows, renamed_keyword
+from lossfx.linear_chunks import (
+    LogitHead,
+    add_rows_,
+    itemsize,
+    matmul_dtype,
+    merge_row_stats,
+    row_chunks,
+    tile_buffers,
+    tile_view,
+)
 
 __all__ = ["linear_logprob_objective"]
 
@@ -78,62 +88,76 @@ def _resolve_group(group_name: str) -> Any:
 def linear_objective_rows(
     hidden: Tensor,
     weight: Tensor,
+    bias: Tensor | None,
     local_idx: Tensor,
     owned: Tensor,
+    active: Tensor,
     logprob_weight: Tensor,
     entropy_weight: Tensor,
     temperature: float,
+    logit_scale: float,
+    softcap: float | None,
     with_entropy: bool,
     need_dhidden: bool,
     need_dweight: bool,
     chunk_rows: int,
     shard_width: int,
     group_name: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (rows `[2, N]`: log p(t) and `Σ p log p`, merged over the group; this shard's
-    `dhidden [N, H]` (compute dtype) and `dweight [Vl, H]` (weight's dtype) of the objective).
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (rows `[2, N]`: log p(t) and `Σ p log p`, merged over the group (0 at inactive rows); this
+    shard's `dhidden [N, H]` (compute dtype), `dweight [Vl, H]` (weight's dtype) and `dbias [Vl]`
+    (compute dtype) of the objective).
 
-    hidden `[N, H]` (all rows), weight `[Vl, H]`, local_idx/owned `[N]` (the target's column in
-    this shard and whether it is here), logprob_weight/entropy_weight `[N]` in the compute dtype
-    (`a`, `b`). `chunk_rows = 0` picks the default from `N` and `shard_width = ceil(V / R)`,
-    both rank-independent. `group_name` is `""` without a tensor-parallel group; else each chunk's per-row
-    statistics are all-gathered over that group (eager c10d: the op is opaque to the compiler).
-    A gradient that is not needed is returned as an empty `[0, H]` tensor and its matmul skipped.
+    hidden `[N, H]` (all rows), weight `[Vl, H]`, bias `[Vl]` or None, local_idx/owned `[N]` (the
+    target's column in this shard and whether it is here), active `[N]` (the rows to compute: the
+    others are skipped), logprob_weight/entropy_weight `[N]` in the compute dtype (`a`, `b`);
+    temperature, logit_scale, softcap as `LogitHead`. `chunk_rows = 0` picks the default
+    from `N` and `shard_width = ceil(V / R)`, both rank-independent. `group_name` is `""` without a
+    tensor-parallel group; else each chunk's per-row statistics are all-gathered over that group
+    (eager c10d: the op is opaque to the compiler; every rank has the same `active`, so the same
+    chunks). A gradient that is not needed is returned empty (`[0, H]`, `[0]`) and its work skipped.
     """
     n_rows, hidden_size = hidden.shape
     local_vocab = weight.shape[0]
-    cdtype = compute_dtype(hidden.dtype)
-    exact = weight.dtype == cdtype
+    mm_dtype = matmul_dtype(hidden, weight)
+    cdtype = compute_dtype(mm_dtype)
+    exact = mm_dtype == cdtype
+    head = LogitHead(temperature, logit_scale, softcap)
     group = _resolve_group(group_name) if group_name else None
     world = 1 if group is None else group.size()
-    chunk_rows = min(n_rows, chunk_rows or default_objective_chunk_rows(n_rows, shard_width, weight.dtype)) or 1
+    chunk_rows = min(n_rows, chunk_rows or default_objective_chunk_rows(n_rows, shard_width, mm_dtype)) or 1
     device = hidden.device
-    rows_out = torch.empty(2, n_rows, dtype=cdtype, device=device)
+    rows_out = torch.zeros(2, n_rows, dtype=cdtype, device=device)
     dhidden = torch.zeros(n_rows if need_dhidden else 0, hidden_size, dtype=cdtype, device=device)
     dweight = weight.new_empty((local_vocab if need_dweight else 0, hidden_size))
     if need_dweight:
         dweight.zero_()
-    # bf16/fp16: dweight is summed over the row chunks in the compute dtype and rounded once
-    acc = dweight if exact else torch.zeros(dweight.shape, dtype=cdtype, device=device)
-    scale = 1.0 / temperature
+    dbias = torch.zeros(local_vocab if need_dweight and bias is not None else 0, dtype=cdtype, device=device)
+    # dweight is summed over the row chunks in the compute dtype (a bf16/fp16 one rounded once)
+    in_place = exact and weight.dtype == cdtype
+    acc = dweight if in_place else torch.zeros(dweight.shape, dtype=cdtype, device=device)
+    scale = head.scale  # dz/dr = s/T (· (1 − tanh²) with a soft-cap)
     block = min(local_vocab, BLOCK)
     chunk = torch.empty(chunk_rows * local_vocab, dtype=cdtype, device=device)
-    tile, low = tile_buffers(chunk_rows, block, weight.dtype, cdtype, device)
+    tile, low = tile_buffers(chunk_rows, block, mm_dtype, cdtype, device)
+    cap_tile = torch.empty_like(tile) if softcap is not None else None
     blocks = [slice(c0, min(local_vocab, c0 + block)) for c0 in range(0, local_vocab, block)]
-    for start in range(0, n_rows, chunk_rows):
-        rows = slice(start, min(n_rows, start + chunk_rows))
-        n = rows.stop - start
-        h_rows = hidden[rows]
+    w_mm = weight.to(mm_dtype)  # a copy only for a head of a lower dtype than hidden's
+    b_c = None if bias is None else bias.to(cdtype)
+    for rows in row_chunks(active, n_rows, chunk_rows):
+        h_rows = hidden[rows].to(mm_dtype)
+        n = h_rows.shape[0]
         z = tile_view(chunk, n, local_vocab)  # [C, Vl]
         if exact:
-            torch.mm(h_rows, weight.T, out=z)
+            torch.mm(h_rows, w_mm.T, out=z)
         else:
             assert low is not None
             for cols in blocks:  # input-dtype matmul tiles, each product rounded once, then widened
                 width = cols.stop - cols.start
-                z[:, cols].copy_(torch.mm(h_rows, weight[cols].T, out=tile_view(low, n, width)))
-        if temperature != 1.0:
-            z.div_(temperature)
+                z[:, cols].copy_(torch.mm(h_rows, w_mm[cols].T, out=tile_view(low, n, width)))
+        if b_c is not None:
+            z.add_(b_c)
+        head.apply_(z)
         idx, own = local_idx[rows, None], owned[rows]
         m = z.amax(dim=1)  # [C]
         s = torch.zeros(n, dtype=cdtype, device=device)
@@ -147,7 +171,8 @@ def linear_objective_rows(
                 u += e.mul_(shifted).sum(dim=1)
             else:
                 s += shifted.exp_().sum(dim=1)
-        picked = torch.where(own, z.gather(1, idx)[:, 0], torch.zeros_like(m))
+        z_t = z.gather(1, idx)[:, 0]  # [C], the logit of the target (where owned)
+        picked = torch.where(own, z_t, torch.zeros_like(m))
         local = torch.stack([m, s, u, picked])  # [4, C]
         if group is None:
             every = local[None]
@@ -162,19 +187,33 @@ def linear_objective_rows(
             continue
         a, b = logprob_weight[rows, None], entropy_weight[rows, None]
         # dz = p ⊙ (b·(log p − Σ p log p) − a) + a·onehot(t)        (proofs/linear_objective.md §1)
-        logp = z.sub_(shift[:, None]).sub_(log_s[:, None])  # log p, in place
-        if with_entropy:
-            for cols in blocks:
-                width = cols.stop - cols.start
-                p = torch.exp(logp[:, cols], out=tile_view(tile, n, width))
-                logp[:, cols].sub_(neg_entropy[:, None]).mul_(b).sub_(a).mul_(p)
-        else:
-            logp.exp_().mul_(-a)
-        dz = logp
-        dz.scatter_add_(1, idx, torch.where(own[:, None], a, torch.zeros_like(a)))
+        if cap_tile is None and not with_entropy:
+            z.sub_(shift[:, None]).sub_(log_s[:, None]).exp_().mul_(-a)  # −a·p, in place
+        for cols in blocks if cap_tile is not None or with_entropy else ():
+            width = cols.stop - cols.start
+            zc = z[:, cols]
+            cap = None
+            if cap_tile is not None:  # 1 − tanh², from the logits before they are overwritten
+                cap = head.cap_derivative(zc, tile_view(cap_tile, n, width))
+            logp = zc.sub_(shift[:, None]).sub_(log_s[:, None])  # log p, in place
+            if with_entropy:
+                p = torch.exp(logp, out=tile_view(tile, n, width))
+                logp.sub_(neg_entropy[:, None]).mul_(b).sub_(a).mul_(p)
+            else:
+                logp.exp_().mul_(-a)
+            if cap is not None:
+                logp.mul_(cap)
+        dz = z  # dz/dr up to the factor s/T
+        onehot = a if softcap is None else a * head.cap_derivative(z_t, torch.empty_like(z_t))[:, None]
+        dz.scatter_add_(1, idx, torch.where(own[:, None], onehot, torch.zeros_like(onehot)))
+        if dbias.numel():
+            dbias.add_(dz.sum(dim=0), alpha=scale)
         if exact:
             if need_dhidden:
-                dhidden[rows].addmm_(dz, weight, alpha=scale)  # [C, H]
+                if isinstance(rows, slice):
+                    dhidden[rows].addmm_(dz, w_mm, alpha=scale)  # [C, H]
+                else:
+                    dhidden.index_add_(0, rows, dz @ w_mm, alpha=scale)
             if need_dweight:
                 acc.addmm_(dz.T, h_rows, alpha=scale)  # [Vl, H], summed over the row chunks
             continue
@@ -183,22 +222,24 @@ def linear_objective_rows(
             width = cols.stop - cols.start
             dz_low = tile_view(low, n, width).copy_(dz[:, cols])
             if need_dhidden:
-                dhidden[rows].add_(dz_low @ weight[cols], alpha=scale)
+                add_rows_(dhidden, rows, dz_low @ w_mm[cols], alpha=scale)
             if need_dweight:
                 acc[cols].add_(dz_low.T @ h_rows, alpha=scale)
-    if need_dweight and not exact:
+    if need_dweight and not in_place:
         dweight.copy_(acc)  # rounded once to weight's dtype
-    return rows_out, dhidden, dweight
+    return rows_out, dhidden, dweight, dbias
 
 
 @linear_objective_rows.register_fake
-def _(hidden, weight, local_idx, owned, lw, ew, temperature, with_entropy, need_dhidden, need_dweight, *args):
+def _(hidden, weight, bias, local_idx, owned, active, lw, ew, t, s, c, with_entropy, need_dhidden, need_dweight, *args):
     n_rows, hidden_size = hidden.shape
-    cdtype = compute_dtype(hidden.dtype)
+    cdtype = compute_dtype(matmul_dtype(hidden, weight))
+    n_bias = weight.shape[0] if need_dweight and bias is not None else 0
     return (
         hidden.new_empty((2, n_rows), dtype=cdtype),
         hidden.new_empty((n_rows if need_dhidden else 0, hidden_size), dtype=cdtype),
         weight.new_empty((weight.shape[0] if need_dweight else 0, hidden_size)),
+        hidden.new_empty((n_bias,), dtype=cdtype),
     )
 
 
@@ -208,11 +249,13 @@ class _LinearObjectiveFn(torch.autograd.Function):
         ctx,
         hidden,
         weight,
+        bias,
         local_idx,
         owned,
+        active,
         lw,
         ew,
-        temperature,
+        head,
         with_entropy,
         chunk_rows,
         shard_width,
@@ -223,16 +266,19 @@ class _LinearObjectiveFn(torch.autograd.Function):
         full_hidden = hidden
         if seq_par and is_distributed(group):
             full_hidden = all_gather_stack(hidden, group).flatten(0, 1)  # [N, H], rank order
-        need_dhidden, need_dweight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        cdtype = compute_dtype(hidden.dtype)
-        rows, dhidden, dweight = linear_objective_rows(
+        need_dhidden = ctx.needs_input_grad[0]
+        need_dweight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
+        cdtype = compute_dtype(matmul_dtype(hidden, weight))
+        rows, dhidden, dweight, dbias = linear_objective_rows(
             full_hidden,
             weight,
+            bias,
             local_idx,
             owned,
+            active,
             lw.detach().to(cdtype),
             ew.detach().to(cdtype),
-            temperature,
+            *head,
             with_entropy,
             need_dhidden,
             need_dweight,
@@ -249,15 +295,16 @@ class _LinearObjectiveFn(torch.autograd.Function):
                 dhidden = reduce_scatter_sum(dhidden, group)  # [N/R, H]: this rank's rows, summed
             else:
                 dhidden = all_reduce(dhidden, "sum", group)  # [N, H]: the full gradient on every rank
-        ctx.save_for_backward(dhidden, dweight, logprobs, neg_entropy)
+        ctx.save_for_backward(dhidden, dweight, dbias, logprobs, neg_entropy)
         ctx.hidden_dtype, ctx.with_entropy, ctx.repeat = hidden.dtype, with_entropy, repeat
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.mark_non_differentiable(logprobs, neg_entropy)
         return objective, logprobs, neg_entropy
 
     @staticmethod
     def backward(ctx, dobjective, _dlogprobs, _dneg_entropy):
-        dhidden, dweight, logprobs, neg_entropy = ctx.saved_tensors
-        dh = dw = dlw = dew = None
+        dhidden, dweight, dbias, logprobs, neg_entropy = ctx.saved_tensors
+        dh = dw = db = dlw = dew = None
         if ctx.needs_input_grad[0]:
             dh = (dhidden * dobjective.to(dhidden.dtype)).to(ctx.hidden_dtype)
         if ctx.needs_input_grad[1]:
@@ -265,11 +312,13 @@ class _LinearObjectiveFn(torch.autograd.Function):
             # memory); saved tensors are version-checked, so a second backward then raises
             scale = dobjective.to(dweight.dtype)
             dw = dweight * scale if ctx.repeat else dweight.mul_(scale)
-        if ctx.needs_input_grad[4]:
+        if ctx.needs_input_grad[2] and ctx.bias_dtype is not None:
+            db = (dbias * dobjective.to(dbias.dtype)).to(ctx.bias_dtype)
+        if ctx.needs_input_grad[6]:
             dlw = logprobs * dobjective
-        if ctx.needs_input_grad[5] and ctx.with_entropy:
+        if ctx.needs_input_grad[7] and ctx.with_entropy:
             dew = neg_entropy * dobjective
-        return dh, dw, None, None, dlw, dew, None, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, dlw, dew, None, None, None, None, None, None, None
 
 
 @keep_errors_under_compile
@@ -280,11 +329,16 @@ def linear_logprob_objective(
     target: Tensor,
     logprob_weight: Tensor,
     *,
+    neg_entropy_weight: Tensor | None = None,
     entropy_weight: Tensor | None = None,
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     temperature: float = 1.0,
+    bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
     sequence_parallel: bool = False,
     chunk_size: int | None = None,
     allow_repeated_backward: bool = False,
@@ -295,14 +349,15 @@ def linear_logprob_objective(
 
         lp = (hidden @ weight.T / temperature).log_softmax(-1)
         logprobs, neg_entropy = lp.gather(-1, target[..., None])[..., 0], (lp.exp() * lp).sum(-1)
-        objective = (logprob_weight * logprobs).sum() + (entropy_weight * neg_entropy).sum()
+        objective = (logprob_weight * logprobs).sum() + (neg_entropy_weight * neg_entropy).sum()
         return objective, logprobs.detach(), neg_entropy.detach()
 
     in three matmuls per logits element (the unfused path's count; `linear_token_logprobs` needs
     four, because its backward recomputes the logits) and one `[C, Vl]` chunk of logits alive.
     Use it when the per-token coefficients are known before the forward: negative log-likelihood
     (`a = −mask / Σ mask`, then minimise `−objective`), on-policy policy gradients (`a = −A·mask /
-    norm`: the gradient of a clipped-ratio loss at ratio 1), entropy bonuses (`b`). When the
+    norm`: the gradient of a clipped-ratio loss at ratio 1), entropy bonuses (`b = −β·mask/norm`:
+    `b` multiplies the negative entropy, so minimising `−objective` then raises the entropy). When the
     coefficient depends on the log-prob itself (an off-policy clipped ratio), use
     `linear_token_logprobs` and any loss.
 
@@ -313,16 +368,24 @@ def linear_logprob_objective(
             in the forward, the gradient reduce-scattered in the forward). DTensor layouts as in
             `linear_token_logprobs`.
         weight: `[Vl, H]` this rank's rows of the LM head (the whole head without a group), or a
-            `Shard(0)` DTensor head; same dtype as `hidden`.
+            `Shard(0)` DTensor head; any floating dtype (matmuls in the promoted dtype).
         target: `[...]` integer global ids in `[0, V)`; the full `N` positions on every rank.
         logprob_weight: `[...]` float coefficients `a` of the log-probs (the target's shape; the
             full `N` on every rank). Its gradient is `logprobs` (scaled).
-        entropy_weight: `[...]` float coefficients `b` of `Σ_v p log p`, or `None` (no entropy
-            term, and `neg_entropy` is not computed).
+        neg_entropy_weight: `[...]` float coefficients `b` of `Σ_v p log p` (the negative
+            entropy), or `None` (no entropy term, and `neg_entropy` is not computed).
+        entropy_weight: deprecated name of `neg_entropy_weight` (same meaning; a FutureWarning).
         group: tensor-parallel group over the vocabulary, or `None`.
         vocab_start: first global id of this shard; default `rank · Vl`.
         vocab_size: global vocabulary size `V`; default `world_size · Vl`.
         temperature: divides the logits (> 0).
+        bias: `[Vl]` this rank's rows of the LM head's bias (or a `Shard(0)` DTensor), or `None`;
+            its gradient is returned in its dtype.
+        logit_scale: `s > 0`, multiplies `hidden @ weight.T + bias` (before the soft-cap).
+        softcap: `c > 0` or `None`: the logits are `c · tanh(s · (hidden @ weight.T + bias) / c) / T`
+            (TRL's order; without it `s · (hidden @ weight.T + bias) / T`).
+        ignore_index: targets equal to it get log-prob 0, zero gradient and `Σ p log p = 0` (nothing in the objective),
+            and their rows are never computed (docs/fused_linear.md, "Options").
         sequence_parallel: the hidden layout described above.
         chunk_size: rows per chunk; one `[C, Vl]` chunk of logits in the compute dtype is alive
             (results do not depend on it). Default: `N / 16` rows, at most a `[C, ceil(V/R)]`
@@ -347,7 +410,7 @@ def linear_logprob_objective(
     vocabulary row once per chunk).
 
     Raises:
-        TypeError: non-float `hidden`/`weight`/coefficients, different dtypes, non-integer `target`,
+        TypeError: non-float `hidden`/`weight`/`bias`/coefficients, non-integer `target`,
             a non-bool `allow_repeated_backward`.
         ValueError: shape mismatches, `temperature <= 0`, `chunk_size <= 0`, target ids outside
             `[0, V)` (eager only).
@@ -367,39 +430,35 @@ def linear_logprob_objective(
     target = replicated(target, "target")
     check_integer_ids("target", target)
     coefficients = {"logprob_weight": replicated(logprob_weight, "logprob_weight")}
-    if entropy_weight is not None:
-        coefficients["entropy_weight"] = replicated(entropy_weight, "entropy_weight")
+    b_name = "neg_entropy_weight" if entropy_weight is None else "entropy_weight"  # as the caller named it
+    b = renamed_keyword("neg_entropy_weight", neg_entropy_weight, "entropy_weight", entropy_weight)
+    if b is not None:
+        coefficients[b_name] = replicated(b, b_name)
     for name, value in coefficients.items():
         check_floating(name, value)
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"{name} must have the target's shape {tuple(target.shape)}, got {tuple(value.shape)}")
-    rows = prepare_linear_rows(
-        hidden,
-        weight,
-        target.unsqueeze(-1),
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        temperature=temperature,
-        sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size,
-    )
+    options = _options(bias, group, vocab_start, vocab_size, temperature, logit_scale, softcap)
+    options.update(ignore_index=ignore_index, sequence_parallel=sequence_parallel, chunk_size=chunk_size)
+    rows = prepare_linear_rows(hidden, weight, target.unsqueeze(-1), **options)
     if not isinstance(allow_repeated_backward, bool):
         raise TypeError(f"allow_repeated_backward must be a bool, got {allow_repeated_backward!r}")
     lw = coefficients["logprob_weight"].reshape(-1)
-    with_entropy = entropy_weight is not None
-    ew = coefficients["entropy_weight"].reshape(-1) if with_entropy else torch.zeros_like(lw)
+    with_entropy = b is not None
+    ew = coefficients[b_name].reshape(-1) if with_entropy else torch.zeros_like(lw)
     world = group_size(group)
     vocab = vocab_size if vocab_size is not None else world * weight.shape[0]
     shard_width = -(-vocab // world)  # sizes the default chunk: rank-independent, unlike weight.shape[0]
     objective, logprobs, neg_entropy = _LinearObjectiveFn.apply(
         rows.hidden,
         weight,
+        options["bias"],
         rows.local_idx[:, 0],
         rows.owned[:, 0],
+        rows.valid[:, 0],
         lw,
         ew,
-        rows.temperature,
+        rows.head,
         with_entropy,
         rows.chunk_rows,
         shard_width,

@@ -582,8 +582,8 @@ def test_bad_shapes_dtypes_and_ids():
         lossfx.linear_token_logprobs(hidden, weight[:, :2], target)
     with pytest.raises(ValueError, match="leading dims"):
         lossfx.linear_token_logprobs(hidden, weight, target[:3])
-    with pytest.raises(TypeError, match="one dtype"):
-        lossfx.linear_token_logprobs(hidden.float(), weight, target)
+    with pytest.raises(ValueError, match=r"target must lie in \[0, 5\)"):  # only ignore_index is exempt
+        lossfx.linear_token_logprobs(hidden, weight, torch.tensor([0, -1, 1, 2]))
     with pytest.raises(TypeError, match="floating-point"):
         lossfx.linear_token_logprobs(hidden.long(), weight.long(), target)
     with pytest.raises(TypeError, match="integer"):

@@ -462,7 +462,8 @@ def test_saved_state_is_the_gradients_and_row_values():
         lossfx.linear_logprob_objective(
             hidden.requires_grad_(), weight.requires_grad_(), target, a, entropy_weight=b, chunk_size=8
         )
-    assert sorted(saved) == sorted([rows * hidden_size, vocab * hidden_size, rows, rows])
+    # dhidden, dweight, an empty dbias (no bias), log-probs and Σ p log p per row
+    assert sorted(saved) == sorted([rows * hidden_size, vocab * hidden_size, 0, rows, rows])
 
 
 @pytest.mark.parametrize(

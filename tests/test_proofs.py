@@ -174,7 +174,7 @@ def test_fused_linear_vjp_through_the_linear_map(seed):
     for fn in (
         lambda hh, ww: reference.linear_gather_logprobs(hh, ww, ids, True, temperature),
         lambda hh, ww: lossfx.linear_gather_logprobs(
-            hh, ww, ids, with_entropy=True, temperature=temperature, chunk_size=4
+            hh, ww, ids, with_neg_entropy=True, temperature=temperature, chunk_size=4
         ),
     ):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -189,6 +189,39 @@ def test_fused_linear_vjp_through_the_linear_map(seed):
     lossfx.linear_token_logprobs(hh, ww, t, temperature=temperature).backward(g[:, 0])
     torch.testing.assert_close(hh.grad, r @ w / temperature, rtol=0, atol=1e-12)
     torch.testing.assert_close(ww.grad, r.T @ h / temperature, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("softcap", [None, 0.8, 3.0])
+def test_fused_linear_softcap_scale_bias_chain_rule(softcap):
+    """proofs/fused_linear.md §9: with z = c·tanh(s·(hWᵀ + b)/c)/T, dr = dz ⊙ (1 − (zT/c)²) and
+    dh = (s/T) dr W, dW = (s/T) drᵀ h, db = (s/T) Σ_n dr, against dense autograd and the fused backward."""
+    h, w, ids, g, e = _linear_case(7)
+    b = torch.randn(w.shape[0], generator=torch.Generator().manual_seed(8), dtype=F64) * 2
+    scale, temperature = 1.9, 0.7
+    raw = h @ w.T + b
+    z = (softcap * torch.tanh(scale * raw / softcap) if softcap else scale * raw) / temperature
+    lp = z.log_softmax(-1)
+    p = lp.exp()
+    neg_entropy = (p * lp).sum(-1)
+    dz = torch.zeros_like(z).scatter_add_(1, ids, g) - p * g.sum(-1, keepdim=True)
+    dz += e[:, None] * p * (lp - neg_entropy[:, None])  # §2, unchanged
+    phi = 1 - (z * temperature / softcap) ** 2 if softcap else torch.ones_like(z)
+    dr = dz * phi
+    k = scale / temperature
+    formula = (k * dr @ w, k * dr.T @ h, k * dr.sum(0))
+    opts = {"bias": None, "logit_scale": scale, "softcap": softcap}
+    for fn in (
+        lambda hh, ww, bb: reference.linear_gather_logprobs(hh, ww, ids, True, temperature, **{**opts, "bias": bb}),
+        lambda hh, ww, bb: lossfx.linear_gather_logprobs(
+            hh, ww, ids, with_neg_entropy=True, temperature=temperature, chunk_size=4, **{**opts, "bias": bb}
+        ),
+    ):
+        hh, ww, bb = (x.clone().requires_grad_() for x in (h, w, b))
+        y, ent = fn(hh, ww, bb)
+        torch.testing.assert_close(y, lp.gather(-1, ids), rtol=0, atol=1e-12)
+        torch.autograd.backward([y, ent], [g, e])
+        for got, want in zip((hh.grad, ww.grad, bb.grad), formula, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3, 4])
@@ -206,7 +239,7 @@ def test_fused_linear_merge_identity(shards, scale):
     stats = []
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         idx, owned = local_columns(ids, a, b - a)
-        stats.append(linear_local_stats(h, w[a:b], idx, owned, 1.0, True, 2))
+        stats.append(linear_local_stats(h, w[a:b], None, idx, owned, None, 1.0, 1.0, None, True, 2))
     logprobs, neg_entropy, shift, log_s = _merge_stats(torch.stack(stats), ids.shape[1])
     z = h @ w.T
     lp_dense = z - torch.logsumexp(z, -1, keepdim=True)  # rounding ~ eps·|z|
@@ -229,7 +262,7 @@ def test_fused_linear_tiles_partition_the_sums(rows, monkeypatch):
     for block in (w.shape[0], 3):
         monkeypatch.setattr(linear_chunks, "_vocab_block", lambda vl, hs, dt, block=block: min(vl, block))
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        y, ent = lossfx.linear_gather_logprobs(hh, ww, ids, with_entropy=True, chunk_size=rows)
+        y, ent = lossfx.linear_gather_logprobs(hh, ww, ids, with_neg_entropy=True, chunk_size=rows)
         torch.autograd.backward([y, ent], [g, e])
         results.append((hh.grad, ww.grad))
     for a, b in zip(results[0], results[1], strict=True):
@@ -290,7 +323,7 @@ def test_fused_linear_backward_row_sums_at_large_offsets(offset, temperature):
     assert dz.sum(-1).abs().max() < 1e-14
     # the two forms of p in fp32, from the kernel's own row statistics
     idx, owned = local_columns(t[:, None], 0, vocab)
-    stats = linear_local_stats(h, w, idx, owned, temperature, False, 0)
+    stats = linear_local_stats(h, w, None, idx, owned, None, temperature, 1.0, None, False, 0)
     _, _, shift, log_s = merge_row_stats(stats[None], 1)
     z = (h @ w.T) / temperature
     p_split = torch.exp(z - shift[:, None]) * torch.exp(-log_s)[:, None]
@@ -326,7 +359,7 @@ def test_linear_objective_gradient_formula_and_chunk_sums(chunk):
     dw_chunks = sum(d[c : c + chunk].T @ h[c : c + chunk] for c in range(0, 7, chunk)) / temperature
     hh, ww, aa, bb = (x.clone().requires_grad_() for x in (h, w, a, b))
     objective, _, _ = lossfx.linear_logprob_objective(
-        hh, ww, t, aa, entropy_weight=bb, temperature=temperature, chunk_size=chunk
+        hh, ww, t, aa, neg_entropy_weight=bb, temperature=temperature, chunk_size=chunk
     )
     (upstream * objective).backward()
     torch.testing.assert_close(objective, (a * ell).sum() + (b * neg_entropy).sum(), rtol=0, atol=1e-12)
