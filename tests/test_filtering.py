@@ -467,6 +467,29 @@ def test_exact_boundary_kernels(world, strategy, dtype):
             check_logprobs(z, target, top_k, top_p, world, strategy=strategy, ties="sorted", tol=tol, chunk=3)
 
 
+@st.composite
+def _boundary_top_p(draw, t):
+    """A top_p at, or one float64 step beside, a fraction j/t (or anywhere in (0, 1))."""
+    j = draw(st.integers(1, max(1, t - 1)))
+    at = j / t if j < t else draw(st.floats(1e-6, 1.0, exclude_max=True))
+    step = draw(st.sampled_from([None, 0.0, 1.0]))
+    p = at if step is None else math.nextafter(at, step)
+    assume(0.0 < p < 1.0)
+    return p
+
+
+@given(data=st.data(), t=st.integers(1, 40), extra=st.integers(0, 9), fill=st.sampled_from(["-inf", "underflow"]))
+def test_property_exact_boundary_uniform_rows(data, t, extra, fill):
+    """Uniform rows at random sizes, top_p at or beside j/t: kernels (both strategies) and reference
+    keep exactly `⌈top_p·t⌉` under "sorted", the whole group under "together"."""
+    top_p = data.draw(_boundary_top_p(t))
+    z = uniform_rows(t + extra, [t], fill=fill, seed=t + extra)
+    for ties in ("sorted", "together"):
+        assert_exact_group_kept(z, reference.apply_top_k_top_p(z, None, top_p, ties)[1], top_p, ties)
+        for top_k in (None, t):
+            assert_exact_group_kept(z, lossfx.apply_top_k_top_p(z, top_k=top_k, top_p=top_p, ties=ties)[1], top_p, ties)
+
+
 def test_exact_boundary_compiled_aot_eager_world_2():
     z = uniform_rows(16, [3, 5, 10, 16], fill="below", seed=3)
     target = torch.tensor([[0], [5], [9], [15]])
