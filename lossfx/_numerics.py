@@ -39,6 +39,10 @@ def row_max_sumexp(z: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor,
         z = z.to(dtype)
     m = z.amax(dim=-1).to(dtype)  # [N]
     e = z - finite_or_zero(m).unsqueeze(-1)  # [N, V] in dtype (type promotion; exact upcast)
+    if torch.compiler.is_compiling():
+        # Inductor's CPU fp32 sum is sequential within blocks of 4096 per vector lane (25x eager's
+        # error at V = 32000); a float64 accumulator in the fused loop leaves the terms' rounding only
+        return m, torch.exp(e).sum(dim=-1, dtype=torch.float64).to(dtype)  # docs/opd_full.md
     s = e.exp_().sum(dim=-1)  # [N]
     return m, s
 

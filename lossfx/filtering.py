@@ -38,6 +38,7 @@ Proof of exactness: proofs/filtering.md. Reference: lossfx.reference.filtered_to
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, NamedTuple
 
@@ -201,6 +202,19 @@ def _mass_above(
     return torch.cat(parts)
 
 
+def _count_live_below(
+    logits: Tensor, x: Tensor, tau_k: Tensor, shift: Tensor, chunks: list[tuple[int, int]], cdtype: torch.dtype
+) -> Tensor:
+    """`[N]` float64: local number of survivors `τ_k ≤ z < x` whose weight `exp(z − shift)` is
+    nonzero in float64."""
+    parts = []
+    for s, e in chunks:
+        z = logits[s:e].to(cdtype)  # [C, Vl]
+        live = (z < x[s:e, None]) & (z >= tau_k[s:e, None]) & (torch.exp(z.to(_F64) - shift[s:e, None]) > 0)
+        parts.append(live.sum(dim=-1, dtype=torch.float64))
+    return torch.cat(parts)
+
+
 def _masked_logsum(
     logits: Tensor, keep: Any, chunks: list[tuple[int, int]], dtype: torch.dtype, group: ProcessGroup | None
 ) -> tuple[Tensor, Tensor]:
@@ -316,15 +330,48 @@ def _tie_count(
     return counts
 
 
-def _keep_at_boundary(mass_above_tau: Tensor, tied: Tensor, q_tau: Tensor, top_p: float) -> Tensor:
+def _split_top_p(top_p: float) -> tuple[float, float]:
+    """`top_p = hi + lo` exactly, `hi` with at most 27 significant bits and `0 ≤ lo < 2^-26 · top_p`
+    (`lo` has at most 26), so `hi · t` and `lo · t` are exact float64 products for integers
+    `0 ≤ t ≤ 2^26` (proofs/filtering.md §3.3)."""
+    mantissa, exponent = math.frexp(top_p)  # top_p = mantissa · 2^exponent, 0.5 ≤ mantissa < 1
+    bits = int(mantissa * (1 << 53))  # the 53-bit significand, exact
+    high = (bits >> 26) << 26
+    return math.ldexp(high, exponent - 53), math.ldexp(bits - high, exponent - 53)
+
+
+# Largest tie count whose `⌈top_p · t⌉` `_ceil_top_p_times` decides exactly (a vocabulary of 67M).
+EXACT_TIES_MAX = 1 << 26
+
+
+def _ceil_top_p_times(top_p: float, count: Tensor) -> Tensor:
+    """`[N]` int64: `⌈top_p · t⌉` in exact arithmetic for integer counts `1 ≤ t ≤ EXACT_TIES_MAX`.
+
+    With `top_p = hi + lo` (`_split_top_p`) both products are exact; `f = ⌈hi·t⌉` and `f − hi·t`
+    are exact too (Sterbenz; for `hi·t < 1/2` the answer is 1 either way), and `lo·t < 1`, so
+    `⌈top_p·t⌉ = f + [lo·t > f − hi·t]` (proofs/filtering.md §3.3).
+    """
+    hi, lo = _split_top_p(top_p)
+    t = count.to(_F64)
+    hi_t = hi * t  # [N] exact
+    f = torch.ceil(hi_t)
+    return f.to(torch.int64) + (lo * t > f - hi_t).to(torch.int64)
+
+
+def _keep_at_boundary(mass_above_tau: Tensor, tied: Tensor, q_tau: Tensor, top_p: float, uniform: Tensor) -> Tensor:
     """`[N]` int64: how many of the `tied` entries equal to `τ` the sort-order rule keeps.
 
     Ranked by id (largest first), the j-th tied entry has the mass `M(τ) + j·q_τ` above it and is
-    kept iff that is `< top_p`: `n = ⌈(top_p − M(τ)) / q_τ⌉`, between 1 and `tied` (`M(τ) < top_p`).
+    kept iff that is `< top_p`. Where every survivor with a nonzero float64 weight is tied at `τ`
+    (`uniform [N]` bool; the only rows where the mass can equal `top_p` exactly, proofs/filtering.md
+    §3.3), the j-th has the mass `j / t` above it: `n = ⌈top_p · t⌉`, decided exactly. Elsewhere
+    `n = ⌈(top_p − M(τ)) / q_τ⌉` in float64. Always between 1 and `tied` (`M(τ) < top_p`).
     """
     room = torch.ceil((top_p - mass_above_tau) / q_tau)  # [N] float64
     n = torch.where(q_tau > 0, torch.minimum(room, tied.to(_F64)), tied.to(_F64))
-    return torch.clamp(torch.nan_to_num(n, nan=1.0), min=1.0).to(torch.int64)
+    n = torch.clamp(torch.nan_to_num(n, nan=1.0), min=1.0).to(torch.int64)
+    exact = torch.clamp(_ceil_top_p_times(top_p, tied), min=1)
+    return torch.where(uniform, torch.minimum(exact, tied), n)
 
 
 def _from_candidates(
@@ -356,8 +403,11 @@ def _from_candidates(
         starts = torch.cat([torch.ones_like(above[:, :1]), c[:, 1:] != c[:, :-1]], dim=-1)  # [N, k]
         group_start = torch.cummax(torch.where(starts, positions, 0), dim=-1).values  # [N, k]
         mass = excl.gather(-1, group_start)  # [N, k]
-        # M is non-decreasing along the row, so the kept candidates are a prefix; τ is its last value
-        kept = mass < top_p  # [N, k]
+        # M is non-decreasing along the row, so the kept candidates are a prefix; τ is its last value.
+        # A value whose float64 weight is 0 has exactly the whole mass above it: never kept (its
+        # float sum may round below a top_p just under 1); the first candidate always is.
+        weighed = (torch.exp(c - shift[:, None]) > 0) | (positions == 0)  # [N, k]
+        kept = (mass < top_p) & weighed  # [N, k]
         tau = torch.where(kept, c, float("inf")).amin(dim=-1)  # [N]
         at_tau = c == tau[:, None]  # [N, k]
         tied = torch.where(tau > tau_k, at_tau.sum(dim=-1), tie_count)  # [N]
@@ -365,7 +415,10 @@ def _from_candidates(
         if sort_ties:
             mass_tau = torch.where(at_tau, mass, 0.0).amax(dim=-1)  # [N]
             q_tau = torch.exp((tau - shift) - log_s_for_softmax(log_s_k))  # [N]
-            n = _keep_at_boundary(mass_tau, tied, q_tau, top_p)
+            # every survivor with a nonzero weight is tied at τ (τ is the max, the rest underflow)
+            live_below = (c < tau[:, None]) & (torch.exp(c - shift[:, None]) > 0)  # [N, k]
+            uniform = (tau == c[:, 0]) & torch.isfinite(tau) & ~live_below.any(dim=-1)  # [N]
+            n = _keep_at_boundary(mass_tau, tied, q_tau, top_p, uniform)
     # the filtered log-sum: candidates above τ, plus the kept entries equal to τ
     kept_at_tau = (tied if n is None else n).to(_F64) * torch.exp(tau - shift)
     log_s = torch.log(torch.where(c > tau[:, None], w, 0.0).sum(dim=-1) + kept_at_tau)  # [N]
@@ -403,6 +456,7 @@ def _top_p_by_bisection(
 
     `(shift, log_s)`: the float64 log-sum of the top-k survivors, kept apart.
     """
+    empty = torch.isinf(log_s)  # a row without survivors of nonzero weight (log_s_for_softmax: +inf)
     n_rows = logits.shape[0]
     lo, hi = _key_limits(n_rows, cdtype, logits.device)  # pred(hi) true: nothing is above +inf
     lo = lo - 1  # pred(lo) taken as false, never evaluated
@@ -411,7 +465,9 @@ def _top_p_by_bisection(
         moving = mid != lo  # mid == lo only once converged (hi = lo + 1): keep the state
         x = _key_to_float(torch.where(moving, mid, hi), cdtype)  # [N], never the sentinel
         mass = all_reduce(_mass_above(logits, x, tau_k, shift, log_s, chunks, cdtype), "sum", group)
-        ok = (mass < top_p) & moving
+        # a value of float64 weight 0 has the whole mass above it exactly (see _from_candidates)
+        weighed = (torch.exp(x.to(_F64) - shift) > 0) | empty
+        ok = (mass < top_p) & moving & weighed
         lo, hi = torch.where(ok | ~moving, lo, mid), torch.where(ok, mid, hi)
     return _key_to_float(hi, cdtype) + 0.0  # `+ 0.0`: a -0 threshold reads as +0
 
@@ -504,10 +560,13 @@ def _thresholds(
             tau = torch.maximum(tau_k, tau_p)
             if sort_ties:
                 above = _mass_above(logits, tau, tau_k, shift_k, log_s_k, chunks, cdtype)
-                counts = all_reduce(torch.stack([above, _count_eq(logits, tau, chunks, cdtype).to(_F64)]), "sum", group)
+                tied_here = _count_eq(logits, tau, chunks, cdtype).to(_F64)
+                live = _count_live_below(logits, tau, tau_k, shift_k, chunks, cdtype)
+                counts = all_reduce(torch.stack([above, tied_here, live]), "sum", group)  # [3, N]
                 q_tau = torch.exp((tau.to(_F64) - shift_k) - log_s_k)
                 tied = counts[1].to(torch.int64)
-                n = _keep_at_boundary(counts[0], tied, q_tau, top_p)
+                uniform = (tau.to(_F64) == shift_k) & torch.isfinite(tau) & (counts[2] == 0)
+                n = _keep_at_boundary(counts[0], tied, q_tau, top_p, uniform)
         nan_rows = all_reduce(_count_nan(logits, chunks), "sum", group) > 0
         tau = torch.where(nan_rows, torch.full_like(tau, float("nan")), tau)
     cut = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
@@ -343,6 +344,157 @@ def test_sorted_ties_compiled_aot_eager_world_2():
     target = torch.randint(0, 16, (3, 3), generator=torch.Generator().manual_seed(5))
     assert margin_ok(z, 5, 0.4567, ties="sorted")
     check_logprobs(z, target, 5, 0.4567, 2, strategy="candidates", backend="aot_eager", ties="sorted")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1b. Exact top-p boundaries (docs/filtering.md "Exact boundaries", proofs/filtering.md §3.3)
+# ---------------------------------------------------------------------------------------------
+
+# dyadic, decimal (their float64 values lie just below or above the decimal) and neighbours of
+# exact fractions, where a rounded product or a rounded 1/t lands on the wrong side
+BOUNDARY_TOP_P = [
+    0.5,
+    0.25,
+    0.75,
+    0.375,
+    0.1,
+    0.3,
+    0.6,
+    0.7,
+    0.9,
+    math.nextafter(1 / 3, 1.0),
+    math.nextafter(0.5, 0.0),
+    math.nextafter(0.5, 1.0),
+]
+
+
+def uniform_rows(vocab, sizes, *, fill, seed=0):
+    """`[len(sizes), 1, vocab]` float64 rows, each with a tie group of `sizes[i]` entries at the row
+    max (at random columns, so the group straddles shards) and the other columns at `fill`:
+    "-inf", "underflow" (the max − 1e4: a float64 weight of exactly 0) or "below" (random values
+    under the max: survivors only without top-k)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, t in enumerate(sizes):
+        level = float(i % 3) - 1.0  # -1, 0 or 1
+        if fill == "-inf":
+            row = torch.full((vocab,), float("-inf"), dtype=F64)
+        elif fill == "underflow":
+            row = torch.full((vocab,), level - 1e4, dtype=F64)
+        else:
+            row = level - 0.25 - torch.randint(0, 8, (vocab,), generator=gen).to(F64) / 4
+        row[torch.randperm(vocab, generator=gen)[:t]] = level
+        rows.append(row)
+    return torch.stack(rows)[:, None, :]
+
+
+def exact_keep_count(top_p, t, ties):
+    """The number of a uniform group of `t` that the rule keeps, in exact rational arithmetic: the
+    j-th tied entry (by id, largest first) has the mass j / t above it under "sorted", 0 under
+    "together"."""
+    if ties == "together" or top_p >= 1.0:
+        return t
+    return sum(1 for j in range(t) if Fraction(j, t) < Fraction(top_p))
+
+
+def assert_exact_group_kept(z, keep, top_p, ties):
+    """Each row keeps `exact_keep_count` entries of its max group, the largest ids, and nothing else."""
+    for row_z, row_keep in zip(z.reshape(-1, z.shape[-1]).to(F64), keep.reshape(-1, z.shape[-1]), strict=True):
+        group = (row_z == row_z.max()).nonzero().view(-1)
+        n = exact_keep_count(top_p, group.numel(), ties)
+        expected = torch.zeros_like(row_keep)
+        expected[group[group.numel() - n :]] = True
+        assert torch.equal(row_keep, expected), (top_p, ties, group.numel(), int(row_keep.sum()), n)
+
+
+@pytest.mark.parametrize("ties", ["sorted", "together"])
+def test_reference_exact_boundary_uniform_rows(ties):
+    """The reference on uniform rows (1..100 tokens, float64/fp32/bf16 values, with and without
+    top-k renormalisation) keeps exactly the count of exact rational arithmetic:
+    `apply_top_k_top_p(zeros(1, 10), top_p=0.5, ties="sorted")` keeps 5 (issue 16 item 2)."""
+    assert int(reference.apply_top_k_top_p(torch.zeros(1, 10), None, 0.5, "sorted")[1].sum()) == 5
+    sizes = [1, 2, 3, 5, 7, 9, 10, 18, 30, 33, 64, 100]
+    for top_p in [*BOUNDARY_TOP_P, 1e-9, math.nextafter(1.0, 0.0)]:
+        for fill, top_k in [("-inf", None), ("underflow", None), ("below", 1)]:
+            z = uniform_rows(100, sizes, fill=fill, seed=len(fill))
+            for dtype in (F64, torch.float32, torch.bfloat16):
+                keep = reference.apply_top_k_top_p(z.to(dtype), top_k, top_p, ties)[1]
+                assert_exact_group_kept(z, keep, top_p, ties)
+    # decimal top_p is its float64 value: 0.9 lies above 9/10 (the 10th of 10 is kept), 0.3 below 3/10
+    assert exact_keep_count(0.9, 10, "sorted") == 10 and exact_keep_count(0.3, 10, "sorted") == 3
+
+
+def test_reference_one_more_token_breaks_the_tie_exactness():
+    """A survivor below the tie group with a nonzero weight makes the row non-uniform: the mass
+    above the (p·t)-th tied entry is then below top_p, and it is kept."""
+    z = torch.zeros(1, 11, dtype=F64)
+    z[0, 3] = -5.0  # weight e^-5: the mass above the 6th zero is 5 / (10 + e^-5) < 0.5
+    assert int(reference.apply_top_k_top_p(z, None, 0.5, "sorted")[1].sum()) == 6
+    z[0, 3] = -1e4  # weight 0 in float64: uniform again
+    assert int(reference.apply_top_k_top_p(z, None, 0.5, "sorted")[1].sum()) == 5
+    assert margin_ok(torch.tensor([[0.0] * 10 + [-5.0]]), None, 0.5, ties="sorted")
+    for strategy in STRATEGIES:
+        for value, kept in [(-5.0, 6), (-1e4, 5)]:
+            z[0, 3] = value
+            _, keep = lossfx.apply_top_k_top_p(
+                z, top_k=11 if strategy == "candidates" else None, top_p=0.5, ties="sorted"
+            )
+            assert int(keep.sum()) == kept
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
+def test_exact_boundary_kernels(world, strategy, dtype):
+    """Uniform rows of several lengths (the rest -inf, underflowing, or cut by top-k), dyadic and
+    decimal top_p, 1/2/4 ranks, both strategies, float64/fp32/bf16: the kept set is exact (equal
+    to the reference and to exact rational arithmetic), values and gradients match the reference."""
+    vocab = 12 * world
+    sizes = [1, 2, 3, 5, 7, 10, 12, vocab]
+    cases = [("below", 1), ("below", 3)] if strategy == "candidates" else [("-inf", None), ("underflow", None)]
+    gen = torch.Generator().manual_seed(world)
+    for fill, top_k in cases:
+        sized = [t for t in sizes if top_k is None or t >= top_k]
+        z = uniform_rows(vocab, sized, fill=fill, seed=world).to(dtype)
+        target = torch.randint(0, vocab, (len(sized), 1), generator=gen)
+        # values in fp32 and gradients in the logits' dtype (bf16: 8 mantissa bits)
+        tol = {F64: TOL64, torch.float32: {"atol": 2e-6, "rtol": 2e-6}}.get(dtype, {"atol": 4e-3, "rtol": 8e-3})
+        for top_p in BOUNDARY_TOP_P:
+            for ties in ("sorted", "together"):
+                _, keep = reference.apply_top_k_top_p(z, top_k, top_p, ties)
+                assert_exact_group_kept(z, keep, top_p, ties)
+                check_threshold(z, top_k, top_p, world, strategy=strategy, ties=ties)
+            check_logprobs(z, target, top_k, top_p, world, strategy=strategy, ties="sorted", tol=tol, chunk=3)
+
+
+@st.composite
+def _boundary_top_p(draw, t):
+    """A top_p at, or one float64 step beside, a fraction j/t (or anywhere in (0, 1))."""
+    j = draw(st.integers(1, max(1, t - 1)))
+    at = j / t if j < t else draw(st.floats(1e-6, 1.0, exclude_max=True))
+    step = draw(st.sampled_from([None, 0.0, 1.0]))
+    p = at if step is None else math.nextafter(at, step)
+    assume(0.0 < p < 1.0)
+    return p
+
+
+@given(data=st.data(), t=st.integers(1, 40), extra=st.integers(0, 9), fill=st.sampled_from(["-inf", "underflow"]))
+def test_property_exact_boundary_uniform_rows(data, t, extra, fill):
+    """Uniform rows at random sizes, top_p at or beside j/t: kernels (both strategies) and reference
+    keep exactly `⌈top_p·t⌉` under "sorted", the whole group under "together"."""
+    top_p = data.draw(_boundary_top_p(t))
+    z = uniform_rows(t + extra, [t], fill=fill, seed=t + extra)
+    for ties in ("sorted", "together"):
+        assert_exact_group_kept(z, reference.apply_top_k_top_p(z, None, top_p, ties)[1], top_p, ties)
+        for top_k in (None, t):
+            assert_exact_group_kept(z, lossfx.apply_top_k_top_p(z, top_k=top_k, top_p=top_p, ties=ties)[1], top_p, ties)
+
+
+def test_exact_boundary_compiled_aot_eager_world_2():
+    z = uniform_rows(16, [3, 5, 10, 16], fill="below", seed=3)
+    target = torch.tensor([[0], [5], [9], [15]])
+    for top_p in (0.5, 0.3):
+        check_logprobs(z, target, 2, top_p, 2, strategy="candidates", backend="aot_eager", ties="sorted")
 
 
 def _torch_log_softmax_errors(z, keep, target, dout, ref_out, ref_grad):

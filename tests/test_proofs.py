@@ -486,3 +486,56 @@ def test_gather_compiled_backward_overwrite_identity(vocab_start):
     eager_form = _gather_logprobs_bwd(z, ids, shift, log_s, neg_h, g, h, vocab_start, 2)
     torch.testing.assert_close(compiled_form, expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(eager_form, expected, rtol=0, atol=1e-12)
+
+
+def test_filtering_exact_ceil_of_top_p_times_count():
+    """proofs/filtering.md §3.3: `top_p = hi + lo` exactly with both products exact for counts up
+    to 2^26, and `_ceil_top_p_times` equals `⌈Fraction(top_p)·t⌉` (where `fl(p·t)` does not)."""
+    import math
+    import random
+    from fractions import Fraction
+
+    from lossfx.filtering import EXACT_TIES_MAX, _ceil_top_p_times, _split_top_p
+
+    rng = random.Random(0)
+    tricky = [math.nextafter(1 / 3, 1.0), 1 / 3, 0.5, 0.3, 0.9, 0.1, math.nextafter(1.0, 0.0), 1e-300, 5e-324]
+    ps = (
+        tricky
+        + [rng.random() for _ in range(300)]
+        + [rng.randint(1, 999) / rng.randint(1000, 5000) for _ in range(300)]
+    )
+    counts = [1, 2, 3, 5, 7, 10, 1000, 2**20 - 1, EXACT_TIES_MAX - 1, EXACT_TIES_MAX]
+    counts += [rng.randint(1, EXACT_TIES_MAX) for _ in range(40)]
+    t = torch.tensor(counts)
+    for p in ps:
+        hi, lo = _split_top_p(p)
+        if p > 2.0**-900:  # (a tiny p keeps 1 of any group: `lo` may then round, harmlessly)
+            assert Fraction(hi) + Fraction(lo) == Fraction(p) and 0 <= lo < 2.0**-26 * p
+            for c in (counts[-1], EXACT_TIES_MAX):
+                assert Fraction(hi * c) == Fraction(hi) * c and Fraction(lo * c) == Fraction(lo) * c
+        assert _ceil_top_p_times(p, t).tolist() == [math.ceil(Fraction(p) * c) for c in counts]
+    # the rounded product fails here: p·3 = 1 + 2^-53 rounds to 1, but two of three are kept
+    p = math.nextafter(1 / 3, 1.0)
+    assert p * 3 == 1.0 and _ceil_top_p_times(p, torch.tensor([3])).item() == 2
+
+
+def test_filtering_nemo_cumsum_on_uniform_rows():
+    """proofs/filtering.md §3.3: NeMo RL's ascending `cumsum(softmax) > 1 − p` (`1 − p` a Python
+    float) on a uniform row is off by one on 14 (fp32) and 25 (float64) of 640 (t, p) pairs;
+    lossfx keeps `⌈p·t⌉`."""
+    import math
+    from fractions import Fraction
+
+    ps = (0.1, 0.25, 0.3, 0.5, 0.6, 0.7, 0.75, 0.9, 0.95, 0.99)
+    for dtype, expected_misses in ((torch.float32, 14), (F64, 25)):
+        misses = 0
+        for t in range(1, 65):
+            cumsum = torch.cumsum(torch.softmax(torch.zeros(t, dtype=dtype), dim=-1), dim=-1)
+            for p in ps:
+                keep_nemo = cumsum > 1 - p
+                keep_nemo[-1] = True  # the largest is always kept
+                exact = math.ceil(Fraction(p) * t)
+                misses += int(keep_nemo.sum()) != exact
+                kept = lossfx.apply_top_k_top_p(torch.zeros(1, t, dtype=dtype), top_p=p, ties="sorted")[1]
+                assert int(kept.sum()) == exact
+        assert misses == expected_misses

@@ -11,12 +11,19 @@ Two tie rules say what "ranked above" means among equal logits:
   token id ranks higher among equal values (for `p = [.5, .2, .2, .1]`, `top_p = 0.6` it keeps
   tokens {0, 2}).
 
-A row holding a NaN keeps nothing and its log-probs are NaN. The masses are float64. Implemented
-the way the field does it: a stable sort, a cumulative sum, a scatter back.
+The masses are those of the float64 weights `exp(z − max)`; `top_p` is the float64 value passed.
+Where every survivor with a nonzero weight ties at the row max (a uniform row, or a tied top-k),
+the mass above the j-th of those `t` is exactly `j / t`, so `"sorted"` keeps `⌈top_p · t⌉` of
+them, decided with exact fractions (the only case in which the mass can equal `top_p`:
+proofs/filtering.md §3.3); a value whose weight is 0 has exactly the whole mass above it and is
+never kept. A row holding a NaN keeps nothing and its log-probs are NaN. The masses are float64.
+Implemented the way the field does it: a stable sort, a cumulative sum, a scatter back.
 """
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -61,8 +68,24 @@ def _top_p_keep(z: Tensor, keep_k: Tensor, top_p: float, ties: str) -> Tensor:
         order = torch.sort(zk, dim=-1, descending=True, stable=True).indices
     values, q_sorted = zk.gather(-1, order), q.gather(-1, order)
     excl = torch.cat([torch.zeros_like(q_sorted[..., :1]), torch.cumsum(q_sorted, dim=-1)[..., :-1]], dim=-1)
+    # a value of float64 weight exp(z − max) = 0 has exactly the whole mass above it: never kept
+    # (its rounded cumulative sum may fall below a top_p just under 1); NaN rows pass through
+    zmax = zk.amax(dim=-1, keepdim=True)
+    excl = torch.where(torch.exp(values - zmax) == 0, torch.ones_like(excl), excl)
     if ties == "sorted":  # each position's own mass above it
-        return torch.zeros_like(keep_k).scatter(-1, order, excl < top_p)
+        keep_sorted = excl < top_p
+        # Where every survivor with a nonzero float64 weight ties at the max, the mass above the
+        # j-th of those t is exactly j / t: keep the first ⌈top_p · t⌉, decided with fractions
+        # (the float64 cumulative sum of t copies of a rounded 1/t may land on either side).
+        top = keep_k & (zk == zmax)
+        live = keep_k & (torch.exp(zk - zmax) > 0)
+        uniform = (live == (live & top)).all(dim=-1) & torch.isfinite(zmax[..., 0])  # [...]
+        t = top.sum(dim=-1)
+        n = torch.tensor([math.ceil(Fraction(top_p) * c) for c in t.reshape(-1).tolist()], device=z.device)
+        positions = torch.arange(z.shape[-1], device=z.device)
+        exact = positions < n.view(t.shape).unsqueeze(-1)
+        keep_sorted = torch.where(uniform.unsqueeze(-1), exact, keep_sorted)
+        return torch.zeros_like(keep_k).scatter(-1, order, keep_sorted)
     # the mass strictly above a value: the exclusive sum at the first element of its tie group
     new_group = torch.cat(
         [torch.ones_like(values[..., :1], dtype=torch.bool), values[..., 1:] != values[..., :-1]], dim=-1
