@@ -26,6 +26,20 @@ def finite_or_zero(x: Tensor) -> Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
+def compiled_row_sum(x: Tensor) -> Tensor:
+    """`x [..., V] -> [...]`: the row sum for traced code, rounded once to `x`'s dtype.
+
+    On CPU, Inductor's fp32 sum adds each block of 4096 values sequentially per vector lane
+    (relative error ~5e-6 at V = 32000, 25x eager's cascade sum); a float64 accumulator inside the
+    same fused loop leaves only the terms' own rounding, for ~14 % on that pass (docs/opd_full.md,
+    "Compiled accuracy"). GPU reductions are trees (error ~log V ulps) and float64 is slow there,
+    so other devices sum in `x`'s dtype. The device is a constant of the trace.
+    """
+    if x.device.type == "cpu" and x.dtype != torch.float64:
+        return x.sum(dim=-1, dtype=torch.float64).to(x.dtype)
+    return x.sum(dim=-1)
+
+
 def row_max_sumexp(z: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """Per-row `(m, s)` of `z [N, V]` in `dtype` (default `z`'s): `m = max_v z`, `s = Σ_v exp(z − m)`.
 
@@ -40,9 +54,7 @@ def row_max_sumexp(z: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor,
     m = z.amax(dim=-1).to(dtype)  # [N]
     e = z - finite_or_zero(m).unsqueeze(-1)  # [N, V] in dtype (type promotion; exact upcast)
     if torch.compiler.is_compiling():
-        # Inductor's CPU fp32 sum is sequential within blocks of 4096 per vector lane (25x eager's
-        # error at V = 32000); a float64 accumulator in the fused loop leaves the terms' rounding only
-        return m, torch.exp(e).sum(dim=-1, dtype=torch.float64).to(dtype)  # docs/opd_full.md
+        return m, compiled_row_sum(torch.exp(e))
     s = e.exp_().sum(dim=-1)  # [N]
     return m, s
 

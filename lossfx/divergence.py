@@ -48,7 +48,7 @@ from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, all_gather_stack
 from lossfx._dtensor import vocab_shard
-from lossfx._numerics import finite_or_zero, log_s_for_softmax
+from lossfx._numerics import compiled_row_sum, finite_or_zero, log_s_for_softmax
 from lossfx._validation import check_floating, check_integer_ids, check_positive_int
 
 __all__ = ["cross_entropy_to_fixed", "entropy", "reverse_kl_to_fixed"]
@@ -94,36 +94,25 @@ def _sub_rows(z: Tensor, shift: Tensor, out: Tensor | None = None) -> Tensor:
     return buf.sub_(shift[:, None])
 
 
-def _row_sum(x: Tensor) -> Tensor:
-    """`x [C, Vl] -> [C]`: the row sum accumulated in float64, rounded once to `x`'s dtype.
-
-    Inductor's CPU sum of fp32 adds each block of 4096 values sequentially per vector lane
-    (relative error ~5e-6 at Vl = 32000, 25x eager's cascade sum); a float64 accumulator inside
-    the same fused loop is exact to the terms' own rounding, for ~14 % on this pass
-    (docs/opd_full.md, "Compiled accuracy").
-    """
-    return x.sum(dim=-1, dtype=torch.float64).to(x.dtype)
-
-
 def _local_stats(zs: Tensor, zt: Tensor | None, alpha: int, beta: int) -> Tensor:
     """Local statistics `[5, C]` of one chunk `zs, zt [C, Vl]` (compute dtype), as one expression
     (the compiled path: Inductor fuses it into row-reduction loops with no `[C, Vl]` buffer)."""
     m_s = zs.amax(dim=-1)  # [C]
     xs = zs - finite_or_zero(m_s).unsqueeze(-1)  # [C, Vl], ≤ 0 or -inf
     e = torch.exp(xs)  # [C, Vl]
-    s_s = _row_sum(e)  # [C]
+    s_s = compiled_row_sum(e)  # [C]
     if zt is None:
         m_t, s_t = torch.zeros_like(m_s), torch.ones_like(s_s)
         weight = xs  # [C, Vl]
     else:
         m_t = zt.amax(dim=-1)  # [C]
         xt = zt - finite_or_zero(m_t).unsqueeze(-1)  # [C, Vl]
-        s_t = _row_sum(torch.exp(xt))  # [C]
+        s_t = compiled_row_sum(torch.exp(xt))  # [C]
         weight = xs - xt if alpha else -xt  # [C, Vl]
     # 0·log 0 = 0: a NaN product can only come from e = 0 (0·±inf, or e·(−inf − (−inf))), so
     # exactly those terms are dropped; e > 0 under a teacher −inf gives +inf, kept. (A NaN in
     # the inputs still propagates: through the maxes.)
-    u = _row_sum(torch.where(e > 0, e * weight, 0.0))  # [C]
+    u = compiled_row_sum(torch.where(e > 0, e * weight, 0.0))  # [C]
     return torch.stack([m_s, s_s, m_t, s_t, u])  # [5, C]
 
 
