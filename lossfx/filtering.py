@@ -1,8 +1,8 @@
 """Top-k / top-p filtered log-probabilities over a (possibly sharded) vocabulary, without sorting it.
 
 The filter keeps, per row, the tokens whose logit is at least a threshold `τ`; the whole design is
-to find `τ` exactly while communicating only per-row scalars. The rule (`semantics.md` §3.3 with
-`decisions.md` item 6's stable tie order):
+to find `τ` exactly while communicating only per-row scalars. The rule (NeMo RL's filter with
+the tie rules of docs/decisions.md §2.6):
 
 * top-k: `τ_k` = the k-th largest logit (with multiplicity); keep `z ≥ τ_k` (ties all kept);
 * top-p, after top-k, on the renormalised survivors `q = softmax(z | z ≥ τ_k)`: keep a survivor

@@ -1,6 +1,6 @@
 """Dense references of the top-k/top-p filter, the filtered log-probs and the filtered LOGPROB input.
 
-The rule (`semantics.md` §3.3, `decisions.md` item 6): top-k keeps every value `≥` the k-th
+The rule (NeMo RL's filter, docs/decisions.md §2.6): top-k keeps every value `≥` the k-th
 largest (ties kept); top-p then runs on the survivors' renormalised softmax `q` and keeps a
 survivor iff the mass ranked **strictly above** it is `< top_p` (the largest always survives).
 Two tie rules say what "ranked above" means among equal logits:
