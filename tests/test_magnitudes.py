@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -887,14 +888,16 @@ def _distillation(zero_outside_topk):
     return LogitsPath(call, truth, baseline, sizes, teacher="topk")
 
 
+LOGPROB_LOSS = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
+
+
 def _next_token_ids(aux):
     return aux["target"][None]  # [1, N]: position t scores target[t + 1]
 
 
 def _next_token_call(x, xt, aux, group, rank, chunk):
-    loss_fn = type("LossFn", (), {"input_type": lossfx.LossInputType.LOGPROB})()
     out, _ = lossfx.prepare_loss_input(
-        x[None], {"input_ids": _next_token_ids(aux)}, loss_fn, vocab_parallel_group=group,
+        x[None], {"input_ids": _next_token_ids(aux)}, LOGPROB_LOSS, vocab_parallel_group=group,
         vocab_parallel_rank=None if group is None else rank, chunk_size=chunk,
     )  # fmt: skip
     return (out["next_token_logprobs"][0],)
@@ -913,10 +916,9 @@ def _packed_ids(aux):
 
 
 def _packed_call(x, xt, aux, group, rank, chunk):
-    loss_fn = type("LossFn", (), {"input_type": lossfx.LossInputType.LOGPROB})()
     data = {"input_ids": _packed_ids(aux), "cu_seqlens": torch.tensor(aux["cu"])}
     out, _ = lossfx.prepare_packed_loss_input(
-        x[None], data, loss_fn, aux["cu"], aux["cu"], vocab_parallel_group=group,
+        x[None], data, LOGPROB_LOSS, aux["cu"], aux["cu"], vocab_parallel_group=group,
         vocab_parallel_rank=None if group is None else rank, chunk_size=chunk,
     )  # fmt: skip
     return (out["next_token_logprobs"][0],)
