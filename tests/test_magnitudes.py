@@ -1101,6 +1101,6 @@ def test_compiled_logits_paths_never_less_accurate_than_torch_more(name, world):
 @pytest.mark.compile
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [F64, torch.bfloat16])
-@pytest.mark.parametrize(("name", "world"), [("filtered_top_p", 2), ("reverse_kl", 1), ("distillation", 2)])
+@pytest.mark.parametrize(("name", "world"), [("filtered_top_k", 2), ("reverse_kl", 1), ("distillation", 2)])
 def test_compiled_logits_paths_other_dtypes(name, world, dtype):
     _compiled_paths_property(name, dtype, world)
