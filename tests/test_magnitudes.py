@@ -21,17 +21,24 @@ gradients of `hidden` and `weight`) and to a teacher given as hidden states
 (`divergence_to_projected_teacher`: the student's gradient), eager (1 and 2 ranks, chunked) and
 compiled (1 and 2 ranks); the construction and the tolerance are in the comment of that section.
 float64 fused results are also within 1e-10 of the float64 truth for offsets up to 2**14.
+
+The last section extends it to every other logits path (`filtered_token_logprobs` with top-k and
+top-p, `entropy`, `cross_entropy_to_fixed` and `reverse_kl_to_fixed` with an independent teacher
+offset, `distillation_topk_logprobs` with and without `zero_outside_topk`, `prepare_loss_input`
+(LOGPROB) and `prepare_packed_loss_input`): every output and the student's gradient, eager (1 and
+2 ranks, chunked) and compiled (1 and 2 ranks), float64 within 1e-10 of the size of the terms.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 from harness import compiled_for_rank, run_ranks
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 import lossfx
@@ -691,3 +698,409 @@ def test_compiled_fused_linear_never_less_accurate_than_unfused(name, world):
 @pytest.mark.parametrize(("name", "world"), [("token", 2), ("next_token", 1), ("objective", 2)])
 def test_compiled_fused_linear_never_less_accurate_than_unfused_more(name, world):
     _compiled_linear_property(name, world)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every other logits path (issue 16, item 1): filtered log-probs, the full-vocabulary reductions,
+# top-k distillation, next-token / LOGPROB and packed inputs, values and gradients
+# ---------------------------------------------------------------------------------------------
+#
+# Same construction and rule as the first section: student logits `x = c + y` (an `OffsetCase`),
+# and where a path has a teacher, teacher logits `x_t = c_t + y_t` from a second, independent
+# `OffsetCase` (its own offset, sign and spread). The truth is `lossfx.reference` on `y` (and
+# `y_t`) in float64; the baseline is the same dense formula in torch ops on the inputs upcast to
+# the compute dtype. Every output and the student's gradient must satisfy `|lossfx − truth| <=
+# 2·|torch − truth| + tol`, and `-inf` where (and only where) the truth is `-inf`.
+#
+# The filtered paths decide a kept set. A top-k set depends only on the order of the logits, which
+# `x = c + y` (exact) preserves, ties included. A top-p set depends on the masses `M` ranked
+# strictly above each level (`ties="together"`), which no dtype computes exactly: the case picks
+# `top_p` in the middle of a gap of at least 1e-3 between the truth's `M` of all rows, so every
+# implementation that rounds `M` to better than 5e-4 keeps the same set, and the truth is the
+# float64 filtered log-softmax of `y` (the kept set of `x` and `y` being the same).
+#
+# `tol`: for a log-prob output `8ε(log V + 1 + |lp|)` per value and `8ε|g|` on the gradient of its
+# row (`g` its upstream gradient); for a reduction `Σ_v p_v w_v` (entropy: `w = log p`;
+# cross-entropy: `w = −log p_t`; reverse KL: `w = log p − log p_t`) `8ε` times the size of its
+# terms and `8ε|g| p_v (1 + |log p_v|)·(1 + |w_v| + Σ p|w| + |log p_v| + |log p_t(v)|)` on the
+# gradient, as for the projected teacher; plus one rounding of the gradient's dtype, and the
+# smallest normal number of the compute dtype (subnormal gradient entries carry a few bits only).
+
+
+def _finite_or_zero(o):
+    return torch.where(torch.isfinite(o), o, torch.zeros_like(o))
+
+
+def _loss(outs, douts):
+    """`Σ g·o` over the finite entries of every differentiable output (`-inf` log-probs carry no gradient)."""
+    return sum((_finite_or_zero(o) * g.to(o.dtype)).sum() for o, g in zip(outs, douts, strict=True) if g is not None)
+
+
+def _lp_sizes(lp, log_v):
+    return log_v + _finite_or_zero(lp).abs()
+
+
+def _div_sizes(lps, lpt, w):
+    """(value size `[N]`, gradient size per unit upstream `[N, V]`) of `Σ_v p_v w_v` (the section comment)."""
+    p = lps.exp()
+    lps, lpt, w = (_finite_or_zero(v) for v in (lps, lpt, w))
+    sizes = 1 + w.abs() + (p * w.abs()).sum(-1, keepdim=True) + lps.abs() + lpt.abs()
+    return 1 + (p * (1 + lps.abs()) * sizes).sum(-1), p * (1 + lps.abs()) * sizes
+
+
+def _assert_within_1e10(actual, truth, size, *, what):
+    """float64: within 1e-10 relative to the size of the terms that form each entry (a value that
+    cancels terms of size `s` is only defined to `ε·s`, in the reference too)."""
+    a, t = actual.detach().to(F64), truth.detach().to(F64)
+    finite = torch.isfinite(t)
+    err = torch.where(finite, a - t, 0).abs()
+    bad = err > 1e-10 * (1 + torch.where(finite, t, 0).abs() + size)
+    assert not bad.any(), f"{what}: off the float64 truth by {err[bad].max().item():.3g} (> 1e-10 of its size)"
+
+
+@dataclass(frozen=True)
+class LogitsPath:
+    """One logits path.
+
+    `call(x, xt, aux, group, rank, chunk)` -> outputs (this rank's shard `x`, the teacher `xt`: its
+    shard when `teacher == "vocab"`, whole when `"topk"`, `None` otherwise); `truth(y, yt, aux)`
+    -> the float64 outputs from `lossfx.reference`; `torch(xc, xtc, aux)` -> the same outputs in
+    torch ops on the compute-dtype inputs; `sizes(y, yt, aux, log_v)` -> per output `(value size,
+    gradient size per unit upstream [N, V] or [N, 1])`, `None` for an output without gradient.
+    """
+
+    call: object
+    truth: object
+    torch: object
+    sizes: object
+    teacher: str | None = None  # None, "vocab" (`[N, V]` sharded like the student) or "topk" (`[N, K]`)
+    filtered: bool = False
+
+
+def _aux(case, top_p_u):
+    """Integer inputs: targets `[N]`, distinct top-k ids `[N, K]`, a packing, the filter arguments
+    (`top_p_u=None`: the fixed `top_k = 2`, `top_p = 1/2` of the compiled tests)."""
+    _, y, ids, _ = case.build()
+    gen = torch.Generator().manual_seed(case.seed + 2)
+    k = min(3, case.vocab)
+    topk_ids = torch.stack([torch.randperm(case.vocab, generator=gen)[:k] for _ in range(case.rows)])
+    cut = case.rows // 2
+    aux = {"target": ids[:, 0], "topk_ids": topk_ids, "cu": [0, cut, case.rows] if cut else [0, case.rows]}
+    if top_p_u is None:
+        aux["top_k"], aux["top_p"] = 2, 0.5
+    else:
+        aux["top_k"] = 1 + case.seed % case.vocab
+        masses = _masses_above(y)
+        mids, gaps = (masses[1:] + masses[:-1]) / 2, masses[1:] - masses[:-1]
+        aux["top_p"] = float(mids[gaps > 2 * TOP_P_MARGIN][(mids[gaps > 2 * TOP_P_MARGIN] - top_p_u).abs().argmin()])
+    return aux
+
+
+TOP_P_MARGIN = 5e-4  # top_p is at least this far from every mass strictly above a level
+
+
+def _masses_above(y):
+    """Sorted `[M]` float64: 0, 1 and every row's mass strictly above each of its levels (the truth)."""
+    lp = reference.log_softmax(y)
+    masses = [torch.zeros(1, dtype=F64), torch.ones(1, dtype=F64)]
+    for row in lp:
+        levels, inverse = torch.unique(row, return_inverse=True)  # ascending
+        mass = torch.zeros_like(levels).scatter_add_(0, inverse, row.exp())
+        masses.append(mass.flip(0).cumsum(0)[:-1])  # the mass above each level but the top one
+    return torch.sort(torch.cat(masses)).values
+
+
+def _filtered(kind):
+    def filter_args(aux):
+        return {"top_k": aux["top_k"]} if kind == "top_k" else {"top_p": aux["top_p"]}
+
+    def call(x, xt, aux, group, rank, chunk):
+        return (lossfx.filtered_token_logprobs(x, aux["target"], **filter_args(aux), group=group, chunk_size=chunk),)
+
+    def truth(y, yt, aux):
+        return (reference.filtered_token_logprobs(y, aux["target"], **filter_args(aux)),)
+
+    def baseline(xc, xtc, aux):
+        _, keep = reference.apply_top_k_top_p(xc.detach(), **filter_args(aux))  # the truth's set (see above)
+        lp_all = xc.masked_fill(~keep, -math.inf).log_softmax(-1)
+        return (lp_all.gather(-1, aux["target"][:, None])[:, 0],)
+
+    def sizes(y, yt, aux, log_v):
+        return [(_lp_sizes(truth(y, yt, aux)[0], log_v), torch.ones_like(y[:, :1]))]
+
+    return LogitsPath(call, truth, baseline, sizes, filtered=True)
+
+
+def _reduction(kind):
+    ref = {"entropy": reference.entropy, "cross_entropy": reference.cross_entropy_to_fixed}
+    ref["reverse_kl"] = reference.reverse_kl_to_fixed
+    fn = {"entropy": lossfx.entropy, "cross_entropy": lossfx.cross_entropy_to_fixed}
+    fn["reverse_kl"] = lossfx.reverse_kl_to_fixed
+
+    def weights(lps, lpt):
+        return {"entropy": lps, "cross_entropy": -lpt, "reverse_kl": lps - lpt}[kind]
+
+    def call(x, xt, aux, group, rank, chunk):
+        args = (x,) if kind == "entropy" else (x, xt)
+        return (fn[kind](*args, group=group, chunk_size=chunk),)
+
+    def truth(y, yt, aux):
+        return (ref[kind](y) if kind == "entropy" else ref[kind](y, yt),)
+
+    def baseline(xc, xtc, aux):
+        lps = xc.log_softmax(-1)
+        lpt = torch.zeros_like(lps) if xtc is None else xtc.log_softmax(-1)
+        w = weights(lps, lpt)
+        return (torch.where(lps.exp() > 0, lps.exp() * _finite_or_zero(w), 0).sum(-1),)
+
+    def sizes(y, yt, aux, log_v):
+        lps = reference.log_softmax(y)
+        lpt = torch.zeros_like(lps) if yt is None else reference.log_softmax(yt)
+        return [_div_sizes(lps, lpt, weights(lps, lpt))]
+
+    return LogitsPath(call, truth, baseline, sizes, teacher=None if kind == "entropy" else "vocab")
+
+
+def _distillation(zero_outside_topk):
+    def call(x, xt, aux, group, rank, chunk):
+        s, t, h = lossfx.distillation_topk_logprobs(
+            x[None], xt[None], aux["topk_ids"][None], zero_outside_topk=zero_outside_topk,
+            calculate_entropy=True, vocab_parallel_group=group, chunk_size=chunk,
+        )  # fmt: skip
+        return (s[0], t[0]) + (() if h is None else (h[0],))
+
+    def truth(y, yt, aux):
+        s, t, h = reference.distillation_topk_logprobs(
+            y[None], yt[None], aux["topk_ids"][None], zero_outside_topk, True
+        )
+        return (s[0], t[0]) + (() if h is None else (h[0],))
+
+    def baseline(xc, xtc, aux):
+        ids = aux["topk_ids"]
+        lp = xc.log_softmax(-1)
+        s = lp.gather(-1, ids) if zero_outside_topk else xc.gather(-1, ids).log_softmax(-1)
+        outs = (s[:-1], xtc.log_softmax(-1)[:-1])
+        return (*outs, (lp.exp() * lp).sum(-1)[:-1]) if zero_outside_topk else outs
+
+    def sizes(y, yt, aux, log_v):
+        outs = truth(y, yt, aux)
+        lp_size = (_lp_sizes(outs[0], log_v), torch.ones_like(y[:-1, :1]))
+        teacher = (_lp_sizes(outs[1], log_v), None)
+        if not zero_outside_topk:
+            return [lp_size, teacher]
+        lps = reference.log_softmax(y[:-1])
+        return [lp_size, teacher, _div_sizes(lps, torch.zeros_like(lps), lps)]
+
+    return LogitsPath(call, truth, baseline, sizes, teacher="topk")
+
+
+LOGPROB_LOSS = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
+
+
+def _next_token_ids(aux):
+    return aux["target"][None]  # [1, N]: position t scores target[t + 1]
+
+
+def _next_token_call(x, xt, aux, group, rank, chunk):
+    out, _ = lossfx.prepare_loss_input(
+        x[None], {"input_ids": _next_token_ids(aux)}, LOGPROB_LOSS, vocab_parallel_group=group,
+        vocab_parallel_rank=None if group is None else rank, chunk_size=chunk,
+    )  # fmt: skip
+    return (out["next_token_logprobs"][0],)
+
+
+def _next_token_truth(y, yt, aux):
+    return (reference.next_token_logprobs(y[None], _next_token_ids(aux))[0],)
+
+
+def _next_token_torch(xc, xtc, aux):
+    return (xc[:-1].log_softmax(-1).gather(-1, aux["target"][1:, None])[:, 0],)
+
+
+def _packed_ids(aux):
+    return aux["target"][None]  # [1, T]: packed, each sequence scores its own next token
+
+
+def _packed_call(x, xt, aux, group, rank, chunk):
+    data = {"input_ids": _packed_ids(aux), "cu_seqlens": torch.tensor(aux["cu"])}
+    out, _ = lossfx.prepare_packed_loss_input(
+        x[None], data, LOGPROB_LOSS, aux["cu"], aux["cu"], vocab_parallel_group=group,
+        vocab_parallel_rank=None if group is None else rank, chunk_size=chunk,
+    )  # fmt: skip
+    return (out["next_token_logprobs"][0],)
+
+
+def _packed_truth(y, yt, aux):
+    return (reference.packed_next_token_logprobs(y[None], _packed_ids(aux), aux["cu"], aux["cu"], prepacked=True)[0],)
+
+
+def _packed_torch(xc, xtc, aux):
+    target = torch.cat([aux["target"][1:], aux["target"][:1]])
+    lp = xc.log_softmax(-1).gather(-1, target[:, None])[:, 0]
+    last = torch.zeros_like(lp, dtype=torch.bool)
+    last[torch.tensor(aux["cu"][1:]) - 1] = True  # each sequence's last slot has no next token: 0
+    return (torch.where(last, 0, lp)[:-1],)
+
+
+def _lp_path_sizes(truth):
+    def sizes(y, yt, aux, log_v):
+        return [(_lp_sizes(truth(y, yt, aux)[0], log_v), torch.ones_like(y[:-1, :1]))]
+
+    return sizes
+
+
+LOGITS_PATHS = {
+    "filtered_top_k": _filtered("top_k"),
+    "filtered_top_p": _filtered("top_p"),
+    "entropy": _reduction("entropy"),
+    "cross_entropy": _reduction("cross_entropy"),
+    "reverse_kl": _reduction("reverse_kl"),
+    "distillation": _distillation(zero_outside_topk=True),
+    "distillation_in_topk": _distillation(zero_outside_topk=False),
+    "next_token": LogitsPath(_next_token_call, _next_token_truth, _next_token_torch, _lp_path_sizes(_next_token_truth)),
+    "packed": LogitsPath(_packed_call, _packed_truth, _packed_torch, _lp_path_sizes(_packed_truth)),
+}
+
+
+def _paths_rank_fn(rank, world, group, name, x, xt, aux, douts, chunk, compiled):
+    path = LOGITS_PATHS[name]
+    vl = x.shape[-1] // world
+    shard = x[:, rank * vl : (rank + 1) * vl].detach().clone().requires_grad_(True)
+    teacher = xt[:, rank * vl : (rank + 1) * vl] if path.teacher == "vocab" else xt
+    frames = 0
+    if compiled:
+        # tensors as arguments; the Python constants (filter, packing) are part of the cache key
+        consts = {k: v for k, v in aux.items() if not isinstance(v, torch.Tensor)}
+        tensors = {k: v for k, v in aux.items() if isinstance(v, torch.Tensor)}
+
+        def step(shard, teacher, tensors, douts):
+            outs = path.call(shard, teacher, {**consts, **tensors}, group, rank, None)
+            return outs, _loss(outs, douts)
+
+        key = ("magnitudes paths", name, world, x.dtype, repr(consts))
+        counter, step = compiled_for_rank(rank, key, step)
+        outs, loss = step(shard, teacher, tensors, douts)
+        frames = counter.frame_count
+    else:
+        outs = path.call(shard, teacher, aux, group, rank, chunk)
+        loss = _loss(outs, douts)
+    loss.backward()
+    return [o.detach() for o in outs], shard.grad, frames
+
+
+def _run_path(name, case, teacher_case=None, top_p_u=0.5, compiled=False):
+    path = LOGITS_PATHS[name]
+    x, y, _, _ = case.build()
+    aux = _aux(case, top_p_u)
+    xt = yt = None
+    if path.teacher is not None:
+        t_case = teacher_case or case
+        width = t_case.local_vocab if path.teacher == "vocab" else aux["topk_ids"].shape[1]
+        log2_offset = min(t_case.log2_offset, math.log2(torch.finfo(case.dtype).max) - 3)
+        t_case = OffsetCase(**{**t_case.__dict__, "dtype": case.dtype, "world": 1, "rows": case.rows})
+        t_case = OffsetCase(**{**t_case.__dict__, "log2_offset": log2_offset})
+        t_case = OffsetCase(**{**t_case.__dict__, "local_vocab": case.vocab if path.teacher == "vocab" else width})
+        xt, yt, _, _ = t_case.build()
+    log_v = math.log(case.vocab) + 1
+    t_sizes = path.sizes(y, yt, aux, log_v)
+    gen = torch.Generator().manual_seed(case.seed + 3)
+    t_outs_shapes = [o.shape for o in path.truth(y, yt, aux)]
+    douts = [
+        None if grad_size is None else torch.randn(shape, generator=gen, dtype=F64).clamp(-3, 3)
+        for shape, (_, grad_size) in zip(t_outs_shapes, t_sizes, strict=True)
+    ]
+    results = run_ranks(case.world, _paths_rank_fn, name, x, xt, aux, douts, case.chunk, compiled)
+    outs = results[0][0]
+    for other in results[1:]:
+        for a, b in zip(other[0], outs, strict=True):
+            assert torch.equal(a, b), "ranks disagree on a replicated output"
+    grad = torch.cat([r[1] for r in results], dim=-1)
+    # truth and baseline
+    yy = y.clone().requires_grad_(True)
+    t_outs = path.truth(yy, yt, aux)
+    _loss(t_outs, douts).backward()
+    cdtype = compute_dtype(case.dtype)
+    xx = x.detach().clone().requires_grad_(True)
+    b_outs = path.torch(xx.to(cdtype), None if xt is None else xt.to(cdtype), aux)
+    _loss(b_outs, douts).backward()
+    eps, eps_in = torch.finfo(cdtype).eps, torch.finfo(case.dtype).eps
+    tag = f"{name} {case} teacher {teacher_case} top_p {aux['top_p']}"
+    # one rounding of the gradient's dtype; below the normal range, its granularity (an entry of
+    # size ~1e-43 in fp32 carries a few bits: exp(z − shift) is subnormal before it is scaled)
+    grad_tol = eps_in * yy.grad.abs() + torch.finfo(cdtype).tiny
+    for i, (a, b, t, (size, grad_size)) in enumerate(zip(outs, b_outs, t_outs, t_sizes, strict=True)):
+        assert a.shape == t.shape and a.dtype == compute_dtype(case.dtype), f"output {i} {tag}: {a.shape} {a.dtype}"
+        assert torch.equal(a.isneginf(), t.isneginf()), f"output {i} {tag}: -inf where the truth is not, or back"
+        _assert_not_less_accurate(a, b, t, tol=8 * eps * size, what=f"output {i} {tag}")
+        if case.dtype == F64:
+            _assert_within_1e10(a, t, size, what=f"output {i} {tag}")
+        if grad_size is not None:
+            g = douts[i].abs() if douts[i].dim() == 1 else douts[i].abs().sum(-1)
+            g = g[:, None]
+            grad_tol[: g.shape[0]] += 8 * eps * g * grad_size
+    assert grad.dtype == case.dtype
+    _assert_not_less_accurate(grad, xx.grad, yy.grad, tol=grad_tol, what=f"gradient {tag}")
+    if case.dtype == F64:
+        _assert_within_1e10(grad, yy.grad, grad_tol / (8 * eps), what=f"gradient {tag}")
+    return max(r[2] for r in results)
+
+
+@settings(max_examples=40)
+@given(case=offset_cases(), teacher=offset_cases(worlds=(1,)), top_p_u=st.floats(0.05, 0.95))
+@pytest.mark.parametrize("name", list(LOGITS_PATHS))
+def test_logits_paths_never_less_accurate_than_torch(name, case, teacher, top_p_u):
+    _run_path(name, case, teacher, top_p_u)
+
+
+# Compiled (fullgraph, inductor): fixed shapes and filter (`top_k = 2`, `top_p = 1/2`, the cases
+# whose masses come within `TOP_P_MARGIN` of 1/2 skipped) so that each path compiles once.
+def _compiled_paths_property(name, dtype, world):
+    @settings(max_examples=6)
+    @given(
+        case=offset_cases(dtypes=(dtype,), worlds=(world,), chunked=False, fixed_shape=True),
+        teacher=offset_cases(dtypes=(dtype,), worlds=(1,), chunked=False, fixed_shape=True),
+    )
+    def prop(case, teacher):
+        if name == "filtered_top_p":
+            masses = _masses_above(case.build()[1])
+            assume(bool((masses - 0.5).abs().min() > TOP_P_MARGIN))
+        frames = _run_path(name, case, teacher, None, compiled=True)
+        assert frames == 1, f"recompiled: {frames} frames for one shape and dtype"
+
+    prop()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(("name", "world"), [("reverse_kl", 2), ("next_token", 1)])
+def test_compiled_logits_paths_never_less_accurate_than_torch(name, world):
+    _compiled_paths_property(name, torch.float32, world)
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "world"),
+    [
+        ("filtered_top_k", 2),
+        ("filtered_top_p", 1),  # the filter's Inductor compile alone takes minutes on a busy CPU
+        ("filtered_top_p", 2),
+        ("entropy", 1),
+        ("cross_entropy", 2),
+        ("reverse_kl", 1),
+        ("distillation", 2),
+        ("distillation_in_topk", 1),
+        ("next_token", 2),
+        ("packed", 1),
+        ("packed", 2),
+    ],
+)
+def test_compiled_logits_paths_never_less_accurate_than_torch_more(name, world):
+    _compiled_paths_property(name, torch.float32, world)
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [F64, torch.bfloat16])
+@pytest.mark.parametrize(("name", "world"), [("filtered_top_k", 2), ("reverse_kl", 1), ("distillation", 2)])
+def test_compiled_logits_paths_other_dtypes(name, world, dtype):
+    _compiled_paths_property(name, dtype, world)
