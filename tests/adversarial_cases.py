@@ -463,7 +463,7 @@ def run_case(rank: int, world: int, group: Any, target: str, both: dict, rank1: 
     except (ValueError, TypeError) as exc:
         outcome = ("error", type(exc).__name__, str(exc))
     except Exception as exc:
-        outcome = ("other", type(exc).__name__, traceback.format_exc()[-3000:])
+        outcome = ("other", type(exc).__name__, f"{str(exc)[:1000]}\n{traceback.format_exc()[-2000:]}")
     finally:
         if previous is not None:
             lossfx.set_consistency_checks(previous)
