@@ -253,8 +253,9 @@ def _t_vocab_topk(cfg, rank, group):
 
 
 def _t_allgather_cp(cfg, rank, group):
-    full = torch.randn(cfg["B"], cfg["S"] * 2, cfg["V"], generator=_gen(0), dtype=F64)
-    local = lossfx.shard_for_cp_rank(full, rank, 2, seq_dim=1).to(cfg["dtype"])
+    # 4·S long: the load-balanced layout of 2 ranks needs a multiple of 4 (a builder must not raise)
+    full = torch.randn(cfg["B"], cfg["S"] * 4, cfg["V"], generator=_gen(0), dtype=F64)
+    local = reference.cp_shard(full, rank, 2, seq_dim=1).to(cfg["dtype"])
     return (lambda: lossfx.allgather_cp(local, group, seq_dim=1)), [full]
 
 
@@ -449,7 +450,16 @@ def run_case(rank: int, world: int, group: Any, target: str, both: dict, rank1: 
         if not cfg["checks"]:
             switch = getattr(lossfx, "set_consistency_checks", None)  # a branch may remove the switch
             previous = switch(False) if switch is not None else None
-        call, ref = TARGETS[target](cfg, rank, group)
+        try:
+            call, ref = TARGETS[target](cfg, rank, group)
+            built = torch.tensor([1.0])
+        except Exception:
+            built, setup_error = torch.tensor([0.0]), traceback.format_exc()[-2000:]
+        # every rank learns whether every rank could build its inputs: a test that cannot build
+        # them on one rank must not leave the other waiting inside lossfx's collectives
+        dist.all_reduce(built, op=dist.ReduceOp.MIN, group=group)
+        if not built[0]:
+            return ("setup", "test setup failed", setup_error if "setup_error" in locals() else "on a peer"), 3.0
         if mode != "eager":
             # the point is the cross-rank check in the graph, not codegen: aot_eager keeps it cheap
             call = torch.compile(call, backend=mode, fullgraph=True)

@@ -226,6 +226,8 @@ def _classify(answers: list, mode: str) -> tuple[str, str]:
     detail = "; ".join(f"rank {r}: {o[0]} {o[1]} {str(o[2])[:300]}" for r, o in enumerate(outcomes))
     if any(p != 3.0 for p in probes):
         return "group out of step", f"probe all-reduce gave {probes} (expected 3.0); {detail}"
+    if "setup" in kinds:
+        return "test setup error", detail
     if "other" in kinds:
         firsts = {o[2].split("\n")[0] for o in outcomes}
         if mode != "eager" and kinds == {"other"} and {o[1] for o in outcomes} == {"RuntimeError"}:
