@@ -72,6 +72,7 @@ PERTURBATIONS: dict[str, tuple[dict, dict]] = {
     # issue item 3: a Shard(0) DTensor weight and a disagreement
     "dtensor_temperature": ({"dtensor": True}, {"temperature": 0.7}),
     "dtensor_B": ({"dtensor": True}, {"B": 3}),
+    "dtensor_ids_value": ({"dtensor": True}, {"ids": True}),
     "dtensor_requires_grad": ({"dtensor": True}, {"requires_grad": True}),
     # issue item 2: an FSDP2-style head (Shard(0) over the data-parallel mesh, hidden per rank)
     "fsdp2": ({"fsdp2": True}, {}),
@@ -173,7 +174,16 @@ DEFAULT_SLICE = [
     ("linear_logprob_objective", "coef_value"),
     ("linear_logprob_objective", "uneven_both"),
     ("linear_logprob_objective", "dtensor_B"),
+    ("token_logprobs", "dtensor_B"),
+    ("gather_logprobs", "dtensor_ids_value"),
 ]
+
+# DTensor inputs on every rank and one disagreement (the logits paths unwrap DTensors themselves)
+for _t, _ps in APPLICABLE.items():
+    if "dtensor_both" in _ps and "dtensor_B" not in _ps:
+        _ps.append("dtensor_B")
+    if "dtensor_both" in _ps and "ids_value" in _ps:
+        _ps.append("dtensor_ids_value")
 
 ALL = [(t, p) for t, ps in APPLICABLE.items() for p in ps]
 assert set(DEFAULT_SLICE) <= set(ALL) and set(COMPILED) <= set(ALL)
