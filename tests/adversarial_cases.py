@@ -76,11 +76,16 @@ def _shard(cfg: dict, rank: int) -> tuple[int, int]:
     return rank * half, min(half, cfg["V"] - rank * half)
 
 
-def _ids(cfg: dict, shape: tuple[int, ...], high: int, seed: int) -> torch.Tensor:
+def _ids(cfg: dict, shape: tuple[int, ...], high: int, seed: int, row: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """Random ids; with cfg["ids"] the entry `ids.flat[1]` (a target of every path: token paths
+    score it with logits row `row` = (0, 1), next-token paths with row (0, 0)) becomes that row's
+    largest logit, or the second largest if it was the largest: a changed id that no top-k / top-p
+    filter removes, so the answer must change."""
     ids = torch.randint(0, high, shape, generator=_gen(seed))
     if cfg["ids"]:
         flat = ids.view(-1)
-        flat[0] = (flat[0] + high // 2 + 1) % high  # moves the id to the other rank's shard
+        order = _logits(cfg)[row].argsort(descending=True)
+        flat[1] = order[1] if order[0] == flat[1] else order[0]
     return ids
 
 
@@ -178,7 +183,7 @@ def _t_apply_top_k_top_p(cfg, rank, group):
 def _t_next_token_filtered_logprobs(cfg, rank, group):
     full = _logits(cfg)
     z, _ = _local(cfg, full, rank)
-    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1)
+    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
     kw = _filter_kw(cfg)
     call = lambda: lossfx.next_token_filtered_logprobs(
         z, ids, group=_grp(cfg, group), chunk_size=cfg["chunk_size"], **kw
@@ -268,7 +273,7 @@ def _sampling(cfg):
 def _t_next_token_logprobs(cfg, rank, group):
     full = _logits(cfg)
     z, _ = _local(cfg, full, rank)
-    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1)
+    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
     g = _grp(cfg, group)
     call = lambda: lossfx.next_token_logprobs(
         z, ids, vocab_parallel_rank=None if g is None else rank, vocab_parallel_group=g, chunk_size=cfg["chunk_size"]
@@ -279,7 +284,7 @@ def _t_next_token_logprobs(cfg, rank, group):
 def _t_prepare_loss_input_logprob(cfg, rank, group):
     full = _logits(cfg)
     z, _ = _local(cfg, full, rank)
-    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1)
+    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
     g = _grp(cfg, group)
     loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
     sp = _sampling(cfg)
