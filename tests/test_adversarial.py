@@ -22,6 +22,11 @@ slice (every target and every kind of perturbation at least once, and the compil
 `-m slow` runs the whole matrix. Compiled cases use the aot_eager backend: the point is whether
 a mismatch is caught inside a `fullgraph=True` graph, which Inductor's code generation does not
 change, and it keeps a compile to about a second.
+
+Not covered yet: `prepare_opd_full_loss_input`, `prepare_packed_loss_input`,
+`reconstruct_opd_full_teacher_logits`, `map_to_draft_vocab`, `top_k_top_p_threshold`,
+`shift_left`; gradients (answers are compared in the forward only; a `requires_grad`
+disagreement must not change the forward answer or the collectives).
 """
 
 from __future__ import annotations
