@@ -1,0 +1,302 @@
+"""Adversarial suite (issue 15): ranks that disagree on ONE thing, on 2 real gloo processes.
+
+For every public function that takes a group, rank 0 runs a default configuration and rank 1 the
+same with one thing changed (a shape, a dtype, a scalar parameter, one value of a replicated
+input, `requires_grad`, a DTensor instead of a plain tensor, an FSDP2-style weight, an uneven
+shard layout, the consistency switch). The only acceptable outcomes are
+
+- **clear error**: the same ValueError/TypeError on every rank, a lossfx message (the wording
+  may name each rank's own group argument); compiled, an in-graph assertion's RuntimeError
+  with the same lossfx message on every rank also counts (a graph cannot raise anything else
+  without a host sync), or
+- **exact**: every rank's answer equals the float64 reference computed from its own inputs,
+
+and in both cases a probe all-reduce afterwards still adds up (the group is in step). Anything
+else fails the case, named: `silent wrong answer`, `abort` (a rank process died), `hang` (no
+answer within the case's timeout), `error on some ranks only`, `unclear error` (another
+exception type), `group out of step`. After an abort, a hang or a worker failure the pool is
+closed and the next case starts a fresh one (`harness.gloo_pool` restarts a broken pool).
+
+The per-rank side is `tests/adversarial_cases.py`. The default suite runs a representative
+slice (every target and every kind of perturbation at least once, and the compiled cases);
+`-m slow` runs the whole matrix. Compiled cases use the aot_eager backend: the point is whether
+a mismatch is caught inside a `fullgraph=True` graph, which Inductor's code generation does not
+change, and it keeps a compile to about a second.
+
+Not covered yet: `prepare_opd_full_loss_input`, `prepare_packed_loss_input`,
+`reconstruct_opd_full_teacher_logits`, `map_to_draft_vocab`, `top_k_top_p_threshold`,
+`shift_left`; gradients (answers are compared in the forward only; a `requires_grad`
+disagreement must not change the forward answer or the collectives).
+"""
+
+from __future__ import annotations
+
+import time
+
+import adversarial_cases
+import harness
+import pytest
+import torch
+
+pytestmark = pytest.mark.distributed
+
+EAGER_TIMEOUT_S = 20.0
+COMPILED_TIMEOUT_S = 120.0
+TOL = 1e-4  # float32 outputs of float64 inputs; every wrong answer the issue saw was >= 0.5 nats
+
+# name -> (fields every rank uses, the ONE field rank 1 changes)
+PERTURBATIONS: dict[str, tuple[dict, dict]] = {
+    "none": ({}, {}),
+    "B": ({}, {"B": 3}),
+    "S": ({}, {"S": 5}),
+    "V": ({}, {"V": 18}),
+    "H": ({}, {"H": 6}),
+    "K": ({}, {"K": 4}),
+    "dtype": ({}, {"dtype": torch.float32}),
+    "temperature": ({}, {"temperature": 0.7}),
+    "chunk_size": ({}, {"chunk_size": 3}),
+    "chunk_size_none": ({}, {"chunk_size": None}),
+    "top_k": ({}, {"top_k": 4}),
+    "top_p": ({}, {"top_p": 0.8}),
+    "ties": ({}, {"ties": "sorted"}),
+    "zero_outside_topk": ({}, {"zero_outside_topk": True}),
+    "entropy": ({}, {"entropy": True}),
+    "ids_value": ({}, {"ids": True}),
+    "hidden_value": ({}, {"hidden": True}),
+    "coef_value": ({}, {"coef": True}),
+    "mask_value": ({}, {"mask": True}),
+    "teacher_value": ({}, {"teacher": True}),
+    "requires_grad": ({}, {"requires_grad": True}),
+    "dtensor_one_rank": ({}, {"dtensor": True}),
+    "uneven_one_rank": ({}, {"layout": "uneven"}),
+    "checks_off_one_rank": ({}, {"checks": False}),
+    # legitimate per-rank differences: the answer must be exact
+    "uneven_both": ({"layout": "uneven"}, {}),
+    "dtensor_both": ({"dtensor": True}, {}),
+    "uneven_dtensor_both": ({"V": 15, "dtensor": True}, {}),  # torch.chunk's layout: 8 + 7
+    # issue item 3: a Shard(0) DTensor weight and a disagreement
+    "dtensor_temperature": ({"dtensor": True}, {"temperature": 0.7}),
+    "dtensor_B": ({"dtensor": True}, {"B": 3}),
+    "dtensor_ids_value": ({"dtensor": True}, {"ids": True}),
+    "dtensor_requires_grad": ({"dtensor": True}, {"requires_grad": True}),
+    # issue item 2: an FSDP2-style head (Shard(0) over the data-parallel mesh, hidden per rank)
+    "fsdp2": ({"fsdp2": True}, {}),
+    "fsdp2_one_rank": ({}, {"fsdp2": True}),
+}
+
+COMMON = ["B", "S", "V", "dtype", "chunk_size", "chunk_size_none", "requires_grad", "dtensor_one_rank"]
+COMMON += ["uneven_one_rank", "checks_off_one_rank", "uneven_both", "dtensor_both", "uneven_dtensor_both"]
+FILTER = ["top_k", "top_p", "ties"]
+FUSED = ["B", "S", "V", "H", "dtype", "temperature", "chunk_size", "chunk_size_none", "ids_value", "hidden_value"]
+FUSED += ["requires_grad", "dtensor_one_rank", "uneven_one_rank", "checks_off_one_rank", "uneven_both"]
+FUSED += ["dtensor_both", "dtensor_temperature", "dtensor_B", "dtensor_requires_grad", "fsdp2", "fsdp2_one_rank"]
+
+APPLICABLE: dict[str, list[str]] = {
+    "token_logprobs": [*COMMON, "ids_value"],
+    "token_logprobs_with_lse": [*COMMON, "ids_value"],
+    "gather_logits": [*COMMON, "ids_value", "K"],
+    "gather_logprobs": [*COMMON, "ids_value", "K", "entropy"],
+    "filtered_token_logprobs": [*COMMON, "ids_value", *FILTER],
+    "apply_top_k_top_p": [*COMMON, *FILTER],
+    "next_token_filtered_logprobs": [*[p for p in COMMON if "uneven" not in p], "ids_value", *FILTER],
+    # the divergences take any shard widths (the vocabulary is their concatenation), so rank 1's
+    # 9-wide shard of "V = 18" next to rank 0's 8 columns is a valid 17-column vocabulary: no "V"
+    "entropy": [p for p in COMMON if "uneven" not in p and p != "V"],
+    "cross_entropy_to_fixed": [p for p in COMMON if "uneven" not in p and p != "V"],
+    "reverse_kl_to_fixed": [p for p in COMMON if "uneven" not in p and p != "V"],
+    "distillation_topk_logprobs": [
+        *[p for p in COMMON if "uneven" not in p],
+        "ids_value",
+        "K",
+        "teacher_value",
+        "zero_outside_topk",
+        "entropy",
+    ],
+    "draft_targets": ["B", "S", "V", "dtype", "requires_grad", "dtensor_one_rank", "dtensor_both", "mask_value"],
+    "vocab_topk": ["B", "S", "V", "K", "dtype", "requires_grad", "dtensor_one_rank", "uneven_one_rank", "uneven_both"],
+    "allgather_cp": ["B", "S", "V", "dtype"],  # no replicated input: every value is per-rank
+    "next_token_logprobs": [*[p for p in COMMON if "uneven" not in p], "ids_value"],
+    "prepare_loss_input[LOGPROB]": [*[p for p in COMMON if "uneven" not in p], "ids_value", *FILTER[:2]],
+    "prepare_loss_input[DISTILLATION]": [
+        *[p for p in COMMON if "uneven" not in p],
+        "ids_value",
+        "K",
+        "teacher_value",
+        "zero_outside_topk",
+    ],
+    "linear_token_logprobs": [*FUSED, "entropy"],
+    "linear_next_token_logprobs": FUSED,
+    "linear_gather_logprobs": [*FUSED, "K", "zero_outside_topk", "entropy"],
+    "linear_logprob_objective": [*FUSED, "coef_value"],
+}
+
+# cases about compile: temperature, N and chunk_size mismatches on the logits and fused paths
+COMPILED = [
+    ("token_logprobs", "B"),
+    ("token_logprobs", "chunk_size"),
+    ("token_logprobs", "ids_value"),
+    ("filtered_token_logprobs", "top_k"),
+    ("linear_token_logprobs", "temperature"),
+    ("linear_token_logprobs", "B"),
+    ("linear_token_logprobs", "dtensor_temperature"),
+    ("linear_logprob_objective", "chunk_size"),
+    ("linear_logprob_objective", "temperature"),
+]
+
+# the default suite's slice: every target, every kind of perturbation
+DEFAULT_SLICE = [
+    ("token_logprobs", "S"),
+    ("token_logprobs", "V"),
+    ("token_logprobs", "dtype"),
+    ("token_logprobs", "ids_value"),
+    ("token_logprobs", "requires_grad"),
+    ("token_logprobs", "dtensor_one_rank"),
+    ("token_logprobs", "uneven_one_rank"),
+    ("token_logprobs", "uneven_both"),
+    ("token_logprobs", "checks_off_one_rank"),
+    ("token_logprobs_with_lse", "chunk_size"),
+    ("gather_logits", "K"),
+    ("gather_logprobs", "ids_value"),
+    ("filtered_token_logprobs", "ties"),
+    ("apply_top_k_top_p", "top_p"),
+    ("next_token_filtered_logprobs", "top_k"),
+    ("entropy", "chunk_size_none"),
+    ("cross_entropy_to_fixed", "B"),
+    ("reverse_kl_to_fixed", "dtensor_both"),
+    ("distillation_topk_logprobs", "teacher_value"),
+    ("distillation_topk_logprobs", "zero_outside_topk"),
+    ("draft_targets", "mask_value"),
+    ("vocab_topk", "K"),
+    ("allgather_cp", "S"),
+    ("next_token_logprobs", "ids_value"),
+    ("prepare_loss_input[LOGPROB]", "top_k"),
+    ("prepare_loss_input[DISTILLATION]", "ids_value"),
+    ("linear_token_logprobs", "hidden_value"),
+    ("linear_token_logprobs", "fsdp2"),
+    ("linear_token_logprobs", "dtensor_temperature"),
+    ("linear_next_token_logprobs", "requires_grad"),
+    ("linear_gather_logprobs", "zero_outside_topk"),
+    ("linear_logprob_objective", "coef_value"),
+    ("linear_logprob_objective", "uneven_both"),
+    ("linear_logprob_objective", "dtensor_B"),
+    ("token_logprobs", "dtensor_B"),
+    ("gather_logprobs", "dtensor_ids_value"),
+]
+
+# DTensor inputs on every rank and one disagreement (the logits paths unwrap DTensors themselves)
+for _t, _ps in APPLICABLE.items():
+    if "dtensor_both" in _ps and "dtensor_B" not in _ps:
+        _ps.append("dtensor_B")
+    if "dtensor_both" in _ps and "ids_value" in _ps:
+        _ps.append("dtensor_ids_value")
+
+ALL = [(t, p) for t, ps in APPLICABLE.items() for p in ps]
+assert set(DEFAULT_SLICE) <= set(ALL) and set(COMPILED) <= set(ALL)
+assert {t for t, _ in DEFAULT_SLICE} == set(APPLICABLE)
+
+
+def _run(target: str, perturbation: str, mode: str) -> tuple[str, str]:
+    """(outcome, detail) of one case on the 2-process gloo pool (see the module doc)."""
+    both, rank1 = PERTURBATIONS[perturbation]
+    timeout = EAGER_TIMEOUT_S if mode == "eager" else COMPILED_TIMEOUT_S
+    pool = harness.gloo_pool(2)
+    job = (adversarial_cases.__name__, "run_case", harness.to_wire((target, both, rank1, mode)), {})
+    for conn in pool._conns:
+        conn.send(job)
+    deadline = time.monotonic() + timeout
+    answers: list = []
+    problems: dict[int, str] = {}
+    for rank, conn in enumerate(pool._conns):
+        try:
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                problems[rank] = "hang"
+                continue
+            ok, payload = conn.recv()
+        except (EOFError, OSError):
+            problems[rank] = "died"
+            continue
+        if ok:
+            answers.append(harness.from_wire(payload))
+        else:
+            problems[rank] = payload
+    if problems:
+        pool.close()  # joins, kills what is left; the next case gets a fresh pool
+        codes = [proc.exitcode for proc in pool._procs]
+        signals = {r: -c for r, c in enumerate(codes) if c is not None and c < 0 and c != -9}
+        if signals or "died" in problems.values():
+            return "abort", f"rank processes ended with exit codes {codes}; {problems}"
+        if "hang" in problems.values():
+            return "hang", f"no answer within {timeout:.0f} s from ranks {sorted(problems)}"
+        text = "\n".join(f"--- rank {r} ---\n{p}" for r, p in problems.items())
+        if "all_reduce(probe" in text:
+            return "group out of step", text[-1500:]
+        return "unclear error", text[-1500:]
+    return _classify(answers, mode)
+
+
+def _classify(answers: list, mode: str) -> tuple[str, str]:
+    outcomes = [o for o, _ in answers]
+    probes = [p for _, p in answers]
+    kinds = {o[0] for o in outcomes}
+    detail = "; ".join(f"rank {r}: {o[0]} {o[1]} {str(o[2])[:300]}" for r, o in enumerate(outcomes))
+    if any(p != 3.0 for p in probes):
+        return "group out of step", f"probe all-reduce gave {probes} (expected 3.0); {detail}"
+    if "setup" in kinds:
+        return "test setup error", detail
+    if "other" in kinds:
+        firsts = {o[2].split("\n")[0] for o in outcomes}
+        if mode != "eager" and kinds == {"other"} and {o[1] for o in outcomes} == {"RuntimeError"}:
+            # an assertion inside a compiled graph can only raise RuntimeError: accepted when it is
+            # lossfx's message, the same on every rank
+            if len(firsts) == 1 and next(iter(firsts)).startswith("lossfx"):
+                return "clear error (in-graph RuntimeError)", next(iter(firsts))[:300]
+        return "unclear error", detail
+    if kinds == {"error"}:
+        if len({o[1] for o in outcomes}) == 1 and all(o[2].startswith("lossfx") for o in outcomes):
+            # the same type everywhere; the wording may name the rank's own view (its group's name)
+            same = len({o[2] for o in outcomes}) == 1
+            return "clear error", outcomes[0][2][:300] if same else f"messages differ: {detail}"
+        return "errors differ across ranks", detail
+    if kinds == {"value"}:
+        if all(o[1] <= TOL and o[2] for o in outcomes):
+            return "exact", f"max error {max(o[1] for o in outcomes):.1e}"
+        return "silent wrong answer", detail
+    return "error on some ranks only", detail
+
+
+def _check(target: str, perturbation: str, mode: str) -> None:
+    outcome, detail = _run(target, perturbation, mode)
+    assert outcome in ("clear error", "exact", "clear error (in-graph RuntimeError)"), (
+        f"{target} / {perturbation} / {mode}: {outcome}: {detail}"
+    )
+
+
+@pytest.mark.parametrize(("target", "perturbation"), DEFAULT_SLICE)
+def test_adversarial_eager(target, perturbation):
+    _check(target, perturbation, "eager")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(("target", "perturbation"), COMPILED[:3] + COMPILED[4:5])
+def test_adversarial_compiled(target, perturbation):
+    _check(target, perturbation, "aot_eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("target", "perturbation"), sorted(set(ALL) - set(DEFAULT_SLICE)))
+def test_adversarial_eager_matrix(target, perturbation):
+    _check(target, perturbation, "eager")
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+@pytest.mark.parametrize(("target", "perturbation"), [c for i, c in enumerate(COMPILED) if i not in (0, 1, 2, 4)])
+def test_adversarial_compiled_matrix(target, perturbation):
+    _check(target, perturbation, "aot_eager")
+
+
+@pytest.mark.parametrize("target", sorted(APPLICABLE))
+def test_agreeing_ranks_are_exact(target):
+    """The suite can tell a right answer: with nothing perturbed every target is exact."""
+    outcome, detail = _run(target, "none", "eager")
+    assert outcome == "exact", (target, outcome, detail)
