@@ -123,12 +123,17 @@ _PER_RANK = ("vocab_start", "vocab_parallel_rank")  # may differ across the tens
 _TYPE_ONLY = ("cp_sharder",)  # objects whose state is rank-specific: only their type is compared
 
 
-@torch.compiler.assume_constant_result  # under torch.compile: run at trace time, a constant in the graph
 def _crc(text: str) -> int:
     """A 32-bit code of `text`, remembered for this thread's messages until the next signature."""
     code = zlib.crc32(text.encode())
     _names()[code] = text
     return code
+
+
+# Under torch.compile: run at trace time, a constant in the graph. This is what
+# `torch.compiler.assume_constant_result` sets; calling it at import would import torch._dynamo
+# (inductor, DTensor: ~1 s), as `_compile_errors.raise_while_tracing` explains.
+_crc._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _names() -> dict[int, str]:
