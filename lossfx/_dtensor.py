@@ -322,6 +322,47 @@ def replicated(x: Any, name: str) -> Any:
     return x.to_local()
 
 
+def check_view(
+    *vocab_args: str, group_arg: str = "group", rank_arg: str | None = None, even: bool = False
+) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
+    """The cross-rank check's view of a call whose arguments may be DTensors
+    (`checked_collective(local=...)`): the bound `arguments` with the vocabulary-sharded ones
+    (`vocab_args`, the first's placement for all) replaced by their local shards, the group,
+    rank, `vocab_start` and `vocab_size` of that placement filled in, and every other DTensor
+    replaced by its replicated local tensor, exactly as the function's body will unwrap them."""
+
+    def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        shard: VocabShard | None = None
+        for name in vocab_args:
+            x = arguments.get(name)
+            if not is_dtensor(x):
+                continue
+            if shard is None:
+                shard = vocab_shard(
+                    x,  # type: ignore[arg-type]
+                    name=name,
+                    group=arguments.get(group_arg),
+                    rank=arguments.get(rank_arg) if rank_arg else None,
+                    vocab_start=arguments.get("vocab_start"),
+                    vocab_size=arguments.get("vocab_size"),
+                    even=even,
+                    group_arg=group_arg,
+                )
+                arguments[name] = shard.local
+            else:
+                arguments[name] = shard.like(x, name)
+        if shard is not None:
+            arguments[group_arg] = shard.group
+            spans = {"vocab_start": shard.vocab_start, "vocab_size": shard.vocab_size, rank_arg: shard.rank}
+            arguments.update({k: v for k, v in spans.items() if k in arguments})
+        for name, value in arguments.items():
+            if is_dtensor(value):
+                arguments[name] = replicated(value, name)
+        return arguments, ""
+
+    return view
+
+
 def _replicated_columns(data: Mapping[str, Any]) -> dict[str, Any]:
     """A new dict: every all-`Replicate()` DTensor column of `data` replaced by its local tensor;
     other columns (plain tensors, a sharded `student_logits` passed through) as they are."""

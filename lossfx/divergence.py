@@ -47,7 +47,7 @@ from lossfx._chunking import row_chunks
 from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, all_gather_stack
-from lossfx._dtensor import vocab_shard
+from lossfx._dtensor import check_view, vocab_shard
 from lossfx._numerics import compiled_row_sum, finite_or_zero, log_s_for_softmax
 from lossfx._validation import check_floating, check_integer_ids, check_positive_int
 
@@ -381,7 +381,7 @@ _COMMON_DOC = """
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="free")
+@checked_collective(vocab="free", local=check_view("student"))
 def entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: int | None = None) -> Tensor:
     """Negative entropy `Σ_v p log p` of the student distribution, per token.
 
@@ -396,7 +396,7 @@ def entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: i
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="free")
+@checked_collective(vocab="free", local=check_view("student", "teacher"))
 def cross_entropy_to_fixed(
     student: Tensor,
     teacher: Tensor,
@@ -418,7 +418,7 @@ def cross_entropy_to_fixed(
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="free")
+@checked_collective(vocab="free", local=check_view("student", "teacher"))
 def reverse_kl_to_fixed(
     student: Tensor,
     teacher: Tensor,

@@ -31,7 +31,7 @@ from lossfx._distributed import (
     local_columns,
     reduce_scatter_sum,
 )
-from lossfx._dtensor import is_dtensor, replicated, vocab_shard
+from lossfx._dtensor import check_view, is_dtensor, replicated, vocab_shard
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx.context_parallel import shard_for_cp_rank
 
@@ -72,7 +72,10 @@ def shift_left(x: Tensor, cp_group: ProcessGroup | None = None) -> Tensor:
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="equal")
+@checked_collective(
+    vocab="equal",
+    local=check_view("teacher_logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True),
+)
 def map_to_draft_vocab(
     teacher_logits: Tensor,
     d2t: Tensor | None,
@@ -128,7 +131,10 @@ def map_to_draft_vocab(
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="equal")
+@checked_collective(
+    vocab="equal",
+    local=check_view("logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True),
+)
 def draft_targets(
     logits: Tensor,
     token_mask: Tensor,

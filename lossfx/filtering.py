@@ -57,7 +57,7 @@ from lossfx._distributed import (
     group_size,
     local_columns,
 )
-from lossfx._dtensor import is_dtensor, replicated, vocab_shard
+from lossfx._dtensor import check_view, is_dtensor, replicated, vocab_shard
 from lossfx._numerics import compute_dtype, finite_or_zero, log_s_for_softmax, merge_max_logsum, row_max_sumexp
 from lossfx._validation import (
     check_floating,
@@ -725,7 +725,7 @@ def _flat_logits(logits: Tensor) -> Tensor:
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="sized")
+@checked_collective(vocab="sized", local=check_view("logits"))
 def top_k_top_p_threshold(
     logits: Tensor,
     *,
@@ -810,7 +810,7 @@ def top_k_top_p_threshold(
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="sized")
+@checked_collective(vocab="sized", local=check_view("logits"))
 def apply_top_k_top_p(
     logits: Tensor,
     *,
@@ -868,7 +868,7 @@ def apply_top_k_top_p(
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="tiled")
+@checked_collective(vocab="tiled", local=check_view("logits"))
 def filtered_token_logprobs(
     logits: Tensor,
     target: Tensor,

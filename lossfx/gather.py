@@ -31,7 +31,7 @@ from lossfx._chunking import row_chunks
 from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size, local_columns
-from lossfx._dtensor import replicated, vocab_shard
+from lossfx._dtensor import check_view, replicated, vocab_shard
 from lossfx._numerics import compute_dtype, finite_or_zero, log_s_for_softmax, merge_max_logsum
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
 
@@ -245,7 +245,7 @@ def _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, chunk_size
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="tiled")
+@checked_collective(vocab="tiled", local=check_view("logits"))
 def gather_logprobs(
     logits: Tensor,
     ids: Tensor,
@@ -312,7 +312,7 @@ def gather_logprobs(
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="tiled")
+@checked_collective(vocab="tiled", local=check_view("logits"))
 def gather_logits(
     logits: Tensor,
     ids: Tensor,

@@ -34,7 +34,7 @@ from lossfx._chunking import row_chunks
 from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective
 from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size, local_columns
-from lossfx._dtensor import replicated, vocab_shard
+from lossfx._dtensor import check_view, replicated, vocab_shard
 from lossfx._numerics import compute_dtype, log_s_for_softmax, merge_max_logsum, row_max_sumexp
 from lossfx._validation import (
     check_floating,
@@ -134,7 +134,7 @@ class _TokenLogprobsFn(torch.autograd.Function):
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="tiled")
+@checked_collective(vocab="tiled", local=check_view("logits"))
 def token_logprobs_with_lse(
     logits: Tensor,
     target: Tensor,
@@ -177,7 +177,7 @@ def token_logprobs_with_lse(
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="tiled")
+@checked_collective(vocab="tiled", local=check_view("logits"))
 def token_logprobs(
     logits: Tensor,
     target: Tensor,
