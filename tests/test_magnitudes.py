@@ -393,7 +393,7 @@ def linear_cases(draw, dtypes=tuple(MANTISSA_BITS), worlds=(1, 2), max_log2=None
 # next-token path scores rows 0..N−2 (row N−1 has no next token: its upstream gradient is 0).
 def _lin_token(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
     out = lossfx.linear_token_logprobs(
-        h, w, ids[:, 0], group=group, chunk_size=chunk, temperature=temperature, return_entropy=entropy
+        h, w, ids[:, 0], group=group, chunk_size=chunk, temperature=temperature, return_neg_entropy=entropy
     )
     lp, neg_h = out if entropy else (out, None)
     loss = (lp * dout[:, 0].to(lp.dtype)).sum()
@@ -402,7 +402,7 @@ def _lin_token(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
 
 def _lin_gather(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
     lp, neg_h = lossfx.linear_gather_logprobs(
-        h, w, ids, with_entropy=True, group=group, chunk_size=chunk, temperature=temperature
+        h, w, ids, with_neg_entropy=True, group=group, chunk_size=chunk, temperature=temperature
     )
     return lp, neg_h, (lp * dout.to(lp.dtype)).sum() + (neg_h * dneg.to(lp.dtype)).sum()
 
@@ -410,7 +410,7 @@ def _lin_gather(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
 def _lin_next_token(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
     input_ids = torch.cat([ids[:1, 0], ids[:-1, 0]])[None]  # [1, N]: position t scores ids[t, 0]
     lp, neg_h = lossfx.linear_next_token_logprobs(
-        h[None], w, input_ids, group=group, chunk_size=chunk, temperature=temperature, return_entropy=True
+        h[None], w, input_ids, group=group, chunk_size=chunk, temperature=temperature, return_neg_entropy=True
     )
     lp, neg_h = lp[0], neg_h[0]  # [N − 1]
     loss = (lp * dout[:-1, 0].to(lp.dtype)).sum() + (neg_h * dneg[:-1].to(lp.dtype)).sum()
@@ -419,7 +419,7 @@ def _lin_next_token(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
 
 def _lin_objective(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
     objective, lp, neg_h = lossfx.linear_logprob_objective(
-        h, w, ids[:, 0], dout[:, 0].to(h.dtype), entropy_weight=dneg.to(h.dtype), group=group,
+        h, w, ids[:, 0], dout[:, 0].to(h.dtype), neg_entropy_weight=dneg.to(h.dtype), group=group,
         chunk_size=chunk, temperature=temperature,
     )  # fmt: skip
     return lp[:, None], neg_h, objective

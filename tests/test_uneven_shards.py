@@ -118,7 +118,7 @@ def _fused_call(case, hidden, w, d, group, start):
         return lp, (lp * d["g"][:, 0]).sum()
     if case == "objective":
         objective, lp, ne = lossfx.linear_logprob_objective(
-            hidden, w, d["target"], d["a"], entropy_weight=d["b"], **span
+            hidden, w, d["target"], d["a"], neg_entropy_weight=d["b"], **span
         )
         return torch.stack([lp, ne]), objective
     if case == "objective_sequence_parallel":
