@@ -181,7 +181,7 @@ def _token_call(x, ids, dout, dneg_h, group, chunk):
 
 
 def _gather_call(x, ids, dout, dneg_h, group, chunk):
-    lp, neg_h = lossfx.gather_logprobs(x, ids, with_entropy=True, group=group, chunk_size=chunk)
+    lp, neg_h = lossfx.gather_logprobs(x, ids, with_neg_entropy=True, group=group, chunk_size=chunk)
     return lp, neg_h, (lp * dout.to(lp.dtype)).sum() + (neg_h * dneg_h.to(lp.dtype)).sum()
 
 
@@ -249,7 +249,7 @@ def test_issue_examples_exactly():
     torch.testing.assert_close(z.grad, torch.tensor([[0.5, -0.5, 0.0]], dtype=F64), rtol=0, atol=1e-15)
     z32 = torch.tensor([[1e4, 1e4, 1e4, -1e4]])
     assert lossfx.token_logprobs(z32, torch.tensor([0])).item() == pytest.approx(-math.log(3), abs=2e-7)
-    lp, neg_h = lossfx.gather_logprobs(z.detach(), torch.tensor([[0, 2]]), with_entropy=True)
+    lp, neg_h = lossfx.gather_logprobs(z.detach(), torch.tensor([[0, 2]]), with_neg_entropy=True)
     torch.testing.assert_close(lp, torch.tensor([[-math.log(2), -2e30]], dtype=F64), rtol=1e-15, atol=1e-15)
     torch.testing.assert_close(neg_h, torch.tensor([-math.log(2)], dtype=F64), rtol=0, atol=1e-15)
     # token_logprobs_with_lse keeps its API: the row log-sum-exp, shift + log_s rounded once
