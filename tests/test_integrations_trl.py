@@ -339,6 +339,10 @@ def test_trainer_class_is_built_lazily_on_grpo_trainer():
 # ---------------------------------------------------------------------------------------------
 
 
+def _bias():
+    return torch.randn(20, generator=torch.Generator().manual_seed(12), dtype=F64)
+
+
 def _dtensor_heads(rank, world, group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -364,6 +368,21 @@ def _dtensor_heads(rank, world, group):
         hidden, tp, input_ids, mask, logits_to_keep=4, sharded_head="tensor_parallel"
     )[0]
     out["tp_ref"] = dense(hidden, weight, input_ids, mask, 4, 1.0)[0]
+    # a sharded bias follows the weight's rule: gathered (mean gradient) or a vocabulary shard
+    bias = _bias()
+    w2 = distribute_tensor(weight, mesh, [Shard(0)], src_data_rank=None).requires_grad_()
+    b2 = distribute_tensor(bias, mesh, [Shard(0)], src_data_rank=None).requires_grad_()
+    lp, _ = lossfx_trl.per_token_logps_and_entropies(
+        own, w2, input_ids, mask, logits_to_keep=4, sharded_head="gather", bias=b2, softcap=3.0
+    )
+    lp.sum().backward()
+    out["bias_gather"], out["bias_grad"] = lp.detach(), b2.grad.to_local()
+    out["bias_gather_ref"] = dense(own, weight, input_ids, mask, 4, 1.0, bias=bias, softcap=3.0)[0]
+    tb = distribute_tensor(bias, mesh, [Shard(0)], src_data_rank=None)
+    out["bias_tp"] = lossfx_trl.per_token_logps_and_entropies(
+        hidden, tp, input_ids, mask, logits_to_keep=4, sharded_head="tensor_parallel", bias=tb, softcap=3.0
+    )[0]
+    out["bias_tp_ref"] = dense(hidden, weight, input_ids, mask, 4, 1.0, bias=bias, softcap=3.0)[0]
     rep = distribute_tensor(weight, mesh, [Replicate()], src_data_rank=None)
     out["replicated"] = lossfx_trl.per_token_logps_and_entropies(hidden, rep, input_ids, mask, logits_to_keep=4)[0]
     return out
@@ -379,9 +398,19 @@ def test_dtensor_heads_raise_gather_or_run_tensor_parallel():
         for r in range(2)
     )
     (dw,) = torch.autograd.grad(total / 2, w)
+    b = _bias().requires_grad_()
+    total_b = sum(
+        dense(make_case(seed=10 + r, vocab=20)[0], w.detach(), *make_case(seed=5, vocab=20)[2:], 4, 1.0, bias=b,
+              softcap=3.0)[0].sum()
+        for r in range(2)
+    )  # fmt: skip
+    (db,) = torch.autograd.grad(total_b / 2, b)
     for rank, res in enumerate(results):
         assert "placements (Shard(dim=0),)" in res["raised"] and "sharded_head='gather'" in res["raised"]
         torch.testing.assert_close(res["gather"], res["gather_ref"], **TIGHT)
         torch.testing.assert_close(res["gather_grad"], dw[rank * 10 : (rank + 1) * 10], **TIGHT)
         torch.testing.assert_close(res["tp"], res["tp_ref"], **TIGHT)
         torch.testing.assert_close(res["replicated"], res["tp_ref"], **TIGHT)
+        torch.testing.assert_close(res["bias_gather"], res["bias_gather_ref"], **TIGHT)
+        torch.testing.assert_close(res["bias_grad"], db[rank * 10 : (rank + 1) * 10], **TIGHT)
+        torch.testing.assert_close(res["bias_tp"], res["bias_tp_ref"], **TIGHT)
