@@ -12,9 +12,9 @@ plus the per-token entropy `−Σ p log p` as a metric (no gradient) where the p
 Providers, side by side in one run (the `entropy` column says which give the entropy):
 
     naive-compiled       log_softmax(h @ Wᵀ) gather + entropy under torch.compile(fullgraph=True)  (the baseline)
-    lossfx-fused         lossfx.linear_token_logprobs(h, W, t, return_entropy=True), eager
+    lossfx-fused         lossfx.linear_token_logprobs(h, W, t, return_neg_entropy=True), eager
     lossfx-fused-compiled  the same under torch.compile(fullgraph=True)
-    lossfx-objective     lossfx.linear_logprob_objective(h, W, t, c, entropy_weight=0): gradients in the forward
+    lossfx-objective     lossfx.linear_logprob_objective(h, W, t, c, neg_entropy_weight=0): gradients in the forward
     lossfx-objective-compiled  the same under torch.compile(fullgraph=True)
     trl-fused            TRL's fused LM head (trl.kernels.ChunkedLogProbFunction, its CPU path, TRL's chunk size)
     liger-grpo           liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss (chunked, torch.compile'd chunks)
@@ -108,12 +108,12 @@ def _naive(h, w, t, c):
 
 
 def _lossfx_fused(h, w, t, c):
-    lp, neg_entropy = lossfx.linear_token_logprobs(h, w, t, return_entropy=True)
+    lp, neg_entropy = lossfx.linear_token_logprobs(h, w, t, return_neg_entropy=True)
     return (c * lp).sum(), -neg_entropy.detach()
 
 
 def _lossfx_objective(h, w, t, c):
-    objective, _, neg_entropy = lossfx.linear_logprob_objective(h, w, t, c, entropy_weight=torch.zeros_like(c))
+    objective, _, neg_entropy = lossfx.linear_logprob_objective(h, w, t, c, neg_entropy_weight=torch.zeros_like(c))
     return objective, None if neg_entropy is None else -neg_entropy.detach()
 
 

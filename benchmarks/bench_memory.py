@@ -99,7 +99,7 @@ def _path_function(path: str, shape: tuple[int, int, int], gen: torch.Generator)
 
         return logprob, {"data": data}
     if path == "entropy":
-        return (lambda logits: (lossfx.entropy(logits),)), {}
+        return (lambda logits: (lossfx.neg_entropy(logits),)), {}
     if path.startswith("distillation"):
         k = min(DISTILL_K, vocab)
         data = {

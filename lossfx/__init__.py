@@ -8,7 +8,7 @@ beneath them, and `lossfx.reference`, the dense float64 reference of everything.
 from lossfx import reference
 from lossfx.context_parallel import allgather_cp, shard_for_cp_rank, unshard
 from lossfx.distillation import distillation_topk_logprobs
-from lossfx.divergence import cross_entropy_to_fixed, entropy, reverse_kl_to_fixed
+from lossfx.divergence import cross_entropy_to_fixed, entropy, neg_entropy, reverse_kl_to_fixed
 from lossfx.draft import draft_targets, map_to_draft_vocab, shift_left
 from lossfx.filtering import apply_top_k_top_p, filtered_token_logprobs, top_k_top_p_threshold
 from lossfx.fused_linear import linear_gather_logprobs, linear_next_token_logprobs, linear_token_logprobs
@@ -56,6 +56,7 @@ __all__ = [
     "map_to_draft_vocab",
     "mask_out_neg_inf_logprobs",
     "need_top_k_or_top_p_filtering",
+    "neg_entropy",
     "next_token_filtered_logprobs",
     "next_token_logprobs",
     "prepare_loss_input",

@@ -46,12 +46,13 @@ from torch.autograd.function import once_differentiable
 from lossfx._chunking import row_chunks
 from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective
+from lossfx._deprecation import warn_renamed
 from lossfx._distributed import ProcessGroup, all_gather_stack
 from lossfx._dtensor import check_view, vocab_shard
 from lossfx._numerics import compiled_row_sum, finite_or_zero, log_s_for_softmax
 from lossfx._validation import check_floating, check_integer_ids, check_positive_int
 
-__all__ = ["cross_entropy_to_fixed", "entropy", "reverse_kl_to_fixed"]
+__all__ = ["cross_entropy_to_fixed", "entropy", "neg_entropy", "reverse_kl_to_fixed"]
 
 # Eager default: rows per chunk so that one [C, Vl] compute-dtype temporary is about this many bytes.
 # The kernels make up to 7 in-place passes over each chunk's temporaries; keeping them cache-sized
@@ -382,8 +383,8 @@ _COMMON_DOC = """
 
 @keep_errors_under_compile
 @checked_collective(vocab="free", local=check_view("student"))
-def entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: int | None = None) -> Tensor:
-    """Negative entropy `Σ_v p log p` of the student distribution, per token.
+def neg_entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: int | None = None) -> Tensor:
+    """Negative entropy `Σ_v p log p` (≤ 0) of the student distribution, per token.
 
     Equivalent to ``(p * p.log()).sum(-1)`` with ``p = student.softmax(-1)`` on the
     full-vocabulary logits (with `0 · log 0 = 0`), without materialising a `[N, V]` tensor.
@@ -393,6 +394,17 @@ def entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: i
     """
     student, group, *_ = vocab_shard(student, name="student", group=group)  # lossfx/_dtensor.py
     return _apply("entropy", student, None, group, chunk_size)
+
+
+def entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: int | None = None) -> Tensor:
+    """Deprecated name of `neg_entropy`: the same value `Σ_v p log p` (≤ 0, the NEGATIVE entropy),
+    with a FutureWarning in eager mode (none under `torch.compile`: no graph break).
+
+    Equivalent to ``lossfx.neg_entropy(student, group=group, chunk_size=chunk_size)``; the entropy
+    `−Σ p log p` is its negation.
+    """
+    warn_renamed("lossfx.entropy", "lossfx.neg_entropy")
+    return neg_entropy(student, group=group, chunk_size=chunk_size)
 
 
 @keep_errors_under_compile
@@ -453,10 +465,10 @@ _TEACHER_ARG = """
 _INF_NOTE = """ A teacher `-inf` where the student has mass makes the value
         `+inf` (mathematically right) and that row's gradient 0; a teacher row that is `-inf`
         everywhere counts as `log p_t = -inf` everywhere."""
-entropy.__doc__ = (
-    (entropy.__doc__ or "")
+neg_entropy.__doc__ = (
+    (neg_entropy.__doc__ or "")
     + _COMMON_DOC.format(teacher_arg="", teacher_grad="", inf_note="")
-    + ("\n    See also: proofs/divergence.md, lossfx.reference.entropy.\n")
+    + ("\n    See also: proofs/divergence.md, lossfx.reference.neg_entropy.\n")
 )
 for _fn, _ref in (
     (cross_entropy_to_fixed, "cross_entropy_to_fixed"),

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import numbers
 import typing
-import warnings
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from torch import Tensor
 
 from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective
+from lossfx._deprecation import renamed_keyword
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
@@ -292,23 +292,6 @@ def prepare_linear_rows(
     flat_hidden = hidden.reshape(hidden_rows, hidden_size)  # [N or N/R, H]
     local_idx, owned = local_columns(torch.where(valid, flat_ids, -1), vocab_start, local_vocab)
     return LinearRows(flat_hidden, local_idx, owned, valid, LogitHead(temperature, logit_scale, softcap), chunk_rows)
-
-
-def renamed_keyword(new_name: str, new: Any, old_name: str, old: Any) -> Any:
-    """The value of a keyword renamed so that its name carries the sign of `Σ p log p` (the negative
-    entropy): `old` (deprecated, same meaning) when given, with a FutureWarning in eager mode."""
-    if old is None:
-        return new
-    if new is not None and new is not False:
-        raise TypeError(f"pass {new_name} only; {old_name} is its deprecated name")
-    if not torch.compiler.is_compiling():
-        warnings.warn(
-            f"{old_name} is deprecated: its value is Σ p log p, the NEGATIVE entropy (≤ 0); pass {new_name} "
-            "for the same value (the entropy is its negation)",
-            FutureWarning,
-            stacklevel=4,
-        )
-    return old
 
 
 def _options(

@@ -30,6 +30,7 @@ from torch.autograd.function import once_differentiable
 from lossfx._chunking import row_chunks
 from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective
+from lossfx._deprecation import renamed_keyword
 from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size, local_columns
 from lossfx._dtensor import check_view, replicated, vocab_shard
 from lossfx._numerics import compute_dtype, finite_or_zero, log_s_for_softmax, merge_max_logsum
@@ -250,11 +251,12 @@ def gather_logprobs(
     logits: Tensor,
     ids: Tensor,
     *,
-    with_entropy: bool = False,
+    with_neg_entropy: bool = False,
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     chunk_size: int | None = None,
+    with_entropy: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Full-vocabulary log-probabilities at `K` global ids per row, and optionally `Σ p log p`.
 
@@ -269,12 +271,13 @@ def gather_logprobs(
         logits: `[..., Vl]` this rank's vocabulary shard (the full vocabulary without a group).
         ids: `[..., K]` global ids in `[0, V)`, any integer dtype; duplicates allowed (their
             gradients add).
-        with_entropy: also return the negative entropy `Σ p log p` `[...]` (else `None`).
+        with_neg_entropy: also return the negative entropy `Σ p log p` `[...]` (else `None`).
         group: tensor-parallel group over the vocabulary, or `None`; outputs are replicated,
             each rank's gradient is its own shard's.
         vocab_start: first global id of this shard; default `rank · Vl`.
         vocab_size: global `V`; default `world_size · Vl`.
         chunk_size: rows per eager chunk (memory bound only).
+        with_entropy: deprecated name of `with_neg_entropy` (same value; a FutureWarning).
 
     Returns:
         `(logprobs [..., K], neg_entropy [...] or None)` in the compute dtype.
@@ -289,12 +292,13 @@ def gather_logprobs(
 
     Example:
         >>> import torch, lossfx
-        >>> lp, h = lossfx.gather_logprobs(torch.zeros(1, 4), torch.tensor([[0, 3]]), with_entropy=True)
+        >>> lp, h = lossfx.gather_logprobs(torch.zeros(1, 4), torch.tensor([[0, 3]]), with_neg_entropy=True)
         >>> lp, h
         (tensor([[-1.3863, -1.3863]]), tensor([-1.3863]))
 
     See also: proofs/gather.md, lossfx.reference.gather_logprobs.
     """
+    with_entropy = bool(renamed_keyword("with_neg_entropy", with_neg_entropy, "with_entropy", with_entropy))
     logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
         logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
     )

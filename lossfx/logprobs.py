@@ -186,6 +186,7 @@ def token_logprobs(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     chunk_size: int | None = None,
+    ignore_index: int | None = None,
 ) -> Tensor:
     """Log-probability of each target token under softmax over the (possibly sharded) vocabulary.
 
@@ -208,6 +209,10 @@ def token_logprobs(
         chunk_size: rows of the flattened `[N, Vl]` logits processed at once in eager mode
             (a memory bound; results do not depend on it). Default: about 1 MiB of temporaries.
             Under `torch.compile` the whole tensor is one fused pass.
+        ignore_index: a target id that scores nothing (Hugging Face's `-100`): those positions
+            give 0 with a zero gradient and are no range error. Default `None`: every target
+            must lie in `[0, V)` (NeMo's contract). Dense equivalent:
+            ``torch.where(target == ignore_index, 0, out)`` with any valid id in their place.
 
     Returns:
         `[...]` log-probabilities in the compute dtype (fp32 for bf16/fp16/fp32, float64 for
@@ -231,6 +236,21 @@ def token_logprobs(
 
     See also: proofs/logprobs.md, lossfx.reference.token_logprobs.
     """
-    return token_logprobs_with_lse(
+    ignored = None
+    if ignore_index is not None:
+        check_ignore_index(ignore_index)
+        target = replicated(target, "target")
+        check_integer_ids("target", target)
+        ignored = target == ignore_index
+        target = target.masked_fill(ignored, 0)  # any valid id; its result is replaced below
+    out = token_logprobs_with_lse(
         logits, target, group=group, vocab_start=vocab_start, vocab_size=vocab_size, chunk_size=chunk_size
     )[0]
+    return out if ignored is None else torch.where(ignored, torch.zeros_like(out), out)
+
+
+def check_ignore_index(ignore_index: object) -> int:
+    """`ignore_index` as an int (TypeError for a bool or a non-int, naming it)."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int or None, got {ignore_index!r}")
+    return ignore_index

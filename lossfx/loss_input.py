@@ -32,6 +32,7 @@ from lossfx._dtensor import entry_point_on_local, has_dtensor, replicated, vocab
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
+from lossfx.logprobs import check_ignore_index
 from lossfx.loss_masks import loss_mask_from_data, mask_out_neg_inf_logprobs
 from lossfx.next_token import next_token_logprobs as _next_token_logprobs
 from lossfx.opd_full import has_dtensor_head, prepare_opd_full, prepare_opd_full_on_local
@@ -81,6 +82,7 @@ def next_token_logprobs(
     sampling_params: TrainingSamplingParams | None = None,
     chunk_size: int | None = None,
     position_ids: Tensor | None = None,
+    ignore_index: int | None = None,
 ) -> Tensor:
     """Next-token log-probs: position `t` scores token `input_ids[:, t+1]`.
 
@@ -103,6 +105,11 @@ def next_token_logprobs(
             row, each restarting at 0), or `None`: each sequence's last position (where
             `position_ids[:, t+1] == 0`) gets 0 and a zero gradient instead of scoring the next
             sequence's first token (``reference.next_token_logprobs(..., position_ids=)``).
+        ignore_index: an id of `input_ids` that scores nothing (Hugging Face's `-100`): a
+            position `t` whose `input_ids[:, t+1]` equals it gets 0 and a zero gradient, and is no
+            range error. Default `None`: every id must lie in `[0, V)` (NeMo's contract, kept by
+            `prepare_loss_input`). Dense equivalent:
+            ``torch.where(input_ids[:, 1:] == ignore_index, 0, out)``.
 
     Returns:
         `[B, S-1]` in the compute dtype (fp32, or float64 for float64 logits); replicated on
@@ -113,9 +120,15 @@ def next_token_logprobs(
         logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True, group_arg="vocab_parallel_group"
     )
     input_ids = replicated(input_ids, "input_ids")  # DTensor boundary: lossfx/_dtensor.py
+    ignored = None
+    if ignore_index is not None:
+        check_ignore_index(ignore_index)
+        check_integer_ids("input_ids", input_ids)
+        ignored = input_ids[:, 1:] == ignore_index  # [B, S-1]
+        input_ids = input_ids.masked_fill(input_ids == ignore_index, 0)  # any valid id; replaced below
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
     vocab_start, vocab_size = vocab_shard_range(logits.shape[-1], group)  # uneven shards (eager)
-    return _next_token_logprobs(
+    out = _next_token_logprobs(
         logits,
         input_ids,
         vocab_start=vocab_start,
@@ -127,6 +140,7 @@ def next_token_logprobs(
         chunk_size=chunk_size,
         position_ids=position_ids,
     )
+    return out if ignored is None else torch.where(ignored.to(out.device), torch.zeros_like(out), out)
 
 
 @keep_errors_under_compile

@@ -37,7 +37,7 @@ from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
 from lossfx.divergence import (
     cross_entropy_to_fixed,
     divergence_to_projected_teacher,
-    entropy,
+    neg_entropy,
     project_onto_lm_head,
     reverse_kl_to_fixed,
 )
@@ -568,7 +568,7 @@ def prepare_opd_full(
     ent = ce = None
     if getattr(cfg, "validate_decomposition", False):
         with torch.no_grad():
-            ent = entropy(student, group=group, chunk_size=rows)  # [B, S_l]
+            ent = neg_entropy(student, group=group, chunk_size=rows)  # [B, S_l]
             ce = divergence_to_teacher("cross_entropy")  # [B, S_l]
     # 4. back to canonical order under CP (gradient summed over CP ranks)
     if cp_size > 1:

@@ -4,7 +4,8 @@ Checkers (no extra dependency) — each raises `AssertionError` with the case, d
 worst entry on failure, and returns `None` on success:
 
 * `check_logprob_fn(fn)`: `fn(logits [N, V], target [N]) -> log softmax(logits)[target] [N]`;
-* `check_entropy_fn(fn)`: `fn(logits [N, V]) -> Σ p log p [N]` (≤ 0: lossfx's sign, `lossfx.entropy`);
+* `check_neg_entropy_fn(fn)`: `fn(logits [N, V]) -> Σ p log p [N]` (≤ 0, `lossfx.neg_entropy`;
+  `check_entropy_fn` is its deprecated name);
 * `check_kl_fn(fn)`: `fn(student [N, V], teacher [N, V]) -> KL(p_s ‖ p_t) [N]`, the teacher fixed;
   `divergence="cross_entropy"` checks `−Σ p_s log p_t` instead (the divergences lossfx ships).
 
@@ -32,6 +33,7 @@ import torch
 from torch import Tensor
 
 from lossfx import reference
+from lossfx._deprecation import warn_renamed
 
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
@@ -44,6 +46,7 @@ __all__ = [
     "check_entropy_fn",
     "check_kl_fn",
     "check_logprob_fn",
+    "check_neg_entropy_fn",
     "logits",
     "sharded_logits",
 ]
@@ -386,7 +389,7 @@ def check_logprob_fn(
     _check(checker, fn, chosen, dtypes, device)
 
 
-def check_entropy_fn(
+def check_neg_entropy_fn(
     fn: Callable[[Tensor], Tensor],
     logits: Tensor | None = None,
     *,
@@ -395,9 +398,9 @@ def check_entropy_fn(
     device: torch.device | str = "cpu",
     out_dtype: str = "either",
 ) -> None:
-    """Check `fn(logits)` = `Σ p log p` (≤ 0, the sign of `lossfx.entropy`), values and gradients.
+    """Check `fn(logits)` = `Σ p log p` (≤ 0, `lossfx.neg_entropy`), values and gradients.
 
-    Equivalent to comparing with ``lossfx.reference.entropy(logits)`` on `CASES` (or `logits`) in
+    Equivalent to comparing with ``lossfx.reference.neg_entropy(logits)`` on `CASES` (or `logits`) in
     every dtype of `dtypes`, within `TOLERANCES`. For an `H = −Σ p log p` function pass
     ``lambda z: -fn(z)``; a result of the opposite sign says so in the failure.
 
@@ -413,15 +416,29 @@ def check_entropy_fn(
         AssertionError: the first case, dtype and quantity that differ, with the worst entry.
     """
     chosen = _built_in(cases) if logits is None else [_given_case(logits, None, None)]
-    hint = "the values have the opposite sign: lossfx's entropy is Σ p log p (≤ 0); pass lambda z: -fn(z)"
-    lookalikes: list[_Lookalike] = [(lambda z: -reference.entropy(z), hint)]
-    checker = _Checker("check_entropy_fn", reference.entropy, False, False, out_dtype, lookalikes)
+    hint = "the values have the opposite sign: check_neg_entropy_fn checks Σ p log p (≤ 0); pass lambda z: -fn(z)"
+    lookalikes: list[_Lookalike] = [(lambda z: -reference.neg_entropy(z), hint)]
+    checker = _Checker("check_neg_entropy_fn", reference.neg_entropy, False, False, out_dtype, lookalikes)
     _check(checker, fn, chosen, dtypes, device)
+
+
+def check_entropy_fn(fn: Callable[[Tensor], Tensor], logits: Tensor | None = None, **kwargs: Any) -> None:
+    """Deprecated name of `check_neg_entropy_fn` (the same check of `Σ p log p` ≤ 0; a FutureWarning).
+
+    Equivalent to ``check_neg_entropy_fn(fn, logits, **kwargs)``.
+
+    Args:
+        fn: the function under test, as in `check_neg_entropy_fn`.
+        logits: a case of your own, as in `check_neg_entropy_fn`.
+        kwargs: `cases`, `dtypes`, `device`, `out_dtype` of `check_neg_entropy_fn`.
+    """
+    warn_renamed("lossfx.testing.check_entropy_fn", "lossfx.testing.check_neg_entropy_fn")
+    check_neg_entropy_fn(fn, logits, **kwargs)
 
 
 def _forward_kl(student: Tensor, teacher: Tensor) -> Tensor:
     """`KL(p_t ‖ p_s) = Σ p_t log p_t − Σ p_t log p_s` (values only: a lookalike, not a reference)."""
-    return reference.entropy(teacher) + reference.cross_entropy_to_fixed(teacher, student)
+    return reference.neg_entropy(teacher) + reference.cross_entropy_to_fixed(teacher, student)
 
 
 # the divergences lossfx ships (the entropy has its own checker), and one it does not, as a lookalike
@@ -451,7 +468,7 @@ def check_kl_fn(
     `student`/`teacher`) in every dtype of `dtypes`, within `TOLERANCES`; the gradient is the
     student's (the teacher is a fixed tensor without gradient). A result that is another of these
     divergences, or the forward KL `KL(p_t ‖ p_s)`, says so in the failure. For the entropy use
-    `check_entropy_fn`.
+    `check_neg_entropy_fn`.
 
     Args:
         fn: the function under test: `[..., V]` student and teacher logits -> `[...]`,

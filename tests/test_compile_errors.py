@@ -31,7 +31,7 @@ CASES = {
     "token_logprobs/float target": (lambda **kw: lossfx.token_logprobs(Z, IDS.float(), **kw), {}),
     "token_logprobs/vocab_start": (lambda **kw: lossfx.token_logprobs(Z, IDS, **kw), {"vocab_start": 3}),
     "filtered_token_logprobs/top_p": (lambda **kw: lossfx.filtered_token_logprobs(Z, IDS, **kw), {"top_p": 1.5}),
-    "entropy/group": (lambda **kw: lossfx.entropy(Z, **kw), {"group": "tp"}),
+    "entropy/group": (lambda **kw: lossfx.neg_entropy(Z, **kw), {"group": "tp"}),
     "gather_logprobs/ids shape": (lambda **kw: lossfx.gather_logprobs(Z, IDS[0], **kw), {}),
     "vocab_topk/k": (lambda **kw: lossfx.vocab_topk(Z, **kw), {"k": 0}),
     "linear_token_logprobs/temperature": (

@@ -56,7 +56,7 @@ def _assert_no_nan(*tensors):
 
 def _gather_rank(rank, world, group, z, ids, with_entropy, chunk, g, h):
     shard = _tp_slice(z, rank, world).clone().requires_grad_()
-    lp, neg_h = lossfx.gather_logprobs(shard, ids, with_entropy=with_entropy, group=group, chunk_size=chunk)
+    lp, neg_h = lossfx.gather_logprobs(shard, ids, with_neg_entropy=with_entropy, group=group, chunk_size=chunk)
     loss = (torch.where(torch.isfinite(lp), lp, 0.0) * g).sum()
     if with_entropy:
         loss = loss + (neg_h * h).sum()
@@ -152,7 +152,7 @@ def test_gather_logprobs_low_precision(dtype):
     z = _logits((n, v), seed=5, dtype=dtype, scale=10.0)
     ids = _ids((n, k), v, seed=6)
     truth_lp, truth_h = reference.gather_logprobs(z, ids)  # float64 of the same (rounded) logits
-    lp, neg_h = lossfx.gather_logprobs(z, ids, with_entropy=True, chunk_size=3)
+    lp, neg_h = lossfx.gather_logprobs(z, ids, with_neg_entropy=True, chunk_size=3)
     assert lp.dtype == torch.float32 and neg_h.dtype == torch.float32
     base = torch.log_softmax(z.float(), -1)
     base_lp, base_h = base.gather(-1, ids), (base.exp() * base).sum(-1)
@@ -163,7 +163,7 @@ def test_gather_logprobs_low_precision(dtype):
     assert ((neg_h.double() - truth_h).abs() <= (base_h.double() - truth_h).abs() + tol).all()
     # gradient dtype follows the logits
     zg = z.clone().requires_grad_()
-    lossfx.gather_logprobs(zg, ids, with_entropy=True)[1].sum().backward()
+    lossfx.gather_logprobs(zg, ids, with_neg_entropy=True)[1].sum().backward()
     assert zg.grad.dtype == dtype
 
 
@@ -206,8 +206,8 @@ def test_property_gather_logprobs_sharded_equals_dense(n, v, k, world, chunk, sc
 @given(n=st.integers(1, 5), v=st.integers(2, 30), seed=st.integers(0, 2**16))
 def test_property_gather_logprobs_shift_invariant(n, v, seed):
     z, ids = _logits((n, v), seed), _ids((n, 3), v, seed)
-    a, ha = lossfx.gather_logprobs(z, ids, with_entropy=True)
-    b, hb = lossfx.gather_logprobs(z + 17.5, ids, with_entropy=True)
+    a, ha = lossfx.gather_logprobs(z, ids, with_neg_entropy=True)
+    b, hb = lossfx.gather_logprobs(z + 17.5, ids, with_neg_entropy=True)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     torch.testing.assert_close(ha, hb, rtol=0, atol=1e-12)
 
@@ -221,7 +221,7 @@ def _gradcheck_rank(rank, world, group, z, ids):
     shard = _tp_slice(z, rank, world).clone().requires_grad_()
 
     def fn(x):
-        return lossfx.gather_logprobs(x, ids, with_entropy=True, group=group, chunk_size=2)
+        return lossfx.gather_logprobs(x, ids, with_neg_entropy=True, group=group, chunk_size=2)
 
     if world == 1:
         return torch.autograd.gradcheck(fn, (shard,), check_undefined_grad=True)
@@ -487,7 +487,7 @@ def test_gather_logprobs_saves_logits_without_copy_and_mutates_nothing():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lp, h = lossfx.gather_logprobs(z, ids, with_entropy=True, chunk_size=2)
+        lp, h = lossfx.gather_logprobs(z, ids, with_neg_entropy=True, chunk_size=2)
     total = sum(t.numel() * t.element_size() for t in saved)
     per_row = 3 * 4 + ids.shape[-1] * 8  # shift, log_s, H (fp32) and the int64 ids
     assert total <= z.numel() * z.element_size() + z.shape[0] * per_row

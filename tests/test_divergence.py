@@ -24,12 +24,12 @@ from lossfx import reference as ref
 
 KINDS = ("entropy", "cross_entropy", "reverse_kl")
 FAST = {
-    "entropy": lambda s, t, **kw: lossfx.entropy(s, **kw),
+    "entropy": lambda s, t, **kw: lossfx.neg_entropy(s, **kw),
     "cross_entropy": lossfx.cross_entropy_to_fixed,
     "reverse_kl": lossfx.reverse_kl_to_fixed,
 }
 REF = {
-    "entropy": lambda s, t: ref.entropy(s),
+    "entropy": lambda s, t: ref.neg_entropy(s),
     "cross_entropy": ref.cross_entropy_to_fixed,
     "reverse_kl": ref.reverse_kl_to_fixed,
 }
@@ -147,7 +147,7 @@ def test_entropy_plus_cross_entropy_is_kl(world, seed, chunk):
         s, t = student.tensor_split(r, -1)[rank], teacher.tensor_split(r, -1)[rank]
         kw = {"group": group, "chunk_size": chunk}
         return (
-            lossfx.entropy(s, **kw),
+            lossfx.neg_entropy(s, **kw),
             lossfx.cross_entropy_to_fixed(s, t, **kw),
             lossfx.reverse_kl_to_fixed(s, t, **kw),
         )
@@ -270,7 +270,9 @@ def test_compiled_fp32_as_accurate_as_eager_at_a_realistic_vocabulary():
     """
 
     def all_three(s, t):
-        return torch.stack([lossfx.reverse_kl_to_fixed(s, t), lossfx.cross_entropy_to_fixed(s, t), lossfx.entropy(s)])
+        return torch.stack(
+            [lossfx.reverse_kl_to_fixed(s, t), lossfx.cross_entropy_to_fixed(s, t), lossfx.neg_entropy(s)]
+        )
 
     gen = torch.Generator().manual_seed(0)
     student = (torch.randn(8, 32000, generator=gen, dtype=torch.float64) * 4).float()
@@ -279,7 +281,7 @@ def test_compiled_fp32_as_accurate_as_eager_at_a_realistic_vocabulary():
     compiled = torch.compile(all_three, fullgraph=True)
     for i, kind in enumerate(KINDS_ORDER):
         x64 = student.double().requires_grad_()
-        want = ref.entropy(x64) if kind == "entropy" else getattr(ref, kind)(x64, teacher.double())
+        want = ref.neg_entropy(x64) if kind == "entropy" else getattr(ref, kind)(x64, teacher.double())
         (want_grad,) = torch.autograd.grad(want, x64, dout[i])
         errors = []
         for fn in (all_three, compiled):
@@ -330,7 +332,7 @@ def test_errors():
     with pytest.raises(ValueError, match="same"):
         lossfx.reverse_kl_to_fixed(s, torch.zeros(2, 6))
     with pytest.raises(ValueError, match="chunk_size"):
-        lossfx.entropy(s, chunk_size=0)
+        lossfx.neg_entropy(s, chunk_size=0)
     with pytest.raises(TypeError, match="chunk_size"):
         lossfx.cross_entropy_to_fixed(s, t, chunk_size=1.5)
     with pytest.raises(TypeError, match="floating"):
@@ -338,7 +340,7 @@ def test_errors():
     with pytest.raises(TypeError, match="floating"):
         lossfx.reverse_kl_to_fixed(s, t.long())
     with pytest.raises(ValueError, match="vocabulary column"):
-        lossfx.entropy(torch.zeros(2, 0))
+        lossfx.neg_entropy(torch.zeros(2, 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,7 +481,7 @@ def test_large_magnitudes_no_worse_than_log_softmax(kind, world, case):
 def test_large_magnitude_issue_example():
     """Issue 10.1: ties at ±1e30 (float64) and 1e4 (fp32): log s must survive the shift."""
     z = torch.tensor([[1e30, 1e30, -1e30]], dtype=torch.float64, requires_grad=True)
-    out = lossfx.entropy(z)
+    out = lossfx.neg_entropy(z)
     out.sum().backward()
     # p = (1/2, 1/2, 0): Σ p log p = −log 2, and the gradient p·(log p − R) is exactly 0
     assert float(out.detach()) == -math.log(2) and bool((z.grad == 0).all())

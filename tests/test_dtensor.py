@@ -130,7 +130,7 @@ CASES = {
     ),
     "gather_logprobs": (
         "z",
-        lambda z, c, d: lossfx.gather_logprobs(z, d.rep("topk_ids"), with_entropy=True),
+        lambda z, c, d: lossfx.gather_logprobs(z, d.rep("topk_ids"), with_neg_entropy=True),
         lambda z, c: reference.gather_logprobs(z, c["topk_ids"]),
     ),
     "gather_logits": (
@@ -138,7 +138,7 @@ CASES = {
         lambda z, c, d: lossfx.gather_logits(z, c["topk_ids"]),
         lambda z, c: z.gather(-1, c["topk_ids"]),
     ),
-    "entropy": ("z", lambda z, c, d: lossfx.entropy(z), lambda z, c: reference.entropy(z)),
+    "entropy": ("z", lambda z, c, d: lossfx.neg_entropy(z), lambda z, c: reference.neg_entropy(z)),
     "cross_entropy_to_fixed": (
         "z",
         lambda z, c, d: lossfx.cross_entropy_to_fixed(z, d.shard("teacher")),
@@ -431,7 +431,7 @@ def _errors(rank, world, group):
     sharded = DTensor.from_local(z, mesh, [Shard(2)])  # global vocabulary 16
     calls = {
         "partial": lambda: lossfx.token_logprobs(DTensor.from_local(z, mesh, [Partial()]), ids),
-        "shard_batch": lambda: lossfx.entropy(DTensor.from_local(z, mesh, [Shard(0)])),
+        "shard_batch": lambda: lossfx.neg_entropy(DTensor.from_local(z, mesh, [Shard(0)])),
         "group_without_tp": lambda: lossfx.token_logprobs(DTensor.from_local(z, mesh, [Replicate()]), ids, group=group),
         "rank": lambda: lossfx.next_token_logprobs(
             sharded, ids, vocab_parallel_rank=1 - rank, vocab_parallel_group=group

@@ -41,7 +41,7 @@ def _case(vocab):
 CASES = {
     "token/plain_hidden": (
         "plain",
-        lambda h, w, c: lossfx.linear_token_logprobs(h, w, c["target"], temperature=T, return_entropy=True),
+        lambda h, w, c: lossfx.linear_token_logprobs(h, w, c["target"], temperature=T, return_neg_entropy=True),
         lambda h, w, c: reference.linear_token_logprobs(h, w, c["target"], T),
     ),
     "token/replicated_hidden_and_target": (
@@ -52,7 +52,7 @@ CASES = {
     "gather/renormalised": (
         "plain",
         lambda h, w, c: lossfx.linear_gather_logprobs(
-            h, w, c["ids"], zero_outside_topk=False, with_entropy=True, temperature=T
+            h, w, c["ids"], zero_outside_topk=False, with_neg_entropy=True, temperature=T
         ),
         lambda h, w, c: reference.linear_gather_logprobs(h, w, c["ids"], False, T),
     ),
@@ -63,7 +63,7 @@ CASES = {
     ),
     "next_token/plain_hidden": (
         "plain",
-        lambda h, w, c: lossfx.linear_next_token_logprobs(h, w, c["target"], return_entropy=True),
+        lambda h, w, c: lossfx.linear_next_token_logprobs(h, w, c["target"], return_neg_entropy=True),
         lambda h, w, c: reference.linear_next_token_logprobs(h, w, c["target"]),
     ),
     "next_token/sequence_parallel": (
@@ -73,9 +73,9 @@ CASES = {
     ),
     "objective/plain_hidden": (
         "plain",
-        lambda h, w, c: lossfx.linear_logprob_objective(h, w, c["target"], c["a"], entropy_weight=c["b"], chunk_size=3)[
-            0
-        ],
+        lambda h, w, c: lossfx.linear_logprob_objective(
+            h, w, c["target"], c["a"], neg_entropy_weight=c["b"], chunk_size=3
+        )[0],
         lambda h, w, c: reference.linear_logprob_objective(h, w, c["target"], c["a"], c["b"])[0],
     ),
     "objective/sequence_parallel_rows": (

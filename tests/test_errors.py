@@ -87,7 +87,7 @@ def test_meta_tensors_trace_shapes_without_value_checks():
     out.sum().backward()
     assert z.grad.is_meta and z.grad.shape == z.shape and z.grad.dtype == torch.bfloat16
     lp, neg_h = lossfx.gather_logprobs(
-        z.detach(), torch.empty(2, 5, 3, dtype=torch.long, device=meta), with_entropy=True
+        z.detach(), torch.empty(2, 5, 3, dtype=torch.long, device=meta), with_neg_entropy=True
     )
     assert lp.shape == (2, 5, 3) and neg_h.shape == (2, 5) and lp.is_meta
     loss_input, _ = lossfx.prepare_loss_input(z.detach(), {"input_ids": ids}, LOGPROB)
@@ -148,8 +148,8 @@ def test_teacher_topk_indices_of_any_integer_dtype(dtype, zero_outside_topk, wor
 
 def test_gather_kernels_accept_uint8_ids():
     z, ids = _logits((3, 50), 8), _ids((3, 4), 50, 9)
-    lp8, h8 = lossfx.gather_logprobs(z, ids.to(torch.uint8), with_entropy=True)
-    lp, h = lossfx.gather_logprobs(z, ids, with_entropy=True)
+    lp8, h8 = lossfx.gather_logprobs(z, ids.to(torch.uint8), with_neg_entropy=True)
+    lp, h = lossfx.gather_logprobs(z, ids, with_neg_entropy=True)
     assert torch.equal(lp8, lp) and torch.equal(h8, h)
     assert torch.equal(lossfx.gather_logits(z, ids.to(torch.uint8)), lossfx.gather_logits(z, ids))
 

@@ -81,7 +81,7 @@ def _token_rank(rank, world, group, hidden, weight, target, dout, dent, chunk, t
             temperature=temperature,
             sequence_parallel=sp,
             chunk_size=chunk,
-            return_entropy=True,
+            return_neg_entropy=True,
         )
 
     counter = None
@@ -152,7 +152,7 @@ def test_default_chunk_and_leading_shapes():
 
 
 def test_without_entropy_output_and_grad():
-    """`return_entropy=False` returns the log-probs alone, with the log-prob-only gradient."""
+    """`return_neg_entropy=False` returns the log-probs alone, with the log-prob-only gradient."""
     hidden, weight, target, dout, _ = make_case(9, 8, 20, seed=4)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lp = lossfx.linear_token_logprobs(h, w, target, chunk_size=4, temperature=1.3)
@@ -196,7 +196,7 @@ def test_large_magnitude_is_as_accurate_as_log_softmax():
 def test_inputs_not_mutated():
     hidden, weight, target, _, _ = make_case(5, 4, 12, seed=7)
     copies = [hidden.clone(), weight.clone(), target.clone()]
-    lossfx.linear_token_logprobs(hidden, weight, target, chunk_size=2, return_entropy=True)
+    lossfx.linear_token_logprobs(hidden, weight, target, chunk_size=2, return_neg_entropy=True)
     for before, after in zip(copies, [hidden, weight, target], strict=True):
         assert torch.equal(before, after)
 
@@ -211,7 +211,14 @@ def _gather_rank(rank, world, group, hidden, weight, ids, dout, dent, zero_outsi
     w = weight[rank * vl : (rank + 1) * vl].clone().requires_grad_()
     h = (shard_rows(hidden, rank, world) if sp else hidden).clone().requires_grad_()
     lp, ne = lossfx.linear_gather_logprobs(
-        h, w, ids, zero_outside_topk=zero_outside, with_entropy=True, group=group, sequence_parallel=sp, chunk_size=3
+        h,
+        w,
+        ids,
+        zero_outside_topk=zero_outside,
+        with_neg_entropy=True,
+        group=group,
+        sequence_parallel=sp,
+        chunk_size=3,
     )
     torch.autograd.backward([lp, ne], [dout, dent])
     return lp.detach(), ne.detach(), h.grad, w.grad
@@ -255,7 +262,13 @@ def _next_token_rank(rank, world, group, hidden, weight, input_ids, dout, dent, 
         n = local.shape[1] // tp
         local = local[:, tp_rank * n : (tp_rank + 1) * n]
     h = local.clone().requires_grad_()
-    kwargs = {"group": tp_group, "sequence_parallel": sp, "chunk_size": 3, "temperature": 0.9, "return_entropy": True}
+    kwargs = {
+        "group": tp_group,
+        "sequence_parallel": sp,
+        "chunk_size": 3,
+        "temperature": 0.9,
+        "return_neg_entropy": True,
+    }
     if layout == "sharder":
         kwargs.update({"cp_sharder": LoadBalancedSharder(cp_group)})
     elif layout == "cp":
@@ -399,7 +412,7 @@ def test_gradcheck_hidden_and_weight(zero_outside):
 
     def fn(h, w):
         return lossfx.linear_gather_logprobs(
-            h, w, ids, zero_outside_topk=zero_outside, with_entropy=True, temperature=0.8, chunk_size=3
+            h, w, ids, zero_outside_topk=zero_outside, with_neg_entropy=True, temperature=0.8, chunk_size=3
         )
 
     assert torch.autograd.gradcheck(fn, (hidden.requires_grad_(), weight.requires_grad_()))
@@ -412,14 +425,19 @@ def _sharded_gradcheck_rank(rank, world, group, hidden, weight, target, sp):
     h = shard_rows(hidden, rank, world) if sp else hidden
 
     def of_weight(w):
-        return lossfx.linear_token_logprobs(h, w, target, group=group, sequence_parallel=sp, return_entropy=True)
+        return lossfx.linear_token_logprobs(h, w, target, group=group, sequence_parallel=sp, return_neg_entropy=True)
 
     ok = sharded_gradcheck(of_weight, weight[rank * vl : (rank + 1) * vl], rank=rank, world=world)
     if sp:
 
         def of_hidden(x):
             return lossfx.linear_token_logprobs(
-                x, weight[rank * vl : (rank + 1) * vl], target, group=group, sequence_parallel=True, return_entropy=True
+                x,
+                weight[rank * vl : (rank + 1) * vl],
+                target,
+                group=group,
+                sequence_parallel=True,
+                return_neg_entropy=True,
             )
 
         ok = ok and sharded_gradcheck(of_hidden, h, rank=rank, world=world)
@@ -439,7 +457,7 @@ def test_sharded_gradcheck_two_ranks(sp):
 
 def _training_step(chunk):
     def step(h, w, target):
-        lp, ne = lossfx.linear_token_logprobs(h, w, target, chunk_size=chunk, temperature=0.7, return_entropy=True)
+        lp, ne = lossfx.linear_token_logprobs(h, w, target, chunk_size=chunk, temperature=0.7, return_neg_entropy=True)
         return -lp.mean() + 0.1 * ne.mean()
 
     return step
@@ -533,7 +551,7 @@ def gloo_token_rank(rank, world, group, hidden, weight, target, dout, dent):
         w = weight[rank * vl : (rank + 1) * vl].clone().requires_grad_()
         h = (shard_rows(hidden, rank, world) if sp else hidden).clone().requires_grad_()
         lp, ne = lossfx.linear_token_logprobs(
-            h, w, target, group=group, sequence_parallel=sp, chunk_size=5, return_entropy=True
+            h, w, target, group=group, sequence_parallel=sp, chunk_size=5, return_neg_entropy=True
         )
         torch.autograd.backward([lp, ne], [dout, dent])
         out.append((lp.detach(), ne.detach(), h.grad, w.grad))
@@ -626,7 +644,7 @@ def test_saved_for_backward_is_inputs_and_row_scalars():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lossfx.linear_token_logprobs(h, w, target, return_entropy=True, chunk_size=8)
+        lossfx.linear_token_logprobs(h, w, target, return_neg_entropy=True, chunk_size=8)
     assert max(saved) <= max(rows * hidden_size, vocab * hidden_size)
     assert sum(saved) < rows * vocab  # far below one [N, V] logits tensor
 
@@ -643,7 +661,7 @@ def test_bfloat16_backward_in_vocabulary_blocks(monkeypatch):
         monkeypatch.setattr(linear_chunks, "DEFAULT_TILE_BYTES", budget)
         assert linear_chunks._vocab_block(40, 16, torch.bfloat16) == (40 if min_block == 64 else 7)
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        lp, ne = lossfx.linear_token_logprobs(h, w, target, chunk_size=5, return_entropy=True)
+        lp, ne = lossfx.linear_token_logprobs(h, w, target, chunk_size=5, return_neg_entropy=True)
         torch.autograd.backward([lp, ne], [dout.float(), dent.float()])
         grads.append((h.grad.to(F64), w.grad.to(F64)))
     for one, blocked in zip(grads[0], grads[1], strict=True):

@@ -37,12 +37,12 @@ def make_case(seed=0, batch=3, seq=10, hidden_size=6, vocab=20, dtype=F64):
     return hidden, weight, input_ids, mask
 
 
-def dense(hidden, weight, input_ids, mask, keep, temperature, labels=None, position_ids=None):
-    """The docstring's dense equivalent, float64 (TRL's definition)."""
+def dense(hidden, weight, input_ids, mask, keep, temperature, labels=None, position_ids=None, **head):
+    """The docstring's dense equivalent, float64 (TRL's definition; `head`: bias, logit_scale, softcap)."""
     if labels is None:
         labels = input_ids.masked_fill(mask == 0, -100)
     labels = labels[:, 1:]
-    lp, ne = reference.linear_token_logprobs(hidden[:, :-1], weight, labels.clamp(min=0), temperature)
+    lp, ne = reference.linear_token_logprobs(hidden[:, :-1], weight, labels.clamp(min=0), temperature, **head)
     ok = (labels != -100) & (mask[:, 1:] != 0)
     if position_ids is not None:
         ok = ok & (position_ids[:, 1:] != 0)
@@ -84,22 +84,28 @@ def test_matches_dense_definition(keep, temperature, use_labels, padding_free):
         assert torch.equal(labels, inputs_before[2])
 
 
-@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (None, 0.8), (8, 0.9)])
-def test_filtered_logps_match_the_dense_filtered_distribution(top_k, top_p):
+@pytest.mark.parametrize(("top_k", "top_p", "with_head"), [(5, 1.0, False), (None, 0.8, False), (8, 0.9, True)])
+def test_filtered_logps_match_the_dense_filtered_distribution(top_k, top_p, with_head):
     hidden, weight, input_ids, mask = make_case(seed=6)
+    head = {}
+    if with_head:  # bias, logit scale, soft-cap on the logits path too
+        head = {"bias": torch.randn(20, generator=torch.Generator().manual_seed(9), dtype=F64), "logit_scale": 1.5}
+        head["softcap"] = 2.0
     keep, temperature = 6, 0.8
     params = lossfx.TrainingSamplingParams(top_k=top_k, top_p=top_p)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lp, ent = lossfx_trl.per_token_logps_and_entropies(
         h, w, input_ids, mask, logits_to_keep=keep, temperature=temperature, compute_entropy=True,
-        sampling_params=params,
+        sampling_params=params, **head,
     )  # fmt: skip
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    z = reference.linear_logits(h2, w2, temperature)
+    z = reference.linear_logits(
+        h2, w2, temperature, head.get("bias"), head.get("logit_scale", 1.0), head.get("softcap")
+    )
     ok = (input_ids.masked_fill(mask == 0, -100)[:, 1:] != -100)[:, -keep:]
     rlp = reference.next_token_filtered_logprobs(z, input_ids, top_k, top_p)[:, -keep:]
     rlp = torch.where(ok, rlp, 0.0)
-    rent = dense(h2, w2, input_ids, mask, keep, temperature)[1]
+    rent = dense(h2, w2, input_ids, mask, keep, temperature, **head)[1]
     torch.testing.assert_close(lp, rlp, **TIGHT)
     torch.testing.assert_close(ent, rent, **TIGHT)
     assert torch.isneginf(lp).any() and (lp[ok & torch.isfinite(lp)] < 0).all()  # some targets filtered out
@@ -113,11 +119,48 @@ def test_filtered_logps_match_the_dense_filtered_distribution(top_k, top_p):
         torch.testing.assert_close(g, r, **TIGHT)
 
 
-def test_mixed_dtypes_cast_hidden_to_the_head_dtype():
+def test_head_options_match_dense_definition():
+    """bias, logit scale and soft-cap: values and gradients (bias included) against float64."""
+    hidden, weight, input_ids, mask = make_case(seed=3)
+    bias = torch.randn(20, generator=torch.Generator().manual_seed(4), dtype=F64)
+    labels = input_ids.clone()
+    labels[1, -4] = -100
+    head = {"logit_scale": 1.7, "softcap": 2.5}
+    h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
+    lp, ent = lossfx_trl.per_token_logps_and_entropies(
+        h, w, input_ids, mask, logits_to_keep=7, temperature=0.9, compute_entropy=True, labels=labels, bias=b,
+        chunk_size=4, **head,
+    )  # fmt: skip
+    h2, w2, b2 = (x.clone().requires_grad_() for x in (hidden, weight, bias))
+    rlp, rent = dense(h2, w2, input_ids, mask, 7, 0.9, labels, bias=b2, **head)
+    gen = torch.Generator().manual_seed(5)
+    dlp, dent = torch.randn(lp.shape, generator=gen, dtype=F64), torch.randn(lp.shape, generator=gen, dtype=F64)
+    got = torch.autograd.grad([lp, ent], [h, w, b], [dlp, dent])
+    want = torch.autograd.grad([rlp, rent], [h2, w2, b2], [dlp, dent])
+    for g, r in zip((lp, ent, *got), (rlp, rent, *want)):
+        torch.testing.assert_close(g, r, **TIGHT)
+    plain = dense(hidden, weight, input_ids, mask, 7, 0.9, labels)[0]
+    assert (plain - rlp).abs().max() > 0.1  # the options change the answer
+
+
+@pytest.mark.parametrize(("hidden_dtype", "head_dtype"), [(torch.bfloat16, torch.float32), (torch.float32, F64)])
+def test_mixed_dtypes_need_no_cast(hidden_dtype, head_dtype):
+    """A bf16 backbone with an fp32 head (or fp32 with float64): the matmuls run in the promoted
+    dtype, the result is in it, and each input's gradient comes back in its own dtype."""
     hidden, weight, input_ids, mask = make_case(seed=2)
-    lp, _ = lossfx_trl.per_token_logps_and_entropies(hidden.float(), weight, input_ids, mask, logits_to_keep=5)
-    assert lp.dtype == F64
-    torch.testing.assert_close(lp, dense(hidden.float().double(), weight, input_ids, mask, 5, 1.0)[0], **TIGHT)
+    hid, wt = hidden.to(hidden_dtype).requires_grad_(), weight.to(head_dtype).requires_grad_()
+    lp, ent = lossfx_trl.per_token_logps_and_entropies(hid, wt, input_ids, mask, logits_to_keep=5, compute_entropy=True)
+    assert lp.dtype == ent.dtype == head_dtype
+    dh, dw = torch.autograd.grad(lp.sum() + ent.sum(), [hid, wt])
+    assert dh.dtype == hidden_dtype and dw.dtype == head_dtype
+    h2, w2 = hid.detach().double().requires_grad_(), wt.detach().double().requires_grad_()
+    rlp, rent = dense(h2, w2, input_ids, mask, 5, 1.0)
+    rdh, rdw = torch.autograd.grad(rlp.sum() + rent.sum(), [h2, w2])
+    tol = TIGHT if head_dtype == F64 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(lp.double(), rlp, **tol)
+    torch.testing.assert_close(ent.double(), rent, **tol)
+    torch.testing.assert_close(dw.double(), rdw, **tol)
+    torch.testing.assert_close(dh, rdh.to(hidden_dtype), **({} if head_dtype != F64 else TIGHT))  # dtype's rounding
 
 
 @pytest.mark.parametrize(
@@ -218,15 +261,68 @@ def test_mixin_filtered_mode_scores_the_samplers_distribution():
     assert torch.isneginf(expected).any()
 
 
-def test_mixin_refuses_a_head_it_would_get_wrong():
+_HEADS = {  # model class, config class, the config's logit transform (and Phi's LM-head bias)
+    "gemma2-softcap": ("Gemma2ForCausalLM", "Gemma2Config", {"head_dim": 8, "final_logit_softcapping": 2.0}),
+    "cohere-logit-scale": ("CohereForCausalLM", "CohereConfig", {"logit_scale": 0.5}),
+    "granite-logits-scaling": ("GraniteForCausalLM", "GraniteConfig", {"logits_scaling": 4.0}),
+    "phi-bias": ("PhiForCausalLM", "PhiConfig", {}),
+}
+
+
+def tiny_model(kind, vocab=96, seed=0):
+    transformers = pytest.importorskip("transformers")
+    model_cls, config_cls, extra = _HEADS[kind]
+    if not hasattr(transformers, model_cls):
+        pytest.skip(f"transformers has no {model_cls}")
+    config = getattr(transformers, config_cls)(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, **extra,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls)(config).float()
+
+
+@pytest.mark.parametrize("kind", sorted(_HEADS))
+def test_mixin_applies_the_heads_bias_scale_and_softcap(kind):
+    """The head's options reach the fused path: equal to the model's own logits and to stock TRL."""
     pytest.importorskip("trl")
-    model = tiny_qwen2()
-    model.config.final_logit_softcapping = 30.0
-    input_ids = torch.randint(0, 96, (2, 6))
-    with pytest.raises(ValueError, match=r"final_logit_softcapping=30\.0"):
-        lossfx_trl.LossfxGRPOMixin._get_per_token_logps_and_entropies(
-            _fake_trainer(1.0), model, input_ids, torch.ones_like(input_ids), 3
-        )
+    from trl import GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    model, temperature = tiny_model(kind), 0.8
+    options = lossfx_trl.head_options(model)
+    assert (options["bias"] is not None) == (kind == "phi-bias")
+    assert (options["softcap"], options["logit_scale"]) == {
+        "gemma2-softcap": (2.0, 1.0), "cohere-logit-scale": (None, 0.5),
+        "granite-logits-scaling": (None, 0.25), "phi-bias": (None, 1.0),
+    }[kind]  # fmt: skip
+    input_ids = torch.randint(0, 96, (3, 10), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(input_ids)
+    mask[0, :3] = 0
+    mask[2, -2:] = 0
+    trainer = _fake_trainer(temperature)
+    mixin = lossfx_trl.LossfxGRPOMixin._get_per_token_logps_and_entropies
+    lp, ent, _ = mixin(trainer, model, input_ids, mask, 6, compute_entropy=True)
+    with torch.no_grad():  # the model's own logits (its forward applies the transform), float64
+        z = model(input_ids=input_ids, attention_mask=mask).logits.double()[:, -7:-1] / temperature
+    ref = z.log_softmax(-1).gather(-1, input_ids[:, -6:, None])[..., 0]
+    ref_ent = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+    ok = mask[:, -6:] != 0
+    torch.testing.assert_close(lp.double(), torch.where(ok, ref, 0.0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), torch.where(ok, ref_ent, 0.0), rtol=1e-5, atol=1e-5)
+    add_fused_lm_head(model, temperature=temperature, outputs=("log_probs", "entropy"))
+    results = []
+    for method in (GRPOTrainer._get_per_token_logps_and_entropies, mixin):
+        model.zero_grad()
+        lp, ent, _ = method(trainer, model, input_ids, mask, 6, batch_size=2, compute_entropy=True)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        results.append((lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (lp_t, ent_t, g_t), (lp_l, ent_l, g_l) = results
+    torch.testing.assert_close(lp_l, lp_t, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent_l, ent_t, rtol=1e-5, atol=1e-5)
+    assert "lm_head.bias" in g_t or kind != "phi-bias"
+    for name in g_t:
+        torch.testing.assert_close(g_l[name], g_t[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_trainer_class_is_built_lazily_on_grpo_trainer():
@@ -241,6 +337,10 @@ def test_trainer_class_is_built_lazily_on_grpo_trainer():
 # ---------------------------------------------------------------------------------------------
 # DTensor heads (FSDP2-style Shard(0) over ranks with different data): never a silent wrong answer
 # ---------------------------------------------------------------------------------------------
+
+
+def _bias():
+    return torch.randn(20, generator=torch.Generator().manual_seed(12), dtype=F64)
 
 
 def _dtensor_heads(rank, world, group):
@@ -268,6 +368,21 @@ def _dtensor_heads(rank, world, group):
         hidden, tp, input_ids, mask, logits_to_keep=4, sharded_head="tensor_parallel"
     )[0]
     out["tp_ref"] = dense(hidden, weight, input_ids, mask, 4, 1.0)[0]
+    # a sharded bias follows the weight's rule: gathered (mean gradient) or a vocabulary shard
+    bias = _bias()
+    w2 = distribute_tensor(weight, mesh, [Shard(0)], src_data_rank=None).requires_grad_()
+    b2 = distribute_tensor(bias, mesh, [Shard(0)], src_data_rank=None).requires_grad_()
+    lp, _ = lossfx_trl.per_token_logps_and_entropies(
+        own, w2, input_ids, mask, logits_to_keep=4, sharded_head="gather", bias=b2, softcap=3.0
+    )
+    lp.sum().backward()
+    out["bias_gather"], out["bias_grad"] = lp.detach(), b2.grad.to_local()
+    out["bias_gather_ref"] = dense(own, weight, input_ids, mask, 4, 1.0, bias=bias, softcap=3.0)[0]
+    tb = distribute_tensor(bias, mesh, [Shard(0)], src_data_rank=None)
+    out["bias_tp"] = lossfx_trl.per_token_logps_and_entropies(
+        hidden, tp, input_ids, mask, logits_to_keep=4, sharded_head="tensor_parallel", bias=tb, softcap=3.0
+    )[0]
+    out["bias_tp_ref"] = dense(hidden, weight, input_ids, mask, 4, 1.0, bias=bias, softcap=3.0)[0]
     rep = distribute_tensor(weight, mesh, [Replicate()], src_data_rank=None)
     out["replicated"] = lossfx_trl.per_token_logps_and_entropies(hidden, rep, input_ids, mask, logits_to_keep=4)[0]
     return out
@@ -283,9 +398,19 @@ def test_dtensor_heads_raise_gather_or_run_tensor_parallel():
         for r in range(2)
     )
     (dw,) = torch.autograd.grad(total / 2, w)
+    b = _bias().requires_grad_()
+    total_b = sum(
+        dense(make_case(seed=10 + r, vocab=20)[0], w.detach(), *make_case(seed=5, vocab=20)[2:], 4, 1.0, bias=b,
+              softcap=3.0)[0].sum()
+        for r in range(2)
+    )  # fmt: skip
+    (db,) = torch.autograd.grad(total_b / 2, b)
     for rank, res in enumerate(results):
         assert "placements (Shard(dim=0),)" in res["raised"] and "sharded_head='gather'" in res["raised"]
         torch.testing.assert_close(res["gather"], res["gather_ref"], **TIGHT)
         torch.testing.assert_close(res["gather_grad"], dw[rank * 10 : (rank + 1) * 10], **TIGHT)
         torch.testing.assert_close(res["tp"], res["tp_ref"], **TIGHT)
         torch.testing.assert_close(res["replicated"], res["tp_ref"], **TIGHT)
+        torch.testing.assert_close(res["bias_gather"], res["bias_gather_ref"], **TIGHT)
+        torch.testing.assert_close(res["bias_grad"], db[rank * 10 : (rank + 1) * 10], **TIGHT)
+        torch.testing.assert_close(res["bias_tp"], res["bias_tp_ref"], **TIGHT)

@@ -74,7 +74,7 @@ def _objective_rank(rank, world, group, hidden, weight, target, a, b, chunk, tem
 
     def fn(h, w, target, a, b):
         return lossfx.linear_logprob_objective(
-            h, w, target, a, entropy_weight=b, group=group, temperature=temperature, sequence_parallel=sp,
+            h, w, target, a, neg_entropy_weight=b, group=group, temperature=temperature, sequence_parallel=sp,
             chunk_size=chunk,
         )  # fmt: skip
 
@@ -163,7 +163,7 @@ def _uneven_rank(rank, world, group, hidden, weight, target, a, b):
     w = weight[bounds[rank] : bounds[rank + 1]].clone().requires_grad_()
     h, a, b = hidden.clone().requires_grad_(), a.clone().requires_grad_(), b.clone().requires_grad_()
     obj, lp, ne = lossfx.linear_logprob_objective(
-        h, w, target, a, entropy_weight=b, group=group, vocab_start=bounds[rank], vocab_size=13, chunk_size=3
+        h, w, target, a, neg_entropy_weight=b, group=group, vocab_start=bounds[rank], vocab_size=13, chunk_size=3
     )
     (obj * UPSTREAM).backward()
     return obj.detach(), lp, ne, h.grad, w.grad, a.grad, b.grad
@@ -172,8 +172,8 @@ def _uneven_rank(rank, world, group, hidden, weight, target, a, b):
 def test_same_logprobs_as_linear_token_logprobs():
     """The values are `linear_token_logprobs`' (same merge), to the last bits."""
     hidden, weight, target, a, b = make_case(10, 8, 30, seed=5, dtype=torch.float32)
-    _, lp, ne = lossfx.linear_logprob_objective(hidden, weight, target, a.float(), entropy_weight=b.float())
-    lp2, ne2 = lossfx.linear_token_logprobs(hidden, weight, target, return_entropy=True)
+    _, lp, ne = lossfx.linear_logprob_objective(hidden, weight, target, a.float(), neg_entropy_weight=b.float())
+    lp2, ne2 = lossfx.linear_token_logprobs(hidden, weight, target, return_neg_entropy=True)
     torch.testing.assert_close(lp, lp2, rtol=0, atol=1e-6)
     torch.testing.assert_close(ne, ne2, rtol=0, atol=1e-6)
 
@@ -258,7 +258,7 @@ def test_gradcheck():
 
     def fn(h, w, a, b):
         return lossfx.linear_logprob_objective(
-            h, w, target, a, entropy_weight=b, temperature=0.8, chunk_size=2, allow_repeated_backward=True
+            h, w, target, a, neg_entropy_weight=b, temperature=0.8, chunk_size=2, allow_repeated_backward=True
         )[0]
 
     inputs = tuple(x.clone().requires_grad_() for x in (hidden, weight, a, b))
@@ -274,7 +274,7 @@ def _sharded_gradcheck_rank(rank, world, group, hidden, weight, target, a, b, sp
 
     def of_weight(w):
         return lossfx.linear_logprob_objective(
-            h, w, target, a, entropy_weight=b, group=group, sequence_parallel=sp, allow_repeated_backward=True
+            h, w, target, a, neg_entropy_weight=b, group=group, sequence_parallel=sp, allow_repeated_backward=True
         )[0]
 
     ok = sharded_gradcheck(of_weight, w, rank=rank, world=world)
@@ -282,7 +282,7 @@ def _sharded_gradcheck_rank(rank, world, group, hidden, weight, target, a, b, sp
 
         def of_hidden(x):
             return lossfx.linear_logprob_objective(
-                x, w, target, a, entropy_weight=b, group=group, sequence_parallel=True, allow_repeated_backward=True
+                x, w, target, a, neg_entropy_weight=b, group=group, sequence_parallel=True, allow_repeated_backward=True
             )[0]
 
         ok = ok and sharded_gradcheck(of_hidden, h, rank=rank, world=world)
@@ -303,7 +303,7 @@ def test_sharded_gradcheck_two_ranks(sp):
 def _training_step(chunk):
     def step(h, w, target, a, b):
         objective, _, _ = lossfx.linear_logprob_objective(
-            h, w, target, a, entropy_weight=b, chunk_size=chunk, temperature=0.7
+            h, w, target, a, neg_entropy_weight=b, chunk_size=chunk, temperature=0.7
         )
         return -UPSTREAM * objective
 
@@ -377,7 +377,7 @@ def gloo_objective_rank(rank, world, group, hidden, weight, target, a, b):
         w = weight[rank * vl : (rank + 1) * vl].clone().requires_grad_()
         h = (shard_rows(hidden, rank, world) if sp else hidden).clone().requires_grad_()
         obj, lp, ne = lossfx.linear_logprob_objective(
-            h, w, target, a, entropy_weight=b, group=group, sequence_parallel=sp, chunk_size=5
+            h, w, target, a, neg_entropy_weight=b, group=group, sequence_parallel=sp, chunk_size=5
         )
         (obj * UPSTREAM).backward()
         out.append((obj.detach(), lp, ne, h.grad, w.grad))
@@ -426,7 +426,7 @@ def test_frozen_inputs_skip_their_gradient():
     for frozen in ("hidden", "weight", "both"):
         h = hidden.clone().requires_grad_(frozen not in ("hidden", "both"))
         w = weight.clone().requires_grad_(frozen not in ("weight", "both"))
-        objective, _, _ = lossfx.linear_logprob_objective(h, w, target, a, entropy_weight=b, chunk_size=4)
+        objective, _, _ = lossfx.linear_logprob_objective(h, w, target, a, neg_entropy_weight=b, chunk_size=4)
         torch.testing.assert_close(objective, expected[0], **TIGHT)
         if frozen == "both":
             assert not objective.requires_grad
@@ -441,7 +441,7 @@ def test_inputs_not_mutated():
     before = [x.clone() for x in case]
     hidden, weight, target, a, b = (x.clone() for x in case)
     objective, _, _ = lossfx.linear_logprob_objective(
-        hidden.requires_grad_(), weight.requires_grad_(), target, a, entropy_weight=b
+        hidden.requires_grad_(), weight.requires_grad_(), target, a, neg_entropy_weight=b
     )
     objective.backward()
     for got, want in zip((hidden, weight, target, a, b), before, strict=True):
@@ -460,7 +460,7 @@ def test_saved_state_is_the_gradients_and_row_values():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         lossfx.linear_logprob_objective(
-            hidden.requires_grad_(), weight.requires_grad_(), target, a, entropy_weight=b, chunk_size=8
+            hidden.requires_grad_(), weight.requires_grad_(), target, a, neg_entropy_weight=b, chunk_size=8
         )
     # dhidden, dweight, an empty dbias (no bias), log-probs and Σ p log p per row
     assert sorted(saved) == sorted([rows * hidden_size, vocab * hidden_size, 0, rows, rows])
@@ -470,7 +470,7 @@ def test_saved_state_is_the_gradients_and_row_values():
     ("change", "error", "match"),
     [
         ({"logprob_weight": torch.ones(5)}, ValueError, "logprob_weight must have the target's shape"),
-        ({"entropy_weight": torch.ones(2, 3)}, ValueError, "entropy_weight must have the target's shape"),
+        ({"neg_entropy_weight": torch.ones(2, 3)}, ValueError, "neg_entropy_weight must have the target's shape"),
         ({"logprob_weight": torch.ones(6, dtype=torch.int64)}, TypeError, "logprob_weight"),
         ({"temperature": 0.0}, ValueError, "temperature"),
         ({"chunk_size": 0}, ValueError, "chunk_size"),

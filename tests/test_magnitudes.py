@@ -188,7 +188,7 @@ def _token_call(x, ids, dout, dneg_h, group, chunk):
 
 
 def _gather_call(x, ids, dout, dneg_h, group, chunk):
-    lp, neg_h = lossfx.gather_logprobs(x, ids, with_entropy=True, group=group, chunk_size=chunk)
+    lp, neg_h = lossfx.gather_logprobs(x, ids, with_neg_entropy=True, group=group, chunk_size=chunk)
     return lp, neg_h, (lp * dout.to(lp.dtype)).sum() + (neg_h * dneg_h.to(lp.dtype)).sum()
 
 
@@ -256,7 +256,7 @@ def test_issue_examples_exactly():
     torch.testing.assert_close(z.grad, torch.tensor([[0.5, -0.5, 0.0]], dtype=F64), rtol=0, atol=1e-15)
     z32 = torch.tensor([[1e4, 1e4, 1e4, -1e4]])
     assert lossfx.token_logprobs(z32, torch.tensor([0])).item() == pytest.approx(-math.log(3), abs=2e-7)
-    lp, neg_h = lossfx.gather_logprobs(z.detach(), torch.tensor([[0, 2]]), with_entropy=True)
+    lp, neg_h = lossfx.gather_logprobs(z.detach(), torch.tensor([[0, 2]]), with_neg_entropy=True)
     torch.testing.assert_close(lp, torch.tensor([[-math.log(2), -2e30]], dtype=F64), rtol=1e-15, atol=1e-15)
     torch.testing.assert_close(neg_h, torch.tensor([-math.log(2)], dtype=F64), rtol=0, atol=1e-15)
     # token_logprobs_with_lse keeps its API: the row log-sum-exp, shift + log_s rounded once
@@ -400,7 +400,7 @@ def linear_cases(draw, dtypes=tuple(MANTISSA_BITS), worlds=(1, 2), max_log2=None
 # next-token path scores rows 0..N−2 (row N−1 has no next token: its upstream gradient is 0).
 def _lin_token(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
     out = lossfx.linear_token_logprobs(
-        h, w, ids[:, 0], group=group, chunk_size=chunk, temperature=temperature, return_entropy=entropy
+        h, w, ids[:, 0], group=group, chunk_size=chunk, temperature=temperature, return_neg_entropy=entropy
     )
     lp, neg_h = out if entropy else (out, None)
     loss = (lp * dout[:, 0].to(lp.dtype)).sum()
@@ -409,7 +409,7 @@ def _lin_token(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
 
 def _lin_gather(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
     lp, neg_h = lossfx.linear_gather_logprobs(
-        h, w, ids, with_entropy=True, group=group, chunk_size=chunk, temperature=temperature
+        h, w, ids, with_neg_entropy=True, group=group, chunk_size=chunk, temperature=temperature
     )
     return lp, neg_h, (lp * dout.to(lp.dtype)).sum() + (neg_h * dneg.to(lp.dtype)).sum()
 
@@ -417,7 +417,7 @@ def _lin_gather(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
 def _lin_next_token(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
     input_ids = torch.cat([ids[:1, 0], ids[:-1, 0]])[None]  # [1, N]: position t scores ids[t, 0]
     lp, neg_h = lossfx.linear_next_token_logprobs(
-        h[None], w, input_ids, group=group, chunk_size=chunk, temperature=temperature, return_entropy=True
+        h[None], w, input_ids, group=group, chunk_size=chunk, temperature=temperature, return_neg_entropy=True
     )
     lp, neg_h = lp[0], neg_h[0]  # [N − 1]
     loss = (lp * dout[:-1, 0].to(lp.dtype)).sum() + (neg_h * dneg[:-1].to(lp.dtype)).sum()
@@ -426,7 +426,7 @@ def _lin_next_token(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
 
 def _lin_objective(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
     objective, lp, neg_h = lossfx.linear_logprob_objective(
-        h, w, ids[:, 0], dout[:, 0].to(h.dtype), entropy_weight=dneg.to(h.dtype), group=group,
+        h, w, ids[:, 0], dout[:, 0].to(h.dtype), neg_entropy_weight=dneg.to(h.dtype), group=group,
         chunk_size=chunk, temperature=temperature,
     )  # fmt: skip
     return lp[:, None], neg_h, objective

@@ -57,7 +57,7 @@ def _fused_rank(rank, world, group, hidden, weight, input_ids, pos, dout, dent, 
 
     def fn(h, w, ids, pos):
         return lossfx.linear_next_token_logprobs(
-            h, w, ids, group=group, temperature=0.7, sequence_parallel=sp, chunk_size=5, return_entropy=True,
+            h, w, ids, group=group, temperature=0.7, sequence_parallel=sp, chunk_size=5, return_neg_entropy=True,
             position_ids=pos,
         )  # fmt: skip
 
@@ -142,12 +142,12 @@ def test_equals_each_sequence_scored_on_its_own():
     lengths = LENGTHS[0]
     pos = positions([lengths])
     h, ids = hidden[:1], input_ids[:1]
-    lp, ne = lossfx.linear_next_token_logprobs(h, weight, ids, position_ids=pos, return_entropy=True)
+    lp, ne = lossfx.linear_next_token_logprobs(h, weight, ids, position_ids=pos, return_neg_entropy=True)
     lp_logits = lossfx.next_token_logprobs(h @ weight.T, ids, position_ids=pos)
     pieces_lp, pieces_ne, start = [], [], 0
     for n in lengths:
         one_lp, one_ne = lossfx.linear_next_token_logprobs(
-            h[:, start : start + n], weight, ids[:, start : start + n], return_entropy=True
+            h[:, start : start + n], weight, ids[:, start : start + n], return_neg_entropy=True
         )
         zero = one_lp.new_zeros(1, 1)
         pieces_lp += [one_lp, zero]

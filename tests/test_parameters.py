@@ -43,7 +43,7 @@ def _uneven_rank(rank, world, group, z, target, ids):
     tau = lossfx.top_k_top_p_threshold(shard.detach(), top_k=4, top_p=0.9, group=group, vocab_size=vocab)
     filtered, keep = lossfx.apply_top_k_top_p(shard.detach(), top_k=4, top_p=0.9, group=group, vocab_size=vocab)
     glp, neg_h = lossfx.gather_logprobs(
-        shard.detach(), ids, with_entropy=True, group=group, vocab_start=start, vocab_size=vocab
+        shard.detach(), ids, with_neg_entropy=True, group=group, vocab_start=start, vocab_size=vocab
     )
     gz = lossfx.gather_logits(shard.detach(), ids, group=group, vocab_start=start, vocab_size=vocab)
     values, top_ids = lossfx.vocab_topk(shard.detach(), 3, group=group, vocab_start=start)

@@ -79,7 +79,7 @@ def test_gather_vjp_formula_with_duplicates():
     formula = formula + h[:, None] * p * (log_p - neg_h)
     torch.testing.assert_close(z.grad, formula, rtol=0, atol=1e-12)
     z2 = z.detach().clone().requires_grad_()
-    lp, nh = lossfx.gather_logprobs(z2, ids, with_entropy=True, chunk_size=2)
+    lp, nh = lossfx.gather_logprobs(z2, ids, with_neg_entropy=True, chunk_size=2)
     ((lp * g).sum() + (nh * h).sum()).backward()
     torch.testing.assert_close(z2.grad, formula, rtol=0, atol=1e-12)
 
@@ -405,7 +405,7 @@ def test_divergence_split_shift_is_exact_at_any_magnitude(offset):
         assert not torch.allclose(merged, z.log_softmax(-1))
     # and the divergence backward uses the split: the entropy gradient matches dense autograd
     zz = z.clone().requires_grad_()
-    lossfx.entropy(zz).sum().backward()
+    lossfx.neg_entropy(zz).sum().backward()
     dense = z.log_softmax(-1)
     p = dense.exp()
     want = p * (dense - (p * dense).sum(-1, keepdim=True))

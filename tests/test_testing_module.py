@@ -158,7 +158,7 @@ def forward_kl(s, t):
     return _where_mass(t.softmax(-1), t.log_softmax(-1) - s.log_softmax(-1)).sum(-1)
 
 
-LP, ENT, KL = lt.check_logprob_fn, lt.check_entropy_fn, lt.check_kl_fn
+LP, ENT, KL = lt.check_logprob_fn, lt.check_neg_entropy_fn, lt.check_kl_fn
 
 # (checker, kernel, keyword arguments, what the message must say, accepted by the first release's cases)
 ZOO = [
@@ -201,7 +201,7 @@ CORRECT = [
     (LP, plain_logprobs, {"out_dtype": "input"}),
     (LP, lossfx.token_logprobs, {"out_dtype": "promoted"}),
     (ENT, plain_entropy, {"out_dtype": "promoted"}),
-    (ENT, lossfx.entropy, {"out_dtype": "promoted"}),
+    (ENT, lossfx.neg_entropy, {"out_dtype": "promoted"}),
     (KL, plain_reverse_kl, {"out_dtype": "promoted"}),
     (KL, lossfx.reverse_kl_to_fixed, {"out_dtype": "promoted"}),
     (KL, plain_cross_entropy, {"divergence": "cross_entropy", "out_dtype": "promoted"}),
@@ -253,7 +253,7 @@ def test_the_strided_case_hands_fn_non_contiguous_inputs_and_upstream_gradient()
 def test_tolerance_accepts_one_rounding_to_the_dtype_and_rejects_one_through_the_next_lower(dtype):
     """The justification of `TOLERANCES`, checked: the exact result rounded once passes..."""
     lt.check_logprob_fn(lambda z, t: reference.token_logprobs(z, t).to(z.dtype), dtypes=(dtype,))
-    lt.check_entropy_fn(lambda z: reference.entropy(z).to(z.dtype), dtypes=(dtype,))
+    lt.check_neg_entropy_fn(lambda z: reference.neg_entropy(z).to(z.dtype), dtypes=(dtype,))
     lt.check_kl_fn(lambda s, t: reference.reverse_kl_to_fixed(s, t).to(s.dtype), dtypes=(dtype,))
     lt.check_kl_fn(
         lambda s, t: reference.cross_entropy_to_fixed(s, t).to(s.dtype), dtypes=(dtype,), divergence="cross_entropy"
@@ -270,7 +270,7 @@ def test_user_tensors_replace_the_built_in_cases():
     z = torch.randn(3, 4, 7, dtype=F64)
     target = torch.randint(0, 7, (3, 4))
     lt.check_logprob_fn(lossfx.token_logprobs, z, target, dtypes=(F64,))
-    lt.check_entropy_fn(lossfx.entropy, z, dtypes=(F64,))
+    lt.check_neg_entropy_fn(lossfx.neg_entropy, z, dtypes=(F64,))
     lt.check_kl_fn(lossfx.reverse_kl_to_fixed, z, teacher=torch.randn(3, 4, 7), dtypes=(F64,))
     # the given target is the one used: a wrong one shows up
     message = _expect_failure(lt.check_logprob_fn, lambda x, t: lossfx.token_logprobs(x, (t + 1) % 7), z, target)
@@ -312,7 +312,7 @@ def test_right_values_wrong_gradient_fails_on_gradients():
 
 
 def test_entropy_without_the_zero_mass_convention_reports_nan():
-    message = _expect_failure(lt.check_entropy_fn, lambda z: (z.softmax(-1) * z.log_softmax(-1)).sum(-1))
+    message = _expect_failure(lt.check_neg_entropy_fn, lambda z: (z.softmax(-1) * z.log_softmax(-1)).sum(-1))
     assert "case '-inf'" in message and "got NaN" in message
 
 
@@ -336,9 +336,9 @@ def test_bad_arguments_raise_value_and_type_errors():
     with pytest.raises(ValueError, match=r"names from lossfx\.testing\.CASES"):
         lt.check_logprob_fn(lossfx.token_logprobs, cases=["nope"])
     with pytest.raises(TypeError, match="callable"):
-        lt.check_entropy_fn("entropy")
+        lt.check_neg_entropy_fn("entropy")
     with pytest.raises(ValueError, match=r"out_dtype must be one of \['either', 'input', 'promoted'\], got 'float32'"):
-        lt.check_entropy_fn(lossfx.entropy, out_dtype="float32")
+        lt.check_neg_entropy_fn(lossfx.neg_entropy, out_dtype="float32")
     with pytest.raises(
         ValueError, match=r"divergence must be one of \['reverse_kl', 'cross_entropy'\], got 'forward_kl'"
     ):

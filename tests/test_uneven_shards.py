@@ -97,7 +97,7 @@ def _logits_call(case, shard, d, group, start):
     if case == "gather":
         return lossfx.gather_logprobs(shard, d["ids"], **span)[0]
     if case == "entropy":
-        return lossfx.entropy(shard, group=group)
+        return lossfx.neg_entropy(shard, group=group)
     if case == "prepare_loss_input":  # plain uneven shards: the widths come from the ranks
         data = {"input_ids": d["target"][None]}
         loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
@@ -118,7 +118,7 @@ def _fused_call(case, hidden, w, d, group, start):
         return lp, (lp * d["g"][:, 0]).sum()
     if case == "objective":
         objective, lp, ne = lossfx.linear_logprob_objective(
-            hidden, w, d["target"], d["a"], entropy_weight=d["b"], **span
+            hidden, w, d["target"], d["a"], neg_entropy_weight=d["b"], **span
         )
         return torch.stack([lp, ne]), objective
     if case == "objective_sequence_parallel":
@@ -172,7 +172,7 @@ def _reference(case):
         elif case == "gather":
             out = reference.gather_logprobs(z, d["ids"])[0]
         elif case == "entropy":
-            out = reference.entropy(z)
+            out = reference.neg_entropy(z)
         elif case == "prepare_loss_input":
             out = reference.next_token_logprobs(z[None], d["target"][None])[0]
         else:

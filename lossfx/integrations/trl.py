@@ -1,6 +1,7 @@
 """TRL: per-token log-probs and entropies from hidden states and an LM head, through the fused path.
 
-    logps[b, j]     = log softmax(h[b, S−K−1+j] Wᵀ / T)[labels[b, S−K+j]]      j < K = logits_to_keep
+    z               = c · tanh(s · (h[b, S−K−1+j] Wᵀ + bias) / c) / T       (bias, s, c: the head's options)
+    logps[b, j]     = log softmax(z)[labels[b, S−K+j]]                    j < K = logits_to_keep
     entropies[b, j] = −Σ_v p log p at the same position              (0 where the label is masked)
 
 `per_token_logps_and_entropies` is what TRL's `GRPOTrainer._get_per_token_logps_and_entropies`
@@ -28,13 +29,18 @@ from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filter
 from lossfx.next_token import next_token_logprobs
 
 # LossfxGRPOTrainer comes from the module's __getattr__ (built on first access)
-__all__ = ["LossfxGRPOMixin", "LossfxGRPOTrainer", "lm_head_weight", "per_token_logps_and_entropies"]  # noqa: F822
+__all__ = [
+    "LossfxGRPOMixin",
+    "LossfxGRPOTrainer",  # noqa: F822
+    "head_options",
+    "lm_head_weight",
+    "per_token_logps_and_entropies",
+]
 
 IGNORE_INDEX = -100  # Hugging Face's label for "not scored"
 ShardedHead = Literal["raise", "gather", "tensor_parallel"]
-# config attributes that change the logits after the LM head (TRL's fused head reads the same ones)
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier")
-_LOGIT_TRANSFORMS_INVERSE = ("logits_scaling",)
+# config attributes of a multiplier of the logits before soft-capping, in the order TRL's fused head reads them
+_LOGIT_SCALES = ("logit_scale", "output_multiplier", "lm_head_multiplier")
 
 
 def lm_head_weight(weight: Any, sharded_head: ShardedHead = "raise") -> Tensor:
@@ -56,10 +62,15 @@ def lm_head_weight(weight: Any, sharded_head: ShardedHead = "raise") -> Tensor:
     Returns:
         A plain tensor, or the DTensor for `"tensor_parallel"`.
     """
+    return _head_tensor("lm_head weight", weight, sharded_head)
+
+
+def _head_tensor(name: str, weight: Any, sharded_head: ShardedHead) -> Any:
+    """`lm_head_weight` for the weight or the bias (`name` names it in errors)."""
     if sharded_head not in ("raise", "gather", "tensor_parallel"):
         raise ValueError(f"sharded_head must be 'raise', 'gather' or 'tensor_parallel', got {sharded_head!r}")
     if not is_dtensor(weight):
-        return check_floating("lm_head weight", weight)
+        return check_floating(name, weight)
     if all(p.is_replicate() for p in weight.placements):
         return weight.to_local()
     if sharded_head == "gather":
@@ -71,7 +82,7 @@ def lm_head_weight(weight: Any, sharded_head: ShardedHead = "raise") -> Tensor:
     if sharded_head == "tensor_parallel":
         return weight
     raise ValueError(
-        f"the LM-head weight is a DTensor with placements {tuple(weight.placements)} (FSDP2 or tensor "
+        f"the {name} is a DTensor with placements {tuple(weight.placements)} (FSDP2 or tensor "
         "parallel); lossfx will not guess which: pass sharded_head='gather' to all-gather it with "
         "full_tensor() (FSDP2, DDP-like data parallelism), or sharded_head='tensor_parallel' for a "
         "vocabulary-sharded head whose ranks all hold the same hidden states"
@@ -103,25 +114,31 @@ def per_token_logps_and_entropies(
     chunk_size: int | None = None,
     sharded_head: ShardedHead = "raise",
     sampling_params: TrainingSamplingParams | None = None,
+    bias: Any = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """TRL's per-token log-probs (and entropies) of the last `K` tokens, from hidden states, fused.
 
     Dense equivalent (TRL 1.16 `GRPOTrainer._get_per_token_logps_and_entropies`, one micro-batch)::
 
-        z = hidden_states[:, :-1] @ weight.T / temperature                 # [B, S-1, V]
+        z = hidden_states[:, :-1] @ weight.T + bias                        # [B, S-1, V]
+        z = softcap * tanh(logit_scale * z / softcap) / temperature        # (no tanh without softcap)
         labels = input_ids.masked_fill(attention_mask == 0, -100)[:, 1:]   # (or the given labels)
         lp = z.log_softmax(-1)
         logps = lp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
         entropies = -(lp.exp() * lp).sum(-1)
         both masked to 0 where labels == -100, then [:, -logits_to_keep:]
 
-    computed by `lossfx.linear_next_token_logprobs` on the last `K + 1` positions only.
+    computed by `lossfx.linear_next_token_logprobs` on the last `K + 1` positions only; positions
+    that score nothing are `ignore_index` rows of the kernel (never projected).
 
     Args:
         hidden_states: `[B, S, H]` the model's last hidden states (after the final norm:
             `model.model(...).last_hidden_state`, or `output_hidden_states=True` and
-            `.hidden_states[-1]`). Cast to the head's dtype when they differ (the head's dtype
-            is the matmul's, as TRL's `cast_lm_head_to_fp32`).
+            `.hidden_states[-1]`). Never cast: with a head of another dtype (a bf16 backbone
+            and an fp32 head) the matmuls run in `promote_types` of the two (fp32 there, as TRL's
+            `cast_lm_head_to_fp32`), outside autocast.
         weight: `[V, H]` LM-head weight (`model.get_output_embeddings().weight`), or a DTensor
             (see `sharded_head`).
         input_ids: `[B, S]` prompt and completion ids.
@@ -142,11 +159,15 @@ def per_token_logps_and_entropies(
             those of the filtered distribution the sampler drew from (`−inf` where the token lies
             outside it), computed on the logits path: the `[B, K, V]` logits are materialised.
             The entropies stay those of the unfiltered distribution (TRL's metric).
+        bias: `[V]` LM-head bias (`lm_head.bias`), or a DTensor (as `weight`, `sharded_head`).
+        logit_scale: multiplier of the logits before soft-capping (`config.logit_scale` of
+            Cohere, `1 / config.logits_scaling` of Granite, ...: `head_options` reads them).
+        softcap: final-logit soft-cap `c` (`config.final_logit_softcapping`, Gemma 2/3), or `None`.
 
     Returns:
-        `(logps [B, K], entropies [B, K] or None)` in fp32 (float64 for a float64 head); 0 with
-        a zero gradient where the label is `-100` or padding. Gradients reach `hidden_states`
-        and `weight`.
+        `(logps [B, K], entropies [B, K] or None)` in the promoted dtype of `hidden_states` and
+        `weight` (fp32 at least); 0 with a zero gradient where the label is `-100` or padding.
+        Gradients reach `hidden_states`, `weight` and `bias`.
 
     Raises:
         TypeError: non-float hidden states, non-integer ids/labels/mask, bad `logits_to_keep` type.
@@ -156,6 +177,8 @@ def per_token_logps_and_entropies(
     check_floating("hidden_states", hidden_states)
     check_integer_ids("input_ids", input_ids)
     weight = lm_head_weight(weight, sharded_head)
+    if bias is not None:
+        bias = _head_tensor("lm_head bias", bias, sharded_head)
     if input_ids.dim() != 2 or hidden_states.dim() != 3 or tuple(hidden_states.shape[:2]) != tuple(input_ids.shape):
         raise ValueError(
             f"hidden_states must be [B, S, H] and input_ids [B, S]; got hidden_states.shape="
@@ -175,30 +198,31 @@ def per_token_logps_and_entropies(
     scored = targets[:, 1:] != IGNORE_INDEX  # [B, K]
     if attention_mask is not None:
         scored = scored & (attention_mask[:, start + 1 :] != 0)
-    targets = torch.where(targets == IGNORE_INDEX, torch.zeros_like(targets), targets)
     hidden = hidden_states[:, start:]
-    if hidden.dtype != weight.dtype:
-        hidden = hidden.to(weight.dtype)
     pos = None if position_ids is None else position_ids[:, start:]
     if pos is not None:  # a sequence's last position scores nothing (both paths, both outputs)
         scored = scored & (pos[:, 1:] != 0)
+    head = {"bias": bias, "logit_scale": logit_scale, "softcap": softcap}
     if need_top_k_or_top_p_filtering(sampling_params):
-        return _filtered(hidden, weight, targets, scored, temperature, compute_entropy, pos, sampling_params)
-    with torch.autocast(hidden.device.type, enabled=False):  # the head's dtype decides the matmul's
+        targets = torch.where(targets == IGNORE_INDEX, torch.zeros_like(targets), targets)
+        return _filtered(hidden, weight, targets, scored, temperature, compute_entropy, pos, sampling_params, head)
+    # what scores nothing is an ignored row of the kernel: 0, zero gradient, never projected
+    ignored = torch.full_like(targets[:, :1], IGNORE_INDEX)
+    targets = torch.cat([ignored, torch.where(scored, targets[:, 1:], IGNORE_INDEX)], dim=1)
+    with torch.autocast(hidden.device.type, enabled=False):  # promote_types(hidden, weight) is the matmuls'
         result = linear_next_token_logprobs(
             hidden,
             weight,
             targets,
             temperature=temperature,
             chunk_size=chunk_size,
-            return_entropy=bool(compute_entropy),
+            return_neg_entropy=bool(compute_entropy),
             position_ids=pos,
+            ignore_index=IGNORE_INDEX,
+            **head,
         )
     logps, neg_entropy = result if isinstance(result, tuple) else (result, None)
-    zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
-    logps = torch.where(scored, logps, zero)
-    entropies = None if neg_entropy is None else torch.where(scored, -neg_entropy, zero)
-    return logps, entropies
+    return logps, None if neg_entropy is None else -neg_entropy
 
 
 def _filtered(
@@ -210,12 +234,21 @@ def _filtered(
     compute_entropy: bool,
     position_ids: Tensor | None,
     sampling_params: Any,
+    head: dict[str, Any],
 ) -> tuple[Tensor, Tensor | None]:
     """The logits path of `per_token_logps_and_entropies` under a top-k/top-p filter."""
-    if is_dtensor(weight):
+    bias, scale, cap = head["bias"], head["logit_scale"], head["softcap"]
+    if is_dtensor(weight) or is_dtensor(bias):
         raise ValueError("sampling_params with a top-k/top-p filter needs a plain (or gathered) LM-head weight")
     with torch.autocast(hidden.device.type, enabled=False):
-        logits = hidden @ weight.T / temperature  # [B, K+1, V]
+        dtype = torch.promote_types(hidden.dtype, weight.dtype)
+        logits = hidden.to(dtype) @ weight.to(dtype).T  # [B, K+1, V]
+        if bias is not None:
+            logits = logits + bias.to(dtype)
+        logits = logits * scale
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        logits = logits / temperature
         logps = next_token_logprobs(logits, targets, sampling_params=sampling_params, position_ids=position_ids)
         entropies = None
         if compute_entropy:
@@ -226,19 +259,22 @@ def _filtered(
     return logps, None if entropies is None else torch.where(scored, entropies, zero)
 
 
-def _check_plain_head(model: Any) -> None:
-    """`ValueError` for a head whose logits the fused path would get wrong (bias, scale, soft-cap)."""
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("LossfxGRPOMixin: the LM head has a bias, which lossfx's fused path does not add")
+def head_options(model: Any) -> dict[str, Any]:
+    """`{"bias", "logit_scale", "softcap"}` of a transformers causal LM's head, for
+    `per_token_logps_and_entropies`: `lm_head.bias`, the config's `final_logit_softcapping`
+    (Gemma 2/3) and its logit multiplier, read as TRL's fused head reads them: `logit_scale`
+    (Cohere), `output_multiplier`, `lm_head_multiplier` (Falcon-H1), else `1 / logits_scaling`
+    (Granite, MiniCPM3; HyperCLOVA X multiplies by it)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    for name in (*_LOGIT_TRANSFORMS, *_LOGIT_TRANSFORMS_INVERSE):
-        value = getattr(config, name, None)
-        if value is not None and not (name != "final_logit_softcapping" and value == 1):
-            raise ValueError(
-                f"LossfxGRPOMixin: the model config sets {name}={value!r}, a transform of the logits that "
-                "lossfx's fused path does not apply; use the stock GRPOTrainer for this model"
-            )
+    scale = next((getattr(config, n) for n in _LOGIT_SCALES if getattr(config, n, None) is not None), None)
+    if scale is None and getattr(config, "logits_scaling", None) is not None:
+        scaling = config.logits_scaling
+        scale = scaling if getattr(config, "model_type", None) == "hyperclovax" else 1 / scaling
+    return {
+        "bias": getattr(model.get_output_embeddings(), "bias", None),
+        "logit_scale": 1.0 if scale is None else scale,
+        "softcap": getattr(config, "final_logit_softcapping", None),
+    }
 
 
 class LossfxGRPOMixin:
@@ -248,7 +284,8 @@ class LossfxGRPOMixin:
     FSDP-wrapped) forward with `output_hidden_states=True` and `logits_to_keep=1` (one logit row
     per sequence instead of `S`), then `per_token_logps_and_entropies` scores the completion from
     the last hidden states and the LM head. Multimodal batches and MoE auxiliary losses go to
-    the stock method. `lossfx_sharded_head` (class attribute, default `"raise"`) is passed as
+    the stock method. The head's bias, logit scale and soft-cap come from `head_options`.
+    `lossfx_sharded_head` (class attribute, default `"raise"`) is passed as
     `sharded_head`: set it to `"gather"` under FSDP2. `lossfx_filtered_logprobs = True` scores
     the completions under the trainer's `top_k` / `top_p` (the sampler's filtered distribution,
     on the logits path) instead of the full distribution stock TRL scores.
@@ -275,7 +312,7 @@ class LossfxGRPOMixin:
                 **multimodal,
             )  # fmt: skip
         unwrapped = self.accelerator.unwrap_model(model)  # type: ignore[attr-defined]
-        _check_plain_head(unwrapped)
+        head = head_options(unwrapped)
         takes_keep = "logits_to_keep" in inspect.signature(unwrapped.forward).parameters
         sampling = None
         if self.lossfx_filtered_logprobs:
@@ -300,6 +337,7 @@ class LossfxGRPOMixin:
                 chunk_size=self.lossfx_chunk_size,
                 sharded_head=self.lossfx_sharded_head,
                 sampling_params=sampling,
+                **head,
             )
             logps.append(lp)
             if ent is not None:

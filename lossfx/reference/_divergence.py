@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ __all__ = [
     "cp_shard",
     "cross_entropy_to_fixed",
     "entropy",
+    "neg_entropy",
     "opd_full_loss_input",
     "opd_full_teacher_logits",
     "reverse_kl_to_fixed",
@@ -27,9 +29,20 @@ def _expect(student: Tensor, w: Tensor) -> Tensor:
     return torch.where(p > 0, p * torch.where(p > 0, w, torch.zeros_like(w)), torch.zeros_like(p)).sum(-1)
 
 
-def entropy(student: Tensor) -> Tensor:
-    """`[..., V]` -> `[...]`: `Σ p log p` (≤ 0) in float64."""
+def neg_entropy(student: Tensor) -> Tensor:
+    """`[..., V]` -> `[...]`: `Σ p log p` (≤ 0, the negative entropy) in float64."""
     return _expect(student, log_softmax(student))
+
+
+def entropy(student: Tensor) -> Tensor:
+    """Deprecated name of `neg_entropy` (same value `Σ p log p` ≤ 0; a FutureWarning)."""
+    warnings.warn(
+        "lossfx.reference.entropy is deprecated: its value is Σ p log p, the NEGATIVE entropy (≤ 0); use "
+        "lossfx.reference.neg_entropy for the same value (the entropy is its negation)",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return neg_entropy(student)
 
 
 def cross_entropy_to_fixed(student: Tensor, teacher: Tensor) -> Tensor:
@@ -90,7 +103,7 @@ def opd_full_loss_input(
     s, t = student[:, :width], teacher[:, :width]
     out: dict[str, Any] = {
         "opd_full_divergence": reverse_kl_to_fixed(s, t),
-        "opd_full_entropy": entropy(s).detach() if validate_decomposition else None,
+        "opd_full_entropy": neg_entropy(s).detach() if validate_decomposition else None,
         "opd_full_cross_entropy": cross_entropy_to_fixed(s, t).detach() if validate_decomposition else None,
     }
     if reference_policy_kl_penalty != 0:

@@ -25,17 +25,23 @@ def log_softmax(logits: Tensor) -> Tensor:
     return torch.where(row_ok, z_safe.log_softmax(dim=-1), torch.full_like(z, float("-inf")))
 
 
-def token_logprobs(logits: Tensor, target: Tensor) -> Tensor:
-    """`[..., V]`, `[...]` -> `[...]`: `log_softmax(logits)[..., target]` in float64."""
-    return log_softmax(logits).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+def token_logprobs(logits: Tensor, target: Tensor, ignore_index: int | None = None) -> Tensor:
+    """`[..., V]`, `[...]` -> `[...]`: `log_softmax(logits)[..., target]` in float64; 0 where
+    `target == ignore_index` (when given)."""
+    ignored = torch.zeros_like(target, dtype=torch.bool) if ignore_index is None else target == ignore_index
+    logprobs = log_softmax(logits).gather(-1, target.masked_fill(ignored, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(ignored, 0.0, logprobs)
 
 
-def next_token_logprobs(logits: Tensor, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+def next_token_logprobs(
+    logits: Tensor, input_ids: Tensor, position_ids: Tensor | None = None, ignore_index: int | None = None
+) -> Tensor:
     """`[B, S, V]`, `[B, S]` -> `[B, S-1]`: position `t` scores token `input_ids[:, t+1]`.
 
     With padding-free `position_ids [B, S]` (positions restarting at 0 where a sequence starts),
-    0 at each sequence's last position (`position_ids[:, t+1] == 0`)."""
-    logprobs = token_logprobs(logits[:, :-1], input_ids[:, 1:])
+    0 at each sequence's last position (`position_ids[:, t+1] == 0`); 0 where
+    `input_ids[:, t+1] == ignore_index` (when given)."""
+    logprobs = token_logprobs(logits[:, :-1], input_ids[:, 1:], ignore_index)
     if position_ids is None:
         return logprobs
     return torch.where(position_ids[:, 1:] == 0, 0.0, logprobs)
