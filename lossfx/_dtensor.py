@@ -329,10 +329,13 @@ def check_view(
     (`checked_collective(local=...)`): the bound `arguments` with the vocabulary-sharded ones
     (`vocab_args`, the first's placement for all) replaced by their local shards, the group,
     rank, `vocab_start` and `vocab_size` of that placement filled in, and every other DTensor
-    replaced by its replicated local tensor, exactly as the function's body will unwrap them."""
+    replaced by its replicated local tensor, exactly as the function's body will unwrap them.
+    Which arguments were DTensors is one more field: a rank that passes a DTensor where its peer
+    passes a plain tensor takes another path (DTensor outputs, their collectives), so they disagree."""
 
     def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
         shard: VocabShard | None = None
+        given = tuple(name for name, value in arguments.items() if is_dtensor(value))
         for name in vocab_args:
             x = arguments.get(name)
             if not is_dtensor(x):
@@ -358,6 +361,8 @@ def check_view(
         for name, value in arguments.items():
             if is_dtensor(value):
                 arguments[name] = replicated(value, name)
+        if given:
+            arguments["DTensor arguments"] = given
         return arguments, ""
 
     return view

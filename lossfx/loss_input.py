@@ -28,7 +28,7 @@ from torch import Tensor
 from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import checked_collective, loss_input_vocab_policy, vocab_shard_range
 from lossfx._distributed import ProcessGroup, check_group, check_vocab_parallel, group_size
-from lossfx._dtensor import entry_point_on_local, has_dtensor, replicated, vocab_shard
+from lossfx._dtensor import check_view, entry_point_on_local, has_dtensor, replicated, vocab_shard
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
@@ -70,7 +70,10 @@ def _vocab_parallel(
 
 
 @keep_errors_under_compile
-@checked_collective(vocab="auto")
+@checked_collective(
+    vocab="auto",
+    local=check_view("logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True),
+)
 def next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,
