@@ -56,6 +56,7 @@ from lossfx._validation import (
     check_ids_in_range,
     check_integer_ids,
     check_positive_int,
+    read_now,
     values_checkable,
 )
 from lossfx.context_parallel import allgather_cp, check_covers_sequence, shard_padded_for_cp
@@ -67,18 +68,21 @@ __all__ = ["linear_gather_logprobs", "linear_next_token_logprobs", "linear_token
 
 class _FusedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, local_idx, owned, valid, head, with_entropy, chunk_rows, group, seq_par):
-        # hidden [N or N/R, H], weight [Vl, H], bias [Vl] or None, local_idx/owned/valid [N, K]
+    def forward(
+        ctx, hidden, weight, bias, local_idx, owned, valid, rows, head, with_entropy, chunk_rows, group, seq_par
+    ):
+        # hidden [N or N/R, H], weight [Vl, H], bias [Vl] or None, local_idx/owned/valid [N, K],
+        # rows: the rows to compute (`LinearRows.active_rows`)
         full_hidden = hidden
         if seq_par and is_distributed(group):
             full_hidden = all_gather_stack(hidden, group).flatten(0, 1)  # [N, H], rank order
         active = valid.any(dim=1)  # [N]: rows with at least one id that is not ignore_index
-        stats = linear_local_stats(full_hidden, weight, bias, local_idx, owned, active, *head, with_entropy, chunk_rows)
+        stats = linear_local_stats(full_hidden, weight, bias, local_idx, owned, rows, *head, with_entropy, chunk_rows)
         merged = all_gather_stack(stats, group)  # [R, 3 + K, N]: per-row scalars only
         logprobs, neg_entropy, shift, log_s = merge_row_stats(merged, local_idx.shape[1])
         logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))  # ignored ids: 0
         neg_entropy = torch.where(active, neg_entropy, torch.zeros_like(neg_entropy))  # ignored rows: 0
-        ctx.save_for_backward(full_hidden, weight, bias, local_idx, owned, valid, active, shift, log_s, neg_entropy)
+        ctx.save_for_backward(full_hidden, weight, bias, local_idx, owned, valid, rows, shift, log_s, neg_entropy)
         ctx.head, ctx.with_entropy, ctx.chunk_rows = head, with_entropy, chunk_rows
         ctx.group, ctx.seq_par = group, seq_par
         ctx.hidden_dtype = hidden.dtype
@@ -86,7 +90,7 @@ class _FusedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dlogprobs, dneg_entropy):
-        full_hidden, weight, bias, local_idx, owned, valid, active, shift, log_s, neg_entropy = ctx.saved_tensors
+        full_hidden, weight, bias, local_idx, owned, valid, rows, shift, log_s, neg_entropy = ctx.saved_tensors
         cdtype = shift.dtype
         g = torch.where(valid, dlogprobs.to(cdtype), torch.zeros((), dtype=cdtype, device=shift.device))  # [N, K]
         grad_ids = torch.where(owned, g, torch.zeros_like(g))
@@ -95,7 +99,7 @@ class _FusedLinearFn(torch.autograd.Function):
             weight,
             bias,
             local_idx,
-            active,
+            rows,
             grad_ids,
             g.sum(dim=1),
             dneg_entropy.to(cdtype),
@@ -107,7 +111,7 @@ class _FusedLinearFn(torch.autograd.Function):
             ctx.chunk_rows,
         )
         dbias = None if bias is None else dbias.to(bias.dtype)
-        nones = (None,) * 8
+        nones = (None,) * 9
         if not ctx.needs_input_grad[0]:  # the same on every rank, so the collective is skipped by all
             return None, dweight, dbias, *nones
         if ctx.seq_par:
@@ -214,6 +218,9 @@ class LinearRows(typing.NamedTuple):
     local_idx: Tensor  # [N, K] column of each id in this shard (0 where not owned or ignored)
     owned: Tensor  # [N, K] whether this shard owns the id (False where ignored)
     valid: Tensor  # [N, K] whether the id is not ignore_index
+    # the rows to compute: eager, the int64 index of the rows with an id that is not ignore_index
+    # (its length read with the call's checks, once); compiled, their bool mask [N] (read in the op)
+    active_rows: Tensor
     head: LogitHead  # temperature, logit_scale, softcap
     chunk_rows: int  # 0: the loop picks its default
 
@@ -291,7 +298,11 @@ def prepare_linear_rows(
     chunk_rows = 0 if chunk_size is None else chunk_size  # 0: each loop picks its default
     flat_hidden = hidden.reshape(hidden_rows, hidden_size)  # [N or N/R, H]
     local_idx, owned = local_columns(torch.where(valid, flat_ids, -1), vocab_start, local_vocab)
-    return LinearRows(flat_hidden, local_idx, owned, valid, LogitHead(temperature, logit_scale, softcap), chunk_rows)
+    active = valid.any(dim=1)  # [N]
+    if values_checkable(ids):
+        active = torch.nonzero_static(active, size=read_now(active.sum())[0])[:, 0]
+    head = LogitHead(temperature, logit_scale, softcap)
+    return LinearRows(flat_hidden, local_idx, owned, valid, active, head, chunk_rows)
 
 
 def renamed_keyword(new_name: str, new: Any, old_name: str, old: Any) -> Any:
@@ -353,6 +364,7 @@ def _linear_gather(
         rows.local_idx,
         rows.owned,
         rows.valid,
+        rows.active_rows,
         rows.head,
         with_entropy,
         rows.chunk_rows,

@@ -455,7 +455,7 @@ def linear_logprob_objective(
         options["bias"],
         rows.local_idx[:, 0],
         rows.owned[:, 0],
-        rows.valid[:, 0],
+        rows.active_rows,
         lw,
         ew,
         rows.head,
