@@ -5,7 +5,7 @@ disagree (a different batch, dtype, `top_k` or shard width) gloo either aborts t
 worse, exchanges buffers that happen to have the same size and returns a silently wrong answer.
 This module turns every such disagreement into the same `ValueError` on every rank.
 
-How (one idea): each public function that runs collectives is wrapped by `checked_collective`.
+How (one idea): each public function that runs collectives is wrapped by `boundary`.
 Before the function runs, every rank encodes its call into a fixed-length int64 *signature*
 (`[SIGNATURE_LEN]`: the function called, grad mode, every tensor argument's shape, dtype and
 `requires_grad` (they decide the backward's collectives), a `fingerprint` of the values of every
@@ -20,7 +20,7 @@ field and each rank's value) or none does; after an error the group is still in 
 Rules across the tensor-parallel group: every field must agree except the shard's own layout
 (`vocab_start`, `vocab_parallel_rank`, the vocabulary width of the logits), which must tile
 `[0, V)` as the kernels will read it (`vocab` policy of the wrapped function, see
-`checked_collective`). Tensors sharded per rank (vocabulary shards, sequence-parallel `hidden`)
+`boundary`). Tensors sharded per rank (vocabulary shards, sequence-parallel `hidden`)
 are not fingerprinted. Across the context-parallel group every field but the fingerprints
 (sequence shards) must agree.
 
@@ -47,10 +47,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lossfx import _host_reads
+from lossfx._compile_errors import reraise_while_tracing
 
 __all__ = [
     "SIGNATURE_LEN",
-    "checked_collective",
+    "boundary",
     "fingerprint",
     "vocab_shard_range",
 ]
@@ -610,14 +611,18 @@ Local = Callable[[dict[str, Any]], tuple[dict[str, Any], str]]
 _traced_depth = [0]  # nesting of checked calls being traced by Dynamo (tracing is serialised by a lock)
 
 
-def checked_collective(
+def boundary(
     *,
     vocab: str | Callable[[Mapping[str, Any]], str] = "free",
     tp: str | None = None,
     cp: str | None = None,
     local: Local | None = None,
+    collectives: bool = True,
 ) -> Callable[[F], F]:
-    """Wrap a public function that runs collectives with the cross-rank consistency check.
+    """The boundary of a public function, once per outermost call: the cross-rank consistency
+    check (eager, or traced into the graph), the read-once scope of its host reads
+    (`_host_reads.outermost`), and under `torch.compile` its `ValueError` / `TypeError` kept as
+    such (`_compile_errors`). Nested public calls go straight to their body.
 
     Args:
         vocab: how the tensor-parallel shards must relate (or a function of the bound arguments
@@ -631,6 +636,8 @@ def checked_collective(
             tensors: maps the bound arguments to `(arguments with local tensors and the group and
             offsets of their placements, a hint appended to a disagreement on hidden)`. Without
             it, a call with DTensors is checked when it re-enters with local tensors.
+        collectives: False for a function that runs no collective of its own (no cross-rank
+            check; the rest of the boundary applies).
     """
 
     def wrap(fn: F) -> F:
@@ -638,13 +645,18 @@ def checked_collective(
         params = sig.parameters
         tp_arg = tp or next((p for p in ("vocab_parallel_group", "group") if p in params and p != cp), None)
         cp_arg = cp or ("context_parallel_group" if "context_parallel_group" in params else None)
+        if not collectives:
+            tp_arg = cp_arg = None
         name = fn.__name__
         _functions[zlib.crc32(name.encode())] = name  # (the same code as _crc(name))
 
         @functools.wraps(fn)
         def checked(*args: Any, **kwargs: Any) -> Any:
             if torch.compiler.is_compiling():
-                return _traced(*args, **kwargs)
+                try:
+                    return _traced(*args, **kwargs)
+                except (ValueError, TypeError) as err:  # Dynamo would turn it into `Unsupported`
+                    reraise_while_tracing(err)
             if _host_reads.depth():
                 with _host_reads.nested():  # checked by the outermost call
                     return fn(*args, **kwargs)

@@ -44,8 +44,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
-from lossfx._compile_errors import keep_errors_under_compile
-from lossfx._consistency import checked_collective
+from lossfx._consistency import boundary
 from lossfx._distributed import ProcessGroup, all_gather_stack
 from lossfx._dtensor import vocab_shard
 from lossfx._numerics import compiled_row_sum, finite_or_zero, log_s_for_softmax
@@ -380,8 +379,7 @@ _COMMON_DOC = """
 """
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="free")
+@boundary(vocab="free")
 def entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: int | None = None) -> Tensor:
     """Negative entropy `Σ_v p log p` of the student distribution, per token.
 
@@ -395,8 +393,7 @@ def entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: i
     return _apply("entropy", student, None, group, chunk_size)
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="free")
+@boundary(vocab="free")
 def cross_entropy_to_fixed(
     student: Tensor,
     teacher: Tensor,
@@ -417,8 +414,7 @@ def cross_entropy_to_fixed(
     return _apply("cross_entropy", student, teacher, group, chunk_size)
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="free")
+@boundary(vocab="free")
 def reverse_kl_to_fixed(
     student: Tensor,
     teacher: Tensor,

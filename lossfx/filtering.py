@@ -47,8 +47,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
-from lossfx._compile_errors import keep_errors_under_compile
-from lossfx._consistency import checked_collective
+from lossfx._consistency import boundary
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
@@ -703,8 +702,7 @@ def _flat_logits(logits: Tensor) -> Tensor:
     return logits.reshape(-1, logits.shape[-1])  # [N, Vl]
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="sized")
+@boundary(vocab="sized")
 def top_k_top_p_threshold(
     logits: Tensor,
     *,
@@ -788,8 +786,7 @@ def top_k_top_p_threshold(
     return tau, cut.view(logits.shape[:-1])
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="sized")
+@boundary(vocab="sized")
 def apply_top_k_top_p(
     logits: Tensor,
     *,
@@ -846,8 +843,7 @@ def apply_top_k_top_p(
     return torch.where(keep, logits, torch.full_like(logits, float("-inf"))), keep
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="tiled")
+@boundary(vocab="tiled")
 def filtered_token_logprobs(
     logits: Tensor,
     target: Tensor,

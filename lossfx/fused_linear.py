@@ -37,8 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._compile_errors import keep_errors_under_compile
-from lossfx._consistency import checked_collective
+from lossfx._consistency import boundary
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
@@ -175,7 +174,7 @@ _REPLICATED = ("ids", "target", "input_ids", "logprob_weight", "entropy_weight")
 
 
 def local_view(seq_dim: int) -> Any:
-    """The consistency check's view of a fused call with DTensors (`checked_collective(local=...)`):
+    """The consistency check's view of a fused call with DTensors (`boundary(local=...)`):
     the arguments with local tensors and the group and offsets of the weight's placement, and the
     FSDP2 remedy to append when the ranks' hidden states differ under a DTensor weight."""
 
@@ -374,8 +373,7 @@ def _linear_gather(
     return logprobs.view(ids.shape), neg_entropy.view(ids.shape[:-1]), rows.valid.view(ids.shape)
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="tiled", local=local_view(seq_dim=0))
+@boundary(vocab="tiled", local=local_view(seq_dim=0))
 def linear_gather_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -528,8 +526,7 @@ def linear_token_logprobs(
     return_neg_entropy: bool = ...,
     return_entropy: bool | None = ...,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
-@keep_errors_under_compile
-@checked_collective(vocab="tiled", local=local_view(seq_dim=0))
+@boundary(vocab="tiled", local=local_view(seq_dim=0))
 def linear_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -636,8 +633,7 @@ def linear_token_logprobs(
     return logprobs.squeeze(-1)
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="tiled", local=local_view(seq_dim=1))
+@boundary(vocab="tiled", local=local_view(seq_dim=1))
 def linear_next_token_logprobs(
     hidden: Tensor,
     weight: Tensor,

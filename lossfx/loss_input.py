@@ -25,9 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._compile_errors import keep_errors_under_compile
 from lossfx._consistency import (
-    checked_collective,
+    boundary,
     loss_input_vocab_policy,
     vocab_shard_range,
     vocab_size_when_read,
@@ -73,8 +72,7 @@ def _vocab_parallel(
     return check_vocab_parallel(vocab_parallel_rank, vocab_parallel_group), vocab_parallel_group
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="auto")
+@boundary(vocab="auto")
 def next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,
@@ -138,8 +136,7 @@ def next_token_logprobs(
     )
 
 
-@keep_errors_under_compile
-@checked_collective(vocab=loss_input_vocab_policy)
+@boundary(vocab=loss_input_vocab_policy)
 def prepare_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -335,8 +332,7 @@ def _prepare_logprob_input(
     return {"next_token_logprobs": logprobs}
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="equal")
+@boundary(vocab="equal")
 def prepare_opd_full_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -414,8 +410,7 @@ def prepare_opd_full_loss_input(
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="auto")
+@boundary(vocab="auto")
 def prepare_packed_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],

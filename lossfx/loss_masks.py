@@ -21,14 +21,14 @@ import torch
 from torch import Tensor
 
 from lossfx import _host_reads
-from lossfx._compile_errors import keep_errors_under_compile
+from lossfx._consistency import boundary
 from lossfx._dtensor import replicated
 from lossfx._validation import check_floating, check_tensor, values_checkable
 
 __all__ = ["loss_mask_from_data", "mask_out_neg_inf_logprobs"]
 
 
-@keep_errors_under_compile
+@boundary(collectives=False)
 def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logprobs") -> Tensor:
     """Zero every position whose mask is 0 or whose log-prob is `±inf`; warn about valid ones.
 

@@ -28,8 +28,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from lossfx._compile_errors import keep_errors_under_compile
-from lossfx._consistency import checked_collective
+from lossfx._consistency import boundary
 from lossfx._distributed import ProcessGroup, group_rank, group_size
 from lossfx._dtensor import replicated, vocab_shard
 from lossfx._validation import (
@@ -145,7 +144,7 @@ class LoadBalancedSharder:
         return full
 
 
-@checked_collective(vocab="tiled")
+@boundary(vocab="tiled")
 def target_logprobs(
     logits: Tensor,
     target: Tensor,
@@ -180,7 +179,7 @@ def target_logprobs(
     )
 
 
-@checked_collective(vocab="tiled")
+@boundary(vocab="tiled")
 def next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,
@@ -272,8 +271,7 @@ def next_token_logprobs(
     return zero_sequence_ends(local[:, : max(seq - 1, 0)], ends)
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="equal")
+@boundary(vocab="equal")
 def next_token_filtered_logprobs(
     logits: Tensor,
     input_ids: Tensor,
