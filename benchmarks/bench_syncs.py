@@ -67,8 +67,9 @@ def compiled_host_reads(fn) -> int:
     return counts[0]
 
 
-def entry_points(rank: int, world: int, group):
-    """`{name: zero-argument call}`: this rank's side of one call of each public entry point."""
+def entry_points(rank: int, world: int, group, every: bool = False):
+    """`{name: zero-argument call}`: this rank's side of one call of each public entry point.
+    `every`: also the other public functions of `lossfx.__all__` that take tensors (one rank)."""
     import torch
 
     import lossfx
@@ -79,33 +80,130 @@ def entry_points(rank: int, world: int, group):
     ids = torch.randint(0, v, (b, s), generator=gen)
     hidden = torch.randn(b * s, h, generator=gen)
     weight = torch.randn(v, h, generator=gen)[rank * 16 : (rank + 1) * 16]
+    ignored = ids.reshape(-1).clone()
+    ignored[::3] = -100  # a third of the targets ignored: the fused kernels skip those rows
     tp = {"group": group} if group is not None else {}
     vp = {"vocab_parallel_rank": rank, "vocab_parallel_group": group} if group is not None else {}
     logprob = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
     kl = SimpleNamespace(input_type="logprob", reference_policy_kl_penalty=0.1)
     sp = lossfx.TrainingSamplingParams(top_k=4)
+    sp_p = lossfx.TrainingSamplingParams(top_k=6, top_p=0.8)
     data = {"input_ids": ids}
     masked = {"input_ids": ids, "token_mask": torch.ones(b, s)}
-    return {
+    calls = {
         "token_logprobs": lambda: lossfx.token_logprobs(logits[:, :-1], ids[:, 1:], **tp),
         "next_token_logprobs": lambda: lossfx.next_token_logprobs(logits, ids, **vp),
         "prepare_loss_input LOGPROB": lambda: lossfx.prepare_loss_input(logits, data, logprob, **vp),
         "prepare_loss_input LOGPROB top-k + KL": lambda: lossfx.prepare_loss_input(
             logits, masked, kl, sampling_params=sp, **vp
         ),
+        "prepare_loss_input LOGPROB top-k + top-p": lambda: lossfx.prepare_loss_input(
+            logits, masked, logprob, sampling_params=sp_p, **vp
+        ),
         "linear_token_logprobs": lambda: lossfx.linear_token_logprobs(hidden, weight, ids.reshape(-1), **tp),
+        "linear_token_logprobs, ignored targets": lambda: lossfx.linear_token_logprobs(hidden, weight, ignored, **tp),
         "linear_logprob_objective": lambda: lossfx.linear_logprob_objective(
             hidden, weight, ids.reshape(-1), torch.ones(b * s), **tp
         ),
+        "linear_logprob_objective, ignored targets + backward": lambda: lossfx.linear_logprob_objective(
+            hidden.clone().requires_grad_(), weight, ignored, torch.ones(b * s), **tp
+        )[0].backward(),
+    }
+    if every:
+        calls.update(_every_other(logits, ids, hidden, weight, ignored))
+    return calls
+
+
+def _every_other(logits, ids, hidden, weight, ignored):
+    """The other public functions of `lossfx.__all__` that take tensors, one call each (one rank)."""
+    import torch
+
+    import lossfx
+
+    gen = torch.Generator().manual_seed(1)
+    b, s, v = logits.shape
+    teacher = torch.randn(b, s, v, generator=gen)
+    topk_logits = torch.randn(b, s, 3, generator=gen)
+    topk_ids = torch.randint(0, v, (b, s, 3), generator=gen)
+    mask = torch.ones(b, s)
+    sp = lossfx.TrainingSamplingParams(top_k=4)
+    distill = SimpleNamespace(input_type="distillation", zero_outside_topk=False, kl_type="forward")
+    draft = SimpleNamespace(input_type=lossfx.LossInputType.DRAFT)
+    packed_ids = torch.randint(0, v, (2, 5), generator=gen)  # two sequences of 5 and 3 tokens, packed
+    packed_logits = torch.randn(1, 8, v, generator=gen)
+    opd_cfg = SimpleNamespace(enabled=True, teacher_payload="logits", chunk_size=None, validate_decomposition=True)
+    opd = SimpleNamespace(input_type=lossfx.LossInputType.OPD_FULL, opd_full=opd_cfg, reference_policy_kl_penalty=0.0)
+    payload = torch.randn(b, 6, v + 3, generator=gen)
+    return {
+        "token_logprobs_with_lse": lambda: lossfx.token_logprobs_with_lse(logits, ids),
+        "filtered_token_logprobs": lambda: lossfx.filtered_token_logprobs(logits, ids, top_k=4, top_p=0.9),
+        "next_token_filtered_logprobs": lambda: lossfx.next_token_filtered_logprobs(logits, ids, top_k=4),
+        "gather_logits": lambda: lossfx.gather_logits(logits, topk_ids),
+        "gather_logprobs": lambda: lossfx.gather_logprobs(logits, topk_ids, with_entropy=True),
+        "vocab_topk": lambda: lossfx.vocab_topk(logits, 3),
+        "apply_top_k_top_p": lambda: lossfx.apply_top_k_top_p(logits, top_k=4, top_p=0.9),
+        "top_k_top_p_threshold": lambda: lossfx.top_k_top_p_threshold(logits, top_k=4, top_p=0.9),
+        "entropy": lambda: lossfx.entropy(logits),
+        "cross_entropy_to_fixed": lambda: lossfx.cross_entropy_to_fixed(logits, teacher),
+        "reverse_kl_to_fixed": lambda: lossfx.reverse_kl_to_fixed(logits, teacher),
+        "distillation_topk_logprobs": lambda: lossfx.distillation_topk_logprobs(
+            logits, topk_logits, topk_ids, zero_outside_topk=False, calculate_entropy=True
+        ),
+        "prepare_loss_input DISTILLATION": lambda: lossfx.prepare_loss_input(
+            logits, {"input_ids": ids, "teacher_topk_logits": topk_logits, "teacher_topk_indices": topk_ids}, distill
+        ),
+        "draft_targets": lambda: lossfx.draft_targets(teacher, mask),
+        "map_to_draft_vocab": lambda: lossfx.map_to_draft_vocab(teacher, None),
+        "prepare_loss_input DRAFT": lambda: lossfx.prepare_loss_input(
+            logits, {"input_ids": ids, "teacher_logits": teacher, "student_logits": logits, "token_mask": mask}, draft
+        ),
+        "mask_out_neg_inf_logprobs": lambda: lossfx.mask_out_neg_inf_logprobs(logits[..., 0], mask),
+        "prepare_packed_loss_input": lambda: lossfx.prepare_packed_loss_input(
+            packed_logits,
+            {"input_ids": packed_ids, "token_mask": torch.ones(2, 5)},
+            SimpleNamespace(input_type="logprob"),
+            (0, 5, 8),
+            (0, 5, 8),
+            sampling_params=sp,
+        ),
+        "prepare_opd_full_loss_input": lambda: lossfx.prepare_opd_full_loss_input(
+            logits,
+            {"input_ids": ids, "token_mask": mask, "teacher_full_logits": payload},
+            opd,
+            vocab_parallel_rank=None,
+            vocab_parallel_group=None,
+            context_parallel_group=None,
+            sampling_params=None,
+            chunk_size=None,
+        ),
+        "reconstruct_opd_full_teacher_logits": lambda: lossfx.reconstruct_opd_full_teacher_logits(
+            payload, teacher_payload="logits", student_logits=logits, vocab_parallel_rank=0, context_parallel_group=None
+        ),
+        "reconstruct_opd_full_teacher_logits, two heads": lambda: lossfx.reconstruct_opd_full_teacher_logits(
+            torch.randn(b, 6, hidden.shape[1], generator=gen),
+            teacher_payload="hidden_states",
+            student_logits=logits,
+            vocab_parallel_rank=0,
+            context_parallel_group=None,
+            teacher_output_layer_weight_by_index={3: weight, 7: weight * 2},
+            teacher_index=torch.tensor([7, 3]),
+        ),
+        "linear_next_token_logprobs": lambda: lossfx.linear_next_token_logprobs(hidden.view(b, s, -1), weight, ids),
+        "linear_gather_logprobs": lambda: lossfx.linear_gather_logprobs(
+            hidden, weight, torch.where(topk_ids.reshape(-1, 3) % 2 == 0, -100, topk_ids.reshape(-1, 3))
+        ),
+        "allgather_cp": lambda: lossfx.allgather_cp(logits, None),
+        "shift_left": lambda: lossfx.shift_left(ids),
     }
 
 
-def measure(rank: int, world: int, group) -> dict[str, tuple[int, int]]:
+def measure(rank: int, world: int, group) -> dict[str, tuple[int, int | None]]:
     """`{entry point: (eager host reads, compiled host reads)}` on this rank."""
     out = {}
     for name, call in entry_points(rank, world, group).items():
         call()  # warm-up (lazy imports, first-call caches)
-        out[name] = (count_host_reads(call), compiled_host_reads(call))
+        compiled = None if name.endswith("backward") else compiled_host_reads(call)  # Dynamo: no .backward()
+        out[name] = (count_host_reads(call), compiled)
     return out
 
 
@@ -148,7 +246,8 @@ def main() -> None:
     print("| entry point | 1 rank eager | 1 rank compiled | 2 ranks eager | 2 ranks compiled |")
     print("|---|---:|---:|---:|---:|")
     for name, (eager, compiled) in single.items():
-        print(f"| {name} | {eager} | {compiled} | {double[name][0]} | {double[name][1]} |")
+        shown = ["—" if c is None else c for c in (compiled, double[name][1])]
+        print(f"| {name} | {eager} | {shown[0]} | {double[name][0]} | {shown[1]} |")
 
 
 if __name__ == "__main__":

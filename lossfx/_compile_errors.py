@@ -3,9 +3,10 @@
 Dynamo traces a `raise` symbolically: an exception that leaves the compiled function while it is
 traced becomes `torch._dynamo.exc.Unsupported: Observed exception` (with `fullgraph=True`; without
 it, a graph break, then the eager call raises the real exception). So a bad argument raised
-`Unsupported` instead of the `ValueError` naming it. `keep_errors_under_compile` wraps a public
-function: while tracing, a `ValueError` / `TypeError` raised inside it is caught (Dynamo traces the
-`except`) and raised again from `raise_while_tracing`, a `torch.compiler.assume_constant_result`
+`Unsupported` instead of the `ValueError` naming it. The boundary of every public function
+(`lossfx._consistency.boundary`), while tracing, catches a `ValueError` / `TypeError` raised
+inside it (Dynamo traces the `except`) and raises it again through `reraise_while_tracing` and
+`raise_while_tracing`, a `torch.compiler.assume_constant_result`
 function, which Dynamo runs for real at trace time; the exception it raises is a subclass of the
 original type and of Dynamo's `UserError`, which Dynamo lets through unchanged (it appends the
 user's stack to the message). Good input takes the `try` branch only: no graph break, no guard.
@@ -14,13 +15,10 @@ Eager calls go straight to the function.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
-import torch
-
-__all__ = ["keep_errors_under_compile", "raise_while_tracing"]
+__all__ = ["raise_while_tracing", "reraise_while_tracing"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _classes: dict[str, type] = {}
@@ -51,21 +49,7 @@ def raise_while_tracing(kind: str, message: str) -> bool:
 raise_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def _reraise(err: Exception) -> NoReturn:
+def reraise_while_tracing(err: Exception) -> NoReturn:
+    """Raise `err` (a `ValueError` / `TypeError` caught while tracing) again, Dynamo-transparently."""
     raise_while_tracing(type(err).__name__ if isinstance(err, ValueError) else "TypeError", str(err))
     raise err  # not reached: Dynamo stops at the exception above
-
-
-def keep_errors_under_compile(fn: F) -> F:
-    """Make `fn`'s `ValueError` / `TypeError` surface as such under `torch.compile(fullgraph=True)`."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling():
-            return fn(*args, **kwargs)
-        try:
-            return fn(*args, **kwargs)
-        except (ValueError, TypeError) as err:
-            _reraise(err)
-
-    return wrapper  # type: ignore[return-value]

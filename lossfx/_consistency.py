@@ -5,7 +5,7 @@ disagree (a different batch, dtype, `top_k` or shard width) gloo either aborts t
 worse, exchanges buffers that happen to have the same size and returns a silently wrong answer.
 This module turns every such disagreement into the same `ValueError` on every rank.
 
-How (one idea): each public function that runs collectives is wrapped by `checked_collective`.
+How (one idea): each public function that runs collectives is wrapped by `boundary`.
 Before the function runs, every rank encodes its call into a fixed-length int64 *signature*
 (`[SIGNATURE_LEN]`: the function called, grad mode, every tensor argument's shape, dtype and
 `requires_grad` (they decide the backward's collectives), a `fingerprint` of the values of every
@@ -20,7 +20,7 @@ field and each rank's value) or none does; after an error the group is still in 
 Rules across the tensor-parallel group: every field must agree except the shard's own layout
 (`vocab_start`, `vocab_parallel_rank`, the vocabulary width of the logits), which must tile
 `[0, V)` as the kernels will read it (`vocab` policy of the wrapped function, see
-`checked_collective`). Tensors sharded per rank (vocabulary shards, sequence-parallel `hidden`)
+`boundary`). Tensors sharded per rank (vocabulary shards, sequence-parallel `hidden`)
 are not fingerprinted. Across the context-parallel group every field but the fingerprints
 (sequence shards) must agree.
 
@@ -46,16 +46,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lossfx import _host_reads
+from lossfx._compile_errors import reraise_while_tracing
+
 __all__ = [
     "SIGNATURE_LEN",
-    "checked_collective",
+    "boundary",
     "fingerprint",
     "vocab_shard_range",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_scope = threading.local()  # .active: inside a checked call; .widths: {id(group): [w_0, ..., w_R-1]}
+_scope = threading.local()  # .widths: {id(group): [w_0, ..., w_R-1]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,12 +467,21 @@ def _tiling_error(sigs: list[list[int]], policy: str) -> str | None:
     return None
 
 
-def _gather(x: Tensor, group: dist.ProcessGroup) -> list[list[int]]:
-    """Every rank's `x` (1-D int64), in rank order: one eager all-gather, one host read."""
+def _gather_on_device(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Every rank's `x` (1-D int64) stacked in rank order, `[R, L]`, still on the device."""
     out = [torch.empty_like(x) for _ in range(group.size())]
     dist.all_gather(out, x, group=group)
-    rows: list[list[int]] = torch.stack(out).tolist()
-    return rows
+    return torch.stack(out)
+
+
+def _rows(values: list[int], world: int) -> list[list[int]]:
+    width = len(values) // world
+    return [values[r * width : (r + 1) * width] for r in range(world)]
+
+
+def _gather(x: Tensor, group: dist.ProcessGroup) -> list[list[int]]:
+    """Every rank's `x` (1-D int64), in rank order: one eager all-gather, one host read."""
+    return _rows(_gather_on_device(x, group).reshape(-1).tolist(), group.size())
 
 
 def _is_distributed(group: Any) -> bool:
@@ -479,10 +491,13 @@ def _is_distributed(group: Any) -> bool:
 def _check(
     name: str, arguments: Mapping[str, Any], policy: str, tp_arg: str | None, cp_arg: str | None, hint: str = ""
 ) -> None:
-    """All-gather this call's signature over its groups and raise on any disagreement.
+    """All-gather this call's signature over its groups; raise on any disagreement once it is read.
 
     Every rank runs the same collectives whatever it finds (the tensor-parallel gather, then the
     context-parallel one carrying the TP verdict), so no rank is left waiting; then it raises.
+    The gathered signatures are read with the call's other host reads (`_host_reads.defer`,
+    settled before the call's first collective); with both groups the TP verdict is read at once
+    (it travels in the CP signature), so that call reads twice.
     """
     tp = arguments.get(tp_arg) if tp_arg else None
     cp = arguments.get(cp_arg) if cp_arg else None
@@ -494,8 +509,17 @@ def _check(
         return
     sig, labels = _signature(name, arguments)
     errors: list[str] = []
-    if tp is not None:  # 1. tensor parallel: the shard layout may differ, it must tile the vocabulary
-        sigs = _gather(sig, tp)
+
+    def raise_errors() -> None:
+        if errors:
+            raise ValueError(
+                f"{errors[0]}. Every rank of a group must make the same call (raised on every rank by "
+                "lossfx's cross-rank consistency check; see docs/design.md)"
+            )
+
+    def judge_tp(values: list[int]) -> None:  # 1. tensor parallel: the layout may differ, it must tile V
+        assert tp is not None
+        sigs = _rows(values, tp.size())
         own = sigs[tp.rank()]
         found = _first_disagreement(sigs, own, labels, per_rank_header=True)
         problem = _describe(found, tp) if found else _tiling_error(sigs, policy)
@@ -506,8 +530,12 @@ def _check(
                 problem += hint
             errors.append(_message(name, tp_arg, tp, problem))
         sig[_H_VERDICT] = int(problem is not None)
-    if cp is not None:  # 2. context parallel: everything agrees; a peer's failed TP check fails us too
-        sigs = _gather(sig, cp)
+        if cp is None:
+            raise_errors()
+
+    def judge_cp(values: list[int]) -> None:  # 2. context parallel: all agrees; a peer's failed TP fails us
+        assert cp is not None
+        sigs = _rows(values, cp.size())
         own = sigs[cp.rank()]
         found = _first_disagreement(sigs, own, labels, per_rank_header=False)
         if found:
@@ -518,11 +546,16 @@ def _check(
                 f"lossfx.{name}: rank(s) {bad} of {cp_arg} (size {cp.size()}) found ranks of their "
                 f"{tp_arg} disagreeing (see the error there)"
             )
-    if errors:
-        raise ValueError(
-            f"{errors[0]}. Every rank of a group must make the same call (raised on every rank by "
-            "lossfx's cross-rank consistency check; see docs/design.md)"
-        )
+        raise_errors()
+
+    if tp is not None:
+        gathered = _gather_on_device(sig, tp)
+        if cp is None:
+            _host_reads.defer(gathered, judge_tp)
+            return
+        judge_tp(gathered.reshape(-1).tolist())
+    assert cp is not None
+    _host_reads.defer(_gather_on_device(sig, cp), judge_cp)
 
 
 _PER_RANK_SLOTS = (_H_VERDICT, _H_WIDTH, _H_START, _H_RANK)  # the shard layout: differs across the TP group
@@ -583,14 +616,18 @@ Local = Callable[[dict[str, Any]], tuple[dict[str, Any], str]]
 _traced_depth = [0]  # nesting of checked calls being traced by Dynamo (tracing is serialised by a lock)
 
 
-def checked_collective(
+def boundary(
     *,
     vocab: str | Callable[[Mapping[str, Any]], str] = "free",
     tp: str | None = None,
     cp: str | None = None,
     local: Local | None = None,
+    collectives: bool = True,
 ) -> Callable[[F], F]:
-    """Wrap a public function that runs collectives with the cross-rank consistency check.
+    """The boundary of a public function, once per outermost call: the cross-rank consistency
+    check (eager, or traced into the graph), the read-once scope of its host reads
+    (`_host_reads.outermost`), and under `torch.compile` its `ValueError` / `TypeError` kept as
+    such (`_compile_errors`). Nested public calls go straight to their body.
 
     Args:
         vocab: how the tensor-parallel shards must relate (or a function of the bound arguments
@@ -604,6 +641,8 @@ def checked_collective(
             tensors: maps the bound arguments to `(arguments with local tensors and the group and
             offsets of their placements, a hint appended to a disagreement on hidden)`. Without
             it, a call with DTensors is checked when it re-enters with local tensors.
+        collectives: False for a function that runs no collective of its own (no cross-rank
+            check; the rest of the boundary applies).
     """
 
     def wrap(fn: F) -> F:
@@ -611,35 +650,43 @@ def checked_collective(
         params = sig.parameters
         tp_arg = tp or next((p for p in ("vocab_parallel_group", "group") if p in params and p != cp), None)
         cp_arg = cp or ("context_parallel_group" if "context_parallel_group" in params else None)
+        if not collectives:
+            tp_arg = cp_arg = None
         name = fn.__name__
         _functions[zlib.crc32(name.encode())] = name  # (the same code as _crc(name))
 
         @functools.wraps(fn)
         def checked(*args: Any, **kwargs: Any) -> Any:
             if torch.compiler.is_compiling():
-                return _traced(*args, **kwargs)
-            if getattr(_scope, "active", False):
-                return fn(*args, **kwargs)
+                try:
+                    return _traced(*args, **kwargs)
+                except (ValueError, TypeError) as err:  # Dynamo would turn it into `Unsupported`
+                    reraise_while_tracing(err)
+            if _host_reads.depth():
+                with _host_reads.nested():  # checked by the outermost call
+                    return fn(*args, **kwargs)
             values = (*args, *kwargs.values())
             dtensors = any(map(_has_dtensor, values))
             if dtensors and local is None:
                 # the function's DTensor boundary re-enters it with local tensors (checked then)
                 return fn(*args, **kwargs)
             if not dtensors and not any(map(_is_group_or_sharder, values)):
-                return fn(*args, **kwargs)  # no group: no collective
+                with _host_reads.outermost():  # no group, no collective: its range checks read once
+                    return fn(*args, **kwargs)
             try:
                 bound = sig.bind(*args, **kwargs)
             except TypeError:
                 return fn(*args, **kwargs)  # raises the call's own TypeError
             bound.apply_defaults()
-            _scope.active, _scope.widths = True, {}
+            _scope.widths = {}
             try:
-                arguments, hint = local(dict(bound.arguments)) if dtensors and local else (bound.arguments, "")
-                policy = vocab(arguments) if callable(vocab) else vocab
-                _check(name, arguments, policy, tp_arg, cp_arg, hint)
-                return fn(*args, **kwargs)
+                with _host_reads.outermost():
+                    arguments, hint = local(dict(bound.arguments)) if dtensors and local else (bound.arguments, "")
+                    policy = vocab(arguments) if callable(vocab) else vocab
+                    _check(name, arguments, policy, tp_arg, cp_arg, hint)
+                    return fn(*args, **kwargs)
             finally:
-                _scope.active, _scope.widths = False, {}
+                _scope.widths = {}
 
         def _traced(*args: Any, **kwargs: Any) -> Any:
             """Under `torch.compile`: the in-graph check at the outermost checked call."""
@@ -671,11 +718,25 @@ def vocab_shard_range(local_vocab: int, group: dist.ProcessGroup | None) -> tupl
     if torch.compiler.is_compiling() or not _is_distributed(group):
         return None, None
     assert group is not None
+    _host_reads.settle()  # the check of the enclosing call reports the widths
     widths = getattr(_scope, "widths", {}).get(id(group))
     if widths is None:
         widths = [w for (w,) in _gather(torch.tensor([local_vocab], dtype=torch.int64), group)]
     rank = group.rank()
     return sum(widths[:rank]), sum(widths)
+
+
+def vocab_size_when_read(local_vocab: int, group: dist.ProcessGroup | None) -> Callable[[], int]:
+    """The vocabulary size `V` (`vocab_shard_range`'s, else `R · Vl`) as a function to call once
+    the enclosing call's host reads are settled: a range check of ids can then be read with the
+    cross-rank check instead of after it."""
+
+    def size() -> int:
+        vocab_size = vocab_shard_range(local_vocab, group)[1]
+        world = group.size() if isinstance(group, dist.ProcessGroup) else 1
+        return vocab_size if vocab_size is not None else world * local_vocab
+
+    return size
 
 
 def vocab_topk_policy(arguments: Mapping[str, Any]) -> str:

@@ -326,7 +326,7 @@ def check_view(
     *vocab_args: str, group_arg: str = "group", rank_arg: str | None = None, even: bool = False
 ) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
     """The cross-rank check's view of a call whose arguments may be DTensors
-    (`checked_collective(local=...)`): the bound `arguments` with the vocabulary-sharded ones
+    (`boundary(local=...)`): the bound `arguments` with the vocabulary-sharded ones
     (`vocab_args`, the first's placement for all) replaced by their local shards, the group,
     rank, `vocab_start` and `vocab_size` of that placement filled in, and every other DTensor
     replaced by its replicated local tensor, exactly as the function's body will unwrap them.

@@ -10,10 +10,26 @@ every static check and returns `meta` results of the right shapes.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from typing import Literal, overload
 
 import torch
 from torch import Tensor
+
+from lossfx import _host_reads
+from lossfx._host_reads import read_now
+
+__all__ = [
+    "check_floating",
+    "check_ids_in_range",
+    "check_integer_ids",
+    "check_positive_int",
+    "check_same_leading_shape",
+    "check_tensor",
+    "mark_checked",
+    "read_now",  # a kernel's host read, taken with the call's checks (kernels import foundations only)
+    "values_checkable",
+]
 
 
 def check_tensor(name: str, x: object) -> Tensor:
@@ -58,25 +74,53 @@ def values_checkable(*tensors: object) -> bool:
     return not any(isinstance(t, Tensor) and t.is_meta for t in tensors)
 
 
-def check_ids_in_range(name: str, ids: Tensor, high: int, *, low: int = 0, column_offset: int = 0) -> None:
+def _range_key(ids: Tensor, low: int, high: object) -> tuple[object, ...]:
+    return ("ids in range", ids.data_ptr(), ids.dtype, tuple(ids.shape), ids.stride(), low, high)
+
+
+def mark_checked(ids: Tensor, high: int, low: int = 0) -> None:
+    """Record that every entry of `ids` is known to lie in `[low, high)` (e.g. ids built from
+    checked ones): a later `check_ids_in_range` of them in this call is skipped."""
+    if values_checkable(ids):
+        _host_reads.seen(_range_key(ids, low, high))
+
+
+def check_ids_in_range(
+    name: str, ids: Tensor, high: int | Callable[[], int], *, low: int = 0, column_offset: int = 0
+) -> None:
     """Raise `ValueError` listing (up to 5) entries of `ids` outside `[low, high)`. Eager only.
 
     Positions are reported in the caller's coordinates: `column_offset` is added to the last index
-    (for a check of `x[..., 1:]` pass 1, so the positions name entries of `x`).
+    (for a check of `x[..., 1:]` pass 1, so the positions name entries of `x`). The count of bad
+    entries is read with the call's other host reads (`_host_reads.defer`); the details only on
+    the error path. A check of the same ids and range earlier in the call is not repeated.
+    `high` may be a function, called when the values are read (a vocabulary size that the
+    call's cross-rank check reports, `_consistency.vocab_size_when_read`): the ids' min and max
+    are read, not a count.
     """
     if not values_checkable(ids) or ids.numel() == 0:
         return
-    bad = (ids < low) | (ids >= high)
-    if bool(bad.any()):
-        index = bad.nonzero()[:5]
-        if column_offset and index.shape[-1]:
-            index[:, -1] += column_offset
-        where = index.tolist()
-        values = ids[bad][:5].tolist()
-        count = int(bad.sum())
-        raise ValueError(
-            f"{name} must lie in [{low}, {high}); {count} entries do not, e.g. values {values} at positions {where}"
-        )
+    if _host_reads.seen(_range_key(ids, low, "V of the call" if callable(high) else high)):
+        return
+
+    def raise_if_bad(extremes: list[int]) -> None:
+        top = high() if callable(high) else high
+        if callable(high):
+            _host_reads.seen(_range_key(ids, low, top))  # a later check against the value is done
+        if extremes[0] < low or extremes[1] >= top:
+            bad = (ids < low) | (ids >= top)
+            count = int(bad.sum())
+            index = bad.nonzero()[:5]
+            if column_offset and index.shape[-1]:
+                index[:, -1] += column_offset
+            where = index.tolist()
+            values = ids[bad][:5].tolist()
+            raise ValueError(
+                f"{name} must lie in [{low}, {top}); {count} entries do not, e.g. values {values} at positions {where}"
+            )
+
+    flat = ids.reshape(-1)
+    _host_reads.defer(torch.stack([flat.min(), flat.max()]).to(torch.int64), raise_if_bad)
 
 
 def check_same_leading_shape(name_a: str, a: Tensor, name_b: str, b: Tensor, ndim: int) -> None:

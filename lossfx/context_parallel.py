@@ -23,8 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lossfx._compile_errors import keep_errors_under_compile
-from lossfx._consistency import checked_collective
+from lossfx._consistency import boundary
 from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
 from lossfx._dtensor import replicated
 from lossfx._validation import check_tensor
@@ -58,7 +57,7 @@ def cp_positions(length: int, cp_rank: int, cp_size: int) -> list[int]:
     return list(range(first, first + n)) + list(range(second, second + n))
 
 
-@keep_errors_under_compile
+@boundary(collectives=False)
 def shard_for_cp_rank(x: Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1) -> Tensor:
     """This CP rank's part of the canonical `x`: chunks `cp_rank` and `2C−1−cp_rank` of `2C`.
 
@@ -113,7 +112,7 @@ def _check_local(x: Tensor, seq_dim: int) -> int:
     return seq_dim
 
 
-@keep_errors_under_compile
+@boundary(collectives=False)
 def unshard(shards: list[Tensor] | tuple[Tensor, ...], seq_dim: int = 1) -> Tensor:
     """Canonical tensor from every CP rank's local tensor (rank order); inverse of `shard_for_cp_rank`.
 
@@ -164,8 +163,7 @@ def shard_padded_for_cp(x: Tensor, local_len: int, group: ProcessGroup | None) -
     return shard_for_cp_rank(x, group_rank(group), cp_size, seq_dim=1)
 
 
-@keep_errors_under_compile
-@checked_collective(cp="group")
+@boundary(cp="group")
 def allgather_cp(x: Tensor, group: ProcessGroup | None, seq_dim: int = 1) -> Tensor:
     """Gather CP-sharded (load-balanced) tensors back into canonical sequence order.
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lossfx._compile_errors import keep_errors_under_compile
-from lossfx._consistency import checked_collective
+from lossfx._consistency import boundary
 from lossfx._distributed import ProcessGroup, group_size
 from lossfx._dtensor import replicated, vocab_shard
 from lossfx._numerics import compute_dtype, log_softmax_rows
@@ -48,8 +47,7 @@ def _to_canonical(x: Tensor, seq: int, cp_group: ProcessGroup | None) -> Tensor:
     return allgather_cp(x, cp_group, seq_dim=1)[:, :seq]
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="equal")
+@boundary(vocab="equal")
 def distillation_topk_logprobs(
     student_logits: Tensor,
     teacher_topk_logits: Tensor,

@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lossfx._compile_errors import keep_errors_under_compile
-from lossfx._consistency import checked_collective
+from lossfx._consistency import boundary
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
@@ -38,8 +37,7 @@ from lossfx.context_parallel import shard_for_cp_rank
 __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
 
 
-@keep_errors_under_compile
-@checked_collective(cp="cp_group")
+@boundary(cp="cp_group")
 def shift_left(x: Tensor, cp_group: ProcessGroup | None = None) -> Tensor:
     """Shift `x [B, S_l, ...]` one position left along dim 1 in canonical order; last row zero.
 
@@ -71,8 +69,7 @@ def shift_left(x: Tensor, cp_group: ProcessGroup | None = None) -> Tensor:
     return torch.cat([x[:, 1:n], after_first.unsqueeze(1), x[:, n + 1 :], after_second.unsqueeze(1)], dim=1)
 
 
-@keep_errors_under_compile
-@checked_collective(
+@boundary(
     vocab="equal",
     local=check_view("teacher_logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True),
 )
@@ -130,8 +127,7 @@ def map_to_draft_vocab(
     return mine.movedim(0, -1)
 
 
-@keep_errors_under_compile
-@checked_collective(
+@boundary(
     vocab="equal",
     local=check_view("logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True),
 )

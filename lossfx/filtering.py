@@ -47,8 +47,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
-from lossfx._compile_errors import keep_errors_under_compile
-from lossfx._consistency import checked_collective
+from lossfx._consistency import boundary
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
@@ -64,6 +63,7 @@ from lossfx._validation import (
     check_ids_in_range,
     check_integer_ids,
     check_positive_int,
+    read_now,
 )
 
 __all__ = [
@@ -296,38 +296,15 @@ def _candidates(
 
 def _tie_count(
     logits: Tensor,
-    local: Tensor,
     tau_k: Tensor,
-    k: int,
     chunks: list[tuple[int, int]],
     cdtype: torch.dtype,
     group: ProcessGroup | None,
 ) -> Tensor:
-    """`[N]` int64: the global number of entries equal to `τ_k`.
-
-    Compiled: one fused counting pass. Eager: counted in the local top-(k+1) values, which hold
-    every local tie unless their smallest also equals `τ_k` while columns remain outside them;
-    only such rows, flagged identically on every rank, are counted with a pass, a chunk of
-    flagged rows at a time (never more than one chunk of rows copied).
-    """
-    if torch.compiler.is_compiling():
-        return all_reduce(_count_eq(logits, tau_k, chunks, cdtype), "sum", group)
-    local_vocab = logits.shape[1]
-    counted = (local == tau_k[:, None]).sum(dim=-1, dtype=torch.int64)  # [N]
-    hidden = (local[:, -1] == tau_k) & (local_vocab > k + 1)  # [N]: ties may lie outside
-    merged = all_reduce(torch.stack([counted, hidden.to(torch.int64)]), "sum", group)  # [2, N]
-    counts, flagged = merged[0], merged[1] > 0
-    rows = flagged.nonzero().view(-1)  # the same rows on every rank
-    if rows.numel() > 0:
-        step = max(e - s for s, e in chunks)
-        parts = []
-        for s in range(0, rows.numel(), step):
-            sub_rows = rows[s : s + step]
-            sub = logits.index_select(0, sub_rows)  # [≤C, Vl]: one chunk
-            parts.append(_count_eq(sub, tau_k[sub_rows], [(0, sub.shape[0])], cdtype))
-        exact = all_reduce(torch.cat(parts), "sum", group)
-        counts = counts.index_copy(0, rows, exact)
-    return counts
+    """`[N]` int64: the global number of entries equal to `τ_k`: one fused counting pass over the
+    logits, eager and compiled (no host read: the local top-(k+1) candidates hold the count on
+    most rows, but finding the other rows on the host would cost a device→host read)."""
+    return all_reduce(_count_eq(logits, tau_k, chunks, cdtype), "sum", group)
 
 
 def _split_top_p(top_p: float) -> tuple[float, float]:
@@ -542,9 +519,9 @@ def _thresholds(
     n: Tensor | None = None
     if k is not None and use_candidates:
         # 1. the global top-k multiset from per-rank candidates: one all-gather of [N, k]
-        cand, local = _candidates(logits, k, chunks, cdtype, group)  # [N, k], [N, w]
+        cand, _ = _candidates(logits, k, chunks, cdtype, group)  # [N, k]
         # 2. the tie group at τ_k completes the survivors; top-p over the sorted candidates
-        ties_k = _tie_count(logits, local, cand[:, -1], k, chunks, cdtype, group)  # [N]
+        ties_k = _tie_count(logits, cand[:, -1], chunks, cdtype, group)  # [N]
         tau, n, tied, shift, log_s = _from_candidates(cand, ties_k, top_p, sort_ties)
     else:
         # bisection: top-k by global counts, then top-p by global masses
@@ -572,7 +549,8 @@ def _thresholds(
     cut = None
     if n is not None:
         columns = torch.arange(local_vocab, device=logits.device) + vocab_start  # [Vl] global ids
-        if torch.compiler.is_compiling() or bool((n < tied).any()):  # eager: skip when no tie is cut
+        # eager: the ⌈log2 V⌉-pass bisection only when a tie is cut (read with the call's checks)
+        if torch.compiler.is_compiling() or read_now((n < tied).any())[0]:
             cut = _id_cut(logits, tau, n, columns, vocab_size, chunks, cdtype, group)
         else:
             cut = torch.zeros_like(n)
@@ -724,8 +702,7 @@ def _flat_logits(logits: Tensor) -> Tensor:
     return logits.reshape(-1, logits.shape[-1])  # [N, Vl]
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="sized", local=check_view("logits"))
+@boundary(vocab="sized", local=check_view("logits"))
 def top_k_top_p_threshold(
     logits: Tensor,
     *,
@@ -809,8 +786,7 @@ def top_k_top_p_threshold(
     return tau, cut.view(logits.shape[:-1])
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="sized", local=check_view("logits"))
+@boundary(vocab="sized", local=check_view("logits"))
 def apply_top_k_top_p(
     logits: Tensor,
     *,
@@ -867,8 +843,7 @@ def apply_top_k_top_p(
     return torch.where(keep, logits, torch.full_like(logits, float("-inf"))), keep
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="tiled", local=check_view("logits"))
+@boundary(vocab="tiled", local=check_view("logits"))
 def filtered_token_logprobs(
     logits: Tensor,
     target: Tensor,

@@ -36,8 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._compile_errors import keep_errors_under_compile
-from lossfx._consistency import checked_collective
+from lossfx._consistency import boundary
 from lossfx._deprecation import renamed_keyword
 from lossfx._distributed import (
     ProcessGroup,
@@ -56,6 +55,7 @@ from lossfx._validation import (
     check_ids_in_range,
     check_integer_ids,
     check_positive_int,
+    read_now,
     values_checkable,
 )
 from lossfx.context_parallel import allgather_cp, check_covers_sequence, shard_padded_for_cp
@@ -67,18 +67,21 @@ __all__ = ["linear_gather_logprobs", "linear_next_token_logprobs", "linear_token
 
 class _FusedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, local_idx, owned, valid, head, with_entropy, chunk_rows, group, seq_par):
-        # hidden [N or N/R, H], weight [Vl, H], bias [Vl] or None, local_idx/owned/valid [N, K]
+    def forward(
+        ctx, hidden, weight, bias, local_idx, owned, valid, rows, head, with_entropy, chunk_rows, group, seq_par
+    ):
+        # hidden [N or N/R, H], weight [Vl, H], bias [Vl] or None, local_idx/owned/valid [N, K],
+        # rows: the rows to compute (`LinearRows.active_rows`)
         full_hidden = hidden
         if seq_par and is_distributed(group):
             full_hidden = all_gather_stack(hidden, group).flatten(0, 1)  # [N, H], rank order
         active = valid.any(dim=1)  # [N]: rows with at least one id that is not ignore_index
-        stats = linear_local_stats(full_hidden, weight, bias, local_idx, owned, active, *head, with_entropy, chunk_rows)
+        stats = linear_local_stats(full_hidden, weight, bias, local_idx, owned, rows, *head, with_entropy, chunk_rows)
         merged = all_gather_stack(stats, group)  # [R, 3 + K, N]: per-row scalars only
         logprobs, neg_entropy, shift, log_s = merge_row_stats(merged, local_idx.shape[1])
         logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))  # ignored ids: 0
         neg_entropy = torch.where(active, neg_entropy, torch.zeros_like(neg_entropy))  # ignored rows: 0
-        ctx.save_for_backward(full_hidden, weight, bias, local_idx, owned, valid, active, shift, log_s, neg_entropy)
+        ctx.save_for_backward(full_hidden, weight, bias, local_idx, owned, valid, rows, shift, log_s, neg_entropy)
         ctx.head, ctx.with_entropy, ctx.chunk_rows = head, with_entropy, chunk_rows
         ctx.group, ctx.seq_par = group, seq_par
         ctx.hidden_dtype = hidden.dtype
@@ -86,7 +89,7 @@ class _FusedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dlogprobs, dneg_entropy):
-        full_hidden, weight, bias, local_idx, owned, valid, active, shift, log_s, neg_entropy = ctx.saved_tensors
+        full_hidden, weight, bias, local_idx, owned, valid, rows, shift, log_s, neg_entropy = ctx.saved_tensors
         cdtype = shift.dtype
         g = torch.where(valid, dlogprobs.to(cdtype), torch.zeros((), dtype=cdtype, device=shift.device))  # [N, K]
         grad_ids = torch.where(owned, g, torch.zeros_like(g))
@@ -95,7 +98,7 @@ class _FusedLinearFn(torch.autograd.Function):
             weight,
             bias,
             local_idx,
-            active,
+            rows,
             grad_ids,
             g.sum(dim=1),
             dneg_entropy.to(cdtype),
@@ -107,7 +110,7 @@ class _FusedLinearFn(torch.autograd.Function):
             ctx.chunk_rows,
         )
         dbias = None if bias is None else dbias.to(bias.dtype)
-        nones = (None,) * 8
+        nones = (None,) * 9
         if not ctx.needs_input_grad[0]:  # the same on every rank, so the collective is skipped by all
             return None, dweight, dbias, *nones
         if ctx.seq_par:
@@ -171,7 +174,7 @@ _REPLICATED = ("ids", "target", "input_ids", "logprob_weight", "entropy_weight")
 
 
 def local_view(seq_dim: int) -> Any:
-    """The consistency check's view of a fused call with DTensors (`checked_collective(local=...)`):
+    """The consistency check's view of a fused call with DTensors (`boundary(local=...)`):
     the arguments with local tensors and the group and offsets of the weight's placement, and the
     FSDP2 remedy to append when the ranks' hidden states differ under a DTensor weight."""
 
@@ -214,6 +217,9 @@ class LinearRows(typing.NamedTuple):
     local_idx: Tensor  # [N, K] column of each id in this shard (0 where not owned or ignored)
     owned: Tensor  # [N, K] whether this shard owns the id (False where ignored)
     valid: Tensor  # [N, K] whether the id is not ignore_index
+    # the rows to compute: eager, the int64 index of the rows with an id that is not ignore_index
+    # (its length read with the call's checks, once); compiled, their bool mask [N] (read in the op)
+    active_rows: Tensor
     head: LogitHead  # temperature, logit_scale, softcap
     chunk_rows: int  # 0: the loop picks its default
 
@@ -291,7 +297,11 @@ def prepare_linear_rows(
     chunk_rows = 0 if chunk_size is None else chunk_size  # 0: each loop picks its default
     flat_hidden = hidden.reshape(hidden_rows, hidden_size)  # [N or N/R, H]
     local_idx, owned = local_columns(torch.where(valid, flat_ids, -1), vocab_start, local_vocab)
-    return LinearRows(flat_hidden, local_idx, owned, valid, LogitHead(temperature, logit_scale, softcap), chunk_rows)
+    active = valid.any(dim=1)  # [N]
+    if values_checkable(ids):
+        active = torch.nonzero_static(active, size=read_now(active.sum())[0])[:, 0]
+    head = LogitHead(temperature, logit_scale, softcap)
+    return LinearRows(flat_hidden, local_idx, owned, valid, active, head, chunk_rows)
 
 
 def _options(
@@ -336,6 +346,7 @@ def _linear_gather(
         rows.local_idx,
         rows.owned,
         rows.valid,
+        rows.active_rows,
         rows.head,
         with_entropy,
         rows.chunk_rows,
@@ -345,8 +356,7 @@ def _linear_gather(
     return logprobs.view(ids.shape), neg_entropy.view(ids.shape[:-1]), rows.valid.view(ids.shape)
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="tiled", local=local_view(seq_dim=0))
+@boundary(vocab="tiled", local=local_view(seq_dim=0))
 def linear_gather_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -499,8 +509,7 @@ def linear_token_logprobs(
     return_neg_entropy: bool = ...,
     return_entropy: bool | None = ...,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
-@keep_errors_under_compile
-@checked_collective(vocab="tiled", local=local_view(seq_dim=0))
+@boundary(vocab="tiled", local=local_view(seq_dim=0))
 def linear_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -607,8 +616,7 @@ def linear_token_logprobs(
     return logprobs.squeeze(-1)
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="tiled", local=local_view(seq_dim=1))
+@boundary(vocab="tiled", local=local_view(seq_dim=1))
 def linear_next_token_logprobs(
     hidden: Tensor,
     weight: Tensor,

@@ -28,8 +28,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
-from lossfx._compile_errors import keep_errors_under_compile
-from lossfx._consistency import checked_collective
+from lossfx._consistency import boundary
 from lossfx._deprecation import renamed_keyword
 from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size, local_columns
 from lossfx._dtensor import check_view, replicated, vocab_shard
@@ -245,8 +244,7 @@ def _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, chunk_size
     return ids.to(torch.int64), local_vocab, vocab_start, chunk_size
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="tiled", local=check_view("logits"))
+@boundary(vocab="tiled", local=check_view("logits"))
 def gather_logprobs(
     logits: Tensor,
     ids: Tensor,
@@ -315,8 +313,7 @@ def gather_logprobs(
     return logprobs, (neg_entropy.view(ids.shape[:-1]) if with_entropy else None)
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="tiled", local=check_view("logits"))
+@boundary(vocab="tiled", local=check_view("logits"))
 def gather_logits(
     logits: Tensor,
     ids: Tensor,

@@ -146,13 +146,15 @@ class LogitHead(typing.NamedTuple):
 
 
 def row_chunks(active: Tensor | None, n_rows: int, chunk_rows: int) -> list[slice] | list[Tensor]:
-    """The row chunks a loop visits: slices of `[0, N)`, or with `active [N]` (bool) chunks of the
-    indices of its `True` rows only (ignored rows are never computed). Reads `active` (eager, inside
-    an opaque op: one device-to-host read of the count on an accelerator)."""
-    if active is None or bool(active.all()):
+    """The row chunks a loop visits: slices of `[0, N)`, or chunks of the indices of the active
+    rows only (ignored rows are never computed). `active`: None (every row), the ascending int64
+    index of the active rows (no host read), or a bool mask `[N]` (compiled callers: read here,
+    inside the opaque op, once per forward and once per backward)."""
+    if active is not None and active.dtype == torch.bool:
+        active = None if bool(active.all()) else active.nonzero()[:, 0]
+    if active is None or active.shape[0] == n_rows:
         return [slice(s, min(n_rows, s + chunk_rows)) for s in range(0, n_rows, chunk_rows)]
-    index = active.nonzero()[:, 0]
-    return [index[s : s + chunk_rows] for s in range(0, index.shape[0], chunk_rows)]
+    return [active[s : s + chunk_rows] for s in range(0, active.shape[0], chunk_rows)]
 
 
 def add_rows_(out: Tensor, rows: slice | Tensor, value: Tensor, alpha: float = 1.0) -> None:

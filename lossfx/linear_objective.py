@@ -29,8 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._compile_errors import keep_errors_under_compile
-from lossfx._consistency import checked_collective
+from lossfx._consistency import boundary
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
@@ -321,8 +320,7 @@ class _LinearObjectiveFn(torch.autograd.Function):
         return dh, dw, db, None, None, None, dlw, dew, None, None, None, None, None, None, None
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="tiled", local=local_view(seq_dim=0))
+@boundary(vocab="tiled", local=local_view(seq_dim=0))
 def linear_logprob_objective(
     hidden: Tensor,
     weight: Tensor,
@@ -455,7 +453,7 @@ def linear_logprob_objective(
         options["bias"],
         rows.local_idx[:, 0],
         rows.owned[:, 0],
-        rows.valid[:, 0],
+        rows.active_rows,
         lw,
         ew,
         rows.head,

@@ -25,9 +25,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._compile_errors import keep_errors_under_compile
-from lossfx._consistency import checked_collective, loss_input_vocab_policy, vocab_shard_range
-from lossfx._distributed import ProcessGroup, check_group, check_vocab_parallel, group_size
+from lossfx._consistency import (
+    boundary,
+    loss_input_vocab_policy,
+    vocab_shard_range,
+    vocab_size_when_read,
+)
+from lossfx._distributed import ProcessGroup, check_group, check_vocab_parallel
 from lossfx._dtensor import check_view, entry_point_on_local, has_dtensor, replicated, vocab_shard
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
@@ -69,8 +73,7 @@ def _vocab_parallel(
     return check_vocab_parallel(vocab_parallel_rank, vocab_parallel_group), vocab_parallel_group
 
 
-@keep_errors_under_compile
-@checked_collective(
+@boundary(
     vocab="auto",
     local=check_view("logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True),
 )
@@ -130,6 +133,10 @@ def next_token_logprobs(
         ignored = input_ids[:, 1:] == ignore_index  # [B, S-1]
         input_ids = input_ids.masked_fill(input_ids == ignore_index, 0)  # any valid id; replaced below
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+    integer = isinstance(input_ids, torch.Tensor) and not (input_ids.is_floating_point() or input_ids.is_complex())
+    if integer and input_ids.dtype != torch.bool and input_ids.dim() == 2 and logits.dim() == 3:  # read with the check
+        vocab = vocab_size_when_read(logits.shape[-1], group)
+        check_ids_in_range("input_ids", input_ids[:, 1:], vocab, column_offset=1)
     vocab_start, vocab_size = vocab_shard_range(logits.shape[-1], group)  # uneven shards (eager)
     out = _next_token_logprobs(
         logits,
@@ -146,8 +153,7 @@ def next_token_logprobs(
     return out if ignored is None else torch.where(ignored.to(out.device), torch.zeros_like(out), out)
 
 
-@keep_errors_under_compile
-@checked_collective(vocab=loss_input_vocab_policy)
+@boundary(vocab=loss_input_vocab_policy)
 def prepare_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -318,8 +324,7 @@ def _prepare_logprob_input(
     check_integer_ids("data['input_ids']", input_ids)
     if input_ids.dim() == 2 and logits.dim() == 3:  # else next_token_logprobs raises on the shapes
         # the scored ids input_ids[:, 1:] (position 0 is never scored), reported at their own (b, t)
-        _, vocab_size = vocab_shard_range(logits.shape[-1], vocab_parallel_group)  # uneven shards (eager)
-        vocab = vocab_size if vocab_size is not None else group_size(vocab_parallel_group) * logits.shape[-1]
+        vocab = vocab_size_when_read(logits.shape[-1], vocab_parallel_group)  # uneven shards (eager)
         check_ids_in_range("data['input_ids']", input_ids[:, 1:], vocab, column_offset=1)
     layout = {
         "vocab_parallel_rank": vocab_parallel_rank,
@@ -344,8 +349,7 @@ def _prepare_logprob_input(
     return {"next_token_logprobs": logprobs}
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="equal")
+@boundary(vocab="equal")
 def prepare_opd_full_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -423,8 +427,7 @@ def prepare_opd_full_loss_input(
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="auto")
+@boundary(vocab="auto")
 def prepare_packed_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],

@@ -20,14 +20,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._compile_errors import keep_errors_under_compile
+from lossfx import _host_reads
+from lossfx._consistency import boundary
 from lossfx._dtensor import replicated
 from lossfx._validation import check_floating, check_tensor, values_checkable
 
 __all__ = ["loss_mask_from_data", "mask_out_neg_inf_logprobs"]
 
 
-@keep_errors_under_compile
+@boundary(collectives=False)
 def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logprobs") -> Tensor:
     """Zero every position whose mask is 0 or whose log-prob is `±inf`; warn about valid ones.
 
@@ -60,14 +61,17 @@ def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logpr
         )
     valid = mask != 0
     not_inf = ~torch.isinf(logprobs)  # NaN passes through (issue 10 item 3)
-    if values_checkable(logprobs, mask):
-        bad = int((valid & ~not_inf).sum())
-        if bad:
-            warnings.warn(
-                f"{bad}/{int(valid.sum())} valid tokens have -inf in {name} (policy top-k/top-p "
-                "mismatch). Masking out these positions.",
-                stacklevel=2,
-            )
+    if values_checkable(logprobs, mask):  # read with the call's other host reads
+
+        def warn_if_bad(counts: list[int]) -> None:
+            if counts[0]:
+                warnings.warn(
+                    f"{counts[0]}/{counts[1]} valid tokens have -inf in {name} (policy top-k/top-p "
+                    "mismatch). Masking out these positions.",
+                    stacklevel=2,
+                )
+
+        _host_reads.defer(torch.stack([(valid & ~not_inf).sum(), valid.sum()]), warn_if_bad)
     return torch.where(valid & not_inf, logprobs, torch.zeros_like(logprobs))
 
 

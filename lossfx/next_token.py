@@ -28,11 +28,16 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from lossfx._compile_errors import keep_errors_under_compile
-from lossfx._consistency import checked_collective
+from lossfx._consistency import boundary
 from lossfx._distributed import ProcessGroup, group_rank, group_size
 from lossfx._dtensor import replicated, vocab_shard
-from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
+from lossfx._validation import (
+    check_floating,
+    check_ids_in_range,
+    check_integer_ids,
+    check_positive_int,
+    mark_checked,
+)
 from lossfx.context_parallel import allgather_cp, check_covers_sequence, shard_for_cp_rank, shard_padded_for_cp
 from lossfx.filtering import filtered_token_logprobs
 from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
@@ -139,7 +144,7 @@ class LoadBalancedSharder:
         return full
 
 
-@checked_collective(vocab="tiled")
+@boundary(vocab="tiled")
 def target_logprobs(
     logits: Tensor,
     target: Tensor,
@@ -174,7 +179,7 @@ def target_logprobs(
     )
 
 
-@checked_collective(vocab="tiled")
+@boundary(vocab="tiled")
 def next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,
@@ -248,6 +253,7 @@ def next_token_logprobs(
         target = shard_padded_for_cp(target, local_len, context_parallel_group)  # [B, S_l]
     # 3. the kernel on this rank's logits
     rows = None if chunk_size is None else chunk_size * batch
+    mark_checked(target, vocab)  # input_ids[:, 1:] (checked above) and zeros
     local = target_logprobs(
         logits,
         target,
@@ -265,8 +271,7 @@ def next_token_logprobs(
     return zero_sequence_ends(local[:, : max(seq - 1, 0)], ends)
 
 
-@keep_errors_under_compile
-@checked_collective(vocab="equal")
+@boundary(vocab="equal")
 def next_token_filtered_logprobs(
     logits: Tensor,
     input_ids: Tensor,

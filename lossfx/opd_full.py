@@ -28,8 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._compile_errors import keep_errors_under_compile
-from lossfx._consistency import checked_collective
+from lossfx._consistency import boundary
 from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
 from lossfx._dtensor import VocabShard, _same_group, entry_point_on_local, is_dtensor, replicated, vocab_shard
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
@@ -287,7 +286,7 @@ def _aligned_teacher(
     return _project_per_teacher(payload, heads, position, output_dtype)  # [B, S_l, Vl]
 
 
-@keep_errors_under_compile
+@boundary(collectives=False)
 def reconstruct_opd_full_teacher_logits(
     payload: Tensor,
     *,
@@ -452,7 +451,7 @@ def _tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int
     return check_vocab_parallel(vocab_parallel_rank, group)
 
 
-@checked_collective(vocab="equal")
+@boundary(vocab="equal")
 def prepare_opd_full(
     logits: Tensor,
     data: MutableMapping[str, Any],

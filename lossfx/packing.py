@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._consistency import checked_collective
+from lossfx import _host_reads
+from lossfx._consistency import boundary
 from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
 from lossfx._validation import check_integer_ids, check_tensor, values_checkable
 from lossfx.interfaces import TrainingSamplingParams
@@ -134,12 +135,16 @@ def check_packed_input_ids(
             length = min(cu_q[b + 1] - cu_q[b], cu_p[b + 1] - cu_p[b])
             scored[b] = (position >= 1) & (position < length)
     bad = scored & ((input_ids < 0) | (input_ids >= vocab))
-    if bool(bad.any()):
-        where = bad.nonzero()[:5].tolist()
-        raise ValueError(
-            f"{name} must lie in [0, {vocab}) at the scored positions (each sequence's tokens after its "
-            f"first); {int(bad.sum())} entries do not, e.g. values {input_ids[bad][:5].tolist()} at positions {where}"
-        )
+
+    def raise_if_bad(count: list[int]) -> None:  # read with the call's other host reads
+        if count[0]:
+            where = bad.nonzero()[:5].tolist()
+            raise ValueError(
+                f"{name} must lie in [0, {vocab}) at the scored positions (each sequence's tokens after its "
+                f"first); {count[0]} entries do not, e.g. values {input_ids[bad][:5].tolist()} at positions {where}"
+            )
+
+    _host_reads.defer(bad.sum(), raise_if_bad)
 
 
 def _slot_of_local(cu_p: Tensor, local_len: int, cp_rank: int, cp_size: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -188,7 +193,7 @@ def _local_targets(
     return torch.where(has_next, token, torch.zeros_like(token))
 
 
-@checked_collective(vocab="tiled")
+@boundary(vocab="tiled")
 def packed_next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,

@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lossfx._compile_errors import keep_errors_under_compile
-from lossfx._consistency import checked_collective, vocab_topk_policy
+from lossfx._consistency import boundary, vocab_topk_policy
 from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size
 from lossfx._dtensor import check_view, vocab_shard
 from lossfx._numerics import compute_dtype
@@ -46,8 +45,7 @@ def _sorted_by_value_then_id(values: Tensor, ids: Tensor, k: int) -> tuple[Tenso
     return values.gather(-1, by_value), ids.gather(-1, by_value)
 
 
-@keep_errors_under_compile
-@checked_collective(vocab=vocab_topk_policy, local=check_view("logits", even=True))
+@boundary(vocab=vocab_topk_policy, local=check_view("logits", even=True))
 @torch.no_grad()
 def vocab_topk(
     logits: Tensor,

@@ -250,13 +250,13 @@ def _count_gathers(rank, world, group, counts):
 
 def test_one_signature_gather_per_entry_call(monkeypatch):
     counts = [0, 0]
-    gather = _consistency._gather
+    gather = _consistency._gather_on_device
 
     def counting(sig, group):
         counts[group.rank()] += 1
         return gather(sig, group)
 
-    monkeypatch.setattr(_consistency, "_gather", counting)
+    monkeypatch.setattr(_consistency, "_gather_on_device", counting)
     # prepare_loss_input -> next_token_logprobs (twice: filtered and unfiltered) -> target_logprobs
     # -> filtered_token_logprobs / token_logprobs: one check for all of them
     assert thread_world(2).run(_count_gathers, counts) == [1, 1]
@@ -291,7 +291,7 @@ def test_no_graph_break_under_compile(monkeypatch):
     def fail(sig, group):
         raise AssertionError("the signature gather ran inside compiled code")
 
-    monkeypatch.setattr(_consistency, "_gather", fail)
+    monkeypatch.setattr(_consistency, "_gather_on_device", fail)
     results = thread_world(2).run(_compiled_step)  # fullgraph=True: a graph break would raise
     ref = reference.token_logprobs(_logits(2, 3, 8, 6), _ids(2, 3, 8, 6)).sum()
     for value, frames in results:

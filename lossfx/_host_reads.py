@@ -1,0 +1,108 @@
+"""Read once: the device→host reads of one public call, batched into one transfer.
+
+A host read (`bool(t)`, `t.item()`, `t.tolist()`, `t.nonzero()`) waits for the device stream.
+The boundary of a public call needs a few: the range checks of its ids (a count of bad entries),
+the cross-rank check (the gathered signatures), the fused functions' count of active rows. Inside
+the outermost public call (`outermost`) each of them is `defer`red: a small device tensor and a
+handler for its values. `settle` reads every deferred tensor with ONE `tolist()` of their
+concatenation, then runs the handlers in the order they were deferred (the first that raises
+wins). It runs before the call's first collective (`lossfx._distributed`), where a kernel needs
+a value on the host (`read_now`: read with the deferred ones), and when the call returns or
+raises. Outside a public call (or while `torch.compile`
+traces: nothing is deferred there) `defer` reads at once. A check that already ran in this call
+(the same ids, the same range: nested public calls re-check what the outer one checked) is
+skipped (`seen`). Dense equivalent: `for t, handler in deferred: handler(t.tolist())`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+__all__ = ["defer", "depth", "nested", "outermost", "read_now", "seen", "settle"]
+
+Handler = Callable[[list[int]], None]
+_state = threading.local()  # .depth: public calls entered; .pending: [(tensor, handler)] or None (read at once)
+
+
+def depth() -> int:
+    """How many public calls this thread is inside (0: none, 1: the outermost, >1: nested)."""
+    if torch.compiler.is_compiling():
+        return 0
+    return getattr(_state, "depth", 0)
+
+
+def defer(values: Tensor, handler: Handler) -> None:
+    """Call `handler(values.reshape(-1).tolist())`, now or at the next `settle` of this call."""
+    pending = None if torch.compiler.is_compiling() else getattr(_state, "pending", None)
+    if pending is None:
+        handler(values.reshape(-1).tolist())
+    else:
+        pending.append((values, handler))
+
+
+def seen(key: object) -> bool:
+    """Whether a check with this `key` already ran (or is deferred) in this outermost call;
+    records it. Outside a public call: always False."""
+    keys = None if torch.compiler.is_compiling() else getattr(_state, "keys", None)
+    if keys is None:
+        return False
+    if key in keys:
+        return True
+    keys.add(key)
+    return False
+
+
+def read_now(values: Tensor) -> list[int]:
+    """`values.reshape(-1).tolist()` (as int64), read together with the deferred checks (one read)."""
+    out: list[int] = []
+    defer(values, out.extend)
+    settle()
+    return out
+
+
+def settle() -> None:
+    """Read every deferred tensor in one transfer and run their handlers (in order)."""
+    if torch.compiler.is_compiling():  # nothing is deferred while tracing
+        return
+    pending = getattr(_state, "pending", None)
+    if not pending:
+        return
+    _state.pending = []  # later checks wait for the next settle of this call
+    device = next((t.device for t, _ in pending if t.device.type != "cpu"), torch.device("cpu"))
+    flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.int64) for t, _ in pending])
+    values: list[int] = flat.tolist()  # the one host read
+    start = 0
+    for t, handler in pending:
+        handler(values[start : start + t.numel()])
+        start += t.numel()
+
+
+@contextlib.contextmanager
+def outermost() -> Iterator[None]:
+    """The scope of an outermost public call: defers until the first `settle`, settles on exit.
+    On an exception the deferred checks run first: an error they find (the cause, the same on
+    every rank for the cross-rank check) replaces the one it provoked."""
+    _state.depth, _state.pending, _state.keys = 1, [], set()
+    try:
+        yield
+        settle()
+    except Exception:
+        settle()
+        raise
+    finally:
+        _state.depth, _state.pending, _state.keys = 0, None, None
+
+
+@contextlib.contextmanager
+def nested() -> Iterator[None]:
+    """The scope of a public call made inside another one."""
+    _state.depth = depth() + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1

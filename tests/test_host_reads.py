@@ -1,0 +1,130 @@
+"""The host-read budget (issue 15): at most one device→host read per public call with the checks
+on, eager, on 1 and 2 gloo ranks; none in a compiled graph. Counted with a `TorchDispatchMode`
+(`benchmarks/bench_syncs.py`: `_local_scalar_dense`, `is_nonzero`, `item`, `nonzero`, `equal`,
+and `Tensor.tolist`). The read-once collector (`lossfx/_host_reads.py`) keeps every check's
+error: a deferred check still raises its own ValueError, in a nested call too.
+"""
+
+import inspect
+
+import harness
+import pytest
+import torch
+from harness import gloo_pool
+
+import lossfx
+from benchmarks.bench_syncs import compiled_host_reads, count_host_reads, entry_points
+from lossfx import _host_reads, reference
+
+NOT_CALLED = {"need_top_k_or_top_p_filtering"}  # takes no tensor
+
+
+def _public_functions_taking_tensors():
+    names = set()
+    for name in lossfx.__all__:
+        obj = getattr(lossfx, name)
+        if callable(obj) and not inspect.isclass(obj) and name not in NOT_CALLED:
+            names.add(name)
+    return names
+
+
+def test_every_public_entry_point_reads_at_most_once():
+    calls = entry_points(0, 1, None, every=True)
+    calls["shard_for_cp_rank"] = lambda: lossfx.shard_for_cp_rank(torch.randn(2, 8, 3), 0, 1)
+    calls["unshard"] = lambda: lossfx.unshard([torch.randn(2, 8, 3)])
+    covered = {name.split(" ")[0].rstrip(",") for name in calls}
+    assert _public_functions_taking_tensors() <= covered, _public_functions_taking_tensors() - covered
+    counts = {}
+    for name, call in calls.items():
+        call()  # warm-up: lazy imports, first-call caches
+        counts[name] = count_host_reads(call)
+    assert {name: n for name, n in counts.items() if n > 1} == {}
+    # the range checks read: a call that checks ids reads exactly once
+    assert counts["token_logprobs"] == counts["prepare_loss_input LOGPROB top-k + KL"] == 1
+    assert counts["linear_logprob_objective, ignored targets + backward"] == 1
+
+
+def _two_ranks(rank, world, group):
+    counts = {}
+    for name, call in entry_points(rank, world, group).items():
+        call()
+        counts[name] = count_host_reads(call)
+    return counts
+
+
+# on several ranks, a host value needed after the call's first collective is a second read
+TWO_READS = {
+    "prepare_loss_input LOGPROB top-k + KL": "the count of -inf filtered log-probs (a warning)",
+    "prepare_loss_input LOGPROB top-k + top-p": "whether a top-p tie is cut (n < tied)",
+}
+
+
+def test_two_gloo_ranks_read_once(monkeypatch):
+    """The cross-rank check's gathered signatures, the range checks (against the vocabulary size
+    the check reports) and the fused functions' count of active rows share one read."""
+    monkeypatch.setattr(harness, "_TIMEOUT_S", 300.0)
+    for counts in gloo_pool(2).run(_two_ranks):
+        assert counts == {name: 2 if name in TWO_READS else 1 for name in counts}
+
+
+@pytest.mark.compile
+def test_compiled_graphs_read_nothing():
+    calls = entry_points(0, 1, None)
+    for name in ("token_logprobs", "linear_token_logprobs, ignored targets"):
+        assert compiled_host_reads(calls[name]) == 0, name
+
+
+def test_deferred_range_check_raises_from_a_nested_call():
+    """`token_logprobs` checks through the public `token_logprobs_with_lse` it calls."""
+    logits = torch.randn(3, 5, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"target must lie in \[0, 5\); 1 entries do not, e\.g\. values \[7\]"):
+        lossfx.token_logprobs(logits, torch.tensor([1, 2, 7]))
+    good = torch.tensor([1, 2, 4])
+    torch.testing.assert_close(lossfx.token_logprobs(logits, good), reference.token_logprobs(logits, good))
+
+
+def test_fused_ignored_rows_match_the_reference_with_one_read():
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(7, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(9, 4, dtype=torch.float64, generator=gen)
+    target = torch.tensor([1, -100, 8, 0, -100, -100, 5])
+    keep = target != -100
+
+    def call():
+        return lossfx.linear_token_logprobs(hidden, weight, target, chunk_size=2)
+
+    assert count_host_reads(call) == 1
+    out = call()
+    out.sum().backward()
+    zh = hidden.detach().clone().requires_grad_()
+    ref = reference.token_logprobs(zh @ weight.T, target.clamp(min=0))
+    ref = torch.where(keep, ref, torch.zeros_like(ref))
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(hidden.grad, zh.grad, rtol=0, atol=1e-12)
+    assert bool((hidden.grad[~keep] == 0).all())
+
+
+def test_collector_reads_once_and_runs_handlers_in_order():
+    seen = []
+    with _host_reads.outermost():
+        _host_reads.defer(torch.tensor([3, 4]), seen.append)
+        _host_reads.defer(torch.tensor(True), seen.append)
+        assert seen == []
+        assert _host_reads.read_now(torch.tensor(5)) == [5]
+        assert seen == [[3, 4], [1]]
+        _host_reads.defer(torch.tensor(6), seen.append)  # waits for the next settle (here: the exit)
+        assert seen[-1] == [1]
+    assert seen[-1] == [6]
+    _host_reads.defer(torch.tensor(7), seen.append)  # outside a call: at once
+    assert seen[-1] == [7]
+
+
+def test_a_deferred_error_replaces_the_error_it_provoked():
+    def fail(values):
+        raise ValueError(f"the check's error {values}")
+
+    with pytest.raises(ValueError, match=r"the check's error \[1\]"):
+        with _host_reads.outermost():
+            _host_reads.defer(torch.tensor(1), fail)
+            raise RuntimeError("index out of range, caused by the bad input")
