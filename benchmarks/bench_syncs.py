@@ -139,11 +139,12 @@ def _every_other(logits, ids, hidden, weight, ignored):
         "filtered_token_logprobs": lambda: lossfx.filtered_token_logprobs(logits, ids, top_k=4, top_p=0.9),
         "next_token_filtered_logprobs": lambda: lossfx.next_token_filtered_logprobs(logits, ids, top_k=4),
         "gather_logits": lambda: lossfx.gather_logits(logits, topk_ids),
-        "gather_logprobs": lambda: lossfx.gather_logprobs(logits, topk_ids, with_entropy=True),
+        "gather_logprobs": lambda: lossfx.gather_logprobs(logits, topk_ids, with_neg_entropy=True),
         "vocab_topk": lambda: lossfx.vocab_topk(logits, 3),
         "apply_top_k_top_p": lambda: lossfx.apply_top_k_top_p(logits, top_k=4, top_p=0.9),
         "top_k_top_p_threshold": lambda: lossfx.top_k_top_p_threshold(logits, top_k=4, top_p=0.9),
-        "entropy": lambda: lossfx.entropy(logits),
+        "neg_entropy": lambda: lossfx.neg_entropy(logits),
+        "entropy": lambda: lossfx.entropy(logits),  # the deprecated name (a FutureWarning)
         "cross_entropy_to_fixed": lambda: lossfx.cross_entropy_to_fixed(logits, teacher),
         "reverse_kl_to_fixed": lambda: lossfx.reverse_kl_to_fixed(logits, teacher),
         "distillation_topk_logprobs": lambda: lossfx.distillation_topk_logprobs(
