@@ -221,8 +221,13 @@ def prepare_loss_input(
         >>> out["next_token_logprobs"]
         tensor([[-1.3863, -1.3863]])
     """
-    dtensors = has_dtensor(logits, data) or has_dtensor_head(teacher_output_layer_weight_by_index)
-    if dtensors and _input_type(loss_fn) is LossInputType.OPD_FULL:  # its boundary also maps the teacher heads
+    input_type = _input_type(loss_fn)
+    dtensors = has_dtensor(logits, data)
+    if not dtensors:
+        check_tensor("logits", logits)
+        check_group("vocab_parallel_group", vocab_parallel_group)
+        check_group("context_parallel_group", context_parallel_group)
+    if input_type is LossInputType.OPD_FULL:  # its own boundary also maps DTensor logits, columns and teacher heads
         return prepare_opd_full_loss_input(
             logits,
             data,
@@ -235,7 +240,7 @@ def prepare_loss_input(
             teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
             teacher_logits_dtype=teacher_logits_dtype,
         ), data
-    if has_dtensor(logits, data):  # DTensor boundary: lossfx/_dtensor.py
+    if dtensors:  # DTensor boundary: lossfx/_dtensor.py
         return entry_point_on_local(
             prepare_loss_input,
             logits,
@@ -251,25 +256,8 @@ def prepare_loss_input(
             teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
             teacher_logits_dtype=teacher_logits_dtype,
         )
-    input_type = _input_type(loss_fn)
-    check_tensor("logits", logits)
-    check_group("vocab_parallel_group", vocab_parallel_group)
-    check_group("context_parallel_group", context_parallel_group)
     if input_type is LossInputType.LOGIT:
         return {"logits": logits}, data
-    if input_type is LossInputType.OPD_FULL:
-        return prepare_opd_full_loss_input(
-            logits,
-            data,
-            loss_fn,
-            vocab_parallel_rank=vocab_parallel_rank,
-            vocab_parallel_group=vocab_parallel_group,
-            context_parallel_group=context_parallel_group,
-            sampling_params=sampling_params,
-            chunk_size=chunk_size,
-            teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
-            teacher_logits_dtype=teacher_logits_dtype,
-        ), data
     if input_type is LossInputType.DISTILLATION:
         return _prepare_distillation_input(
             logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, context_parallel_group, chunk_size
