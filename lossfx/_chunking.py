@@ -10,6 +10,10 @@ and `chunk_size` does not change the graph: results do not depend on it either w
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
 import torch
 
 # Rows per chunk when the caller gives none: about this many bytes per compute-dtype temporary,
@@ -18,6 +22,56 @@ import torch
 # of the logits.
 DEFAULT_CHUNK_BYTES = 8 << 20
 MIN_CHUNK_ROWS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkPolicy:
+    """How large the eager loops' temporaries may be on one kind of device (a memory budget).
+
+    A CPU wants cache-sized chunks; a GPU pays ~5 µs per launched kernel, so it wants few, large
+    chunks. Every loop count derived from a policy must depend only on rank-independent sizes
+    (the global vocabulary, N, H), never on this rank's shard width or free memory, so that every
+    rank runs the same collectives.
+
+    Attributes:
+        row_bytes: bytes of one `[C, V]` compute-dtype temporary of a logits-side row loop.
+        min_rows: rows per logits-side chunk, at least.
+        tile_bytes: bytes of one `[C, Cv]` compute-dtype tile of the hidden × LM-head loops.
+        max_block: vocabulary rows `Cv` per hidden × LM-head tile, at most.
+    """
+
+    row_bytes: int
+    min_rows: int
+    tile_bytes: int
+    max_block: int
+
+
+CPU_POLICY = ChunkPolicy(row_bytes=DEFAULT_CHUNK_BYTES, min_rows=MIN_CHUNK_ROWS, tile_bytes=4 << 20, max_block=2048)
+# Provisional; sized so that a [1, 16384, 151936] call runs few chunks (see docs/design.md).
+GPU_POLICY = ChunkPolicy(row_bytes=1 << 30, min_rows=256, tile_bytes=1 << 30, max_block=32768)
+
+_forced: ChunkPolicy | None = None
+
+
+def policy_for(device: torch.device) -> ChunkPolicy:
+    """The policy in force for tensors on `device`: the one `chunk_policy` forces, else CPU or GPU."""
+    if _forced is not None:
+        return _forced
+    return CPU_POLICY if device.type == "cpu" else GPU_POLICY
+
+
+@contextlib.contextmanager
+def chunk_policy(policy: ChunkPolicy) -> Iterator[None]:
+    """Use `policy` for every device inside the block (process-wide; for tuning and for counting a
+    GPU's launches on CPU). Per call, `chunk_size=` still wins."""
+    global _forced
+    if not isinstance(policy, ChunkPolicy):
+        raise TypeError(f"policy must be a lossfx.ChunkPolicy; got {type(policy).__name__}")
+    previous, _forced = _forced, policy
+    try:
+        yield
+    finally:
+        _forced = previous
 
 
 def default_chunk_rows(vocab: int, dtype: torch.dtype) -> int:
