@@ -59,15 +59,6 @@ def row_max_sumexp(z: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor,
     return m, s
 
 
-def merge_max_sumexp(m: Tensor, s: Tensor) -> Tensor:
-    """Merge per-shard statistics `m, s [R, N]` (shard-major) into the row log-sum-exp `[N]`."""
-    m_all = m.amax(dim=0)  # [N]
-    shift = finite_or_zero(m_all)
-    # exp(m_r - shift) is 0 for an all -inf shard (m_r = -inf, s_r = 0), so 0·exp never overflows.
-    total = (s * torch.exp(m - shift.unsqueeze(0))).sum(dim=0)  # [N]
-    return shift + torch.log(total)
-
-
 def merge_max_logsum(m: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     """Merge per-shard `m, s [R, N]` into `(shift, log_s)`, each `[N]`, with `lse = shift + log_s`.
 
@@ -84,11 +75,6 @@ def merge_max_logsum(m: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
 def log_s_for_softmax(log_s: Tensor) -> Tensor:
     """`log_s` to use in `exp((z − shift) − log_s)`: `+inf` for an all `-inf` row, so its softmax is 0."""
     return torch.where(torch.isneginf(log_s), torch.full_like(log_s, float("inf")), log_s)
-
-
-def lse_for_softmax(lse: Tensor) -> Tensor:
-    """The shift to use in `exp(z − lse)`: `+inf` for an all `-inf` row, so its softmax is 0."""
-    return torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
 
 
 def log_softmax_rows(x: Tensor) -> Tensor:

@@ -24,7 +24,6 @@ __all__ = [
     "check_ids_in_range",
     "check_integer_ids",
     "check_positive_int",
-    "check_same_leading_shape",
     "check_tensor",
     "mark_checked",
     "read_now",  # a kernel's host read, taken with the call's checks (kernels import foundations only)
@@ -121,12 +120,3 @@ def check_ids_in_range(
 
     flat = ids.reshape(-1)
     _host_reads.defer(torch.stack([flat.min(), flat.max()]).to(torch.int64), raise_if_bad)
-
-
-def check_same_leading_shape(name_a: str, a: Tensor, name_b: str, b: Tensor, ndim: int) -> None:
-    """Raise `ValueError` unless `a.shape[:ndim] == b.shape[:ndim]`."""
-    if tuple(a.shape[:ndim]) != tuple(b.shape[:ndim]):
-        raise ValueError(
-            f"{name_a} and {name_b} must agree on their first {ndim} dims; got {name_a}.shape="
-            f"{tuple(a.shape)} and {name_b}.shape={tuple(b.shape)}"
-        )

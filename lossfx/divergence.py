@@ -150,7 +150,7 @@ def _merge(stats: Tensor, alpha: int, beta: int) -> tuple[Tensor, Tensor]:
     `row_stats` = `(M_s, log S, M_t, log T)`: `lse(z) = M_s + log S`, `lse(y) = M_t + log T`.
     """
     m_s, s_s, m_t, s_t, u = stats.unbind(1)  # each [R, N]
-    # The max-shifted merge of _numerics.merge_max_sumexp, spelled out to keep its pieces.
+    # The max-shifted merge of _numerics.merge_max_logsum, spelled out to keep its pieces.
     big_m_s = finite_or_zero(m_s.amax(dim=0))  # [N], the global shifts
     big_m_t = finite_or_zero(m_t.amax(dim=0))  # [N]
     scale = torch.exp(m_s - big_m_s)  # [R, N], 0 for an all -inf student shard

@@ -412,6 +412,7 @@ def prepare_opd_full_loss_input(
     )
 
 
+# NeMo RL's private spelling, kept as an alias (docs/decisions.md §1)
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
 
 

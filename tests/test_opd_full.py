@@ -202,6 +202,13 @@ def test_validate_decomposition_sums_and_saves_nothing():
     assert out["opd_full_divergence"].requires_grad and "next_token_logprobs" not in out
 
 
+def test_nemo_private_spelling_is_the_public_function():
+    """docs/decisions.md §1: NeMo's `_prepare_opd_full_loss_input` stays importable as an alias."""
+    from lossfx.loss_input import _prepare_opd_full_loss_input
+
+    assert _prepare_opd_full_loss_input is lossfx.prepare_opd_full_loss_input
+
+
 def test_identical_teacher_gives_zero_kl_and_grad():
     student, data, _, _ = make_case("logits", payload_len=8, extra_vocab=0)
     data["teacher_full_logits"] = student.clone()
