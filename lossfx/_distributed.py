@@ -51,6 +51,8 @@ def all_gather_stack(x: Tensor, group: ProcessGroup | None) -> Tensor:
     if not is_distributed(group):
         return x.unsqueeze(0)
     _host_reads.settle()  # the call's checks are read before its first collective
+    # imported on first use, here and below: `import lossfx` loads no torch module that `import torch`
+    # does not (tests/test_import.py)
     import torch.distributed._functional_collectives as funcol
 
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch < 2.8

@@ -35,11 +35,14 @@ from lossfx._distributed import ProcessGroup, check_group, check_vocab_parallel
 from lossfx._dtensor import check_view, entry_point_on_local, has_dtensor, replicated, vocab_shard
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
+from lossfx.distillation import distillation_topk_logprobs
+from lossfx.draft import draft_targets
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.logprobs import check_ignore_index
 from lossfx.loss_masks import loss_mask_from_data, mask_out_neg_inf_logprobs
 from lossfx.next_token import next_token_logprobs as _next_token_logprobs
 from lossfx.opd_full import has_dtensor_head, prepare_opd_full, prepare_opd_full_on_local
+from lossfx.packing import _packed_next_token_logprobs as packed_next_token_logprobs
 
 __all__ = [
     "next_token_logprobs",
@@ -476,8 +479,6 @@ def prepare_packed_loss_input(
             sampling_params=sampling_params,
             chunk_size=chunk_size,
         )
-    from lossfx.packing import _packed_next_token_logprobs as packed_next_token_logprobs
-
     input_type = _input_type(loss_fn)
     if input_type is not LossInputType.LOGPROB:
         raise ValueError(
@@ -529,8 +530,6 @@ def _prepare_distillation_input(
     chunk_size: int | None,
 ) -> dict[str, Any]:
     """`DISTILLATION`: student/teacher log-probs at the teacher's top-k ids (`lossfx.distillation`)."""
-    from lossfx.distillation import distillation_topk_logprobs
-
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
     zero_outside_topk = bool(getattr(loss_fn, "zero_outside_topk", False))
     calculate_entropy = zero_outside_topk and getattr(loss_fn, "kl_type", "mixed") != "forward"
@@ -556,8 +555,6 @@ def _prepare_draft_input(
     context_parallel_group: ProcessGroup | None,
 ) -> dict[str, Any]:
     """`DRAFT`: shifted teacher logits in draft vocabulary and the shifted mask (`lossfx.draft`)."""
-    from lossfx.draft import draft_targets
-
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
     student_logits = _column(data, "student_logits")
     teacher, mask = draft_targets(

@@ -31,7 +31,7 @@ from torch import Tensor
 from lossfx._consistency import boundary
 from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
 from lossfx._dtensor import VocabShard, _same_group, entry_point_on_local, is_dtensor, replicated, vocab_shard
-from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
+from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int, check_tensor
 from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
 from lossfx.divergence import (
     cross_entropy_to_fixed,
@@ -473,8 +473,6 @@ def prepare_opd_full(
     first `clamp(V − rank·Vl, 0, Vl)` columns are real, and the teacher heads hold that many rows.
     `None`: every column is real.
     """
-    from lossfx._validation import check_positive_int
-
     # 1. config, arguments and columns (all checked before any work; `data` is never modified)
     cfg = getattr(loss_fn, "opd_full", None)
     if cfg is None:

@@ -24,9 +24,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import queue as queue_module
 import socket
 import sys
 import time
+import traceback
 from types import SimpleNamespace
 
 # Match the test-suite: one OpenMP thread per rank process keeps gloo workers from starving.
@@ -35,6 +37,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import lossfx
+from lossfx import reference
 
 LOOPBACK = "127.0.0.1"
 NO_NETWORK_EXIT = 2
@@ -59,8 +64,6 @@ def _loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(dtype: torch.dtype, seq: int) -> dict[str, torch.Tensor]:
-    from lossfx import reference
-
     h, w, ids, mask = _problem(dtype, seq)
     h64 = h.to(torch.float64).requires_grad_()
     w64 = w.to(torch.float64).requires_grad_()
@@ -87,9 +90,7 @@ def _worker(
         queue.put((rank, [], f"the gloo rendezvous on {LOOPBACK}:{port} failed within {rendezvous_s:g} s: {exc!r}"))
         return
     group = dist.group.WORLD
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    import lossfx
+    from torch._dynamo.testing import CompileCounterWithBackend  # Dynamo (~2 s to import) only where ranks compile
 
     rows = []
     try:
@@ -129,8 +130,6 @@ def _worker(
                 rows.append((name, rank, seq, counter.frame_count, seconds, errors))
         queue.put((rank, rows, None))
     except Exception as exc:  # report, never hang the parent
-        import traceback
-
         queue.put((rank, rows, f"{exc!r}\n{traceback.format_exc()}"))
     finally:
         dist.destroy_process_group()
@@ -159,8 +158,6 @@ def loopback_error(timeout_s: float = 5.0) -> str | None:
 def _collect(procs: list, queue, deadline_s: float) -> tuple[list, list[str]]:
     """Every rank's `(rows, error)`; a rank that dies without reporting, or no answer within
     `deadline_s`, is a failure (never a wait on a rank that is gone)."""
-    import queue as queue_module
-
     results: list = []
     failures: list[str] = []
     pending = set(range(len(procs)))
