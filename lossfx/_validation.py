@@ -23,6 +23,7 @@ __all__ = [
     "check_floating",
     "check_ids_in_range",
     "check_integer_ids",
+    "check_positive_float",
     "check_positive_int",
     "check_tensor",
     "mark_checked",
@@ -63,6 +64,23 @@ def check_positive_int(name: str, value: object, *, allow_none: bool = True) -> 
     if value <= 0:
         raise ValueError(f"{name} must be positive, got {value}")
     return int(value)
+
+
+@overload
+def check_positive_float(name: str, value: object, *, allow_none: Literal[False] = False) -> float: ...
+@overload
+def check_positive_float(name: str, value: object, *, allow_none: bool) -> float | None: ...
+def check_positive_float(name: str, value: object, *, allow_none: bool = False) -> float | None:
+    """`value` as a float: `TypeError` unless a real number (not a bool), `ValueError` unless finite
+    and > 0 (temperature, logit scale, soft-cap: the one check of each, wherever it is taken)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number{' or None' if allow_none else ''}, got {value!r}")
+    number = float(value)
+    if not 0.0 < number < float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return number
 
 
 def values_checkable(*tensors: object) -> bool:

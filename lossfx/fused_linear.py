@@ -29,7 +29,6 @@ Reference: `lossfx.reference.linear_token_logprobs` and friends.
 
 from __future__ import annotations
 
-import numbers
 import typing
 from typing import Any
 
@@ -54,6 +53,7 @@ from lossfx._validation import (
     check_floating,
     check_ids_in_range,
     check_integer_ids,
+    check_positive_float,
     check_positive_int,
     read_now,
     values_checkable,
@@ -198,18 +198,6 @@ def local_view(seq_dim: int) -> Any:
     return view
 
 
-def _check_positive_float(name: str, value: object, optional: bool = False) -> float | None:
-    if optional and value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        kind = "None or a positive float" if optional else "a positive float"
-        raise TypeError(f"{name} must be {kind}, got {value!r}")
-    number = float(value)
-    if not number > 0 or number == float("inf"):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return number
-
-
 class LinearRows(typing.NamedTuple):
     """Validated, flattened arguments of the fused LM-head kernels (`prepare_linear_rows`)."""
 
@@ -246,9 +234,9 @@ def prepare_linear_rows(
     check_floating("weight", weight)
     check_integer_ids("ids", ids)
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    temperature = typing.cast(float, _check_positive_float("temperature", temperature))
-    logit_scale = typing.cast(float, _check_positive_float("logit_scale", logit_scale))
-    softcap = _check_positive_float("softcap", softcap, optional=True)
+    temperature = check_positive_float("temperature", temperature)
+    logit_scale = check_positive_float("logit_scale", logit_scale)
+    softcap = check_positive_float("softcap", softcap, allow_none=True)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if not isinstance(sequence_parallel, bool):

@@ -11,6 +11,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeGuard, runtime_checkable
 
+from lossfx._validation import check_positive_float
+
 __all__ = ["LossFunction", "LossInputType", "TrainingSamplingParams", "need_top_k_or_top_p_filtering"]
 
 
@@ -42,7 +44,9 @@ class TrainingSamplingParams:
             order). Either is deterministic and the same at every TP size.
 
     Raises:
-        ValueError: `top_p` outside `(0, 1]`, a non-integer `top_k`, or an unknown `ties`.
+        TypeError: a `temperature` that is not a real number.
+        ValueError: `top_p` outside `(0, 1]`, a non-integer `top_k`, an unknown `ties`, or a
+            `temperature` that is not finite and > 0.
     """
 
     top_k: int | None = None
@@ -57,10 +61,7 @@ class TrainingSamplingParams:
             raise ValueError(f"top_p must be a real number in (0, 1], got {self.top_p!r}")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real):
-            raise ValueError(f"temperature must be a real number, got {self.temperature!r}")
-        if not float(self.temperature) > 0.0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        check_positive_float("temperature", self.temperature)
         if self.ties not in ("together", "sorted"):
             raise ValueError(f"ties must be 'together' or 'sorted', got {self.ties!r}")
 

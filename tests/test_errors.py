@@ -6,11 +6,15 @@
 3. any integer dtype of ids (uint8 `teacher_topk_indices`) works, also with a vocabulary offset;
 4. a `cu_seqlens_*` that is not a sequence raises `TypeError` naming it and its value;
 5. an out-of-range id is reported as `data['input_ids']` at its own `(b, t)`, and
-   `input_ids[:, 0]`, never scored, is never checked.
+   `input_ids[:, 0]`, never scored, is never checked;
+6. `temperature` has one check wherever it is taken: `TypeError` for a value that is not a real
+   number, `ValueError` (one message) for one that is not finite and > 0.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import warnings
 from types import SimpleNamespace
 
@@ -20,6 +24,7 @@ from harness import run_ranks
 
 import lossfx
 from lossfx import reference
+from lossfx.integrations.trl import per_token_logps_and_entropies
 from lossfx.packing import packed_next_token_logprobs
 
 F64 = torch.float64
@@ -237,3 +242,60 @@ def test_kernel_level_next_token_functions_name_input_ids():
     ids[:, 0] = 1000  # position 0 is never scored
     lossfx.next_token_logprobs(z, ids)
     packed_next_token_logprobs(z.reshape(1, 10, 12), ids, (0, 5, 10), (0, 5, 10))
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. temperature: one check, one exception type per kind of error, one message
+# ---------------------------------------------------------------------------------------------
+
+
+def _head_case():
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 4, 3, generator=gen, dtype=F64)
+    weight = torch.randn(9, 3, generator=gen, dtype=F64)
+    ids = torch.randint(0, 9, (2, 4), generator=gen)
+    return hidden, weight, ids
+
+
+# every public function that takes a temperature, called with temperature=t
+TEMPERATURE_TAKERS = {
+    "TrainingSamplingParams": lambda h, w, ids, t: lossfx.TrainingSamplingParams(temperature=t),
+    "linear_token_logprobs": lambda h, w, ids, t: lossfx.linear_token_logprobs(h, w, ids, temperature=t),
+    "linear_next_token_logprobs": lambda h, w, ids, t: lossfx.linear_next_token_logprobs(h, w, ids, temperature=t),
+    "linear_gather_logprobs": lambda h, w, ids, t: lossfx.linear_gather_logprobs(h, w, ids[..., None], temperature=t),
+    "linear_logprob_objective": lambda h, w, ids, t: lossfx.linear_logprob_objective(
+        h, w, ids, torch.ones(ids.shape, dtype=F64), temperature=t
+    ),
+    "trl": lambda h, w, ids, t: per_token_logps_and_entropies(h, w, ids, temperature=t),
+    "trl_filtered": lambda h, w, ids, t: per_token_logps_and_entropies(
+        h, w, ids, temperature=t, sampling_params=lossfx.TrainingSamplingParams(top_k=3)
+    ),
+}
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, -0.0, math.inf, math.nan, 0])
+@pytest.mark.parametrize("taker", sorted(TEMPERATURE_TAKERS))
+def test_temperature_that_is_not_finite_and_positive_is_one_value_error(taker, value):
+    with pytest.raises(ValueError, match="^" + re.escape(f"temperature must be a finite number > 0, got {value!r}")):
+        TEMPERATURE_TAKERS[taker](*_head_case(), value)
+
+
+@pytest.mark.parametrize("value", ["0.7", True, None, torch.tensor(0.7), 1j], ids=repr)
+@pytest.mark.parametrize("taker", sorted(TEMPERATURE_TAKERS))
+def test_temperature_that_is_not_a_real_number_is_one_type_error(taker, value):
+    with pytest.raises(TypeError, match="^" + re.escape(f"temperature must be a real number, got {value!r}")):
+        TEMPERATURE_TAKERS[taker](*_head_case(), value)
+
+
+def test_an_integer_temperature_is_the_float_one():
+    hidden, weight, ids = _head_case()
+    assert lossfx.TrainingSamplingParams(temperature=2).temperature == 2
+    h = hidden.clone().requires_grad_()
+    lp = lossfx.linear_token_logprobs(h, weight, ids, temperature=2)
+    h64 = hidden.clone().requires_grad_()
+    want, _ = reference.linear_token_logprobs(h64, weight, ids, 2.0)
+    torch.testing.assert_close(lp, want, **TIGHT)
+    g = torch.randn(ids.shape, generator=torch.Generator().manual_seed(4), dtype=F64)
+    (lp * g).sum().backward()
+    (want * g).sum().backward()
+    torch.testing.assert_close(h.grad, h64.grad, **TIGHT)

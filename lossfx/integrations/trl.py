@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from lossfx._dtensor import is_dtensor
-from lossfx._validation import check_floating, check_integer_ids
+from lossfx._validation import check_floating, check_integer_ids, check_positive_float
 from lossfx.fused_linear import linear_next_token_logprobs
 from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.next_token import next_token_logprobs
@@ -170,12 +170,18 @@ def per_token_logps_and_entropies(
         Gradients reach `hidden_states`, `weight` and `bias`.
 
     Raises:
-        TypeError: non-float hidden states, non-integer ids/labels/mask, bad `logits_to_keep` type.
+        TypeError: non-float hidden states, non-integer ids/labels/mask, bad `logits_to_keep` type,
+            a `temperature`, `logit_scale` or `softcap` that is not a real number.
         ValueError: shape mismatches, `logits_to_keep` outside `[1, S−1]`, a sharded DTensor
-            head with `sharded_head="raise"`, label ids outside `[0, V)` other than `-100`.
+            head with `sharded_head="raise"`, label ids outside `[0, V)` other than `-100`, a
+            `temperature`, `logit_scale` or `softcap` that is not finite and > 0.
     """
     check_floating("hidden_states", hidden_states)
     check_integer_ids("input_ids", input_ids)
+    # checked here as well as in the fused kernel: the filtered path below divides by them itself
+    temperature = check_positive_float("temperature", temperature)
+    logit_scale = check_positive_float("logit_scale", logit_scale)
+    softcap = check_positive_float("softcap", softcap, allow_none=True)
     weight = lm_head_weight(weight, sharded_head)
     if bias is not None:
         bias = _head_tensor("lm_head bias", bias, sharded_head)
