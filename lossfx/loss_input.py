@@ -40,7 +40,7 @@ from lossfx.draft import draft_targets
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.logprobs import check_ignore_index
 from lossfx.loss_masks import loss_mask_from_data, mask_out_neg_inf_logprobs
-from lossfx.next_token import next_token_logprobs as _next_token_logprobs
+from lossfx.next_token import sharded_next_token_logprobs
 from lossfx.opd_full import has_dtensor_head, prepare_opd_full, prepare_opd_full_on_local
 from lossfx.packing import _packed_next_token_logprobs as packed_next_token_logprobs
 
@@ -141,7 +141,7 @@ def next_token_logprobs(
         vocab = vocab_size_when_read(logits.shape[-1], group)
         check_ids_in_range("input_ids", input_ids[:, 1:], vocab, column_offset=1)
     vocab_start, vocab_size = vocab_shard_range(logits.shape[-1], group)  # uneven shards (eager)
-    out = _next_token_logprobs(
+    out = sharded_next_token_logprobs(
         logits,
         input_ids,
         vocab_start=vocab_start,

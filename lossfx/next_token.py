@@ -2,7 +2,7 @@
 
     out[b, t] = log p(input_ids[b, t+1] | logits[b, t])          t < S − 1
 
-Pipeline (`next_token_logprobs`):
+Pipeline (`sharded_next_token_logprobs`; `lossfx.next_token_logprobs` is its public entry point):
 
 1. the shift happens on the **canonical** sequence, on the targets (never a slice of the logits,
    which would copy them): `target[:, t] = input_ids[:, t+1]`, and the last column, whose result
@@ -49,7 +49,7 @@ __all__ = [
     "check_position_ids",
     "mask_sequence_ends",
     "next_token_filtered_logprobs",
-    "next_token_logprobs",
+    "sharded_next_token_logprobs",
     "target_logprobs",
     "zero_sequence_ends",
 ]
@@ -180,7 +180,7 @@ def target_logprobs(
 
 
 @boundary(vocab="tiled")
-def next_token_logprobs(
+def sharded_next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,
     *,
@@ -195,6 +195,8 @@ def next_token_logprobs(
 ) -> Tensor:
     """Next-token log-probs `[B, S−1]` from logits in any sequence layout.
 
+    The layout pipeline behind `lossfx.next_token_logprobs`, which resolves `vocab_parallel_rank`,
+    uneven shard widths (as `vocab_start` / `vocab_size` here) and `ignore_index` before calling it.
     Equivalent to ``lossfx.reference.next_token_logprobs(full_logits, input_ids)`` (or its filtered
     twin) on the canonical, full-vocabulary logits.
 
@@ -299,7 +301,7 @@ def next_token_filtered_logprobs(
     """
     logits, group, *_ = vocab_shard(logits, group=group, even=True)  # lossfx/_dtensor.py
     input_ids = replicated(input_ids, "input_ids")
-    return next_token_logprobs(
+    return sharded_next_token_logprobs(
         logits,
         input_ids,
         vocab_parallel_group=group,

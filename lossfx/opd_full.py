@@ -40,7 +40,7 @@ from lossfx.divergence import (
     project_onto_lm_head,
     reverse_kl_to_fixed,
 )
-from lossfx.next_token import next_token_logprobs
+from lossfx.next_token import sharded_next_token_logprobs
 
 __all__ = [
     "OnPolicyDistillationFullConfig",
@@ -582,7 +582,7 @@ def prepare_opd_full(
     if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
         vocab = vocab_size if vocab_size is not None else logits.shape[-1] * group_size(group)
         check_ids_in_range("data['input_ids']", input_ids, vocab)
-        out["next_token_logprobs"] = next_token_logprobs(
+        out["next_token_logprobs"] = sharded_next_token_logprobs(
             logits,
             input_ids,
             vocab_parallel_group=group,

@@ -145,7 +145,7 @@ def test_no_import_cycle():
 def test_the_checker_sees_function_level_and_package_imports():
     """The parser is not vacuous: it sees the lazy import that hid the old `filtering` ↔ `next_token` cycle."""
     modules = {name: PACKAGE / f"{name}.py" for name in ("__init__", "filtering", "next_token", "reference")}
-    lazy = "def f():\n    from lossfx.next_token import next_token_logprobs\n"
+    lazy = "def f():\n    from lossfx.next_token import sharded_next_token_logprobs\n"
     eager = "import torch\nimport lossfx.filtering\nfrom lossfx import reference, entropy\n"
     assert _imports(lazy, modules) == {"next_token"}
     assert _imports(eager, modules) == {"filtering", "reference", "__init__"}

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import lossfx
 from lossfx import reference
 from lossfx.context_parallel import cp_positions, shard_for_cp_rank
-from lossfx.next_token import LoadBalancedSharder, next_token_logprobs
+from lossfx.next_token import LoadBalancedSharder, sharded_next_token_logprobs
 from lossfx.packing import packed_next_token_logprobs
 
 F64 = torch.float64
@@ -156,7 +156,7 @@ def _cp_rank(rank, world, group, tp, z, ids, g, kw, use_sharder):
         kw = {**kw, "cp_sharder": LoadBalancedSharder(cp_group)}
     else:
         kw = {**kw, "context_parallel_group": cp_group}
-    out = next_token_logprobs(local, ids, vocab_parallel_group=tp_group, **kw)
+    out = sharded_next_token_logprobs(local, ids, vocab_parallel_group=tp_group, **kw)
     ((torch.where(torch.isfinite(out), out, 0.0) * g).sum() / cp).backward()
     return out.detach(), local.grad, pad
 
@@ -265,7 +265,9 @@ def test_packed_cp_lengths_not_multiple_of_2c_raise():
 
 def _short_cp(rank, world, group):
     try:
-        next_token_logprobs(torch.zeros(1, 3, 4), torch.zeros(1, 8, dtype=torch.long), context_parallel_group=group)
+        sharded_next_token_logprobs(
+            torch.zeros(1, 3, 4), torch.zeros(1, 8, dtype=torch.long), context_parallel_group=group
+        )
     except ValueError as exc:
         return str(exc)
     return None

@@ -6,7 +6,9 @@ rank catches its own ValueError and returns the message, then makes one consiste
 same group: the check leaves the collectives in step, so the pool is never restarted.
 """
 
+import ast
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import harness
@@ -297,6 +299,20 @@ def test_no_graph_break_under_compile(monkeypatch):
     for value, frames in results:
         torch.testing.assert_close(value, ref, rtol=0, atol=1e-10)
         assert frames == 1
+
+
+def test_every_checked_function_has_its_own_name():
+    """The signature codes the function called by its name (`_consistency.boundary`): two checked
+    functions of one name would pass for each other and be reported under one name (the layout
+    pipeline in `next_token` was also called `next_token_logprobs`, like the public function)."""
+    seen: dict[str, str] = {}
+    for path in sorted(Path(lossfx.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            decorators = [ast.unparse(d) for d in getattr(node, "decorator_list", [])]
+            if isinstance(node, ast.FunctionDef) and any(d.startswith("boundary") for d in decorators):
+                assert node.name not in seen, f"{node.name} is checked in {seen[node.name]} and in {path.name}"
+                seen[node.name] = path.name
+    assert {"next_token_logprobs", "sharded_next_token_logprobs", "prepare_loss_input"} <= set(seen)
 
 
 def test_signature_is_by_value_and_fixed_length():

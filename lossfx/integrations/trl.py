@@ -26,7 +26,7 @@ from lossfx._dtensor import is_dtensor
 from lossfx._validation import check_floating, check_integer_ids, check_positive_float
 from lossfx.fused_linear import linear_next_token_logprobs
 from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
-from lossfx.next_token import next_token_logprobs
+from lossfx.next_token import sharded_next_token_logprobs
 
 # LossfxGRPOTrainer comes from the module's __getattr__ (built on first access)
 __all__ = [
@@ -255,7 +255,7 @@ def _filtered(
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
         logits = logits / temperature
-        logps = next_token_logprobs(logits, targets, sampling_params=sampling_params, position_ids=position_ids)
+        logps = sharded_next_token_logprobs(logits, targets, sampling_params=sampling_params, position_ids=position_ids)
         entropies = None
         if compute_entropy:
             lp = torch.log_softmax(logits[:, :-1].to(logps.dtype), dim=-1)
