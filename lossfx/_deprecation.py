@@ -1,4 +1,5 @@
-"""Names renamed so that they carry the sign of `Σ p log p` (the negative entropy), docs/decisions.md.
+"""Names renamed so that they carry the sign of `Σ p log p` (the negative entropy), docs/decisions.md,
+and keywords renamed to the package's naming rule (`renamed_keywords`, docs/design.md "Names").
 
 The old name keeps its value and warns (FutureWarning) in eager mode only: under `torch.compile`
 nothing is emitted, so the rename never breaks a graph.
@@ -6,12 +7,16 @@ nothing is emitted, so the rename never breaks a graph.
 
 from __future__ import annotations
 
+import functools
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["renamed_keyword", "warn_renamed"]
+__all__ = ["renamed_keyword", "renamed_keywords", "warn_renamed"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def warn_renamed(old_name: str, new_name: str, stacklevel: int = 3) -> None:
@@ -34,3 +39,29 @@ def renamed_keyword(new_name: str, new: Any, old_name: str, old: Any) -> Any:
         raise TypeError(f"pass {new_name} only; {old_name} is its deprecated name")
     warn_renamed(old_name, new_name, stacklevel=4)
     return old
+
+
+def renamed_keywords(**new_name_of: str) -> Callable[[F], F]:
+    """Decorator: each keyword `old=` (given as `old="new"`) is passed on as `new=`, with a
+    FutureWarning in eager mode. Both given: TypeError. Put it outside `_consistency.boundary`, so
+    that the boundary (and its cross-rank check) sees the new name only."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def renamed(*args: Any, **kwargs: Any) -> Any:
+            for old, new in new_name_of.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"{fn.__name__}: pass {new} only; {old} is its deprecated name")
+                    if not torch.compiler.is_compiling():
+                        warnings.warn(
+                            f"{fn.__name__}({old}=) is deprecated: the same argument is now {new}=",
+                            FutureWarning,
+                            stacklevel=2,
+                        )
+                    kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return renamed  # type: ignore[return-value]
+
+    return wrap

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lossfx._consistency import boundary
+from lossfx._deprecation import renamed_keywords
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
@@ -37,17 +38,21 @@ from lossfx.context_parallel import shard_for_cp_rank
 __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
 
 
-@boundary(cp="cp_group")
-def shift_left(x: Tensor, cp_group: ProcessGroup | None = None) -> Tensor:
+@renamed_keywords(cp_group="context_parallel_group")
+@boundary()
+def shift_left(x: Tensor, context_parallel_group: ProcessGroup | None = None) -> Tensor:
     """Shift `x [B, S_l, ...]` one position left along dim 1 in canonical order; last row zero.
 
     Equivalent to ``torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)`` on the canonical tensor,
-    applied to this CP rank's load-balanced shard (`cp_group=None`: no context parallelism).
+    applied to this CP rank's load-balanced shard (`context_parallel_group=None`: no context
+    parallelism).
 
     Args:
         x: `[B, S_l, ...]` this CP rank's shard (the canonical tensor without CP).
-        cp_group: the CP group, or `None`.
+        context_parallel_group: the CP group, or `None` (formerly `cp_group=`, which still works
+            with a FutureWarning).
     """
+    cp_group = context_parallel_group
     if is_dtensor(x):  # shifts along the sequence: a vocabulary-sharded DTensor stays one (lossfx/_dtensor.py)
         s = vocab_shard(x, name="x")
         return s.wrap(shift_left(s.local, cp_group))

@@ -127,7 +127,7 @@ def test_need_top_k_or_top_p_filtering(top_k, top_p, expected):
 
 def _shift_rank(rank, world, group, x):
     local = lossfx.shard_for_cp_rank(x, rank, world) if world > 1 else x
-    return lossfx.shift_left(x=local, cp_group=group)
+    return lossfx.shift_left(x=local, context_parallel_group=group)
 
 
 @pytest.mark.parametrize("world", [1, 2])
