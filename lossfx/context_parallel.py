@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lossfx._consistency import boundary
+from lossfx._deprecation import renamed_keywords
 from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
 from lossfx._dtensor import replicated
 from lossfx._validation import check_tensor
@@ -163,15 +164,17 @@ def shard_padded_for_cp(x: Tensor, local_len: int, group: ProcessGroup | None) -
     return shard_for_cp_rank(x, group_rank(group), cp_size, seq_dim=1)
 
 
-@boundary(cp="group")
-def allgather_cp(x: Tensor, group: ProcessGroup | None, seq_dim: int = 1) -> Tensor:
+@renamed_keywords(group="context_parallel_group")
+@boundary()
+def allgather_cp(x: Tensor, context_parallel_group: ProcessGroup | None, seq_dim: int = 1) -> Tensor:
     """Gather CP-sharded (load-balanced) tensors back into canonical sequence order.
 
     Equivalent to ``unshard([x_0, ..., x_{C-1}], seq_dim)`` where `x_r` is rank `r`'s `x`.
 
     Args:
         x: this rank's local tensor, same shape on every rank, even length along `seq_dim`.
-        group: the CP process group; `None` or size 1 returns `x` unchanged.
+        context_parallel_group: the CP process group; `None` or size 1 returns `x` unchanged
+            (formerly `group=`, which still works with a FutureWarning).
         seq_dim: the sequence dim.
 
     Returns:
@@ -186,6 +189,7 @@ def allgather_cp(x: Tensor, group: ProcessGroup | None, seq_dim: int = 1) -> Ten
     Raises:
         ValueError: odd local length, bad `seq_dim`.
     """
+    group = context_parallel_group
     check_tensor("x", x)
     if group_size(group) == 1:
         return x

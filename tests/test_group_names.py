@@ -2,7 +2,7 @@
 group over the vocabulary (kernels), a context-parallel group is `context_parallel_group`, and the
 entry points use NeMo's `vocab_parallel_group` / `context_parallel_group`.
 
-Renamed keywords (`shift_left(cp_group=)`) give the same result as their new name, against the
+Renamed keywords (`shift_left(cp_group=)`, `allgather_cp(group=)`) give the same result as their new name, against the
 dense float64 shift, with one FutureWarning in eager mode and none, without a graph break, under
 `torch.compile(fullgraph=True)`; passing both names is a TypeError.
 """
@@ -37,6 +37,8 @@ def test_every_public_group_keyword_follows_the_rule():
         assert not {"group", "vocab_parallel_group"} <= groups, f"lossfx.{name}: two names for its TP group"
         seen |= groups
     assert seen == GROUP_NAMES  # the probe sees all three
+    for name in ("allgather_cp", "shift_left"):  # their one group is a CP group
+        assert "context_parallel_group" in inspect.signature(getattr(lossfx, name)).parameters
 
 
 def _dense_shift(x):
@@ -78,3 +80,27 @@ def test_old_group_keywords_compile_without_a_graph_break_or_warning():
         warnings.simplefilter("error")
         got = compiled(x)
     torch.testing.assert_close(got, _dense_shift(x), atol=0, rtol=0)
+
+
+def _allgather_both_names(rank, world, group, x):
+    local = lossfx.shard_for_cp_rank(x, rank, world)
+    return lossfx.allgather_cp(local, context_parallel_group=group), lossfx.allgather_cp(local, group=group)
+
+
+@pytest.mark.filterwarnings("ignore:allgather_cp.group=. is deprecated:FutureWarning")
+def test_allgather_cp_old_keyword_keeps_its_value():
+    x = torch.randn(2, 8, 3, generator=torch.Generator().manual_seed(3), dtype=F64)
+    for new, old in run_ranks(2, _allgather_both_names, x):
+        assert torch.equal(new, x) and torch.equal(old, x)
+
+
+def test_allgather_cp_old_keyword_warns_and_compiles_silently():
+    x = torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(4), dtype=F64)
+    with pytest.warns(FutureWarning, match=r"allgather_cp\(group=\) is deprecated.*context_parallel_group="):
+        assert lossfx.allgather_cp(x, group=None) is x
+    with pytest.raises(TypeError, match="pass context_parallel_group only; group is its deprecated name"):
+        lossfx.allgather_cp(x, group=None, context_parallel_group=None)
+    compiled = torch.compile(lambda t: lossfx.allgather_cp(t, group=None), fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(compiled(x), x, atol=0, rtol=0)
