@@ -2,6 +2,7 @@
 
 import importlib.util
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -41,3 +42,31 @@ def test_the_repository_stands_alone():
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not offenders, "references outside the repository:\n" + "\n".join(offenders)
     assert (ROOT / "docs" / "decisions.md").is_file()
+
+
+def _decision_numbers() -> set[str]:
+    """`{"1", "2", "2.1", ...}`: the sections (`## N.`) of docs/decisions.md and their numbered items."""
+    numbers, section = set(), None
+    for line in (ROOT / "docs" / "decisions.md").read_text().splitlines():
+        if heading := re.match(r"## (\d+)\. ", line):
+            section = heading.group(1)
+            numbers.add(section)
+        elif line.startswith("## "):
+            section = None
+        elif section and (item := re.match(r"(\d+)\. ", line)):
+            numbers.add(f"{section}.{item.group(1)}")
+    return numbers
+
+
+def test_every_cited_decision_exists():
+    """A citation `decisions.md §N` (or `§N.M`) anywhere points at a section or item of docs/decisions.md."""
+    numbers = _decision_numbers()
+    assert {"1", "2.5", "2.9", "3", "4"} <= numbers  # the parser is not vacuous
+    cited, missing = 0, []
+    for path in _written_files():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for ref in re.findall(r"decisions(?:\.md)?\)?,? ?§ ?(\d+(?:\.\d+)?)", line):
+                cited += 1
+                if ref not in numbers:
+                    missing.append(f"{path.relative_to(ROOT)}:{number}: §{ref}")
+    assert cited > 5 and not missing, "citations of docs/decisions.md that point nowhere:\n" + "\n".join(missing)

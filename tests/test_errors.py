@@ -1,6 +1,6 @@
 """Errors that name the argument and the value (issue 10, item 12), on 1 and 2 ranks.
 
-1. a top-k/top-p filter without `token_mask` in `data` raises (decisions.md §5; `sample_mask` is
+1. a top-k/top-p filter without `token_mask` in `data` raises (decisions.md §2.5; `sample_mask` is
    an optional per-sequence weight, ones when absent);
 2. meta tensors: shape-only tracing runs every static check and skips the value checks;
 3. any integer dtype of ids (uint8 `teacher_topk_indices`) works, also with a vocabulary offset;

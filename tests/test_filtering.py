@@ -859,7 +859,7 @@ def test_prepare_loss_input_defaults_and_failures():
     z, target = make_logits(2, 4, 10, seed=5)
     data = {"input_ids": target}
     sp = lossfx.TrainingSamplingParams(top_k=2, top_p=0.9)
-    with pytest.raises(ValueError, match="'token_mask'"):  # decisions.md §5: no default token_mask
+    with pytest.raises(ValueError, match="'token_mask'"):  # decisions.md §2.5: no default token_mask
         lossfx.prepare_loss_input(z, data, _loss_fn(), sampling_params=sp)
     assert set(data) == {"input_ids"}
     data = {"input_ids": target, "token_mask": torch.ones(2, 4), "sample_mask": torch.ones(2)}
@@ -1047,7 +1047,7 @@ def _rank_prepare_shape(rank, world, group, batch, seq, vocab, backend):
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
 @pytest.mark.parametrize("batch,seq", [(0, 4), (2, 1)])
 def test_empty_rows_give_empty_results(world, backend, batch, seq):
-    """decisions.md §9: `B = 0` or `S = 1` (no next-token position) returns `[B, S-1]` results."""
+    """decisions.md §2.9: `B = 0` or `S = 1` (no next-token position) returns `[B, S-1]` results."""
     if backend is not None and world == 1:
         pytest.skip("compiled: 2 ranks cover the collectives; 1 rank runs eagerly (compile time)")
     for strategy in STRATEGIES:
