@@ -387,21 +387,9 @@ def prepare_opd_full_loss_input(
         ValueError: every error condition of NeMo's payload reconstruction (docs/decisions.md §3),
             missing columns, bad shapes.
     """
-    if has_dtensor(logits, data) or has_dtensor_head(teacher_output_layer_weight_by_index):
-        # DTensor boundary: lossfx/_dtensor.py, with the teacher heads as this rank's rows
-        return prepare_opd_full_on_local(
-            logits,
-            data,
-            loss_fn,
-            vocab_parallel_rank=vocab_parallel_rank,
-            vocab_parallel_group=vocab_parallel_group,
-            context_parallel_group=context_parallel_group,
-            sampling_params=sampling_params,
-            chunk_size=chunk_size,
-            teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
-            teacher_logits_dtype=teacher_logits_dtype,
-        )
-    return prepare_opd_full(
+    # DTensors go through their boundary (lossfx/_dtensor.py), with the teacher heads as this rank's rows
+    dtensors = has_dtensor(logits, data) or has_dtensor_head(teacher_output_layer_weight_by_index)
+    return (prepare_opd_full_on_local if dtensors else prepare_opd_full)(
         logits,
         data,
         loss_fn,
