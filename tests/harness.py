@@ -24,7 +24,7 @@ import socket
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -391,3 +391,14 @@ def shard_rows(x, rank, world):
     flat = x.reshape(-1, x.shape[-1])
     n = flat.shape[0] // world
     return flat[rank * n : (rank + 1) * n]
+
+
+def assert_every_rank_raises(messages: list[str | None], parts: Iterable[str]) -> None:
+    """Each rank's error message (`None`: it did not raise) exists, holds every one of `parts`,
+    and is the same on every rank (ranks that disagree get one error, everywhere)."""
+    parts = list(parts)
+    for rank, message in enumerate(messages):
+        assert message is not None, f"rank {rank} did not raise"
+        for part in parts:
+            assert part in message, (rank, message)
+    assert all(m == messages[0] for m in messages), "every rank raises the same error"

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import harness
 import pytest
 import torch
-from harness import gloo_pool
+from harness import assert_every_rank_raises, gloo_pool
 
 import lossfx
 from lossfx import reference
@@ -182,11 +182,7 @@ EXPECTED = {
 def test_disagreement_raises_on_every_rank(case):
     results = gloo_pool(2).run(_error_then_ok, case)
     messages = [m for m, _, _ in results]
-    for rank, message in enumerate(messages):
-        assert message is not None, f"rank {rank} did not raise"
-        for part in EXPECTED[case]:
-            assert part in message, (rank, message)
-    assert messages[0] == messages[1], "every rank raises the same error"
+    assert_every_rank_raises(messages, EXPECTED[case])
     if not any("full_tensor" in part for part in EXPECTED[case]):
         assert "FSDP2" not in messages[0]  # the remedy is named only for a DTensor head and differing hidden
     hidden, weight, target = _fused(5)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import harness
 import pytest
 import torch
-from harness import gloo_pool, mesh_groups, thread_world
+from harness import assert_every_rank_raises, gloo_pool, mesh_groups, thread_world
 
 import lossfx
 from lossfx import _consistency, reference
@@ -122,11 +122,7 @@ EXPECTED = {
 def test_gloo_mismatch_raises_on_every_rank(case):
     results = gloo_pool(2).run(_error_then_ok, case)
     messages = [m for m, _, _ in results]
-    for rank, message in enumerate(messages):
-        assert message is not None, f"rank {rank} did not raise"
-        for part in EXPECTED[case]:
-            assert part in message, (rank, message)
-    assert messages[0] == messages[1], "every rank raises the same error"
+    assert_every_rank_raises(messages, EXPECTED[case])
     assert max(s for _, s, _ in results) < SECONDS
     ref = reference.token_logprobs(_logits(1, 4, 8, 5), _ids(1, 4, 8, 5))
     for _, _, after in results:
