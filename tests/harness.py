@@ -402,3 +402,15 @@ def assert_every_rank_raises(messages: list[str | None], parts: Iterable[str]) -
         for part in parts:
             assert part in message, (rank, message)
     assert all(m == messages[0] for m in messages), "every rank raises the same error"
+
+
+def value_error_messages(calls: dict[str, Callable[[], Any]]) -> dict[str, str]:
+    """`{name: the ValueError message of calls[name](), or "no error"}`, every call made."""
+    messages = {}
+    for name, call in calls.items():
+        try:
+            call()
+            messages[name] = "no error"
+        except ValueError as exc:
+            messages[name] = str(exc)
+    return messages

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import compiled_for_rank, gloo_pool
+from harness import compiled_for_rank, gloo_pool, value_error_messages
 
 import lossfx
 from lossfx import reference
@@ -441,13 +441,7 @@ def _errors(rank, world, group):
         "teacher": lambda: lossfx.cross_entropy_to_fixed(sharded, DTensor.from_local(z, mesh, [Replicate()])),
         "ids_sharded": lambda: lossfx.token_logprobs(sharded, DTensor.from_local(ids, mesh, [Shard(0)])),
     }
-    messages = {}
-    for name, call in calls.items():
-        try:
-            call()
-            messages[name] = "no error"
-        except ValueError as exc:
-            messages[name] = str(exc)
+    messages = value_error_messages(calls)
     # an explicit group that agrees is accepted
     lossfx.token_logprobs(sharded, ids, group=group, vocab_start=8 * rank, vocab_size=16)
     return messages

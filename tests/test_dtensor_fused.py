@@ -11,7 +11,7 @@ at 1e-10, on a 1-D mesh and on the tp dim of a (dp=1, tp=2) mesh. One case runs 
 
 import pytest
 import torch
-from harness import compiled_for_rank, gloo_pool
+from harness import compiled_for_rank, gloo_pool, value_error_messages
 
 import lossfx
 from lossfx import reference
@@ -237,14 +237,7 @@ def _errors(rank, world, group):
             DTensor.from_local(h, mesh, [Shard(0)]), w, torch.zeros(8, dtype=torch.int64), sequence_parallel=True
         ),
     }
-    messages = {}
-    for name, call in calls.items():
-        try:
-            call()
-            messages[name] = "no error"
-        except ValueError as exc:
-            messages[name] = str(exc)
-    return messages
+    return value_error_messages(calls)
 
 
 def test_bad_placements_raise():
