@@ -204,8 +204,8 @@ def token_logprobs(
             shards). Pass it with `vocab_size` for uneven shards.
         vocab_size: global vocabulary size `V`; default `world_size · Vl`.
         chunk_size: rows of the flattened `[N, Vl]` logits processed at once in eager mode
-            (a memory bound; results do not depend on it). Default: about 1 MiB of temporaries.
-            Under `torch.compile` the whole tensor is one fused pass.
+            (a memory bound; results do not depend on it). Default: about 8 MiB per temporary,
+            at least 16 rows. Under `torch.compile` the whole tensor is one fused pass.
         ignore_index: a target id that scores nothing (Hugging Face's `-100`): those positions
             give 0 with a zero gradient and are no range error. Default `None`: every target
             must lie in `[0, V)` (NeMo's contract). Dense equivalent:
