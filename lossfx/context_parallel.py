@@ -21,6 +21,7 @@ Lengths that do not split evenly raise `ValueError` (the reference silently drop
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from lossfx._consistency import boundary
@@ -29,6 +30,11 @@ from lossfx._dtensor import replicated
 from lossfx._validation import check_tensor
 
 __all__ = ["allgather_cp", "cp_positions", "shard_for_cp_rank", "shard_padded_for_cp", "unshard"]
+
+
+def _lead(seq_dim: int) -> str:
+    """The einops names of the `seq_dim` dims before the sequence dim: `"a0 a1"` for `seq_dim = 2`."""
+    return " ".join(f"a{i}" for i in range(seq_dim))
 
 
 def _check_seq_dim(x: Tensor, seq_dim: int) -> int:
@@ -87,19 +93,19 @@ def shard_for_cp_rank(x: Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1) -
             f"the sequence length {length} (dim {seq_dim} of shape {tuple(x.shape)}) must be divisible by "
             f"2·cp_size = {2 * cp_size} for the load-balanced context-parallel layout; pad it first"
         )
-    n = length // (2 * cp_size)
-    first = x.narrow(seq_dim, cp_rank * n, n)
-    second = x.narrow(seq_dim, (2 * cp_size - 1 - cp_rank) * n, n)
-    return torch.cat([first, second], dim=seq_dim)
+    lead = _lead(seq_dim)
+    chunks = rearrange(x, f"{lead} (k n) ... -> k {lead} n ...", k=2 * cp_size)  # [2C, ..., L/2C, ...]
+    pair = torch.stack([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]])
+    return rearrange(pair, f"two {lead} n ... -> {lead} (two n) ...")
 
 
 def _unshard_stacked(stacked: Tensor, seq_dim: int) -> Tensor:
     """`[C, *local]` (rank order) -> canonical, with local seq length `2n` along `seq_dim`."""
-    cp_size = stacked.shape[0]
-    half = stacked.shape[seq_dim + 1] // 2
-    firsts = [stacked[r].narrow(seq_dim, 0, half) for r in range(cp_size)]  # chunks 0 .. C−1
-    seconds = [stacked[r].narrow(seq_dim, half, half) for r in reversed(range(cp_size))]  # chunks C .. 2C−1
-    return torch.cat(firsts + seconds, dim=seq_dim)
+    lead = _lead(seq_dim)
+    halves = rearrange(stacked, f"c {lead} (two n) ... -> two c {lead} n ...", two=2)  # [2, C, ..., n, ...]
+    # rank r's first half is chunk r, its second half chunk 2C−1−r: chunks C .. 2C−1 are ranks C−1 .. 0
+    chunks = torch.cat([halves[0], halves[1].flip(0)])  # [2C, ..., n, ...]
+    return rearrange(chunks, f"k {lead} n ... -> {lead} (k n) ...")
 
 
 def _check_local(x: Tensor, seq_dim: int) -> int:
