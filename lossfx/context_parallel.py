@@ -15,6 +15,11 @@ rank 1 holds `[2, 3, 4, 5]`.
   gradient is therefore `C×` the true one: callers divide the loss by `C`
   (`(loss / cp_size).backward()`), as NeMo RL's loss wrappers do.
 
+The split and its inverse are einops `rearrange` patterns (`"a0 (k n) ... -> k a0 n ..."` with
+`k = 2C`, for any dims before and after the sequence dim); they trace under
+`torch.compile(fullgraph=True)`. `lossfx.sequence_layout.LoadBalancedLayout` is this layout as
+an object handed to every consumer.
+
 Lengths that do not split evenly raise `ValueError` (the reference silently drops tokens).
 """
 
@@ -25,11 +30,11 @@ from einops import rearrange
 from torch import Tensor
 
 from lossfx._consistency import boundary
-from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
+from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_size
 from lossfx._dtensor import replicated
 from lossfx._validation import check_tensor
 
-__all__ = ["allgather_cp", "cp_positions", "shard_for_cp_rank", "shard_padded_for_cp", "unshard"]
+__all__ = ["allgather_cp", "cp_positions", "shard_for_cp_rank", "unshard"]
 
 
 def _lead(seq_dim: int) -> str:
@@ -138,35 +143,6 @@ def unshard(shards: list[Tensor] | tuple[Tensor, ...], seq_dim: int = 1) -> Tens
         raise ValueError(f"all CP shards must have one shape; got {sorted(shapes)}")
     seq_dim = _check_local(shards[0], seq_dim)
     return _unshard_stacked(torch.stack(list(shards)), seq_dim)
-
-
-def check_covers_sequence(what: str, local_len: int, seq: int, cp_size: int, has_sharder: bool, got: str) -> None:
-    """Raise `ValueError` unless `local_len` positions per CP rank can hold the `seq` tokens of
-    `input_ids`: exactly `seq` without context parallelism (and no external sharder), otherwise
-    `C·S_l ≥ seq` with an even `S_l` (the load-balanced layout's two halves). `got` describes the
-    offending shapes for the message."""
-    if not has_sharder and cp_size == 1 and local_len != seq:
-        raise ValueError(f"{what} must cover input_ids' {seq} positions without context parallelism; got {got}")
-    if cp_size > 1 and (local_len * cp_size < seq or local_len % 2):
-        raise ValueError(
-            f"context-parallel {what} hold {local_len} positions on each of {cp_size} ranks; they must "
-            f"cover input_ids' {seq} positions with an even local length (a multiple of 2·{cp_size} "
-            "in all; pad the sequence to it)"
-        )
-
-
-def shard_padded_for_cp(x: Tensor, local_len: int, group: ProcessGroup | None) -> Tensor:
-    """Canonical `x [B, S, ...]` zero-padded along dim 1 to `C·local_len`, then this rank's part.
-
-    Equivalent to ``shard_for_cp_rank(pad(x, C·local_len), rank, C)``; without a CP group (or of
-    size 1) only the padding to `local_len` applies. The caller checks `S <= C·local_len` with its
-    own message.
-    """
-    cp_size = group_size(group)
-    pad = local_len * cp_size - x.shape[1]
-    if pad:
-        x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, pad])  # [B, C·S_l, ...]
-    return shard_for_cp_rank(x, group_rank(group), cp_size, seq_dim=1)
 
 
 @boundary(cp="group")

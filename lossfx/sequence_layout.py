@@ -6,8 +6,10 @@ between the two along dim 1, so that every consumer is written once for all layo
 
 - `to_local(x, local_len, fill)`: canonical -> this rank's `[B, local_len, ...]`, padding the
   canonical tensor with `fill` first where the layout pads (no communication);
-- `to_canonical(x, length)`: this rank's part -> canonical `[B, length, ...]` on every rank,
-  differentiable (gradient rule: the layout's gather, see each class);
+- `to_canonical(x, length)`: this rank's part -> canonical `[B, length, ...]` on every rank
+  (`None`: all the layout's canonical positions), differentiable (gradient rule: the layout's
+  gather, see each class);
+- `shift_left(x, length)`: this rank's part of the canonical left shift (last row zero);
 - `check_covers(what, local_len, seq, got)`: `ValueError` unless `local_len` positions per rank
   can hold a length-`seq` canonical sequence;
 - `next_token_targets` / `next_token_outputs`: the two halves of the one next-token pipeline
@@ -32,7 +34,7 @@ import torch
 from torch import Tensor
 
 from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size
-from lossfx.context_parallel import allgather_cp, check_covers_sequence, shard_for_cp_rank
+from lossfx.context_parallel import allgather_cp, shard_for_cp_rank
 
 __all__ = [
     "ContextParallelSharder",
@@ -114,19 +116,26 @@ class SequenceLayout:
     cp_size: int = 1
     describe = "no context parallelism"
 
-    def check_covers(self, what: str, local_len: int, seq: int, got: str) -> None:
-        """Raise `ValueError` unless `local_len` local positions hold `seq` canonical ones."""
-        check_covers_sequence(what, local_len, seq, self.cp_size, False, got)
+    def check_covers(self, what: str, local_len: int, seq: int, got: str, canonical: str = "input_ids") -> None:
+        """Raise `ValueError` unless `local_len` local positions can hold the `seq` positions of the
+        canonical tensor named `canonical`; `got` describes the offending shapes. Here: equal."""
+        if local_len != seq:
+            raise ValueError(f"{what} must cover {canonical}' {seq} positions without context parallelism; got {got}")
+
+    def window(self, local_len: int) -> int | None:
+        """The canonical positions `local_len` local ones cover (`C·S_l`), `None` if unknown."""
+        return local_len * self.cp_size
 
     def to_local(self, x: Tensor, local_len: int, fill: float = 0) -> Tensor:
         raise NotImplementedError
 
-    def to_canonical(self, x: Tensor, length: int) -> Tensor:
+    def to_canonical(self, x: Tensor, length: int | None = None) -> Tensor:
         raise NotImplementedError
 
-    def shift_left(self, x: Tensor, length: int) -> Tensor:
+    def shift_left(self, x: Tensor, length: int | None = None) -> Tensor:
         """This rank's part of the canonical left shift of a length-`length` sequence (the last
-        row zero), from this rank's part `x [B, S_l, ...]`. Default: gather, shift, shard."""
+        row zero; `None`: all the layout's canonical positions), from this rank's part
+        `x [B, S_l, ...]`. Default: gather, shift, lay out again."""
         full = self.to_canonical(x, length)
         shifted = torch.cat([full[:, 1:], torch.zeros_like(full[:, :1])], dim=1)
         return self.to_local(shifted, x.shape[1])
@@ -163,7 +172,7 @@ class PlainLayout(SequenceLayout):
     def to_local(self, x: Tensor, local_len: int, fill: float = 0) -> Tensor:
         return _pad_seq(x, local_len, fill)
 
-    def to_canonical(self, x: Tensor, length: int) -> Tensor:
+    def to_canonical(self, x: Tensor, length: int | None = None) -> Tensor:
         return x[:, :length]
 
 
@@ -184,20 +193,31 @@ class LoadBalancedLayout(SequenceLayout):
         self.describe = f"the load-balanced context-parallel layout over {self.cp_size} ranks"
         self._length: int | None = None
 
+    def check_covers(self, what: str, local_len: int, seq: int, got: str, canonical: str = "input_ids") -> None:
+        """`C·S_l >= S` with an even `S_l` (two equal chunks); equal lengths without CP."""
+        if self.cp_size == 1:
+            return super().check_covers(what, local_len, seq, got, canonical)
+        if local_len * self.cp_size < seq or local_len % 2:
+            raise ValueError(
+                f"context-parallel {what} hold {local_len} positions on each of {self.cp_size} ranks; they must "
+                f"cover {canonical}' {seq} positions with an even local length (a multiple of 2·{self.cp_size} "
+                f"in all; pad the sequence to it); got {got}"
+            )
+
     def to_local(self, x: Tensor, local_len: int, fill: float = 0) -> Tensor:
         if self.cp_size == 1:
             return _pad_seq(x, local_len, fill)
         return shard_for_cp_rank(_pad_seq(x, local_len * self.cp_size, fill), self.cp_rank, self.cp_size)
 
-    def to_canonical(self, x: Tensor, length: int) -> Tensor:
+    def to_canonical(self, x: Tensor, length: int | None = None) -> Tensor:
         return allgather_cp(x, self.cp_group, seq_dim=1)[:, :length]
 
-    def shift_left(self, x: Tensor, length: int) -> Tensor:
-        """Without padding (`length = C·S_l`), each chunk takes its new last row from the first
-        row of the next chunk in canonical order: one all-gather of every rank's two first rows
-        `[C, 2, B, ...]`, instead of the whole tensor. With padding, the base class's gather."""
+    def shift_left(self, x: Tensor, length: int | None = None) -> Tensor:
+        """Without padding (`length` `None` or `C·S_l`), each chunk takes its new last row from
+        the first row of the next chunk in canonical order: one all-gather of every rank's two
+        first rows `[C, 2, B, ...]`, instead of the whole tensor. With padding, the base class's."""
         local_len = x.shape[1]
-        if self.cp_size == 1 or length != local_len * self.cp_size:
+        if self.cp_size == 1 or length not in (None, local_len * self.cp_size):
             return super().shift_left(x, length)
         n, rank, cp = local_len // 2, self.cp_rank, self.cp_size
         zero_row = torch.zeros_like(x[:, :1])
@@ -233,8 +253,11 @@ class ShardedLayout(SequenceLayout):
         self.cp_group = getattr(sharder, "cp_group", None)
         self.describe = f"the layout of cp_sharder={type(sharder).__name__}"
 
-    def check_covers(self, what: str, local_len: int, seq: int, got: str) -> None:
+    def check_covers(self, what: str, local_len: int, seq: int, got: str, canonical: str = "input_ids") -> None:
         return None  # only the sharder knows; `to_local` checks the length it produces
+
+    def window(self, local_len: int) -> int | None:
+        return None
 
     def to_local(self, x: Tensor, local_len: int, fill: float = 0) -> Tensor:
         local = self.sharder.shard_token_tensor(x, seq_dim=1, fill=fill)  # type: ignore[arg-type]
@@ -246,9 +269,9 @@ class ShardedLayout(SequenceLayout):
             )
         return local
 
-    def to_canonical(self, x: Tensor, length: int) -> Tensor:
+    def to_canonical(self, x: Tensor, length: int | None = None) -> Tensor:
         full = self.sharder.gather_token_tensor(x, seq_dim=1, trim=True)
-        if full.shape[1] < length:
+        if length is not None and full.shape[1] < length:
             raise ValueError(
                 f"cp_sharder={type(self.sharder).__name__}.gather_token_tensor returned {full.shape[1]} canonical "
                 f"positions (shape {tuple(full.shape)}); the call needs {length}"
