@@ -362,6 +362,64 @@ def test_fused_next_token_in_every_layout_matches_reference(world, tp, kind, seq
         torch.testing.assert_close(grad_w, _tp_slice(w.grad, tp_rank, tp, dim=0), **TIGHT)
 
 
+def _public_rank(rank, world, group, case):
+    """The public functions below the dispatch, called with `cp_sharder=` directly."""
+    sharder, data = ContiguousSharder(group), case["data"]
+    local = _local(case["z"], "sharder", S, world, rank)
+    student, teacher, neg_h = lossfx.distillation_topk_logprobs(
+        local,
+        data["teacher_topk_logits"],
+        data["teacher_topk_indices"],
+        zero_outside_topk=True,
+        calculate_entropy=True,
+        cp_sharder=sharder,
+    )
+    draft, mask = lossfx.draft_targets(local, data["token_mask"], D2T, cp_sharder=sharder)
+    opd = lossfx.prepare_opd_full_loss_input(
+        local,
+        data,
+        _loss_fn("opd_full"),
+        vocab_parallel_rank=0,
+        vocab_parallel_group=None,
+        context_parallel_group=None,
+        sampling_params=None,
+        chunk_size=None,
+        cp_sharder=sharder,
+    )
+    payload = data["teacher_full_logits"]  # the sharder pads by itself: hand it the full S positions
+    aligned = lossfx.reconstruct_opd_full_teacher_logits(
+        torch.nn.functional.pad(payload, (0, 0, 0, S - payload.shape[1])),
+        teacher_payload="logits",
+        student_logits=local,
+        vocab_parallel_rank=0,
+        context_parallel_group=None,
+        cp_sharder=ContiguousSharder(group),
+    )
+    return (student, teacher, neg_h), (draft, mask), opd, aligned
+
+
+@pytest.mark.distributed
+def test_public_functions_take_cp_sharder():
+    case = _case(3)
+    z, data = case["z"], case["data"]
+    want_distill = reference.distillation_topk_logprobs(
+        z, data["teacher_topk_logits"], data["teacher_topk_indices"], True, True
+    )
+    want_draft = reference.draft_targets(z, data["token_mask"], D2T)
+    teacher = reference.opd_full_teacher_logits(data["teacher_full_logits"], S, teacher_payload="logits")
+    want_opd = reference.opd_full_loss_input(
+        z, teacher, data["input_ids"], validate_decomposition=True, reference_policy_kl_penalty=0.5
+    )
+    for rank, (distill, draft, opd, aligned) in enumerate(run_ranks(2, _public_rank, case)):
+        for got, want in zip(distill, want_distill):
+            torch.testing.assert_close(got, want, **TIGHT)
+        for got, want in zip(draft, want_draft):
+            torch.testing.assert_close(got, _local(want, "sharder", S, 2, rank), **TIGHT)
+        for key, want in want_opd.items():
+            torch.testing.assert_close(opd[key], want, **TIGHT)
+        torch.testing.assert_close(aligned, _local(teacher, "sharder", S, 2, rank), **TIGHT)
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Compile
 # ---------------------------------------------------------------------------------------------
