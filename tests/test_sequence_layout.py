@@ -315,7 +315,7 @@ def test_branch_in_every_layout_matches_reference(world, tp, kind, branch):
     _check_branch(world, tp, kind, branch, seed=world + tp)
 
 
-def _fused_rank(rank, world, group, tp, kind, case, sequence_parallel):
+def _fused_rank(rank, world, group, tp, kind, case, sequence_parallel, backend=None):
     tp_group, tp_rank, cp_group, cp_rank = mesh_groups(rank, world, group, tp)
     cp = world // tp
     hidden = _local(case["hidden"], kind, S, cp, cp_rank)
@@ -323,18 +323,27 @@ def _fused_rank(rank, world, group, tp, kind, case, sequence_parallel):
         hidden = hidden.chunk(tp, dim=1)[tp_rank]
     hidden = hidden.clone().requires_grad_()
     weight = _tp_slice(case["weight"], tp_rank, tp, dim=0).clone().requires_grad_()
-    lp, neg_h = lossfx.linear_next_token_logprobs(
-        hidden,
-        weight,
-        case["data"]["input_ids"],
-        group=tp_group,
-        sequence_parallel=sequence_parallel,
-        return_neg_entropy=True,
-        chunk_size=3,
-        **_cp_kwargs(kind, cp_group),
-    )
+    cp_kw = _cp_kwargs(kind, cp_group)
+
+    def step(hidden, weight, ids):
+        return lossfx.linear_next_token_logprobs(
+            hidden,
+            weight,
+            ids,
+            group=tp_group,
+            sequence_parallel=sequence_parallel,
+            return_neg_entropy=True,
+            chunk_size=3,
+            **cp_kw,
+        )
+
+    counter = None
+    if backend is not None:
+        counter, step = compiled_for_rank(rank, ("layout-fused", world, tp, kind, sequence_parallel), step, backend)
+    lp, neg_h = step(hidden, weight, case["data"]["input_ids"])
     ((_weighted(lp, case["g"][0]) + _weighted(neg_h, case["g"][1])) / cp).backward()
-    return lp.detach(), neg_h.detach(), hidden.grad, weight.grad
+    frames = None if counter is None else counter.frame_count
+    return lp.detach(), neg_h.detach(), hidden.grad, weight.grad, frames
 
 
 @pytest.mark.distributed
@@ -342,16 +351,21 @@ def _fused_rank(rank, world, group, tp, kind, case, sequence_parallel):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_fused_next_token_in_every_layout_matches_reference(world, tp, kind, sequence_parallel):
-    cp = world // tp
-    if sequence_parallel and _positions(kind, S, cp, 0)[0] // cp % tp:
+    if sequence_parallel and _positions(kind, S, world // tp, 0)[0] // (world // tp) % tp:
         pytest.skip("the local length does not split over the TP ranks")
-    case = _case(world * 5 + tp)
+    _check_fused(world, tp, kind, sequence_parallel)
+
+
+def _check_fused(world, tp, kind, sequence_parallel, backend=None, seed=0):
+    """The fused next-token path on every rank against the reference; returns the compile counts."""
+    cp = world // tp
+    case = _case(world * 5 + tp + seed)
     h, w = case["hidden"].clone().requires_grad_(), case["weight"].clone().requires_grad_()
     lp, neg_h = reference.linear_next_token_logprobs(h, w, case["data"]["input_ids"])
     (_weighted(lp, case["g"][0]) + _weighted(neg_h, case["g"][1])).backward()
-    results = run_ranks(world, _fused_rank, tp, kind, case, sequence_parallel)
+    results = run_ranks(world, _fused_rank, tp, kind, case, sequence_parallel, backend)
     weight_grads: dict[int, torch.Tensor] = {}
-    for rank, (out_lp, out_h, grad_h, grad_w) in enumerate(results):
+    for rank, (out_lp, out_h, grad_h, grad_w, _) in enumerate(results):
         tp_rank, cp_rank = rank % tp, rank // tp
         torch.testing.assert_close(out_lp, lp.detach(), **TIGHT)
         torch.testing.assert_close(out_h, neg_h.detach(), **TIGHT)
@@ -360,6 +374,7 @@ def test_fused_next_token_in_every_layout_matches_reference(world, tp, kind, seq
         weight_grads[tp_rank] = weight_grads.get(tp_rank, 0) + grad_w  # each CP rank: its positions' share
     for tp_rank, grad_w in weight_grads.items():
         torch.testing.assert_close(grad_w, _tp_slice(w.grad, tp_rank, tp, dim=0), **TIGHT)
+    return [frames for *_, frames in results]
 
 
 def _public_rank(rank, world, group, case):
@@ -464,6 +479,16 @@ def test_sharder_layout_compiles_on_every_branch(branch):
     for seed in (0, 1, 2):
         results = _check_branch(2, 1, "sharder", branch, seed=seed, backend="aot_eager")
     assert [frames for _, _, frames in results] == [2 if branch == "draft" else 1] * 2
+
+
+@pytest.mark.compile
+@pytest.mark.distributed
+def test_fused_next_token_with_sharder_compiles():
+    """The fused head's next-token path in an external sharder's layout, `fullgraph=True`
+    (aot_eager) on CP 2: equal to the reference, one compile for three calls."""
+    for seed in (0, 1, 2):
+        frames = _check_fused(2, 1, "sharder", False, "aot_eager", seed)
+    assert frames == [1, 1]
 
 
 # ---------------------------------------------------------------------------------------------
