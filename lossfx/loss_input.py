@@ -5,11 +5,15 @@ built on lossfx's kernels. `prepare_loss_input` dispatches on `loss_fn.input_typ
 
 1. `LOGIT` returns the logits unchanged;
 2. `LOGPROB` returns next-token log-probs `[B, S-1]` (tensor-parallel vocabulary shard,
-   context-parallel layout or an external `cp_sharder`, top-k/top-p filter, chunked);
+   top-k/top-p filter, chunked);
 3. `DISTILLATION` returns student/teacher log-probs at the teacher's top-k ids
    (`lossfx.distillation`);
 4. `DRAFT` returns the shifted teacher logits in the draft vocabulary (`lossfx.draft`);
 5. `OPD_FULL` returns full-vocabulary on-policy distillation divergences (`lossfx.opd_full`).
+
+The sequence layout (`lossfx.sequence_layout`: none, load-balanced context parallelism, an
+external `cp_sharder`) is built once here from `context_parallel_group=` / `cp_sharder=` and
+handed to the branch, so every input type but `LOGIT` works in every layout.
 
 Packed sequences go through `prepare_packed_loss_input` (`LOGPROB` only).
 

@@ -8,7 +8,8 @@ parallelism of size `C` every padded length is a multiple of `2C` and each seque
 on its own in the load-balanced layout; rank `r`'s packed logits `[1, T/C, Vl]` concatenate its
 parts of every sequence.
 
-Pipeline (`packed_next_token_logprobs`):
+`PackedLayout` is this layout as a `lossfx.sequence_layout.SequenceLayout`, and
+`packed_next_token_logprobs` runs the one next-token pipeline (`score_next_tokens`) with it:
 
 1. index maps from `cu_seqlens` with tensor ops only (`searchsorted`, integer arithmetic), so
    nothing in the graph depends on Python values of the layout: for each local slot its

@@ -5,8 +5,9 @@ layouts themselves (`to_local` / `to_canonical` against `lossfx.reference.cp_sha
 `packed_cp_shard`, values and the gradient rule); 2 every branch (LOGPROB plain and filtered,
 DISTILLATION, DRAFT, OPD_FULL, the fused `linear_next_token_logprobs`) x every layout (a CP group,
 a `LoadBalancedLayout` object and an external sharder as `cp_sharder=`) on 1, 2 and 4 ranks with
-TP mixes, values and gradients at float64 1e-10; 3 compile (the einops patterns and every branch
-with a sharder layout under `fullgraph=True`, recompiles pinned); 4 errors.
+TP mixes, values and gradients at float64 1e-10, and on a real gloo group; 3 compile (the einops
+patterns and every branch with a sharder layout under `fullgraph=True`, recompiles pinned);
+4 errors.
 """
 
 from __future__ import annotations
@@ -433,6 +434,34 @@ def test_public_functions_take_cp_sharder():
         for key, want in want_opd.items():
             torch.testing.assert_close(opd[key], want, **TIGHT)
         torch.testing.assert_close(aligned, _local(teacher, "sharder", S, 2, rank), **TIGHT)
+
+
+def gloo_branches_job(rank, world, group, kind, case):
+    """Every branch, eager, in one layout kind, on a real gloo group (CP over all ranks)."""
+    return {branch: _branch_rank(rank, world, group, 1, kind, branch, case)[:2] for branch in GRAD_KEYS}
+
+
+@pytest.mark.distributed
+@pytest.mark.filterwarnings("ignore:.*valid tokens have -inf")
+@pytest.mark.parametrize("kind", ["layout", "sharder"])
+def test_every_branch_in_a_sharder_layout_on_gloo(kind):
+    """The real backend: a layout object and an external sharder as `cp_sharder=` on 2 gloo
+    processes, every branch equal to the reference (values and gradients)."""
+    from harness import gloo_pool
+
+    case = _case(7)
+    results = gloo_pool(2).run(gloo_branches_job, kind, case)
+    for branch in GRAD_KEYS:
+        want, want_grad = _reference(branch, case)
+        for rank, per_rank in enumerate(results):
+            out, grad = per_rank[branch]
+            for key, value in want.items():
+                if value is None or key == "student_logits":
+                    continue
+                expected = _local(value, kind, S, 2, rank) if branch == "draft" else value
+                torch.testing.assert_close(out[key], expected, **TIGHT)
+            if want_grad is not None:
+                torch.testing.assert_close(grad, _local(want_grad, kind, S, 2, rank), **TIGHT)
 
 
 # ---------------------------------------------------------------------------------------------
