@@ -61,10 +61,7 @@ def shift_left(
     check_tensor("x", x)
     if x.dim() < 2:
         raise ValueError(f"x must have a sequence dim 1, got shape {tuple(x.shape)}")
-    layout = sequence_layout(cp_group, cp_sharder)
-    if layout.cp_size > 1 and x.shape[1] % 2:
-        raise ValueError(f"a context-parallel shard has an even length (two chunks), got {x.shape[1]}")
-    return layout.shift_left(x)
+    return sequence_layout(cp_group, cp_sharder).shift_left(x)
 
 
 @boundary(

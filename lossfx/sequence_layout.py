@@ -217,6 +217,8 @@ class LoadBalancedLayout(SequenceLayout):
         the first row of the next chunk in canonical order: one all-gather of every rank's two
         first rows `[C, 2, B, ...]`, instead of the whole tensor. With padding, the base class's."""
         local_len = x.shape[1]
+        if self.cp_size > 1 and local_len % 2:
+            raise ValueError(f"a context-parallel shard has an even length (two chunks), got {local_len}")
         if self.cp_size == 1 or length not in (None, local_len * self.cp_size):
             return super().shift_left(x, length)
         n, rank, cp = local_len // 2, self.cp_rank, self.cp_size

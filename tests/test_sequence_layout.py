@@ -573,3 +573,16 @@ def test_plain_layout_length_mismatch_names_the_canonical_tensor():
         _branch_step("distillation", 0, None, {})(case["z"][:, :9], case["data"], case["g"])
     with pytest.raises(ValueError, match="logits must cover token_mask' 11 positions"):
         _branch_step("draft", 0, None, {})(case["z"][:, :9], case["data"], case["g"])
+
+
+def _odd_shift_rank(rank, world, group):
+    with pytest.raises(ValueError, match="even length"):
+        lossfx.shift_left(torch.zeros(1, 3, 4), group)
+    with pytest.raises(ValueError, match="even length"):
+        lossfx.shift_left(torch.zeros(1, 3, 4), cp_sharder=LoadBalancedLayout(group))
+    return True
+
+
+@pytest.mark.distributed
+def test_shift_left_of_an_odd_load_balanced_shard_raises():
+    assert all(run_ranks(2, _odd_shift_rank))
