@@ -226,6 +226,10 @@ class PackedLayout(SequenceLayout):
         n_seqs = len(self.cu_seqlens_q_padded) - 1 if self.prepacked else seq
         check_cu_seqlens(self.cu_seqlens_q, self.cu_seqlens_q_padded, n_seqs, local_len * self.cp_size, self.cp_size)
 
+    def local_len(self, seq: int) -> int | None:
+        """`T/C` (the packed row's length is `cu_seqlens_q_padded[-1]`, whatever `seq`)."""
+        return int(self.cu_seqlens_q_padded[-1]) // self.cp_size
+
     def _cu(self, device: torch.device) -> tuple[Tensor, Tensor]:
         return (
             _as_tensor("cu_seqlens_q", self.cu_seqlens_q, device),

@@ -11,7 +11,7 @@ between the two along dim 1, so that every consumer is written once for all layo
   gather, see each class);
 - `shift_left(x, length)`: this rank's part of the canonical left shift (last row zero);
 - `check_covers(what, local_len, seq, got)`: `ValueError` unless `local_len` positions per rank
-  can hold a length-`seq` canonical sequence;
+  can hold a length-`seq` canonical sequence; `local_len(seq)`: the fewest that can;
 - `next_token_targets` / `next_token_outputs`: the two halves of the one next-token pipeline
   (shift the canonical ids -> targets in the local layout; kernel; gather -> drop the last
   column), which `score_next_tokens` runs around a kernel.
@@ -126,6 +126,11 @@ class SequenceLayout:
         """The canonical positions `local_len` local ones cover (`C·S_l`), `None` if unknown."""
         return local_len * self.cp_size
 
+    def local_len(self, seq: int) -> int | None:
+        """The fewest local positions that hold a length-`seq` canonical sequence (`None`: only
+        the layout's sharding knows, e.g. an external sharder)."""
+        return seq
+
     def to_local(self, x: Tensor, local_len: int, fill: float = 0) -> Tensor:
         raise NotImplementedError
 
@@ -193,6 +198,10 @@ class LoadBalancedLayout(SequenceLayout):
         self.describe = f"the load-balanced context-parallel layout over {self.cp_size} ranks"
         self._length: int | None = None
 
+    def local_len(self, seq: int) -> int | None:
+        """`S` padded to a multiple of `2C`, over `C` ranks."""
+        return seq if self.cp_size == 1 else (seq + (-seq) % (2 * self.cp_size)) // self.cp_size
+
     def check_covers(self, what: str, local_len: int, seq: int, got: str, canonical: str = "input_ids") -> None:
         """`C·S_l >= S` with an even `S_l` (two equal chunks); equal lengths without CP."""
         if self.cp_size == 1:
@@ -259,6 +268,9 @@ class ShardedLayout(SequenceLayout):
         return None  # only the sharder knows; `to_local` checks the length it produces
 
     def window(self, local_len: int) -> int | None:
+        return None
+
+    def local_len(self, seq: int) -> int | None:
         return None
 
     def to_local(self, x: Tensor, local_len: int, fill: float = 0) -> Tensor:

@@ -258,6 +258,7 @@ def _layout_rank(rank, world, group, kind, x, upstream):
     layout = layout or sequence_layout(group)
     seq = x.shape[1]
     padded, _ = _positions(kind, seq, world, rank)
+    assert layout.local_len(seq) == (None if kind == "sharder" else padded // world)
     local = layout.to_local(x, padded // world).clone().requires_grad_()
     full = layout.to_canonical(local, seq)
     ((full * upstream).sum() / world).backward()
@@ -286,6 +287,7 @@ def test_to_local_and_to_canonical_against_reference(world, kind):
 
 def _packed_rank(rank, world, group, x, upstream, cu_q, cu_p):
     layout = PackedLayout(cu_q, cu_p, group, prepacked=True)
+    assert layout.local_len(len(cu_q) - 1) == cu_p[-1] // world
     local = layout.to_local(x, cu_p[-1] // world).clone().requires_grad_()
     full = layout.to_canonical(local)
     ((full * upstream).sum() / world).backward()
