@@ -15,21 +15,32 @@ rank 1 holds `[2, 3, 4, 5]`.
   gradient is therefore `C×` the true one: callers divide the loss by `C`
   (`(loss / cp_size).backward()`), as NeMo RL's loss wrappers do.
 
+The split and its inverse are einops `rearrange` patterns (`"a0 (k n) ... -> k a0 n ..."` with
+`k = 2C`, for any dims before and after the sequence dim); they trace under
+`torch.compile(fullgraph=True)`. `lossfx.sequence_layout.LoadBalancedLayout` is this layout as
+an object handed to every consumer.
+
 Lengths that do not split evenly raise `ValueError` (the reference silently drops tokens).
 """
 
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from lossfx._consistency import boundary
 from lossfx._deprecation import renamed_keywords
-from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
+from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_size
 from lossfx._dtensor import replicated
 from lossfx._validation import check_tensor
 
-__all__ = ["allgather_cp", "cp_positions", "shard_for_cp_rank", "shard_padded_for_cp", "unshard"]
+__all__ = ["allgather_cp", "cp_positions", "shard_for_cp_rank", "unshard"]
+
+
+def _lead(seq_dim: int) -> str:
+    """The einops names of the `seq_dim` dims before the sequence dim: `"a0 a1"` for `seq_dim = 2`."""
+    return " ".join(f"a{i}" for i in range(seq_dim))
 
 
 def _check_seq_dim(x: Tensor, seq_dim: int) -> int:
@@ -88,19 +99,19 @@ def shard_for_cp_rank(x: Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1) -
             f"the sequence length {length} (dim {seq_dim} of shape {tuple(x.shape)}) must be divisible by "
             f"2·cp_size = {2 * cp_size} for the load-balanced context-parallel layout; pad it first"
         )
-    n = length // (2 * cp_size)
-    first = x.narrow(seq_dim, cp_rank * n, n)
-    second = x.narrow(seq_dim, (2 * cp_size - 1 - cp_rank) * n, n)
-    return torch.cat([first, second], dim=seq_dim)
+    lead = _lead(seq_dim)
+    chunks = rearrange(x, f"{lead} (k n) ... -> k {lead} n ...", k=2 * cp_size)  # [2C, ..., L/2C, ...]
+    pair = torch.stack([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]])
+    return rearrange(pair, f"two {lead} n ... -> {lead} (two n) ...")
 
 
 def _unshard_stacked(stacked: Tensor, seq_dim: int) -> Tensor:
     """`[C, *local]` (rank order) -> canonical, with local seq length `2n` along `seq_dim`."""
-    cp_size = stacked.shape[0]
-    half = stacked.shape[seq_dim + 1] // 2
-    firsts = [stacked[r].narrow(seq_dim, 0, half) for r in range(cp_size)]  # chunks 0 .. C−1
-    seconds = [stacked[r].narrow(seq_dim, half, half) for r in reversed(range(cp_size))]  # chunks C .. 2C−1
-    return torch.cat(firsts + seconds, dim=seq_dim)
+    lead = _lead(seq_dim)
+    halves = rearrange(stacked, f"c {lead} (two n) ... -> two c {lead} n ...", two=2)  # [2, C, ..., n, ...]
+    # rank r's first half is chunk r, its second half chunk 2C−1−r: chunks C .. 2C−1 are ranks C−1 .. 0
+    chunks = torch.cat([halves[0], halves[1].flip(0)])  # [2C, ..., n, ...]
+    return rearrange(chunks, f"k {lead} n ... -> {lead} (k n) ...")
 
 
 def _check_local(x: Tensor, seq_dim: int) -> int:
@@ -133,35 +144,6 @@ def unshard(shards: list[Tensor] | tuple[Tensor, ...], seq_dim: int = 1) -> Tens
         raise ValueError(f"all CP shards must have one shape; got {sorted(shapes)}")
     seq_dim = _check_local(shards[0], seq_dim)
     return _unshard_stacked(torch.stack(list(shards)), seq_dim)
-
-
-def check_covers_sequence(what: str, local_len: int, seq: int, cp_size: int, has_sharder: bool, got: str) -> None:
-    """Raise `ValueError` unless `local_len` positions per CP rank can hold the `seq` tokens of
-    `input_ids`: exactly `seq` without context parallelism (and no external sharder), otherwise
-    `C·S_l ≥ seq` with an even `S_l` (the load-balanced layout's two halves). `got` describes the
-    offending shapes for the message."""
-    if not has_sharder and cp_size == 1 and local_len != seq:
-        raise ValueError(f"{what} must cover input_ids' {seq} positions without context parallelism; got {got}")
-    if cp_size > 1 and (local_len * cp_size < seq or local_len % 2):
-        raise ValueError(
-            f"context-parallel {what} hold {local_len} positions on each of {cp_size} ranks; they must "
-            f"cover input_ids' {seq} positions with an even local length (a multiple of 2·{cp_size} "
-            "in all; pad the sequence to it)"
-        )
-
-
-def shard_padded_for_cp(x: Tensor, local_len: int, group: ProcessGroup | None) -> Tensor:
-    """Canonical `x [B, S, ...]` zero-padded along dim 1 to `C·local_len`, then this rank's part.
-
-    Equivalent to ``shard_for_cp_rank(pad(x, C·local_len), rank, C)``; without a CP group (or of
-    size 1) only the padding to `local_len` applies. The caller checks `S <= C·local_len` with its
-    own message.
-    """
-    cp_size = group_size(group)
-    pad = local_len * cp_size - x.shape[1]
-    if pad:
-        x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, pad])  # [B, C·S_l, ...]
-    return shard_for_cp_rank(x, group_rank(group), cp_size, seq_dim=1)
 
 
 @renamed_keywords(group="context_parallel_group")

@@ -2,13 +2,14 @@
 
 Pipeline (`distillation_topk_logprobs`), every step on this rank's `[B, S_l, Vl]` student shard:
 
-1. with context parallelism, the canonical ids `[B, S, K]` are padded to `C·S_l` and cut to this
-   rank's load-balanced positions (`context_parallel.shard_padded_for_cp`);
+1. the canonical ids `[B, S, K]` in the logits' sequence layout (`lossfx.sequence_layout`: with
+   load-balanced context parallelism padded to `C·S_l` and cut to this rank's positions; or an
+   external `cp_sharder`'s layout);
 2. student log-probs at the ids, either normalised over the full vocabulary (`zero_outside_topk`,
    with `Σ p log p` from the same streaming pass when asked: `gather.gather_logprobs`), or
    renormalised over the K ids (`gather.gather_logits`, then a K-way `log_softmax`);
-3. with context parallelism, the per-token results are gathered back to canonical order
-   (`allgather_cp`: gradients summed over CP ranks, so divide the loss by `C`) and unpadded;
+3. the per-token results back to canonical order (`SequenceLayout.to_canonical`: under lossfx's
+   CP layout gradients are summed over CP ranks, so divide the loss by `C`) and unpadded;
 4. the teacher's log-probs, renormalised over its K logits; all outputs drop the last position
    (position `t` predicts token `t+1`; student and teacher are already aligned).
 """
@@ -23,28 +24,10 @@ from lossfx._distributed import ProcessGroup, group_size
 from lossfx._dtensor import replicated, vocab_shard
 from lossfx._numerics import compute_dtype, log_softmax_rows
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
-from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
 from lossfx.gather import gather_logits, gather_logprobs
+from lossfx.sequence_layout import ContextParallelSharder, sequence_layout
 
 __all__ = ["distillation_topk_logprobs"]
-
-
-def _to_cp_local(ids: Tensor, local_len: int, cp_group: ProcessGroup | None) -> Tensor:
-    """Canonical `[B, S, K]` -> this CP rank's `[B, S_l, K]` (zero-padded to `C·S_l` first)."""
-    cp_size = group_size(cp_group)
-    if ids.shape[1] > local_len * cp_size:
-        raise ValueError(
-            f"teacher_topk_indices has {ids.shape[1]} positions, more than the {local_len}·{cp_size} "
-            "the context-parallel student logits cover"
-        )
-    return shard_padded_for_cp(ids, local_len, cp_group)
-
-
-def _to_canonical(x: Tensor, seq: int, cp_group: ProcessGroup | None) -> Tensor:
-    """This CP rank's `[B, S_l, ...]` -> canonical `[B, S, ...]` (gathered, then unpadded)."""
-    if group_size(cp_group) == 1:
-        return x
-    return allgather_cp(x, cp_group, seq_dim=1)[:, :seq]
 
 
 @boundary(vocab="equal")
@@ -58,6 +41,7 @@ def distillation_topk_logprobs(
     vocab_parallel_group: ProcessGroup | None = None,
     context_parallel_group: ProcessGroup | None = None,
     chunk_size: int | None = None,
+    cp_sharder: ContextParallelSharder | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Student and teacher log-probs at the teacher's top-k ids, next-token aligned.
 
@@ -82,6 +66,9 @@ def distillation_topk_logprobs(
         vocab_parallel_group: TP group over the vocabulary, or `None`.
         context_parallel_group: CP group, or `None`; gradients follow the summed convention.
         chunk_size: sequence positions per eager chunk (memory bound only).
+        cp_sharder: an external context-parallel layout (`shard_token_tensor` /
+            `gather_token_tensor`) or a `lossfx.sequence_layout.SequenceLayout`; takes precedence
+            over `context_parallel_group`.
 
     Returns:
         `(student_topk_logprobs [B, S-1, K], teacher_topk_logprobs [B, S-1, K], H_all [B, S-1] or
@@ -117,15 +104,19 @@ def distillation_topk_logprobs(
             f"{tuple(student_logits.shape)} and teacher shape {tuple(teacher_topk_indices.shape)}"
         )
     batch, seq, _ = teacher_topk_indices.shape
+    layout = sequence_layout(context_parallel_group, cp_sharder)
     local_len = student_logits.shape[1]
-    if group_size(context_parallel_group) == 1 and local_len != seq:
-        raise ValueError(
-            f"student_logits has {local_len} positions but the teacher top-k has {seq} (no context parallelism)"
-        )
+    layout.check_covers(
+        "student_logits",
+        local_len,
+        seq,
+        f"student_logits.shape={tuple(student_logits.shape)} and teacher shape {tuple(teacher_topk_indices.shape)}",
+        canonical="teacher_topk_indices",
+    )
     vocab = group_size(vocab_parallel_group) * student_logits.shape[-1]
     check_ids_in_range("teacher_topk_indices", teacher_topk_indices, vocab)
     # any integer dtype: int64 for gather (uint8 ids would also wrap in `ids - vocab_start`)
-    ids = _to_cp_local(teacher_topk_indices.to(torch.int64), local_len, context_parallel_group)  # [B, S_l, K]
+    ids = layout.to_local(teacher_topk_indices.to(torch.int64), local_len)  # [B, S_l, K]
     rows = None if chunk_size is None else chunk_size * batch
     neg_entropy = None
     if zero_outside_topk:
@@ -135,9 +126,10 @@ def distillation_topk_logprobs(
     else:
         picked = gather_logits(student_logits, ids, group=vocab_parallel_group)  # [B, S_l, K]
         student_lp = log_softmax_rows(picked)
-    student_lp = _to_canonical(student_lp, seq, context_parallel_group)
+    width = max(seq - 1, 0)  # position t predicts token t+1: the last position is dropped
+    student_lp = layout.to_canonical(student_lp, width)
     if neg_entropy is not None:
-        neg_entropy = _to_canonical(neg_entropy, seq, context_parallel_group)[:, :-1]
+        neg_entropy = layout.to_canonical(neg_entropy, width)
     cdtype = compute_dtype(student_logits.dtype)
     teacher_lp = log_softmax_rows(teacher_topk_logits.to(device=student_lp.device, dtype=cdtype))
-    return student_lp[:, :-1], teacher_lp[:, :-1], neg_entropy
+    return student_lp, teacher_lp[:, :width], neg_entropy

@@ -3,10 +3,13 @@
     teacher_logits[:, t] = logits[:, t+1, i + d2t[i]]   (draft id i ↦ target id i + d2t[i])
     teacher_logits[:, S-1] = 0                          (zero logits: a uniform target)
 
-1. **Shift.** Without context parallelism a left shift with a zero last row. With it, each rank's
-   two load-balanced chunks shift internally and take their new last row from the first row of
-   the next chunk in canonical order, which another rank may hold: one all-gather of every rank's
-   two first rows (`[R, 2, B, Vl]`) provides them; the canonical last row becomes zeros.
+1. **Shift** (`SequenceLayout.shift_left` of the call's layout, `lossfx.sequence_layout`). Without
+   context parallelism a left shift with a zero last row. In lossfx's load-balanced layout each
+   rank's two chunks shift internally and take their new last row from the first row of the next
+   chunk in canonical order, which another rank may hold: one all-gather of every rank's two
+   first rows (`[R, 2, B, Vl]`) provides them; the canonical last row becomes zeros. In another
+   layout (an external `cp_sharder`, a padded CP sequence) the logits are gathered to canonical
+   order, shifted and laid out again (one all-gather of this rank's logits).
 2. **Draft vocabulary.** Without tensor parallelism a column gather. With it, each rank writes the
    target columns it owns into a `[D, B, S]` buffer (zeros elsewhere) and one reduce-scatter (sum)
    hands every rank its `D/TP` draft shard: traffic `B·S·D`, never the full target vocabulary.
@@ -24,7 +27,6 @@ from lossfx._consistency import boundary
 from lossfx._deprecation import renamed_keywords
 from lossfx._distributed import (
     ProcessGroup,
-    all_gather_stack,
     check_group,
     group_rank,
     group_size,
@@ -33,45 +35,40 @@ from lossfx._distributed import (
 )
 from lossfx._dtensor import check_view, is_dtensor, replicated, vocab_shard
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
-from lossfx.context_parallel import shard_for_cp_rank
+from lossfx.sequence_layout import ContextParallelSharder, sequence_layout
 
 __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
 
 
 @renamed_keywords(cp_group="context_parallel_group")
 @boundary()
-def shift_left(x: Tensor, context_parallel_group: ProcessGroup | None = None) -> Tensor:
+def shift_left(
+    x: Tensor,
+    context_parallel_group: ProcessGroup | None = None,
+    *,
+    cp_sharder: ContextParallelSharder | None = None,
+) -> Tensor:
     """Shift `x [B, S_l, ...]` one position left along dim 1 in canonical order; last row zero.
 
     Equivalent to ``torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)`` on the canonical tensor,
-    applied to this CP rank's load-balanced shard (`context_parallel_group=None`: no context
-    parallelism).
+    applied to this rank's part of it.
 
     Args:
         x: `[B, S_l, ...]` this CP rank's shard (the canonical tensor without CP).
-        context_parallel_group: the CP group, or `None` (formerly `cp_group=`, which still works
-            with a FutureWarning).
+        context_parallel_group: the CP group of the load-balanced layout, or `None` (no context
+            parallelism; formerly `cp_group=`, which still works with a FutureWarning).
+        cp_sharder: an external layout (`shard_token_tensor` / `gather_token_tensor`) or a
+            `lossfx.sequence_layout.SequenceLayout`; takes precedence over the group. The
+            canonical sequence is then the sharder's gathered (trimmed) one.
     """
     cp_group = context_parallel_group
     if is_dtensor(x):  # shifts along the sequence: a vocabulary-sharded DTensor stays one (lossfx/_dtensor.py)
         s = vocab_shard(x, name="x")
-        return s.wrap(shift_left(s.local, cp_group))
+        return s.wrap(shift_left(s.local, cp_group, cp_sharder=cp_sharder))
     check_tensor("x", x)
     if x.dim() < 2:
         raise ValueError(f"x must have a sequence dim 1, got shape {tuple(x.shape)}")
-    zero_row = torch.zeros_like(x[:, :1])
-    cp_size = group_size(cp_group)
-    if cp_size == 1:
-        return torch.cat([x[:, 1:], zero_row], dim=1)
-    local_len = x.shape[1]
-    if local_len % 2:
-        raise ValueError(f"a context-parallel shard has an even length (two chunks), got {local_len}")
-    n, rank = local_len // 2, group_rank(cp_group)
-    firsts = all_gather_stack(torch.stack([x[:, 0], x[:, n]]), cp_group)  # [R, 2, B, ...]
-    # chunk j < C starts rank j's shard; chunk j >= C is the second half of rank 2C-1-j's shard
-    after_first = firsts[rank + 1, 0] if rank + 1 < cp_size else firsts[cp_size - 1, 1]
-    after_second = zero_row[:, 0] if rank == 0 else firsts[rank - 1, 1]
-    return torch.cat([x[:, 1:n], after_first.unsqueeze(1), x[:, n + 1 :], after_second.unsqueeze(1)], dim=1)
+    return sequence_layout(cp_group, cp_sharder).shift_left(x)
 
 
 @boundary(
@@ -144,6 +141,7 @@ def draft_targets(
     vocab_parallel_rank: int | None = None,
     vocab_parallel_group: ProcessGroup | None = None,
     context_parallel_group: ProcessGroup | None = None,
+    cp_sharder: ContextParallelSharder | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Shifted, draft-vocabulary teacher logits and the shifted token mask.
 
@@ -158,10 +156,12 @@ def draft_targets(
         vocab_parallel_rank, vocab_parallel_group: tensor parallelism over the vocabulary (`None`
             without).
         context_parallel_group: CP group (load-balanced layout), or `None`.
+        cp_sharder: an external layout (`shard_token_tensor` / `gather_token_tensor`) or a
+            `lossfx.sequence_layout.SequenceLayout`; takes precedence over `context_parallel_group`.
 
     Returns:
         `(teacher_logits [B, S_l, D/TP] in the logits' dtype, token_mask [B, S_l])`, both in this
-        rank's CP layout.
+        rank's CP layout (positions past the canonical `S`, where the layout pads: zeros).
     """
     check_group("vocab_parallel_group", vocab_parallel_group)
     check_group("context_parallel_group", context_parallel_group)
@@ -177,6 +177,7 @@ def draft_targets(
             vocab_parallel_rank=s.rank,
             vocab_parallel_group=s.group,
             context_parallel_group=context_parallel_group,
+            cp_sharder=cp_sharder,
         )
         return (s.wrap(teacher) if d2t is None else s.wrap_other_vocab(teacher, d2t.shape[0])), mask
     token_mask, d2t = replicated(token_mask, "token_mask"), replicated(d2t, "d2t")
@@ -187,16 +188,13 @@ def draft_targets(
             f"logits must be [B, S_local, V_local] and token_mask [B, S]; got {tuple(logits.shape)} "
             f"and {tuple(token_mask.shape)}"
         )
-    cp_size = group_size(context_parallel_group)
-    if token_mask.shape[1] != logits.shape[1] * cp_size:
-        raise ValueError(
-            f"token_mask has {token_mask.shape[1]} positions; the logits cover {logits.shape[1]}·{cp_size}"
-        )
-    shifted = shift_left(logits.detach(), context_parallel_group)
+    layout = sequence_layout(context_parallel_group, cp_sharder)
+    seq, local_len = token_mask.shape[1], logits.shape[1]
+    got = f"logits.shape={tuple(logits.shape)} and token_mask.shape={tuple(token_mask.shape)}"
+    layout.check_covers("logits", local_len, seq, got, canonical="token_mask")
+    shifted = layout.shift_left(logits.detach(), seq)
     teacher = map_to_draft_vocab(
         shifted, d2t, vocab_parallel_rank=vocab_parallel_rank, vocab_parallel_group=vocab_parallel_group
     )
     mask = torch.cat([token_mask[:, 1:], torch.zeros_like(token_mask[:, :1])], dim=1)
-    if cp_size > 1:
-        mask = shard_for_cp_rank(mask, group_rank(context_parallel_group), cp_size, seq_dim=1)
-    return teacher, mask
+    return teacher, layout.to_local(mask, local_len)

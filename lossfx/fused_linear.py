@@ -58,9 +58,9 @@ from lossfx._validation import (
     read_now,
     values_checkable,
 )
-from lossfx.context_parallel import allgather_cp, check_covers_sequence, shard_padded_for_cp
 from lossfx.linear_chunks import LogitHead, linear_local_grads, linear_local_stats, merge_row_stats
-from lossfx.next_token import check_position_ids, mask_sequence_ends
+from lossfx.next_token import check_position_ids
+from lossfx.sequence_layout import score_next_tokens, sequence_layout
 
 __all__ = ["linear_gather_logprobs", "linear_next_token_logprobs", "linear_token_logprobs"]
 
@@ -653,8 +653,8 @@ def linear_next_token_logprobs(
             the summed convention (each CP rank's gradient sums every CP rank's upstream gradient:
             divide a loss that every CP rank computes by `C`).
         cp_sharder: an object with `shard_token_tensor` / `gather_token_tensor`
-            (`lossfx.next_token.ContextParallelSharder`); takes precedence over
-            `context_parallel_group`.
+            (`lossfx.next_token.ContextParallelSharder`) or a `lossfx.sequence_layout.SequenceLayout`;
+            takes precedence over `context_parallel_group`.
         return_neg_entropy: also return `Σ_v p log p` (the negative entropy) at the same `[B, S−1]`
             positions.
         return_entropy: deprecated name of `return_neg_entropy` (same value; a FutureWarning).
@@ -689,59 +689,47 @@ def linear_next_token_logprobs(
     check_floating("hidden", hidden)
     check_integer_ids("input_ids", input_ids)
     position_ids = check_position_ids(position_ids, input_ids)
-    cp_size = 1 if cp_sharder is not None else group_size(context_parallel_group)
+    layout = sequence_layout(context_parallel_group, cp_sharder)
     tp_size = group_size(group) if sequence_parallel else 1
     if hidden.dim() != 3 or input_ids.dim() != 2 or hidden.shape[0] != input_ids.shape[0]:
         raise ValueError(
             f"hidden must be [B, S_local, H] and input_ids [B, S] with the same B; got "
             f"hidden.shape={tuple(hidden.shape)} and input_ids.shape={tuple(input_ids.shape)}"
         )
-    seq = input_ids.shape[1]
     local_len = hidden.shape[1] * tp_size  # this CP rank's positions
     shapes = (
         f"hidden.shape={tuple(hidden.shape)} (x{tp_size} sequence-parallel ranks) and "
         f"input_ids.shape={tuple(input_ids.shape)}"
     )
-    check_covers_sequence("hidden states", local_len, seq, cp_size, cp_sharder is not None, shapes)
-    # 1. the shift, on the canonical sequence; 2. the targets in hidden's (CP) layout
-    target = torch.roll(input_ids, shifts=-1, dims=1).to(hidden.device)  # [B, S]
-    # padding-free rows: no shift across sequences; each sequence's last position is an ignored (skipped) row
-    target, _ = mask_sequence_ends(target, position_ids, fill=ignore_index)
-    if cp_sharder is not None:
-        target = cp_sharder.shard_token_tensor(target, seq_dim=1, fill=0)
-    elif cp_size > 1:
-        target = shard_padded_for_cp(target, local_len, context_parallel_group)  # [B, S_l]
-    if target.shape[1] != local_len:
-        raise ValueError(
-            f"the sharded targets have {target.shape[1]} positions but hidden holds {local_len} "
-            f"(hidden.shape={tuple(hidden.shape)}, sequence-parallel size {tp_size})"
-        )
-    # 3. the fused kernel; under sequence parallelism the rows are taken sequence-major, so that
-    # each TP rank's [B, S_l/R] positions are one contiguous block of the flattened rows
+    layout.check_covers("hidden states", local_len, input_ids.shape[1], shapes)
+    # under sequence parallelism the rows are taken sequence-major, so that each TP rank's
+    # [B, S_l/R] positions are one contiguous block of the flattened rows
     seq_major = sequence_parallel and tp_size > 1
-    result = linear_token_logprobs(
-        hidden.transpose(0, 1) if seq_major else hidden,  # [S_l/R, B, H] under sequence parallelism
-        weight,
-        target.transpose(0, 1) if seq_major else target,  # [S_l, B]
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        temperature=temperature,
-        bias=bias,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        ignore_index=ignore_index,
-        sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size,
-        return_neg_entropy=return_neg_entropy,
-    )
-    outputs = list(result) if isinstance(result, tuple) else [result]
-    if seq_major:
-        outputs = [x.transpose(0, 1) for x in outputs]  # [B, S_l] each
-    # 4. canonical order, then drop the wrapped last position
-    if cp_sharder is not None:
-        outputs = [cp_sharder.gather_token_tensor(x, seq_dim=1, trim=True) for x in outputs]
-    elif cp_size > 1:
-        outputs = [allgather_cp(x, context_parallel_group, seq_dim=1) for x in outputs]  # [B, C·S_l]
-    outputs = [x[:, : max(seq - 1, 0)] for x in outputs]
+
+    def kernel(target: Tensor) -> list[Tensor]:  # [B, S_l] -> [B, S_l] each
+        result = linear_token_logprobs(
+            hidden.transpose(0, 1) if seq_major else hidden,  # [S_l/R, B, H] under sequence parallelism
+            weight,
+            target.transpose(0, 1) if seq_major else target,  # [S_l, B]
+            group=group,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
+            temperature=temperature,
+            bias=bias,
+            logit_scale=logit_scale,
+            softcap=softcap,
+            ignore_index=ignore_index,
+            sequence_parallel=sequence_parallel,
+            chunk_size=chunk_size,
+            return_neg_entropy=return_neg_entropy,
+        )
+        outputs = list(result) if isinstance(result, tuple) else [result]
+        return [x.transpose(0, 1) for x in outputs] if seq_major else outputs
+
+    # the shift, the layout, the kernel, the gather: each sequence's last position (and the
+    # dropped last column, and any padding) is an ignored (skipped) row
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    ids = input_ids.to(hidden.device)
+    outputs = score_next_tokens(layout, ids, local_len, kernel, fill=ignore_index, position_ids=position_ids)
     return (outputs[0], outputs[1]) if return_neg_entropy else outputs[0]

@@ -5,11 +5,15 @@ built on lossfx's kernels. `prepare_loss_input` dispatches on `loss_fn.input_typ
 
 1. `LOGIT` returns the logits unchanged;
 2. `LOGPROB` returns next-token log-probs `[B, S-1]` (tensor-parallel vocabulary shard,
-   context-parallel layout or an external `cp_sharder`, top-k/top-p filter, chunked);
+   top-k/top-p filter, chunked);
 3. `DISTILLATION` returns student/teacher log-probs at the teacher's top-k ids
    (`lossfx.distillation`);
 4. `DRAFT` returns the shifted teacher logits in the draft vocabulary (`lossfx.draft`);
 5. `OPD_FULL` returns full-vocabulary on-policy distillation divergences (`lossfx.opd_full`).
+
+The sequence layout (`lossfx.sequence_layout`: none, load-balanced context parallelism, an
+external `cp_sharder`) is built once here from `context_parallel_group=` / `cp_sharder=` and
+handed to the branch, so every input type but `LOGIT` works in every layout.
 
 Packed sequences go through `prepare_packed_loss_input` (`LOGPROB` only).
 
@@ -43,6 +47,7 @@ from lossfx.loss_masks import loss_mask_from_data, mask_out_neg_inf_logprobs
 from lossfx.next_token import sharded_next_token_logprobs
 from lossfx.opd_full import has_dtensor_head, prepare_opd_full, prepare_opd_full_on_local
 from lossfx.packing import _packed_next_token_logprobs as packed_next_token_logprobs
+from lossfx.sequence_layout import SequenceLayout, sequence_layout
 
 __all__ = [
     "next_token_logprobs",
@@ -194,10 +199,11 @@ def prepare_loss_input(
         d2t: draft-to-target vocabulary map (`DRAFT` only).
         chunk_size: sequence positions per eager chunk; a memory bound, results do not depend
             on it.
-        cp_sharder: an external context-parallel layout (`LOGPROB` only): an object with
-            `shard_token_tensor`/`gather_token_tensor` (`lossfx.next_token.ContextParallelSharder`,
-            e.g. `lossfx.next_token.LoadBalancedSharder`); takes precedence over
-            `context_parallel_group`.
+        cp_sharder: an external context-parallel layout, for every input type but `LOGIT`: an
+            object with `shard_token_tensor`/`gather_token_tensor`
+            (`lossfx.next_token.ContextParallelSharder`, e.g. automodel's), or a
+            `lossfx.sequence_layout.SequenceLayout` (e.g. `LoadBalancedLayout(cp_group)`); takes
+            precedence over `context_parallel_group`.
         teacher_output_layer_weight_by_index: per-teacher LM-head shards, split like the logits
             (`OPD_FULL` only; see `prepare_opd_full_loss_input`).
         teacher_logits_dtype: dtype of teacher logits projected from hidden states (`OPD_FULL`).
@@ -242,6 +248,7 @@ def prepare_loss_input(
             chunk_size=chunk_size,
             teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
             teacher_logits_dtype=teacher_logits_dtype,
+            cp_sharder=cp_sharder,
         ), data
     if dtensors:  # DTensor boundary: lossfx/_dtensor.py
         return entry_point_on_local(
@@ -261,25 +268,16 @@ def prepare_loss_input(
         )
     if input_type is LossInputType.LOGIT:
         return {"logits": logits}, data
+    layout = sequence_layout(context_parallel_group, cp_sharder)  # built once, handed to the branch
     if input_type is LossInputType.DISTILLATION:
         return _prepare_distillation_input(
-            logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, context_parallel_group, chunk_size
+            logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, layout, chunk_size
         ), data
     if input_type is LossInputType.DRAFT:
-        return _prepare_draft_input(
-            logits, data, d2t, vocab_parallel_rank, vocab_parallel_group, context_parallel_group
-        ), data
+        return _prepare_draft_input(logits, data, d2t, vocab_parallel_rank, vocab_parallel_group, layout), data
     # the last of LossInputType's five members (`_input_type` rejects anything else)
     return _prepare_logprob_input(
-        logits,
-        data,
-        loss_fn,
-        vocab_parallel_rank,
-        vocab_parallel_group,
-        context_parallel_group,
-        cp_sharder,
-        sampling_params,
-        chunk_size,
+        logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, layout, sampling_params, chunk_size
     ), data
 
 
@@ -289,8 +287,7 @@ def _prepare_logprob_input(
     loss_fn: Any,
     vocab_parallel_rank: int | None,
     vocab_parallel_group: ProcessGroup | None,
-    context_parallel_group: ProcessGroup | None,
-    cp_sharder: Any,
+    layout: SequenceLayout,
     sampling_params: TrainingSamplingParams | None,
     chunk_size: int | None,
 ) -> dict[str, Tensor]:
@@ -317,14 +314,13 @@ def _prepare_logprob_input(
         # the scored ids input_ids[:, 1:] (position 0 is never scored), reported at their own (b, t)
         vocab = vocab_size_when_read(logits.shape[-1], vocab_parallel_group)  # uneven shards (eager)
         check_ids_in_range("data['input_ids']", input_ids[:, 1:], vocab, column_offset=1)
-    layout = {
+    parallel: dict[str, Any] = {
         "vocab_parallel_rank": vocab_parallel_rank,
         "vocab_parallel_group": vocab_parallel_group,
-        "context_parallel_group": context_parallel_group,
-        "cp_sharder": cp_sharder,
+        "cp_sharder": layout,
     }
     logprobs = next_token_logprobs(
-        logits, input_ids, sampling_params=sampling_params, chunk_size=chunk_size, **layout
+        logits, input_ids, sampling_params=sampling_params, chunk_size=chunk_size, **parallel
     )  # [B, S-1]; validates the shapes
     if not filtering:
         return {"next_token_logprobs": logprobs}
@@ -336,7 +332,7 @@ def _prepare_logprob_input(
     logprobs = mask_out_neg_inf_logprobs(logprobs, mask[:, 1:], "curr_logprobs")
     if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
         # the reference-KL term reads unfiltered log-probs (it cannot take -inf)
-        data["curr_logprobs_unfiltered"] = next_token_logprobs(logits, input_ids, **layout)
+        data["curr_logprobs_unfiltered"] = next_token_logprobs(logits, input_ids, **parallel)
     return {"next_token_logprobs": logprobs}
 
 
@@ -353,6 +349,7 @@ def prepare_opd_full_loss_input(
     chunk_size: int | None,
     teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
     teacher_logits_dtype: torch.dtype | None = None,
+    cp_sharder: Any = None,
 ) -> dict[str, Any]:
     """Full-vocabulary on-policy distillation inputs: reverse KL to fixed teacher logits.
 
@@ -377,6 +374,10 @@ def prepare_opd_full_loss_input(
             like the logits: this rank's rows (a short rank of an uneven DTensor split: its real
             rows), a `Shard(0)` DTensor on the logits' mesh, or the full `[V, H]` beside full logits.
         teacher_logits_dtype: dtype of teacher logits projected from hidden states.
+        cp_sharder: an external context-parallel layout (`shard_token_tensor` /
+            `gather_token_tensor`; the teacher payload is handed to it zero-padded or cut to
+            `S`) or a `lossfx.sequence_layout.SequenceLayout`; takes precedence over
+            `context_parallel_group`.
 
     Returns:
         `{"opd_full_divergence": [B, S-1], "opd_full_entropy": [B, S-1] | None,
@@ -387,9 +388,22 @@ def prepare_opd_full_loss_input(
         ValueError: every error condition of NeMo's payload reconstruction (docs/decisions.md §3),
             missing columns, bad shapes.
     """
-    # DTensors go through their boundary (lossfx/_dtensor.py), with the teacher heads as this rank's rows
-    dtensors = has_dtensor(logits, data) or has_dtensor_head(teacher_output_layer_weight_by_index)
-    return (prepare_opd_full_on_local if dtensors else prepare_opd_full)(
+    if has_dtensor(logits, data) or has_dtensor_head(teacher_output_layer_weight_by_index):
+        # DTensor boundary: lossfx/_dtensor.py, with the teacher heads as this rank's rows
+        return prepare_opd_full_on_local(
+            logits,
+            data,
+            loss_fn,
+            vocab_parallel_rank=vocab_parallel_rank,
+            vocab_parallel_group=vocab_parallel_group,
+            context_parallel_group=context_parallel_group,
+            sampling_params=sampling_params,
+            chunk_size=chunk_size,
+            teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+            teacher_logits_dtype=teacher_logits_dtype,
+            cp_sharder=cp_sharder,
+        )
+    return prepare_opd_full(
         logits,
         data,
         loss_fn,
@@ -400,6 +414,7 @@ def prepare_opd_full_loss_input(
         chunk_size=chunk_size,
         teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
         teacher_logits_dtype=teacher_logits_dtype,
+        cp_sharder=sequence_layout(context_parallel_group, cp_sharder),
     )
 
 
@@ -514,7 +529,7 @@ def _prepare_distillation_input(
     loss_fn: Any,
     vocab_parallel_rank: int | None,
     vocab_parallel_group: ProcessGroup | None,
-    context_parallel_group: ProcessGroup | None,
+    layout: SequenceLayout,
     chunk_size: int | None,
 ) -> dict[str, Any]:
     """`DISTILLATION`: student/teacher log-probs at the teacher's top-k ids (`lossfx.distillation`)."""
@@ -528,7 +543,7 @@ def _prepare_distillation_input(
         zero_outside_topk=zero_outside_topk,
         calculate_entropy=calculate_entropy,
         vocab_parallel_group=group,
-        context_parallel_group=context_parallel_group,
+        cp_sharder=layout,
         chunk_size=chunk_size,
     )
     return {"student_topk_logprobs": student, "teacher_topk_logprobs": teacher, "H_all": neg_entropy}
@@ -540,7 +555,7 @@ def _prepare_draft_input(
     d2t: Tensor | None,
     vocab_parallel_rank: int | None,
     vocab_parallel_group: ProcessGroup | None,
-    context_parallel_group: ProcessGroup | None,
+    layout: SequenceLayout,
 ) -> dict[str, Any]:
     """`DRAFT`: shifted teacher logits in draft vocabulary and the shifted mask (`lossfx.draft`)."""
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
@@ -551,6 +566,6 @@ def _prepare_draft_input(
         d2t,
         vocab_parallel_rank=vocab_parallel_rank if group is not None else None,
         vocab_parallel_group=group,
-        context_parallel_group=context_parallel_group,
+        cp_sharder=layout,
     )
     return {"teacher_logits": teacher, "student_logits": student_logits, "token_mask": mask}

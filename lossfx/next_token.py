@@ -1,35 +1,29 @@
-"""Next-token log-probs in every sequence layout: plain, context-parallel, or an external sharder.
+"""Next-token log-probs in every sequence layout: plain, context-parallel, an external sharder.
 
     out[b, t] = log p(input_ids[b, t+1] | logits[b, t])          t < S − 1
 
-Pipeline (`sharded_next_token_logprobs`; `lossfx.next_token_logprobs` is its public entry point):
-
-1. the shift happens on the **canonical** sequence, on the targets (never a slice of the logits,
-   which would copy them): `target[:, t] = input_ids[:, t+1]`, and the last column, whose result
-   is dropped, is id 0 (so `input_ids[:, 0]`, never scored, is never read);
-2. with context parallelism the targets are zero-padded to `C·S_l` and laid out like the logits:
-   this rank's load-balanced part (`context_parallel.shard_padded_for_cp`), or the sharder's
-   `shard_token_tensor`;
-3. the token log-prob kernel (`logprobs.token_logprobs`, or `filtering.filtered_token_logprobs`
-   under a top-k/top-p filter) on this rank's `[B, S_l, Vl]` logits, tensor parallel and chunked;
-4. back to canonical order (`allgather_cp`, or the sharder's `gather_token_tensor`), replicated on
-   every CP rank; the gradient is summed over CP ranks (divide the loss by `C`); then `[:, :S−1]`.
+`sharded_next_token_logprobs` (beneath the entry point `lossfx.next_token_logprobs`) runs the
+token log-prob kernel (`logprobs.token_logprobs`, or
+`filtering.filtered_token_logprobs` under a top-k/top-p filter) on this rank's `[B, S_l, Vl]`
+logits, run inside the one next-token pipeline of `lossfx.sequence_layout.score_next_tokens`:
+the shift on the canonical ids (never a slice of the logits; the dropped last column scores id 0,
+so `input_ids[:, 0]` is never read), the targets in the logits' layout, the kernel, the gather
+back to canonical order (gradient summed over CP ranks: divide the loss by `C`), `[:, :S−1]`.
 
 Padding-free rows (`position_ids=`, several sequences in one row, positions restarting at 0): the
 shift must not cross a sequence boundary, so `mask_sequence_ends` blanks the target of each
-sequence's last position (where `position_ids[:, t+1] == 0`) in step 1 and `zero_sequence_ends`
-sets its result to 0 (zero gradient) after step 4, as the packed path treats a sequence's last slot.
+sequence's last position (where `position_ids[:, t+1] == 0`) and `zero_sequence_ends` sets its
+result to 0 (zero gradient), as the packed path treats a sequence's last slot.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal
 
-import torch
 from torch import Tensor
 
 from lossfx._consistency import boundary
-from lossfx._distributed import ProcessGroup, group_rank, group_size
+from lossfx._distributed import ProcessGroup, group_size
 from lossfx._dtensor import replicated, vocab_shard
 from lossfx._validation import (
     check_floating,
@@ -38,10 +32,17 @@ from lossfx._validation import (
     check_positive_int,
     mark_checked,
 )
-from lossfx.context_parallel import allgather_cp, check_covers_sequence, shard_for_cp_rank, shard_padded_for_cp
 from lossfx.filtering import filtered_token_logprobs
 from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.logprobs import token_logprobs
+from lossfx.sequence_layout import (
+    ContextParallelSharder,
+    LoadBalancedLayout,
+    mask_sequence_ends,
+    score_next_tokens,
+    sequence_layout,
+    zero_sequence_ends,
+)
 
 __all__ = [
     "ContextParallelSharder",
@@ -68,80 +69,7 @@ def check_position_ids(position_ids: object, input_ids: Tensor) -> Tensor | None
     return position_ids
 
 
-def mask_sequence_ends(target: Tensor, position_ids: Tensor | None, fill: int = 0) -> tuple[Tensor, Tensor | None]:
-    """Padding-free rows: the next-token shift must not cross into the next sequence.
-
-    Args:
-        target: `[B, S]` shifted targets, `target[:, t]` scores `input_ids[:, t+1]` (canonical order).
-        position_ids: `[B, S]` positions restarting at 0 where a sequence starts (transformers'
-            and TRL's padding-free collators), or `None` (then nothing changes).
-        fill: the id written at each sequence's last position (a placeholder whose result is
-            discarded by `zero_sequence_ends`).
-
-    Returns:
-        `(target, ends)`: `target` with `fill` where `ends`; `ends [B, S]` bool, `True` at each
-        sequence's last position (`position_ids[:, t+1] == 0`, and the row's last column), or
-        `None` without `position_ids`. Tensor ops only (no host sync).
-    """
-    if position_ids is None:
-        return target, None
-    starts = position_ids[:, 1:].to(target.device) == 0  # [B, S-1]: t+1 opens a new sequence
-    ends = torch.cat([starts, torch.ones_like(starts[:, :1])], dim=1)  # [B, S]
-    return torch.where(ends, torch.full_like(target, fill), target), ends
-
-
-def zero_sequence_ends(x: Tensor, ends: Tensor | None) -> Tensor:
-    """`x [B, S']` (`S' <= S`) with 0 (and a zero gradient) where `ends[:, :S']`; `x` when `ends` is `None`."""
-    if ends is None:
-        return x
-    return torch.where(ends[:, : x.shape[1]], torch.zeros_like(x), x)
-
-
-@runtime_checkable
-class ContextParallelSharder(Protocol):
-    """What `prepare_loss_input(cp_sharder=...)` needs of a context-parallel sequence layout.
-
-    `logits` are then this rank's CP-local shard while `data` stays canonical. The layout itself
-    is the sharder's business (for example automodel's `ContextParallelSharder`).
-    """
-
-    def shard_token_tensor(self, x: Tensor, seq_dim: int, fill: int) -> Tensor:
-        """Canonical `x` -> this rank's local part along `seq_dim` (padding with `fill`)."""
-        ...
-
-    def gather_token_tensor(self, x: Tensor, seq_dim: int, trim: bool) -> Tensor:
-        """This rank's local part -> canonical order on every rank, differentiable; `trim`
-        removes the padding `shard_token_tensor` added."""
-        ...
-
-
-class LoadBalancedSharder:
-    """A `ContextParallelSharder` for lossfx's own load-balanced layout (chunks `r`, `2C−1−r`).
-
-    Pads the sequence to a multiple of `2C` on `shard_token_tensor` and trims it on
-    `gather_token_tensor`; the gather follows the summed-gradient convention of `allgather_cp`.
-    """
-
-    def __init__(self, cp_group: ProcessGroup | None):
-        self.cp_group = cp_group
-        self.cp_size, self.cp_rank = group_size(cp_group), group_rank(cp_group)
-        self._length: int | None = None
-
-    def shard_token_tensor(self, x: Tensor, seq_dim: int = 1, fill: int = 0) -> Tensor:
-        seq_dim = seq_dim % x.dim()
-        length = x.shape[seq_dim]
-        self._length = length
-        pad = (-length) % (2 * self.cp_size) if self.cp_size > 1 else 0
-        if pad:
-            widths = [0, 0] * (x.dim() - 1 - seq_dim) + [0, pad]
-            x = torch.nn.functional.pad(x, widths, value=fill)
-        return shard_for_cp_rank(x, self.cp_rank, self.cp_size, seq_dim=seq_dim)
-
-    def gather_token_tensor(self, x: Tensor, seq_dim: int = 1, trim: bool = True) -> Tensor:
-        full = allgather_cp(x, self.cp_group, seq_dim=seq_dim)
-        if trim and self._length is not None:
-            full = full.narrow(seq_dim % x.dim(), 0, self._length)
-        return full
+LoadBalancedSharder = LoadBalancedLayout  # the load-balanced layout is itself a `ContextParallelSharder`
 
 
 @boundary(vocab="tiled")
@@ -208,7 +136,8 @@ def sharded_next_token_logprobs(
         vocab_parallel_group: TP group over the vocabulary, or `None`.
         context_parallel_group: CP group for the load-balanced layout, or `None`.
         cp_sharder: an object with `shard_token_tensor`/`gather_token_tensor`
-            (`ContextParallelSharder`); takes precedence over `context_parallel_group`.
+            (`ContextParallelSharder`) or a `lossfx.sequence_layout.SequenceLayout`; takes
+            precedence over `context_parallel_group`.
         sampling_params: top-k/top-p filter (`−inf` where the next token is filtered out).
         chunk_size: sequence positions per eager chunk (memory bound only).
         vocab_start, vocab_size: this shard's first id and `V`, for uneven shards (defaults
@@ -231,7 +160,7 @@ def sharded_next_token_logprobs(
     check_floating("logits", logits)
     check_integer_ids("input_ids", input_ids)
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    cp_size = 1 if cp_sharder is not None else group_size(context_parallel_group)
+    layout = sequence_layout(context_parallel_group, cp_sharder)
     if logits.dim() != 3 or input_ids.dim() != 2 or logits.shape[0] != input_ids.shape[0]:
         raise ValueError(
             f"logits must be [B, S_local, V_local] and input_ids [B, S] with the same B; got "
@@ -240,37 +169,30 @@ def sharded_next_token_logprobs(
     position_ids = check_position_ids(position_ids, input_ids)
     batch, seq = input_ids.shape
     local_len = logits.shape[1]
-    shapes = f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
-    check_covers_sequence("logits", local_len, seq, cp_size, cp_sharder is not None, shapes)
+    layout.check_covers(
+        "logits", local_len, seq, f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
+    )
     # only the scored ids input_ids[:, 1:] must be in range; positions are reported as input_ids'
     vocab = vocab_size if vocab_size is not None else group_size(vocab_parallel_group) * logits.shape[-1]
     check_ids_in_range("input_ids", input_ids[:, 1:], vocab, column_offset=1)
-    # 1. the shift, on the canonical sequence; the last column (dropped) scores id 0
-    target = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1).to(logits.device)  # [B, S]
-    target, ends = mask_sequence_ends(target, position_ids)  # padding-free rows: no shift across sequences
-    # 2. the targets in the logits' layout
-    if cp_sharder is not None:
-        target = cp_sharder.shard_token_tensor(target, seq_dim=1, fill=0)
-    elif cp_size > 1:
-        target = shard_padded_for_cp(target, local_len, context_parallel_group)  # [B, S_l]
-    # 3. the kernel on this rank's logits
     rows = None if chunk_size is None else chunk_size * batch
-    mark_checked(target, vocab)  # input_ids[:, 1:] (checked above) and zeros
-    local = target_logprobs(
-        logits,
-        target,
-        sampling_params=sampling_params,
-        group=vocab_parallel_group,
-        chunk_size=rows,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-    )  # [B, S_l]
-    # 4. canonical order
-    if cp_sharder is not None:
-        local = cp_sharder.gather_token_tensor(local, seq_dim=1, trim=True)
-    elif cp_size > 1:
-        local = allgather_cp(local, context_parallel_group, seq_dim=1)  # [B, C·S_l]
-    return zero_sequence_ends(local[:, : max(seq - 1, 0)], ends)
+
+    def kernel(target: Tensor) -> list[Tensor]:  # [B, S_l] -> [B, S_l]
+        mark_checked(target, vocab)  # input_ids[:, 1:] (checked above) and zeros
+        return [
+            target_logprobs(
+                logits,
+                target,
+                sampling_params=sampling_params,
+                group=vocab_parallel_group,
+                chunk_size=rows,
+                vocab_start=vocab_start,
+                vocab_size=vocab_size,
+            )
+        ]
+
+    (out,) = score_next_tokens(layout, input_ids.to(logits.device), local_len, kernel, position_ids=position_ids)
+    return out
 
 
 @boundary(vocab="equal")

@@ -7,11 +7,12 @@ Pipeline of `prepare_opd_full` (NeMo RL's OPD_FULL branch; docs/opd_full.md, doc
    `opd_full_teacher_index` `[B]`);
 2. `reconstruct_opd_full_teacher_logits`: slice this rank's vocabulary window (logits) or project
    through the per-teacher LM-head shards (hidden states), zero-pad the sequence to the student's
-   window `S_l·C`, and take this CP rank's load-balanced part -> `[B, S_l, Vl]`, detached;
+   window `S_l·C`, and take this rank's part in the student's sequence layout
+   (`lossfx.sequence_layout`: load-balanced CP, or an external `cp_sharder`) -> `[B, S_l, Vl]`, detached;
 3. the reverse KL `[B, S_l]` (lossfx.divergence, differentiable in the student), and with
    `validate_decomposition` the entropy and cross-entropy as metrics (nothing saved for them);
-4. with a CP group of size > 1, the differentiable CP all-gather to canonical `[B, C·S_l]` (its
-   backward sums over CP ranks: divide the loss by `C`);
+4. back to canonical order (`SequenceLayout.to_canonical`; lossfx's CP all-gather sums its
+   backward over CP ranks: divide the loss by `C`);
 5. the slice to the next-token width `S − 1`; with a nonzero `reference_policy_kl_penalty`, the
    unfiltered `next_token_logprobs` (CP-aware).
 
@@ -32,7 +33,6 @@ from lossfx._consistency import boundary
 from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
 from lossfx._dtensor import VocabShard, _same_group, entry_point_on_local, is_dtensor, replicated, vocab_shard
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int, check_tensor
-from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
 from lossfx.divergence import (
     cross_entropy_to_fixed,
     divergence_to_projected_teacher,
@@ -41,6 +41,7 @@ from lossfx.divergence import (
     reverse_kl_to_fixed,
 )
 from lossfx.next_token import sharded_next_token_logprobs
+from lossfx.sequence_layout import ContextParallelSharder, SequenceLayout, sequence_layout
 
 __all__ = [
     "OnPolicyDistillationFullConfig",
@@ -201,14 +202,17 @@ def _aligned_teacher(
     teacher_payload: str,
     student_logits: Tensor,
     vocab_parallel_rank: int | None,
-    context_parallel_group: ProcessGroup | None,
+    layout: SequenceLayout,
     teacher_output_layer_weight_by_index: dict[Any, Tensor] | None,
     teacher_index: Tensor | None,
     output_dtype: torch.dtype | None,
     project: bool,
+    canonical_len: int | None = None,
 ) -> Tensor | _ProjectedTeacher:
     """`reconstruct_opd_full_teacher_logits`; with `project=False` a hidden-states payload comes back
-    as a `_ProjectedTeacher` (validated and aligned, not projected)."""
+    as a `_ProjectedTeacher` (validated and aligned, not projected). `canonical_len`: the sequence
+    length `S` of the call (`input_ids`), where known: a layout that pads by itself (an external
+    sharder) gets the payload zero-padded or cut to it."""
     check_floating("payload", payload)
     check_tensor("student_logits", student_logits)
     if teacher_payload not in _PAYLOAD_COLUMNS:
@@ -251,16 +255,19 @@ def _aligned_teacher(
                 f"(rank {vocab_parallel_rank}, V_local {local_vocab})"
             )
         payload = payload[..., start:end]  # [B, S_p, Vl]
-    # 2. sequence alignment: zero-pad to the student's window, then this CP rank's part
-    cp_size = group_size(context_parallel_group)
-    target_len = student_logits.shape[1] * cp_size
-    if payload.shape[1] > target_len:
+    # 2. sequence alignment: zero padding is a uniform teacher (zero logits, or zero hidden states
+    #    through the LM head); then this rank's part in the student's sequence layout
+    local_len = student_logits.shape[1]
+    window = layout.window(local_len)
+    if window is None:  # the layout pads by itself: hand it the canonical length
+        if canonical_len is not None and payload.shape[1] != canonical_len:
+            payload = torch.nn.functional.pad(payload, (0, 0, 0, canonical_len - payload.shape[1]))
+    elif payload.shape[1] > window:
         raise ValueError(
             f"Teacher payload is longer than the student forward window: {payload.shape[1]} vs "
-            f"{target_len} (= S_l {student_logits.shape[1]} · CP {cp_size})"
+            f"{window} (= S_l {local_len} · CP {layout.cp_size})"
         )
-    # zero padding is a uniform teacher (zero logits, or zero hidden states through the LM head)
-    payload = shard_padded_for_cp(payload, student_logits.shape[1], context_parallel_group)  # [B, S_l, D]
+    payload = layout.to_local(payload, local_len)  # [B, S_l, D]
     # 3. to the student's device; the logits payload keeps its dtype
     payload = payload.contiguous().to(student_logits.device)
     # 4. hidden states: the LM head(s) of each row; the result must be this rank's vocabulary shard
@@ -297,6 +304,7 @@ def reconstruct_opd_full_teacher_logits(
     teacher_output_layer_weight_by_index: dict[Any, Tensor] | None = None,
     teacher_index: Tensor | None = None,
     output_dtype: torch.dtype | None = None,
+    cp_sharder: ContextParallelSharder | None = None,
 ) -> Tensor:
     """This rank's teacher logits `[B, S_l, Vl]`, aligned with the student's `[B, S_l, Vl]`.
 
@@ -318,6 +326,9 @@ def reconstruct_opd_full_teacher_logits(
         teacher_index: `[B]` integer teacher of each row; required with more than one head.
         output_dtype: dtype of projected logits (`None`: the head's dtype). The logits payload
             keeps its dtype.
+        cp_sharder: an external layout (`shard_token_tensor` / `gather_token_tensor`: the payload
+            is handed to it unpadded) or a `lossfx.sequence_layout.SequenceLayout`; takes
+            precedence over `context_parallel_group`.
 
     Returns:
         `[B, S_l, Vl]` on the student's device (not detached: the caller detaches).
@@ -345,6 +356,7 @@ def reconstruct_opd_full_teacher_logits(
                 teacher_output_layer_weight_by_index=local_teacher_heads(teacher_output_layer_weight_by_index, s),
                 teacher_index=replicated(teacher_index, "teacher_index"),
                 output_dtype=output_dtype,
+                cp_sharder=cp_sharder,
             )
         )
     teacher = _aligned_teacher(
@@ -352,7 +364,7 @@ def reconstruct_opd_full_teacher_logits(
         teacher_payload=teacher_payload,
         student_logits=student_logits,
         vocab_parallel_rank=vocab_parallel_rank,
-        context_parallel_group=context_parallel_group,
+        layout=sequence_layout(context_parallel_group, cp_sharder),
         teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
         teacher_index=teacher_index,
         output_dtype=output_dtype,
@@ -465,6 +477,7 @@ def prepare_opd_full(
     teacher_output_layer_weight_by_index: dict[Any, Tensor] | None = None,
     teacher_logits_dtype: torch.dtype | None = None,
     vocab_size: int | None = None,
+    cp_sharder: ContextParallelSharder | None = None,
 ) -> dict[str, Any]:
     """The OPD_FULL loss inputs; see `lossfx.prepare_opd_full_loss_input` for the contract.
 
@@ -505,11 +518,12 @@ def prepare_opd_full(
             f"input_ids.shape={tuple(input_ids.shape)} "
             f"and logits.shape={tuple(logits.shape)}"
         )
-    cp_size = group_size(context_parallel_group)
-    if input_ids.shape[1] > logits.shape[1] * cp_size:
+    layout = sequence_layout(context_parallel_group, cp_sharder)
+    window = layout.window(logits.shape[1])
+    if window is not None and input_ids.shape[1] > window:
         raise ValueError(
             f"input_ids has {input_ids.shape[1]} positions, more than the student window "
-            f"S_l·CP = {logits.shape[1]}·{cp_size}"
+            f"S_l·CP = {logits.shape[1]}·{layout.cp_size}"
         )
     index_field = TEACHER_INDEX_FIELD if teacher_payload == "hidden_states" else None
     teacher_index = data.get(index_field) if index_field is not None else None
@@ -533,11 +547,12 @@ def prepare_opd_full(
         teacher_payload=teacher_payload,
         student_logits=student,
         vocab_parallel_rank=tp_rank,
-        context_parallel_group=context_parallel_group,
+        layout=layout,
         teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
         teacher_index=teacher_index,
         output_dtype=teacher_logits_dtype,
         project=False,
+        canonical_len=input_ids.shape[1],
     )
     # 3. the divergence (differentiable) and the metric-only decomposition (nothing saved)
     rows = None if cfg_chunk is None else int(cfg_chunk) * logits.shape[0]
@@ -567,17 +582,16 @@ def prepare_opd_full(
         with torch.no_grad():
             ent = neg_entropy(student, group=group, chunk_size=rows)  # [B, S_l]
             ce = divergence_to_teacher("cross_entropy")  # [B, S_l]
-    # 4. back to canonical order under CP (gradient summed over CP ranks)
-    if cp_size > 1:
-        divergence = allgather_cp(divergence, context_parallel_group, seq_dim=1)  # [B, C·S_l]
-        ent = None if ent is None else allgather_cp(ent, context_parallel_group, seq_dim=1)
-        ce = None if ce is None else allgather_cp(ce, context_parallel_group, seq_dim=1)
-    # 5. next-token width: student and teacher at t both predict t+1 (no shift between them)
+    # 4. canonical order (under lossfx's CP layout the gradient is summed over CP ranks), cut to
+    # 5. the next-token width: student and teacher at t both predict t+1 (no shift between them)
     width = max(input_ids.shape[1] - 1, 0)
+    divergence = layout.to_canonical(divergence, width)
+    ent = None if ent is None else layout.to_canonical(ent, width)
+    ce = None if ce is None else layout.to_canonical(ce, width)
     out: dict[str, Any] = {
-        "opd_full_divergence": divergence[:, :width],
-        "opd_full_entropy": None if ent is None else ent[:, :width],
-        "opd_full_cross_entropy": None if ce is None else ce[:, :width],
+        "opd_full_divergence": divergence,
+        "opd_full_entropy": ent,
+        "opd_full_cross_entropy": ce,
     }
     if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
         vocab = vocab_size if vocab_size is not None else logits.shape[-1] * group_size(group)
@@ -586,7 +600,7 @@ def prepare_opd_full(
             logits,
             input_ids,
             vocab_parallel_group=group,
-            context_parallel_group=context_parallel_group,
+            cp_sharder=layout,
             chunk_size=chunk_size,
         )
     return out

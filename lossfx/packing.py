@@ -8,7 +8,8 @@ parallelism of size `C` every padded length is a multiple of `2C` and each seque
 on its own in the load-balanced layout; rank `r`'s packed logits `[1, T/C, Vl]` concatenate its
 parts of every sequence.
 
-Pipeline (`packed_next_token_logprobs`):
+`PackedLayout` is this layout as a `lossfx.sequence_layout.SequenceLayout`, and
+`packed_next_token_logprobs` runs the one next-token pipeline (`score_next_tokens`) with it:
 
 1. index maps from `cu_seqlens` with tensor ops only (`searchsorted`, integer arithmetic), so
    nothing in the graph depends on Python values of the layout: for each local slot its
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from lossfx import _host_reads
@@ -37,8 +39,9 @@ from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, grou
 from lossfx._validation import check_integer_ids, check_tensor, values_checkable
 from lossfx.interfaces import TrainingSamplingParams
 from lossfx.next_token import target_logprobs
+from lossfx.sequence_layout import SequenceLayout, score_next_tokens
 
-__all__ = ["check_cu_seqlens", "check_packed_input_ids", "packed_next_token_logprobs"]
+__all__ = ["PackedLayout", "check_cu_seqlens", "check_packed_input_ids", "packed_next_token_logprobs"]
 
 
 def _check_cu_type(name: str, cu: Any) -> None:
@@ -178,19 +181,98 @@ def _local_of_canonical(cu_p: Tensor, local_len: int, cp_size: int) -> Tensor:
 
 
 def _local_targets(
-    input_ids: Tensor, cu_q: Tensor, cu_p: Tensor, seg: Tensor, j: Tensor, padded_len: Tensor, prepacked: bool
+    input_ids: Tensor,
+    cu_q: Tensor,
+    cu_p: Tensor,
+    seg: Tensor,
+    j: Tensor,
+    padded_len: Tensor,
+    prepacked: bool,
+    fill: int = 0,
 ) -> Tensor:
-    """Next-token target of every local slot, within its own sequence (0 where there is none)."""
+    """Next-token target of every local slot, within its own sequence (`fill` where there is none)."""
     nxt = j + 1
     if prepacked:  # input_ids is the physical packed row [1, T]
         has_next = nxt < padded_len
         position = (cu_p[seg] + nxt).clamp(max=input_ids.shape[1] - 1)
-        return torch.where(has_next, input_ids[0, position], torch.zeros_like(position))
+        return torch.where(has_next, input_ids[0, position], torch.full_like(position, fill))
     width = input_ids.shape[1]
     real_len = torch.clamp(cu_q[seg + 1] - cu_q[seg], max=width)  # bin padding may exceed the row
     has_next = (nxt < real_len) & (nxt < padded_len)
     token = input_ids[seg, nxt.clamp(max=width - 1)]
-    return torch.where(has_next, token, torch.zeros_like(token))
+    return torch.where(has_next, token, torch.full_like(token, fill))
+
+
+class PackedLayout(SequenceLayout):
+    """Packed rows as a sequence layout: the canonical packed row `[1, T, ...]`
+    (`T = cu_seqlens_q_padded[-1]`) and this rank's `[1, T/C, ...]`, each sequence load-balanced
+    on its own over `cp_group` (`C` ranks; `None`: the local row is the canonical one).
+
+    `to_local` / `to_canonical` map slots through the index maps above (tensor ops only);
+    `to_canonical` is one all-gather whose backward sums the upstream gradients over CP ranks
+    (divide the loss by `C`). The next-token targets shift **within each sequence**, and the
+    outputs are the unpacked `[B, S−1]` rows (or the packed `[1, T−1]` row, each sequence's last
+    slot 0, when `prepacked`). Build after the `check_*` functions (eager) have run.
+    """
+
+    def __init__(self, cu_seqlens_q: Any, cu_seqlens_q_padded: Any, cp_group: ProcessGroup | None, prepacked: bool):
+        self.cu_seqlens_q, self.cu_seqlens_q_padded = cu_seqlens_q, cu_seqlens_q_padded
+        self.cp_group, self.prepacked = cp_group, prepacked
+        self.cp_size, self.cp_rank = group_size(cp_group), group_rank(cp_group)
+        self.describe = f"packed sequences over {self.cp_size} context-parallel ranks"
+
+    def check_covers(self, what: str, local_len: int, seq: int, got: str, canonical: str = "input_ids") -> None:
+        """`check_cu_seqlens` against the packed length the local rows cover, `C·T/C`."""
+        n_seqs = len(self.cu_seqlens_q_padded) - 1 if self.prepacked else seq
+        check_cu_seqlens(self.cu_seqlens_q, self.cu_seqlens_q_padded, n_seqs, local_len * self.cp_size, self.cp_size)
+
+    def local_len(self, seq: int) -> int | None:
+        """`T/C` (the packed row's length is `cu_seqlens_q_padded[-1]`, whatever `seq`)."""
+        return int(self.cu_seqlens_q_padded[-1]) // self.cp_size
+
+    def _cu(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        return (
+            _as_tensor("cu_seqlens_q", self.cu_seqlens_q, device),
+            _as_tensor("cu_seqlens_q_padded", self.cu_seqlens_q_padded, device),
+        )
+
+    def to_local(self, x: Tensor, local_len: int, fill: float = 0) -> Tensor:
+        _, cu_p = self._cu(x.device)
+        seg, j, _ = _slot_of_local(cu_p, local_len, self.cp_rank, self.cp_size)  # [T/C] each
+        x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, max(local_len * self.cp_size - x.shape[1], 0)])
+        return x[:, cu_p[seg] + j]  # [1, T/C, ...]
+
+    def to_canonical(self, x: Tensor, length: int | None = None) -> Tensor:
+        _, cu_p = self._cu(x.device)
+        stacked = all_gather_stack_summed_grad(x, self.cp_group)  # [C, 1, T/C, ...]
+        gathered = rearrange(stacked, "c b t ... -> b (c t) ...")  # the ranks' rows, rank-major
+        return gathered[:, _local_of_canonical(cu_p, x.shape[1], self.cp_size)][:, :length]  # [1, T, ...]
+
+    def next_token_targets(
+        self, input_ids: Tensor, local_len: int, *, fill: int = 0, position_ids: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """`[1, T/C]`: slot `j` of a sequence scores its token `j+1` (`fill` where there is none)."""
+        cu_q, cu_p = self._cu(input_ids.device)
+        seg, j, padded_len = _slot_of_local(cu_p, local_len, self.cp_rank, self.cp_size)
+        return _local_targets(input_ids, cu_q, cu_p, seg, j, padded_len, self.prepacked, fill).unsqueeze(0), None
+
+    def next_token_outputs(self, local: Tensor, input_ids: Tensor, ends: Tensor | None) -> Tensor:
+        """`[1, T/C]` -> `[B, S−1]` (row `i`: sequence `i`'s slots, 0 past its padded length), or
+        `[1, T−1]` (each sequence's last slot 0) when `prepacked`."""
+        _, cu_p = self._cu(local.device)
+        canonical = self.to_canonical(local)[0]  # [T]
+        total, n_seqs = canonical.shape[0], cu_p.shape[0] - 1
+        slot = torch.arange(total, device=local.device)
+        if self.prepacked:
+            seq_of_slot = torch.searchsorted(cu_p[1:], slot, right=True).clamp(max=max(n_seqs - 1, 0))
+            is_last = slot == cu_p[seq_of_slot + 1] - 1
+            packed = torch.where(is_last, torch.zeros_like(canonical), canonical)
+            return packed[: max(total - 1, 0)].unsqueeze(0)  # [1, T−1]
+        t = torch.arange(max(input_ids.shape[1] - 1, 0), device=local.device)  # [S−1]
+        position = cu_p[:-1, None] + t  # [B, S−1]
+        valid = t < (cu_p[1:] - cu_p[:-1] - 1)[:, None]
+        values = canonical[position.clamp(max=max(total - 1, 0))] if total > 0 else position.to(canonical.dtype)
+        return torch.where(valid, values, torch.zeros_like(values))
 
 
 @boundary(vocab="tiled")
@@ -278,42 +360,24 @@ def _packed_next_token_logprobs(
         )
     _check_cu_type("cu_seqlens_q", cu_seqlens_q)
     _check_cu_type("cu_seqlens_q_padded", cu_seqlens_q_padded)
-    cp_size, cp_rank = group_size(context_parallel_group), group_rank(context_parallel_group)
+    layout = PackedLayout(cu_seqlens_q, cu_seqlens_q_padded, context_parallel_group, prepacked)
     local_len = logits.shape[1]
-    n_seqs = len(cu_seqlens_q_padded) - 1 if prepacked else input_ids.shape[0]
-    check_cu_seqlens(cu_seqlens_q, cu_seqlens_q_padded, n_seqs, local_len * cp_size, cp_size)
+    layout.check_covers("packed logits", local_len, input_ids.shape[0], f"logits.shape={tuple(logits.shape)}")
     vocab = vocab_size if vocab_size is not None else group_size(vocab_parallel_group) * logits.shape[-1]
     check_packed_input_ids(ids_name, input_ids, cu_seqlens_q, cu_seqlens_q_padded, vocab, prepacked)
-    device = logits.device
-    cu_q = _as_tensor("cu_seqlens_q", cu_seqlens_q, device)
-    cu_p = _as_tensor("cu_seqlens_q_padded", cu_seqlens_q_padded, device)
-    input_ids = input_ids.to(device)
-    # 1.-2. index maps and per-sequence next-token targets of this rank's slots
-    seg, j, padded_len = _slot_of_local(cu_p, local_len, cp_rank, cp_size)  # [T/C] each
-    target = _local_targets(input_ids, cu_q, cu_p, seg, j, padded_len, prepacked)  # [T/C]
-    # 3. the kernel on this rank's [T/C, Vl] logits
-    local = target_logprobs(
-        logits[0],
-        target,
-        sampling_params=sampling_params,
-        group=vocab_parallel_group,
-        chunk_size=chunk_size,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-    )  # [T/C]
-    # 4. canonical packed order
-    gathered = all_gather_stack_summed_grad(local, context_parallel_group).reshape(-1)  # [C·T/C]
-    canonical = gathered[_local_of_canonical(cu_p, local_len, cp_size)]  # [T]
-    total = canonical.shape[0]
-    slot = torch.arange(total, device=device)
-    seq_of_slot = torch.searchsorted(cu_p[1:], slot, right=True).clamp(max=max(n_seqs - 1, 0))
-    if prepacked:
-        is_last = slot == cu_p[seq_of_slot + 1] - 1
-        packed = torch.where(is_last, torch.zeros_like(canonical), canonical)
-        return packed[: max(total - 1, 0)].unsqueeze(0)  # [1, T−1]
-    width = input_ids.shape[1]
-    t = torch.arange(max(width - 1, 0), device=device)  # [S−1]
-    position = cu_p[:-1, None] + t  # [B, S−1]
-    valid = t < (cu_p[1:] - cu_p[:-1] - 1)[:, None]
-    values = canonical[position.clamp(max=max(total - 1, 0))] if total > 0 else position.to(canonical.dtype)
-    return torch.where(valid, values, torch.zeros_like(values))
+
+    def kernel(target: Tensor) -> list[Tensor]:  # [1, T/C] -> [1, T/C]: this rank's [T/C, Vl] logits
+        return [
+            target_logprobs(
+                logits,
+                target,
+                sampling_params=sampling_params,
+                group=vocab_parallel_group,
+                chunk_size=chunk_size,
+                vocab_start=vocab_start,
+                vocab_size=vocab_size,
+            )
+        ]
+
+    (out,) = score_next_tokens(layout, input_ids.to(logits.device), local_len, kernel)
+    return out

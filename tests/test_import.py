@@ -1,4 +1,7 @@
-"""`import lossfx` stays cheap: it pulls in nothing beyond torch and the standard library.
+"""`import lossfx` stays cheap: it pulls in nothing beyond torch, einops and the standard library.
+
+(einops is a declared dependency: the sequence layouts' `rearrange` patterns; it imports in ~10 ms
+and nothing heavy with it.)
 
 The bound is on what is imported, not on a timing (which a loaded machine makes flaky): the one
 heavy module lossfx used to import, `torch.distributed.tensor` (~0.5 s, more than the rest of
@@ -47,7 +50,7 @@ def _python(code: str) -> str:
 def test_import_adds_only_lossfx_and_standard_library_modules():
     out = json.loads(_python(_ADDED))
     assert not out["dtensor"], "import lossfx imported torch.distributed.tensor (~0.5 s)"
-    foreign = [m for m in out["added"] if m.split(".")[0] not in sys.stdlib_module_names | {"lossfx"}]
+    foreign = [m for m in out["added"] if m.split(".")[0] not in sys.stdlib_module_names | {"lossfx", "einops"}]
     assert foreign == [], f"import lossfx pulled in modules beyond torch: {foreign}"
     assert "lossfx.reference" in out["added"]  # the probe sees lossfx's own modules
 
@@ -62,4 +65,5 @@ def test_bench_import_runs_and_records_the_environment(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads((tmp_path / "import_time.json").read_text())
     assert {"date", "machine", "torch", "lossfx"} <= set(doc["environment"])
-    assert doc["lossfx"]["median_s"] > 0 and doc["modules_added_beyond_stdlib"] == []
+    assert doc["lossfx"]["median_s"] > 0
+    assert {m.split(".")[0] for m in doc["modules_added_beyond_stdlib"]} <= {"einops"}

@@ -47,7 +47,7 @@ from lossfx.reference._logprobs import (
     prepare_loss_input,
     token_logprobs,
 )
-from lossfx.reference._packing import packed_next_token_logprobs
+from lossfx.reference._packing import packed_cp_shard, packed_next_token_logprobs
 
 __all__ = [
     "apply_top_k_top_p",
@@ -70,6 +70,7 @@ __all__ = [
     "next_token_logprobs",
     "opd_full_loss_input",
     "opd_full_teacher_logits",
+    "packed_cp_shard",
     "packed_next_token_logprobs",
     "prepare_distillation_input",
     "prepare_draft_input",

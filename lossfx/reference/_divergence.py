@@ -6,6 +6,7 @@ import warnings
 from typing import Any
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from lossfx.reference._logprobs import log_softmax, next_token_logprobs
@@ -56,11 +57,13 @@ def reverse_kl_to_fixed(student: Tensor, teacher: Tensor) -> Tensor:
 
 
 def cp_shard(x: Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1) -> Tensor:
-    """Load-balanced CP layout: chunks `r` and `2C−1−r` of `2C` along `seq_dim`."""
+    """Load-balanced CP layout: chunks `r` and `2C−1−r` of `2C` equal chunks along `seq_dim`
+    (its length a multiple of `2C`)."""
     if cp_size == 1:
         return x
-    chunks = x.chunk(2 * cp_size, dim=seq_dim)
-    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=seq_dim)
+    lead = " ".join(f"a{i}" for i in range(seq_dim % x.dim()))  # the dims before the sequence dim
+    chunks = rearrange(x, f"{lead} (k n) ... -> k {lead} n ...", k=2 * cp_size)
+    return rearrange(chunks[[cp_rank, 2 * cp_size - 1 - cp_rank]], f"two {lead} n ... -> {lead} (two n) ...")
 
 
 def opd_full_teacher_logits(

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lossfx.reference._divergence import cp_shard
 from lossfx.reference._filtering import filtered_token_logprobs
 from lossfx.reference._logprobs import token_logprobs
 
@@ -58,3 +59,11 @@ def packed_next_token_logprobs(
         row = canonical[cu_p[i] : cu_p[i] + n]
         rows.append(torch.cat([row, row.new_zeros(width - 1 - n)]))
     return torch.stack(rows)
+
+
+def packed_cp_shard(x: Tensor, cu_seqlens_q_padded: Sequence[int], cp_rank: int, cp_size: int) -> Tensor:
+    """Canonical packed `[1, T, ...]` -> CP rank `cp_rank`'s `[1, T/C, ...]`: every sequence's
+    padded slots `[cu_padded[i], cu_padded[i+1])` in the load-balanced layout on their own
+    (`cp_shard`), concatenated in sequence order."""
+    cu_p = [int(c) for c in cu_seqlens_q_padded]
+    return torch.cat([cp_shard(x[:, a:b], cp_rank, cp_size) for a, b in zip(cu_p[:-1], cu_p[1:])], dim=1)
