@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 import traceback
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -347,7 +348,7 @@ def logits_paths(cfg: Config) -> dict[str, LogitsPath]:
         out = reference.prepare_distillation_input(x, data, distillation)
         return tuple(out[key] for key in keys)
 
-    paths["prepare_loss_input DISTILLATION"] = LogitsPath(
+    paths["prepare_loss_input[DISTILLATION]"] = LogitsPath(
         distillation_call,
         distillation_truth,
         distill_torch(False),
@@ -373,7 +374,7 @@ def logits_paths(cfg: Config) -> dict[str, LogitsPath]:
         lp = lp.gather(-1, a["filtered_input_ids"][:, 1:, None])[..., 0]
         return (torch.where((a["token_mask"][:, 1:] > 0) & torch.isfinite(lp), lp, 0),)
 
-    paths["prepare_loss_input LOGPROB filtered"] = LogitsPath(
+    paths["prepare_loss_input[LOGPROB+filter]"] = LogitsPath(
         filtered_logprob_call, filtered_logprob_truth, filtered_logprob_torch,
         _lp_sizes(v), compiled=True, ignore=lambda a: a["ambiguous"], layout="shift",
     )  # fmt: skip
@@ -391,7 +392,7 @@ def logits_paths(cfg: Config) -> dict[str, LogitsPath]:
         out = reference.prepare_draft_input(x, data, a["d2t"])
         return out["teacher_logits"], out["token_mask"]
 
-    paths["prepare_loss_input DRAFT"] = LogitsPath(
+    paths["prepare_loss_input[DRAFT]"] = LogitsPath(
         draft_call, draft_truth, lambda x, a: (None, None), lambda x, a, t: [(None, None), (None, None)]
     )
 
@@ -423,7 +424,7 @@ def logits_paths(cfg: Config) -> dict[str, LogitsPath]:
         kl = _reduction_sizes(lps, lpt, lps - lpt)
         return [kl, (_reduction_sizes(lps, lpt, lps)[0], None), (_reduction_sizes(lps, lpt, -lpt)[0], None)]
 
-    paths["prepare_loss_input OPD_FULL"] = LogitsPath(opd_call, opd_truth, opd_torch, opd_sizes, layout="shift")
+    paths["prepare_loss_input[OPD_FULL]"] = LogitsPath(opd_call, opd_truth, opd_torch, opd_sizes, layout="shift")
 
     # packed sequences: [1, T, V] rows, three sequences
     def packed_call(x, a):
@@ -660,45 +661,62 @@ def logits_check(path: LogitsPath, x: Tensor, aux: dict, fn: Callable[..., Any],
     return comps
 
 
-def run_checks(cfg: Config, device: torch.device, plant: set[str], record: Callable[..., None]) -> None:
-    """Section 1: every path, fp32 and bf16, eager and (the subset) compiled."""
+def check_names(cfg: Config) -> list[str]:
+    return [*logits_paths(cfg), *FUSED_PATHS]
+
+
+def run_checks(
+    cfg: Config,
+    device: torch.device,
+    record: Callable[..., None],
+    *,
+    names: list[str],
+    dtypes: list[str],
+    plant: set[str],
+) -> None:
+    """Section 1: the paths `names` in `dtypes`, eager first, then (the subset) compiled, bf16 first,
+    so that a spent budget cuts compiled fp32 first."""
     start = time.monotonic()
     paths = logits_paths(cfg)
-    names = [*paths, *FUSED_PATHS]
-    unknown = plant - set(names) - {"all"}
-    if unknown:
-        raise SystemExit(f"--plant-error: unknown path(s) {sorted(unknown)}; known: {names}")
-    for dtype_name, dtype in DTYPES.items():
-        gen = torch.Generator().manual_seed(0)
-        x, aux = logits_aux(cfg, device, dtype, gen)
-        for name in names:
-            compiled_too = paths[name].compiled if name in paths else name in FUSED_COMPILED
-            for mode in ("eager", "compiled") if compiled_too else ("eager",):
-                if time.monotonic() - start > cfg.check_budget_s:
-                    record(name, dtype_name, mode, None, "skipped: check budget spent", 0.0)
-                    continue
-                t0 = time.monotonic()
-                try:
-                    comps = _one_check(name, mode, paths, cfg, x, aux, device, dtype, plant)
-                    worst = max(comps, key=lambda c: c.worst())
-                    ratio = worst.worst()
-                    note = f"worst {worst.what}: {ratio:.3g}"
-                except Exception as exc:  # a crash is a failed check, with its reason
-                    ratio, note = math.inf, f"error: {type(exc).__name__}: {exc}"[:300]
-                    traceback.print_exc()
-                record(name, dtype_name, mode, ratio, note, time.monotonic() - t0)
-        del x, aux
+    order = sorted(dtypes, key=lambda d: d != "bf16")
+    plan = [(name, d, "eager") for d in order for name in names]
+    plan += [
+        (name, d, "compiled")
+        for d in order
+        for name in names
+        if (paths[name].compiled if name in paths else name in FUSED_COMPILED)
+    ]
+    inputs: dict[str, tuple[Tensor, dict]] = {}
+    for name, dtype_name, mode in plan:
+        if time.monotonic() - start > cfg.check_budget_s:
+            record(name, dtype_name, mode, None, "skipped: check budget spent", 0.0)
+            continue
+        if dtype_name not in inputs:
+            inputs[dtype_name] = logits_aux(cfg, device, DTYPES[dtype_name], torch.Generator().manual_seed(0))
+        x, aux = inputs[dtype_name]
+        t0 = time.monotonic()
+        try:
+            comps = _one_check(name, mode, paths, cfg, x, aux, device, DTYPES[dtype_name], name in plant)
+            worst = max(comps, key=lambda c: c.worst())
+            ratio = worst.worst()
+            note = f"worst {worst.what}: {ratio:.3g}"
+            if name in paths and paths[name].ignore(aux) is not None:
+                note += f"; {int(paths[name].ignore(aux).sum())} of {aux['ambiguous'].numel()} rows top-p-ambiguous"
+        except Exception as exc:  # a crash is a failed check, with its reason
+            ratio, note = math.inf, f"error: {type(exc).__name__}: {exc}"[:300]
+            traceback.print_exc()
+        record(name, dtype_name, mode, ratio, note, time.monotonic() - t0)
     print(f"[checks] {time.monotonic() - start:.1f} s", flush=True)
 
 
-def _one_check(name, mode, paths, cfg, x, aux, device, dtype, plant) -> list[Comparison]:
+def _one_check(name, mode, paths, cfg, x, aux, device, dtype, plant: bool) -> list[Comparison]:
     def wrap(fn):
         if mode == "compiled":
             torch._dynamo.reset()
             fn = torch.compile(fn, fullgraph=True, backend=cfg.backend)
-        return _planted(fn) if name in plant or "all" in plant else fn
+        return _planted(fn) if plant else fn
 
-    gen = torch.Generator().manual_seed(hash(name) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     if name in paths:
         path = paths[name]
         call = wrap(lambda xa, tensors, consts: path.call(xa, {**consts, **tensors}))
@@ -710,51 +728,63 @@ def _one_check(name, mode, paths, cfg, x, aux, device, dtype, plant) -> list[Com
 # Section 2: the GRPO step against the peers
 # ---------------------------------------------------------------------------------------------
 
-# provider -> (the shared builder's name, compiled by this script)
+# provider -> (the shared builder's name, compiled by this script). Uncompiled first: when the
+# budget runs out, the compiled rows (each a fresh compile) are the ones skipped.
 BENCH_PROVIDERS = {
     "naive": ("naive", False),
-    "naive-compiled": ("naive", True),
     "lossfx-logits": ("lossfx-unfused", False),
-    "lossfx-logits-compiled": ("lossfx-unfused", True),
     "lossfx-fused": ("lossfx-fused", False),
-    "lossfx-fused-compiled": ("lossfx-fused", True),
     "lossfx-objective": ("lossfx-objective", False),
-    "lossfx-objective-compiled": ("lossfx-objective", True),
-    "liger-grpo": ("liger-grpo", False),
     "liger-flce": ("liger-flce", False),
     "cce": ("cce", False),
     "trl-fused": ("trl-fused", False),
     "torch-linear-ce": ("torch-linear-ce", False),
+    "naive-compiled": ("naive", True),
+    "lossfx-logits-compiled": ("lossfx-unfused", True),
+    "lossfx-fused-compiled": ("lossfx-fused", True),
+    "lossfx-objective-compiled": ("lossfx-objective", True),
+    "liger-grpo": ("liger-grpo", False),  # compiles its chunks itself
 }
 SEQUENCES = 8
 
 
-def _time_step(step: Callable[[], Any], device: torch.device, reps: int) -> tuple[float, list[float], float | None]:
-    """(first call s, warm call s each, peak bytes above the start or None on CPU)."""
-    cuda = device.type == "cuda"
-    t0 = time.perf_counter()
-    out = step()
-    if cuda:
+def _timed(step: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of one `step()` (CUDA events on a GPU)."""
+    if device.type == "cuda":
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        step()
+        end.record()
         torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    del out
-    times = []
-    for _ in range(max(1, reps) + (1 if reps > 1 else 0)):  # one more warm-up when repeating
-        if cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            out = step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(begin.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            out = step()
-            times.append(time.perf_counter() - t0)
-        del out
-    times = times[1:] if reps > 1 else times
-    peak = None
-    if cuda:
+        return begin.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def bench_row(provider: str, n: int, hs: int, v: int, device: torch.device, reps: int) -> dict[str, Any]:
+    """One GRPO step of `provider`: first call (compile included), median of `reps` warm calls after
+    one warm-up, peak memory above what existed before the call (CUDA), loss and gradient norm."""
+    name, compiled = BENCH_PROVIDERS[provider]
+    torch._dynamo.reset()
+    h, w, t, c = builders.grpo_inputs(n, hs, v, SEQUENCES, dtype=torch.bfloat16, device=device)
+    fn = builders.objective_function(name, sequences=SEQUENCES, compiled=compiled)
+
+    def step() -> tuple[Tensor, Tensor, Tensor]:
+        loss, _ = fn(h, w, t, c)
+        return (loss.detach(), *torch.autograd.grad(loss, (h, w)))
+
+    t0 = time.perf_counter()
+    loss, dh, dw = step()
+    value = float(loss)  # waits for the device
+    row: dict[str, Any] = {"first_call_s": round(time.perf_counter() - t0, 3), "loss": value}
+    row["grad_norm"] = float(torch.cat([dh.float().flatten(), dw.float().flatten()]).norm())
+    del loss, dh, dw
+    if reps > 1:
+        _timed(step, device)  # a second warm-up (allocator, autotuning)
+    times = [_timed(step, device) for _ in range(max(1, reps))]
+    row.update(median_ms=round(1e3 * statistics.median(times), 3), min_ms=round(1e3 * min(times), 3), reps=len(times))
+    if device.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -762,68 +792,44 @@ def _time_step(step: Callable[[], Any], device: torch.device, reps: int) -> tupl
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         del out
-    return first, times, peak
+        grads = (n + v) * hs * 2  # dhidden + dweight in bf16, returned by the call and counted
+        row.update(peak_mib=round(peak / 2**20, 1), beyond_grads_x_logits=round((peak - grads) / (n * v * 2), 3))
+    return row
 
 
 def run_bench(cfg: Config, device: torch.device, providers: list[str], failures: list[str]) -> list[dict[str, Any]]:
-    """Section 2: one row per (shape, provider); skipped rows say why."""
+    """Section 2: one row per (shape, provider), in that order; skipped rows say why."""
     start = time.monotonic()
-    dtype = torch.bfloat16
     rows: list[dict[str, Any]] = []
     for n, hs, v in cfg.bench_shapes:
-        base_row: dict[str, Any] | None = None
+        base: dict[str, Any] | None = None
         for provider in providers:
-            name, compiled = BENCH_PROVIDERS[provider]
             row: dict[str, Any] = {"tokens": n, "hidden": hs, "vocab": v, "dtype": "bf16", "provider": provider}
-            reason = builders.unavailable(name, device)
+            rows.append(row)
+            label = f"[bench] N={n} H={hs} V={v} {provider:>26}:"
+            reason = builders.unavailable(BENCH_PROVIDERS[provider][0], device)
             if reason is None and time.monotonic() - start > cfg.bench_budget_s:
                 reason = "bench budget spent"
             if reason is not None:
                 row["skipped"] = reason
-                rows.append(row)
-                print(f"[bench] N={n} H={hs} V={v} {provider:>26}: skipped ({reason})", flush=True)
+                print(f"{label} skipped ({reason})", flush=True)
                 continue
-            torch._dynamo.reset()
             try:
-                h, w, t, c = builders.grpo_inputs(n, hs, v, SEQUENCES, dtype=dtype, device=device)
-                fn = builders.objective_function(name, sequences=SEQUENCES, compiled=compiled)
-
-                def step(fn=fn, h=h, w=w, t=t, c=c):
-                    loss, _ = fn(h, w, t, c)
-                    return (loss.detach(), *torch.autograd.grad(loss, (h, w)))
-
-                loss, dh, dw = step()
-                grad_norm = float(torch.cat([dh.float().flatten(), dw.float().flatten()]).norm())
-                row.update(loss=float(loss), grad_norm=grad_norm)
-                del loss, dh, dw
-                first, times, peak = _time_step(step, device, cfg.bench_reps)
-            except Exception as exc:
+                row.update(bench_row(provider, n, hs, v, device, cfg.bench_reps))
+            except Exception as exc:  # a peer without a kernel for this case, or out of memory
                 row["skipped"] = f"error: {type(exc).__name__}: {exc}"[:300]
                 if provider.startswith("lossfx"):
-                    failures.append(f"bench {provider} N={n} V={v}: {row['skipped']}")
-                rows.append(row)
-                print(f"[bench] N={n} H={hs} V={v} {provider:>26}: {row['skipped']}", flush=True)
+                    failures.append(f"bench {provider} N={n} H={hs} V={v}: {row['skipped']}")
+                print(f"{label} {row['skipped']}", flush=True)
                 _free(device)
                 continue
-            finally:
-                for var in ("h", "w", "t", "c", "fn", "step"):
-                    locals().pop(var, None)
-            median = statistics.median(times)
-            logits = n * v * 2
-            row.update(first_call_s=round(first, 3), median_ms=round(1e3 * median, 3),
-                       min_ms=round(1e3 * min(times), 3), reps=len(times))  # fmt: skip
-            if peak is not None:
-                grads = (n + v) * hs * 2
-                row.update(peak_mib=round(peak / 2**20, 1), beyond_grads_x_logits=round((peak - grads) / logits, 3))
             if provider == "naive":
-                base_row = row
-            if base_row is not None and "median_ms" in base_row:
-                row["time_vs_naive"] = round(row["median_ms"] / base_row["median_ms"], 3)
-                row["grad_norm_rel"] = abs(row["grad_norm"] - base_row["grad_norm"]) / base_row["grad_norm"]
-            rows.append(row)
-            memory = "" if peak is None else f", peak {row['peak_mib']:.0f} MiB"
-            print(f"[bench] N={n} H={hs} V={v} {provider:>26}: {row['median_ms']:9.2f} ms "
-                  f"(first {first:.1f} s){memory}", flush=True)  # fmt: skip
+                base = row
+            if base is not None:
+                row["time_vs_naive"] = round(row["median_ms"] / base["median_ms"], 3)
+                row["grad_norm_rel"] = abs(row["grad_norm"] - base["grad_norm"]) / base["grad_norm"]
+            memory = f", peak {row['peak_mib']:.0f} MiB" if "peak_mib" in row else ""
+            print(f"{label} {row['median_ms']:9.2f} ms (first call {row['first_call_s']:.1f} s){memory}", flush=True)
             _free(device)
     print(f"[bench] {time.monotonic() - start:.1f} s", flush=True)
     return rows
@@ -891,17 +897,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the default without CUDA)")
     parser.add_argument("--sections", nargs="+", default=["checks", "bench"], choices=["checks", "bench"])
     parser.add_argument("--providers", nargs="+", default=list(BENCH_PROVIDERS), choices=list(BENCH_PROVIDERS))
+    parser.add_argument("--paths", nargs="+", default=None, help="checks: these paths only (default: all)")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="checks' dtypes")
+    parser.add_argument(
+        "--shapes", nargs="+", default=None, metavar="NxHxV", help="bench shapes, e.g. 16384x4096x151936"
+    )
+    parser.add_argument("--reps", type=int, default=None, help="bench: timed calls per row")
+    parser.add_argument("--budget-checks", type=float, default=None, help="seconds before checks stop starting")
+    parser.add_argument("--budget-bench", type=float, default=None, help="seconds before bench rows stop starting")
     parser.add_argument("--backend", default=None, help="torch.compile backend of the checks (default: inductor; "
                         "aot_eager in --smoke)")  # fmt: skip
-    plant_help = f"scale these paths' outputs by 1 + {PLANT} ('all': every path): the run must fail"
+    plant_help = f"scale these paths' outputs by 1 + {PLANT} (a planted error): the run must fail"
     parser.add_argument("--plant-error", nargs="+", default=[], metavar="PATH", help=plant_help)
     parser.add_argument("--out", default=None, help="also write gpu.json and gpu.md there")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     smoke = args.smoke or not cuda
     cfg = SMOKE if smoke else QUICK if args.quick else FULL
-    if args.backend:
-        cfg = dataclasses.replace(cfg, backend=args.backend)
+    overrides = {"backend": args.backend, "bench_reps": args.reps, "check_budget_s": args.budget_checks,
+                 "bench_budget_s": args.budget_bench}  # fmt: skip
+    if args.shapes:
+        try:
+            overrides["bench_shapes"] = tuple(tuple(int(d) for d in shape.split("x")) for shape in args.shapes)
+        except ValueError:
+            parser.error(f"--shapes: NxHxV with integers, got {args.shapes}")
+        if any(len(shape) != 3 or shape[0] % SEQUENCES for shape in overrides["bench_shapes"]):
+            parser.error(f"--shapes: NxHxV with N a multiple of {SEQUENCES}, got {args.shapes}")
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    known = check_names(cfg)
+    names = args.paths or known
+    for flag, given in (("--paths", names), ("--plant-error", args.plant_error)):
+        if set(given) - set(known):
+            parser.error(f"{flag}: unknown path(s) {sorted(set(given) - set(known))}; known: {known}")
+    if set(args.plant_error) - set(names):
+        parser.error(f"--plant-error: {sorted(set(args.plant_error) - set(names))} not among the checked --paths")
     device = torch.device("cpu" if smoke else "cuda")
     mode = "smoke (CPU, tiny shapes)" if smoke else "quick" if args.quick else "full"
     if not cuda and not args.smoke:
@@ -929,7 +958,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[checks] {status} {path:>36} {dtype} {mode_:>8}  {note}  ({seconds:.1f} s)", flush=True)
 
     if "checks" in args.sections:
-        run_checks(cfg, device, set(args.plant_error), record)
+        run_checks(cfg, device, record, names=names, dtypes=args.dtypes, plant=set(args.plant_error))
     bench = run_bench(cfg, device, args.providers, failures) if "bench" in args.sections else []
     doc = {"environment": env, "mode": mode, "config": dataclasses.asdict(cfg), "checks": checks, "bench": bench,
            "failures": failures, "elapsed_s": round(time.monotonic() - start, 1)}  # fmt: skip
