@@ -461,7 +461,6 @@ def logits_aux(cfg: Config, device: torch.device, dtype: torch.dtype, gen: torch
         return (torch.randn(*shape, generator=gen) * 3).to(dtype)
 
     x = randn(b, s, v)
-    x64 = x.to(F64)
     n = b * s
     cut = [0, n // 3, 2 * n // 3 + 1, n]
     d = max(2, v // 4)
@@ -479,15 +478,17 @@ def logits_aux(cfg: Config, device: torch.device, dtype: torch.dtype, gen: torch
         "cu": cut,
         "cu_tensor": torch.tensor(cut),
     }
-    _, keep = reference.apply_top_k_top_p(x64.flatten(0, 1), top_k=cfg.top_k, top_p=cfg.top_p)
-    aux["keep"] = keep
-    aux["ambiguous"] = _keep_ambiguous(x64, cfg.top_k, cfg.top_p)
-    # the filtered paths score tokens sampled from the kept set (as a rollout does), one in eight anywhere
-    sampled = torch.multinomial(keep.double(), 1, generator=gen)[:, 0]
-    anywhere = torch.rand(n, generator=gen) < 1 / 8
-    aux["filtered_target"] = torch.where(anywhere, aux["target"], sampled)
-    aux["filtered_input_ids"] = torch.cat([aux["input_ids"][:, :1], aux["filtered_target"].view(b, s)[:, :-1]], 1)
     aux = {key: val.to(device) if isinstance(val, Tensor) else val for key, val in aux.items()}
+    x64 = x.to(device=device, dtype=F64)  # the truth's kept sets, on the device (a sort of [N, V])
+    aux["keep"] = reference.apply_top_k_top_p(x64.flatten(0, 1), top_k=cfg.top_k, top_p=cfg.top_p)[1]
+    aux["ambiguous"] = _keep_ambiguous(x64, cfg.top_k, cfg.top_p)
+    del x64
+    # the filtered paths score tokens sampled from the kept set (as a rollout does), one in eight anywhere
+    sampled = torch.multinomial(aux["keep"].cpu().double(), 1, generator=gen)[:, 0]
+    anywhere = torch.rand(n, generator=gen) < 1 / 8
+    target = torch.where(anywhere, aux["target"].cpu(), sampled)
+    aux["filtered_target"] = target.to(device)
+    aux["filtered_input_ids"] = torch.cat([aux["input_ids"][:, :1], aux["filtered_target"].view(b, s)[:, :-1]], 1)
     return x.to(device), aux
 
 
@@ -513,8 +514,9 @@ def fused_check(name: str, cfg: Config, device, dtype, gen, wrap) -> list[Compar
     w0 = (torch.randn(v, hs, generator=gen) / hs**0.5 * 3).to(dtype)
     target = torch.randint(0, v, (n,), generator=gen)
     ids = torch.randint(0, v, (n, k), generator=gen)
-    dout = torch.randn(n, k, generator=gen, dtype=F64)
-    dneg = torch.randn(n, generator=gen, dtype=F64)
+    # upstream gradients / coefficients representable in the dtype: the objective takes them in it
+    dout = torch.randn(n, k, generator=gen).to(dtype).to(F64)
+    dneg = torch.randn(n, generator=gen).to(dtype).to(F64)
     h0, w0, target, ids, dout, dneg = (t.to(device) for t in (h0, w0, target, ids, dout, dneg))
     cdtype = torch.float32 if dtype != F64 else F64
     seq_shape = name == "linear_next_token_logprobs"
@@ -615,7 +617,7 @@ def _planted(fn: Callable[..., Any]) -> Callable[..., Any]:
     return lambda *args: scale(fn(*args))
 
 
-def logits_check(path: LogitsPath, x: Tensor, aux: dict, fn: Callable[..., Any], vocab: int) -> list[Comparison]:
+def logits_check(path: LogitsPath, x: Tensor, aux: dict, fn: Callable[..., Any], seed: int = 0) -> list[Comparison]:
     """Run `fn` (lossfx's call, maybe compiled / planted) and compare outputs and `dlogits` with the truth."""
     tensors = {key: val for key, val in aux.items() if isinstance(val, Tensor)}
     consts = {key: val for key, val in aux.items() if not isinstance(val, Tensor)}
@@ -624,7 +626,7 @@ def logits_check(path: LogitsPath, x: Tensor, aux: dict, fn: Callable[..., Any],
     x64 = x.detach().to(F64).requires_grad_(True)
     t_outs = path.truth(x64, aux)
     sizes = path.sizes(x64.detach(), aux, [t.detach() for t in t_outs])
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed + 1)
     douts = [None if g is None else torch.randn(t.shape, generator=gen, dtype=F64).to(x.device).clamp(-3, 3)
              for t, (_, g) in zip(t_outs, sizes, strict=True)]  # fmt: skip
     cdtype = torch.float32 if x.dtype != F64 else F64
@@ -673,6 +675,7 @@ def run_checks(
     names: list[str],
     dtypes: list[str],
     plant: set[str],
+    seed: int = 0,
 ) -> None:
     """Section 1: the paths `names` in `dtypes`, eager first, then (the subset) compiled, bf16 first,
     so that a spent budget cuts compiled fp32 first."""
@@ -692,11 +695,11 @@ def run_checks(
             record(name, dtype_name, mode, None, "skipped: check budget spent", 0.0)
             continue
         if dtype_name not in inputs:
-            inputs[dtype_name] = logits_aux(cfg, device, DTYPES[dtype_name], torch.Generator().manual_seed(0))
+            inputs[dtype_name] = logits_aux(cfg, device, DTYPES[dtype_name], torch.Generator().manual_seed(seed))
         x, aux = inputs[dtype_name]
         t0 = time.monotonic()
         try:
-            comps = _one_check(name, mode, paths, cfg, x, aux, device, DTYPES[dtype_name], name in plant)
+            comps = _one_check(name, mode, paths, cfg, x, aux, device, DTYPES[dtype_name], name in plant, seed)
             worst = max(comps, key=lambda c: c.worst())
             ratio = worst.worst()
             note = f"worst {worst.what}: {ratio:.3g}"
@@ -709,18 +712,18 @@ def run_checks(
     print(f"[checks] {time.monotonic() - start:.1f} s", flush=True)
 
 
-def _one_check(name, mode, paths, cfg, x, aux, device, dtype, plant: bool) -> list[Comparison]:
+def _one_check(name, mode, paths, cfg, x, aux, device, dtype, plant: bool, seed: int) -> list[Comparison]:
     def wrap(fn):
         if mode == "compiled":
             torch._dynamo.reset()
             fn = torch.compile(fn, fullgraph=True, backend=cfg.backend)
         return _planted(fn) if plant else fn
 
-    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) + seed)
     if name in paths:
         path = paths[name]
         call = wrap(lambda xa, tensors, consts: path.call(xa, {**consts, **tensors}))
-        return logits_check(path, x, aux, call, cfg.vocab)
+        return logits_check(path, x, aux, call, seed)
     return fused_check(name, cfg, device, dtype, gen, wrap)
 
 
@@ -894,7 +897,9 @@ def _version(dist: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the default without CUDA)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (the default on the CPU)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when present; "
+                        "--device cpu --quick runs the quick shapes on the CPU")  # fmt: skip
     parser.add_argument("--sections", nargs="+", default=["checks", "bench"], choices=["checks", "bench"])
     parser.add_argument("--providers", nargs="+", default=list(BENCH_PROVIDERS), choices=list(BENCH_PROVIDERS))
     parser.add_argument("--paths", nargs="+", default=None, help="checks: these paths only (default: all)")
@@ -909,10 +914,14 @@ def main(argv: list[str] | None = None) -> int:
                         "aot_eager in --smoke)")  # fmt: skip
     plant_help = f"scale these paths' outputs by 1 + {PLANT} (a planted error): the run must fail"
     parser.add_argument("--plant-error", nargs="+", default=[], metavar="PATH", help=plant_help)
+    parser.add_argument("--seed", type=int, default=0, help="checks: seed of the random inputs")
     parser.add_argument("--out", default=None, help="also write gpu.json and gpu.md there")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
-    smoke = args.smoke or not cuda
+    device = torch.device(args.device or ("cuda" if cuda else "cpu"))
+    if device.type == "cuda" and not cuda:
+        parser.error("--device cuda: no CUDA device here")
+    smoke = args.smoke or (device.type == "cpu" and not args.quick)
     cfg = SMOKE if smoke else QUICK if args.quick else FULL
     overrides = {"backend": args.backend, "bench_reps": args.reps, "check_budget_s": args.budget_checks,
                  "bench_budget_s": args.budget_bench}  # fmt: skip
@@ -931,9 +940,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag}: unknown path(s) {sorted(set(given) - set(known))}; known: {known}")
     if set(args.plant_error) - set(names):
         parser.error(f"--plant-error: {sorted(set(args.plant_error) - set(names))} not among the checked --paths")
-    device = torch.device("cpu" if smoke else "cuda")
-    mode = "smoke (CPU, tiny shapes)" if smoke else "quick" if args.quick else "full"
-    if not cuda and not args.smoke:
+    mode = ("smoke (tiny shapes)" if smoke else "quick" if args.quick else "full") + f", {device.type}"
+    if not cuda and not args.smoke and not args.quick:
         print("no CUDA device: running the CPU smoke configuration", flush=True)
     env = {
         **measure.environment(),
@@ -958,7 +966,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[checks] {status} {path:>36} {dtype} {mode_:>8}  {note}  ({seconds:.1f} s)", flush=True)
 
     if "checks" in args.sections:
-        run_checks(cfg, device, record, names=names, dtypes=args.dtypes, plant=set(args.plant_error))
+        run_checks(cfg, device, record, names=names, dtypes=args.dtypes, plant=set(args.plant_error), seed=args.seed)
     bench = run_bench(cfg, device, args.providers, failures) if "bench" in args.sections else []
     doc = {"environment": env, "mode": mode, "config": dataclasses.asdict(cfg), "checks": checks, "bench": bench,
            "failures": failures, "elapsed_s": round(time.monotonic() - start, 1)}  # fmt: skip
