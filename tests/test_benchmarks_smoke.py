@@ -129,17 +129,19 @@ def test_gpu_script_smoke_checks_every_path_and_runs_the_bench(tmp_path):
     expected = {(n, d, "eager") for n in names for d in ("fp32", "bf16")}
     expected |= {(n, d, "compiled") for n in compiled for d in ("fp32", "bf16")}
     assert {(r["path"], r["dtype"], r["mode"]) for r in doc["checks"]} == expected
-    assert len(names) == 20 and len(compiled) == 6
+    assert len(names) == 16 and len(compiled) == 6
     for r in doc["checks"]:
         assert r["pass"] is True and 0 <= r["worst"] <= 1, r
-    # the filtered paths compare rows that keep their target, not only -inf rows
+        if r["path"] in ("filtered_token_logprobs", "prepare_loss_input[LOGPROB+filter]"):
+            assert r["worst"] > 0, r  # finite log-probs were compared (targets sampled from the kept set)
     bench = {r["provider"]: r for r in doc["bench"]}
     assert set(bench) == set(GPU_EAGER_PROVIDERS)
-    assert "CUDA only" in bench["liger-flce"]["skipped"]
-    for provider in ("naive", "lossfx-logits", "lossfx-fused", "lossfx-objective"):
-        r = bench[provider]
-        assert r["median_ms"] > 0 and r["grad_norm"] > 0
-        assert r["grad_norm_rel"] < 2e-2, r  # bf16: every provider forms the same gradient
+    reason = bench["liger-flce"]["skipped"]  # a Triton kernel: never on the CPU
+    assert "CUDA only" in reason or "not installed" in reason, reason
+    for provider, r in bench.items():
+        if provider.startswith(("naive", "lossfx")) or "skipped" not in r:  # a peer may be absent
+            assert r["median_ms"] > 0 and r["grad_norm"] > 0, r
+            assert r["grad_norm_rel"] < 2e-2, r  # bf16: every provider forms the same gradient
     md = (tmp_path / "gpu.md").read_text()
     assert "| path | dtype | mode | worst ratio |" in md and "| N | H | V | provider | median ms |" in md
 
