@@ -389,9 +389,10 @@ def logits_paths(cfg: Config) -> dict[str, LogitsPath]:
         return out["teacher_logits"], out["token_mask"]
 
     def draft_truth(x, a):
-        data = {"token_mask": a["token_mask"], "student_logits": a["student_draft"]}
-        out = reference.prepare_draft_input(x, data, a["d2t"])
-        return out["teacher_logits"], out["token_mask"]
+        # on the CPU: reference.draft_targets indexes with a CPU `arange` (a copy: nothing to round)
+        data = {"token_mask": a["token_mask"].cpu(), "student_logits": a["student_draft"].cpu()}
+        out = reference.prepare_draft_input(x.cpu(), data, a["d2t"].cpu())
+        return out["teacher_logits"].to(x.device), out["token_mask"].to(x.device)
 
     paths["prepare_loss_input[DRAFT]"] = LogitsPath(
         draft_call, draft_truth, lambda x, a: (None, None), lambda x, a, t: [(None, None), (None, None)]
