@@ -87,6 +87,7 @@ class Config:
     bench_reps: int
     bench_budget_s: float
     backend: str
+    compiled_dtypes: tuple[str, ...] = ("bf16", "fp32")  # the compiled checks' dtypes, in this order
 
 
 FULL = Config(2, 512, 151_936, 2048, 50, 0.9, 64, 100.0,
@@ -94,7 +95,7 @@ FULL = Config(2, 512, 151_936, 2048, 50, 0.9, 64, 100.0,
               5, 130.0, "inductor")  # fmt: skip
 QUICK = Config(2, 256, 32_000, 1024, 50, 0.9, 16, 60.0, ((8192, 4096, 151_936), (8192, 4096, 32_000)), 3, 80.0,
                "inductor")  # fmt: skip
-SMOKE = Config(2, 8, 67, 16, 20, 0.8, 4, 600.0, ((64, 16, 67),), 1, 600.0, "aot_eager")
+SMOKE = Config(2, 8, 67, 16, 20, 0.8, 4, 600.0, ((64, 16, 67),), 1, 600.0, "aot_eager", ("bf16",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -679,15 +680,16 @@ def run_checks(
     plant: set[str],
     seed: int = 0,
 ) -> None:
-    """Section 1: the paths `names` in `dtypes`, eager first, then (the subset) compiled, bf16 first,
-    so that a spent budget cuts compiled fp32 first."""
+    """Section 1: the paths `names` in `dtypes`, eager first (bf16 first), then the compiled subset
+    in `cfg.compiled_dtypes` (bf16 first), so that a spent budget cuts compiled fp32 first."""
     start = time.monotonic()
     paths = logits_paths(cfg)
     order = sorted(dtypes, key=lambda d: d != "bf16")
     plan = [(name, d, "eager") for d in order for name in names]
     plan += [
         (name, d, "compiled")
-        for d in order
+        for d in cfg.compiled_dtypes
+        if d in dtypes
         for name in names
         if (paths[name].compiled if name in paths else name in FUSED_COMPILED)
     ]
