@@ -4,6 +4,10 @@
     python -m benchmarks.gpu --quick                 # fewer shapes and repetitions (~2 min)
     python -m benchmarks.gpu --smoke                 # tiny shapes on the CPU (automatic without CUDA)
     python -m benchmarks.gpu --plant-error token_logprobs   # scale that path's outputs by 1 + 1e-2: must exit 1
+    python -m benchmarks.gpu --device cpu --quick --sections checks --backend aot_eager   # quick checks, CPU
+
+(`--paths`, `--dtypes`, `--seed`, `--providers`, `--shapes`, `--reps`, `--budget-*`: see `--help`
+and benchmarks/README.md.)
 
 Sections (each prints its elapsed time and stops starting new work past its budget):
 
