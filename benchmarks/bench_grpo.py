@@ -48,7 +48,7 @@ if __name__ == "__main__":
 
 import torch
 
-import lossfx
+from benchmarks import _linear_builders as builders
 from benchmarks import measure
 
 TOKENS, HIDDEN, VOCABS, SEQUENCES = 2048, 512, (32_000, 151_936), 8
@@ -67,26 +67,22 @@ PROVIDERS = (
 )
 WITH_ENTROPY = {BASELINE, "trl-fused", *(p for p in PROVIDERS if p.startswith("lossfx"))}
 MEMORY_GOAL = 0.1
-
-
-def _importable(module: str) -> bool:
-    try:
-        __import__(module)
-    except ImportError:
-        return False
-    return True
+# provider -> (the shared builder's name, whether this script wraps it in torch.compile)
+_SHARED = {
+    BASELINE: ("naive", True),
+    "lossfx-fused": ("lossfx-fused", False),
+    "lossfx-fused-compiled": ("lossfx-fused", True),
+    "lossfx-objective": ("lossfx-objective", False),
+    "lossfx-objective-compiled": ("lossfx-objective", True),
+    "trl-fused": ("trl-fused", False),
+    "liger-grpo": ("liger-grpo", False),
+    "cce-compiled": ("cce", False),  # compiled inside Cut Cross-Entropy (impl="torch_compile" on CPU)
+    "torch-linear-ce": ("torch-linear-ce", False),
+}
 
 
 def available(provider: str) -> bool:
-    if provider == "trl-fused":
-        return _importable("trl.kernels")
-    if provider == "liger-grpo":
-        return _importable("liger_kernel.chunked_loss")
-    if provider == "cce-compiled":
-        return _importable("cut_cross_entropy")
-    if provider == "torch-linear-ce":
-        return hasattr(torch.nn.functional, "linear_cross_entropy")
-    return True
+    return builders.unavailable(_SHARED[provider][0]) is None
 
 
 def _version(dist: str) -> str:
@@ -98,84 +94,16 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-# Each loss function: (h [N, H], w [V, H], t [N], c [N]) -> (loss scalar, entropy [N] or None)
-
-
-def _naive(h, w, t, c):
-    logp = torch.log_softmax(h @ w.T, dim=-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return (c * logp.gather(-1, t[:, None]).squeeze(-1)).sum(), entropy.detach()
-
-
-def _lossfx_fused(h, w, t, c):
-    lp, neg_entropy = lossfx.linear_token_logprobs(h, w, t, return_neg_entropy=True)
-    return (c * lp).sum(), -neg_entropy.detach()
-
-
-def _lossfx_objective(h, w, t, c):
-    objective, _, neg_entropy = lossfx.linear_logprob_objective(h, w, t, c, neg_entropy_weight=torch.zeros_like(c))
-    return objective, None if neg_entropy is None else -neg_entropy.detach()
-
-
-def _trl_fused(h, w, t, c):
-    from trl.kernels import ChunkedLogProbFunction
-    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
-
-    lp, entropy, *_ = ChunkedLogProbFunction.apply(
-        h, w, None, t, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("log_probs", "entropy")
-    )
-    return (c * lp).sum(), entropy.detach()
-
-
-def _cce(h, w, t, c):
-    from cut_cross_entropy import linear_cross_entropy
-
-    return (-c * linear_cross_entropy(h, w, t, impl="torch_compile", reduction="none")).sum(), None
-
-
-def _torch_linear_ce(h, w, t, c):
-    return (-c * torch.nn.functional.linear_cross_entropy(h, w, t, reduction="none")).sum(), None
-
-
 def loss_function(provider: str, sequences: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
-    """`fn(h, w, t, c) -> (loss, entropy or None)` of `provider`."""
-    simple = {
-        "lossfx-fused": _lossfx_fused,
-        "lossfx-objective": _lossfx_objective,
-        "trl-fused": _trl_fused,
-        "cce-compiled": _cce,  # compiled inside Cut Cross-Entropy
-        "torch-linear-ce": _torch_linear_ce,
-    }
-    if provider in simple:
-        return simple[provider]
-    if provider == BASELINE:
-        return torch.compile(_naive, fullgraph=True)
-    if provider.endswith("-compiled") and provider.removesuffix("-compiled") in simple:
-        return torch.compile(simple[provider.removesuffix("-compiled")], fullgraph=True)
-    if provider == "liger-grpo":
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        grpo = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=True, loss_type="dapo")
-
-        def liger(h, w, t, c):
-            # Liger takes [B, T] rows, a mask and per-sequence advantages: c = −A·mask/Σmask, all-ones mask
-            b = sequences
-            mask = torch.ones(b, t.shape[0] // b, dtype=h.dtype)
-            advantages = -c.view(b, -1)[:, 0] * mask.sum()
-            return grpo(h.view(b, -1, h.shape[-1]), w, t.view(b, -1), mask, advantages)[0], None
-
-        return liger
-    raise KeyError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
+    """`fn(h, w, t, c) -> (loss, entropy or None)` of `provider` (`benchmarks._linear_builders`)."""
+    if provider not in _SHARED:
+        raise KeyError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
+    name, compiled = _SHARED[provider]
+    return builders.objective_function(name, sequences=sequences, entropy=provider in WITH_ENTROPY, compiled=compiled)
 
 
 def _inputs(tokens: int, hidden: int, vocab: int, sequences: int):
-    gen = torch.Generator().manual_seed(0)
-    h = torch.randn(tokens, hidden, generator=gen).requires_grad_(True)
-    w = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5 * 3).requires_grad_(True)
-    t = torch.randint(0, vocab, (tokens,), generator=gen)
-    advantages = torch.randn(sequences, generator=gen)
-    c = (-advantages[:, None] * torch.ones(sequences, tokens // sequences) / tokens).reshape(-1)  # all-ones mask
-    return h, w, t, c
+    return builders.grpo_inputs(tokens, hidden, vocab, sequences)
 
 
 def build(

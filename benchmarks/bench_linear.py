@@ -51,6 +51,7 @@ if __name__ == "__main__":
 import torch
 
 import lossfx
+from benchmarks import _linear_builders as builders
 from benchmarks import measure
 from benchmarks.rss import run_module_fresh
 
@@ -75,55 +76,32 @@ def has_linear() -> bool:
     return hasattr(lossfx, "linear_token_logprobs")
 
 
-def has_cce() -> bool:
-    try:
-        import cut_cross_entropy  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def available(provider: str) -> bool:
     if provider.startswith("linear"):
         return has_linear()
     if provider.startswith("objective"):
         return hasattr(lossfx, "linear_logprob_objective")
     if provider.startswith("cce"):
-        return has_cce()
+        return builders.unavailable("cce") is None
     return True
 
 
-def _unfused(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return lossfx.token_logprobs(hidden @ weight.T, target)
-
-
-def _naive(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax((hidden @ weight.T).float(), dim=-1)
-    return logp.gather(-1, target[:, None]).squeeze(-1)
-
-
-def _cce(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    from cut_cross_entropy import linear_cross_entropy
-
-    return -linear_cross_entropy(hidden, weight, target, impl="torch_compile", reduction="none")
+# provider -> the shared builder's name (`benchmarks._linear_builders`)
+_SHARED = {"linear": "lossfx-fused", "unfused": "lossfx-unfused", "naive": "naive", "cce": "cce"}
 
 
 def provider_function(provider: str, chunk_size: int | None = None) -> Callable[..., torch.Tensor]:
     """`fn(hidden [N, H], weight [V, H], target [N]) -> logprobs [N]` of `provider` (the objective
     providers: `fn(hidden, weight, target, g [N]) -> Σ g · logprobs`)."""
-    if provider.startswith("linear"):
-        fn: Callable[..., torch.Tensor] = lambda h, w, t: lossfx.linear_token_logprobs(h, w, t, chunk_size=chunk_size)  # noqa: E731
-        return torch.compile(fn, fullgraph=True) if provider.endswith("compiled") else fn
-    if provider.startswith("objective"):  # fn(h, w, t, g) -> Σ g · logprob, a scalar
-        fn = lambda h, w, t, g: lossfx.linear_logprob_objective(h, w, t, g, chunk_size=chunk_size)[0]  # noqa: E731
-        return torch.compile(fn, fullgraph=True) if provider.endswith("compiled") else fn
-    if provider == "unfused-compiled":
-        return torch.compile(_unfused, fullgraph=True)
-    if provider == "naive-compiled":
-        return torch.compile(_naive, fullgraph=True)
-    if provider == "cce-compiled":
-        return _cce  # compiled inside Cut Cross-Entropy
-    raise KeyError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
+    if provider not in PROVIDERS:
+        raise KeyError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
+    kind, _, mode = provider.partition("-")
+    compiled = mode == "compiled" and kind != "cce"  # Cut Cross-Entropy compiles inside
+    if kind == "objective":
+        objective = builders.objective_function("lossfx-objective", compiled=compiled, chunk_size=chunk_size)
+        return lambda h, w, t, g: objective(h, w, t, g)[0]
+    logprob = builders.logprob_function(_SHARED[kind], compiled=compiled, chunk_size=chunk_size)
+    return lambda h, w, t: logprob(h, w, t)[0]
 
 
 def build(

@@ -105,3 +105,70 @@ def test_bench_grpo_quick_runs_every_provider(tmp_path):
     doc = _check_grpo_results(tmp_path, list(PROVIDERS))
     for r in doc["results"]:
         assert r["time_vs_naive"] > 0 and r["grad_norm_rel"] < 1e-4, r
+
+
+# benchmarks/gpu.py: the prepared GPU check, run on the CPU at tiny shapes (its --smoke configuration)
+GPU_EAGER_PROVIDERS = ["naive", "lossfx-logits", "lossfx-fused", "lossfx-objective", "torch-linear-ce", "liger-flce"]
+
+
+def _run_gpu(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "benchmarks.gpu", "--smoke", *args, "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return proc, json.loads((tmp_path / "gpu.json").read_text())
+
+
+def test_gpu_script_smoke_checks_every_path_and_runs_the_bench(tmp_path):
+    from benchmarks.gpu import FUSED_COMPILED, SMOKE, check_names, logits_paths
+
+    proc, doc = _run_gpu(["--providers", *GPU_EAGER_PROVIDERS], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert doc["failures"] == []
+    names = check_names(SMOKE)
+    compiled = {n for n, p in logits_paths(SMOKE).items() if p.compiled} | FUSED_COMPILED
+    expected = {(n, d, "eager") for n in names for d in ("fp32", "bf16")}
+    expected |= {(n, "bf16", "compiled") for n in compiled}  # the smoke config compiles in bf16 only
+    assert {(r["path"], r["dtype"], r["mode"]) for r in doc["checks"]} == expected
+    assert len(names) == 16 and len(compiled) == 6
+    for r in doc["checks"]:
+        assert r["pass"] is True and 0 <= r["worst"] <= 1, r
+        if r["path"] in ("filtered_token_logprobs", "prepare_loss_input[LOGPROB+filter]"):
+            assert r["worst"] > 0, r  # finite log-probs were compared (targets sampled from the kept set)
+    bench = {r["provider"]: r for r in doc["bench"]}
+    assert set(bench) == set(GPU_EAGER_PROVIDERS)
+    reason = bench["liger-flce"]["skipped"]  # a Triton kernel: never on the CPU
+    assert "CUDA only" in reason or "not installed" in reason, reason
+    for provider, r in bench.items():
+        if provider.startswith(("naive", "lossfx")) or "skipped" not in r:  # a peer may be absent
+            assert r["median_ms"] > 0 and r["grad_norm"] > 0, r
+            assert r["grad_norm_rel"] < 2e-2, r  # bf16: every provider forms the same gradient
+    md = (tmp_path / "gpu.md").read_text()
+    assert "| path | dtype | mode | worst ratio |" in md and "| N | H | V | provider | median ms |" in md
+
+
+def test_gpu_script_catches_a_planted_error(tmp_path):
+    """The check cannot be vacuous: outputs scaled by 1 + 1e-2 in two paths fail them (eager and
+    compiled, logits path and fused head, values and gradients), the untouched path still passes,
+    and the script exits 1."""
+    paths = ["token_logprobs", "prepare_loss_input[DRAFT]", "linear_logprob_objective", "neg_entropy"]
+    planted = paths[:3]
+    args = ["--sections", "checks", "--dtypes", "bf16", "--paths", *paths, "--plant-error", *planted]
+    proc, doc = _run_gpu(args, tmp_path)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {(r["path"], r["mode"]): r for r in doc["checks"]}
+    assert set(results) == {(p, "eager") for p in paths} | {(p, "compiled") for p in planted if p != planted[1]}
+    for (path, _), r in results.items():
+        assert r["pass"] is (path not in planted), r
+    assert len(doc["failures"]) == 5 and "FAILED: check token_logprobs bf16 compiled" in proc.stdout
+
+
+@pytest.mark.slow  # every provider, compiled ones and compiling peers: minutes on a busy 2-core VM
+def test_gpu_script_smoke_runs_every_provider(tmp_path):
+    from benchmarks.gpu import BENCH_PROVIDERS
+
+    proc, doc = _run_gpu(["--sections", "bench"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench = {r["provider"]: r for r in doc["bench"]}
+    assert set(bench) == set(BENCH_PROVIDERS)
+    for r in bench.values():
+        assert "skipped" in r or (r["median_ms"] > 0 and r["grad_norm_rel"] < 2e-2), r
