@@ -394,7 +394,7 @@ def logits_paths(cfg: Config) -> dict[str, LogitsPath]:
         return out["teacher_logits"], out["token_mask"]
 
     def draft_truth(x, a):
-        # on the CPU: reference.draft_targets indexes with a CPU `arange` (a copy: nothing to round)
+        # the truth on the CPU (float64 copies; nothing to round)
         data = {"token_mask": a["token_mask"].cpu(), "student_logits": a["student_draft"].cpu()}
         out = reference.prepare_draft_input(x.cpu(), data, a["d2t"].cpu())
         return out["teacher_logits"].to(x.device), out["token_mask"].to(x.device)

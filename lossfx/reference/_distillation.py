@@ -51,7 +51,7 @@ def draft_targets(logits: Tensor, token_mask: Tensor, d2t: Tensor | None) -> tup
     """Canonical `[B, S, V]` -> (shifted teacher logits in draft vocab `[B, S, D]`, shifted mask)."""
     shifted = torch.cat([logits.detach()[:, 1:], torch.zeros_like(logits[:, :1])], dim=1)
     if d2t is not None:
-        shifted = shifted[..., torch.arange(d2t.shape[0]) + d2t]
+        shifted = shifted[..., torch.arange(d2t.shape[0], device=d2t.device) + d2t]
     mask = torch.cat([token_mask[:, 1:], torch.zeros_like(token_mask[:, :1])], dim=1)
     return shifted, mask
 
