@@ -199,7 +199,7 @@ class _Fields:
 
     def add(self, label: str, value: Any) -> None:
         self.labels.append(label)
-        if isinstance(value, float) and torch.compiler.is_compiling():  # maybe symbolic: its bits in the graph
+        if isinstance(value, float) and _host_reads.tracing():  # maybe symbolic: its bits in the graph
             self.floats.append((len(self.codes), torch.tensor(value, dtype=torch.float64).view(torch.int64)))
             self.codes.append((_K_FLOAT, 0))
         else:
@@ -318,7 +318,7 @@ def _signature(name: str, arguments: Mapping[str, Any], values: bool = True) -> 
         _head_fields(fields, arg, value, header)
     flat = [x for code in fields.codes for x in code]
     header[_H_COUNT] = len(fields.codes)
-    if not torch.compiler.is_compiling():  # traced, shapes may be symbolic: no digest of the fields past the body
+    if not _host_reads.tracing():  # traced, shapes may be symbolic: no digest of the fields past the body
         header[_H_DIGEST] = zlib.crc32(struct.pack(f"<{len(flat)}q", *flat))
     body = flat[: 2 * _MAX_FIELDS]
     body += [0] * (SIGNATURE_LEN - _HEADER - len(body))
@@ -657,7 +657,7 @@ def boundary(
 
         @functools.wraps(fn)
         def checked(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling():
+            if _host_reads.tracing():
                 try:
                     return _traced(*args, **kwargs)
                 except (ValueError, TypeError) as err:  # Dynamo would turn it into `Unsupported`
@@ -715,7 +715,7 @@ def vocab_shard_range(local_vocab: int, group: dist.ProcessGroup | None) -> tupl
     ranks' shards (rank order) and `V` is their sum. Under `torch.compile` and without a group:
     `(None, None)`, which the kernels read as uniform shards (`rank · Vl`, `R · Vl`).
     """
-    if torch.compiler.is_compiling() or not _is_distributed(group):
+    if _host_reads.tracing() or not _is_distributed(group):
         return None, None
     assert group is not None
     _host_reads.settle()  # the check of the enclosing call reports the widths

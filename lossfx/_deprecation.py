@@ -9,14 +9,14 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import torch
+from lossfx._host_reads import tracing
 
 __all__ = ["renamed_keyword", "warn_renamed"]
 
 
 def warn_renamed(old_name: str, new_name: str, stacklevel: int = 3) -> None:
     """FutureWarning (eager only) that `old_name`, whose value is `Σ p log p`, is now `new_name`."""
-    if not torch.compiler.is_compiling():
+    if not tracing():
         warnings.warn(
             f"{old_name} is deprecated: its value is Σ p log p, the NEGATIVE entropy (≤ 0); use {new_name} "
             "for the same value (the entropy is its negation)",

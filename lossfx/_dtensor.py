@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lossfx._host_reads import tracing
+
 ProcessGroup = dist.ProcessGroup
 
 __all__ = ["VocabShard", "entry_point_on_local", "has_dtensor", "is_dtensor", "replicated", "vocab_shard"]
@@ -166,7 +168,7 @@ def _vocab_mesh_dim(x: Any, dim: int, name: str) -> int | None:
 def _same_group(a: ProcessGroup, b: ProcessGroup) -> bool:
     if a is b:
         return True
-    if torch.compiler.is_compiling():  # the rank lists cannot be read while tracing; identity decides
+    if tracing():  # the rank lists cannot be read while tracing; identity decides
         return False
     return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
 

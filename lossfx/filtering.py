@@ -57,7 +57,7 @@ from lossfx._distributed import (
     local_columns,
 )
 from lossfx._dtensor import check_view, is_dtensor, replicated, vocab_shard
-from lossfx._numerics import compute_dtype, finite_or_zero, log_s_for_softmax, merge_max_logsum, row_max_sumexp
+from lossfx._numerics import compute_dtype, finite_or_zero, log_s_for_softmax, merge_max_logsum, row_max_sumexp, tracing
 from lossfx._validation import (
     check_floating,
     check_ids_in_range,
@@ -550,7 +550,7 @@ def _thresholds(
     if n is not None:
         columns = torch.arange(local_vocab, device=logits.device) + vocab_start  # [Vl] global ids
         # eager: the ⌈log2 V⌉-pass bisection only when a tie is cut (read with the call's checks)
-        if torch.compiler.is_compiling() or read_now((n < tied).any())[0]:
+        if tracing() or read_now((n < tied).any())[0]:
             cut = _id_cut(logits, tau, n, columns, vocab_size, chunks, cdtype, group)
         else:
             cut = torch.zeros_like(n)

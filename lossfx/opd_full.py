@@ -31,6 +31,7 @@ from torch import Tensor
 from lossfx._consistency import boundary
 from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
 from lossfx._dtensor import VocabShard, _same_group, entry_point_on_local, is_dtensor, replicated, vocab_shard
+from lossfx._host_reads import tracing
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
 from lossfx.divergence import (
@@ -154,7 +155,7 @@ def _teacher_heads(
             f"teacher_index must carry one entry per payload row: got {teacher_index.shape[0]} entries for "
             f"{payload.shape[0]} rows"
         )
-    if not torch.compiler.is_compiling():
+    if not tracing():
         for idx in [int(i) for i in torch.unique(teacher_index).tolist()]:
             if idx not in weights:
                 raise ValueError(
@@ -173,7 +174,7 @@ def _project_per_teacher(
     """Row `b` of `payload [B, S, H]` through `heads[position[b]]` -> `[B, S, Vl]` (materialised)."""
     if position is None:
         return _project_onto_teacher_lm_head(payload, heads[0], output_dtype)
-    if torch.compiler.is_compiling():  # no value-dependent shapes in a graph: project all, select
+    if tracing():  # no value-dependent shapes in a graph: project all, select
         out = _project_onto_teacher_lm_head(payload, heads[0], output_dtype)
         for k, weight in enumerate(heads[1:], start=1):
             projected = _project_onto_teacher_lm_head(payload, weight, output_dtype)  # [B, S, Vl]

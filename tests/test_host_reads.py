@@ -128,3 +128,50 @@ def test_a_deferred_error_replaces_the_error_it_provoked():
         with _host_reads.outermost():
             _host_reads.defer(torch.tensor(1), fail)
             raise RuntimeError("index out of range, caused by the bad input")
+
+
+# ---------------------------------------------------------------------------------------------
+# Another thread compiling: torch's is_compiling() flag is process-wide, `tracing()` is not
+# ---------------------------------------------------------------------------------------------
+
+_V_UNEVEN = 11  # two rank threads hold 6 + 5 vocabulary columns: the layout is read from the check
+
+
+def _uneven_logprobs(rank, world, group, z, ids):
+    lo, hi = (0, 6) if rank == 0 else (6, _V_UNEVEN)
+    loss_fn = type("LossFn", (), {"input_type": "logprob"})()
+    out, _ = lossfx.prepare_loss_input(z[..., lo:hi], {"input_ids": ids}, loss_fn, rank, group)
+    return out["next_token_logprobs"], _host_reads.tracing(), torch.compiler.is_compiling()
+
+
+def test_eager_calls_beside_a_compiling_thread_are_eager():
+    """While one thread is inside `torch.compile` (its backend blocks), torch's `is_compiling()`
+    is True in every thread. Eager calls in other threads took the traced branches: log-probs off
+    by 2.5 nats with uneven shards (the uniform layout assumed), other chunks than their peers.
+    Now they are exact; `_host_reads.tracing()` is False there."""
+    started, release = harness.threading.Event(), harness.threading.Event()
+
+    def blocking_backend(gm, example_inputs):
+        started.set()
+        release.wait(timeout=120)
+        return gm.forward
+
+    def compile_in_background():
+        torch.compile(lambda x: x + 1, backend=blocking_backend, fullgraph=True)(torch.ones(2))
+
+    gen = torch.Generator().manual_seed(15)
+    z = torch.randn(2, 5, _V_UNEVEN, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, _V_UNEVEN, (2, 5), generator=gen)
+    want = reference.next_token_logprobs(z, ids)
+    thread = harness.threading.Thread(target=compile_in_background, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(timeout=120), "the background compile did not reach its backend"
+        results = harness.run_ranks(2, _uneven_logprobs, z, ids)
+    finally:
+        release.set()
+        thread.join(timeout=120)
+    for lp, tracing, flag in results:
+        assert flag, "torch's flag is no longer process-wide: the scenario is not exercised"
+        assert not tracing
+        torch.testing.assert_close(lp, want, rtol=0, atol=1e-12)
