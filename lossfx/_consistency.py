@@ -192,6 +192,8 @@ class _Fields:
 
     def __init__(self, fingerprints: bool = True) -> None:
         self.fingerprints = fingerprints
+        self.owner = ""  # the argument whose fields are being added
+        self.owners: list[str] = []  # per field: its argument, or its tensor's values (the compiled messages)
         self.labels: list[str] = []
         self.codes: list[tuple[int, int]] = []
         self.values: list[tuple[int, Tensor]] = []  # (field index, fingerprint of a replicated tensor)
@@ -199,6 +201,7 @@ class _Fields:
 
     def add(self, label: str, value: Any) -> None:
         self.labels.append(label)
+        self.owners.append(self.owner)
         if isinstance(value, float) and _host_reads.tracing():  # maybe symbolic: its bits in the graph
             self.floats.append((len(self.codes), torch.tensor(value, dtype=torch.float64).view(torch.int64)))
             self.codes.append((_K_FLOAT, 0))
@@ -219,6 +222,7 @@ class _Fields:
             if self.fingerprints:
                 self.values.append((len(self.codes), fingerprint(value)))
             self.labels.append(f"the values of {label} (which must be the same on every rank)")
+            self.owners.append(f"the values of {label}")
             self.codes.append((_K_VALUES, 0))  # the value slot is filled on the device
 
     def walk(
@@ -277,21 +281,26 @@ def _is_fake(t: Tensor) -> bool:
     return t.device.type == "meta"
 
 
-def _signature(name: str, arguments: Mapping[str, Any], values: bool = True) -> tuple[Tensor, list[str]]:
+def _signature(
+    name: str, arguments: Mapping[str, Any], values: bool = True, owners: list[str] | None = None
+) -> tuple[Tensor, list[str]]:
     """`(signature [SIGNATURE_LEN] int64, labels)` of a call of `name` with bound `arguments`.
 
     The static fields are known on the host; the fingerprints of replicated tensors are computed
     on their device and written into the vector there (no host read); `values=False` leaves
-    them 0 (a group over which those tensors are shards)."""
+    them 0 (a group over which those tensors are shards). `owners`, if given, is extended with
+    each field's argument name (parallel to the labels)."""
     fields = _Fields(values)
     header = [0] * _HEADER
     _scope.names = {}  # the strings of this call only: bounded memory over a long run
     header[_H_MAGIC], header[_H_PATH] = _MAGIC, _crc(name)
     header[_H_WIDTH] = header[_H_START] = header[_H_SIZE] = header[_H_RANK] = _NONE
     heads = []
+    fields.owner = "torch.is_grad_enabled()"
     fields.add("torch.is_grad_enabled()", torch.is_grad_enabled())  # decides the backward's collectives
     per_rank_hidden = bool(arguments.get("sequence_parallel"))  # hidden is this rank's rows
     for arg, value in arguments.items():
+        fields.owner = arg
         if arg in _VOCAB_ROW_MAPPINGS and isinstance(value, Mapping) and value:
             heads.append((arg, value))  # after the loop, when this rank's shard is known
         elif arg in _PER_RANK:
@@ -315,7 +324,10 @@ def _signature(name: str, arguments: Mapping[str, Any], values: bool = True) -> 
             per_rank = (arg == "hidden" and per_rank_hidden) or arg in _VOCAB_ROW_MAPPINGS
             fields.walk(arg, value, replicated=not per_rank)
     for arg, value in heads:
+        fields.owner = arg
         _head_fields(fields, arg, value, header)
+    if owners is not None:
+        owners.extend(fields.owners)
     flat = [x for code in fields.codes for x in code]
     header[_H_COUNT] = len(fields.codes)
     if not _host_reads.tracing():  # traced, shapes may be symbolic: no digest of the fields past the body
@@ -558,16 +570,38 @@ def _check(
     _host_reads.defer(_gather_on_device(sig, cp), judge_cp)
 
 
-_PER_RANK_SLOTS = (_H_VERDICT, _H_WIDTH, _H_START, _H_RANK)  # the shard layout: differs across the TP group
+def _compiled_groups(owners: list[str], layout: bool) -> list[tuple[str, list[int]]]:
+    """`(what, slots)` of the compiled check's assertions, in the order of the eager check: the
+    function called, (with `layout`) the vocabulary shard layout, then each run of consecutive
+    fields of one argument (a replicated tensor's values a run of their own), then the fields
+    past the body. The runs before the first disagreeing field are the same on every rank (labels
+    depend only on earlier fields), so every rank fails the same assertion."""
+    groups: list[tuple[str, list[int]]] = [("the function called", [_H_MAGIC, _H_PATH])]
+    if layout:
+        groups.append(("the vocabulary shard layout (the logits' width, vocab_start, vocab_parallel_rank)",
+                       [_H_WIDTH, _H_START, _H_RANK]))  # fmt: skip
+    for i, owner in enumerate(owners[:_MAX_FIELDS]):
+        slots = [_HEADER + 2 * i, _HEADER + 2 * i + 1]
+        if owner == "vocab_size":
+            slots.append(_H_SIZE)
+        if groups[-1][0] == owner:
+            groups[-1][1].extend(slots)
+        else:
+            groups.append((owner, slots))
+    rest = [_H_COUNT, _H_DIGEST, _H_VALUES] + ([] if "vocab_size" in owners[:_MAX_FIELDS] else [_H_SIZE])
+    groups.append((f"an argument past the first {_MAX_FIELDS} fields (or the values of a replicated tensor)", rest))
+    return groups
 
 
 def _check_in_graph(name: str, arguments: Mapping[str, Any], tp_arg: str | None, cp_arg: str | None) -> None:
     """The check inside a `torch.compile`d graph: the signature (static fields a constant of the
-    graph, fingerprints computed in it) all-gathered with a functional collective, and an in-graph
-    assertion that every rank's equals this rank's: no graph break, no host read. A mismatch
-    raises `RuntimeError` with the same message on every rank (they all see the same gathered
-    matrix). Not compared here: the shard layout (widths, offsets: the kernels' uniform default
-    is assumed) and, across the context-parallel group, the fingerprints."""
+    graph, fingerprints computed in it) all-gathered with a functional collective, and in-graph
+    assertions that every rank's equals this rank's, one per argument (`_compiled_groups`): no
+    graph break, no host read. A mismatch raises `RuntimeError` naming the argument, the same on
+    every rank (they all see the same gathered matrix); each rank's value is not shown (that
+    would be a host read). Not compared here: the shard layout across the tensor-parallel group
+    (widths, offsets: the kernels' uniform default is assumed) and, across the context-parallel
+    group, the fingerprints."""
     from torch.distributed import _functional_collectives as fc
 
     tp = arguments.get(tp_arg) if tp_arg else None
@@ -577,17 +611,23 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], tp_arg: str | None,
     for group, group_name, with_values in ((tp, tp_arg, True), (cp, cp_arg, False)):
         if group is None or not _is_distributed(group):
             continue
-        sig, _ = _signature(name, arguments, values=with_values)
-        skip = _PER_RANK_SLOTS if with_values else (_H_VERDICT,)
-        keep = torch.tensor([i not in skip for i in range(SIGNATURE_LEN)], device=sig.device)
+        owners: list[str] = []
+        sig, _ = _signature(name, arguments, values=with_values, owners=owners)
+        groups = _compiled_groups(owners, layout=not with_values)
+        member = [[False] * SIGNATURE_LEN for _ in groups]
+        for g, (_, slots) in enumerate(groups):
+            for slot in slots:
+                member[g][slot] = True
         gathered = fc.all_gather_tensor(sig, 0, group).view(group.size(), SIGNATURE_LEN)
-        agree = ((gathered == gathered[0]) | ~keep).all()
-        torch._assert_async(
-            agree,
-            f"lossfx.{name}: the ranks of {group_name} disagree on the call (its function, shapes, dtypes, "
-            "scalar arguments, requires_grad or the values of replicated inputs; compiled, so the field is "
-            "not named: run the same call eagerly to see it). Every rank of a group must make the same call",
-        )
+        differs = (gathered != gathered[0]).any(0)  # [SIGNATURE_LEN]
+        failed = (differs & torch.tensor(member, device=sig.device)).any(1)  # [groups]
+        for g, (what, _) in enumerate(groups):
+            torch._assert_async(
+                ~failed[g],
+                f"lossfx.{name}: the ranks of {group_name} disagree on {what}. Every rank "
+                "of a group must make the same call (compiled: each rank's value is not shown; the same call "
+                "run eagerly shows it)",
+            )
 
 
 def _message(name: str, group_name: str | None, group: dist.ProcessGroup, what: str) -> str:
