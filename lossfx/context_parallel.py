@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
 from lossfx._dtensor import replicated
 from lossfx._validation import check_tensor
@@ -163,7 +163,7 @@ def shard_padded_for_cp(x: Tensor, local_len: int, group: ProcessGroup | None) -
     return shard_for_cp_rank(x, group_rank(group), cp_size, seq_dim=1)
 
 
-@boundary(cp="group")
+@boundary(roles=Roles(cp="group"))
 def allgather_cp(x: Tensor, group: ProcessGroup | None, seq_dim: int = 1) -> Tensor:
     """Gather CP-sharded (load-balanced) tensors back into canonical sequence order.
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import ProcessGroup, group_size
 from lossfx._dtensor import replicated, vocab_shard
 from lossfx._numerics import compute_dtype, log_softmax_rows
@@ -47,7 +47,9 @@ def _to_canonical(x: Tensor, seq: int, cp_group: ProcessGroup | None) -> Tensor:
     return allgather_cp(x, cp_group, seq_dim=1)[:, :seq]
 
 
-@boundary(vocab="equal")
+@boundary(
+    roles=Roles(tp="vocab_parallel_group", cp="context_parallel_group", shards=("student_logits",)), vocab="equal"
+)
 def distillation_topk_logprobs(
     student_logits: Tensor,
     teacher_topk_logits: Tensor,

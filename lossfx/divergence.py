@@ -44,7 +44,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._deprecation import warn_renamed
 from lossfx._distributed import ProcessGroup, all_gather_stack
 from lossfx._dtensor import check_view, vocab_shard
@@ -380,7 +380,7 @@ _COMMON_DOC = """
 """
 
 
-@boundary(vocab="free", local=check_view("student"))
+@boundary(roles=Roles(tp="group", shards=("student",)), vocab="free", local=check_view("student"))
 def neg_entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: int | None = None) -> Tensor:
     """Negative entropy `Σ_v p log p` (≤ 0) of the student distribution, per token.
 
@@ -405,7 +405,7 @@ def entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: i
     return neg_entropy(student, group=group, chunk_size=chunk_size)
 
 
-@boundary(vocab="free", local=check_view("student", "teacher"))
+@boundary(roles=Roles(tp="group", shards=("student", "teacher")), vocab="free", local=check_view("student", "teacher"))
 def cross_entropy_to_fixed(
     student: Tensor,
     teacher: Tensor,
@@ -426,7 +426,7 @@ def cross_entropy_to_fixed(
     return _apply("cross_entropy", student, teacher, group, chunk_size)
 
 
-@boundary(vocab="free", local=check_view("student", "teacher"))
+@boundary(roles=Roles(tp="group", shards=("student", "teacher")), vocab="free", local=check_view("student", "teacher"))
 def reverse_kl_to_fixed(
     student: Tensor,
     teacher: Tensor,

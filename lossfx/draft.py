@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
@@ -37,7 +37,7 @@ from lossfx.context_parallel import shard_for_cp_rank
 __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
 
 
-@boundary(cp="cp_group")
+@boundary(roles=Roles(cp="cp_group"))
 def shift_left(x: Tensor, cp_group: ProcessGroup | None = None) -> Tensor:
     """Shift `x [B, S_l, ...]` one position left along dim 1 in canonical order; last row zero.
 
@@ -70,6 +70,7 @@ def shift_left(x: Tensor, cp_group: ProcessGroup | None = None) -> Tensor:
 
 
 @boundary(
+    roles=Roles(tp="vocab_parallel_group", shards=("teacher_logits",), rank="vocab_parallel_rank"),
     vocab="equal",
     local=check_view("teacher_logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True),
 )
@@ -128,6 +129,7 @@ def map_to_draft_vocab(
 
 
 @boundary(
+    roles=Roles(tp="vocab_parallel_group", cp="context_parallel_group", shards=("logits",), rank="vocab_parallel_rank"),
     vocab="equal",
     local=check_view("logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True),
 )

@@ -47,7 +47,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
@@ -702,7 +702,12 @@ def _flat_logits(logits: Tensor) -> Tensor:
     return logits.reshape(-1, logits.shape[-1])  # [N, Vl]
 
 
-@boundary(vocab="sized", local=check_view("logits"))
+_ROLES = Roles(
+    tp="group", shards=("logits",), start="vocab_start", size="vocab_size"
+)  # the cross-rank check's view of the parameters
+
+
+@boundary(roles=_ROLES, vocab="sized", local=check_view("logits"))
 def top_k_top_p_threshold(
     logits: Tensor,
     *,
@@ -786,7 +791,7 @@ def top_k_top_p_threshold(
     return tau, cut.view(logits.shape[:-1])
 
 
-@boundary(vocab="sized", local=check_view("logits"))
+@boundary(roles=_ROLES, vocab="sized", local=check_view("logits"))
 def apply_top_k_top_p(
     logits: Tensor,
     *,
@@ -843,7 +848,7 @@ def apply_top_k_top_p(
     return torch.where(keep, logits, torch.full_like(logits, float("-inf"))), keep
 
 
-@boundary(vocab="tiled", local=check_view("logits"))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view("logits"))
 def filtered_token_logprobs(
     logits: Tensor,
     target: Tensor,

@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._deprecation import renamed_keyword
 from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size, local_columns
 from lossfx._dtensor import check_view, replicated, vocab_shard
@@ -244,7 +244,12 @@ def _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, chunk_size
     return ids.to(torch.int64), local_vocab, vocab_start, chunk_size
 
 
-@boundary(vocab="tiled", local=check_view("logits"))
+_ROLES = Roles(
+    tp="group", shards=("logits",), start="vocab_start", size="vocab_size"
+)  # the cross-rank check's view of the parameters
+
+
+@boundary(roles=_ROLES, vocab="tiled", local=check_view("logits"))
 def gather_logprobs(
     logits: Tensor,
     ids: Tensor,
@@ -313,7 +318,7 @@ def gather_logprobs(
     return logprobs, (neg_entropy.view(ids.shape[:-1]) if with_entropy else None)
 
 
-@boundary(vocab="tiled", local=check_view("logits"))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view("logits"))
 def gather_logits(
     logits: Tensor,
     ids: Tensor,

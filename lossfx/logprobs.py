@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size, local_columns
 from lossfx._dtensor import check_view, replicated, vocab_shard
 from lossfx._numerics import compute_dtype, log_s_for_softmax, merge_max_logsum, row_max_sumexp, tracing
@@ -132,7 +132,12 @@ class _TokenLogprobsFn(torch.autograd.Function):
         return dlogits, None, None, None, None  # one entry per forward input
 
 
-@boundary(vocab="tiled", local=check_view("logits"))
+_ROLES = Roles(
+    tp="group", shards=("logits",), start="vocab_start", size="vocab_size"
+)  # the cross-rank check's view of the parameters
+
+
+@boundary(roles=_ROLES, vocab="tiled", local=check_view("logits"))
 def token_logprobs_with_lse(
     logits: Tensor,
     target: Tensor,
@@ -174,7 +179,7 @@ def token_logprobs_with_lse(
     return out.view(target.shape), (shift + log_s).view(target.shape)
 
 
-@boundary(vocab="tiled", local=check_view("logits"))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view("logits"))
 def token_logprobs(
     logits: Tensor,
     target: Tensor,

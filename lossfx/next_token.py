@@ -28,7 +28,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import ProcessGroup, group_rank, group_size
 from lossfx._dtensor import replicated, vocab_shard
 from lossfx._validation import (
@@ -144,7 +144,7 @@ class LoadBalancedSharder:
         return full
 
 
-@boundary(vocab="tiled")
+@boundary(roles=Roles(tp="group", shards=("logits",), start="vocab_start", size="vocab_size"), vocab="tiled")
 def target_logprobs(
     logits: Tensor,
     target: Tensor,
@@ -179,7 +179,17 @@ def target_logprobs(
     )
 
 
-@boundary(vocab="tiled")
+@boundary(
+    roles=Roles(
+        tp="vocab_parallel_group",
+        cp="context_parallel_group",
+        cp_from="cp_sharder",
+        shards=("logits",),
+        start="vocab_start",
+        size="vocab_size",
+    ),
+    vocab="tiled",
+)
 def next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,
@@ -271,7 +281,7 @@ def next_token_logprobs(
     return zero_sequence_ends(local[:, : max(seq - 1, 0)], ends)
 
 
-@boundary(vocab="equal")
+@boundary(roles=Roles(tp="group", shards=("logits",)), vocab="equal")
 def next_token_filtered_logprobs(
     logits: Tensor,
     input_ids: Tensor,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
 from lossfx._dtensor import VocabShard, _same_group, entry_point_on_local, is_dtensor, replicated, vocab_shard
 from lossfx._host_reads import tracing
@@ -452,7 +452,18 @@ def _tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int
     return check_vocab_parallel(vocab_parallel_rank, group)
 
 
-@boundary(vocab="equal")
+@boundary(
+    roles=Roles(
+        tp="vocab_parallel_group",
+        cp="context_parallel_group",
+        shards=("logits",),
+        rank="vocab_parallel_rank",
+        size="vocab_size",
+        heads="teacher_output_layer_weight_by_index",
+        columns=("teacher_full_logits",),
+    ),
+    vocab="equal",
+)
 def prepare_opd_full(
     logits: Tensor,
     data: MutableMapping[str, Any],

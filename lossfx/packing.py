@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from lossfx import _host_reads
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
 from lossfx._validation import check_integer_ids, check_tensor, values_checkable
 from lossfx.interfaces import TrainingSamplingParams
@@ -193,7 +193,16 @@ def _local_targets(
     return torch.where(has_next, token, torch.zeros_like(token))
 
 
-@boundary(vocab="tiled")
+@boundary(
+    roles=Roles(
+        tp="vocab_parallel_group",
+        cp="context_parallel_group",
+        shards=("logits",),
+        start="vocab_start",
+        size="vocab_size",
+    ),
+    vocab="tiled",
+)
 def packed_next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,

@@ -110,7 +110,7 @@ EXPECTED = {
     "dtype": ["logits.dtype (rank 0: torch.float32, rank 1: torch.float64)"],
     "topk_wider_than_uneven_shards": [
         "rank 0: 3, rank 1: 7",
-        "vocab_topk needs k=7 <= world_size · the smallest width (6)",
+        "this function needs k=7 <= world_size · the smallest width (6)",
     ],
     "kernel": ["the function called (rank 0: lossfx.filtered_token_logprobs, rank 1: lossfx.token_logprobs)"],
 }
@@ -303,8 +303,9 @@ def test_signature_is_by_value_and_fixed_length():
     """An enum and its value agree; shapes and scalars are encoded; the length never changes."""
     as_enum = {"loss_fn": SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB), "logits": torch.zeros(2, 3, 5)}
     as_str = {"loss_fn": SimpleNamespace(input_type="logprob"), "logits": torch.zeros(2, 3, 7)}
-    sig_enum, labels = _consistency._signature("prepare_loss_input", as_enum)
-    sig_str, _ = _consistency._signature("prepare_loss_input", as_str)
+    roles = _consistency.Roles(shards=("logits",))  # as declared with prepare_loss_input
+    sig_enum, labels = _consistency._signature("prepare_loss_input", as_enum, roles=roles)
+    sig_str, _ = _consistency._signature("prepare_loss_input", as_str, roles=roles)
     assert sig_enum.shape == sig_str.shape == (_consistency.SIGNATURE_LEN,)
     body = slice(_consistency._HEADER, None)
     assert torch.equal(sig_enum[body], sig_str[body])  # the shard width (5 vs 7) is per rank: header only
