@@ -787,6 +787,7 @@ def boundary(
             finally:
                 _traced_depth[0] -= 1
 
+        checked._lossfx_roles = roles  # type: ignore[attr-defined]  # (tests and benchmarks read it)
         return checked  # type: ignore[return-value]
 
     return wrap
