@@ -21,13 +21,14 @@ Pipeline of `prepare_opd_full` (NeMo RL's OPD_FULL branch; docs/opd_full.md, doc
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lossfx import _host_reads
 from lossfx._consistency import Roles, boundary
 from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
 from lossfx._dtensor import VocabShard, _same_group, entry_point_on_local, is_dtensor, replicated, vocab_shard
@@ -155,17 +156,26 @@ def _teacher_heads(
             f"teacher_index must carry one entry per payload row: got {teacher_index.shape[0]} entries for "
             f"{payload.shape[0]} rows"
         )
-    if not tracing():
-        for idx in [int(i) for i in torch.unique(teacher_index).tolist()]:
-            if idx not in weights:
-                raise ValueError(
-                    f"row tagged teacher_index={idx}, but no teacher LM head is loaded for that index "
-                    f"(loaded: {sorted(weights)})"
-                )
     # position of each row's key in `keys` (an unloaded key, unchecked under compile, reads 0)
     key_values = torch.tensor(keys, dtype=torch.int64, device=payload.device)  # [K]
-    position = (teacher_index.to(torch.int64)[:, None] == key_values[None, :]).to(torch.int64).argmax(dim=-1)
+    matches = teacher_index.to(torch.int64)[:, None] == key_values[None, :]  # [B, K]
+    if not tracing() and teacher_index.numel():  # read with the call's other checks (one host read)
+        unloaded = ~matches.any(dim=-1)  # [B]
+        smallest = torch.where(unloaded, teacher_index.to(torch.int64), torch.iinfo(torch.int64).max).min()
+        _host_reads.defer(torch.stack([unloaded.any().to(torch.int64), smallest]), _unloaded_error(sorted(weights)))
+    position = matches.to(torch.int64).argmax(dim=-1)
     return heads, position  # [B]
+
+
+def _unloaded_error(loaded: list[Any]) -> Callable[[list[int]], None]:
+    def raise_if_unloaded(values: list[int]) -> None:
+        if values[0]:
+            raise ValueError(
+                f"row tagged teacher_index={values[1]}, but no teacher LM head is loaded for that index "
+                f"(loaded: {loaded})"
+            )
+
+    return raise_if_unloaded
 
 
 def _project_per_teacher(

@@ -56,6 +56,9 @@ def _two_ranks(rank, world, group):
 TWO_READS = {
     "prepare_loss_input LOGPROB top-k + KL": "the count of -inf filtered log-probs (a warning)",
     "prepare_loss_input LOGPROB top-k + top-p": "whether a top-p tie is cut (n < tied)",
+    # the entry point asks for the shard layout (a settle) before the packed layout defers its
+    # cu_seqlens and id checks (6 reads before: each cu_seqlens tensor was read 2x on its own)
+    "prepare_packed_loss_input, tensor cu_seqlens": "the cu_seqlens values and the scored ids' range check",
 }
 
 
