@@ -506,12 +506,13 @@ def _tiling_error(sigs: list[list[int]], policy: str, roles: Roles = _NO_ROLES) 
         return None
     starts = [s[_H_START] if s[_H_START] != _NONE else r * s[_H_WIDTH] for r, s in enumerate(sigs)]
     spans = sorted(zip(starts, widths, range(world), strict=True))
-    edge = 0
+    edge, contiguous = 0, True
     for start, width, _r in spans:
-        if start != edge:
+        if start != edge:  # a gap or an overlap (even one that ends at V: [0, 10) and [1, 2) of V = 10)
+            contiguous = False
             break
         edge += width
-    if edge != vocab or spans[0][0] != 0:
+    if not contiguous or edge != vocab:
         held = ", ".join(f"rank {r}: [{s}, {s + w})" for s, w, r in sorted(spans, key=lambda x: x[2]))
         return (
             f"the vocabulary shards ({held}) which do not tile [0, {vocab}); without {start_name} a "
@@ -556,10 +557,9 @@ def _check(name: str, arguments: Mapping[str, Any], policy: str, roles: Roles, h
     """All-gather this call's signature over its groups; raise on any disagreement once it is read.
 
     Every rank runs the same collectives whatever it finds (the tensor-parallel gather, then the
-    context-parallel one carrying the TP verdict), so no rank is left waiting; then it raises.
-    The gathered signatures are read with the call's other host reads (`_host_reads.defer`,
-    settled before the call's first collective); with both groups the TP verdict is read at once
-    (it travels in the CP signature), so that call reads twice.
+    context-parallel one carrying the TP verdict, computed on the device by `_verdict_on_device`),
+    so no rank is left waiting; then it raises. Both gathered matrices are read with the call's
+    other host reads (`_host_reads.defer`, settled before the call's first collective): one read.
     """
     tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
     tp = tp if _is_distributed(tp) else None
@@ -589,7 +589,6 @@ def _check(name: str, arguments: Mapping[str, Any], policy: str, roles: Roles, h
             if hint and rows and found and found[0].startswith((rows, f"the values of {rows}")):
                 problem += hint
             errors.append(_message(name, tp_arg, tp, problem))
-        sig[_H_VERDICT] = int(problem is not None)
         if cp is None:
             raise_errors()
 
@@ -610,12 +609,48 @@ def _check(name: str, arguments: Mapping[str, Any], policy: str, roles: Roles, h
 
     if tp is not None:
         gathered = _gather_on_device(sig, tp)
+        _host_reads.defer(gathered, judge_tp)
         if cp is None:
-            _host_reads.defer(gathered, judge_tp)
             return
-        judge_tp(gathered.reshape(-1).tolist())
+        sig = sig.clone()
+        sig[_H_VERDICT] = _verdict_on_device(gathered, policy).to(torch.int64)  # no host read
     assert cp is not None
     _host_reads.defer(_gather_on_device(sig, cp), judge_cp)
+
+
+def _verdict_on_device(g: Tensor, policy: str) -> Tensor:
+    """0-d bool, on the device: whether the gathered tensor-parallel signatures `g [R, L]` hold a
+    disagreement (`_first_disagreement`) or shards that do not tile as `policy` needs
+    (`_tiling_error`): exactly when `judge_tp` raises. Dense equivalent: those two functions."""
+    keep = torch.ones(g.shape[1], dtype=torch.bool, device=g.device)
+    keep[[_H_VERDICT, _H_WIDTH, _H_START, _H_SIZE, _H_RANK]] = False  # the layout is judged below
+    bad = ((g != g[0]) & keep).any()
+    if policy in ("free", "auto"):
+        return bad
+    world = g.shape[0]
+    w, given_start, given_size = g[:, _H_WIDTH], g[:, _H_START], g[:, _H_SIZE]
+    if policy == "equal":
+        layout_bad = (w != w[0]).any()
+    else:
+        sizes = torch.where(given_size == _NONE, world * w, given_size)
+        layout_bad = torch.zeros((), dtype=torch.bool, device=g.device)
+        if policy.startswith("topk:"):  # min(k, R·Vl) equal, then tiled with V = Σ widths
+            k = int(policy.removeprefix("topk:"))
+            m = torch.clamp(world * w, max=k)
+            layout_bad = (m != m[0]).any()
+            policy, sizes = "tiled", w.sum().expand(world)
+        layout_bad = layout_bad | (sizes != sizes[0]).any()
+        if policy == "sized":
+            layout_bad = layout_bad | (w.sum() != sizes[0])
+        else:  # tiled: sorted by (start, width) as `_tiling_error`, each span starts where the last ended
+            rank = torch.arange(world, device=g.device)
+            start = torch.where(given_start == _NONE, rank * w, given_start)
+            order = torch.argsort(start * (1 << 32) + w, stable=True)
+            ends = torch.cumsum(w[order], 0)
+            starts = start[order]
+            tiles = (starts[0] == 0) & (starts[1:] == ends[:-1]).all() & (ends[-1] == sizes[0])
+            layout_bad = layout_bad | ~tiles
+    return bad | (layout_bad & ~(w == _NONE).any())  # a width not given: no layout rule (as on the host)
 
 
 def _compiled_groups(owners: list[str], layout: bool, roles: Roles = _NO_ROLES) -> list[tuple[str, list[int]]]:

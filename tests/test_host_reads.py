@@ -178,3 +178,27 @@ def test_eager_calls_beside_a_compiling_thread_are_eager():
         assert flag, "torch's flag is no longer process-wide: the scenario is not exercised"
         assert not tracing
         torch.testing.assert_close(lp, want, rtol=0, atol=1e-12)
+
+
+def _tp_cp_reads(rank, world, group):
+    from harness import mesh_groups
+
+    tp_group, tp_rank, cp_group, cp_rank = mesh_groups(rank, world, group, tp=2)
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 8, 8, generator=gen)
+    local = lossfx.shard_for_cp_rank(z, cp_rank, 2)[..., tp_rank * 4 : (tp_rank + 1) * 4]
+    ids = torch.randint(0, 8, (2, 8), generator=gen)
+    loss_fn = type("LossFn", (), {"input_type": "logprob"})()
+
+    def call():
+        return lossfx.prepare_loss_input(local, {"input_ids": ids}, loss_fn, tp_rank, tp_group, cp_group)
+
+    call()
+    return count_host_reads(call)
+
+
+def test_tensor_and_context_parallel_call_reads_once(monkeypatch):
+    """TP=2 x CP=2 on 4 gloo processes: the TP verdict travels in the CP signature computed on
+    the device, so both gathered matrices are read together (2 reads before)."""
+    monkeypatch.setattr(harness, "_TIMEOUT_S", 300.0)
+    assert gloo_pool(4).run(_tp_cp_reads) == [1, 1, 1, 1]
