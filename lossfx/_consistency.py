@@ -734,7 +734,10 @@ def _is_group_or_sharder(arg: Any) -> bool:
 
 
 Local = Callable[[dict[str, Any]], tuple[dict[str, Any], str]]
-_traced_depth = [0]  # nesting of checked calls being traced by Dynamo (tracing is serialised by a lock)
+# nesting of checked calls being traced by Dynamo (tracing is serialised by a lock). Only traced
+# code changes it (symbolically; the replay after a graph writes 0 back): an eager call, in any
+# thread, never does, so a thread tracing never reads another's state (tests/test_host_reads.py)
+_traced_depth = [0]
 
 
 def boundary(
