@@ -774,6 +774,8 @@ def boundary(
         unknown = roles.names() - set(sig.parameters)
         if unknown:
             raise TypeError(f"boundary(roles=...) of {fn.__name__} names no parameter of it: {sorted(unknown)}")
+        if collectives and not (roles.tp or roles.cp or roles.cp_from):  # it would never be checked
+            raise TypeError(f"boundary of {fn.__name__}: declare its groups (roles=Roles(tp=..., cp=...))")
         checked_roles = roles if collectives else _NO_ROLES
         name = fn.__name__
         _functions[zlib.crc32(name.encode())] = name  # (the same code as _crc(name))

@@ -346,3 +346,13 @@ def test_device_verdict_equals_the_host_judgement(policy):
             assert bool(C._verdict_on_device(g, policy)) == host, (policy, sigs[0][:10], [s[:10] for s in sigs])
             cases += host
     assert 0 < cases < 300 or policy in ("free", "auto")  # both outcomes were exercised
+
+
+def test_boundary_roles_must_name_parameters_and_groups():
+    """A typo in a declared role, or a function with collectives that declares no group (it would
+    never be checked), fails when the function is defined, not silently at run time."""
+    with pytest.raises(TypeError, match=r"names no parameter of it: \['logit'\]"):
+        _consistency.boundary(roles=_consistency.Roles(tp="group", shards=("logit",)))(lambda logits, group: None)
+    with pytest.raises(TypeError, match=r"declare its groups"):
+        _consistency.boundary(vocab="tiled")(lambda logits, group: None)
+    _consistency.boundary(collectives=False)(lambda logits: None)  # no collective: no group needed
