@@ -33,7 +33,7 @@ from lossfx._consistency import (
     vocab_size_when_read,
 )
 from lossfx._distributed import ProcessGroup, check_group, check_vocab_parallel
-from lossfx._dtensor import check_view, entry_point_on_local, has_dtensor, replicated, vocab_shard
+from lossfx._dtensor import EntryKeys, check_view, entry_point_on_local, has_dtensor, replicated, vocab_shard
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
@@ -48,6 +48,13 @@ __all__ = [
     "prepare_opd_full_loss_input",
     "prepare_packed_loss_input",
 ]
+
+
+# what the DTensor boundary (`_dtensor.entry_point_on_local`) maps: the data key padded like the
+# logits, the results given back as the caller's DTensor or wrapped as sharded ones
+_DTENSOR_KEYS = EntryKeys(
+    full_columns=("teacher_full_logits",), as_input=("logits",), sharded=("teacher_logits",), other_vocab="d2t"
+)
 
 
 def _input_type(loss_fn: Any) -> LossInputType:
@@ -264,6 +271,7 @@ def prepare_loss_input(
             logits,
             data,
             loss_fn,
+            keys=_DTENSOR_KEYS,
             vocab_parallel_rank=vocab_parallel_rank,
             vocab_parallel_group=vocab_parallel_group,
             context_parallel_group=context_parallel_group,
@@ -487,6 +495,7 @@ def prepare_packed_loss_input(
             loss_fn,
             cu_seqlens_q,
             cu_seqlens_q_padded,
+            keys=_DTENSOR_KEYS,
             vocab_parallel_rank=vocab_parallel_rank,
             vocab_parallel_group=vocab_parallel_group,
             context_parallel_group=context_parallel_group,

@@ -31,7 +31,15 @@ from torch import Tensor
 from lossfx import _host_reads
 from lossfx._consistency import Roles, boundary
 from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
-from lossfx._dtensor import VocabShard, _same_group, entry_point_on_local, is_dtensor, replicated, vocab_shard
+from lossfx._dtensor import (
+    EntryKeys,
+    VocabShard,
+    _same_group,
+    entry_point_on_local,
+    is_dtensor,
+    replicated,
+    vocab_shard,
+)
 from lossfx._host_reads import tracing
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx.context_parallel import allgather_cp, shard_padded_for_cp
@@ -419,6 +427,13 @@ def local_teacher_heads(weights: Any, shard: VocabShard) -> Any:
     return out
 
 
+# what the DTensor boundary (`_dtensor.entry_point_on_local`) maps, as for prepare_loss_input: the
+# data key padded like the logits, the results given back as the caller's DTensor or wrapped
+_DTENSOR_KEYS = EntryKeys(
+    full_columns=("teacher_full_logits",), as_input=("logits",), sharded=("teacher_logits",), other_vocab="d2t"
+)
+
+
 def prepare_opd_full_on_local(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -442,6 +457,7 @@ def prepare_opd_full_on_local(
         logits,
         data,
         loss_fn,
+        keys=_DTENSOR_KEYS,
         vocab_parallel_rank=vocab_parallel_rank,
         vocab_parallel_group=vocab_parallel_group,
         teacher_output_layer_weight_by_index=local_teacher_heads(teacher_output_layer_weight_by_index, shard),

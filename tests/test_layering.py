@@ -159,7 +159,7 @@ PROTOCOL = {"cp_group"}  # the attribute a context-parallel sharder object carri
 # known debt, pinned so that it cannot grow: the DTensor boundary still names the entry points' keys
 # and the layout arguments it fills in; `_distributed` names its argument in its own error message
 PINNED = {
-    "_dtensor": {"d2t", "group", "logits", "teacher_logits", "vocab_parallel_group", "vocab_size", "vocab_start"},
+    "_dtensor": {"group", "logits", "vocab_parallel_group", "vocab_size", "vocab_start"},
     "_distributed": {"vocab_parallel_group"},
 }
 
