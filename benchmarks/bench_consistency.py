@@ -85,6 +85,7 @@ def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
         ("gather: one [256] int64 all-gather", _stats_us(_times(lambda: _consistency._gather(sig, group), iters)), None)
     )
 
+    roles = lossfx.prepare_loss_input._lossfx_roles  # the parameters' parts, declared with the function
     for batch, seq, vocab in [(2, 16, 64 * world), (4, 512, 4096 * world)]:
         gen = torch.Generator().manual_seed(0)
         logits = torch.randn(batch, seq, vocab // world, generator=gen)
@@ -95,17 +96,17 @@ def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
 
         def check(arguments=arguments):
             _consistency._scope.widths = {}
-            _consistency._check("prepare_loss_input", arguments, "auto", "vocab_parallel_group", None)
+            _consistency._check("prepare_loss_input", arguments, "auto", roles)
 
         def call(logits=logits, data=data, kwargs=kwargs):
             lossfx.prepare_loss_input(logits, data, loss_fn, **kwargs)
 
         def local(arguments=arguments):  # the check's Python work: signature, and the comparison
-            sig, labels = _consistency._signature("prepare_loss_input", arguments)
+            sig, labels = _consistency._signature("prepare_loss_input", arguments, roles=roles)
             own = sig.tolist()
             sigs = [own] * world
-            _consistency._first_disagreement(sigs, own, labels, per_rank_header=True)
-            _consistency._tiling_error(sigs, "auto")
+            _consistency._first_disagreement(sigs, own, labels, per_rank_header=True, roles=roles)
+            _consistency._tiling_error(sigs, "auto", roles)
 
         stats = torch.zeros(3, batch * seq)
 

@@ -90,6 +90,8 @@ def entry_points(rank: int, world: int, group, every: bool = False):
     sp_p = lossfx.TrainingSamplingParams(top_k=6, top_p=0.8)
     data = {"input_ids": ids}
     masked = {"input_ids": ids, "token_mask": torch.ones(b, s)}
+    packed = torch.randn(1, s, v, generator=gen)[..., rank * 16 : (rank + 1) * 16]  # two sequences of 5 and 3
+    cu = torch.tensor([0, 5, 8])
     calls = {
         "token_logprobs": lambda: lossfx.token_logprobs(logits[:, :-1], ids[:, 1:], **tp),
         "next_token_logprobs": lambda: lossfx.next_token_logprobs(logits, ids, **vp),
@@ -99,6 +101,9 @@ def entry_points(rank: int, world: int, group, every: bool = False):
         ),
         "prepare_loss_input LOGPROB top-k + top-p": lambda: lossfx.prepare_loss_input(
             logits, masked, logprob, sampling_params=sp_p, **vp
+        ),
+        "prepare_packed_loss_input, tensor cu_seqlens": lambda: lossfx.prepare_packed_loss_input(
+            packed, {"input_ids": ids[:, :5], "token_mask": torch.ones(b, 5)}, logprob, cu, cu, **vp
         ),
         "linear_token_logprobs": lambda: lossfx.linear_token_logprobs(hidden, weight, ids.reshape(-1), **tp),
         "linear_token_logprobs, ignored targets": lambda: lossfx.linear_token_logprobs(hidden, weight, ignored, **tp),

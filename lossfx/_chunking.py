@@ -16,6 +16,8 @@ from collections.abc import Iterator
 
 import torch
 
+from lossfx._host_reads import tracing
+
 # Rows per chunk when the caller gives none: about this many bytes per compute-dtype temporary,
 # and at least this many rows, so that the per-chunk Python overhead stays small at large
 # vocabularies (one 151936-wide fp32 row is 0.6 MB) while the temporaries stay a small fraction
@@ -82,7 +84,7 @@ def default_chunk_rows(vocab: int, dtype: torch.dtype) -> int:
 
 def row_chunks(n_rows: int, chunk_rows: int | None, vocab: int, dtype: torch.dtype) -> list[tuple[int, int]]:
     """`[(start, end), ...]` covering `range(n_rows)`; a single chunk under `torch.compile`."""
-    if torch.compiler.is_compiling() or n_rows == 0:
+    if tracing() or n_rows == 0:
         return [(0, n_rows)]
     rows = chunk_rows if chunk_rows is not None else default_chunk_rows(vocab, dtype)
     return [(start, min(n_rows, start + rows)) for start in range(0, n_rows, rows)]

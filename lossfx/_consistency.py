@@ -114,16 +114,50 @@ _DTYPES = [
 ]  # fmt: skip
 _functions: dict[int, str] = {}  # crc32 of a checked function's name -> the name
 
-# argument names
-# [..., Vl] shards (`bias`: a fused LM head's `[Vl]`, after its `weight`)
-_VOCAB_TENSORS = ("logits", "student", "teacher", "student_logits", "teacher_logits", "bias")
-_VOCAB_ROWS = ("weight",)  # [Vl, H] LM-head shards (the fused functions): rows are the vocabulary
-_VOCAB_COLUMNS = ("teacher_full_logits",)  # data columns over the vocabulary: last dim not compared
-# `{key: W [rows, H]}` LM heads beside vocabulary-sharded logits (OPD_FULL's teacher): the rows are
-# this rank's vocabulary, checked against this rank's shard instead of across ranks
-_VOCAB_ROW_MAPPINGS = ("teacher_output_layer_weight_by_index",)
-_PER_RANK = ("vocab_start", "vocab_parallel_rank")  # may differ across the tensor-parallel group
-_TYPE_ONLY = ("cp_sharder",)  # objects whose state is rank-specific: only their type is compared
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    """What the check must know of a public function's parameters, declared where the function is
+    defined (`boundary(roles=...)`): this module knows no parameter name. Every other argument is
+    compared across the group as it is (a tensor's shape, dtype, `requires_grad` and values).
+
+    Attributes:
+        tp: the tensor-parallel (vocabulary) group; cp: the context-parallel group.
+        cp_from: an argument whose `.cp_group` is the context-parallel group when `cp` is not given
+            (a sharder; only its type is compared).
+        shards: `[..., Vl]` vocabulary shards: the last dim is this rank's width (the first one
+            given sets it; the others must match it), their values are not compared.
+        head: an LM-head shard `[Vl, H]`: its rows are this rank's width.
+        start, rank, size: this rank's first vocabulary id and index in `tp` (per rank: may differ),
+            and the vocabulary size `V`.
+        heads: a mapping `{key: [rows, H]}` of LM heads beside the shards: its rows are checked
+            against this rank's shard, not across ranks.
+        columns: keys, in a mapping argument, of vocabulary-wide columns (the last dim is padded
+            per rank: not compared).
+        rows: `(tensor, flag)`: `tensor` holds this rank's rows (not replicated) when the `flag`
+            argument is true.
+        hint: appended to a disagreement on `rows`' tensor (`local` may replace it).
+    """
+
+    tp: str | None = None
+    cp: str | None = None
+    cp_from: str | None = None
+    shards: tuple[str, ...] = ()
+    head: str | None = None
+    start: str | None = None
+    rank: str | None = None
+    size: str | None = None
+    heads: str | None = None
+    columns: tuple[str, ...] = ()
+    rows: tuple[str, str] | None = None
+
+    def names(self) -> set[str]:
+        """Every parameter name this declaration refers to (each must be a parameter)."""
+        single = (self.tp, self.cp, self.cp_from, self.head, self.start, self.rank, self.size, self.heads)
+        return {n for n in (*single, *self.shards, *(self.rows or ())) if n is not None}
+
+
+_NO_ROLES = Roles()
 
 
 def _crc(text: str) -> int:
@@ -192,6 +226,8 @@ class _Fields:
 
     def __init__(self, fingerprints: bool = True) -> None:
         self.fingerprints = fingerprints
+        self.owner = ""  # the argument whose fields are being added
+        self.owners: list[str] = []  # per field: its argument, or its tensor's values (the compiled messages)
         self.labels: list[str] = []
         self.codes: list[tuple[int, int]] = []
         self.values: list[tuple[int, Tensor]] = []  # (field index, fingerprint of a replicated tensor)
@@ -199,7 +235,8 @@ class _Fields:
 
     def add(self, label: str, value: Any) -> None:
         self.labels.append(label)
-        if isinstance(value, float) and torch.compiler.is_compiling():  # maybe symbolic: its bits in the graph
+        self.owners.append(self.owner)
+        if isinstance(value, float) and _host_reads.tracing():  # maybe symbolic: its bits in the graph
             self.floats.append((len(self.codes), torch.tensor(value, dtype=torch.float64).view(torch.int64)))
             self.codes.append((_K_FLOAT, 0))
         else:
@@ -219,6 +256,7 @@ class _Fields:
             if self.fingerprints:
                 self.values.append((len(self.codes), fingerprint(value)))
             self.labels.append(f"the values of {label} (which must be the same on every rank)")
+            self.owners.append(f"the values of {label}")
             self.codes.append((_K_VALUES, 0))  # the value slot is filled on the device
 
     def walk(
@@ -229,6 +267,7 @@ class _Fields:
         vocab_dim: bool = False,
         replicated: bool = True,
         logits: bool = False,
+        columns: tuple[str, ...] = (),
     ) -> None:
         """Fields of `value`; its first field is always labelled `label` (its kind or value), so
         ranks passing different kinds of values still disagree on a field of the same label.
@@ -249,7 +288,7 @@ class _Fields:
             keys = sorted(value.keys(), key=str)
             self.add(label, _Kind(f"mapping with keys {[str(k) for k in keys]}"))
             for key in keys:  # a vocabulary-wide column's last dim may differ (padded per rank)
-                self.walk(f"{label}[{key!r}]", value[key], depth + 1, key in _VOCAB_COLUMNS, replicated)
+                self.walk(f"{label}[{key!r}]", value[key], depth + 1, key in columns, replicated, columns=columns)
         elif isinstance(value, (list, tuple)):
             self.add(label, _Kind(f"sequence of length {len(value)}"))
             for i, item in enumerate(value[:32]):
@@ -277,48 +316,61 @@ def _is_fake(t: Tensor) -> bool:
     return t.device.type == "meta"
 
 
-def _signature(name: str, arguments: Mapping[str, Any], values: bool = True) -> tuple[Tensor, list[str]]:
-    """`(signature [SIGNATURE_LEN] int64, labels)` of a call of `name` with bound `arguments`.
+def _signature(
+    name: str,
+    arguments: Mapping[str, Any],
+    values: bool = True,
+    owners: list[str] | None = None,
+    roles: Roles = _NO_ROLES,
+) -> tuple[Tensor, list[str]]:
+    """`(signature [SIGNATURE_LEN] int64, labels)` of a call of `name` with bound `arguments`,
+    whose parameters play the `roles` declared with the function.
 
     The static fields are known on the host; the fingerprints of replicated tensors are computed
     on their device and written into the vector there (no host read); `values=False` leaves
-    them 0 (a group over which those tensors are shards)."""
+    them 0 (a group over which those tensors are shards). `owners`, if given, is extended with
+    each field's argument name (parallel to the labels)."""
     fields = _Fields(values)
     header = [0] * _HEADER
     _scope.names = {}  # the strings of this call only: bounded memory over a long run
     header[_H_MAGIC], header[_H_PATH] = _MAGIC, _crc(name)
     header[_H_WIDTH] = header[_H_START] = header[_H_SIZE] = header[_H_RANK] = _NONE
     heads = []
+    fields.owner = "torch.is_grad_enabled()"
     fields.add("torch.is_grad_enabled()", torch.is_grad_enabled())  # decides the backward's collectives
-    per_rank_hidden = bool(arguments.get("sequence_parallel"))  # hidden is this rank's rows
+    own_rows = roles.rows[0] if roles.rows and arguments.get(roles.rows[1]) else None  # this rank's rows
     for arg, value in arguments.items():
-        if arg in _VOCAB_ROW_MAPPINGS and isinstance(value, Mapping) and value:
+        fields.owner = arg
+        if arg == roles.heads and isinstance(value, Mapping) and value:
             heads.append((arg, value))  # after the loop, when this rank's shard is known
-        elif arg in _PER_RANK:
-            slot = _H_START if arg == "vocab_start" else _H_RANK
+        elif arg in (roles.start, roles.rank):
+            slot = _H_START if arg == roles.start else _H_RANK
             header[slot] = _NONE if value is None else int(value)
-        elif arg in _TYPE_ONLY:
-            fields.add(arg, value)
-        elif arg in _VOCAB_TENSORS and isinstance(value, Tensor) and value.dim():
+        elif arg == roles.cp_from:
+            fields.add(arg, value)  # its state is this rank's: only its type is compared
+        elif arg in roles.shards and isinstance(value, Tensor) and value.dim():
             # the shard width is per rank (header); a second shard (a teacher) must match the first
             if header[_H_WIDTH] == _NONE:
                 header[_H_WIDTH] = int(value.shape[-1])
             fields.walk(arg, value, vocab_dim=True, logits=True)
-            fields.add(f"{arg}.shape[-1] == logits' shard width", int(value.shape[-1]) == header[_H_WIDTH])
-        elif arg in _VOCAB_ROWS and isinstance(value, Tensor) and value.dim():
+            fields.add(f"{arg}.shape[-1] == the shard width", int(value.shape[-1]) == header[_H_WIDTH])
+        elif arg == roles.head and isinstance(value, Tensor) and value.dim():
             # an LM-head shard: its row count is this rank's vocabulary width; the other dims must agree
             header[_H_WIDTH] = int(value.shape[0])
             fields.tensor(arg, value, list(enumerate(value.shape))[1:], replicated=False)
         else:
-            if arg == "vocab_size":
+            if arg == roles.size:
                 header[_H_SIZE] = _NONE if value is None else int(value)
-            per_rank = (arg == "hidden" and per_rank_hidden) or arg in _VOCAB_ROW_MAPPINGS
-            fields.walk(arg, value, replicated=not per_rank)
+            per_rank = arg in (own_rows, roles.heads)
+            fields.walk(arg, value, replicated=not per_rank, columns=roles.columns)
     for arg, value in heads:
+        fields.owner = arg
         _head_fields(fields, arg, value, header)
+    if owners is not None:
+        owners.extend(fields.owners)
     flat = [x for code in fields.codes for x in code]
     header[_H_COUNT] = len(fields.codes)
-    if not torch.compiler.is_compiling():  # traced, shapes may be symbolic: no digest of the fields past the body
+    if not _host_reads.tracing():  # traced, shapes may be symbolic: no digest of the fields past the body
         header[_H_DIGEST] = zlib.crc32(struct.pack(f"<{len(flat)}q", *flat))
     body = flat[: 2 * _MAX_FIELDS]
     body += [0] * (SIGNATURE_LEN - _HEADER - len(body))
@@ -369,7 +421,7 @@ def _head_fields(fields: _Fields, arg: str, heads: Mapping[Any, Any], header: li
 
 
 def _first_disagreement(
-    sigs: list[list[int]], own: list[int], labels: list[str], per_rank_header: bool
+    sigs: list[list[int]], own: list[int], labels: list[str], per_rank_header: bool, roles: Roles = _NO_ROLES
 ) -> tuple[str, str] | None:
     """`(label, this rank's value)` of the first field the gathered signatures disagree on.
 
@@ -391,10 +443,10 @@ def _first_disagreement(
         return "the function called", f"lossfx.{_functions.get(own[_H_PATH], '?')}"
     if not per_rank_header:  # across the context-parallel group the shard layout must agree too
         for slot, label in [
-            (_H_WIDTH, "the vocabulary shard width logits.shape[-1]"),
-            (_H_START, "vocab_start"),
-            (_H_SIZE, "vocab_size"),
-            (_H_RANK, "vocab_parallel_rank"),
+            (_H_WIDTH, "the vocabulary shard width"),
+            (_H_START, roles.start or "the first vocabulary id"),
+            (_H_SIZE, roles.size or "the vocabulary size"),
+            (_H_RANK, roles.rank or "the vocabulary-parallel rank"),
         ]:
             if differs(slot):
                 return label, "not given" if own[slot] == _NONE else str(own[slot])
@@ -419,22 +471,23 @@ def _describe(disagreement: tuple[str, str], group: dist.ProcessGroup) -> str:
     return f"{label} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))})"
 
 
-def _tiling_error(sigs: list[list[int]], policy: str) -> str | None:
+def _tiling_error(sigs: list[list[int]], policy: str, roles: Roles = _NO_ROLES) -> str | None:
     """How the ranks' vocabulary shards fail to tile `[0, V)` as `policy` needs, or `None`."""
     widths = [s[_H_WIDTH] for s in sigs]
+    start_name, size_name = roles.start or "the first vocabulary id", roles.size or "the vocabulary size"
     if policy in ("free", "auto") or _NONE in widths:
         return None
     shown = ", ".join(f"rank {r}: {w}" for r, w in enumerate(widths))
     if policy == "equal":
         if len(set(widths)) > 1:
-            return f"the vocabulary shard width logits.shape[-1] ({shown}); this function needs equal shards"
+            return f"the vocabulary shard width ({shown}); this function needs equal shards"
         return None
     world = len(sigs)
     if policy.startswith("topk:"):  # `vocab_topk`: every rank sends min(k, R·Vl) candidates
         k = int(policy.removeprefix("topk:"))
         if len({min(k, len(widths) * w) for w in widths}) > 1:
             return (
-                f"the vocabulary shard width logits.shape[-1] ({shown}): with uneven shards vocab_topk needs "
+                f"the vocabulary shard width ({shown}): with uneven shards this function needs "
                 f"k={k} <= world_size · the smallest width ({len(widths) * min(widths)})"
             )
         policy, sizes = "tiled", [sum(widths)] * world
@@ -443,26 +496,27 @@ def _tiling_error(sigs: list[list[int]], policy: str) -> str | None:
     if len(set(sizes)) > 1:
         given = ", ".join(f"rank {r}: {v}" for r, v in enumerate(sizes))
         return (
-            f"the vocabulary size V ({given}; without vocab_size it is world_size · logits.shape[-1], "
-            f"shard widths {shown}); pass vocab_size (and vocab_start) for uneven shards"
+            f"the vocabulary size V ({given}; without {size_name} it is world_size · the shard width, "
+            f"shard widths {shown}); pass {size_name} (and {start_name}) for uneven shards"
         )
     vocab = sizes[0]
     if policy == "sized":
         if sum(widths) != vocab:
-            return f"the vocabulary: the shard widths ({shown}) sum to {sum(widths)}, not vocab_size={vocab}"
+            return f"the vocabulary: the shard widths ({shown}) sum to {sum(widths)}, not {size_name}={vocab}"
         return None
     starts = [s[_H_START] if s[_H_START] != _NONE else r * s[_H_WIDTH] for r, s in enumerate(sigs)]
     spans = sorted(zip(starts, widths, range(world), strict=True))
-    edge = 0
+    edge, contiguous = 0, True
     for start, width, _r in spans:
-        if start != edge:
+        if start != edge:  # a gap or an overlap (even one that ends at V: [0, 10) and [1, 2) of V = 10)
+            contiguous = False
             break
         edge += width
-    if edge != vocab or spans[0][0] != 0:
+    if not contiguous or edge != vocab:
         held = ", ".join(f"rank {r}: [{s}, {s + w})" for s, w, r in sorted(spans, key=lambda x: x[2]))
         return (
-            f"the vocabulary shards ({held}) which do not tile [0, {vocab}); without vocab_start a "
-            "shard starts at rank · logits.shape[-1]: pass vocab_start and vocab_size for uneven shards"
+            f"the vocabulary shards ({held}) which do not tile [0, {vocab}); without {start_name} a "
+            f"shard starts at rank · the shard width: pass {start_name} and {size_name} for uneven shards"
         )
     return None
 
@@ -488,26 +542,31 @@ def _is_distributed(group: Any) -> bool:
     return isinstance(group, dist.ProcessGroup) and group.size() > 1
 
 
-def _check(
-    name: str, arguments: Mapping[str, Any], policy: str, tp_arg: str | None, cp_arg: str | None, hint: str = ""
-) -> None:
+def _groups(arguments: Mapping[str, Any], roles: Roles) -> tuple[Any, str | None, Any, str | None]:
+    """`(tp group, its argument, cp group, its argument)` of a call (`cp_from`'s `.cp_group`
+    when `cp` is not given)."""
+    tp_arg, cp_arg = roles.tp, roles.cp
+    tp = arguments.get(tp_arg) if tp_arg else None
+    cp = arguments.get(cp_arg) if cp_arg else None
+    if cp is None and roles.cp_from and arguments.get(roles.cp_from) is not None:  # `LoadBalancedSharder(cp_group)`
+        cp, cp_arg = getattr(arguments[roles.cp_from], "cp_group", None), f"{roles.cp_from}.cp_group"
+    return tp, tp_arg, cp, cp_arg
+
+
+def _check(name: str, arguments: Mapping[str, Any], policy: str, roles: Roles, hint: str = "") -> None:
     """All-gather this call's signature over its groups; raise on any disagreement once it is read.
 
     Every rank runs the same collectives whatever it finds (the tensor-parallel gather, then the
-    context-parallel one carrying the TP verdict), so no rank is left waiting; then it raises.
-    The gathered signatures are read with the call's other host reads (`_host_reads.defer`,
-    settled before the call's first collective); with both groups the TP verdict is read at once
-    (it travels in the CP signature), so that call reads twice.
+    context-parallel one carrying the TP verdict, computed on the device by `_verdict_on_device`),
+    so no rank is left waiting; then it raises. Both gathered matrices are read with the call's
+    other host reads (`_host_reads.defer`, settled before the call's first collective): one read.
     """
-    tp = arguments.get(tp_arg) if tp_arg else None
-    cp = arguments.get(cp_arg) if cp_arg else None
-    if cp is None and arguments.get("cp_sharder") is not None:  # e.g. `LoadBalancedSharder(cp_group)`
-        cp, cp_arg = getattr(arguments["cp_sharder"], "cp_group", None), "cp_sharder.cp_group"
+    tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
     tp = tp if _is_distributed(tp) else None
     cp = cp if _is_distributed(cp) else None
     if tp is None and cp is None:
         return
-    sig, labels = _signature(name, arguments)
+    sig, labels = _signature(name, arguments, roles=roles)
     errors: list[str] = []
 
     def raise_errors() -> None:
@@ -521,15 +580,15 @@ def _check(
         assert tp is not None
         sigs = _rows(values, tp.size())
         own = sigs[tp.rank()]
-        found = _first_disagreement(sigs, own, labels, per_rank_header=True)
-        problem = _describe(found, tp) if found else _tiling_error(sigs, policy)
+        found = _first_disagreement(sigs, own, labels, per_rank_header=True, roles=roles)
+        problem = _describe(found, tp) if found else _tiling_error(sigs, policy, roles)
         if problem is None:
             _scope.widths[id(tp)] = [s[_H_WIDTH] for s in sigs]
         else:
-            if hint and found and found[0].startswith(("hidden", "the values of hidden")):
+            rows = roles.rows[0] if roles.rows else None
+            if hint and rows and found and found[0].startswith((rows, f"the values of {rows}")):
                 problem += hint
             errors.append(_message(name, tp_arg, tp, problem))
-        sig[_H_VERDICT] = int(problem is not None)
         if cp is None:
             raise_errors()
 
@@ -537,7 +596,7 @@ def _check(
         assert cp is not None
         sigs = _rows(values, cp.size())
         own = sigs[cp.rank()]
-        found = _first_disagreement(sigs, own, labels, per_rank_header=False)
+        found = _first_disagreement(sigs, own, labels, per_rank_header=False, roles=roles)
         if found:
             errors.append(_message(name, cp_arg, cp, _describe(found, cp)))
         bad = [r for r, s in enumerate(sigs) if s[_H_VERDICT]]
@@ -550,44 +609,106 @@ def _check(
 
     if tp is not None:
         gathered = _gather_on_device(sig, tp)
+        _host_reads.defer(gathered, judge_tp)
         if cp is None:
-            _host_reads.defer(gathered, judge_tp)
             return
-        judge_tp(gathered.reshape(-1).tolist())
+        sig = sig.clone()
+        sig[_H_VERDICT] = _verdict_on_device(gathered, policy).to(torch.int64)  # no host read
     assert cp is not None
     _host_reads.defer(_gather_on_device(sig, cp), judge_cp)
 
 
-_PER_RANK_SLOTS = (_H_VERDICT, _H_WIDTH, _H_START, _H_RANK)  # the shard layout: differs across the TP group
+def _verdict_on_device(g: Tensor, policy: str) -> Tensor:
+    """0-d bool, on the device: whether the gathered tensor-parallel signatures `g [R, L]` hold a
+    disagreement (`_first_disagreement`) or shards that do not tile as `policy` needs
+    (`_tiling_error`): exactly when `judge_tp` raises. Dense equivalent: those two functions."""
+    keep = torch.ones(g.shape[1], dtype=torch.bool, device=g.device)
+    keep[[_H_VERDICT, _H_WIDTH, _H_START, _H_SIZE, _H_RANK]] = False  # the layout is judged below
+    bad = ((g != g[0]) & keep).any()
+    if policy in ("free", "auto"):
+        return bad
+    world = g.shape[0]
+    w, given_start, given_size = g[:, _H_WIDTH], g[:, _H_START], g[:, _H_SIZE]
+    if policy == "equal":
+        layout_bad = (w != w[0]).any()
+    else:
+        sizes = torch.where(given_size == _NONE, world * w, given_size)
+        layout_bad = torch.zeros((), dtype=torch.bool, device=g.device)
+        if policy.startswith("topk:"):  # min(k, R·Vl) equal, then tiled with V = Σ widths
+            k = int(policy.removeprefix("topk:"))
+            m = torch.clamp(world * w, max=k)
+            layout_bad = (m != m[0]).any()
+            policy, sizes = "tiled", w.sum().expand(world)
+        layout_bad = layout_bad | (sizes != sizes[0]).any()
+        if policy == "sized":
+            layout_bad = layout_bad | (w.sum() != sizes[0])
+        else:  # tiled: sorted by (start, width) as `_tiling_error`, each span starts where the last ended
+            rank = torch.arange(world, device=g.device)
+            start = torch.where(given_start == _NONE, rank * w, given_start)
+            order = torch.argsort(start * (1 << 32) + w, stable=True)
+            ends = torch.cumsum(w[order], 0)
+            starts = start[order]
+            tiles = (starts[0] == 0) & (starts[1:] == ends[:-1]).all() & (ends[-1] == sizes[0])
+            layout_bad = layout_bad | ~tiles
+    return bad | (layout_bad & ~(w == _NONE).any())  # a width not given: no layout rule (as on the host)
 
 
-def _check_in_graph(name: str, arguments: Mapping[str, Any], tp_arg: str | None, cp_arg: str | None) -> None:
+def _compiled_groups(owners: list[str], layout: bool, roles: Roles = _NO_ROLES) -> list[tuple[str, list[int]]]:
+    """`(what, slots)` of the compiled check's assertions, in the order of the eager check: the
+    function called, (with `layout`) the vocabulary shard layout, then each run of consecutive
+    fields of one argument (a replicated tensor's values a run of their own), then the fields
+    past the body. The runs before the first disagreeing field are the same on every rank (labels
+    depend only on earlier fields), so every rank fails the same assertion."""
+    groups: list[tuple[str, list[int]]] = [("the function called", [_H_MAGIC, _H_PATH])]
+    if layout:
+        groups.append(
+            ("the vocabulary shard layout (this rank's width, first id and rank)", [_H_WIDTH, _H_START, _H_RANK])
+        )
+    for i, owner in enumerate(owners[:_MAX_FIELDS]):
+        slots = [_HEADER + 2 * i, _HEADER + 2 * i + 1]
+        if owner == roles.size:
+            slots.append(_H_SIZE)
+        if groups[-1][0] == owner:
+            groups[-1][1].extend(slots)
+        else:
+            groups.append((owner, slots))
+    rest = [_H_COUNT, _H_DIGEST, _H_VALUES] + ([] if roles.size in owners[:_MAX_FIELDS] else [_H_SIZE])
+    groups.append((f"an argument past the first {_MAX_FIELDS} fields (or the values of a replicated tensor)", rest))
+    return groups
+
+
+def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles) -> None:
     """The check inside a `torch.compile`d graph: the signature (static fields a constant of the
-    graph, fingerprints computed in it) all-gathered with a functional collective, and an in-graph
-    assertion that every rank's equals this rank's: no graph break, no host read. A mismatch
-    raises `RuntimeError` with the same message on every rank (they all see the same gathered
-    matrix). Not compared here: the shard layout (widths, offsets: the kernels' uniform default
-    is assumed) and, across the context-parallel group, the fingerprints."""
+    graph, fingerprints computed in it) all-gathered with a functional collective, and in-graph
+    assertions that every rank's equals this rank's, one per argument (`_compiled_groups`): no
+    graph break, no host read. A mismatch raises `RuntimeError` naming the argument, the same on
+    every rank (they all see the same gathered matrix); each rank's value is not shown (that
+    would be a host read). Not compared here: the shard layout across the tensor-parallel group
+    (widths, offsets: the kernels' uniform default is assumed) and, across the context-parallel
+    group, the fingerprints."""
     from torch.distributed import _functional_collectives as fc
 
-    tp = arguments.get(tp_arg) if tp_arg else None
-    cp = arguments.get(cp_arg) if cp_arg else None
-    if cp is None and arguments.get("cp_sharder") is not None:
-        cp, cp_arg = getattr(arguments["cp_sharder"], "cp_group", None), "cp_sharder.cp_group"
+    tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
     for group, group_name, with_values in ((tp, tp_arg, True), (cp, cp_arg, False)):
         if group is None or not _is_distributed(group):
             continue
-        sig, _ = _signature(name, arguments, values=with_values)
-        skip = _PER_RANK_SLOTS if with_values else (_H_VERDICT,)
-        keep = torch.tensor([i not in skip for i in range(SIGNATURE_LEN)], device=sig.device)
+        owners: list[str] = []
+        sig, _ = _signature(name, arguments, values=with_values, owners=owners, roles=roles)
+        groups = _compiled_groups(owners, layout=not with_values, roles=roles)
+        member = [[False] * SIGNATURE_LEN for _ in groups]
+        for g, (_, slots) in enumerate(groups):
+            for slot in slots:
+                member[g][slot] = True
         gathered = fc.all_gather_tensor(sig, 0, group).view(group.size(), SIGNATURE_LEN)
-        agree = ((gathered == gathered[0]) | ~keep).all()
-        torch._assert_async(
-            agree,
-            f"lossfx.{name}: the ranks of {group_name} disagree on the call (its function, shapes, dtypes, "
-            "scalar arguments, requires_grad or the values of replicated inputs; compiled, so the field is "
-            "not named: run the same call eagerly to see it). Every rank of a group must make the same call",
-        )
+        differs = (gathered != gathered[0]).any(0)  # [SIGNATURE_LEN]
+        failed = (differs & torch.tensor(member, device=sig.device)).any(1)  # [groups]
+        for g, (what, _) in enumerate(groups):
+            torch._assert_async(
+                ~failed[g],
+                f"lossfx.{name}: the ranks of {group_name} disagree on {what}. Every rank "
+                "of a group must make the same call (compiled: each rank's value is not shown; the same call "
+                "run eagerly shows it)",
+            )
 
 
 def _message(name: str, group_name: str | None, group: dist.ProcessGroup, what: str) -> str:
@@ -613,14 +734,16 @@ def _is_group_or_sharder(arg: Any) -> bool:
 
 
 Local = Callable[[dict[str, Any]], tuple[dict[str, Any], str]]
-_traced_depth = [0]  # nesting of checked calls being traced by Dynamo (tracing is serialised by a lock)
+# nesting of checked calls being traced by Dynamo (tracing is serialised by a lock). Only traced
+# code changes it (symbolically; the replay after a graph writes 0 back): an eager call, in any
+# thread, never does, so a thread tracing never reads another's state (tests/test_host_reads.py)
+_traced_depth = [0]
 
 
 def boundary(
     *,
     vocab: str | Callable[[Mapping[str, Any]], str] = "free",
-    tp: str | None = None,
-    cp: str | None = None,
+    roles: Roles = _NO_ROLES,
     local: Local | None = None,
     collectives: bool = True,
 ) -> Callable[[F], F]:
@@ -632,32 +755,34 @@ def boundary(
     Args:
         vocab: how the tensor-parallel shards must relate (or a function of the bound arguments
             returning it): `"free"` (any widths: no ids are mapped, e.g. entropy), `"equal"`
-            (equal widths), `"tiled"` (the kernels' `vocab_start`/`vocab_size`, defaults
-            `rank · Vl` and `R · Vl`, must tile `[0, V)`), `"sized"` (widths sum to `vocab_size`)
-            or `"auto"` (any widths: the function reads its layout from `vocab_shard_range`).
-        tp: name of the tensor-parallel group argument (default: `vocab_parallel_group`, else
-            `group`); cp: of the context-parallel one (default: `context_parallel_group`).
+            (equal widths), `"tiled"` (the kernels' first id and size, defaults `rank · Vl` and
+            `R · Vl`, must tile `[0, V)`), `"sized"` (widths sum to the size), `"topk:<k>"` (tiled,
+            and `min(k, R·Vl)` equal on every rank) or `"auto"` (any widths: the function reads
+            its layout from `vocab_shard_range`).
+        roles: which parameters are the groups, the vocabulary shards and their layout
+            (`Roles`), declared with the function; each must be one of its parameters.
         local: for a function that takes DTensors and does not re-enter itself with local
             tensors: maps the bound arguments to `(arguments with local tensors and the group and
-            offsets of their placements, a hint appended to a disagreement on hidden)`. Without
-            it, a call with DTensors is checked when it re-enters with local tensors.
+            offsets of their placements, a hint appended to a disagreement on `roles.rows`)`.
+            Without it, a call with DTensors is checked when it re-enters with local tensors.
         collectives: False for a function that runs no collective of its own (no cross-rank
             check; the rest of the boundary applies).
     """
 
     def wrap(fn: F) -> F:
         sig = inspect.signature(fn)
-        params = sig.parameters
-        tp_arg = tp or next((p for p in ("vocab_parallel_group", "group") if p in params and p != cp), None)
-        cp_arg = cp or ("context_parallel_group" if "context_parallel_group" in params else None)
-        if not collectives:
-            tp_arg = cp_arg = None
+        unknown = roles.names() - set(sig.parameters)
+        if unknown:
+            raise TypeError(f"boundary(roles=...) of {fn.__name__} names no parameter of it: {sorted(unknown)}")
+        if collectives and not (roles.tp or roles.cp or roles.cp_from):  # it would never be checked
+            raise TypeError(f"boundary of {fn.__name__}: declare its groups (roles=Roles(tp=..., cp=...))")
+        checked_roles = roles if collectives else _NO_ROLES
         name = fn.__name__
         _functions[zlib.crc32(name.encode())] = name  # (the same code as _crc(name))
 
         @functools.wraps(fn)
         def checked(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling():
+            if _host_reads.tracing():
                 try:
                     return _traced(*args, **kwargs)
                 except (ValueError, TypeError) as err:  # Dynamo would turn it into `Unsupported`
@@ -683,7 +808,7 @@ def boundary(
                 with _host_reads.outermost():
                     arguments, hint = local(dict(bound.arguments)) if dtensors and local else (bound.arguments, "")
                     policy = vocab(arguments) if callable(vocab) else vocab
-                    _check(name, arguments, policy, tp_arg, cp_arg, hint)
+                    _check(name, arguments, policy, checked_roles, hint)
                     return fn(*args, **kwargs)
             finally:
                 _scope.widths = {}
@@ -695,13 +820,14 @@ def boundary(
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()
             arguments = local(dict(bound.arguments))[0] if local is not None else bound.arguments
-            _check_in_graph(name, arguments, tp_arg, cp_arg)
+            _check_in_graph(name, arguments, checked_roles)
             _traced_depth[0] += 1
             try:
                 return fn(*args, **kwargs)
             finally:
                 _traced_depth[0] -= 1
 
+        checked._lossfx_roles = roles  # type: ignore[attr-defined]  # (tests and benchmarks read it)
         return checked  # type: ignore[return-value]
 
     return wrap
@@ -715,7 +841,7 @@ def vocab_shard_range(local_vocab: int, group: dist.ProcessGroup | None) -> tupl
     ranks' shards (rank order) and `V` is their sum. Under `torch.compile` and without a group:
     `(None, None)`, which the kernels read as uniform shards (`rank · Vl`, `R · Vl`).
     """
-    if torch.compiler.is_compiling() or not _is_distributed(group):
+    if _host_reads.tracing() or not _is_distributed(group):
         return None, None
     assert group is not None
     _host_reads.settle()  # the check of the enclosing call reports the widths
@@ -737,17 +863,3 @@ def vocab_size_when_read(local_vocab: int, group: dist.ProcessGroup | None) -> C
         return vocab_size if vocab_size is not None else world * local_vocab
 
     return size
-
-
-def vocab_topk_policy(arguments: Mapping[str, Any]) -> str:
-    """The `vocab` policy of `vocab_topk`: shards tile the vocabulary, `min(k, R·Vl)` is equal."""
-    k = arguments.get("k")
-    return f"topk:{k}" if isinstance(k, int) and not isinstance(k, bool) and k > 0 else "free"
-
-
-def loss_input_vocab_policy(arguments: Mapping[str, Any]) -> str:
-    """The `vocab` policy of `prepare_loss_input`: uneven shards (`"auto"`) for the log-prob and
-    logits branches, equal shards for the others."""
-    input_type = getattr(arguments.get("loss_fn"), "input_type", None)
-    name = getattr(input_type, "name", str(input_type)).upper()
-    return "auto" if name.endswith(("LOGPROB", "LOGIT")) else "equal"

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
+from lossfx._host_reads import tracing
 
 __all__ = ["renamed_keyword", "renamed_keywords", "warn_renamed"]
 
@@ -21,7 +21,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def warn_renamed(old_name: str, new_name: str, stacklevel: int = 3) -> None:
     """FutureWarning (eager only) that `old_name`, whose value is `Σ p log p`, is now `new_name`."""
-    if not torch.compiler.is_compiling():
+    if not tracing():
         warnings.warn(
             f"{old_name} is deprecated: its value is Σ p log p, the NEGATIVE entropy (≤ 0); use {new_name} "
             "for the same value (the entropy is its negation)",
@@ -53,7 +53,7 @@ def renamed_keywords(**new_name_of: str) -> Callable[[F], F]:
                 if old in kwargs:
                     if new in kwargs:
                         raise TypeError(f"{fn.__name__}: pass {new} only; {old} is its deprecated name")
-                    if not torch.compiler.is_compiling():
+                    if not tracing():
                         warnings.warn(
                             f"{fn.__name__}({old}=) is deprecated: the same argument is now {new}=",
                             FutureWarning,

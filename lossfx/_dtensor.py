@@ -26,9 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lossfx._host_reads import tracing
+
 ProcessGroup = dist.ProcessGroup
 
-__all__ = ["VocabShard", "entry_point_on_local", "has_dtensor", "is_dtensor", "replicated", "vocab_shard"]
+__all__ = ["EntryKeys", "VocabShard", "entry_point_on_local", "has_dtensor", "is_dtensor", "replicated", "vocab_shard"]
 
 # `torch.distributed.tensor` is never imported here: it costs ~0.5 s, more than the rest of
 # lossfx. A DTensor can only exist once its module was imported by whoever built it, so the
@@ -166,7 +168,7 @@ def _vocab_mesh_dim(x: Any, dim: int, name: str) -> int | None:
 def _same_group(a: ProcessGroup, b: ProcessGroup) -> bool:
     if a is b:
         return True
-    if torch.compiler.is_compiling():  # the rank lists cannot be read while tracing; identity decides
+    if tracing():  # the rank lists cannot be read while tracing; identity decides
         return False
     return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
 
@@ -380,31 +382,53 @@ def has_dtensor(logits: Any, data: Mapping[str, Any]) -> bool:
     return is_dtensor(logits) or any(is_dtensor(v) for v in data.values())
 
 
+class EntryKeys(NamedTuple):
+    """What `entry_point_on_local` must know of an entry point's `data` and results, declared by
+    the entry point (this module knows none of its keys).
+
+    Attributes:
+        full_columns: `data` columns over the full vocabulary `[..., V]`: padded like the logits.
+        as_input: result keys that may hold the local logits themselves: given back as the caller's DTensor.
+        sharded: result keys sharded like the logits over their last dim: wrapped as DTensors.
+        other_vocab: a keyword argument of `fn` whose `.shape[0]` is the size of another vocabulary
+            the `sharded` results are on (a draft vocabulary), if given.
+    """
+
+    full_columns: tuple[str, ...] = ()
+    as_input: tuple[str, ...] = ()
+    sharded: tuple[str, ...] = ()
+    other_vocab: str | None = None
+
+
 def entry_point_on_local(
     fn: Callable[..., Any],
     logits: Tensor,
     data: MutableMapping[str, Any],
     *args: Any,
+    keys: EntryKeys,
     vocab_parallel_rank: int | None,
     vocab_parallel_group: ProcessGroup | None,
     **kwargs: Any,
 ) -> Any:
     """Run the entry point `fn(logits, data, *args, vocab_parallel_rank=, vocab_parallel_group=,
-    **kwargs)` on plain local tensors and map its result back.
+    **kwargs)` on plain local tensors and map its result back, as its `keys` say.
 
     The logits become their local shard (padded to the even width when uneven, see
     `vocab_shard`) with the group and rank of their placement; `Replicate()` DTensor columns of
-    `data` their local tensors. Columns the entry point writes (`curr_logprobs_unfiltered`) land
-    in the caller's `data`, which is what a `(loss_input, data)` result returns. In `loss_input`,
-    `"logits"` (`LOGIT`) is the caller's DTensor and `"teacher_logits"` (`DRAFT`) a DTensor
-    sharded like the logits over its vocabulary; every other result is a plain tensor.
+    `data` their local tensors, full-vocabulary columns (`keys.full_columns`) padded like the
+    logits. Columns the entry point writes land in the caller's `data`, which is what a
+    `(loss_input, data)` result returns. Results in `keys.as_input` that are the local logits
+    become the caller's DTensor; results in `keys.sharded` DTensors sharded like the logits
+    (on another vocabulary of `kwargs[keys.other_vocab].shape[0]` ids when given); every other
+    result is a plain tensor.
     """
     shard = vocab_shard(
         logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True, group_arg="vocab_parallel_group"
     )
     local_data = _replicated_columns(data)
-    if "teacher_full_logits" in local_data:  # OPD_FULL's full-vocabulary payload, padded like the logits
-        local_data["teacher_full_logits"] = shard.pad_full(local_data["teacher_full_logits"])
+    for key in keys.full_columns:
+        if key in local_data:
+            local_data[key] = shard.pad_full(local_data[key])
     before = dict(local_data)
     result = fn(
         shard.local, local_data, *args, vocab_parallel_rank=shard.rank, vocab_parallel_group=shard.group, **kwargs
@@ -413,12 +437,12 @@ def entry_point_on_local(
         if key not in before or before[key] is not value:
             data[key] = value
     loss_input = result[0] if isinstance(result, tuple) else result
-    if loss_input.get("logits") is shard.local:
-        loss_input["logits"] = logits
-    if loss_input.get("teacher_logits") is not None and shard.dtensor is not None:
-        teacher = loss_input["teacher_logits"]
-        d2t = kwargs.get("d2t")
-        loss_input["teacher_logits"] = (
-            shard.wrap(teacher) if d2t is None else shard.wrap_other_vocab(teacher, d2t.shape[0])
-        )
+    for key in keys.as_input:
+        if loss_input.get(key) is shard.local:
+            loss_input[key] = logits
+    other = kwargs.get(keys.other_vocab) if keys.other_vocab else None
+    for key in keys.sharded:
+        if loss_input.get(key) is not None and shard.dtensor is not None:
+            value = loss_input[key]
+            loss_input[key] = shard.wrap(value) if other is None else shard.wrap_other_vocab(value, other.shape[0])
     return (loss_input, data) if isinstance(result, tuple) else loss_input

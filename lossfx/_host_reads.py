@@ -21,24 +21,41 @@ import threading
 from collections.abc import Callable, Iterator
 
 import torch
+import torch._guards
 from torch import Tensor
 
-__all__ = ["defer", "depth", "nested", "outermost", "read_now", "seen", "settle"]
+__all__ = ["defer", "depth", "nested", "outermost", "read_now", "seen", "settle", "tracing"]
 
 Handler = Callable[[list[int]], None]
 _state = threading.local()  # .depth: public calls entered; .pending: [(tensor, handler)] or None (read at once)
 
 
+def tracing() -> bool:
+    """Whether THIS thread's code is being traced (`torch.compile`, `torch.export`), not run.
+
+    `torch.compiler.is_compiling()` alone is not that: in torch 2.13 it reads a process-wide flag,
+    True while ANY thread compiles, so an eager call in another thread (a rank thread, a trainer
+    beside a compiling thread) took the traced branches: no host reads and no range checks, the
+    uniform shard layout assumed (log-probs off by nats with uneven shards), other chunks and so
+    other collectives than its peers. Dynamo folds `is_dynamo_compiling()` to True in the code it
+    traces (it is False when run); another tracer (non-strict export) is this thread's when this
+    thread has a tracing context.
+    """
+    if torch.compiler.is_dynamo_compiling():
+        return True
+    return torch.compiler.is_compiling() and torch._guards.TracingContext.try_get() is not None
+
+
 def depth() -> int:
     """How many public calls this thread is inside (0: none, 1: the outermost, >1: nested)."""
-    if torch.compiler.is_compiling():
+    if tracing():
         return 0
     return getattr(_state, "depth", 0)
 
 
 def defer(values: Tensor, handler: Handler) -> None:
     """Call `handler(values.reshape(-1).tolist())`, now or at the next `settle` of this call."""
-    pending = None if torch.compiler.is_compiling() else getattr(_state, "pending", None)
+    pending = None if tracing() else getattr(_state, "pending", None)
     if pending is None:
         handler(values.reshape(-1).tolist())
     else:
@@ -48,7 +65,7 @@ def defer(values: Tensor, handler: Handler) -> None:
 def seen(key: object) -> bool:
     """Whether a check with this `key` already ran (or is deferred) in this outermost call;
     records it. Outside a public call: always False."""
-    keys = None if torch.compiler.is_compiling() else getattr(_state, "keys", None)
+    keys = None if tracing() else getattr(_state, "keys", None)
     if keys is None:
         return False
     if key in keys:
@@ -67,7 +84,7 @@ def read_now(values: Tensor) -> list[int]:
 
 def settle() -> None:
     """Read every deferred tensor in one transfer and run their handlers (in order)."""
-    if torch.compiler.is_compiling():  # nothing is deferred while tracing
+    if tracing():  # nothing is deferred while tracing
         return
     pending = getattr(_state, "pending", None)
     if not pending:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lossfx import _host_reads
-from lossfx._host_reads import read_now
+from lossfx._host_reads import read_now, tracing
 
 __all__ = [
     "check_floating",
@@ -86,7 +86,7 @@ def check_positive_float(name: str, value: object, *, allow_none: bool = False) 
 def values_checkable(*tensors: object) -> bool:
     """True when value-dependent checks may run: eager mode (not while compiling), and none of
     `tensors` is on the `meta` device (shapes without values)."""
-    if torch.compiler.is_compiling():
+    if tracing():
         return False
     return not any(isinstance(t, Tensor) and t.is_meta for t in tensors)
 

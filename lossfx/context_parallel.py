@@ -29,7 +29,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._deprecation import renamed_keywords
 from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_size
 from lossfx._dtensor import replicated
@@ -147,7 +147,7 @@ def unshard(shards: list[Tensor] | tuple[Tensor, ...], seq_dim: int = 1) -> Tens
 
 
 @renamed_keywords(group="context_parallel_group")
-@boundary()
+@boundary(roles=Roles(cp="context_parallel_group"))
 def allgather_cp(x: Tensor, context_parallel_group: ProcessGroup | None, seq_dim: int = 1) -> Tensor:
     """Gather CP-sharded (load-balanced) tensors back into canonical sequence order.
 

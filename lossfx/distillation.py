@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import ProcessGroup, group_size
 from lossfx._dtensor import replicated, vocab_shard
 from lossfx._numerics import compute_dtype, log_softmax_rows
@@ -30,7 +30,15 @@ from lossfx.sequence_layout import ContextParallelSharder, sequence_layout
 __all__ = ["distillation_topk_logprobs"]
 
 
-@boundary(vocab="equal")
+@boundary(
+    roles=Roles(
+        tp="vocab_parallel_group",
+        cp="context_parallel_group",
+        cp_from="cp_sharder",
+        shards=("student_logits",),
+    ),
+    vocab="equal",
+)
 def distillation_topk_logprobs(
     student_logits: Tensor,
     teacher_topk_logits: Tensor,

@@ -44,11 +44,11 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._deprecation import warn_renamed
 from lossfx._distributed import ProcessGroup, all_gather_stack
 from lossfx._dtensor import check_view, vocab_shard
-from lossfx._numerics import compiled_row_sum, finite_or_zero, log_s_for_softmax
+from lossfx._numerics import compiled_row_sum, finite_or_zero, log_s_for_softmax, tracing
 from lossfx._validation import check_floating, check_integer_ids, check_positive_int
 
 __all__ = ["cross_entropy_to_fixed", "entropy", "neg_entropy", "reverse_kl_to_fixed"]
@@ -207,7 +207,7 @@ def _divergence_fwd(
     alpha, beta = _WEIGHTS[kind]
     cdtype = _compute_dtype(student, teacher)
     # 1. local statistics, one chunk of rows at a time
-    if torch.compiler.is_compiling():  # one fused pass over the whole tensor
+    if tracing():  # one fused pass over the whole tensor
         zt = None if teacher is None else teacher.to(cdtype)
         local = _local_stats(student.to(cdtype), zt, alpha, beta)  # [5, N]
     else:
@@ -232,7 +232,7 @@ def _divergence_bwd(
     cdtype = _compute_dtype(student, teacher)
     terms = _backward_terms(row_stats, r, dout, cdtype)
     shift_s, log_s_safe, shift_t, log_t_safe, grad, r_safe = terms
-    if torch.compiler.is_compiling():
+    if tracing():
         # One expression over the whole tensor: Inductor fuses it into a single loop that reads the
         # logits once and writes dstudent once, in the student's dtype, with no [N, Vl] temporary.
         # (z − M) − log S: the large shift leaves first, exactly (proofs/divergence.md §8).
@@ -380,7 +380,7 @@ _COMMON_DOC = """
 """
 
 
-@boundary(vocab="free", local=check_view("student"))
+@boundary(roles=Roles(tp="group", shards=("student",)), vocab="free", local=check_view("student"))
 def neg_entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: int | None = None) -> Tensor:
     """Negative entropy `Σ_v p log p` (≤ 0) of the student distribution, per token.
 
@@ -405,7 +405,7 @@ def entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: i
     return neg_entropy(student, group=group, chunk_size=chunk_size)
 
 
-@boundary(vocab="free", local=check_view("student", "teacher"))
+@boundary(roles=Roles(tp="group", shards=("student", "teacher")), vocab="free", local=check_view("student", "teacher"))
 def cross_entropy_to_fixed(
     student: Tensor,
     teacher: Tensor,
@@ -426,7 +426,7 @@ def cross_entropy_to_fixed(
     return _apply("cross_entropy", student, teacher, group, chunk_size)
 
 
-@boundary(vocab="free", local=check_view("student", "teacher"))
+@boundary(roles=Roles(tp="group", shards=("student", "teacher")), vocab="free", local=check_view("student", "teacher"))
 def reverse_kl_to_fixed(
     student: Tensor,
     teacher: Tensor,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._deprecation import renamed_keywords
 from lossfx._distributed import (
     ProcessGroup,
@@ -41,7 +41,7 @@ __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
 
 
 @renamed_keywords(cp_group="context_parallel_group")
-@boundary()
+@boundary(roles=Roles(cp="context_parallel_group", cp_from="cp_sharder"))
 def shift_left(
     x: Tensor,
     context_parallel_group: ProcessGroup | None = None,
@@ -72,6 +72,7 @@ def shift_left(
 
 
 @boundary(
+    roles=Roles(tp="vocab_parallel_group", shards=("teacher_logits",), rank="vocab_parallel_rank"),
     vocab="equal",
     local=check_view("teacher_logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True),
 )
@@ -130,6 +131,13 @@ def map_to_draft_vocab(
 
 
 @boundary(
+    roles=Roles(
+        tp="vocab_parallel_group",
+        cp="context_parallel_group",
+        cp_from="cp_sharder",
+        shards=("logits",),
+        rank="vocab_parallel_rank",
+    ),
     vocab="equal",
     local=check_view("logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True),
 )

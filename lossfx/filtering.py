@@ -47,7 +47,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
@@ -57,7 +57,7 @@ from lossfx._distributed import (
     local_columns,
 )
 from lossfx._dtensor import check_view, is_dtensor, replicated, vocab_shard
-from lossfx._numerics import compute_dtype, finite_or_zero, log_s_for_softmax, merge_max_logsum, row_max_sumexp
+from lossfx._numerics import compute_dtype, finite_or_zero, log_s_for_softmax, merge_max_logsum, row_max_sumexp, tracing
 from lossfx._validation import (
     check_floating,
     check_ids_in_range,
@@ -550,7 +550,7 @@ def _thresholds(
     if n is not None:
         columns = torch.arange(local_vocab, device=logits.device) + vocab_start  # [Vl] global ids
         # eager: the ⌈log2 V⌉-pass bisection only when a tie is cut (read with the call's checks)
-        if torch.compiler.is_compiling() or read_now((n < tied).any())[0]:
+        if tracing() or read_now((n < tied).any())[0]:
             cut = _id_cut(logits, tau, n, columns, vocab_size, chunks, cdtype, group)
         else:
             cut = torch.zeros_like(n)
@@ -702,7 +702,12 @@ def _flat_logits(logits: Tensor) -> Tensor:
     return logits.reshape(-1, logits.shape[-1])  # [N, Vl]
 
 
-@boundary(vocab="sized", local=check_view("logits"))
+_ROLES = Roles(
+    tp="group", shards=("logits",), start="vocab_start", size="vocab_size"
+)  # the cross-rank check's view of the parameters
+
+
+@boundary(roles=_ROLES, vocab="sized", local=check_view("logits"))
 def top_k_top_p_threshold(
     logits: Tensor,
     *,
@@ -786,7 +791,7 @@ def top_k_top_p_threshold(
     return tau, cut.view(logits.shape[:-1])
 
 
-@boundary(vocab="sized", local=check_view("logits"))
+@boundary(roles=_ROLES, vocab="sized", local=check_view("logits"))
 def apply_top_k_top_p(
     logits: Tensor,
     *,
@@ -843,7 +848,7 @@ def apply_top_k_top_p(
     return torch.where(keep, logits, torch.full_like(logits, float("-inf"))), keep
 
 
-@boundary(vocab="tiled", local=check_view("logits"))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view("logits"))
 def filtered_token_logprobs(
     logits: Tensor,
     target: Tensor,

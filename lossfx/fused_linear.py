@@ -29,13 +29,14 @@ Reference: `lossfx.reference.linear_token_logprobs` and friends.
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._deprecation import renamed_keyword
 from lossfx._distributed import (
     ProcessGroup,
@@ -344,7 +345,19 @@ def _linear_gather(
     return logprobs.view(ids.shape), neg_entropy.view(ids.shape[:-1]), rows.valid.view(ids.shape)
 
 
-@boundary(vocab="tiled", local=local_view(seq_dim=0))
+# the cross-rank check's view of the parameters (`_consistency.Roles`)
+_ROLES = Roles(
+    tp="group",
+    head="weight",
+    shards=("bias",),
+    start="vocab_start",
+    size="vocab_size",
+    rows=("hidden", "sequence_parallel"),
+)
+_ROLES_CP = dataclasses.replace(_ROLES, cp="context_parallel_group", cp_from="cp_sharder")
+
+
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
 def linear_gather_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -497,7 +510,7 @@ def linear_token_logprobs(
     return_neg_entropy: bool = ...,
     return_entropy: bool | None = ...,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
-@boundary(vocab="tiled", local=local_view(seq_dim=0))
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
 def linear_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -604,7 +617,7 @@ def linear_token_logprobs(
     return logprobs.squeeze(-1)
 
 
-@boundary(vocab="tiled", local=local_view(seq_dim=1))
+@boundary(roles=_ROLES_CP, vocab="tiled", local=local_view(seq_dim=1))
 def linear_next_token_logprobs(
     hidden: Tensor,
     weight: Tensor,

@@ -28,11 +28,11 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._deprecation import renamed_keyword
 from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size, local_columns
 from lossfx._dtensor import check_view, replicated, vocab_shard
-from lossfx._numerics import compute_dtype, finite_or_zero, log_s_for_softmax, merge_max_logsum
+from lossfx._numerics import compute_dtype, finite_or_zero, log_s_for_softmax, merge_max_logsum, tracing
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
 
 __all__ = ["gather_logits", "gather_logprobs"]
@@ -52,7 +52,7 @@ def _chunk_stats(z: Tensor, cdtype: torch.dtype, with_entropy: bool) -> tuple[Te
     Eager: `z − m` promotes to `cdtype` into one fresh `[C, Vl]` buffer (no converted copy of `z`),
     and the exponentials into one more, updated in place. Compiled: one fused expression.
     """
-    if torch.compiler.is_compiling():
+    if tracing():
         z = z.to(cdtype)
         m = z.amax(dim=-1)
         e, ed = _shifted_terms(z, finite_or_zero(m))
@@ -136,7 +136,7 @@ def _gather_logprobs_bwd(logits, ids, shift, log_s, neg_entropy, dlogprobs, dneg
     g_owned = torch.where(owned, g, torch.zeros_like(g))  # [N, K]
     g_total = g.sum(dim=-1)  # [N]
     log_s_sm = log_s_for_softmax(log_s)  # [N], +inf for an all -inf row: p = 0
-    if torch.compiler.is_compiling():
+    if tracing():
         # A scatter-add cannot fuse into the dense loop, and would need the whole [N, Vl] in the
         # compute dtype (an fp32 copy of bf16 logits). Instead: the dense part in one fused loop
         # straight into the logits' dtype, then the K id columns recomputed and overwritten with
@@ -244,7 +244,12 @@ def _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, chunk_size
     return ids.to(torch.int64), local_vocab, vocab_start, chunk_size
 
 
-@boundary(vocab="tiled", local=check_view("logits"))
+_ROLES = Roles(
+    tp="group", shards=("logits",), start="vocab_start", size="vocab_size"
+)  # the cross-rank check's view of the parameters
+
+
+@boundary(roles=_ROLES, vocab="tiled", local=check_view("logits"))
 def gather_logprobs(
     logits: Tensor,
     ids: Tensor,
@@ -313,7 +318,7 @@ def gather_logprobs(
     return logprobs, (neg_entropy.view(ids.shape[:-1]) if with_entropy else None)
 
 
-@boundary(vocab="tiled", local=check_view("logits"))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view("logits"))
 def gather_logits(
     logits: Tensor,
     ids: Tensor,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
@@ -320,7 +320,17 @@ class _LinearObjectiveFn(torch.autograd.Function):
         return dh, dw, db, None, None, None, dlw, dew, None, None, None, None, None, None, None
 
 
-@boundary(vocab="tiled", local=local_view(seq_dim=0))
+_ROLES = Roles(
+    tp="group",
+    head="weight",
+    shards=("bias",),
+    start="vocab_start",
+    size="vocab_size",
+    rows=("hidden", "sequence_parallel"),
+)  # the cross-rank check's view of the parameters
+
+
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
 def linear_logprob_objective(
     hidden: Tensor,
     weight: Tensor,

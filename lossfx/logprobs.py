@@ -31,10 +31,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._chunking import row_chunks
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size, local_columns
 from lossfx._dtensor import check_view, replicated, vocab_shard
-from lossfx._numerics import compute_dtype, log_s_for_softmax, merge_max_logsum, row_max_sumexp
+from lossfx._numerics import compute_dtype, log_s_for_softmax, merge_max_logsum, row_max_sumexp, tracing
 from lossfx._validation import (
     check_floating,
     check_ids_in_range,
@@ -88,7 +88,7 @@ def _token_logprobs_bwd(
     # An all -inf row has a constant output (-inf): its gradient is 0.
     grad = torch.where(torch.isneginf(log_s), torch.zeros_like(log_s), dout.to(cdtype))  # [N]
     grad_target = torch.where(owned, grad, torch.zeros_like(grad))  # [N]
-    if torch.compiler.is_compiling():
+    if tracing():
         # One expression over the whole tensor: Inductor fuses it into a single loop that reads the
         # logits once and writes dlogits once, in the logits' dtype, with no [N, Vl] temporary.
         columns = torch.arange(local_vocab, device=logits.device)  # [Vl]
@@ -132,7 +132,12 @@ class _TokenLogprobsFn(torch.autograd.Function):
         return dlogits, None, None, None, None  # one entry per forward input
 
 
-@boundary(vocab="tiled", local=check_view("logits"))
+_ROLES = Roles(
+    tp="group", shards=("logits",), start="vocab_start", size="vocab_size"
+)  # the cross-rank check's view of the parameters
+
+
+@boundary(roles=_ROLES, vocab="tiled", local=check_view("logits"))
 def token_logprobs_with_lse(
     logits: Tensor,
     target: Tensor,
@@ -174,7 +179,7 @@ def token_logprobs_with_lse(
     return out.view(target.shape), (shift + log_s).view(target.shape)
 
 
-@boundary(vocab="tiled", local=check_view("logits"))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view("logits"))
 def token_logprobs(
     logits: Tensor,
     target: Tensor,

@@ -23,20 +23,21 @@ raises leaves it untouched.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+import dataclasses
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lossfx._consistency import (
+    Roles,
     boundary,
-    loss_input_vocab_policy,
     vocab_shard_range,
     vocab_size_when_read,
 )
 from lossfx._distributed import ProcessGroup, check_group, check_vocab_parallel
-from lossfx._dtensor import check_view, entry_point_on_local, has_dtensor, replicated, vocab_shard
+from lossfx._dtensor import EntryKeys, check_view, entry_point_on_local, has_dtensor, replicated, vocab_shard
 from lossfx._numerics import compute_dtype
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx.distillation import distillation_topk_logprobs
@@ -55,6 +56,13 @@ __all__ = [
     "prepare_opd_full_loss_input",
     "prepare_packed_loss_input",
 ]
+
+
+# what the DTensor boundary (`_dtensor.entry_point_on_local`) maps: the data key padded like the
+# logits, the results given back as the caller's DTensor or wrapped as sharded ones
+_DTENSOR_KEYS = EntryKeys(
+    full_columns=("teacher_full_logits",), as_input=("logits",), sharded=("teacher_logits",), other_vocab="d2t"
+)
 
 
 def _input_type(loss_fn: Any) -> LossInputType:
@@ -81,7 +89,24 @@ def _vocab_parallel(
     return check_vocab_parallel(vocab_parallel_rank, vocab_parallel_group), vocab_parallel_group
 
 
+def _vocab_policy(arguments: Mapping[str, Any]) -> str:
+    """The `vocab` policy of `prepare_loss_input`: uneven shards (`"auto"`) for the log-prob and
+    logits branches, equal shards for the others."""
+    input_type = getattr(arguments.get("loss_fn"), "input_type", None)
+    name = getattr(input_type, "name", str(input_type)).upper()
+    return "auto" if name.endswith(("LOGPROB", "LOGIT")) else "equal"
+
+
+# the cross-rank check's view of the parameters (`_consistency.Roles`)
+_ROLES = Roles(tp="vocab_parallel_group", cp="context_parallel_group", shards=("logits",), rank="vocab_parallel_rank")
+_ROLES_SHARDER = dataclasses.replace(_ROLES, cp_from="cp_sharder")
+_ROLES_DATA = dataclasses.replace(_ROLES, columns=("teacher_full_logits",))
+_ROLES_OPD = dataclasses.replace(_ROLES_DATA, heads="teacher_output_layer_weight_by_index")
+_ROLES_ALL = dataclasses.replace(_ROLES_OPD, cp_from="cp_sharder")
+
+
 @boundary(
+    roles=_ROLES_SHARDER,
     vocab="auto",
     local=check_view("logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True),
 )
@@ -161,7 +186,7 @@ def next_token_logprobs(
     return out if ignored is None else torch.where(ignored.to(out.device), torch.zeros_like(out), out)
 
 
-@boundary(vocab=loss_input_vocab_policy)
+@boundary(roles=_ROLES_ALL, vocab=_vocab_policy)
 def prepare_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -256,6 +281,7 @@ def prepare_loss_input(
             logits,
             data,
             loss_fn,
+            keys=_DTENSOR_KEYS,
             vocab_parallel_rank=vocab_parallel_rank,
             vocab_parallel_group=vocab_parallel_group,
             context_parallel_group=context_parallel_group,
@@ -336,7 +362,7 @@ def _prepare_logprob_input(
     return {"next_token_logprobs": logprobs}
 
 
-@boundary(vocab="equal")
+@boundary(roles=_ROLES_ALL, vocab="equal")
 def prepare_opd_full_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -422,7 +448,7 @@ def prepare_opd_full_loss_input(
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
 
 
-@boundary(vocab="auto")
+@boundary(roles=_ROLES_DATA, vocab="auto")
 def prepare_packed_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -476,6 +502,7 @@ def prepare_packed_loss_input(
             loss_fn,
             cu_seqlens_q,
             cu_seqlens_q_padded,
+            keys=_DTENSOR_KEYS,
             vocab_parallel_rank=vocab_parallel_rank,
             vocab_parallel_group=vocab_parallel_group,
             context_parallel_group=context_parallel_group,

@@ -22,7 +22,7 @@ from typing import Literal
 
 from torch import Tensor
 
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import ProcessGroup, group_size
 from lossfx._dtensor import replicated, vocab_shard
 from lossfx._validation import (
@@ -72,7 +72,7 @@ def check_position_ids(position_ids: object, input_ids: Tensor) -> Tensor | None
 LoadBalancedSharder = LoadBalancedLayout  # the load-balanced layout is itself a `ContextParallelSharder`
 
 
-@boundary(vocab="tiled")
+@boundary(roles=Roles(tp="group", shards=("logits",), start="vocab_start", size="vocab_size"), vocab="tiled")
 def target_logprobs(
     logits: Tensor,
     target: Tensor,
@@ -107,7 +107,17 @@ def target_logprobs(
     )
 
 
-@boundary(vocab="tiled")
+@boundary(
+    roles=Roles(
+        tp="vocab_parallel_group",
+        cp="context_parallel_group",
+        cp_from="cp_sharder",
+        shards=("logits",),
+        start="vocab_start",
+        size="vocab_size",
+    ),
+    vocab="tiled",
+)
 def sharded_next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,
@@ -195,7 +205,7 @@ def sharded_next_token_logprobs(
     return out
 
 
-@boundary(vocab="equal")
+@boundary(roles=Roles(tp="group", shards=("logits",)), vocab="equal")
 def next_token_filtered_logprobs(
     logits: Tensor,
     input_ids: Tensor,

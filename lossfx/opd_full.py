@@ -22,16 +22,26 @@ Pipeline of `prepare_opd_full` (NeMo RL's OPD_FULL branch; docs/opd_full.md, doc
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lossfx._consistency import boundary
+from lossfx import _host_reads
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
-from lossfx._dtensor import VocabShard, _same_group, entry_point_on_local, is_dtensor, replicated, vocab_shard
+from lossfx._dtensor import (
+    EntryKeys,
+    VocabShard,
+    _same_group,
+    entry_point_on_local,
+    is_dtensor,
+    replicated,
+    vocab_shard,
+)
+from lossfx._host_reads import tracing
 from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int, check_tensor
 from lossfx.divergence import (
     cross_entropy_to_fixed,
@@ -155,17 +165,26 @@ def _teacher_heads(
             f"teacher_index must carry one entry per payload row: got {teacher_index.shape[0]} entries for "
             f"{payload.shape[0]} rows"
         )
-    if not torch.compiler.is_compiling():
-        for idx in [int(i) for i in torch.unique(teacher_index).tolist()]:
-            if idx not in weights:
-                raise ValueError(
-                    f"row tagged teacher_index={idx}, but no teacher LM head is loaded for that index "
-                    f"(loaded: {sorted(weights)})"
-                )
     # position of each row's key in `keys` (an unloaded key, unchecked under compile, reads 0)
     key_values = torch.tensor(keys, dtype=torch.int64, device=payload.device)  # [K]
-    position = (teacher_index.to(torch.int64)[:, None] == key_values[None, :]).to(torch.int64).argmax(dim=-1)
+    matches = teacher_index.to(torch.int64)[:, None] == key_values[None, :]  # [B, K]
+    if not tracing() and teacher_index.numel():  # read with the call's other checks (one host read)
+        unloaded = ~matches.any(dim=-1)  # [B]
+        smallest = torch.where(unloaded, teacher_index.to(torch.int64), torch.iinfo(torch.int64).max).min()
+        _host_reads.defer(torch.stack([unloaded.any().to(torch.int64), smallest]), _unloaded_error(sorted(weights)))
+    position = matches.to(torch.int64).argmax(dim=-1)
     return heads, position  # [B]
+
+
+def _unloaded_error(loaded: list[Any]) -> Callable[[list[int]], None]:
+    def raise_if_unloaded(values: list[int]) -> None:
+        if values[0]:
+            raise ValueError(
+                f"row tagged teacher_index={values[1]}, but no teacher LM head is loaded for that index "
+                f"(loaded: {loaded})"
+            )
+
+    return raise_if_unloaded
 
 
 def _project_per_teacher(
@@ -174,7 +193,7 @@ def _project_per_teacher(
     """Row `b` of `payload [B, S, H]` through `heads[position[b]]` -> `[B, S, Vl]` (materialised)."""
     if position is None:
         return _project_onto_teacher_lm_head(payload, heads[0], output_dtype)
-    if torch.compiler.is_compiling():  # no value-dependent shapes in a graph: project all, select
+    if tracing():  # no value-dependent shapes in a graph: project all, select
         out = _project_onto_teacher_lm_head(payload, heads[0], output_dtype)
         for k, weight in enumerate(heads[1:], start=1):
             projected = _project_onto_teacher_lm_head(payload, weight, output_dtype)  # [B, S, Vl]
@@ -420,6 +439,13 @@ def local_teacher_heads(weights: Any, shard: VocabShard) -> Any:
     return out
 
 
+# what the DTensor boundary (`_dtensor.entry_point_on_local`) maps, as for prepare_loss_input: the
+# data key padded like the logits, the results given back as the caller's DTensor or wrapped
+_DTENSOR_KEYS = EntryKeys(
+    full_columns=("teacher_full_logits",), as_input=("logits",), sharded=("teacher_logits",), other_vocab="d2t"
+)
+
+
 def prepare_opd_full_on_local(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -443,6 +469,7 @@ def prepare_opd_full_on_local(
         logits,
         data,
         loss_fn,
+        keys=_DTENSOR_KEYS,
         vocab_parallel_rank=vocab_parallel_rank,
         vocab_parallel_group=vocab_parallel_group,
         teacher_output_layer_weight_by_index=local_teacher_heads(teacher_output_layer_weight_by_index, shard),
@@ -463,7 +490,19 @@ def _tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int
     return check_vocab_parallel(vocab_parallel_rank, group)
 
 
-@boundary(vocab="equal")
+@boundary(
+    roles=Roles(
+        tp="vocab_parallel_group",
+        cp="context_parallel_group",
+        cp_from="cp_sharder",
+        shards=("logits",),
+        rank="vocab_parallel_rank",
+        size="vocab_size",
+        heads="teacher_output_layer_weight_by_index",
+        columns=("teacher_full_logits",),
+    ),
+    vocab="equal",
+)
 def prepare_opd_full(
     logits: Tensor,
     data: MutableMapping[str, Any],

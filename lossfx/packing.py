@@ -34,7 +34,7 @@ from einops import rearrange
 from torch import Tensor
 
 from lossfx import _host_reads
-from lossfx._consistency import boundary
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
 from lossfx._validation import check_integer_ids, check_tensor, values_checkable
 from lossfx.interfaces import TrainingSamplingParams
@@ -59,14 +59,6 @@ def _check_cu_type(name: str, cu: Any) -> None:
         raise TypeError(f"{name} must hold ints, got {cu!r} (non-int entries {bad[:5]!r})")
 
 
-def _as_int_list(name: str, cu: Any) -> list[int]:
-    """Host-side values of a `cu_seqlens` argument (eager only)."""
-    _check_cu_type(name, cu)
-    if isinstance(cu, Tensor):
-        return [int(v) for v in cu.reshape(-1).tolist()]
-    return [int(v) for v in cu]
-
-
 def _as_tensor(name: str, cu: Any, device: torch.device) -> Tensor:
     """`cu_seqlens` as a 1-D int64 tensor on `device` (tuples of ints and int tensors accepted)."""
     _check_cu_type(name, cu)
@@ -86,8 +78,18 @@ def check_cu_seqlens(cu_seqlens_q: Any, cu_seqlens_q_padded: Any, n_seqs: int, t
     _check_cu_type("cu_seqlens_q_padded", cu_seqlens_q_padded)
     if not values_checkable(cu_seqlens_q, cu_seqlens_q_padded):
         return
-    cu_q = _as_int_list("cu_seqlens_q", cu_seqlens_q)
-    cu_p = _as_int_list("cu_seqlens_q_padded", cu_seqlens_q_padded)
+    tensors = [cu for cu in (cu_seqlens_q, cu_seqlens_q_padded) if isinstance(cu, Tensor)]
+    if not tensors:
+        _check_cu_lists([int(v) for v in cu_seqlens_q], [int(v) for v in cu_seqlens_q_padded], n_seqs, total, cp_size)
+        return
+    # tensor values: read with the call's other checks (one host read), checked when read
+    q = _as_tensor("cu_seqlens_q", cu_seqlens_q, tensors[0].device)
+    p = _as_tensor("cu_seqlens_q_padded", cu_seqlens_q_padded, tensors[0].device)
+    n = q.shape[0]
+    _host_reads.defer(torch.cat([q, p]), lambda v: _check_cu_lists(v[:n], v[n:], n_seqs, total, cp_size))
+
+
+def _check_cu_lists(cu_q: list[int], cu_p: list[int], n_seqs: int, total: int, cp_size: int) -> None:
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_q_padded", cu_p)):
         if len(cu) != n_seqs + 1:
             raise ValueError(f"{name} must have B+1 = {n_seqs + 1} entries, got {len(cu)}: {cu}")
@@ -126,17 +128,15 @@ def check_packed_input_ids(
     """
     if not values_checkable(input_ids, cu_seqlens_q, cu_seqlens_q_padded) or input_ids.numel() == 0:
         return
-    cu_p = _as_int_list("cu_seqlens_q_padded", cu_seqlens_q_padded)
-    position = torch.arange(input_ids.shape[1], device=input_ids.device)  # [S]
-    scored = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+    # the scored positions on the device: the `cu_seqlens` values are not read here
+    cu_p = _as_tensor("cu_seqlens_q_padded", cu_seqlens_q_padded, input_ids.device)
+    position = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]  # [1, S]
     if prepacked:
-        for start, end in zip(cu_p[:-1], cu_p[1:]):
-            scored[0] |= (position > start) & (position < end)
+        scored = ((position > cu_p[:-1, None]) & (position < cu_p[1:, None])).any(dim=0, keepdim=True)  # [1, T]
     else:
-        cu_q = _as_int_list("cu_seqlens_q", cu_seqlens_q)
-        for b in range(input_ids.shape[0]):
-            length = min(cu_q[b + 1] - cu_q[b], cu_p[b + 1] - cu_p[b])
-            scored[b] = (position >= 1) & (position < length)
+        cu_q = _as_tensor("cu_seqlens_q", cu_seqlens_q, input_ids.device)
+        length = torch.minimum(cu_q[1:] - cu_q[:-1], cu_p[1:] - cu_p[:-1])  # [B]
+        scored = (position >= 1) & (position < length[:, None])  # [B, S]
     bad = scored & ((input_ids < 0) | (input_ids >= vocab))
 
     def raise_if_bad(count: list[int]) -> None:  # read with the call's other host reads
@@ -275,7 +275,16 @@ class PackedLayout(SequenceLayout):
         return torch.where(valid, values, torch.zeros_like(values))
 
 
-@boundary(vocab="tiled")
+@boundary(
+    roles=Roles(
+        tp="vocab_parallel_group",
+        cp="context_parallel_group",
+        shards=("logits",),
+        start="vocab_start",
+        size="vocab_size",
+    ),
+    vocab="tiled",
+)
 def packed_next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,

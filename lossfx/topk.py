@@ -14,10 +14,13 @@ size, on the chunking, or on `torch.topk`'s unspecified tie order). No gradient 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
 
-from lossfx._consistency import boundary, vocab_topk_policy
+from lossfx._consistency import Roles, boundary
 from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size
 from lossfx._dtensor import check_view, vocab_shard
 from lossfx._numerics import compute_dtype
@@ -45,7 +48,17 @@ def _sorted_by_value_then_id(values: Tensor, ids: Tensor, k: int) -> tuple[Tenso
     return values.gather(-1, by_value), ids.gather(-1, by_value)
 
 
-@boundary(vocab=vocab_topk_policy, local=check_view("logits", even=True))
+def _vocab_policy(arguments: Mapping[str, Any]) -> str:
+    """The `vocab` policy of `vocab_topk`: shards tile the vocabulary, `min(k, R·Vl)` is equal."""
+    k = arguments.get("k")
+    return f"topk:{k}" if isinstance(k, int) and not isinstance(k, bool) and k > 0 else "free"
+
+
+@boundary(
+    roles=Roles(tp="group", shards=("logits",), start="vocab_start"),
+    vocab=_vocab_policy,
+    local=check_view("logits", even=True),
+)
 @torch.no_grad()
 def vocab_topk(
     logits: Tensor,

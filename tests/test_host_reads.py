@@ -5,7 +5,9 @@ and `Tensor.tolist`). The read-once collector (`lossfx/_host_reads.py`) keeps ev
 error: a deferred check still raises its own ValueError, in a nested call too.
 """
 
+import contextlib
 import inspect
+import threading
 
 import harness
 import pytest
@@ -14,7 +16,7 @@ from harness import gloo_pool
 
 import lossfx
 from benchmarks.bench_syncs import compiled_host_reads, count_host_reads, entry_points
-from lossfx import _host_reads, reference
+from lossfx import _consistency, _host_reads, reference
 
 NOT_CALLED = {"need_top_k_or_top_p_filtering"}  # takes no tensor
 
@@ -56,6 +58,9 @@ def _two_ranks(rank, world, group):
 TWO_READS = {
     "prepare_loss_input LOGPROB top-k + KL": "the count of -inf filtered log-probs (a warning)",
     "prepare_loss_input LOGPROB top-k + top-p": "whether a top-p tie is cut (n < tied)",
+    # the entry point asks for the shard layout (a settle) before the packed layout defers its
+    # cu_seqlens and id checks (6 reads before: each cu_seqlens tensor was read 2x on its own)
+    "prepare_packed_loss_input, tensor cu_seqlens": "the cu_seqlens values and the scored ids' range check",
 }
 
 
@@ -128,3 +133,100 @@ def test_a_deferred_error_replaces_the_error_it_provoked():
         with _host_reads.outermost():
             _host_reads.defer(torch.tensor(1), fail)
             raise RuntimeError("index out of range, caused by the bad input")
+
+
+# ---------------------------------------------------------------------------------------------
+# Another thread compiling: torch's is_compiling() flag is process-wide, `tracing()` is not
+# ---------------------------------------------------------------------------------------------
+
+_V_UNEVEN = 11  # two rank threads hold 6 + 5 vocabulary columns: the layout is read from the check
+
+
+def _uneven_logprobs(rank, world, group, z, ids):
+    lo, hi = (0, 6) if rank == 0 else (6, _V_UNEVEN)
+    loss_fn = type("LossFn", (), {"input_type": "logprob"})()
+    out, _ = lossfx.prepare_loss_input(z[..., lo:hi], {"input_ids": ids}, loss_fn, rank, group)
+    return out["next_token_logprobs"], _host_reads.tracing(), torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def _compiling_in_another_thread():
+    """A real `torch.compile` in a background thread, held inside its backend (so inside Dynamo's
+    compile session) for the duration of the block."""
+    started, release = threading.Event(), threading.Event()
+
+    def blocking_backend(gm, example_inputs):
+        started.set()
+        release.wait(timeout=120)
+        return gm.forward
+
+    def compile_in_background():
+        torch.compile(lambda x: x + 1, backend=blocking_backend, fullgraph=True)(torch.ones(2))
+
+    thread = threading.Thread(target=compile_in_background, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(timeout=120), "the background compile did not reach its backend"
+        assert torch.compiler.is_compiling(), "torch's flag is no longer process-wide: the scenario is not exercised"
+        yield
+    finally:
+        release.set()
+        thread.join(timeout=120)
+
+
+def test_eager_calls_beside_a_compiling_thread_are_eager():
+    """While one thread is inside `torch.compile` (its backend blocks), torch's `is_compiling()`
+    is True in every thread. Eager calls in other threads took the traced branches: log-probs off
+    by 2.5 nats with uneven shards (the uniform layout assumed), other chunks than their peers.
+    Now they are exact; `_host_reads.tracing()` is False there."""
+    gen = torch.Generator().manual_seed(15)
+    z = torch.randn(2, 5, _V_UNEVEN, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, _V_UNEVEN, (2, 5), generator=gen)
+    want = reference.next_token_logprobs(z, ids)
+    with _compiling_in_another_thread():
+        results = harness.run_ranks(2, _uneven_logprobs, z, ids)
+    for lp, tracing, flag in results:
+        assert flag
+        assert not tracing
+        torch.testing.assert_close(lp, want, rtol=0, atol=1e-12)
+
+
+@_consistency.boundary(collectives=False)
+def _probe_nesting(x):
+    return _consistency._traced_depth[0], x
+
+
+def test_an_eager_call_beside_a_compiling_thread_leaves_the_trace_state_alone():
+    """The test_packing tp2xcp2 flake: a rank thread ran an eager public function
+    (`shard_for_cp_rank`) while another rank thread was compiling; the process-wide flag sent it
+    down the traced path, which really set the module-global nesting counter `_traced_depth` to 1
+    while it ran, and a rank tracing at that moment read 1 and traced its entry point as nested:
+    a graph without the cross-rank check, whose kernel all-gather then met its peer's signature
+    all-gather. Eager calls no longer touch the counter."""
+    with _compiling_in_another_thread():
+        depth, _ = _probe_nesting(torch.ones(1))
+    assert depth == 0
+
+
+def _tp_cp_reads(rank, world, group):
+    from harness import mesh_groups
+
+    tp_group, tp_rank, cp_group, cp_rank = mesh_groups(rank, world, group, tp=2)
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 8, 8, generator=gen)
+    local = lossfx.shard_for_cp_rank(z, cp_rank, 2)[..., tp_rank * 4 : (tp_rank + 1) * 4]
+    ids = torch.randint(0, 8, (2, 8), generator=gen)
+    loss_fn = type("LossFn", (), {"input_type": "logprob"})()
+
+    def call():
+        return lossfx.prepare_loss_input(local, {"input_ids": ids}, loss_fn, tp_rank, tp_group, cp_group)
+
+    call()
+    return count_host_reads(call)
+
+
+def test_tensor_and_context_parallel_call_reads_once(monkeypatch):
+    """TP=2 x CP=2 on 4 gloo processes: the TP verdict travels in the CP signature computed on
+    the device, so both gathered matrices are read together (2 reads before)."""
+    monkeypatch.setattr(harness, "_TIMEOUT_S", 300.0)
+    assert gloo_pool(4).run(_tp_cp_reads) == [1, 1, 1, 1]

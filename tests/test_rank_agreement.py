@@ -399,12 +399,19 @@ def test_compiled_disagreement_raises_on_every_rank(backend, monkeypatch):
     z = torch.randn(2, 5, V, generator=_gen(1), dtype=F64)
     ids = torch.randint(0, V, (2, 5), generator=_gen(2))
     ref_logits = reference.next_token_logprobs(z, ids)
+    named = {  # the argument each compiled error must name
+        "temperature": "lossfx.linear_token_logprobs: the ranks of group disagree on temperature.",
+        "chunk_size": "lossfx.linear_token_logprobs: the ranks of group disagree on chunk_size.",
+        "N": "lossfx.linear_token_logprobs: the ranks of group disagree on hidden.",
+        "target_values": "lossfx.linear_token_logprobs: the ranks of group disagree on the values of target.",
+        "S": "lossfx.prepare_loss_input: the ranks of vocab_parallel_group disagree on logits.",
+        "input_ids_values": "lossfx.prepare_loss_input: the ranks of vocab_parallel_group disagree on "
+        "the values of data['input_ids'].",
+    }
     for rank, (messages, ok, again, counts, final_counts, compiles) in enumerate(results):
         for case, message in messages.items():
             assert message is not None, case
-            assert "lossfx.linear_token_logprobs: the ranks of group disagree" in message or (
-                "lossfx.prepare_loss_input: the ranks of vocab_parallel_group disagree" in message
-            ), (case, message)
+            assert named[case] in message, (case, message)
         for out in (ok, again):
             torch.testing.assert_close(out[0], ref_fused, rtol=0, atol=1e-10)
             torch.testing.assert_close(out[1], ref_logits, rtol=0, atol=1e-10)
@@ -435,7 +442,8 @@ def _host_reads(rank, world, group):
     hidden, weight, target = _fused(0)
     arguments = {"hidden": hidden, "weight": weight[rank * 6 : (rank + 1) * 6], "target": target, "group": group}
     _consistency._scope.widths = {}
-    check = count_host_reads(lambda: _consistency._check("linear_token_logprobs", arguments, "free", "group", None))
+    roles = lossfx.linear_token_logprobs._lossfx_roles
+    check = count_host_reads(lambda: _consistency._check("linear_token_logprobs", arguments, "free", roles))
     names = ("prepare_loss_input LOGPROB top-k + KL", "linear_logprob_objective")
     return check, {name: compiled_host_reads(calls[name]) for name in names}
 

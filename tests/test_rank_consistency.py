@@ -112,7 +112,7 @@ EXPECTED = {
     "dtype": ["logits.dtype (rank 0: torch.float32, rank 1: torch.float64)"],
     "topk_wider_than_uneven_shards": [
         "rank 0: 3, rank 1: 7",
-        "vocab_topk needs k=7 <= world_size · the smallest width (6)",
+        "this function needs k=7 <= world_size · the smallest width (6)",
     ],
     "kernel": ["the function called (rank 0: lossfx.filtered_token_logprobs, rank 1: lossfx.token_logprobs)"],
 }
@@ -315,8 +315,9 @@ def test_signature_is_by_value_and_fixed_length():
     """An enum and its value agree; shapes and scalars are encoded; the length never changes."""
     as_enum = {"loss_fn": SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB), "logits": torch.zeros(2, 3, 5)}
     as_str = {"loss_fn": SimpleNamespace(input_type="logprob"), "logits": torch.zeros(2, 3, 7)}
-    sig_enum, labels = _consistency._signature("prepare_loss_input", as_enum)
-    sig_str, _ = _consistency._signature("prepare_loss_input", as_str)
+    roles = _consistency.Roles(shards=("logits",))  # as declared with prepare_loss_input
+    sig_enum, labels = _consistency._signature("prepare_loss_input", as_enum, roles=roles)
+    sig_str, _ = _consistency._signature("prepare_loss_input", as_str, roles=roles)
     assert sig_enum.shape == sig_str.shape == (_consistency.SIGNATURE_LEN,)
     body = slice(_consistency._HEADER, None)
     assert torch.equal(sig_enum[body], sig_str[body])  # the shard width (5 vs 7) is per rank: header only
@@ -324,3 +325,46 @@ def test_signature_is_by_value_and_fixed_length():
     many = {f"x{i}": i for i in range(500)}  # past the field budget: a digest, same length
     sig_many, _ = _consistency._signature("f", many)
     assert sig_many.shape == (_consistency.SIGNATURE_LEN,)
+
+
+@pytest.mark.parametrize("policy", ["free", "auto", "equal", "sized", "tiled", "topk:5", "topk:40"])
+def test_device_verdict_equals_the_host_judgement(policy):
+    """The TP verdict carried by the CP signature is computed on the device (one host read per
+    call); it must be exactly the host judgement, or a rank would raise while its CP peers go on."""
+    C = _consistency
+    gen = torch.Generator().manual_seed(len(policy))
+    base, labels = C._signature("f", {"x": torch.ones(3), "k": 4})
+    cases = 0
+    for world in (2, 3):
+        for _ in range(150):
+            g = base.repeat(world, 1)
+            widths = torch.randint(0, 4, (world,), generator=gen) * 3 + 1
+            g[:, C._H_WIDTH] = widths
+            if torch.rand(1, generator=gen) < 0.1:
+                g[0, C._H_WIDTH] = C._NONE
+            if torch.rand(1, generator=gen) < 0.5:  # explicit starts: the tiling, a gap or an overlap
+                starts = torch.cumsum(widths, 0) - widths
+                starts[torch.randint(0, world, (1,), generator=gen)] += int(torch.randint(-1, 2, (1,), generator=gen))
+                g[:, C._H_START] = starts
+            if torch.rand(1, generator=gen) < 0.5:
+                g[:, C._H_SIZE] = int(widths.sum()) + int(torch.randint(-1, 2, (1,), generator=gen))
+            if torch.rand(1, generator=gen) < 0.2:  # a field disagrees
+                g[-1, C._HEADER + 3] += 1
+            sigs = g.tolist()
+            host = (
+                C._first_disagreement(sigs, sigs[0], labels, per_rank_header=True) is not None
+                or C._tiling_error(sigs, policy) is not None
+            )
+            assert bool(C._verdict_on_device(g, policy)) == host, (policy, sigs[0][:10], [s[:10] for s in sigs])
+            cases += host
+    assert 0 < cases < 300 or policy in ("free", "auto")  # both outcomes were exercised
+
+
+def test_boundary_roles_must_name_parameters_and_groups():
+    """A typo in a declared role, or a function with collectives that declares no group (it would
+    never be checked), fails when the function is defined, not silently at run time."""
+    with pytest.raises(TypeError, match=r"names no parameter of it: \['logit'\]"):
+        _consistency.boundary(roles=_consistency.Roles(tp="group", shards=("logit",)))(lambda logits, group: None)
+    with pytest.raises(TypeError, match=r"declare its groups"):
+        _consistency.boundary(vocab="tiled")(lambda logits, group: None)
+    _consistency.boundary(collectives=False)(lambda logits: None)  # no collective: no group needed
