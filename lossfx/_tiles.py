@@ -121,9 +121,9 @@ def row_chunks(active: Tensor | None, n_rows: int, chunk_rows: int) -> list[slic
     """The row chunks a loop visits: slices of `[0, N)`, or chunks of the indices of the active
     rows only (ignored rows are never computed). `active`: None (every row), the ascending int64
     index of the active rows (no host read), or a bool mask `[N]` (compiled callers: read here,
-    inside the opaque op, once per loop)."""
+    inside the opaque op, once per loop; a `meta` mask, which has no values, counts as all rows)."""
     if active is not None and active.dtype == torch.bool:
-        active = None if bool(active.all()) else active.nonzero()[:, 0]
+        active = None if active.is_meta or bool(active.all()) else active.nonzero()[:, 0]
     if active is None or active.shape[0] == n_rows:
         return [slice(s, min(n_rows, s + chunk_rows)) for s in range(0, n_rows, chunk_rows)]
     return [active[s : s + chunk_rows] for s in range(0, active.shape[0], chunk_rows)]
