@@ -56,6 +56,8 @@ class TileSizes(typing.Protocol):
     def max_block(self) -> int: ...
     @property
     def chunk_bytes(self) -> int: ...
+    @property
+    def compile_tiles(self) -> bool: ...
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -95,6 +97,24 @@ def chunk_rows_for(n_rows: int, shard_width: int, dtype: torch.dtype, sizes: Til
     rank-independent `shard_width` (`ceil(V / R)`), never this rank's own width."""
     by_bytes = sizes.chunk_bytes // max(1, shard_width * itemsize(compute_dtype(dtype)))
     return max(MIN_CHUNK_ROWS, min(-(-n_rows // ROW_FRACTION), by_bytes))
+
+
+_COMPILED: dict[typing.Callable[..., typing.Any], typing.Callable[..., typing.Any]] = {}
+
+
+def compiled_body(fn: typing.Callable[..., typing.Any]) -> typing.Callable[..., typing.Any]:
+    """`fn` (a functional per-tile body) compiled by Inductor, made once per function:
+    `torch.compile(fn, dynamic=False, fullgraph=True)`, so one compile per dtype and tile shape
+    (and per kind of caller, eager or compiled: their tensors differ in a dispatch key)."""
+    if fn not in _COMPILED:
+        compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+
+        def run(*args: typing.Any) -> typing.Any:
+            with torch.no_grad():  # one grad mode for every caller: no recompile on it
+                return compiled(*args)
+
+        _COMPILED[fn] = run
+    return _COMPILED[fn]
 
 
 def merge_stats(m: Tensor, s: Tensor, u: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -179,6 +199,7 @@ class Tiles:
         chunk_width: the width of the rows-outside chunk buffer (`Vl`), or 0: none.
         round_to: round each raw product to this dtype (a projected teacher's `logits_dtype`);
             None: the matmul dtype.
+        compile_tiles: whether `body` hands out compiled tile bodies (`ChunkPolicy.compile_tiles`).
     """
 
     def __init__(
@@ -195,6 +216,7 @@ class Tiles:
         chunk_width: int = 0,
         head_of_row: Tensor | None = None,
         round_to: torch.dtype | None = None,
+        compile_tiles: bool = False,
     ) -> None:
         self.weights = [weight] if isinstance(weight, Tensor) else list(weight)
         self.hidden, self.bias, self.head, self.head_of_row = hidden, bias, head, head_of_row
@@ -212,6 +234,15 @@ class Tiles:
         self._scratch = [torch.empty(size, dtype=self.cdtype, device=device) for _ in range(scratch)]
         self._chunk = torch.empty(self.rows * chunk_width, dtype=self.cdtype, device=device) if chunk_width else None
         self._weights_mm: list[Tensor] | None = None
+        self.compile_tiles = compile_tiles
+
+    def body(self, fn: typing.Callable[..., typing.Any], z: Tensor) -> typing.Callable[..., typing.Any] | None:
+        """The compiled `fn` for the tile `z` when the policy compiles tile bodies and `z` has the
+        full tile shape `[rows, block]` (the ragged last row chunk and block run eagerly, so a new
+        `N` or `Vl` never compiles again); else None: the caller runs its eager in-place body."""
+        if self.compile_tiles and tuple(z.shape) == (self.rows, self.block):
+            return compiled_body(fn)
+        return None
 
     @staticmethod
     def view(buffer: Tensor, rows: int, cols: int) -> Tensor:

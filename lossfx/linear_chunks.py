@@ -47,8 +47,58 @@ __all__ = ["linear_local_grads", "linear_local_stats", "merge_row_stats"]
 
 def _tiles(hidden: Tensor, weight: Tensor, bias: Tensor | None, head: LogitHead, active, chunk_rows: int, scratch: int):
     """The engine's vocabulary-outside walk, sized by the device's policy (`chunk_rows`: 0 = default)."""
-    block, rows = tile_shape(weight.shape[0], weight.shape[1], matmul_dtype(hidden, weight), policy_for(hidden.device))
-    return Tiles(hidden, weight, bias, head, active=active, rows=chunk_rows or rows, block=block, scratch=scratch)
+    policy = policy_for(hidden.device)
+    block, rows = tile_shape(weight.shape[0], weight.shape[1], matmul_dtype(hidden, weight), policy)
+    return Tiles(
+        hidden,
+        weight,
+        bias,
+        head,
+        active=active,
+        rows=chunk_rows or rows,
+        block=block,
+        scratch=scratch,
+        compile_tiles=policy.compile_tiles,
+    )
+
+
+# The per-tile arithmetic as functional bodies for Inductor (`ChunkPolicy.compile_tiles`): each
+# compiles to one or two fused loops over the tile (a row reduction, an elementwise pass), where
+# the eager bodies below make 4-8 passes and as many kernel launches. Same equations.
+
+
+def _stats_body(z: Tensor, block_idx: Tensor, in_block: Tensor, with_entropy: bool):
+    """Tile `z [C, Cv]` -> `(m_b, s_b, u_b or None, picked [C, K])` (see `linear_local_stats`)."""
+    picked = torch.where(in_block, z.gather(1, block_idx), 0.0)
+    m = z.amax(dim=1)
+    x = z - m[:, None]
+    e = torch.exp(x)
+    return m, e.sum(dim=1), ((e * x).sum(dim=1) if with_entropy else None), picked
+
+
+def _grad_body(
+    z: Tensor,
+    shift: Tensor,
+    entropy_factor: Tensor,
+    centre: Tensor,
+    total_factor: Tensor,
+    block_idx: Tensor,
+    block_grad: Tensor,
+    cap_factor: Tensor | None,
+    with_entropy: bool,
+) -> Tensor:
+    """Tile `z [C, Cv]` -> `dz/dr / (s/T)` (see `linear_local_grads`); per-row factors `[C]`:
+    `h/S`, `Σ p (z − shift)`, `Σ_k g_k / S`; `cap_factor` `T/c` (0-d) with a soft-cap."""
+    x = z - shift[:, None]
+    e = torch.exp(x)
+    if with_entropy:
+        dz = e * ((x - centre[:, None]) * entropy_factor[:, None] - total_factor[:, None])
+    else:
+        dz = e * -total_factor[:, None]
+    dz = dz.scatter_add(1, block_idx, block_grad)
+    if cap_factor is not None:
+        dz = dz * (1 - (z * cap_factor).square())
+    return dz
 
 
 def _fold_block(stats: Tensor, rows: slice | Tensor, m_b: Tensor, s_b: Tensor, u_b: Tensor | None) -> None:
@@ -105,18 +155,23 @@ def linear_local_stats(
         in_block = owned & (local_idx >= cols.start) & (local_idx < cols.stop)  # [N, K]
         block_idx = torch.where(in_block, local_idx - cols.start, torch.zeros_like(local_idx))
         for rows, _, z in tiles.tiles(w_block, b_block):  # z [C, Cv]
-            picked = z.gather(1, block_idx[rows])  # [C, K]
-            # each owned id lies in exactly one block: adding 0 elsewhere is exact
-            stats[3:, rows] += torch.where(in_block[rows], picked, torch.zeros_like(picked)).T
-            m_b = z.amax(dim=1)  # [C]
-            z.sub_(m_b[:, None])  # z − m_b, in place
-            u_b = None
-            if with_entropy:
-                e = torch.exp(z, out=tiles.scratch(0, z))  # [C, Cv]
-                s_b = e.sum(dim=1)
-                u_b = e.mul_(z).sum(dim=1)
+            body = tiles.body(_stats_body, z)
+            if body is not None:
+                m_b, s_b, u_b, picked = body(z, block_idx[rows], in_block[rows], with_entropy)
+                stats[3:, rows] += picked.T
             else:
-                s_b = z.exp_().sum(dim=1)
+                picked = z.gather(1, block_idx[rows])  # [C, K]
+                # each owned id lies in exactly one block: adding 0 elsewhere is exact
+                stats[3:, rows] += torch.where(in_block[rows], picked, torch.zeros_like(picked)).T
+                m_b = z.amax(dim=1)  # [C]
+                z.sub_(m_b[:, None])  # z − m_b, in place
+                u_b = None
+                if with_entropy:
+                    e = torch.exp(z, out=tiles.scratch(0, z))  # [C, Cv]
+                    s_b = e.sum(dim=1)
+                    u_b = e.mul_(z).sum(dim=1)
+                else:
+                    s_b = z.exp_().sum(dim=1)
             if cols.start == 0:
                 stats[0, rows], stats[1, rows] = m_b, s_b
                 if u_b is not None:
@@ -188,6 +243,10 @@ def linear_local_grads(
     inv_s = torch.exp(-log_s)  # [N], 1/S with S >= 1
     centre = log_s + neg_entropy  # [N], Σ p (z − shift): log p − H = (z − shift) − centre
     scale = head.scale  # dz/dr = s/T (· (1 − tanh²)): s/T folded into the two matmuls (alpha)
+    entropy_factor, total_factor = grad_entropy * inv_s, grad_total * inv_s  # [N]: h/S, Σ_k g_k/S
+    cap_factor = None
+    if softcap is not None and tiles.compile_tiles:  # a tensor: the compiled body does not specialise on it
+        cap_factor = torch.tensor(temperature / softcap, dtype=cdtype, device=hidden.device)
     in_place = exact and weight.dtype == cdtype
     for cols, w_block, b_block in tiles.blocks():
         acc = dweight[cols].zero_() if in_place else torch.zeros(w_block.shape, dtype=cdtype, device=weight.device)
@@ -195,21 +254,34 @@ def linear_local_grads(
         block_idx = torch.where(in_block, local_idx - cols.start, torch.zeros_like(local_idx))
         block_grad = torch.where(in_block, grad_ids, torch.zeros_like(grad_ids))
         for rows, h_rows, z in tiles.tiles(w_block, b_block):  # z [C, Cv]
-            cap = None
-            if softcap is not None:  # 1 − tanh², from the logits before they are overwritten
-                cap = head.cap_derivative(z, tiles.scratch(int(with_entropy), z))
-            x = z.sub_(shift[rows, None])  # z − shift, in place
-            r = inv_s[rows, None]
-            if with_entropy:
-                # dz = p ⊙ (h·(log p − H) − Σ_k g_k) = exp(x) ⊙ ((x − centre)·h/S − Σ_k g_k/S)
-                e = torch.exp(x, out=tiles.scratch(0, z))  # [C, Cv]
-                bracket = x.sub_(centre[rows, None]).mul_(grad_entropy[rows, None] * r)
-                dz = e.mul_(bracket.sub_(grad_total[rows, None] * r))
+            body = tiles.body(_grad_body, z)
+            if body is not None:
+                dz = body(
+                    z,
+                    shift[rows],
+                    entropy_factor[rows],
+                    centre[rows],
+                    total_factor[rows],
+                    block_idx[rows],
+                    block_grad[rows],
+                    cap_factor,
+                    with_entropy,
+                )
             else:
-                dz = x.exp_().mul_(-grad_total[rows, None] * r)  # −p·Σ_k g_k, in the same buffer
-            dz.scatter_add_(1, block_idx[rows], block_grad[rows])  # + g at each id in this block
-            if cap is not None:
-                dz.mul_(cap)  # dz/dr up to the factor s/T
+                cap = None
+                if softcap is not None:  # 1 − tanh², from the logits before they are overwritten
+                    cap = head.cap_derivative(z, tiles.scratch(int(with_entropy), z))
+                x = z.sub_(shift[rows, None])  # z − shift, in place
+                if with_entropy:
+                    # dz = p ⊙ (h·(log p − H) − Σ_k g_k) = exp(x) ⊙ ((x − centre)·h/S − Σ_k g_k/S)
+                    e = torch.exp(x, out=tiles.scratch(0, z))  # [C, Cv]
+                    bracket = x.sub_(centre[rows, None]).mul_(entropy_factor[rows, None])
+                    dz = e.mul_(bracket.sub_(total_factor[rows, None]))
+                else:
+                    dz = x.exp_().mul_(-total_factor[rows, None])  # −p·Σ_k g_k, in the same buffer
+                dz.scatter_add_(1, block_idx[rows], block_grad[rows])  # + g at each id in this block
+                if cap is not None:
+                    dz.mul_(cap)  # dz/dr up to the factor s/T
             if bias is not None:
                 dbias[cols].add_(dz.sum(dim=0), alpha=scale)
             if exact:

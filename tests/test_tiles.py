@@ -72,3 +72,46 @@ def test_every_fused_path_launches_under_1000_ops_per_step_on_a_gpu(path):
     assert counts[0] < 1000, counts
     # the CPU policy's cache-sized tiles need as many or more (the bound is about the policy)
     assert sum(count(path, 1024, 8, 9496, CPU_POLICY).values()) >= counts[0]
+
+
+def test_compiled_tile_bodies_match_the_reference_and_compile_once_per_tile_shape():
+    """`compile_tiles` (the GPU policy's choice, forced here on CPU): the fused path's per-tile
+    arithmetic runs as Inductor-compiled bodies on the full `[C, Cv]` tiles, with the float64
+    reference's values and gradients; a second call, and a call with another N whose full tiles
+    have the same shape, compile nothing more (the ragged tiles run the eager body)."""
+    from torch._dynamo.utils import counters
+
+    import lossfx
+    from lossfx import reference
+    from lossfx._chunking import chunk_policy
+
+    policy = dataclasses.replace(CPU_POLICY, max_block=5, compile_tiles=True)
+    gen = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(12, 6, generator=gen, dtype=F64), torch.randn(12, generator=gen, dtype=F64)
+    opts = {"temperature": 0.8, "softcap": 3.0, "logit_scale": 1.5}
+
+    def step(n):
+        hidden = torch.randn(n, 6, generator=gen, dtype=F64)
+        target = torch.randint(0, 12, (n,), generator=gen)
+        g, e = torch.randn(n, generator=gen, dtype=F64), torch.randn(n, generator=gen, dtype=F64)
+        results = []
+        for fn in (lossfx.linear_token_logprobs, reference.linear_token_logprobs):
+            h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
+            if fn is reference.linear_token_logprobs:
+                lp, ne = fn(h, w, target, 0.8, bias=b, logit_scale=1.5, softcap=3.0)
+                torch.autograd.backward([lp, ne], [g, e])
+            else:
+                with chunk_policy(policy):  # read by the forward's and the backward's loops
+                    lp, ne = fn(h, w, target, bias=b, chunk_size=4, return_neg_entropy=True, **opts)
+                    torch.autograd.backward([lp, ne], [g, e])
+            results.append((lp, ne, h.grad, w.grad, b.grad))
+        for got, want in zip(*results, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+    before = counters["stats"]["unique_graphs"]
+    step(10)
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled - before == 2  # the forward's and the backward's tile bodies, once each
+    step(10)
+    step(14)  # full tiles [4, 5] again: ragged rows and the last block of 2 columns run eagerly
+    assert counters["stats"]["unique_graphs"] == compiled
