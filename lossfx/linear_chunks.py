@@ -1,10 +1,12 @@
 """The per-rank chunk loops of the fused LM-head path, as opaque `torch.library` custom ops.
 
-Both loops walk `[C, Cv]` tiles of the logits `z = c · tanh(s · (hidden @ weight.T + bias) / c) / T`
-(`z = s · (hidden @ weight.T + bias) / T` without a soft-cap `c`; `LogitHead`) of this rank's
-vocabulary shard, visiting only the active rows (ignored targets cost no logits): vocabulary blocks
-of `Cv <= Vl` rows of `weight` outside, chunks of `C` rows of `hidden [N, H]` inside. So at most
-one tile of logits (and of its gradient) is alive, in eager mode and under `torch.compile` alike:
+Both loops are the tile engine's walk (`lossfx._tiles.Tiles`: sizes from the device's policy,
+buffers, logits, merge) with this path's per-tile arithmetic plugged in. They walk `[C, Cv]` tiles
+of the logits `z = c · tanh(s · (hidden @ weight.T + bias) / c) / T` (`z = s · (hidden @ weight.T +
+bias) / T` without a soft-cap `c`; `LogitHead`) of this rank's vocabulary shard, visiting only the
+active rows (ignored targets cost no logits): vocabulary blocks of `Cv <= Vl` rows of `weight`
+outside, chunks of `C` rows of `hidden [N, H]` inside. So at most one tile of logits (and of its
+gradient) is alive, in eager mode and under `torch.compile` alike:
 
 * `lossfx::linear_local_stats` (forward) returns this rank's per-row statistics `[3 + K, N]`:
   the local max `m`, `s = Σ exp(z − m)`, `u = Σ exp(z − m)·(z − m)` (each block's folded into

@@ -13,13 +13,13 @@ Here the upstream gradient of every logit is known as soon as the row's softmax 
 over the rows forms `dlogits` and both gradients (three matmuls, as unfused), and the backward only
 scales them by the upstream gradient of the scalar.
 
-The loop (`lossfx::linear_objective_rows`, one opaque custom op under `torch.compile`) walks
-chunks of `C` rows of `hidden` and keeps one `[C, Vl]` chunk of logits of this rank's vocabulary
-shard, the most any design with three matmuls needs: per chunk it forms the logits (in vocabulary
-blocks), the row statistics, merges them over the tensor-parallel ranks (one all-gather of `[R, 4,
-C]` per-row scalars, inside the op), turns the chunk into `dlogits` in place and adds its products
-to `dhidden` and `dweight` (proofs/linear_objective.md). The dense equivalent:
-`lossfx.reference.linear_logprob_objective`.
+The loop (`lossfx::linear_objective_rows`, one opaque custom op under `torch.compile`, on the tile
+engine `lossfx._tiles`, rows outside) walks chunks of `C` rows of `hidden` and keeps one `[C, Vl]`
+chunk of logits of this rank's vocabulary shard, the most any design with three matmuls needs: per
+chunk it forms the logits (in vocabulary blocks), the row statistics, merges them over the
+tensor-parallel ranks (one all-gather of `[R, 4, C]` per-row scalars, inside the op), turns the
+chunk into `dlogits` in place and adds its products to `dhidden` and `dweight`
+(proofs/linear_objective.md). The dense equivalent: `lossfx.reference.linear_logprob_objective`.
 """
 
 from __future__ import annotations
@@ -371,8 +371,8 @@ def linear_logprob_objective(
         sequence_parallel: the hidden layout described above.
         chunk_size: rows per chunk; one `[C, Vl]` chunk of logits in the compute dtype is alive
             (results do not depend on it). Default: `N / 16` rows, at most a `[C, ceil(V/R)]`
-            chunk near 96 MiB, at least 16 rows: the same on every rank, uneven shards included
-            (each chunk runs one all-gather over the group).
+            chunk near the device policy's `chunk_bytes` (96 MiB on CPU), at least 16 rows: the
+            same on every rank, uneven shards included (each chunk runs one all-gather over the group).
         allow_repeated_backward: `False`: the backward scales the `weight` gradient formed in the
             forward in place (no second `[Vl, H]` buffer), and a second backward through the same
             graph raises; `True`: it scales a copy, so `retain_graph=True` and `gradcheck` work,
