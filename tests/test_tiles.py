@@ -115,3 +115,31 @@ def test_compiled_tile_bodies_match_the_reference_and_compile_once_per_tile_shap
     step(10)
     step(14)  # full tiles [4, 5] again: ragged rows and the last block of 2 columns run eagerly
     assert counters["stats"]["unique_graphs"] == compiled
+
+
+@pytest.mark.parametrize(
+    ("head_dtype", "logits_dtype"),
+    [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16), (torch.bfloat16, torch.float32)],
+)
+def test_projected_teacher_rounds_each_product_to_logits_dtype(head_dtype, logits_dtype):
+    """The engine's projection of a teacher (`round_to`): the same teacher logits as
+    `project_onto_lm_head` (the product in `promote_types(head, logits_dtype)`, rounded to
+    `logits_dtype`), so the same divergence and student gradient as with those logits given (to a
+    few fp32 ulps: the BLAS may sum a 3-row chunk's products in another order than all rows')."""
+    from lossfx import reverse_kl_to_fixed
+    from lossfx.divergence import divergence_to_projected_teacher, project_onto_lm_head
+
+    gen = torch.Generator().manual_seed(9)
+    student = torch.randn(2, 7, 40, generator=gen).requires_grad_()
+    hidden = torch.randn(2, 7, 16, generator=gen)
+    weight = torch.randn(40, 16, generator=gen).to(head_dtype)
+    out = divergence_to_projected_teacher(
+        "reverse_kl", student, hidden, [weight], chunk_size=3, logits_dtype=logits_dtype
+    )
+    (grad,) = torch.autograd.grad(out.sum(), student)
+    teacher = project_onto_lm_head(hidden, weight, logits_dtype)
+    s = student.detach().requires_grad_()
+    want = reverse_kl_to_fixed(s, teacher, chunk_size=3)
+    (want_grad,) = torch.autograd.grad(want.sum(), s)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-6)
