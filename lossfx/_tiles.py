@@ -229,7 +229,7 @@ class Tiles:
         self.chunks = row_chunks(active, n_rows, self.rows)
         self.block_slices = [slice(c, min(local_vocab, c + self.block)) for c in range(0, local_vocab, self.block)]
         device, size = hidden.device, self.rows * self.block
-        self._tile = torch.empty(size, dtype=self.cdtype, device=device)
+        self._tile: Tensor | None = None  # made on first use: the rows-outside walks never need it
         self._low = None if self.exact else torch.empty(size, dtype=self.mm_dtype, device=device)
         self._scratch = [torch.empty(size, dtype=self.cdtype, device=device) for _ in range(scratch)]
         self._chunk = torch.empty(self.rows * chunk_width, dtype=self.cdtype, device=device) if chunk_width else None
@@ -277,7 +277,9 @@ class Tiles:
     def logits(self, h: Tensor, w: Tensor, b: Tensor | None, out: Tensor | None = None) -> Tensor:
         """`head(h [C, H] @ w [Cv, H].T + b)` -> `[C, Cv]` in the compute dtype, in the tile buffer
         (or `out`); the buffer is reused by the next tile."""
-        z = self.view(self._tile, h.shape[0], w.shape[0]) if out is None else out
+        if out is None and self._tile is None:
+            self._tile = torch.empty(self.rows * self.block, dtype=self.cdtype, device=self.hidden.device)
+        z = self.view(self._tile, h.shape[0], w.shape[0]) if out is None else out  # type: ignore[arg-type]
         self._product(h, w, z)
         if b is not None:
             z.add_(b)
