@@ -7,11 +7,13 @@ On a GPU every eager op is a kernel launch (~5 µs), so the count of launching o
 launch overhead. It is counted here without a GPU and without the arithmetic: the tensors live on
 the `meta` device (shapes, no values), the device policy is forced with `chunk_policy`, and a
 `TorchDispatchMode` counts every aten op that reaches it, inside the tile engine's custom ops too
-(their bodies are re-entered under the mode). Not counted: views and other aliasing ops
-(`view`, `slice`, `select`, `t`, `expand`, ...), allocations without a fill (`empty*`), `detach`,
-and the custom ops themselves (their bodies are). The matmuls count. The count does not depend on
-`H` (the tile shapes depend on `H` only through bf16/fp16 weights, and then only once
-`H > tile_bytes / (4 · max_block)`): `--hidden` shows it.
+(their bodies are re-entered under the mode). The per-tile arithmetic is counted eager, op by op,
+also where the policy compiles it (`compile_tiles`: on `meta` tensors it runs eagerly), so the
+count is an upper bound: compiled, each tile's arithmetic is one or two kernels. Not counted: views
+and other aliasing ops (`view`, `slice`, `select`, `t`, `expand`, ...), allocations without a fill
+(`empty*`), `detach`, and the custom ops themselves (their bodies are). The matmuls count. The
+count does not depend on `H` (the tile shapes depend on `H` only through bf16/fp16 weights, and
+then only once `H > tile_bytes / (4 · max_block)`): `--hidden` shows it.
 
 Results: the table on stdout and `<out>/launches.{json,md}` with `--out`.
 """

@@ -239,8 +239,9 @@ class Tiles:
     def body(self, fn: typing.Callable[..., typing.Any], z: Tensor) -> typing.Callable[..., typing.Any] | None:
         """The compiled `fn` for the tile `z` when the policy compiles tile bodies and `z` has the
         full tile shape `[rows, block]` (the ragged last row chunk and block run eagerly, so a new
-        `N` or `Vl` never compiles again); else None: the caller runs its eager in-place body."""
-        if self.compile_tiles and tuple(z.shape) == (self.rows, self.block):
+        `N` or `Vl` never compiles again); else None (also on `meta` tensors, which have no
+        values to compute): the caller runs its eager in-place body."""
+        if self.compile_tiles and not z.is_meta and tuple(z.shape) == (self.rows, self.block):
             return compiled_body(fn)
         return None
 
