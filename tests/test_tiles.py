@@ -54,7 +54,7 @@ def test_cpu_policy_keeps_the_fused_tile_sizes():
 # [1, 16384, 151936] scaled down 16x in N and V, the policy's budgets 256x (tiles are [rows, V]) and
 # max_block 16x: the same tile and chunk counts as the full shape under GPU_POLICY (10 row chunks of
 # one vocabulary block; 16 rows-outside chunks), so the same op counts (benchmarks/bench_launches.py
-# prints the full-shape table: 288 to 718 launching ops per fwd+bwd).
+# prints the full-shape table: 280 to 718 launching ops per fwd+bwd).
 _SCALED = dataclasses.replace(
     GPU_POLICY,
     tile_bytes=GPU_POLICY.tile_bytes // 256,
