@@ -89,14 +89,16 @@ def tile_shape(local_vocab: int, hidden_size: int, dtype: torch.dtype, sizes: Ti
     return block, max(MIN_ROWS, sizes.tile_bytes // max(1, block * cbytes))
 
 
-def chunk_rows_for(n_rows: int, shard_width: int, dtype: torch.dtype, sizes: TileSizes) -> int:
+def chunk_rows_for(
+    n_rows: int, shard_width: int, dtype: torch.dtype, sizes: TileSizes, min_rows: int = MIN_CHUNK_ROWS
+) -> int:
     """Rows `C` of a rows-outside chunk: `min(N / 16, a [C, shard_width] compute-dtype chunk near
-    chunk_bytes)`, at least 16.
+    chunk_bytes)`, at least `min_rows` (16).
 
     A loop with a collective per chunk needs every rank to walk the same chunks: pass a
     rank-independent `shard_width` (`ceil(V / R)`), never this rank's own width."""
     by_bytes = sizes.chunk_bytes // max(1, shard_width * itemsize(compute_dtype(dtype)))
-    return max(MIN_CHUNK_ROWS, min(-(-n_rows // ROW_FRACTION), by_bytes))
+    return max(min_rows, min(-(-n_rows // ROW_FRACTION), by_bytes))
 
 
 _COMPILED: dict[typing.Callable[..., typing.Any], typing.Callable[..., typing.Any]] = {}

@@ -501,6 +501,11 @@ def project_onto_lm_head(h: Tensor, weight: Tensor, logits_dtype: torch.dtype | 
     return (h.to(gemm_dtype) @ weight.to(gemm_dtype).T).to(logits_dtype)  # [..., Vl]
 
 
+# Rows per projected-teacher chunk, at least: each chunk streams every LM-head shard once, and the
+# [C, Vl] chunks stay O(chunk) beside the student's [N, Vl] logits.
+PROJECTED_MIN_ROWS = 64
+
+
 def _projected_rows(
     hidden: Tensor, weights: list[Tensor], head: Tensor, chunk_rows: int, logits_dtype: torch.dtype
 ) -> tuple[TeacherRows, int]:
@@ -511,12 +516,12 @@ def _projected_rows(
     operands are cast once per call (the hidden states to the heads' dtype; both to the GEMM dtype
     when `logits_dtype` differs), each product rounded to `logits_dtype`. Each chunk reads every
     head once, so a chunk of a few rows would make the projection a memory-bound pass over the head
-    per chunk (measured ~20x slower at V = 151936, H = 512): the default keeps C >= 16."""
+    per chunk (measured ~20x slower at V = 151936, H = 512): the default keeps C >= 64."""
     n_rows, local_vocab = hidden.shape[0], weights[0].shape[0]
     gemm_dtype = torch.promote_types(weights[0].dtype, logits_dtype)
     h = hidden.to(weights[0].dtype).to(gemm_dtype)  # [N, H]; rounded to the heads' dtype first
     if chunk_rows < 0:
-        chunk_rows = chunk_rows_for(n_rows, local_vocab, gemm_dtype, policy_for(hidden.device))
+        chunk_rows = chunk_rows_for(n_rows, local_vocab, gemm_dtype, policy_for(hidden.device), PROJECTED_MIN_ROWS)
     tiles = Tiles(
         h,
         [w.to(gemm_dtype) for w in weights],  # no copy when already gemm_dtype
@@ -650,7 +655,7 @@ def divergence_to_projected_teacher(
         group, chunk_size: as for `reverse_kl_to_fixed` (eager and compiled alike, the teacher
             is projected `chunk_size` rows at a time; default: the fused paths' rows-outside
             chunk, `min(N / 16, a [C, Vl] compute-dtype chunk near the device policy's
-            chunk_bytes)`, at least 16 rows, so that the GEMM stays efficient: each chunk reads
+            chunk_bytes)`, at least 64 rows, so that the GEMM stays efficient: each chunk reads
             the LM-head shard once).
         logits_dtype: dtype of the projected teacher logits (`None`: the heads' dtype).
 
