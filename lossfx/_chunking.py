@@ -40,17 +40,25 @@ class ChunkPolicy:
         min_rows: rows per logits-side chunk, at least.
         tile_bytes: bytes of one `[C, Cv]` compute-dtype tile of the hidden × LM-head loops.
         max_block: vocabulary rows `Cv` per hidden × LM-head tile, at most.
+        chunk_bytes: bytes of one `[C, Vl]` compute-dtype chunk of the hidden × LM-head loops that
+            run rows outside (`linear_logprob_objective`, the projected teacher); `lossfx._tiles`.
+        compile_tiles: run the fused path's per-tile arithmetic as an Inductor-compiled function
+            (one compile per dtype and tile shape) instead of eager in-place passes.
     """
 
     row_bytes: int
     min_rows: int
     tile_bytes: int
     max_block: int
+    chunk_bytes: int = 96 << 20
+    compile_tiles: bool = False
 
 
 CPU_POLICY = ChunkPolicy(row_bytes=DEFAULT_CHUNK_BYTES, min_rows=MIN_CHUNK_ROWS, tile_bytes=4 << 20, max_block=2048)
 # Provisional; sized so that a [1, 16384, 151936] call runs few chunks (see docs/design.md).
-GPU_POLICY = ChunkPolicy(row_bytes=1 << 30, min_rows=256, tile_bytes=1 << 30, max_block=32768)
+GPU_POLICY = ChunkPolicy(
+    row_bytes=1 << 30, min_rows=256, tile_bytes=1 << 30, max_block=1 << 18, chunk_bytes=1 << 30, compile_tiles=True
+)
 
 _forced: ChunkPolicy | None = None
 

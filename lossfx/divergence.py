@@ -43,12 +43,13 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lossfx._chunking import row_chunks
+from lossfx._chunking import policy_for, row_chunks
 from lossfx._consistency import Roles, boundary
 from lossfx._deprecation import warn_renamed
 from lossfx._distributed import ProcessGroup, all_gather_stack
 from lossfx._dtensor import check_view, vocab_shard
 from lossfx._numerics import compiled_row_sum, finite_or_zero, log_s_for_softmax, tracing
+from lossfx._tiles import LogitHead, Tiles, chunk_rows_for
 from lossfx._validation import check_floating, check_integer_ids, check_positive_int
 
 __all__ = ["cross_entropy_to_fixed", "entropy", "neg_entropy", "reverse_kl_to_fixed"]
@@ -500,42 +501,40 @@ def project_onto_lm_head(h: Tensor, weight: Tensor, logits_dtype: torch.dtype | 
     return (h.to(gemm_dtype) @ weight.to(gemm_dtype).T).to(logits_dtype)  # [..., Vl]
 
 
-def _projected_rows(hidden: Tensor, weights: list[Tensor], head: Tensor, logits_dtype: torch.dtype) -> TeacherRows:
-    """Teacher rows `[start, end)`: row `n` of `hidden [N, H]` through `weights[head[n]]` -> `[C, Vl]`.
+# Rows per projected-teacher chunk, at least: each chunk streams every LM-head shard once, and the
+# [C, Vl] chunks stay O(chunk) beside the student's [N, Vl] logits.
+PROJECTED_MIN_ROWS = 64
 
-    The operands are cast once per call (the hidden states to the heads' dtype; both to the GEMM
-    dtype when `logits_dtype` differs), so each chunk costs one `[C, Vl]` product per head it uses.
-    """
+
+def _projected_rows(
+    hidden: Tensor, weights: list[Tensor], head: Tensor, chunk_rows: int, logits_dtype: torch.dtype
+) -> tuple[TeacherRows, int]:
+    """Teacher rows `[start, end)`: row `n` of `hidden [N, H]` through `weights[head[n]]` -> `[C, Vl]`,
+    and the rows per chunk (`chunk_rows`, or the engine's rows-outside default when negative).
+
+    Projected by the tile engine (`lossfx._tiles.Tiles`) into one reused `[C, Vl]` buffer: the
+    operands are cast once per call (the hidden states to the heads' dtype; both to the GEMM dtype
+    when `logits_dtype` differs), each product rounded to `logits_dtype`. Each chunk reads every
+    head once, so a chunk of a few rows would make the projection a memory-bound pass over the head
+    per chunk (measured ~20x slower at V = 151936, H = 512): the default keeps C >= 64."""
+    n_rows, local_vocab = hidden.shape[0], weights[0].shape[0]
     gemm_dtype = torch.promote_types(weights[0].dtype, logits_dtype)
     h = hidden.to(weights[0].dtype).to(gemm_dtype)  # [N, H]; rounded to the heads' dtype first
-    heads = [w.to(gemm_dtype) for w in weights]  # [Vl, H] each; no copy when already gemm_dtype
-
-    def rows(start: int, end: int) -> Tensor:
-        if len(heads) == 1:
-            return (h[start:end] @ heads[0].T).to(logits_dtype)  # [C, Vl]
-        out = h.new_empty((end - start, heads[0].shape[0]), dtype=logits_dtype)  # [C, Vl]
-        chunk_head = head[start:end]  # [C]
-        for k, weight in enumerate(heads):  # runs eagerly (inside the custom ops): value-dependent
-            picked = (chunk_head == k).nonzero().squeeze(-1)  # [C_k]
-            if picked.numel():
-                out.index_copy_(0, picked, (h[start:end].index_select(0, picked) @ weight.T).to(logits_dtype))
-        return out
-
-    return rows
-
-
-# Default rows per chunk of a projected teacher: each chunk reads every LM-head shard once, so a
-# chunk of a few rows would make the projection a memory-bound pass over the whole head per chunk
-# (measured ~20x slower at V = 151936, H = 512). 64 rows keep the GEMM efficient; the [C, Vl]
-# blocks stay O(chunk) (fp32 at V = 151936: 39 MB each, 0.03x the logits at N = 2048).
-PROJECTED_CHUNK_ROWS = 64
-
-
-def _chunk_arg(chunk_rows: int, local_vocab: int, cdtype: torch.dtype) -> int:
-    if chunk_rows >= 0:
-        return chunk_rows
-    itemsize = torch.empty((), dtype=cdtype).element_size()
-    return max(PROJECTED_CHUNK_ROWS, CHUNK_BYTES // (local_vocab * itemsize))
+    if chunk_rows < 0:
+        chunk_rows = chunk_rows_for(n_rows, local_vocab, gemm_dtype, policy_for(hidden.device), PROJECTED_MIN_ROWS)
+    tiles = Tiles(
+        h,
+        [w.to(gemm_dtype) for w in weights],  # no copy when already gemm_dtype
+        None,
+        LogitHead(),
+        active=None,
+        rows=chunk_rows,
+        block=local_vocab,
+        chunk_width=local_vocab,
+        head_of_row=head if len(weights) > 1 else None,
+        round_to=logits_dtype,
+    )
+    return (lambda start, end: tiles.chunk_logits(slice(start, end))), tiles.rows
 
 
 # The chunk loops run inside custom ops: under torch.compile they are one opaque node each (the
@@ -559,8 +558,7 @@ def _projected_teacher_stats(
     """Local statistics `[5, N]` of `student [N, Vl]` against the projected teacher (chunked)."""
     alpha, beta = _WEIGHTS[kind]
     cdtype = _compute_dtype(student, torch.empty((), dtype=logits_dtype))
-    teacher_rows = _projected_rows(hidden, weights, head, logits_dtype)
-    rows = _chunk_arg(chunk_rows, student.shape[-1], cdtype)
+    teacher_rows, rows = _projected_rows(hidden, weights, head, chunk_rows, logits_dtype)
     return _stats_eager(student, teacher_rows, alpha, beta, rows, cdtype)
 
 
@@ -592,8 +590,7 @@ def _projected_teacher_grad(
     alpha, beta = _WEIGHTS[kind]
     cdtype = r.dtype
     terms = _backward_terms(row_stats, r, dout, cdtype)
-    teacher_rows = _projected_rows(hidden, weights, head, logits_dtype)
-    rows = _chunk_arg(chunk_rows, student.shape[-1], cdtype)
+    teacher_rows, rows = _projected_rows(hidden, weights, head, chunk_rows, logits_dtype)
     return _grad_eager(student, teacher_rows, terms, alpha, beta, rows, cdtype)
 
 
@@ -656,8 +653,10 @@ def divergence_to_projected_teacher(
         weights: `[Vl, H]` LM-head shards (one dtype, one shape); fixed (no gradient).
         head: `[...]` integer position in `weights` of each row's head; `None` with one head.
         group, chunk_size: as for `reverse_kl_to_fixed` (eager and compiled alike, the teacher
-            is projected `chunk_size` rows at a time; default 64 rows, so that the GEMM stays
-            efficient: each chunk reads the LM-head shard once).
+            is projected `chunk_size` rows at a time; default: the fused paths' rows-outside
+            chunk, `min(N / 16, a [C, Vl] compute-dtype chunk near the device policy's
+            chunk_bytes)`, at least 64 rows, so that the GEMM stays efficient: each chunk reads
+            the LM-head shard once).
         logits_dtype: dtype of the projected teacher logits (`None`: the heads' dtype).
 
     Returns:

@@ -50,6 +50,7 @@ from lossfx._distributed import (
 )
 from lossfx._dtensor import _same_group, is_dtensor, replicated, vocab_shard
 from lossfx._numerics import log_softmax_rows
+from lossfx._tiles import LogitHead
 from lossfx._validation import (
     check_floating,
     check_ids_in_range,
@@ -59,7 +60,7 @@ from lossfx._validation import (
     read_now,
     values_checkable,
 )
-from lossfx.linear_chunks import LogitHead, linear_local_grads, linear_local_stats, merge_row_stats
+from lossfx.linear_chunks import linear_local_grads, linear_local_stats, merge_row_stats
 from lossfx.next_token import check_position_ids
 from lossfx.sequence_layout import score_next_tokens, sequence_layout
 

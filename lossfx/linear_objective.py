@@ -13,13 +13,13 @@ Here the upstream gradient of every logit is known as soon as the row's softmax 
 over the rows forms `dlogits` and both gradients (three matmuls, as unfused), and the backward only
 scales them by the upstream gradient of the scalar.
 
-The loop (`lossfx::linear_objective_rows`, one opaque custom op under `torch.compile`) walks
-chunks of `C` rows of `hidden` and keeps one `[C, Vl]` chunk of logits of this rank's vocabulary
-shard, the most any design with three matmuls needs: per chunk it forms the logits (in vocabulary
-blocks), the row statistics, merges them over the tensor-parallel ranks (one all-gather of `[R, 4,
-C]` per-row scalars, inside the op), turns the chunk into `dlogits` in place and adds its products
-to `dhidden` and `dweight` (proofs/linear_objective.md). The dense equivalent:
-`lossfx.reference.linear_logprob_objective`.
+The loop (`lossfx::linear_objective_rows`, one opaque custom op under `torch.compile`, on the tile
+engine `lossfx._tiles`, rows outside) walks chunks of `C` rows of `hidden` and keeps one `[C, Vl]`
+chunk of logits of this rank's vocabulary shard, the most any design with three matmuls needs: per
+chunk it forms the logits (in vocabulary blocks), the row statistics, merges them over the
+tensor-parallel ranks (one all-gather of `[R, 4, C]` per-row scalars, inside the op), turns the
+chunk into `dlogits` in place and adds its products to `dhidden` and `dweight`
+(proofs/linear_objective.md). The dense equivalent: `lossfx.reference.linear_logprob_objective`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lossfx._chunking import policy_for
 from lossfx._consistency import Roles, boundary
 from lossfx._distributed import (
     ProcessGroup,
@@ -39,42 +40,27 @@ from lossfx._distributed import (
     reduce_scatter_sum,
 )
 from lossfx._dtensor import replicated
-from lossfx._numerics import compute_dtype
+from lossfx._tiles import LogitHead, Tiles, add_rows_, chunk_rows_for, compute_dtype, matmul_dtype
 from lossfx._validation import check_floating, check_integer_ids
 from lossfx.fused_linear import _local_arguments, _options, local_view, prepare_linear_rows, renamed_keyword
-from lossfx.linear_chunks import (
-    LogitHead,
-    add_rows_,
-    itemsize,
-    matmul_dtype,
-    merge_row_stats,
-    row_chunks,
-    tile_buffers,
-    tile_view,
-)
+from lossfx.linear_chunks import merge_row_stats
 
 __all__ = ["linear_logprob_objective"]
 
-# Default rows per chunk: at most 1/ROW_FRACTION of the rows (so the `[C, Vl]` chunk is at most
-# 1/16 of the logits whatever N) and a chunk near DEFAULT_CHUNK_BYTES in the compute dtype, at
-# least MIN_ROWS. The three matmuls of a chunk are `[C, H] x [H, Vl]`-shaped with the whole head
-# streamed once each, so C trades memory for speed (measured, N = 2048, H = 512, V = 151936 fp32,
-# one core: C = 128 / 165 / 256 -> 1.14 / 1.11 / 1.05x the unfused time).
-DEFAULT_CHUNK_BYTES = 96 << 20
-ROW_FRACTION = 16
-MIN_ROWS = 16
-BLOCK = 2048  # vocabulary columns per matmul tile
 
+def default_objective_chunk_rows(
+    n_rows: int, shard_width: int, dtype: torch.dtype, device: torch.device | None = None
+) -> int:
+    """Rows per chunk when the caller gives none (`lossfx._tiles.chunk_rows_for` under the device's
+    policy; on CPU `min(N / 16, a [C, shard_width] compute-dtype chunk near 96 MiB)`, at least 16).
 
-def default_objective_chunk_rows(n_rows: int, shard_width: int, dtype: torch.dtype) -> int:
-    """Rows per chunk when the caller gives none: `min(N / 16, a [C, shard_width] compute-dtype
-    chunk near 96 MiB)`, at least 16.
-
-    Each chunk runs one all-gather, so every rank must walk the same chunks: `shard_width` is
-    `ceil(V / R)` (the same on every rank, also with uneven shards), never this rank's width.
+    The three matmuls of a chunk are `[C, H] x [H, Vl]`-shaped with the whole head streamed once
+    each, so C trades memory for speed (measured, N = 2048, H = 512, V = 151936 fp32, one core:
+    C = 128 / 165 / 256 -> 1.14 / 1.11 / 1.05x the unfused time). Each chunk runs one all-gather,
+    so every rank must walk the same chunks: `shard_width` is `ceil(V / R)` (the same on every
+    rank, also with uneven shards), never this rank's width.
     """
-    by_bytes = DEFAULT_CHUNK_BYTES // max(1, shard_width * itemsize(compute_dtype(dtype)))
-    return max(MIN_ROWS, min(-(-n_rows // ROW_FRACTION), by_bytes))
+    return chunk_rows_for(n_rows, shard_width, dtype, policy_for(device or torch.device("cpu")))
 
 
 def _resolve_group(group_name: str) -> Any:
@@ -118,14 +104,26 @@ def linear_objective_rows(
     """
     n_rows, hidden_size = hidden.shape
     local_vocab = weight.shape[0]
+    device = hidden.device
     mm_dtype = matmul_dtype(hidden, weight)
-    cdtype = compute_dtype(mm_dtype)
-    exact = mm_dtype == cdtype
     head = LogitHead(temperature, logit_scale, softcap)
     group = _resolve_group(group_name) if group_name else None
     world = 1 if group is None else group.size()
-    chunk_rows = min(n_rows, chunk_rows or default_objective_chunk_rows(n_rows, shard_width, mm_dtype)) or 1
-    device = hidden.device
+    policy = policy_for(device)
+    chunk_rows = min(n_rows, chunk_rows or chunk_rows_for(n_rows, shard_width, mm_dtype, policy)) or 1
+    # the elementwise passes walk the chunk in blocks of `max_block` columns (cache-sized on a CPU)
+    tiles = Tiles(
+        hidden,
+        weight,
+        bias,
+        head,
+        active=active,
+        rows=chunk_rows,
+        block=policy.max_block,
+        scratch=1 + int(softcap is not None),
+        chunk_width=local_vocab,
+    )
+    cdtype, exact = tiles.cdtype, tiles.exact
     rows_out = torch.zeros(2, n_rows, dtype=cdtype, device=device)
     dhidden = torch.zeros(n_rows if need_dhidden else 0, hidden_size, dtype=cdtype, device=device)
     dweight = weight.new_empty((local_vocab if need_dweight else 0, hidden_size))
@@ -136,40 +134,29 @@ def linear_objective_rows(
     in_place = exact and weight.dtype == cdtype
     acc = dweight if in_place else torch.zeros(dweight.shape, dtype=cdtype, device=device)
     scale = head.scale  # dz/dr = s/T (· (1 − tanh²) with a soft-cap)
-    block = min(local_vocab, BLOCK)
-    chunk = torch.empty(chunk_rows * local_vocab, dtype=cdtype, device=device)
-    tile, low = tile_buffers(chunk_rows, block, mm_dtype, cdtype, device)
-    cap_tile = torch.empty_like(tile) if softcap is not None else None
-    blocks = [slice(c0, min(local_vocab, c0 + block)) for c0 in range(0, local_vocab, block)]
-    w_mm = weight.to(mm_dtype)  # a copy only for a head of a lower dtype than hidden's
-    b_c = None if bias is None else bias.to(cdtype)
-    for rows in row_chunks(active, n_rows, chunk_rows):
-        h_rows = hidden[rows].to(mm_dtype)
+    blocks = tiles.block_slices
+    whole = len(blocks) == 1
+    w_mm = tiles.mm_weights()[0]  # a copy only for a head of a lower dtype than hidden's
+    for rows, h_rows, z in tiles.chunks_full():  # z [C, Vl]
         n = h_rows.shape[0]
-        z = tile_view(chunk, n, local_vocab)  # [C, Vl]
-        if exact:
-            torch.mm(h_rows, w_mm.T, out=z)
-        else:
-            assert low is not None
-            for cols in blocks:  # input-dtype matmul tiles, each product rounded once, then widened
-                width = cols.stop - cols.start
-                z[:, cols].copy_(torch.mm(h_rows, w_mm[cols].T, out=tile_view(low, n, width)))
-        if b_c is not None:
-            z.add_(b_c)
-        head.apply_(z)
         idx, own = local_idx[rows, None], owned[rows]
         m = z.amax(dim=1)  # [C]
-        s = torch.zeros(n, dtype=cdtype, device=device)
-        u = torch.zeros(n, dtype=cdtype, device=device)
-        for cols in blocks:  # s = Σ exp(z − m), u = Σ exp(z − m)(z − m), per block in a small tile
-            width = cols.stop - cols.start
-            shifted = torch.sub(z[:, cols], m[:, None], out=tile_view(tile, n, width))
-            if with_entropy:
-                e = torch.exp(shifted)
-                s += e.sum(dim=1)
-                u += e.mul_(shifted).sum(dim=1)
-            else:
-                s += shifted.exp_().sum(dim=1)
+        if whole:  # s = Σ exp(z − m), u = Σ exp(z − m)(z − m) in one tile
+            shifted = torch.sub(z, m[:, None], out=tiles.scratch(0, z))
+            e = torch.exp(shifted) if with_entropy else shifted.exp_()
+            s = e.sum(dim=1)
+            u = e.mul_(shifted).sum(dim=1) if with_entropy else torch.zeros_like(s)
+        else:  # ... per block in a small tile
+            s = torch.zeros(n, dtype=cdtype, device=device)
+            u = torch.zeros(n, dtype=cdtype, device=device)
+            for cols in blocks:
+                shifted = torch.sub(z[:, cols], m[:, None], out=tiles.scratch(0, z[:, cols]))
+                if with_entropy:
+                    e = torch.exp(shifted)
+                    s += e.sum(dim=1)
+                    u += e.mul_(shifted).sum(dim=1)
+                else:
+                    s += shifted.exp_().sum(dim=1)
         z_t = z.gather(1, idx)[:, 0]  # [C], the logit of the target (where owned)
         picked = torch.where(own, z_t, torch.zeros_like(m))
         local = torch.stack([m, s, u, picked])  # [4, C]
@@ -186,17 +173,16 @@ def linear_objective_rows(
             continue
         a, b = logprob_weight[rows, None], entropy_weight[rows, None]
         # dz = p ⊙ (b·(log p − Σ p log p) − a) + a·onehot(t)        (proofs/linear_objective.md §1)
-        if cap_tile is None and not with_entropy:
+        if softcap is None and not with_entropy:
             z.sub_(shift[:, None]).sub_(log_s[:, None]).exp_().mul_(-a)  # −a·p, in place
-        for cols in blocks if cap_tile is not None or with_entropy else ():
-            width = cols.stop - cols.start
+        for cols in blocks if softcap is not None or with_entropy else ():
             zc = z[:, cols]
             cap = None
-            if cap_tile is not None:  # 1 − tanh², from the logits before they are overwritten
-                cap = head.cap_derivative(zc, tile_view(cap_tile, n, width))
+            if softcap is not None:  # 1 − tanh², from the logits before they are overwritten
+                cap = head.cap_derivative(zc, tiles.scratch(1, zc))
             logp = zc.sub_(shift[:, None]).sub_(log_s[:, None])  # log p, in place
             if with_entropy:
-                p = torch.exp(logp, out=tile_view(tile, n, width))
+                p = torch.exp(logp, out=tiles.scratch(0, zc))
                 logp.sub_(neg_entropy[:, None]).mul_(b).sub_(a).mul_(p)
             else:
                 logp.exp_().mul_(-a)
@@ -216,10 +202,8 @@ def linear_objective_rows(
             if need_dweight:
                 acc.addmm_(dz.T, h_rows, alpha=scale)  # [Vl, H], summed over the row chunks
             continue
-        assert low is not None
         for cols in blocks:  # input-dtype matmuls of each rounded tile, summed in the compute dtype
-            width = cols.stop - cols.start
-            dz_low = tile_view(low, n, width).copy_(dz[:, cols])
+            dz_low = tiles.low(dz[:, cols]).copy_(dz[:, cols])
             if need_dhidden:
                 add_rows_(dhidden, rows, dz_low @ w_mm[cols], alpha=scale)
             if need_dweight:
@@ -397,8 +381,8 @@ def linear_logprob_objective(
         sequence_parallel: the hidden layout described above.
         chunk_size: rows per chunk; one `[C, Vl]` chunk of logits in the compute dtype is alive
             (results do not depend on it). Default: `N / 16` rows, at most a `[C, ceil(V/R)]`
-            chunk near 96 MiB, at least 16 rows: the same on every rank, uneven shards included
-            (each chunk runs one all-gather over the group).
+            chunk near the device policy's `chunk_bytes` (96 MiB on CPU), at least 16 rows: the
+            same on every rank, uneven shards included (each chunk runs one all-gather over the group).
         allow_repeated_backward: `False`: the backward scales the `weight` gradient formed in the
             forward in place (no second `[Vl, H]` buffer), and a second backward through the same
             graph raises; `True`: it scales a copy, so `retain_graph=True` and `gradcheck` work,

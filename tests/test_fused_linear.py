@@ -16,6 +16,7 @@ reference's.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -28,6 +29,7 @@ from hypothesis import strategies as st
 
 import lossfx
 from lossfx import reference
+from lossfx._chunking import CPU_POLICY, chunk_policy
 from lossfx.context_parallel import shard_for_cp_rank
 from lossfx.next_token import LoadBalancedSharder
 
@@ -133,14 +135,12 @@ def test_token_matches_reference(world, sp, chunk):
 
 
 @pytest.mark.parametrize("sp", [False, True])
-def test_vocabulary_blocks_match_reference(sp, monkeypatch):
+def test_vocabulary_blocks_match_reference(sp):
     """Tiles narrower than the shard (blocks of 5 of 18 columns: 5, 5, 5, 3) fold their row
     statistics exactly in the forward and split the sums of the backward (proofs §4-5)."""
-    from lossfx import linear_chunks
-
-    monkeypatch.setattr(linear_chunks, "_vocab_block", lambda vl, hs, dt: min(vl, 5))
     case = make_case((3, 4), 8, 36, seed=31, scale=3.0)
-    out = run_token(2, case, chunk=5, temperature=0.9, sp=sp)
+    with chunk_policy(dataclasses.replace(CPU_POLICY, max_block=5)):
+        out = run_token(2, case, chunk=5, temperature=0.9, sp=sp)
     assert_matches(out, reference_token(*case, temperature=0.9), TIGHT, f"blocks sp={sp}")
 
 
@@ -652,16 +652,17 @@ def test_saved_for_backward_is_inputs_and_row_scalars():
 def test_bfloat16_backward_in_vocabulary_blocks(monkeypatch):
     """bf16 weights take the blocked backward (a `[Cv, H]` fp32 accumulator per vocabulary block):
     several blocks give the gradients of one block, to the bf16 rounding of each tile's product."""
-    from lossfx import linear_chunks
+    from lossfx import _tiles
 
     hidden, weight, target, dout, dent = make_case(24, 16, 40, seed=21, dtype=torch.bfloat16)
     grads = []
     for min_block, budget in [(64, 4 << 20), (3, 16 * 4 * 7)]:  # one block of 40; blocks of 7
-        monkeypatch.setattr(linear_chunks, "MIN_BLOCK", min_block)
-        monkeypatch.setattr(linear_chunks, "DEFAULT_TILE_BYTES", budget)
-        assert linear_chunks._vocab_block(40, 16, torch.bfloat16) == (40 if min_block == 64 else 7)
+        monkeypatch.setattr(_tiles, "MIN_BLOCK", min_block)
+        policy = dataclasses.replace(CPU_POLICY, tile_bytes=budget)
+        assert _tiles.tile_shape(40, 16, torch.bfloat16, policy)[0] == (40 if min_block == 64 else 7)
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        lp, ne = lossfx.linear_token_logprobs(h, w, target, chunk_size=5, return_neg_entropy=True)
+        with chunk_policy(policy):
+            lp, ne = lossfx.linear_token_logprobs(h, w, target, chunk_size=5, return_neg_entropy=True)
         torch.autograd.backward([lp, ne], [dout.float(), dent.float()])
         grads.append((h.grad.to(F64), w.grad.to(F64)))
     for one, blocked in zip(grads[0], grads[1], strict=True):

@@ -15,6 +15,7 @@ with `sequence_parallel=True`, rank `r`'s rows of it).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -24,6 +25,7 @@ from harness import compiled_for_rank, gloo_pool, run_ranks, shard_rows
 
 import lossfx
 from lossfx import reference
+from lossfx._chunking import CPU_POLICY, chunk_policy
 
 F64 = torch.float64
 TIGHT = {"rtol": 0.0, "atol": 1e-10}
@@ -153,17 +155,15 @@ def test_options_match_reference(name, opts_name, world):
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("name", ["token", "gather_renorm", "objective"])
-def test_options_over_vocabulary_blocks(name, world, monkeypatch):
+def test_options_over_vocabulary_blocks(name, world):
     """Several vocabulary blocks per shard (5 columns each): the bias and the soft-cap factor are
     taken per block, and the ignored rows skipped in each."""
-    from lossfx import linear_chunks, linear_objective
-
-    monkeypatch.setattr(linear_chunks, "_vocab_block", lambda vl, hs, dt: min(vl, 5))
-    monkeypatch.setattr(linear_objective, "BLOCK", 5)
     opts = OPTIONS["softcap"]
     case = make_case(name, 10, 4, 24, seed=18, ignored=0.3)
     values, grads = expected(name, case, opts)
-    check_ranks(run_ranks(world, _rank, name, case, opts, False, 3), values, grads, sp=False)
+    with chunk_policy(dataclasses.replace(CPU_POLICY, max_block=5)):
+        results = run_ranks(world, _rank, name, case, opts, False, 3)
+    check_ranks(results, values, grads, sp=False)
 
 
 @pytest.mark.parametrize("name", ["token", "gather_renorm", "objective"])

@@ -13,6 +13,7 @@ in-place scaling of the gradients formed in the forward is always exercised.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 
 import lossfx
 from lossfx import linear_objective, reference
+from lossfx._chunking import CPU_POLICY, chunk_policy
 
 F64 = torch.float64
 TIGHT = {"rtol": 0.0, "atol": 1e-10}
@@ -129,14 +131,14 @@ def test_matches_reference(world, sp, chunk, entropy):
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.bfloat16])
-def test_vocabulary_blocks_match_one_block(dtype, monkeypatch):
+def test_vocabulary_blocks_match_one_block(dtype):
     """Tiles narrower than the shard (blocks of 5 of 18 columns) give the one-block results: exactly
     the reference in float64; in bf16 the same per-tile rounding as the blocked backward."""
     case = make_case(12, 8, 36, seed=31, scale=3.0, dtype=dtype)
     blocked = []
     for block in (2048, 5):
-        monkeypatch.setattr(linear_objective, "BLOCK", block)
-        blocked.append(run_objective(2, case, chunk=5, temperature=0.9)[0])
+        with chunk_policy(dataclasses.replace(CPU_POLICY, max_block=block)):
+            blocked.append(run_objective(2, case, chunk=5, temperature=0.9)[0])
     if dtype == F64:
         for out in blocked:
             assert_matches(out, reference_objective(*case, temperature=0.9), TIGHT, "blocks")

@@ -253,17 +253,19 @@ def test_fused_linear_merge_identity(shards, scale):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 100])
-def test_fused_linear_tiles_partition_the_sums(rows, monkeypatch):
+def test_fused_linear_tiles_partition_the_sums(rows):
     """proofs/fused_linear.md §4: any row chunking (and vocabulary blocking) of the backward gives
     the same dh and dW, to rounding."""
-    from lossfx import linear_chunks
+    import dataclasses
+
+    from lossfx._chunking import CPU_POLICY, chunk_policy
 
     h, w, ids, g, e = _linear_case(20)
     results = []
     for block in (w.shape[0], 3):
-        monkeypatch.setattr(linear_chunks, "_vocab_block", lambda vl, hs, dt, block=block: min(vl, block))
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        y, ent = lossfx.linear_gather_logprobs(hh, ww, ids, with_neg_entropy=True, chunk_size=rows)
+        with chunk_policy(dataclasses.replace(CPU_POLICY, max_block=block)):
+            y, ent = lossfx.linear_gather_logprobs(hh, ww, ids, with_neg_entropy=True, chunk_size=rows)
         torch.autograd.backward([y, ent], [g, e])
         results.append((hh.grad, ww.grad))
     for a, b in zip(results[0], results[1], strict=True):

@@ -8,6 +8,7 @@ chunk counts do differ); values and gradients are compared with the float64 refe
 """
 
 import contextlib
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ import torch
 from harness import gloo_pool
 
 import lossfx
-from lossfx import _chunking, divergence, linear_chunks, linear_objective, reference
+from lossfx import _chunking, _tiles, divergence, reference
 
 pytestmark = pytest.mark.distributed
 
@@ -53,15 +54,12 @@ def _data():
 @contextlib.contextmanager
 def _budgets():
     """Every chunk budget shrunk to BUDGET bytes (restored afterwards: the pool is persistent)."""
-    saved = [
-        (_chunking, "DEFAULT_CHUNK_BYTES"),
-        (divergence, "CHUNK_BYTES"),
-        (linear_chunks, "DEFAULT_TILE_BYTES"),
-        (linear_objective, "DEFAULT_CHUNK_BYTES"),
-    ]
+    saved = [(_chunking, "DEFAULT_CHUNK_BYTES"), (divergence, "CHUNK_BYTES"), (_chunking, "CPU_POLICY")]
     old = [getattr(m, name) for m, name in saved]
-    for m, name in saved:
+    for m, name in saved[:-1]:
         setattr(m, name, BUDGET)
+    # the hidden × LM-head engine's tiles and rows-outside chunks (lossfx/_tiles.py)
+    _chunking.CPU_POLICY = dataclasses.replace(old[-1], tile_bytes=BUDGET, chunk_bytes=BUDGET)
     try:
         yield
     finally:
@@ -72,9 +70,9 @@ def _budgets():
 def _width_based_chunks(case, width):
     """How many chunks this rank's own width would give (what the ranks must not depend on)."""
     if case.startswith("objective"):
-        return math.ceil(N / linear_objective.default_objective_chunk_rows(N, width, F64))
+        return math.ceil(N / _tiles.chunk_rows_for(N, width, F64, _chunking.CPU_POLICY))
     if case == "fused_token":
-        return math.ceil(N / linear_chunks.default_linear_chunk_rows(width, F64))
+        return math.ceil(N / _tiles.tile_shape(width, H, F64, _chunking.CPU_POLICY)[1])
     return math.ceil(N / _chunking.default_chunk_rows(width, F64))
 
 
