@@ -154,7 +154,16 @@ def test_the_checker_sees_function_level_and_package_imports():
 # The boundary's generic floor knows no parameter of the floors above: the cross-rank check learns
 # which parameters are the groups, the vocabulary shards and their layout from the `Roles` each
 # public function declares (`boundary(roles=...)`), not from a table of names in `_consistency`.
-GENERIC = ("_host_reads", "_compile_errors", "_consistency", "_validation", "_chunking", "_numerics", "interfaces")
+GENERIC = (
+    "_host_reads",
+    "_compile_errors",
+    "_consistency",
+    "_validation",
+    "_chunking",
+    "_numerics",
+    "_tiles",
+    "_deprecation",
+)  # the foundations but _dtensor, _distributed (PINNED)
 PROTOCOL = {"cp_group"}  # the attribute a context-parallel sharder object carries (not a parameter)
 # known debt, pinned so that it cannot grow: the DTensor boundary still names the entry points' keys
 # and the layout arguments it fills in; `_distributed` names its argument in its own error message
