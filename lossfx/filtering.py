@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lossfx._chunking import row_chunks
+from lossfx._chunking import resolve_chunk_rows, row_chunks
 from lossfx._consistency import boundary
 from lossfx._distributed import (
     ProcessGroup,
@@ -509,7 +509,7 @@ def _thresholds(
     """
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
-    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
+    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype, logits.device)
     k = None if top_k is None else min(top_k, vocab_size)
     use_top_p = top_p < 1.0
     sort_ties = ties == "sorted" and use_top_p
@@ -594,7 +594,7 @@ def _filtered_logprobs_fwd(
         # 2. filtered (m, s) per rank, merged with the target's statistics in one all-gather
         columns = torch.arange(local_vocab, device=logits.device) + vocab_start  # [Vl]
         maxes, sums = [], []
-        for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
+        for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype, logits.device):
             z = logits[start:end].to(cdtype)  # [C, Vl]
             keep = _keep(z, columns, tau[start:end, None], None if cut is None else cut[start:end, None])
             m, s = row_max_sumexp(torch.where(keep, z, float("-inf")))
@@ -638,7 +638,7 @@ def _filtered_logprobs_bwd(
     grad_target = torch.where(owned & _keep(picked, target, tau, cut), grad, torch.zeros_like(grad))  # [N]
     columns = torch.arange(local_vocab, device=logits.device)  # [Vl]
     ids = columns + vocab_start  # [Vl] global ids
-    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
+    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype, logits.device)
     if len(chunks) == 1:  # compiled (or one chunk): one fused expression
         # no `logits.to(cdtype)` here: the mixed-dtype ops promote elementwise, so AOTAutograd saves
         # the logits themselves, never an fp32 copy of bf16 logits (issue 10 item 9)
@@ -710,10 +710,11 @@ def top_k_top_p_threshold(
     top_p: float = 1.0,
     group: ProcessGroup | None = None,
     vocab_size: int | None = None,
-    chunk_size: int | None = None,
+    chunk_rows: int | None = None,
     strategy: str = "auto",
     ties: str = "together",
     vocab_start: int | None = None,
+    chunk_size: int | None = None,
 ) -> Any:
     """Per-row threshold `τ` of the top-k/top-p filter: the filter keeps exactly `logits ≥ τ`.
 
@@ -735,7 +736,8 @@ def top_k_top_p_threshold(
         group: tensor-parallel group over the vocabulary, or `None`. Only per-row scalars and
             `[N, min(k, 1024)]` candidate values are communicated.
         vocab_size: global vocabulary size; default `world_size · Vl`.
-        chunk_size: rows per eager chunk (a memory bound; results do not depend on it).
+        chunk_rows: rows of the flattened `[N, Vl]` logits per eager chunk (a memory bound;
+            results do not depend on it); default: the device's `lossfx.ChunkPolicy`.
         strategy: `"auto"` (candidates for `top_k <= CANDIDATE_TOP_K_MAX`, else bisection),
             `"candidates"` (needs top-k) or `"bisection"`. All give the same `τ`.
         ties: top-p's rule among equal logits (docs/filtering.md): `"together"` (default; a tie
@@ -743,6 +745,7 @@ def top_k_top_p_threshold(
             equal values the larger token id ranks higher, so a tie group at the boundary may be
             cut by id).
         vocab_start: first global id of this shard; default `rank · Vl` (only `"sorted"` reads it).
+        chunk_size: deprecated name of `chunk_rows` (same value; a FutureWarning).
 
     Returns:
         `[...]` thresholds in the compute dtype (`-inf` when nothing is filtered out, NaN for a
@@ -770,7 +773,7 @@ def top_k_top_p_threshold(
     k, p = check_filter_params(top_k, top_p)
     _check_strategy(strategy)
     check_ties(ties)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
+    chunk_rows = check_positive_int("chunk_rows", resolve_chunk_rows(chunk_rows, chunk_size))
     flat = _flat_logits(logits).detach()
     if vocab_start is None:
         vocab_start = group_rank(group) * flat.shape[-1]
@@ -778,7 +781,7 @@ def top_k_top_p_threshold(
         vocab_size = group_size(group) * flat.shape[-1]
     if strategy == "candidates" and k is None:
         raise ValueError("strategy='candidates' needs top-k enabled (top_k > 0)")
-    found = _thresholds(flat, k, p, vocab_start, vocab_size, chunk_size, group, strategy, ties)
+    found = _thresholds(flat, k, p, vocab_start, vocab_size, chunk_rows, group, strategy, ties)
     tau = found.tau.view(logits.shape[:-1])
     if ties == "together":
         return tau
@@ -794,9 +797,10 @@ def apply_top_k_top_p(
     top_p: float = 1.0,
     group: ProcessGroup | None = None,
     vocab_size: int | None = None,
-    chunk_size: int | None = None,
+    chunk_rows: int | None = None,
     ties: str = "together",
     vocab_start: int | None = None,
+    chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`(filtered, keep)`: this shard with filtered-out entries set to `-inf`, and the keep mask.
 
@@ -812,6 +816,7 @@ def apply_top_k_top_p(
         >>> lossfx.apply_top_k_top_p(torch.tensor([[3.0, 1.0, 2.0]]), top_k=2)[0]
         tensor([[3., -inf, 2.]])
     """
+    chunk_rows = resolve_chunk_rows(chunk_rows, chunk_size)
     if is_dtensor(logits):  # vocabulary-sharded results come back as DTensors (lossfx/_dtensor.py)
         s = vocab_shard(logits, group=group, vocab_size=vocab_size)
         out = apply_top_k_top_p(
@@ -820,7 +825,7 @@ def apply_top_k_top_p(
             top_p=top_p,
             group=s.group,
             vocab_size=s.vocab_size,
-            chunk_size=chunk_size,
+            chunk_rows=chunk_rows,
             ties=ties,
             vocab_start=s.vocab_start,
         )
@@ -831,7 +836,7 @@ def apply_top_k_top_p(
         top_p=top_p,
         group=group,
         vocab_size=vocab_size,
-        chunk_size=chunk_size,
+        chunk_rows=chunk_rows,
         ties=ties,
         vocab_start=vocab_start,
     )
@@ -853,9 +858,10 @@ def filtered_token_logprobs(
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
-    chunk_size: int | None = None,
+    chunk_rows: int | None = None,
     strategy: str = "auto",
     ties: str = "together",
+    chunk_size: int | None = None,
 ) -> Tensor:
     """Log-probability of each target under the top-k/top-p filtered, renormalised distribution.
 
@@ -870,9 +876,10 @@ def filtered_token_logprobs(
     Args:
         logits: `[..., Vl]` this rank's vocabulary shard (the full vocabulary without a group).
         target: `[...]` integer global token ids in `[0, V)`.
-        top_k, top_p, group, vocab_size, chunk_size, strategy, ties: as in
+        top_k, top_p, group, vocab_size, chunk_rows, strategy, ties: as in
             `top_k_top_p_threshold`.
         vocab_start: first global id of this shard; default `rank · Vl`.
+        chunk_size: deprecated name of `chunk_rows` (same value; a FutureWarning).
 
     Returns:
         `[...]` in the compute dtype (fp32, or float64 for float64 logits); `-inf` where the
@@ -907,7 +914,7 @@ def filtered_token_logprobs(
     k, p = check_filter_params(top_k, top_p)
     _check_strategy(strategy)
     check_ties(ties)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
+    chunk_rows = check_positive_int("chunk_rows", resolve_chunk_rows(chunk_rows, chunk_size))
     if logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
         raise ValueError(
             f"logits must be [..., V_local] with leading dims equal to target's; got logits.shape="
@@ -923,6 +930,6 @@ def filtered_token_logprobs(
         vocab_size = group_size(group) * local_vocab
     check_ids_in_range("target", target, vocab_size)
     out, _shift, _log_s, _tau, _cut = _FilteredLogprobsFn.apply(
-        flat, target.reshape(-1), vocab_start, vocab_size, k, p, chunk_size, group, strategy, ties
+        flat, target.reshape(-1), vocab_start, vocab_size, k, p, chunk_rows, group, strategy, ties
     )
     return out.view(target.shape)

@@ -17,7 +17,7 @@ import torch
 from harness import gloo_pool
 
 import lossfx
-from lossfx import _chunking, divergence, linear_chunks, linear_objective, reference
+from lossfx import _chunking, linear_chunks, linear_objective, reference
 
 pytestmark = pytest.mark.distributed
 
@@ -47,23 +47,22 @@ def _data():
         "a": torch.randn(N, generator=gen, dtype=F64),
         "b": torch.randn(N, generator=gen, dtype=F64),
         "g": torch.randn(N, 3, generator=gen, dtype=F64),  # upstream gradients
+        "teacher": torch.randn(N, V, generator=gen, dtype=F64) * 2,
     }
 
 
 @contextlib.contextmanager
 def _budgets():
-    """Every chunk budget shrunk to BUDGET bytes (restored afterwards: the pool is persistent)."""
-    saved = [
-        (_chunking, "DEFAULT_CHUNK_BYTES"),
-        (divergence, "CHUNK_BYTES"),
-        (linear_chunks, "DEFAULT_TILE_BYTES"),
-        (linear_objective, "DEFAULT_CHUNK_BYTES"),
-    ]
+    """Every chunk budget shrunk to BUDGET bytes (restored afterwards: the pool is persistent):
+    the logits loops through a forced `lossfx.ChunkPolicy`, the fused loops' own defaults patched."""
+    saved = [(linear_chunks, "DEFAULT_TILE_BYTES"), (linear_objective, "DEFAULT_CHUNK_BYTES")]
     old = [getattr(m, name) for m, name in saved]
     for m, name in saved:
         setattr(m, name, BUDGET)
+    tight = lossfx.ChunkPolicy(row_bytes=BUDGET, min_rows=1, tile_bytes=BUDGET, max_block=2048)
     try:
-        yield
+        with lossfx.chunk_policy(tight):
+            yield
     finally:
         for (m, name), value in zip(saved, old, strict=True):
             setattr(m, name, value)
@@ -98,6 +97,12 @@ def _logits_call(case, shard, d, group, start):
         return lossfx.gather_logprobs(shard, d["ids"], **span)[0]
     if case == "entropy":
         return lossfx.neg_entropy(shard, group=group)
+    if case in ("reverse_kl", "cross_entropy"):  # a teacher shard of the same width
+        fn = lossfx.reverse_kl_to_fixed if case == "reverse_kl" else lossfx.cross_entropy_to_fixed
+        return fn(shard, d["teacher"][:, start : start + shard.shape[-1]], group=group)
+    if case == "gather_neg_entropy":
+        lp, ne = lossfx.gather_logprobs(shard, d["ids"], with_neg_entropy=True, **span)
+        return torch.cat([lp, ne[:, None]], -1)
     if case == "prepare_loss_input":  # plain uneven shards: the widths come from the ranks
         data = {"input_ids": d["target"][None]}
         loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
@@ -173,6 +178,13 @@ def _reference(case):
             out = reference.gather_logprobs(z, d["ids"])[0]
         elif case == "entropy":
             out = reference.neg_entropy(z)
+        elif case == "reverse_kl":
+            out = reference.reverse_kl_to_fixed(z, d["teacher"])
+        elif case == "cross_entropy":
+            out = reference.cross_entropy_to_fixed(z, d["teacher"])
+        elif case == "gather_neg_entropy":
+            lp, ne = reference.gather_logprobs(z, d["ids"])
+            out = torch.cat([lp, ne[:, None]], -1)
         elif case == "prepare_loss_input":
             out = reference.next_token_logprobs(z[None], d["target"][None])[0]
         else:
@@ -199,6 +211,9 @@ LOGITS_CASES = (
     "filtered_bisection",
     "gather",
     "entropy",
+    "reverse_kl",
+    "cross_entropy",
+    "gather_neg_entropy",
     "prepare_loss_input",
     "vocab_topk",
 )
