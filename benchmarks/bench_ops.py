@@ -8,8 +8,9 @@ count of a call bounds its launch overhead from below. A `TorchDispatchMode` cou
 one call and of its backward (from upstream gradients made outside the count). Excluded, since
 they launch nothing on a GPU: views (`OpOverload.is_view`: `view`, `slice`, `select`, `unsqueeze`,
 `expand`, `permute`, `transpose`, `as_strided`, `unbind`, ...), `_unsafe_view`, `alias`,
-`detach`, `lift_fresh`, the allocations `empty*` / `new_empty*`, and the host reads, which are
-counted apart (`HOST_READS`, as in `bench_syncs`).
+`detach`, `lift_fresh`, the allocations `empty*` / `new_empty*`, `scalar_tensor` (a Python
+scalar wrapped as a 0-dim host tensor), ops that return no tensor (`promote_types`), and the host
+reads, which are counted apart (`HOST_READS`, as in `bench_syncs`).
 
 The full-size shape does not fit a CPU (one fp32 `[16384, 151936]` temporary is 10 GB), so the
 calls run on the `meta` device: every op is dispatched with its real shape and nothing is
@@ -33,6 +34,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lossfx
@@ -40,6 +42,7 @@ from lossfx._chunking import GPU_POLICY, ChunkPolicy, chunk_policy, default_chun
 
 HOST_READS = ("_local_scalar_dense", "is_nonzero", "item", "nonzero", "equal")
 NO_LAUNCH = (
+    "scalar_tensor",  # a Python scalar wrapped as a 0-dim host tensor (`where(m, x, 0.0)`): no kernel
     "_unsafe_view",
     "alias",
     "detach",
@@ -53,6 +56,9 @@ NO_LAUNCH = (
 FULL = (1, 16384, 151936)  # [B, S, V]
 K_DISTILL = 64  # teacher top-k of DISTILLATION, ids of gather_logprobs
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "ops.json"
+BUDGET = 1000  # kernel launches per call, at most (issue 17)
+SMALL = (1, 64, 1000)  # the pinned small shape: 4 chunks of 16 rows under SMALL_POLICY
+SMALL_POLICY = ChunkPolicy(row_bytes=16 * 1000 * 4, min_rows=1, tile_bytes=1 << 20, max_block=2048)
 
 
 def launches(op: torch._ops.OpOverload) -> bool:
@@ -72,12 +78,13 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        out = func(*args, **(kwargs or {}))
         if name in HOST_READS:
             self.reads += 1
-        elif launches(func):
-            self.launches += 1
+        elif launches(func) and any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):
+            self.launches += 1  # (ops that return no tensor, e.g. `promote_types`, compute on the host)
             self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 def _float_outputs(out: Any) -> list[torch.Tensor]:
@@ -191,16 +198,18 @@ def count_paths(
     policy: ChunkPolicy = GPU_POLICY,
 ) -> dict[str, OpCounter]:
     """`{path: OpCounter}` of one eager forward + backward of every path, `policy` forced."""
-    out = {}
-    with chunk_policy(policy), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the -inf masking notice of filtered LOGPROB on random data
-        for name, call in PATHS.items():
-            x = inputs(shape, dtype, device)
-            out[name] = count_call(lambda call=call, x=x: call(x))
-    return out
+    return dict(_counted(shape, dtype, device, policy))
 
 
-def host_reads(shape=(1, 64, 1000), dtype=torch.bfloat16, policy=GPU_POLICY) -> dict[str, int]:
+def value_checks(shape: tuple[int, int, int] = SMALL, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """`{path: kernel-launching ops of its value checks}`: a CPU call minus a `meta` call at one
+    shape and one chunking (the checks that read ids are skipped on `meta`; they run once per call,
+    whatever the chunking: `tests/test_bench_ops.py`)."""
+    cpu, meta = count_paths(shape, dtype, "cpu", SMALL_POLICY), count_paths(shape, dtype, "meta", SMALL_POLICY)
+    return {name: cpu[name].launches - meta[name].launches for name in PATHS}
+
+
+def host_reads(shape: tuple[int, int, int] = SMALL, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
     """`{path: host reads of one eager call + backward}` on CPU tensors (values: the checks run).
     `Tensor.tolist` reads without dispatching an op: it is counted by a wrapper."""
     tolist = torch.Tensor.tolist
@@ -213,16 +222,47 @@ def host_reads(shape=(1, 64, 1000), dtype=torch.bfloat16, policy=GPU_POLICY) -> 
 
     torch.Tensor.tolist = counted_tolist  # type: ignore[method-assign]
     try:
-        with chunk_policy(policy), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for name, call in PATHS.items():
-                x = inputs(shape, dtype, "cpu")
-                current[0] = name
-                dispatched = count_call(lambda call=call, x=x: call(x)).reads  # before the += reads counts
-                counts[name] += dispatched
+        for name, c in _counted(shape, dtype, "cpu", SMALL_POLICY, current):
+            counts[name] += c.reads
     finally:
         torch.Tensor.tolist = tolist  # type: ignore[method-assign]
     return {name: counts[name] for name in PATHS}
+
+
+def _counted(shape, dtype, device, policy, current=None):
+    """`(path, OpCounter)` of every path, `policy` forced (`current[0]`: the path being run)."""
+    with chunk_policy(policy), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the -inf masking notice of filtered LOGPROB on random data
+        for name, call in PATHS.items():
+            x = inputs(shape, dtype, device)
+            if current is not None:
+                current[0] = name
+            yield name, count_call(lambda call=call, x=x: call(x))
+
+
+def table() -> dict[str, Any]:
+    """The published table: every path at `FULL` under the GPU policy (`meta` + its value checks),
+    and, pinned by the tests, every path at `SMALL` under `SMALL_POLICY` on CPU."""
+    full = count_paths()
+    checks = value_checks()
+    reads = host_reads()
+    small = count_paths(SMALL, torch.bfloat16, "cpu", SMALL_POLICY)
+    rows = default_chunk_rows(FULL[2], torch.float32, torch.device("meta"))
+    return {
+        "shape": list(FULL),
+        "dtype": "bf16",
+        "policy": dataclasses.asdict(GPU_POLICY),
+        "chunk_rows": rows,
+        "chunks": -(-FULL[0] * FULL[1] // rows),
+        "budget": BUDGET,
+        "full": {
+            n: {"launches": c.launches + checks[n], "checks": checks[n], "host_reads": reads[n], "ops": dict(c.ops)}
+            for n, c in full.items()
+        },
+        "small_shape": list(SMALL),
+        "small_policy": dataclasses.asdict(SMALL_POLICY),
+        "small": {n: c.launches for n, c in small.items()},
+    }
 
 
 def main() -> None:
@@ -231,26 +271,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=str(RESULTS), help=f"write the table here (default {RESULTS})")
     args = parser.parse_args()
-    counts = count_paths()
-    reads = host_reads()
-    env = environment()
-    rows = default_chunk_rows(FULL[2], torch.float32, torch.device("meta"))
-    chunks = -(-FULL[0] * FULL[1] // rows)
-    print(" · ".join(f"{k}: {v}" for k, v in env.items()), "\n")
-    print(f"`{list(FULL)}` bf16 on `meta`, {GPU_POLICY}: {chunks} chunks of {rows} rows; eager forward + backward\n")
-    print("| path | kernel-launching ops | host reads | most frequent ops |")
-    print("|---|---:|---:|---|")
-    for name, c in counts.items():
-        top = ", ".join(f"`{op}` {n}" for op, n in c.ops.most_common(4))
-        print(f"| {name} | {c.launches} | {reads[name]} | {top} |")
-    doc = {
-        "environment": env,
-        "shape": list(FULL),
-        "dtype": "bf16",
-        "policy": dataclasses.asdict(GPU_POLICY),
-        "chunks": chunks,
-        "rows": {n: {"launches": c.launches, "host_reads": reads[n], "ops": dict(c.ops)} for n, c in counts.items()},
-    }
+    doc = {"environment": environment(), **table()}
+    print(" · ".join(f"{k}: {v}" for k, v in doc["environment"].items()), "\n")
+    print(
+        f"`{doc['shape']}` bf16, GPU policy (`row_bytes` {GPU_POLICY.row_bytes >> 20} MiB, `min_rows` "
+        f"{GPU_POLICY.min_rows}): {doc['chunks']} chunks of {doc['chunk_rows']} rows; eager forward + backward\n"
+    )
+    print("| path | kernel launches | of which value checks | host reads | most frequent ops |")
+    print("|---|---:|---:|---:|---|")
+    for name, row in doc["full"].items():
+        top = ", ".join(f"`{op}` {n}" for op, n in Counter(row["ops"]).most_common(4))
+        print(f"| {name} | {row['launches']} | {row['checks']} | {row['host_reads']} | {top} |")
     pathlib.Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
 
 

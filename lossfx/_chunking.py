@@ -23,6 +23,7 @@ __all__ = [
     "CPU_POLICY",
     "GPU_POLICY",
     "ChunkPolicy",
+    "cat_chunks",
     "chunk_policy",
     "default_chunk_rows",
     "policy_for",
@@ -131,6 +132,11 @@ def row_chunks(
         return [(0, n_rows)]
     rows = chunk_rows if chunk_rows is not None else default_chunk_rows(vocab, dtype, device)
     return [(start, min(n_rows, start + rows)) for start in range(0, n_rows, rows)]
+
+
+def cat_chunks(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(parts)` of per-chunk results, without the copy (a kernel launch) for one chunk."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def resolve_chunk_rows(chunk_rows: int | None, chunk_size: int | None) -> int | None:

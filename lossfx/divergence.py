@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lossfx._chunking import resolve_chunk_rows, row_chunks
+from lossfx._chunking import cat_chunks, resolve_chunk_rows, row_chunks
 from lossfx._consistency import boundary
 from lossfx._deprecation import warn_renamed
 from lossfx._distributed import ProcessGroup, all_gather_stack
@@ -108,10 +108,11 @@ def _local_stats(zs: Tensor, zt: Tensor | None, alpha: int, beta: int) -> Tensor
 
 def _local_stats_eager(
     zs: Tensor, zt: Tensor | None, alpha: int, beta: int, cdtype: torch.dtype
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor]:
     """`_local_stats` of one chunk `zs, zt [C, Vl]` (any float dtypes) with at most three `[C, Vl]`
     compute-dtype temporaries (two for entropy and cross-entropy), updated in place; no converted
-    copy of the inputs (`z − m` promotes elementwise). Returns `(m_s, s_s, m_t, s_t, u)`, each `[C]`."""
+    copy of the inputs (`z − m` promotes elementwise). Returns `(m_s, s_s, m_t, s_t, u)`, each `[C]`
+    (`m_t, s_t` None without a teacher: the constants 0 and 1)."""
     m_s = zs.amax(dim=-1).to(cdtype)  # [C]
     xs = _sub_rows(zs, finite_or_zero(m_s))  # [C, Vl] temporary 1
     if zt is None:
@@ -119,7 +120,7 @@ def _local_stats_eager(
         s_s = e.sum(dim=-1)  # [C]
         # e·x; 0·(−inf) = NaN only where e = 0: nansum drops exactly those terms (0·log 0 = 0)
         u = e.mul_(xs).nansum(dim=-1)  # [C]
-        return m_s, s_s, torch.zeros_like(m_s), torch.ones_like(s_s), u
+        return m_s, s_s, None, None, u
     m_t = zt.amax(dim=-1).to(cdtype)  # [C]
     xt = _sub_rows(zt, finite_or_zero(m_t))  # [C, Vl] temporary 2
     if alpha:  # reverse KL: w = x_s − x_t
@@ -181,13 +182,17 @@ def _stats_eager(
 ) -> Tensor:
     """Local statistics `[5, N]` (`_local_stats` rows), one chunk of rows at a time."""
     n_rows, local_vocab = student.shape
-    local = student.new_empty((5, n_rows), dtype=cdtype)
+    columns: list[list[Tensor]] = [[], [], [], [], []]
     for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype, student.device):
         zt = None if teacher_rows is None else teacher_rows(start, end)  # [C, Vl]
-        chunk_stats = _local_stats_eager(student[start:end], zt, alpha, beta, cdtype)
-        for i, stat in enumerate(chunk_stats):
-            local[i, start:end] = stat
-    return local
+        for column, stat in zip(columns, _local_stats_eager(student[start:end], zt, alpha, beta, cdtype)):
+            if stat is not None:
+                column.append(stat)
+    # one stack (and a cat per statistic when there are several chunks): few ops per call
+    rows = [cat_chunks(col) for col in columns if col]  # [N] each
+    if teacher_rows is None:  # no teacher: m_t = 0, s_t = 1
+        rows[2:2] = [torch.zeros_like(rows[0]), torch.ones_like(rows[0])]
+    return torch.stack(rows)
 
 
 def _divergence_fwd(

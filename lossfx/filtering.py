@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lossfx._chunking import resolve_chunk_rows, row_chunks
+from lossfx._chunking import cat_chunks, resolve_chunk_rows, row_chunks
 from lossfx._consistency import boundary
 from lossfx._distributed import (
     ProcessGroup,
@@ -145,74 +145,79 @@ def _key_limits(n_rows: int, dtype: torch.dtype, device: torch.device) -> tuple[
     return _float_to_key(-inf), _float_to_key(inf)
 
 
-def _floor_avg(lo: Tensor, hi: Tensor) -> Tensor:
-    """`⌊(lo + hi) / 2⌋` without int64 overflow."""
+def _floor_avg(lo: Tensor, hi: Tensor, bits: int = 64) -> Tensor:
+    """`⌊(lo + hi) / 2⌋` of `bits`-bit keys held in int64, without overflow."""
+    if bits < 64:  # the sum of two 32-bit keys fits in int64: two ops instead of six
+        return (lo + hi) >> 1
     return (lo >> 1) + (hi >> 1) + (lo & hi & 1)
 
 
 # ---------------------------------------------------------------------------------------------
 # Row passes (eager: chunked rows; compiled: one fused pass)
 # ---------------------------------------------------------------------------------------------
+# Each pass compares the logits in their own dtype against compute-dtype thresholds: the comparison
+# promotes elementwise (exact: every logit is a compute-dtype value), so no converted copy of a
+# chunk is made. A bisection runs one pass per step, so each op per chunk costs a kernel launch per
+# step on a GPU (benchmarks/bench_ops.py): the passes are written with as few ops as they need.
 
 
-def _count_ge(logits: Tensor, x: Tensor, chunks: list[tuple[int, int]], cdtype: torch.dtype) -> Tensor:
+def _count_ge(logits: Tensor, x: Tensor, chunks: list[tuple[int, int]]) -> Tensor:
     """`[N]` int64: local number of entries `z ≥ x[n]`."""
-    parts = [(logits[s:e].to(cdtype) >= x[s:e, None]).sum(dim=-1, dtype=torch.int64) for s, e in chunks]
-    return torch.cat(parts)
+    return cat_chunks([(logits[s:e] >= x[s:e, None]).sum(dim=-1, dtype=torch.int64) for s, e in chunks])
 
 
-def _count_eq(logits: Tensor, x: Tensor, chunks: list[tuple[int, int]], cdtype: torch.dtype) -> Tensor:
+def _count_eq(logits: Tensor, x: Tensor, chunks: list[tuple[int, int]]) -> Tensor:
     """`[N]` int64: local number of entries `z == x[n]`."""
-    parts = [(logits[s:e].to(cdtype) == x[s:e, None]).sum(dim=-1, dtype=torch.int64) for s, e in chunks]
-    return torch.cat(parts)
+    return cat_chunks([(logits[s:e] == x[s:e, None]).sum(dim=-1, dtype=torch.int64) for s, e in chunks])
 
 
 def _count_nan(logits: Tensor, chunks: list[tuple[int, int]]) -> Tensor:
     """`[N]` int64: local number of NaN entries."""
-    return torch.cat([torch.isnan(logits[s:e]).sum(dim=-1, dtype=torch.int64) for s, e in chunks])
+    return cat_chunks([torch.isnan(logits[s:e]).sum(dim=-1, dtype=torch.int64) for s, e in chunks])
 
 
 def _count_tied_ids_ge(
-    logits: Tensor, x: Tensor, cut: Tensor, columns: Tensor, chunks: list[tuple[int, int]], cdtype: torch.dtype
+    logits: Tensor, x: Tensor, cut: Tensor, columns: Tensor, chunks: list[tuple[int, int]]
 ) -> Tensor:
     """`[N]` int64: local number of entries `z == x[n]` whose global id (`columns [Vl]`) is `≥ cut[n]`."""
     parts = []
     for s, e in chunks:
-        tied = (logits[s:e].to(cdtype) == x[s:e, None]) & (columns >= cut[s:e, None])  # [C, Vl]
+        tied = (logits[s:e] == x[s:e, None]).logical_and_(columns >= cut[s:e, None])  # [C, Vl]
         parts.append(tied.sum(dim=-1, dtype=torch.int64))
-    return torch.cat(parts)
+    return cat_chunks(parts)
 
 
-def _mass_above(
-    logits: Tensor,
-    x: Tensor,
-    tau_k: Tensor,
-    shift: Tensor,
-    log_s: Tensor,
-    chunks: list[tuple[int, int]],
-    cdtype: torch.dtype,
-) -> Tensor:
-    """`[N]` float64: local `Σ exp((z − shift) − log_s)` over entries with `z > x` and `z ≥ τ_k`."""
+def _below(tau_k: Tensor) -> Tensor:
+    """`[N]` the float just below each `τ_k` (its dtype): `z ≥ τ_k ⟺ z > _below(τ_k)` for every
+    value `z` of that dtype but `−∞` (never counted by `_mass_above`: its weight is 0)."""
+    return torch.nextafter(tau_k, torch.full_like(tau_k, float("-inf")))
+
+
+def _mass_above(logits: Tensor, bound: Tensor, shift: Tensor, log_s: Tensor, chunks: list[tuple[int, int]]) -> Tensor:
+    """`[N]` float64: local `Σ exp((z − shift) − log_s)` over the entries `z > bound[n]`.
+
+    With `bound = max(x, _below(τ_k))` that is the entries `z > x` and `z ≥ τ_k`. Seven ops per
+    chunk: one fresh float64 `[C, Vl]` buffer (`z − shift` promotes exactly), updated in place, and
+    a bool mask.
+    """
     parts = []
     for s, e in chunks:
-        z = logits[s:e].to(cdtype)  # [C, Vl]
-        inside = (z > x[s:e, None]) & (z >= tau_k[s:e, None])
-        w = torch.exp((z.to(_F64) - shift[s:e, None]) - log_s[s:e, None])  # [C, Vl]
-        parts.append(torch.where(inside, w, 0.0).sum(dim=-1))
-    return torch.cat(parts)
+        z = logits[s:e]  # [C, Vl], never written
+        outside = (z > bound[s:e, None]).logical_not_()  # a NaN entry is outside
+        w = torch.sub(z, shift[s:e, None]).sub_(log_s[s:e, None]).exp_().masked_fill_(outside, 0.0)
+        parts.append(w.sum(dim=-1))
+    return cat_chunks(parts)
 
 
-def _count_live_below(
-    logits: Tensor, x: Tensor, tau_k: Tensor, shift: Tensor, chunks: list[tuple[int, int]], cdtype: torch.dtype
-) -> Tensor:
+def _count_live_below(logits: Tensor, x: Tensor, tau_k: Tensor, shift: Tensor, chunks: list[tuple[int, int]]) -> Tensor:
     """`[N]` float64: local number of survivors `τ_k ≤ z < x` whose weight `exp(z − shift)` is
     nonzero in float64."""
     parts = []
     for s, e in chunks:
-        z = logits[s:e].to(cdtype)  # [C, Vl]
+        z = logits[s:e]  # [C, Vl]
         live = (z < x[s:e, None]) & (z >= tau_k[s:e, None]) & (torch.exp(z.to(_F64) - shift[s:e, None]) > 0)
         parts.append(live.sum(dim=-1, dtype=torch.float64))
-    return torch.cat(parts)
+    return cat_chunks(parts)
 
 
 def _masked_logsum(
@@ -230,7 +235,7 @@ def _masked_logsum(
         m, ssum = row_max_sumexp(z)  # [C], [C]
         maxes.append(m)
         sums.append(ssum)
-    stats = all_gather_stack(torch.stack([torch.cat(maxes), torch.cat(sums)]), group)  # [R, 2, N]
+    stats = all_gather_stack(torch.stack([cat_chunks(maxes), cat_chunks(sums)]), group)  # [R, 2, N]
     return merge_max_logsum(stats[:, 0], stats[:, 1])
 
 
@@ -304,7 +309,7 @@ def _tie_count(
     """`[N]` int64: the global number of entries equal to `τ_k`: one fused counting pass over the
     logits, eager and compiled (no host read: the local top-(k+1) candidates hold the count on
     most rows, but finding the other rows on the host would cost a device→host read)."""
-    return all_reduce(_count_eq(logits, tau_k, chunks, cdtype), "sum", group)
+    return all_reduce(_count_eq(logits, tau_k, chunks), "sum", group)
 
 
 def _split_top_p(top_p: float) -> tuple[float, float]:
@@ -411,9 +416,10 @@ def _top_k_by_bisection(
     n_rows = logits.shape[0]
     lo, hi = _key_limits(n_rows, cdtype, logits.device)  # pred(lo) true (count = V ≥ k)
     hi = hi + 1  # pred(hi) false, never evaluated
-    for _ in range(_key_bits(cdtype)):
-        mid = _floor_avg(lo, hi)  # in [lo, hi − 1]: a real float
-        count = all_reduce(_count_ge(logits, _key_to_float(mid, cdtype), chunks, cdtype), "sum", group)
+    bits = _key_bits(cdtype)
+    for _ in range(bits):
+        mid = _floor_avg(lo, hi, bits)  # in [lo, hi − 1]: a real float
+        count = all_reduce(_count_ge(logits, _key_to_float(mid, cdtype), chunks), "sum", group)
         ok = count >= k
         lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
     return _key_to_float(lo, cdtype) + 0.0  # `+ 0.0`: a -0 threshold reads as +0
@@ -437,15 +443,18 @@ def _top_p_by_bisection(
     n_rows = logits.shape[0]
     lo, hi = _key_limits(n_rows, cdtype, logits.device)  # pred(hi) true: nothing is above +inf
     lo = lo - 1  # pred(lo) taken as false, never evaluated
-    for _ in range(_key_bits(cdtype)):
-        mid = _floor_avg(lo, hi)
+    below_tau_k = _below(tau_k)
+    bits = _key_bits(cdtype)
+    for _ in range(bits):
+        mid = _floor_avg(lo, hi, bits)
         moving = mid != lo  # mid == lo only once converged (hi = lo + 1): keep the state
         x = _key_to_float(torch.where(moving, mid, hi), cdtype)  # [N], never the sentinel
-        mass = all_reduce(_mass_above(logits, x, tau_k, shift, log_s, chunks, cdtype), "sum", group)
+        mass = all_reduce(_mass_above(logits, torch.maximum(x, below_tau_k), shift, log_s, chunks), "sum", group)
         # a value of float64 weight 0 has the whole mass above it exactly (see _from_candidates)
         weighed = (torch.exp(x.to(_F64) - shift) > 0) | empty
         ok = (mass < top_p) & moving & weighed
-        lo, hi = torch.where(ok | ~moving, lo, mid), torch.where(ok, mid, hi)
+        # not moving: mid == lo and ok is false, so `lo` keeps its value either way
+        lo, hi = torch.where(ok, lo, mid), torch.where(ok, mid, hi)
     return _key_to_float(hi, cdtype) + 0.0  # `+ 0.0`: a -0 threshold reads as +0
 
 
@@ -469,7 +478,7 @@ def _id_cut(
     hi = torch.full_like(n, vocab_size)  # pred false (n ≥ 1), never evaluated
     for _ in range((vocab_size - 1).bit_length()):
         mid = (lo + hi) // 2
-        count = all_reduce(_count_tied_ids_ge(logits, tau, mid, columns, chunks, cdtype), "sum", group)
+        count = all_reduce(_count_tied_ids_ge(logits, tau, mid, columns, chunks), "sum", group)
         ok = count >= n
         lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
     return lo
@@ -536,9 +545,9 @@ def _thresholds(
             tau_p = _top_p_by_bisection(logits, tau_k, shift_k, log_s_k, top_p, chunks, cdtype, group)
             tau = torch.maximum(tau_k, tau_p)
             if sort_ties:
-                above = _mass_above(logits, tau, tau_k, shift_k, log_s_k, chunks, cdtype)
-                tied_here = _count_eq(logits, tau, chunks, cdtype).to(_F64)
-                live = _count_live_below(logits, tau, tau_k, shift_k, chunks, cdtype)
+                above = _mass_above(logits, torch.maximum(tau, _below(tau_k)), shift_k, log_s_k, chunks)
+                tied_here = _count_eq(logits, tau, chunks).to(_F64)
+                live = _count_live_below(logits, tau, tau_k, shift_k, chunks)
                 counts = all_reduce(torch.stack([above, tied_here, live]), "sum", group)  # [3, N]
                 q_tau = torch.exp((tau.to(_F64) - shift_k) - log_s_k)
                 tied = counts[1].to(torch.int64)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lossfx._chunking import resolve_chunk_rows, row_chunks
+from lossfx._chunking import cat_chunks, resolve_chunk_rows, row_chunks
 from lossfx._consistency import boundary
 from lossfx._deprecation import renamed_keyword
 from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size, local_columns
@@ -95,9 +95,9 @@ def _gather_logprobs_fwd(logits, ids, vocab_start, with_entropy, chunk_rows, gro
             weighted.append(u)
     picked = logits.gather(-1, local_idx).to(cdtype)  # [N, K]
     picked = torch.where(owned, picked, torch.zeros_like(picked))
-    rows = [torch.cat(maxes).unsqueeze(0), torch.cat(sums).unsqueeze(0), picked.transpose(0, 1)]
+    rows = [cat_chunks(maxes).unsqueeze(0), cat_chunks(sums).unsqueeze(0), picked.transpose(0, 1)]
     if with_entropy:
-        rows.append(torch.cat(weighted).unsqueeze(0))
+        rows.append(cat_chunks(weighted).unsqueeze(0))
     # 2. merge across ranks: one all-gather of per-row scalars
     stats = all_gather_stack(torch.cat(rows), group)  # [R, 2 + K (+1), N]
     n_ids = ids.shape[-1]

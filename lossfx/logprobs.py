@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lossfx._chunking import resolve_chunk_rows, row_chunks
+from lossfx._chunking import cat_chunks, resolve_chunk_rows, row_chunks
 from lossfx._consistency import boundary
 from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size, local_columns
 from lossfx._dtensor import check_view, replicated, vocab_shard
@@ -60,7 +60,7 @@ def _token_logprobs_fwd(
         sums.append(s)
     picked = logits.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1).to(cdtype)  # [N]
     picked = torch.where(owned, picked, torch.zeros_like(picked))
-    local_stats = torch.stack([torch.cat(maxes), torch.cat(sums), picked])  # [3, N]
+    local_stats = torch.stack([cat_chunks(maxes), cat_chunks(sums), picked])  # [3, N]
     # 2. merge across ranks: one all-gather of per-row scalars
     stats = all_gather_stack(local_stats, group)  # [R, 3, N]
     shift, log_s = merge_max_logsum(stats[:, 0], stats[:, 1])  # [N], [N]; lse = shift + log_s
