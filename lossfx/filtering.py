@@ -604,9 +604,9 @@ def _filtered_logprobs_fwd(
         columns = torch.arange(local_vocab, device=logits.device) + vocab_start  # [Vl]
         maxes, sums = [], []
         for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype, logits.device):
-            z = logits[start:end].to(cdtype)  # [C, Vl]
+            z = logits[start:end]  # [C, Vl]; compared and shifted with promotion (no converted copy)
             keep = _keep(z, columns, tau[start:end, None], None if cut is None else cut[start:end, None])
-            m, s = row_max_sumexp(torch.where(keep, z, float("-inf")))
+            m, s = row_max_sumexp(torch.where(keep, z, float("-inf")), cdtype)
             maxes.append(m)
             sums.append(s)
         local_stats += [torch.cat(maxes), torch.cat(sums)]
@@ -660,15 +660,14 @@ def _filtered_logprobs_bwd(
     # dtype (one read, one write), else through one chunk-sized buffer (rounded once)
     dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
     direct = logits.dtype == cdtype
+    neg_grad = -grad  # [N]
     for start, end in chunks:
-        z = logits[start:end].to(cdtype)  # [C, Vl]
-        d = dlogits[start:end] if direct else torch.empty_like(z)
-        torch.sub(z, shift[start:end, None], out=d)
-        d.sub_(log_s_safe[start:end, None]).exp_().mul_(-grad[start:end, None])  # the softmax term
+        z = logits[start:end]  # [C, Vl]; the ops below promote it elementwise (no converted copy)
+        d = torch.sub(z, shift[start:end, None], out=dlogits[start:end] if direct else None)  # [C, Vl] cdtype
+        d.sub_(log_s_safe[start:end, None]).exp_().mul_(neg_grad[start:end, None])  # the softmax term
         keep = _keep(z, ids, tau[start:end, None], None if cut is None else cut[start:end, None])
-        d.masked_fill_(~keep, 0.0)
-        rows = torch.arange(end - start, device=logits.device)
-        d.index_put_((rows, local_idx[start:end]), grad_target[start:end], accumulate=True)  # one-hot
+        d.masked_fill_(keep.logical_not_(), 0.0)
+        d.scatter_add_(1, local_idx[start:end, None], grad_target[start:end, None])  # one-hot
         if not direct:
             dlogits[start:end] = d
     return dlogits
