@@ -6,6 +6,7 @@ beneath them, and `lossfx.reference`, the dense float64 reference of everything.
 """
 
 from lossfx import reference
+from lossfx._chunking import CPU_POLICY, GPU_POLICY, ChunkPolicy, chunk_policy
 from lossfx.context_parallel import allgather_cp, shard_for_cp_rank, unshard
 from lossfx.distillation import distillation_topk_logprobs
 from lossfx.divergence import cross_entropy_to_fixed, entropy, neg_entropy, reverse_kl_to_fixed
@@ -35,6 +36,9 @@ from lossfx.topk import vocab_topk
 __version__ = "0.1.0"
 
 __all__ = [
+    "CPU_POLICY",
+    "GPU_POLICY",
+    "ChunkPolicy",
     "LossFunction",
     "LossInputType",
     "OnPolicyDistillationFullConfig",
@@ -42,6 +46,7 @@ __all__ = [
     "__version__",
     "allgather_cp",
     "apply_top_k_top_p",
+    "chunk_policy",
     "cross_entropy_to_fixed",
     "distillation_topk_logprobs",
     "draft_targets",

@@ -129,7 +129,7 @@ def distillation_topk_logprobs(
     neg_entropy = None
     if zero_outside_topk:
         student_lp, neg_entropy = gather_logprobs(
-            student_logits, ids, with_neg_entropy=calculate_entropy, group=vocab_parallel_group, chunk_size=rows
+            student_logits, ids, with_neg_entropy=calculate_entropy, group=vocab_parallel_group, chunk_rows=rows
         )
     else:
         picked = gather_logits(student_logits, ids, group=vocab_parallel_group)  # [B, S_l, K]

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lossfx._chunking import policy_for, row_chunks
+from lossfx._chunking import cat_chunks, policy_for, resolve_chunk_rows, row_chunks
 from lossfx._consistency import Roles, boundary
 from lossfx._deprecation import warn_renamed
 from lossfx._distributed import ProcessGroup, all_gather_stack
@@ -53,12 +53,6 @@ from lossfx._tiles import LogitHead, Tiles, chunk_rows_for
 from lossfx._validation import check_floating, check_integer_ids, check_positive_int
 
 __all__ = ["cross_entropy_to_fixed", "entropy", "neg_entropy", "reverse_kl_to_fixed"]
-
-# Eager default: rows per chunk so that one [C, Vl] compute-dtype temporary is about this many bytes.
-# The kernels make up to 7 in-place passes over each chunk's temporaries; keeping them cache-sized
-# (a few rows at V = 151936) measured ~1.8x faster than 16-row chunks, and the per-chunk Python
-# overhead stays ~3 % at that width.
-CHUNK_BYTES = 2 << 20
 
 # (alpha, beta) of w = alpha * log p_s - beta * log p_t, per kernel kind.
 _WEIGHTS = {"entropy": (1, 0), "cross_entropy": (0, 1), "reverse_kl": (1, 1)}
@@ -73,14 +67,6 @@ def _compute_dtype(student: Tensor, teacher: Tensor | None) -> torch.dtype:
 def _safe_mul(e: Tensor, x: Tensor) -> Tensor:
     """`e · x` with `0 · anything = 0` (the `0 · log 0 = 0` convention; `e ≥ 0`)."""
     return torch.where(e > 0, e * x, torch.zeros_like(e))
-
-
-def _chunks(n_rows: int, chunk_rows: int | None, local_vocab: int, cdtype: torch.dtype) -> list[tuple[int, int]]:
-    """Row chunks of the eager kernels: `chunk_rows`, or about `CHUNK_BYTES` per temporary."""
-    if chunk_rows is None:
-        itemsize = torch.empty((), dtype=cdtype).element_size()
-        chunk_rows = max(1, CHUNK_BYTES // (local_vocab * itemsize))
-    return row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
 
 
 def _sub_rows(z: Tensor, shift: Tensor, out: Tensor | None = None) -> Tensor:
@@ -119,10 +105,11 @@ def _local_stats(zs: Tensor, zt: Tensor | None, alpha: int, beta: int) -> Tensor
 
 def _local_stats_eager(
     zs: Tensor, zt: Tensor | None, alpha: int, beta: int, cdtype: torch.dtype
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor]:
     """`_local_stats` of one chunk `zs, zt [C, Vl]` (any float dtypes) with at most three `[C, Vl]`
     compute-dtype temporaries (two for entropy and cross-entropy), updated in place; no converted
-    copy of the inputs (`z − m` promotes elementwise). Returns `(m_s, s_s, m_t, s_t, u)`, each `[C]`."""
+    copy of the inputs (`z − m` promotes elementwise). Returns `(m_s, s_s, m_t, s_t, u)`, each `[C]`
+    (`m_t, s_t` None without a teacher: the constants 0 and 1)."""
     m_s = zs.amax(dim=-1).to(cdtype)  # [C]
     xs = _sub_rows(zs, finite_or_zero(m_s))  # [C, Vl] temporary 1
     if zt is None:
@@ -130,7 +117,7 @@ def _local_stats_eager(
         s_s = e.sum(dim=-1)  # [C]
         # e·x; 0·(−inf) = NaN only where e = 0: nansum drops exactly those terms (0·log 0 = 0)
         u = e.mul_(xs).nansum(dim=-1)  # [C]
-        return m_s, s_s, torch.zeros_like(m_s), torch.ones_like(s_s), u
+        return m_s, s_s, None, None, u
     m_t = zt.amax(dim=-1).to(cdtype)  # [C]
     xt = _sub_rows(zt, finite_or_zero(m_t))  # [C, Vl] temporary 2
     if alpha:  # reverse KL: w = x_s − x_t
@@ -192,13 +179,17 @@ def _stats_eager(
 ) -> Tensor:
     """Local statistics `[5, N]` (`_local_stats` rows), one chunk of rows at a time."""
     n_rows, local_vocab = student.shape
-    local = student.new_empty((5, n_rows), dtype=cdtype)
-    for start, end in _chunks(n_rows, chunk_rows, local_vocab, cdtype):
+    columns: list[list[Tensor]] = [[], [], [], [], []]
+    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype, student.device):
         zt = None if teacher_rows is None else teacher_rows(start, end)  # [C, Vl]
-        chunk_stats = _local_stats_eager(student[start:end], zt, alpha, beta, cdtype)
-        for i, stat in enumerate(chunk_stats):
-            local[i, start:end] = stat
-    return local
+        for column, stat in zip(columns, _local_stats_eager(student[start:end], zt, alpha, beta, cdtype)):
+            if stat is not None:
+                column.append(stat)
+    # one stack (and a cat per statistic when there are several chunks): few ops per call
+    rows = [cat_chunks(col) for col in columns if col]  # [N] each
+    if teacher_rows is None:  # no teacher: m_t = 0, s_t = 1
+        rows[2:2] = [torch.zeros_like(rows[0]), torch.ones_like(rows[0])]
+    return torch.stack(rows)
 
 
 def _divergence_fwd(
@@ -278,7 +269,7 @@ def _grad_eager(
     n_rows, local_vocab = student.shape
     direct = student.dtype == cdtype
     dstudent = torch.empty_like(student)
-    for start, end in _chunks(n_rows, chunk_rows, local_vocab, cdtype):
+    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype, student.device):
         rows = slice(start, end)
         out = dstudent[rows] if direct else None
         if alpha or teacher_rows is None:  # d := log p_s (in the output rows when direct), p := exp(d)
@@ -324,10 +315,10 @@ def _apply(
     student: Tensor,
     teacher: Tensor | None,
     group: ProcessGroup | None,
-    chunk_size: int | None,
+    chunk_rows: int | None,
 ) -> Tensor:
     check_floating("student", student)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
+    chunk_rows = check_positive_int("chunk_rows", chunk_rows)
     if student.dim() < 1 or student.shape[-1] < 1:
         raise ValueError(
             f"student logits must be [..., V_local] with at least one vocabulary column; got shape "
@@ -347,9 +338,9 @@ def _apply(
         flat_teacher = teacher.detach().reshape(-1, local_vocab)  # [N, Vl]: the teacher is fixed
     flat_student = student.reshape(-1, local_vocab)  # [N, Vl]
     if torch.is_grad_enabled() and student.requires_grad:
-        r, _ = _DivergenceFn.apply(flat_student, flat_teacher, kind, chunk_size, group)
+        r, _ = _DivergenceFn.apply(flat_student, flat_teacher, kind, chunk_rows, group)
     else:  # metric-only: no autograd node, nothing saved for backward
-        r, _ = _divergence_fwd(flat_student.detach(), flat_teacher, kind, chunk_size, group)
+        r, _ = _divergence_fwd(flat_student.detach(), flat_teacher, kind, chunk_rows, group)
     return r.view(student.shape[:-1])
 
 
@@ -359,9 +350,11 @@ _COMMON_DOC = """
             vocabulary without a group). Any float dtype; never modified.{teacher_arg}
         group: tensor-parallel process group over the vocabulary, or `None`. The output is the
             same on every rank; the gradient each rank receives is for its own shard only.
-        chunk_size: rows of the flattened `[N, Vl]` logits processed at once in eager mode (a
-            memory bound; results do not depend on it). Default: about 2 MiB per temporary.
-            Under `torch.compile` the whole tensor is one fused pass.
+        chunk_rows: rows of the flattened `[N, Vl]` logits processed at once in eager mode (a
+            memory bound; results do not depend on it). Default: the device's
+            `lossfx.ChunkPolicy` (CPU: about 2 MiB per temporary). Under `torch.compile` the
+            whole tensor is one fused pass.
+        chunk_size: deprecated name of `chunk_rows` (same value; a FutureWarning).
 
     Returns:
         `[...]` per-token values in `promote_types(student, teacher, float32)` (fp32 for
@@ -370,8 +363,8 @@ _COMMON_DOC = """
         nothing is saved for backward.
 
     Raises:
-        TypeError: non-float inputs, non-int `chunk_size`.
-        ValueError: shape mismatch, an empty vocabulary, `chunk_size <= 0`.
+        TypeError: non-float inputs, non-int `chunk_rows`.
+        ValueError: shape mismatch, an empty vocabulary, `chunk_rows <= 0`.
 
     Note:
         Computation is in the compute dtype, one all-gather of `5N` per-row statistics over the
@@ -382,7 +375,13 @@ _COMMON_DOC = """
 
 
 @boundary(roles=Roles(tp="group", shards=("student",)), vocab="free", local=check_view("student"))
-def neg_entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: int | None = None) -> Tensor:
+def neg_entropy(
+    student: Tensor,
+    *,
+    group: ProcessGroup | None = None,
+    chunk_rows: int | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
     """Negative entropy `Σ_v p log p` (≤ 0) of the student distribution, per token.
 
     Equivalent to ``(p * p.log()).sum(-1)`` with ``p = student.softmax(-1)`` on the
@@ -392,18 +391,24 @@ def neg_entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_siz
         \\mathrm{out}_n = \\sum_v p_{n,v} \\log p_{n,v} \\le 0
     """
     student, group, *_ = vocab_shard(student, name="student", group=group)  # lossfx/_dtensor.py
-    return _apply("entropy", student, None, group, chunk_size)
+    return _apply("entropy", student, None, group, resolve_chunk_rows(chunk_rows, chunk_size))
 
 
-def entropy(student: Tensor, *, group: ProcessGroup | None = None, chunk_size: int | None = None) -> Tensor:
+def entropy(
+    student: Tensor,
+    *,
+    group: ProcessGroup | None = None,
+    chunk_rows: int | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
     """Deprecated name of `neg_entropy`: the same value `Σ_v p log p` (≤ 0, the NEGATIVE entropy),
     with a FutureWarning in eager mode (none under `torch.compile`: no graph break).
 
-    Equivalent to ``lossfx.neg_entropy(student, group=group, chunk_size=chunk_size)``; the entropy
+    Equivalent to ``lossfx.neg_entropy(student, group=group, chunk_rows=chunk_rows)``; the entropy
     `−Σ p log p` is its negation.
     """
     warn_renamed("lossfx.entropy", "lossfx.neg_entropy")
-    return neg_entropy(student, group=group, chunk_size=chunk_size)
+    return neg_entropy(student, group=group, chunk_rows=resolve_chunk_rows(chunk_rows, chunk_size))
 
 
 @boundary(roles=Roles(tp="group", shards=("student", "teacher")), vocab="free", local=check_view("student", "teacher"))
@@ -412,6 +417,7 @@ def cross_entropy_to_fixed(
     teacher: Tensor,
     *,
     group: ProcessGroup | None = None,
+    chunk_rows: int | None = None,
     chunk_size: int | None = None,
 ) -> Tensor:
     """Cross-entropy `−Σ_v p_s log p_t` from the student to fixed teacher logits, per token.
@@ -424,7 +430,7 @@ def cross_entropy_to_fixed(
     """
     s = vocab_shard(student, name="student", group=group)  # lossfx/_dtensor.py
     student, group, teacher = s.local, s.group, s.like(teacher, "teacher")
-    return _apply("cross_entropy", student, teacher, group, chunk_size)
+    return _apply("cross_entropy", student, teacher, group, resolve_chunk_rows(chunk_rows, chunk_size))
 
 
 @boundary(roles=Roles(tp="group", shards=("student", "teacher")), vocab="free", local=check_view("student", "teacher"))
@@ -433,6 +439,7 @@ def reverse_kl_to_fixed(
     teacher: Tensor,
     *,
     group: ProcessGroup | None = None,
+    chunk_rows: int | None = None,
     chunk_size: int | None = None,
 ) -> Tensor:
     """Reverse KL `KL(p_s ‖ p_t) = Σ_v p_s (log p_s − log p_t)` to fixed teacher logits, per token.
@@ -453,7 +460,7 @@ def reverse_kl_to_fixed(
     """
     s = vocab_shard(student, name="student", group=group)  # lossfx/_dtensor.py
     student, group, teacher = s.local, s.group, s.like(teacher, "teacher")
-    return _apply("reverse_kl", student, teacher, group, chunk_size)
+    return _apply("reverse_kl", student, teacher, group, resolve_chunk_rows(chunk_rows, chunk_size))
 
 
 _TEACHER_ARG = """

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lossfx._chunking import row_chunks
+from lossfx._chunking import cat_chunks, resolve_chunk_rows, row_chunks
 from lossfx._consistency import Roles, boundary
 from lossfx._distributed import (
     ProcessGroup,
@@ -145,74 +145,79 @@ def _key_limits(n_rows: int, dtype: torch.dtype, device: torch.device) -> tuple[
     return _float_to_key(-inf), _float_to_key(inf)
 
 
-def _floor_avg(lo: Tensor, hi: Tensor) -> Tensor:
-    """`⌊(lo + hi) / 2⌋` without int64 overflow."""
+def _floor_avg(lo: Tensor, hi: Tensor, bits: int = 64) -> Tensor:
+    """`⌊(lo + hi) / 2⌋` of `bits`-bit keys held in int64, without overflow."""
+    if bits < 64:  # the sum of two 32-bit keys fits in int64: two ops instead of six
+        return (lo + hi) >> 1
     return (lo >> 1) + (hi >> 1) + (lo & hi & 1)
 
 
 # ---------------------------------------------------------------------------------------------
 # Row passes (eager: chunked rows; compiled: one fused pass)
 # ---------------------------------------------------------------------------------------------
+# Each pass compares the logits in their own dtype against compute-dtype thresholds: the comparison
+# promotes elementwise (exact: every logit is a compute-dtype value), so no converted copy of a
+# chunk is made. A bisection runs one pass per step, so each op per chunk costs a kernel launch per
+# step on a GPU (benchmarks/bench_ops.py): the passes are written with as few ops as they need.
 
 
-def _count_ge(logits: Tensor, x: Tensor, chunks: list[tuple[int, int]], cdtype: torch.dtype) -> Tensor:
+def _count_ge(logits: Tensor, x: Tensor, chunks: list[tuple[int, int]]) -> Tensor:
     """`[N]` int64: local number of entries `z ≥ x[n]`."""
-    parts = [(logits[s:e].to(cdtype) >= x[s:e, None]).sum(dim=-1, dtype=torch.int64) for s, e in chunks]
-    return torch.cat(parts)
+    return cat_chunks([(logits[s:e] >= x[s:e, None]).sum(dim=-1, dtype=torch.int64) for s, e in chunks])
 
 
-def _count_eq(logits: Tensor, x: Tensor, chunks: list[tuple[int, int]], cdtype: torch.dtype) -> Tensor:
+def _count_eq(logits: Tensor, x: Tensor, chunks: list[tuple[int, int]]) -> Tensor:
     """`[N]` int64: local number of entries `z == x[n]`."""
-    parts = [(logits[s:e].to(cdtype) == x[s:e, None]).sum(dim=-1, dtype=torch.int64) for s, e in chunks]
-    return torch.cat(parts)
+    return cat_chunks([(logits[s:e] == x[s:e, None]).sum(dim=-1, dtype=torch.int64) for s, e in chunks])
 
 
 def _count_nan(logits: Tensor, chunks: list[tuple[int, int]]) -> Tensor:
     """`[N]` int64: local number of NaN entries."""
-    return torch.cat([torch.isnan(logits[s:e]).sum(dim=-1, dtype=torch.int64) for s, e in chunks])
+    return cat_chunks([torch.isnan(logits[s:e]).sum(dim=-1, dtype=torch.int64) for s, e in chunks])
 
 
 def _count_tied_ids_ge(
-    logits: Tensor, x: Tensor, cut: Tensor, columns: Tensor, chunks: list[tuple[int, int]], cdtype: torch.dtype
+    logits: Tensor, x: Tensor, cut: Tensor, columns: Tensor, chunks: list[tuple[int, int]]
 ) -> Tensor:
     """`[N]` int64: local number of entries `z == x[n]` whose global id (`columns [Vl]`) is `≥ cut[n]`."""
     parts = []
     for s, e in chunks:
-        tied = (logits[s:e].to(cdtype) == x[s:e, None]) & (columns >= cut[s:e, None])  # [C, Vl]
+        tied = (logits[s:e] == x[s:e, None]).logical_and_(columns >= cut[s:e, None])  # [C, Vl]
         parts.append(tied.sum(dim=-1, dtype=torch.int64))
-    return torch.cat(parts)
+    return cat_chunks(parts)
 
 
-def _mass_above(
-    logits: Tensor,
-    x: Tensor,
-    tau_k: Tensor,
-    shift: Tensor,
-    log_s: Tensor,
-    chunks: list[tuple[int, int]],
-    cdtype: torch.dtype,
-) -> Tensor:
-    """`[N]` float64: local `Σ exp((z − shift) − log_s)` over entries with `z > x` and `z ≥ τ_k`."""
+def _below(tau_k: Tensor) -> Tensor:
+    """`[N]` the float just below each `τ_k` (its dtype): `z ≥ τ_k ⟺ z > _below(τ_k)` for every
+    value `z` of that dtype but `−∞` (never counted by `_mass_above`: its weight is 0)."""
+    return torch.nextafter(tau_k, torch.full_like(tau_k, float("-inf")))
+
+
+def _mass_above(logits: Tensor, bound: Tensor, shift: Tensor, log_s: Tensor, chunks: list[tuple[int, int]]) -> Tensor:
+    """`[N]` float64: local `Σ exp((z − shift) − log_s)` over the entries `z > bound[n]`.
+
+    With `bound = max(x, _below(τ_k))` that is the entries `z > x` and `z ≥ τ_k`. Seven ops per
+    chunk: one fresh float64 `[C, Vl]` buffer (`z − shift` promotes exactly), updated in place, and
+    a bool mask.
+    """
     parts = []
     for s, e in chunks:
-        z = logits[s:e].to(cdtype)  # [C, Vl]
-        inside = (z > x[s:e, None]) & (z >= tau_k[s:e, None])
-        w = torch.exp((z.to(_F64) - shift[s:e, None]) - log_s[s:e, None])  # [C, Vl]
-        parts.append(torch.where(inside, w, 0.0).sum(dim=-1))
-    return torch.cat(parts)
+        z = logits[s:e]  # [C, Vl], never written
+        outside = (z > bound[s:e, None]).logical_not_()  # a NaN entry is outside
+        w = torch.sub(z, shift[s:e, None]).sub_(log_s[s:e, None]).exp_().masked_fill_(outside, 0.0)
+        parts.append(w.sum(dim=-1))
+    return cat_chunks(parts)
 
 
-def _count_live_below(
-    logits: Tensor, x: Tensor, tau_k: Tensor, shift: Tensor, chunks: list[tuple[int, int]], cdtype: torch.dtype
-) -> Tensor:
+def _count_live_below(logits: Tensor, x: Tensor, tau_k: Tensor, shift: Tensor, chunks: list[tuple[int, int]]) -> Tensor:
     """`[N]` float64: local number of survivors `τ_k ≤ z < x` whose weight `exp(z − shift)` is
     nonzero in float64."""
     parts = []
     for s, e in chunks:
-        z = logits[s:e].to(cdtype)  # [C, Vl]
+        z = logits[s:e]  # [C, Vl]
         live = (z < x[s:e, None]) & (z >= tau_k[s:e, None]) & (torch.exp(z.to(_F64) - shift[s:e, None]) > 0)
         parts.append(live.sum(dim=-1, dtype=torch.float64))
-    return torch.cat(parts)
+    return cat_chunks(parts)
 
 
 def _masked_logsum(
@@ -230,7 +235,7 @@ def _masked_logsum(
         m, ssum = row_max_sumexp(z)  # [C], [C]
         maxes.append(m)
         sums.append(ssum)
-    stats = all_gather_stack(torch.stack([torch.cat(maxes), torch.cat(sums)]), group)  # [R, 2, N]
+    stats = all_gather_stack(torch.stack([cat_chunks(maxes), cat_chunks(sums)]), group)  # [R, 2, N]
     return merge_max_logsum(stats[:, 0], stats[:, 1])
 
 
@@ -304,7 +309,7 @@ def _tie_count(
     """`[N]` int64: the global number of entries equal to `τ_k`: one fused counting pass over the
     logits, eager and compiled (no host read: the local top-(k+1) candidates hold the count on
     most rows, but finding the other rows on the host would cost a device→host read)."""
-    return all_reduce(_count_eq(logits, tau_k, chunks, cdtype), "sum", group)
+    return all_reduce(_count_eq(logits, tau_k, chunks), "sum", group)
 
 
 def _split_top_p(top_p: float) -> tuple[float, float]:
@@ -411,9 +416,10 @@ def _top_k_by_bisection(
     n_rows = logits.shape[0]
     lo, hi = _key_limits(n_rows, cdtype, logits.device)  # pred(lo) true (count = V ≥ k)
     hi = hi + 1  # pred(hi) false, never evaluated
-    for _ in range(_key_bits(cdtype)):
-        mid = _floor_avg(lo, hi)  # in [lo, hi − 1]: a real float
-        count = all_reduce(_count_ge(logits, _key_to_float(mid, cdtype), chunks, cdtype), "sum", group)
+    bits = _key_bits(cdtype)
+    for _ in range(bits):
+        mid = _floor_avg(lo, hi, bits)  # in [lo, hi − 1]: a real float
+        count = all_reduce(_count_ge(logits, _key_to_float(mid, cdtype), chunks), "sum", group)
         ok = count >= k
         lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
     return _key_to_float(lo, cdtype) + 0.0  # `+ 0.0`: a -0 threshold reads as +0
@@ -437,15 +443,18 @@ def _top_p_by_bisection(
     n_rows = logits.shape[0]
     lo, hi = _key_limits(n_rows, cdtype, logits.device)  # pred(hi) true: nothing is above +inf
     lo = lo - 1  # pred(lo) taken as false, never evaluated
-    for _ in range(_key_bits(cdtype)):
-        mid = _floor_avg(lo, hi)
+    below_tau_k = _below(tau_k)
+    bits = _key_bits(cdtype)
+    for _ in range(bits):
+        mid = _floor_avg(lo, hi, bits)
         moving = mid != lo  # mid == lo only once converged (hi = lo + 1): keep the state
         x = _key_to_float(torch.where(moving, mid, hi), cdtype)  # [N], never the sentinel
-        mass = all_reduce(_mass_above(logits, x, tau_k, shift, log_s, chunks, cdtype), "sum", group)
+        mass = all_reduce(_mass_above(logits, torch.maximum(x, below_tau_k), shift, log_s, chunks), "sum", group)
         # a value of float64 weight 0 has the whole mass above it exactly (see _from_candidates)
         weighed = (torch.exp(x.to(_F64) - shift) > 0) | empty
         ok = (mass < top_p) & moving & weighed
-        lo, hi = torch.where(ok | ~moving, lo, mid), torch.where(ok, mid, hi)
+        # not moving: mid == lo and ok is false, so `lo` keeps its value either way
+        lo, hi = torch.where(ok, lo, mid), torch.where(ok, mid, hi)
     return _key_to_float(hi, cdtype) + 0.0  # `+ 0.0`: a -0 threshold reads as +0
 
 
@@ -469,7 +478,7 @@ def _id_cut(
     hi = torch.full_like(n, vocab_size)  # pred false (n ≥ 1), never evaluated
     for _ in range((vocab_size - 1).bit_length()):
         mid = (lo + hi) // 2
-        count = all_reduce(_count_tied_ids_ge(logits, tau, mid, columns, chunks, cdtype), "sum", group)
+        count = all_reduce(_count_tied_ids_ge(logits, tau, mid, columns, chunks), "sum", group)
         ok = count >= n
         lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
     return lo
@@ -509,7 +518,7 @@ def _thresholds(
     """
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
-    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
+    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype, logits.device)
     k = None if top_k is None else min(top_k, vocab_size)
     use_top_p = top_p < 1.0
     sort_ties = ties == "sorted" and use_top_p
@@ -536,9 +545,9 @@ def _thresholds(
             tau_p = _top_p_by_bisection(logits, tau_k, shift_k, log_s_k, top_p, chunks, cdtype, group)
             tau = torch.maximum(tau_k, tau_p)
             if sort_ties:
-                above = _mass_above(logits, tau, tau_k, shift_k, log_s_k, chunks, cdtype)
-                tied_here = _count_eq(logits, tau, chunks, cdtype).to(_F64)
-                live = _count_live_below(logits, tau, tau_k, shift_k, chunks, cdtype)
+                above = _mass_above(logits, torch.maximum(tau, _below(tau_k)), shift_k, log_s_k, chunks)
+                tied_here = _count_eq(logits, tau, chunks).to(_F64)
+                live = _count_live_below(logits, tau, tau_k, shift_k, chunks)
                 counts = all_reduce(torch.stack([above, tied_here, live]), "sum", group)  # [3, N]
                 q_tau = torch.exp((tau.to(_F64) - shift_k) - log_s_k)
                 tied = counts[1].to(torch.int64)
@@ -594,10 +603,10 @@ def _filtered_logprobs_fwd(
         # 2. filtered (m, s) per rank, merged with the target's statistics in one all-gather
         columns = torch.arange(local_vocab, device=logits.device) + vocab_start  # [Vl]
         maxes, sums = [], []
-        for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
-            z = logits[start:end].to(cdtype)  # [C, Vl]
+        for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype, logits.device):
+            z = logits[start:end]  # [C, Vl]; compared and shifted with promotion (no converted copy)
             keep = _keep(z, columns, tau[start:end, None], None if cut is None else cut[start:end, None])
-            m, s = row_max_sumexp(torch.where(keep, z, float("-inf")))
+            m, s = row_max_sumexp(torch.where(keep, z, float("-inf")), cdtype)
             maxes.append(m)
             sums.append(s)
         local_stats += [torch.cat(maxes), torch.cat(sums)]
@@ -638,7 +647,7 @@ def _filtered_logprobs_bwd(
     grad_target = torch.where(owned & _keep(picked, target, tau, cut), grad, torch.zeros_like(grad))  # [N]
     columns = torch.arange(local_vocab, device=logits.device)  # [Vl]
     ids = columns + vocab_start  # [Vl] global ids
-    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype)
+    chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype, logits.device)
     if len(chunks) == 1:  # compiled (or one chunk): one fused expression
         # no `logits.to(cdtype)` here: the mixed-dtype ops promote elementwise, so AOTAutograd saves
         # the logits themselves, never an fp32 copy of bf16 logits (issue 10 item 9)
@@ -651,15 +660,14 @@ def _filtered_logprobs_bwd(
     # dtype (one read, one write), else through one chunk-sized buffer (rounded once)
     dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
     direct = logits.dtype == cdtype
+    neg_grad = -grad  # [N]
     for start, end in chunks:
-        z = logits[start:end].to(cdtype)  # [C, Vl]
-        d = dlogits[start:end] if direct else torch.empty_like(z)
-        torch.sub(z, shift[start:end, None], out=d)
-        d.sub_(log_s_safe[start:end, None]).exp_().mul_(-grad[start:end, None])  # the softmax term
+        z = logits[start:end]  # [C, Vl]; the ops below promote it elementwise (no converted copy)
+        d = torch.sub(z, shift[start:end, None], out=dlogits[start:end] if direct else None)  # [C, Vl] cdtype
+        d.sub_(log_s_safe[start:end, None]).exp_().mul_(neg_grad[start:end, None])  # the softmax term
         keep = _keep(z, ids, tau[start:end, None], None if cut is None else cut[start:end, None])
-        d.masked_fill_(~keep, 0.0)
-        rows = torch.arange(end - start, device=logits.device)
-        d.index_put_((rows, local_idx[start:end]), grad_target[start:end], accumulate=True)  # one-hot
+        d.masked_fill_(keep.logical_not_(), 0.0)
+        d.scatter_add_(1, local_idx[start:end, None], grad_target[start:end, None])  # one-hot
         if not direct:
             dlogits[start:end] = d
     return dlogits
@@ -715,10 +723,11 @@ def top_k_top_p_threshold(
     top_p: float = 1.0,
     group: ProcessGroup | None = None,
     vocab_size: int | None = None,
-    chunk_size: int | None = None,
+    chunk_rows: int | None = None,
     strategy: str = "auto",
     ties: str = "together",
     vocab_start: int | None = None,
+    chunk_size: int | None = None,
 ) -> Any:
     """Per-row threshold `τ` of the top-k/top-p filter: the filter keeps exactly `logits ≥ τ`.
 
@@ -740,7 +749,8 @@ def top_k_top_p_threshold(
         group: tensor-parallel group over the vocabulary, or `None`. Only per-row scalars and
             `[N, min(k, 1024)]` candidate values are communicated.
         vocab_size: global vocabulary size; default `world_size · Vl`.
-        chunk_size: rows per eager chunk (a memory bound; results do not depend on it).
+        chunk_rows: rows of the flattened `[N, Vl]` logits per eager chunk (a memory bound;
+            results do not depend on it); default: the device's `lossfx.ChunkPolicy`.
         strategy: `"auto"` (candidates for `top_k <= CANDIDATE_TOP_K_MAX`, else bisection),
             `"candidates"` (needs top-k) or `"bisection"`. All give the same `τ`.
         ties: top-p's rule among equal logits (docs/filtering.md): `"together"` (default; a tie
@@ -748,6 +758,7 @@ def top_k_top_p_threshold(
             equal values the larger token id ranks higher, so a tie group at the boundary may be
             cut by id).
         vocab_start: first global id of this shard; default `rank · Vl` (only `"sorted"` reads it).
+        chunk_size: deprecated name of `chunk_rows` (same value; a FutureWarning).
 
     Returns:
         `[...]` thresholds in the compute dtype (`-inf` when nothing is filtered out, NaN for a
@@ -775,7 +786,7 @@ def top_k_top_p_threshold(
     k, p = check_filter_params(top_k, top_p)
     _check_strategy(strategy)
     check_ties(ties)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
+    chunk_rows = check_positive_int("chunk_rows", resolve_chunk_rows(chunk_rows, chunk_size))
     flat = _flat_logits(logits).detach()
     if vocab_start is None:
         vocab_start = group_rank(group) * flat.shape[-1]
@@ -783,7 +794,7 @@ def top_k_top_p_threshold(
         vocab_size = group_size(group) * flat.shape[-1]
     if strategy == "candidates" and k is None:
         raise ValueError("strategy='candidates' needs top-k enabled (top_k > 0)")
-    found = _thresholds(flat, k, p, vocab_start, vocab_size, chunk_size, group, strategy, ties)
+    found = _thresholds(flat, k, p, vocab_start, vocab_size, chunk_rows, group, strategy, ties)
     tau = found.tau.view(logits.shape[:-1])
     if ties == "together":
         return tau
@@ -799,9 +810,10 @@ def apply_top_k_top_p(
     top_p: float = 1.0,
     group: ProcessGroup | None = None,
     vocab_size: int | None = None,
-    chunk_size: int | None = None,
+    chunk_rows: int | None = None,
     ties: str = "together",
     vocab_start: int | None = None,
+    chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`(filtered, keep)`: this shard with filtered-out entries set to `-inf`, and the keep mask.
 
@@ -817,6 +829,7 @@ def apply_top_k_top_p(
         >>> lossfx.apply_top_k_top_p(torch.tensor([[3.0, 1.0, 2.0]]), top_k=2)[0]
         tensor([[3., -inf, 2.]])
     """
+    chunk_rows = resolve_chunk_rows(chunk_rows, chunk_size)
     if is_dtensor(logits):  # vocabulary-sharded results come back as DTensors (lossfx/_dtensor.py)
         s = vocab_shard(logits, group=group, vocab_size=vocab_size)
         out = apply_top_k_top_p(
@@ -825,7 +838,7 @@ def apply_top_k_top_p(
             top_p=top_p,
             group=s.group,
             vocab_size=s.vocab_size,
-            chunk_size=chunk_size,
+            chunk_rows=chunk_rows,
             ties=ties,
             vocab_start=s.vocab_start,
         )
@@ -836,7 +849,7 @@ def apply_top_k_top_p(
         top_p=top_p,
         group=group,
         vocab_size=vocab_size,
-        chunk_size=chunk_size,
+        chunk_rows=chunk_rows,
         ties=ties,
         vocab_start=vocab_start,
     )
@@ -858,9 +871,10 @@ def filtered_token_logprobs(
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
-    chunk_size: int | None = None,
+    chunk_rows: int | None = None,
     strategy: str = "auto",
     ties: str = "together",
+    chunk_size: int | None = None,
 ) -> Tensor:
     """Log-probability of each target under the top-k/top-p filtered, renormalised distribution.
 
@@ -875,9 +889,10 @@ def filtered_token_logprobs(
     Args:
         logits: `[..., Vl]` this rank's vocabulary shard (the full vocabulary without a group).
         target: `[...]` integer global token ids in `[0, V)`.
-        top_k, top_p, group, vocab_size, chunk_size, strategy, ties: as in
+        top_k, top_p, group, vocab_size, chunk_rows, strategy, ties: as in
             `top_k_top_p_threshold`.
         vocab_start: first global id of this shard; default `rank · Vl`.
+        chunk_size: deprecated name of `chunk_rows` (same value; a FutureWarning).
 
     Returns:
         `[...]` in the compute dtype (fp32, or float64 for float64 logits); `-inf` where the
@@ -912,7 +927,7 @@ def filtered_token_logprobs(
     k, p = check_filter_params(top_k, top_p)
     _check_strategy(strategy)
     check_ties(ties)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
+    chunk_rows = check_positive_int("chunk_rows", resolve_chunk_rows(chunk_rows, chunk_size))
     if logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
         raise ValueError(
             f"logits must be [..., V_local] with leading dims equal to target's; got logits.shape="
@@ -928,6 +943,6 @@ def filtered_token_logprobs(
         vocab_size = group_size(group) * local_vocab
     check_ids_in_range("target", target, vocab_size)
     out, _shift, _log_s, _tau, _cut = _FilteredLogprobsFn.apply(
-        flat, target.reshape(-1), vocab_start, vocab_size, k, p, chunk_size, group, strategy, ties
+        flat, target.reshape(-1), vocab_start, vocab_size, k, p, chunk_rows, group, strategy, ties
     )
     return out.view(target.shape)

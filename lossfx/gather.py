@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lossfx._chunking import row_chunks
+from lossfx._chunking import cat_chunks, resolve_chunk_rows, row_chunks
 from lossfx._consistency import Roles, boundary
 from lossfx._deprecation import renamed_keyword
 from lossfx._distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size, local_columns
@@ -87,7 +87,7 @@ def _gather_logprobs_fwd(logits, ids, vocab_start, with_entropy, chunk_rows, gro
     local_idx, owned = local_columns(ids, vocab_start, local_vocab)
     # 1. local statistics per chunk: max, Σ exp(z − m), and Σ exp(z − m)·(z − m) for the entropy
     maxes, sums, weighted = [], [], []
-    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
+    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype, logits.device):
         m, s, u = _chunk_stats(logits[start:end], cdtype, with_entropy)
         maxes.append(m)
         sums.append(s)
@@ -95,9 +95,9 @@ def _gather_logprobs_fwd(logits, ids, vocab_start, with_entropy, chunk_rows, gro
             weighted.append(u)
     picked = logits.gather(-1, local_idx).to(cdtype)  # [N, K]
     picked = torch.where(owned, picked, torch.zeros_like(picked))
-    rows = [torch.cat(maxes).unsqueeze(0), torch.cat(sums).unsqueeze(0), picked.transpose(0, 1)]
+    rows = [cat_chunks(maxes).unsqueeze(0), cat_chunks(sums).unsqueeze(0), picked.transpose(0, 1)]
     if with_entropy:
-        rows.append(torch.cat(weighted).unsqueeze(0))
+        rows.append(cat_chunks(weighted).unsqueeze(0))
     # 2. merge across ranks: one all-gather of per-row scalars
     stats = all_gather_stack(torch.cat(rows), group)  # [R, 2 + K (+1), N]
     n_ids = ids.shape[-1]
@@ -151,7 +151,7 @@ def _gather_logprobs_bwd(logits, ids, shift, log_s, neg_entropy, dlogprobs, dneg
     # logits are in it), updated in place, plus one exp and one mask of the chunk.
     direct = logits.dtype == cdtype
     dlogits = torch.empty_like(logits)
-    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
+    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype, logits.device):
         rows = slice(start, end)
         d = torch.sub(logits[rows], shift[rows, None], out=dlogits[rows] if direct else None)  # [C, Vl]
         d.sub_(log_s_sm[rows, None])  # log p
@@ -223,10 +223,10 @@ class _GatherColumnsFn(torch.autograd.Function):
         return dlogits, None  # one entry per forward input
 
 
-def _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, chunk_size):
+def _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, chunk_rows):
     check_floating("logits", logits)
     check_integer_ids("ids", ids)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
+    chunk_rows = check_positive_int("chunk_rows", chunk_rows)
     if logits.dim() < 1 or ids.dim() != logits.dim() or tuple(ids.shape[:-1]) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"logits must be [..., V_local] and ids [..., K] with the same leading dims; got "
@@ -241,7 +241,7 @@ def _check_ids_arguments(logits, ids, group, vocab_start, vocab_size, chunk_size
     vocab_size = group_size(group) * local_vocab if vocab_size is None else vocab_size
     check_ids_in_range("ids", ids, vocab_size)
     # int64 ids: gather needs int32/int64, and `ids - vocab_start` must not wrap (uint8/int16)
-    return ids.to(torch.int64), local_vocab, vocab_start, chunk_size
+    return ids.to(torch.int64), local_vocab, vocab_start, chunk_rows
 
 
 _ROLES = Roles(
@@ -258,8 +258,9 @@ def gather_logprobs(
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
-    chunk_size: int | None = None,
+    chunk_rows: int | None = None,
     with_entropy: bool | None = None,
+    chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Full-vocabulary log-probabilities at `K` global ids per row, and optionally `Σ p log p`.
 
@@ -279,15 +280,17 @@ def gather_logprobs(
             each rank's gradient is its own shard's.
         vocab_start: first global id of this shard; default `rank · Vl`.
         vocab_size: global `V`; default `world_size · Vl`.
-        chunk_size: rows per eager chunk (memory bound only).
+        chunk_rows: rows of the flattened `[N, Vl]` logits per eager chunk (memory bound only);
+            default: the device's `lossfx.ChunkPolicy`.
         with_entropy: deprecated name of `with_neg_entropy` (same value; a FutureWarning).
+        chunk_size: deprecated name of `chunk_rows` (same value; a FutureWarning).
 
     Returns:
         `(logprobs [..., K], neg_entropy [...] or None)` in the compute dtype.
 
     Raises:
         TypeError: non-float logits, non-integer ids.
-        ValueError: shape mismatch, `K = 0`, ids outside `[0, V)` (eager only), `chunk_size <= 0`.
+        ValueError: shape mismatch, `K = 0`, ids outside `[0, V)` (eager only), `chunk_rows <= 0`.
 
     Note:
         `−∞` logits contribute `0 · log 0 = 0` to the entropy; an all-`−∞` row gives `−∞`
@@ -306,13 +309,13 @@ def gather_logprobs(
         logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
     )
     ids = replicated(ids, "ids")
-    ids, local_vocab, vocab_start, chunk_size = _check_ids_arguments(
-        logits, ids, group, vocab_start, vocab_size, chunk_size
+    ids, local_vocab, vocab_start, chunk_rows = _check_ids_arguments(
+        logits, ids, group, vocab_start, vocab_size, resolve_chunk_rows(chunk_rows, chunk_size)
     )
     flat_logits = logits.reshape(-1, local_vocab)  # [N, Vl]
     flat_ids = ids.reshape(-1, ids.shape[-1])  # [N, K]
     logprobs, neg_entropy, _, _ = _GatherLogprobsFn.apply(
-        flat_logits, flat_ids, vocab_start, with_entropy, chunk_size, group
+        flat_logits, flat_ids, vocab_start, with_entropy, chunk_rows, group
     )
     logprobs = logprobs.view(ids.shape)
     return logprobs, (neg_entropy.view(ids.shape[:-1]) if with_entropy else None)

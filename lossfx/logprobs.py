@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lossfx._chunking import row_chunks
+from lossfx._chunking import cat_chunks, resolve_chunk_rows, row_chunks
 from lossfx._consistency import Roles, boundary
 from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size, local_columns
 from lossfx._dtensor import check_view, replicated, vocab_shard
@@ -54,13 +54,13 @@ def _token_logprobs_fwd(
     local_idx, owned = local_columns(target, vocab_start, local_vocab)
     # 1. local statistics, one chunk of rows at a time
     maxes, sums = [], []
-    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
+    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype, logits.device):
         m, s = row_max_sumexp(logits[start:end], cdtype)  # [C], [C]; no converted copy of the chunk
         maxes.append(m)
         sums.append(s)
     picked = logits.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1).to(cdtype)  # [N]
     picked = torch.where(owned, picked, torch.zeros_like(picked))
-    local_stats = torch.stack([torch.cat(maxes), torch.cat(sums), picked])  # [3, N]
+    local_stats = torch.stack([cat_chunks(maxes), cat_chunks(sums), picked])  # [3, N]
     # 2. merge across ranks: one all-gather of per-row scalars
     stats = all_gather_stack(local_stats, group)  # [R, 3, N]
     shift, log_s = merge_max_logsum(stats[:, 0], stats[:, 1])  # [N], [N]; lse = shift + log_s
@@ -101,7 +101,7 @@ def _token_logprobs_bwd(
     neg_grad = -grad  # [N]
     direct = logits.dtype == cdtype
     dlogits = torch.empty_like(logits)
-    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype):
+    for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype, logits.device):
         rows = slice(start, end)
         d = torch.sub(logits[rows], shift[rows, None], out=dlogits[rows] if direct else None)  # [C, Vl]
         d.sub_(log_s_sm[rows, None]).exp_().mul_(neg_grad[rows, None])  # -dout · softmax
@@ -145,12 +145,14 @@ def token_logprobs_with_lse(
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
+    chunk_rows: int | None = None,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`token_logprobs` that also returns the row log-sum-exp `[...]` (not differentiable).
 
     The log-probabilities are formed from the max and the log-sum kept apart (exact at any
     magnitude); the returned `lse = shift + log_s` is their rounded sum, for callers that need it.
+    `chunk_size` is the deprecated name of `chunk_rows` (same value, a FutureWarning).
     """
     logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
         logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
@@ -158,7 +160,7 @@ def token_logprobs_with_lse(
     target = replicated(target, "target")
     check_floating("logits", logits)
     check_integer_ids("target", target)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
+    chunk_rows = check_positive_int("chunk_rows", resolve_chunk_rows(chunk_rows, chunk_size))
     if logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
         raise ValueError(
             f"logits must be [..., V_local] with leading dims equal to target's; got logits.shape="
@@ -175,7 +177,7 @@ def token_logprobs_with_lse(
     flat_logits = logits.reshape(-1, local_vocab)  # [N, Vl], a view when the layout allows
     # int64 ids: gather needs int32/int64, and `target - vocab_start` must not wrap (uint8/int16)
     flat_target = target.reshape(-1).to(torch.int64)  # [N]
-    out, shift, log_s = _TokenLogprobsFn.apply(flat_logits, flat_target, vocab_start, chunk_size, group)
+    out, shift, log_s = _TokenLogprobsFn.apply(flat_logits, flat_target, vocab_start, chunk_rows, group)
     return out.view(target.shape), (shift + log_s).view(target.shape)
 
 
@@ -187,8 +189,9 @@ def token_logprobs(
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
-    chunk_size: int | None = None,
+    chunk_rows: int | None = None,
     ignore_index: int | None = None,
+    chunk_size: int | None = None,
 ) -> Tensor:
     """Log-probability of each target token under softmax over the (possibly sharded) vocabulary.
 
@@ -208,21 +211,23 @@ def token_logprobs(
         vocab_start: first global id of this shard; default `rank · Vl` (uniform contiguous
             shards). Pass it with `vocab_size` for uneven shards.
         vocab_size: global vocabulary size `V`; default `world_size · Vl`.
-        chunk_size: rows of the flattened `[N, Vl]` logits processed at once in eager mode
-            (a memory bound; results do not depend on it). Default: about 8 MiB per temporary,
-            at least 16 rows. Under `torch.compile` the whole tensor is one fused pass.
+        chunk_rows: rows of the flattened `[N, Vl]` logits processed at once in eager mode
+            (a memory bound; results do not depend on it). Default: the device's
+            `lossfx.ChunkPolicy` (CPU: about 2 MiB per temporary). Under `torch.compile` the
+            whole tensor is one fused pass.
         ignore_index: a target id that scores nothing (Hugging Face's `-100`): those positions
             give 0 with a zero gradient and are no range error. Default `None`: every target
             must lie in `[0, V)` (NeMo's contract). Dense equivalent:
             ``torch.where(target == ignore_index, 0, out)`` with any valid id in their place.
+        chunk_size: deprecated name of `chunk_rows` (same value; a FutureWarning).
 
     Returns:
         `[...]` log-probabilities in the compute dtype (fp32 for bf16/fp16/fp32, float64 for
         float64). The gradient flows back to `logits` in its own dtype.
 
     Raises:
-        TypeError: non-float `logits`, non-integer `target`, non-int `chunk_size`.
-        ValueError: shape mismatch, `chunk_size <= 0`, ids outside `[0, V)` (eager mode only:
+        TypeError: non-float `logits`, non-integer `target`, non-int `chunk_rows`.
+        ValueError: shape mismatch, `chunk_rows <= 0`, ids outside `[0, V)` (eager mode only:
             that check reads values and is skipped while compiling).
 
     Note:
@@ -245,8 +250,9 @@ def token_logprobs(
         check_integer_ids("target", target)
         ignored = target == ignore_index
         target = target.masked_fill(ignored, 0)  # any valid id; its result is replaced below
+    chunk_rows = resolve_chunk_rows(chunk_rows, chunk_size)
     out = token_logprobs_with_lse(
-        logits, target, group=group, vocab_start=vocab_start, vocab_size=vocab_size, chunk_size=chunk_size
+        logits, target, group=group, vocab_start=vocab_start, vocab_size=vocab_size, chunk_rows=chunk_rows
     )[0]
     return out if ignored is None else torch.where(ignored, torch.zeros_like(out), out)
 

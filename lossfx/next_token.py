@@ -98,12 +98,12 @@ def target_logprobs(
             top_p=sampling_params.top_p,
             ties=sampling_params.ties,
             group=group,
-            chunk_size=chunk_size,
+            chunk_rows=chunk_size,
             vocab_start=vocab_start,
             vocab_size=vocab_size,
         )
     return token_logprobs(
-        logits, target, group=group, chunk_size=chunk_size, vocab_start=vocab_start, vocab_size=vocab_size
+        logits, target, group=group, chunk_rows=chunk_size, vocab_start=vocab_start, vocab_size=vocab_size
     )
 
 

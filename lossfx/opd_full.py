@@ -613,13 +613,13 @@ def prepare_opd_full(
                 logits_dtype=teacher_logits_dtype,
             )
         fn = reverse_kl_to_fixed if kind == "reverse_kl" else cross_entropy_to_fixed
-        return fn(logits, teacher.detach(), group=group, chunk_size=rows)
+        return fn(logits, teacher.detach(), group=group, chunk_rows=rows)
 
     divergence = divergence_to_teacher("reverse_kl")  # [B, S_l]
     ent = ce = None
     if getattr(cfg, "validate_decomposition", False):
         with torch.no_grad():
-            ent = neg_entropy(student, group=group, chunk_size=rows)  # [B, S_l]
+            ent = neg_entropy(student, group=group, chunk_rows=rows)  # [B, S_l]
             ce = divergence_to_teacher("cross_entropy")  # [B, S_l]
     # 4. canonical order (under lossfx's CP layout the gradient is summed over CP ranks), cut to
     # 5. the next-token width: student and teacher at t both predict t+1 (no shift between them)

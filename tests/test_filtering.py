@@ -945,7 +945,7 @@ def test_property_matches_reference_large(case, params, strategy):
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_proof_keys_are_monotone(dtype):
     """§3.2: `key` is strictly increasing on canonical floats and `f = key⁻¹` inverts it."""
-    from lossfx.filtering import _float_to_key, _floor_avg, _key_to_float
+    from lossfx.filtering import _float_to_key, _floor_avg, _key_bits, _key_to_float
 
     info = torch.finfo(dtype)
     special = [
@@ -968,6 +968,7 @@ def test_proof_keys_are_monotone(dtype):
     assert torch.equal(_float_to_key(torch.tensor([-0.0], dtype=dtype)), torch.tensor([0]))
     # every integer between two keys is a non-NaN float between them
     mids = _floor_avg(keys[:-1], keys[1:])  # no int64 overflow
+    assert torch.equal(_floor_avg(keys[:-1], keys[1:], _key_bits(dtype)), mids)  # the 2-op form of narrow keys
     between = _key_to_float(mids, dtype)
     assert not torch.isnan(between).any()
     assert ((between >= x[:-1]) & (between <= x[1:])).all()

@@ -18,7 +18,7 @@ import lossfx
 from benchmarks.bench_syncs import compiled_host_reads, count_host_reads, entry_points
 from lossfx import _consistency, _host_reads, reference
 
-NOT_CALLED = {"need_top_k_or_top_p_filtering"}  # takes no tensor
+NOT_CALLED = {"need_top_k_or_top_p_filtering", "chunk_policy"}  # take no tensor
 
 
 def _public_functions_taking_tensors():

@@ -30,7 +30,7 @@ def test_neg_entropy_matches_the_reference_values_and_gradients():
     z = _logits().requires_grad_()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = lossfx.neg_entropy(z, chunk_size=2)
+        got = lossfx.neg_entropy(z, chunk_rows=2)
         z2 = z.detach().clone().requires_grad_()
         want = reference.neg_entropy(z2)
     torch.testing.assert_close(got, want, **TIGHT)

@@ -8,7 +8,6 @@ chunk counts do differ); values and gradients are compared with the float64 refe
 """
 
 import contextlib
-import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -18,7 +17,7 @@ import torch
 from harness import gloo_pool
 
 import lossfx
-from lossfx import _chunking, _tiles, divergence, reference
+from lossfx import _chunking, _tiles, reference
 
 pytestmark = pytest.mark.distributed
 
@@ -48,31 +47,25 @@ def _data():
         "a": torch.randn(N, generator=gen, dtype=F64),
         "b": torch.randn(N, generator=gen, dtype=F64),
         "g": torch.randn(N, 3, generator=gen, dtype=F64),  # upstream gradients
+        "teacher": torch.randn(N, V, generator=gen, dtype=F64) * 2,
     }
 
 
 @contextlib.contextmanager
 def _budgets():
-    """Every chunk budget shrunk to BUDGET bytes (restored afterwards: the pool is persistent)."""
-    saved = [(_chunking, "DEFAULT_CHUNK_BYTES"), (divergence, "CHUNK_BYTES"), (_chunking, "CPU_POLICY")]
-    old = [getattr(m, name) for m, name in saved]
-    for m, name in saved[:-1]:
-        setattr(m, name, BUDGET)
-    # the hidden × LM-head engine's tiles and rows-outside chunks (lossfx/_tiles.py)
-    _chunking.CPU_POLICY = dataclasses.replace(old[-1], tile_bytes=BUDGET, chunk_bytes=BUDGET)
-    try:
+    """Every chunk budget shrunk to BUDGET bytes through a forced `lossfx.ChunkPolicy`: the logits
+    loops' rows, the tile engine's tiles and its rows-outside chunks (lossfx/_tiles.py)."""
+    tight = lossfx.ChunkPolicy(row_bytes=BUDGET, min_rows=1, tile_bytes=BUDGET, max_block=2048, chunk_bytes=BUDGET)
+    with lossfx.chunk_policy(tight):
         yield
-    finally:
-        for (m, name), value in zip(saved, old, strict=True):
-            setattr(m, name, value)
 
 
 def _width_based_chunks(case, width):
     """How many chunks this rank's own width would give (what the ranks must not depend on)."""
     if case.startswith("objective"):
-        return math.ceil(N / _tiles.chunk_rows_for(N, width, F64, _chunking.CPU_POLICY))
+        return math.ceil(N / _tiles.chunk_rows_for(N, width, F64, _chunking.policy_for(None)))
     if case == "fused_token":
-        return math.ceil(N / _tiles.tile_shape(width, H, F64, _chunking.CPU_POLICY)[1])
+        return math.ceil(N / _tiles.tile_shape(width, H, F64, _chunking.policy_for(None))[1])
     return math.ceil(N / _chunking.default_chunk_rows(width, F64))
 
 
@@ -96,6 +89,12 @@ def _logits_call(case, shard, d, group, start):
         return lossfx.gather_logprobs(shard, d["ids"], **span)[0]
     if case == "entropy":
         return lossfx.neg_entropy(shard, group=group)
+    if case in ("reverse_kl", "cross_entropy"):  # a teacher shard of the same width
+        fn = lossfx.reverse_kl_to_fixed if case == "reverse_kl" else lossfx.cross_entropy_to_fixed
+        return fn(shard, d["teacher"][:, start : start + shard.shape[-1]], group=group)
+    if case == "gather_neg_entropy":
+        lp, ne = lossfx.gather_logprobs(shard, d["ids"], with_neg_entropy=True, **span)
+        return torch.cat([lp, ne[:, None]], -1)
     if case == "prepare_loss_input":  # plain uneven shards: the widths come from the ranks
         data = {"input_ids": d["target"][None]}
         loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
@@ -171,6 +170,13 @@ def _reference(case):
             out = reference.gather_logprobs(z, d["ids"])[0]
         elif case == "entropy":
             out = reference.neg_entropy(z)
+        elif case == "reverse_kl":
+            out = reference.reverse_kl_to_fixed(z, d["teacher"])
+        elif case == "cross_entropy":
+            out = reference.cross_entropy_to_fixed(z, d["teacher"])
+        elif case == "gather_neg_entropy":
+            lp, ne = reference.gather_logprobs(z, d["ids"])
+            out = torch.cat([lp, ne[:, None]], -1)
         elif case == "prepare_loss_input":
             out = reference.next_token_logprobs(z[None], d["target"][None])[0]
         else:
@@ -197,6 +203,9 @@ LOGITS_CASES = (
     "filtered_bisection",
     "gather",
     "entropy",
+    "reverse_kl",
+    "cross_entropy",
+    "gather_neg_entropy",
     "prepare_loss_input",
     "vocab_topk",
 )
