@@ -29,7 +29,7 @@ PUBLISHED = json.loads((ROOT / "benchmarks" / "results" / "ops.json").read_text(
 # over every chunk (benchmarks/README.md, "Kernel launches per call").
 OVER_BUDGET = {"filtered_token_logprobs top-p 0.9 (bisection)", "prepare_loss_input LOGPROB top-p 0.9"}
 CHECK_OPS = {"min", "max", "stack", "cat", "sum", "bitwise_and", "bitwise_not", "arange", "zeros", "ge", "lt"}
-CHECK_OPS |= {"bitwise_or", "copy_", "_to_copy"}
+CHECK_OPS |= {"bitwise_or", "copy_", "_to_copy", "sub", "minimum"}  # packed: cu_seqlens checked on the device
 
 
 def _policy(rows: int) -> lossfx.ChunkPolicy:

@@ -161,11 +161,18 @@ def test_chunk_rows_wins_over_the_policy():
     assert calls == [1, 1, 7, 7]  # token: fwd + bwd in one chunk; reverse KL: the policy's 7 chunks
 
 
-@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(lossfx.ChunkPolicy)])
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(lossfx.ChunkPolicy) if f.name != "compile_tiles"])
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, None])
 def test_a_policy_field_that_is_not_a_positive_int_is_a_value_error_naming_it(field, bad):
     values = dataclasses.asdict(lossfx.CPU_POLICY) | {field: bad}
     with pytest.raises(ValueError, match=f"ChunkPolicy.{field} must be an int >= 1, got {bad!r}"):
+        lossfx.ChunkPolicy(**values)
+
+
+@pytest.mark.parametrize("bad", [0, 1, "yes", None])
+def test_compile_tiles_must_be_a_bool(bad):
+    values = dataclasses.asdict(lossfx.CPU_POLICY) | {"compile_tiles": bad}
+    with pytest.raises(ValueError, match=f"ChunkPolicy.compile_tiles must be a bool, got {bad!r}"):
         lossfx.ChunkPolicy(**values)
 
 
