@@ -522,7 +522,9 @@ def _run_linear(case, name, compiled=False):
     # that of its exponent argument
     p_t = t_logp.exp()
     terms = torch.zeros_like(p_t).scatter_add_(1, ids, dout.abs()) + p_t * dout.abs().sum(-1, keepdim=True)
-    terms += dneg.abs()[:, None] * p_t * (t_logp.abs() + t_neg_h.abs()[:, None])
+    # ... and log p − H carries the absolute error of log s = log Σ exp(z − max) ∈ [0, log V] whatever
+    # the size of log p and H: a near-one-hot row (log p ≈ −1e-6) is still off by ~eps·log V there
+    terms += dneg.abs()[:, None] * p_t * (t_logp.abs() + t_neg_h.abs()[:, None] + log_v)
     carried = terms * (1 + t_logp.abs())
     w_abs, h_abs = weight.to(F64).abs(), hidden.to(F64).abs()
     tol_dh = 8 * (eps + eps_in) * carried @ w_abs / case.temperature + eps_in * t_dh.abs()
