@@ -40,7 +40,7 @@ DEFAULT: dict[str, Any] = {
     "ties": "together",
     "zero_outside_topk": False,
     "entropy": False,
-    "requires_grad": False,
+    "requires_grad": True,  # the differentiable inputs (logits, hidden, weight rows) are leaves
     "ids": False,  # True: one entry of the replicated ids differs
     "hidden": False,  # True: one entry of the replicated hidden states differs
     "coef": False,  # True: one coefficient of the objective differs
@@ -53,6 +53,19 @@ DEFAULT: dict[str, Any] = {
 }
 
 _mesh: Any = None
+
+# the differentiable inputs of the case being built: (this rank's leaf, the float64 leaf of the
+# reference, full gradient -> the gradient this rank's leaf must get); reset by `run_case`
+_LEAVES: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+
+
+def _leaf(local: torch.Tensor, full: torch.Tensor, expected: Any) -> None:
+    """Make `local` (this rank's input) and `full` (the reference's float64 input) leaves that
+    require grad and register them: `expected(full.grad)` is the gradient `local` must get."""
+    local.requires_grad_()
+    if not full.requires_grad:
+        full.requires_grad_()
+    _LEAVES.append((local, full, expected))
 
 
 def _device_mesh() -> Any:
@@ -96,9 +109,9 @@ def _logits(cfg: dict) -> torch.Tensor:
 def _local(cfg: dict, full: torch.Tensor, rank: int) -> tuple[torch.Tensor, dict]:
     """This rank's shard of `full [..., V]` in cfg's dtype, and the shard arguments to pass."""
     start, width = _shard(cfg, rank)
-    local = full[..., start : start + width].to(cfg["dtype"]).clone()
+    local = full.detach()[..., start : start + width].to(cfg["dtype"]).clone()
     if cfg["requires_grad"]:
-        local.requires_grad_()
+        _leaf(local, full, lambda g: g[..., start : start + width])
     extra = {"vocab_start": start, "vocab_size": cfg["V"]} if cfg["layout"] == "uneven" else {}
     if cfg["dtensor"]:
         from torch.distributed.tensor import DTensor, Shard
@@ -260,7 +273,9 @@ def _t_vocab_topk(cfg, rank, group):
 def _t_allgather_cp(cfg, rank, group):
     # 4·S long: the load-balanced layout of 2 ranks needs a multiple of 4 (a builder must not raise)
     full = torch.randn(cfg["B"], cfg["S"] * 4, cfg["V"], generator=_gen(0), dtype=F64)
-    local = reference.cp_shard(full, rank, 2, seq_dim=1).to(cfg["dtype"])
+    local = reference.cp_shard(full.detach(), rank, 2, seq_dim=1).to(cfg["dtype"]).clone()
+    if cfg["requires_grad"]:  # the summed-gradient convention: every CP rank's upstream gradient, summed
+        _leaf(local, full, lambda g: 2 * reference.cp_shard(g, rank, 2, seq_dim=1))
     return (lambda: lossfx.allgather_cp(local, group, seq_dim=1)), [full]
 
 
@@ -345,8 +360,9 @@ def _fused_inputs(cfg, rank):
     rows = weight[start : start + width].to(cfg["dtype"]).clone()
     h = hidden.to(cfg["dtype"]).clone()
     if cfg["requires_grad"]:
-        h.requires_grad_()
-        rows.requires_grad_()
+        # replicated hidden: every rank's gradient is the full one; weight: this rank's rows
+        _leaf(h, hidden, lambda g: g)
+        _leaf(rows, weight, lambda g: g[start : start + width])
     extra = {"vocab_start": start, "vocab_size": cfg["V"]} if cfg["layout"] == "uneven" else {}
     group_kw = True
     if cfg["dtensor"] or cfg["fsdp2"]:
@@ -435,7 +451,7 @@ def _error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, boo
     worst, same = 0.0, True
     for g, r in zip(got, ref, strict=True):
         g = g.detach().to(F64) if g.is_floating_point() else g.detach().to(torch.int64)
-        r = r.to(g.dtype)
+        r = r.detach().to(g.dtype)
         if g.shape != r.shape:
             return float("inf"), False
         finite = torch.isfinite(g) & torch.isfinite(r)
@@ -445,12 +461,92 @@ def _error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, boo
     return worst, same
 
 
+# outputs that carry no gradient by contract (targets are detached, the objective's log-probs are values)
+# targets whose outputs are this rank's vocabulary shard (the reference is sliced to it)
+SHARDED_OUTPUTS = ("apply_top_k_top_p", "draft_targets")
+
+NO_GRAD_OUTPUTS: dict[str, set[int]] = {
+    "token_logprobs_with_lse": {1},  # the log-sum-exp is documented as not differentiable
+    "vocab_topk": {0, 1},  # a selection
+    "draft_targets": {0, 1},
+    "map_to_draft_vocab": {0},
+    "linear_logprob_objective": {1},
+}
+GRAD_TOL = 1e-4  # relative to max(1, the largest reference gradient)
+
+
+def _weights(ref: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The random weighting of the outputs: the same on every rank (a replicated output gets the
+    same upstream gradient everywhere, as a loss computed on every rank does)."""
+    gen = _gen(99)
+    return [torch.randn(r.shape, generator=gen, dtype=F64) for r in ref]
+
+
+def _weighted(outs: list[torch.Tensor], ref: list[torch.Tensor], skip: set[int]) -> torch.Tensor | None:
+    """`Σ_i Σ w_i · out_i` over the float outputs not in `skip`, entries finite in the reference."""
+    total = None
+    for i, (o, r, w) in enumerate(zip(outs, ref, _weights(ref), strict=True)):
+        if i in skip or not o.is_floating_point() or not (o.requires_grad or r.requires_grad):
+            continue
+        keep = torch.isfinite(r.detach())
+        term = (torch.where(keep, o, torch.zeros((), dtype=o.dtype)) * torch.where(keep, w, 0).to(o.dtype)).sum()
+        total = term.to(F64) if total is None else total + term.to(F64)
+    return total
+
+
+def _gradient_error(target: str, got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, str]:
+    """Backward of a random weighting of this rank's outputs against the float64 reference's
+    gradient of the same weighting: `(largest relative error, detail)`. Runs a backward on
+    every rank whose inputs require grad (the backward's collectives run then)."""
+    leaves = [(loc, full, exp) for loc, full, exp in _LEAVES if loc.requires_grad]
+    if not leaves:
+        return 0.0, "no input requires grad"
+    skip = NO_GRAD_OUTPUTS.get(target, set())
+    missing = [i for i, (o, r) in enumerate(zip(got, ref, strict=True)) if r.requires_grad and not o.requires_grad]
+    missing = [i for i in missing if i not in skip]
+    if missing:
+        return float("inf"), f"outputs {missing} carry no gradient"
+    loss = _weighted(got, ref, skip)
+    ref_loss = _weighted(ref, ref, skip)
+    if loss is None or ref_loss is None:
+        return 0.0, "no differentiable output"
+    grads = torch.autograd.grad(loss, [loc for loc, _, _ in leaves], allow_unused=True)
+    ref_grads = torch.autograd.grad(ref_loss, [full for _, full, _ in leaves], allow_unused=True)
+    worst = 0.0
+    for (loc, full, expected), g, rg in zip(leaves, grads, ref_grads, strict=True):
+        want = expected(torch.zeros_like(full) if rg is None else rg).detach()
+        if g is None:
+            g = torch.zeros_like(loc)
+        if hasattr(g, "to_local"):
+            g = g.to_local()
+        g = g.detach().to(F64)
+        if g.shape != want.shape or not bool(torch.isfinite(g).all()):
+            finite = bool(torch.isfinite(g).all())
+            return float("inf"), f"gradient of shape {tuple(g.shape)} (want {tuple(want.shape)}), finite: {finite}"
+        scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+        if g.numel():
+            worst = max(worst, float((g - want).abs().max()) / scale)
+    return worst, f"gradient error {worst:.1e}"
+
+
+def _attempt(fn: Any) -> tuple[Any, tuple | None]:
+    """`(fn(), None)`, or `(None, outcome)` for an exception (see the module doc)."""
+    try:
+        return fn(), None
+    except (ValueError, TypeError) as exc:
+        return None, ("error", type(exc).__name__, str(exc))
+    except Exception as exc:
+        return None, ("other", type(exc).__name__, f"{str(exc)[:1000]}\n{traceback.format_exc()[-2000:]}")
+
+
 def run_case(rank: int, world: int, group: Any, target: str, both: dict, rank1: dict, mode: str) -> tuple:
     """This rank's outcome of `target`: every rank on DEFAULT updated by `both`, rank 1 also by
-    `rank1` (the one perturbation); `mode` is "eager" or a torch.compile backend."""
+    `rank1` (the one perturbation); `mode` is "eager" or a torch.compile backend. When every
+    rank has an answer, each runs the backward of a random weighting of its outputs (see
+    `_gradient_error`); the outcome's value error is then the larger of the two."""
     cfg = {**DEFAULT, **both, **(rank1 if rank == 1 else {})}
     previous = None
-    outcome: tuple
+    _LEAVES.clear()
     try:
         if not cfg["checks"]:
             switch = getattr(lossfx, "set_consistency_checks", None)  # a branch may remove the switch
@@ -468,17 +564,23 @@ def run_case(rank: int, world: int, group: Any, target: str, both: dict, rank1: 
         if mode != "eager":
             # the point is the cross-rank check in the graph, not codegen: aot_eager keeps it cheap
             call = torch.compile(call, backend=mode, fullgraph=True)
-        got = _outputs(call())
-        ref = [r for r in ref if r is not None]
-        if target in ("apply_top_k_top_p", "draft_targets") and not cfg["dtensor"]:  # sharded outputs
-            start, width = _shard(cfg, rank)
-            ref = [r[..., start : start + width] if r.dim() == 3 else r for r in ref]
-        err, same = _error(got, ref)
-        outcome = ("value", err, same)
-    except (ValueError, TypeError) as exc:
-        outcome = ("error", type(exc).__name__, str(exc))
-    except Exception as exc:
-        outcome = ("other", type(exc).__name__, f"{str(exc)[:1000]}\n{traceback.format_exc()[-2000:]}")
+        got, outcome = _attempt(lambda: _outputs(call()))
+        if outcome is None:
+            ref = [r for r in ref if r is not None]
+            if target in SHARDED_OUTPUTS and not cfg["dtensor"]:
+                start, width = _shard(cfg, rank)
+                ref = [r[..., start : start + width] if r.dim() == 3 else r for r in ref]
+            err, same = _error(got, ref)
+        # the backward runs only when every rank has an answer (a rank that raised runs no backward)
+        answered = torch.tensor([float(outcome is None)])
+        dist.all_reduce(answered, op=dist.ReduceOp.MIN, group=group)
+        if outcome is None and answered[0]:
+            grad, outcome = _attempt(lambda: _gradient_error(target, got, ref))
+            if outcome is None:
+                gerr, gdetail = grad
+                outcome = ("value", max(err, gerr), same, f"values {err:.1e}, {gdetail}")
+        elif outcome is None:
+            outcome = ("value", err, same, "no backward: a peer raised")
     finally:
         if previous is not None:
             lossfx.set_consistency_checks(previous)

@@ -10,6 +10,11 @@ shard layout, the consistency switch). The only acceptable outcomes are
   with the same lossfx message on every rank also counts (a graph cannot raise anything else
   without a host sync), or
 - **exact**: every rank's answer equals the float64 reference computed from its own inputs,
+  values and gradients: every rank runs the backward of the same random weighting of its
+  outputs (the inputs require grad unless the case is about `requires_grad`), and each leaf's
+  gradient must equal the reference's gradient of that weighting, in the library's gradient
+  convention (a replicated `hidden` gets the full gradient, a shard its own part, a
+  context-parallel all-gather the sum over CP ranks),
 
 and in both cases a probe all-reduce afterwards still adds up (the group is in step). Anything
 else fails the case, named: `silent wrong answer`, `abort` (a rank process died), `hang` (no
@@ -23,10 +28,7 @@ slice (every target and every kind of perturbation at least once, and the compil
 a mismatch is caught inside a `fullgraph=True` graph, which Inductor's code generation does not
 change, and it keeps a compile to about a second.
 
-Not covered yet: `prepare_opd_full_loss_input`, `prepare_packed_loss_input`,
-`reconstruct_opd_full_teacher_logits`, `map_to_draft_vocab`, `top_k_top_p_threshold`,
-`shift_left`; gradients (answers are compared in the forward only; a `requires_grad`
-disagreement must not change the forward answer or the collectives).
+Not covered yet: `reconstruct_opd_full_teacher_logits`, `top_k_top_p_threshold`.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ PERTURBATIONS: dict[str, tuple[dict, dict]] = {
     "coef_value": ({}, {"coef": True}),
     "mask_value": ({}, {"mask": True}),
     "teacher_value": ({}, {"teacher": True}),
-    "requires_grad": ({}, {"requires_grad": True}),
+    "requires_grad": ({}, {"requires_grad": False}),  # every rank's inputs require grad by default
+    "no_grad_both": ({"requires_grad": False}, {}),
     "dtensor_one_rank": ({}, {"dtensor": True}),
     "uneven_one_rank": ({}, {"layout": "uneven"}),
     "checks_off_one_rank": ({}, {"checks": False}),
@@ -78,17 +81,17 @@ PERTURBATIONS: dict[str, tuple[dict, dict]] = {
     "dtensor_temperature": ({"dtensor": True}, {"temperature": 0.7}),
     "dtensor_B": ({"dtensor": True}, {"B": 3}),
     "dtensor_ids_value": ({"dtensor": True}, {"ids": True}),
-    "dtensor_requires_grad": ({"dtensor": True}, {"requires_grad": True}),
+    "dtensor_requires_grad": ({"dtensor": True}, {"requires_grad": False}),
     # issue item 2: an FSDP2-style head (Shard(0) over the data-parallel mesh, hidden per rank)
     "fsdp2": ({"fsdp2": True}, {}),
     "fsdp2_one_rank": ({}, {"fsdp2": True}),
 }
 
-COMMON = ["B", "S", "V", "dtype", "chunk_size", "chunk_size_none", "requires_grad", "dtensor_one_rank"]
+COMMON = ["B", "S", "V", "dtype", "chunk_size", "chunk_size_none", "requires_grad", "no_grad_both", "dtensor_one_rank"]
 COMMON += ["uneven_one_rank", "checks_off_one_rank", "uneven_both", "dtensor_both", "uneven_dtensor_both"]
 FILTER = ["top_k", "top_p", "ties"]
 FUSED = ["B", "S", "V", "H", "dtype", "temperature", "chunk_size", "chunk_size_none", "ids_value", "hidden_value"]
-FUSED += ["requires_grad", "dtensor_one_rank", "uneven_one_rank", "checks_off_one_rank", "uneven_both"]
+FUSED += ["requires_grad", "no_grad_both", "dtensor_one_rank", "uneven_one_rank", "checks_off_one_rank", "uneven_both"]
 FUSED += ["dtensor_both", "dtensor_temperature", "dtensor_B", "dtensor_requires_grad", "fsdp2", "fsdp2_one_rank"]
 
 APPLICABLE: dict[str, list[str]] = {
@@ -238,7 +241,7 @@ def _classify(answers: list, mode: str) -> tuple[str, str]:
     outcomes = [o for o, _ in answers]
     probes = [p for _, p in answers]
     kinds = {o[0] for o in outcomes}
-    detail = "; ".join(f"rank {r}: {o[0]} {o[1]} {str(o[2])[:300]}" for r, o in enumerate(outcomes))
+    detail = "; ".join(f"rank {r}: {o[0]} {o[1]} {str(o[2])[:300]} {o[3:]}" for r, o in enumerate(outcomes))
     if any(p != 3.0 for p in probes):
         return "group out of step", f"probe all-reduce gave {probes} (expected 3.0); {detail}"
     if "setup" in kinds:
@@ -259,7 +262,7 @@ def _classify(answers: list, mode: str) -> tuple[str, str]:
         return "errors differ across ranks", detail
     if kinds == {"value"}:
         if all(o[1] <= TOL and o[2] for o in outcomes):
-            return "exact", f"max error {max(o[1] for o in outcomes):.1e}"
+            return "exact", f"max error {max(o[1] for o in outcomes):.1e} (values and gradients); {detail}"
         return "silent wrong answer", detail
     return "error on some ranks only", detail
 
@@ -300,3 +303,32 @@ def test_agreeing_ranks_are_exact(target):
     """The suite can tell a right answer: with nothing perturbed every target is exact."""
     outcome, detail = _run(target, "none", "eager")
     assert outcome == "exact", (target, outcome, detail)
+
+
+def test_gradient_comparison_can_fail():
+    """The gradient half of `exact` tells a wrong gradient: a kernel whose backward is off by a
+    factor 1.5 has the right values and a gradient error of about 0.5 against the reference."""
+
+    class _WrongBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.log_softmax(-1)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 1.5  # not even the log-softmax backward: wrong by construction
+
+    full = torch.randn(2, 3, 5, dtype=torch.float64)
+    local = full.clone()
+    adversarial_cases._LEAVES.clear()
+    adversarial_cases._leaf(local, full, lambda g: g)
+    ref = [full.log_softmax(-1)]
+    got = [_WrongBackward.apply(local)]
+    assert adversarial_cases._error(got, ref)[0] < 1e-12
+    err, detail = adversarial_cases._gradient_error("token_logprobs", got, ref)
+    assert err > 0.1, detail
+    adversarial_cases._LEAVES.clear()
+    right = [local.log_softmax(-1)]
+    adversarial_cases._leaf(local, full, lambda g: g)
+    ref = [full.log_softmax(-1)]  # the first comparison consumed the reference's graph
+    assert adversarial_cases._gradient_error("token_logprobs", right, ref)[0] < 1e-12
