@@ -21,8 +21,10 @@ Rules across the tensor-parallel group: every field must agree except the shard'
 (`vocab_start`, `vocab_parallel_rank`, the vocabulary width of the logits), which must tile
 `[0, V)` as the kernels will read it (`vocab` policy of the wrapped function, see
 `boundary`). Tensors sharded per rank (vocabulary shards, sequence-parallel `hidden`)
-are not fingerprinted. Across the context-parallel group every field but the fingerprints
-(sequence shards) must agree.
+are not fingerprinted; a vocabulary-wide payload column (`teacher_full_logits`) is fingerprinted
+over `[0, V)`. Across the context-parallel group every field must agree but the fingerprints of
+the tensors that are this rank's sequence part (`_CP_SHARDS`); canonical ids, masks and teacher
+payloads are compared, and so is the logits' `requires_grad` (their backward all-reduces over CP).
 
 Nested public calls are checked once: the outermost wrapped call checks, the calls it makes
 inside its scope do not. There is no switch. Under `torch.compile` the check is traced into the
@@ -107,7 +109,9 @@ _MAX_FIELDS = (SIGNATURE_LEN - _HEADER) // 2  # each field is (kind, value)
 _NONE = -(2**63)  # a header value that was not given
 
 # field kinds
-_K_NONE, _K_BOOL, _K_INT, _K_FLOAT, _K_STR, _K_DTYPE, _K_TYPE, _K_VALUES = range(8)  # _K_VALUES: a fingerprint
+# _K_VALUES: a fingerprint compared across both groups; _K_VALUES_TP: across the tensor-parallel group
+# only (a tensor that is this rank's sequence part under context parallelism)
+_K_NONE, _K_BOOL, _K_INT, _K_FLOAT, _K_STR, _K_DTYPE, _K_TYPE, _K_VALUES, _K_VALUES_TP = range(9)
 _DTYPES = [
     torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -124,6 +128,9 @@ _VOCAB_COLUMNS = ("teacher_full_logits",)  # data columns over the vocabulary: l
 _VOCAB_ROW_MAPPINGS = ("teacher_output_layer_weight_by_index",)
 _PER_RANK = ("vocab_start", "vocab_parallel_rank")  # may differ across the tensor-parallel group
 _TYPE_ONLY = ("cp_sharder",)  # objects whose state is rank-specific: only their type is compared
+# tensors (arguments or data columns) that are this rank's sequence part under context parallelism;
+# every other non-vocabulary tensor (ids, masks, teacher payloads) is canonical on every CP rank
+_CP_SHARDS = ("hidden", "x", "student_logits")
 
 
 def _crc(text: str) -> int:
@@ -180,7 +187,7 @@ def _decode(kind: int, value: int) -> str:
         return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else _names().get(value, f"dtype#{value}")
     if kind == _K_TYPE:
         return _names().get(value, f"an object #{value:x}")
-    if kind == _K_VALUES:
+    if kind in (_K_VALUES, _K_VALUES_TP):
         return f"fingerprint {value & (2**64 - 1):016x}"
     return _names().get(value, f"value#{value:x}")
 
@@ -190,8 +197,10 @@ class _Fields:
     on the values of fields before it (a tensor's `ndim` precedes its dims, a mapping's keys
     precede its entries), so ranks compare labels position by position."""
 
-    def __init__(self, fingerprints: bool = True) -> None:
+    def __init__(self, fingerprints: bool = True, logits_grad: bool = False) -> None:
         self.fingerprints = fingerprints
+        self.logits_grad = logits_grad  # with a CP group the logits' backward runs a collective
+        self.columns: list[tuple[str, Tensor]] = []  # vocabulary-wide data columns, fingerprinted last
         self.labels: list[str] = []
         self.codes: list[tuple[int, int]] = []
         self.values: list[tuple[int, Tensor]] = []  # (field index, fingerprint of a replicated tensor)
@@ -205,7 +214,9 @@ class _Fields:
         else:
             self.codes.append(_encode(value))
 
-    def tensor(self, label: str, value: Tensor, dims: Any, replicated: bool, grad_flag: bool = True) -> None:
+    def tensor(
+        self, label: str, value: Tensor, dims: Any, replicated: bool, grad_flag: bool = True, cp_shard: bool = False
+    ) -> None:
         """A tensor's fields: kind, ndim, the compared `dims` (`(i, size)` pairs), dtype, whether autograd tracks it
         (it decides the backward's collectives), and for a `replicated` one its fingerprint."""
         self.add(label, _Kind("Tensor"))
@@ -219,7 +230,7 @@ class _Fields:
             if self.fingerprints:
                 self.values.append((len(self.codes), fingerprint(value)))
             self.labels.append(f"the values of {label} (which must be the same on every rank)")
-            self.codes.append((_K_VALUES, 0))  # the value slot is filled on the device
+            self.codes.append((_K_VALUES_TP if cp_shard else _K_VALUES, 0))  # the value slot is filled on the device
 
     def walk(
         self,
@@ -238,7 +249,11 @@ class _Fields:
         rank's shard."""
         if isinstance(value, Tensor):
             dims = value.shape[:-1] if vocab_dim and value.dim() else value.shape
-            self.tensor(label, value, enumerate(dims), replicated and not vocab_dim, grad_flag=not logits)
+            cp_shard = label.split("[")[-1].strip("']") in _CP_SHARDS or label in _CP_SHARDS
+            grad_flag = not logits or self.logits_grad
+            self.tensor(label, value, enumerate(dims), replicated and not vocab_dim, grad_flag, cp_shard)
+            if vocab_dim and replicated and not logits and value.dim():
+                self.columns.append((label, value))
         elif isinstance(value, dist.ProcessGroup):
             self.add(label, _Kind(f"process group of size {value.size()}"))
         elif value is None or isinstance(value, (bool, int, float, str, enum.Enum, torch.dtype)):
@@ -277,13 +292,23 @@ def _is_fake(t: Tensor) -> bool:
     return t.device.type == "meta"
 
 
-def _signature(name: str, arguments: Mapping[str, Any], values: bool = True) -> tuple[Tensor, list[str]]:
+def _signature(
+    name: str,
+    arguments: Mapping[str, Any],
+    values: bool = True,
+    cp: bool = False,
+    world: int = 1,
+    tp_only: list[int] | None = None,
+) -> tuple[Tensor, list[str]]:
     """`(signature [SIGNATURE_LEN] int64, labels)` of a call of `name` with bound `arguments`.
 
     The static fields are known on the host; the fingerprints of replicated tensors are computed
     on their device and written into the vector there (no host read); `values=False` leaves
-    them 0 (a group over which those tensors are shards)."""
-    fields = _Fields(values)
+    them 0 (a group over which those tensors are shards). `cp`: a context-parallel group takes
+    part (the logits' `requires_grad` is then compared: their backward all-reduces); `world`:
+    the tensor-parallel size (a vocabulary-wide data column is fingerprinted over `[0, V)`);
+    `tp_only` receives the slots of fingerprints compared across the tensor-parallel group only."""
+    fields = _Fields(values, logits_grad=cp)
     header = [0] * _HEADER
     _scope.names = {}  # the strings of this call only: bounded memory over a long run
     header[_H_MAGIC], header[_H_PATH] = _MAGIC, _crc(name)
@@ -316,8 +341,16 @@ def _signature(name: str, arguments: Mapping[str, Any], values: bool = True) -> 
             fields.walk(arg, value, replicated=not per_rank)
     for arg, value in heads:
         _head_fields(fields, arg, value, header)
+    for label, column in fields.columns:  # replicated over [0, V); a wider payload's tail is never read
+        vocab = header[_H_SIZE] if header[_H_SIZE] != _NONE else world * header[_H_WIDTH]
+        if header[_H_WIDTH] == _NONE and header[_H_SIZE] == _NONE:
+            vocab = column.shape[-1]
+        fields.tensor(f"{label}[..., :{vocab}]", column[..., : max(vocab, 0)], [], replicated=True, grad_flag=False)
     flat = [x for code in fields.codes for x in code]
     header[_H_COUNT] = len(fields.codes)
+    if tp_only is not None:
+        codes = fields.codes[:_MAX_FIELDS]
+        tp_only.extend(_HEADER + 2 * i + 1 for i, (kind, _) in enumerate(codes) if kind == _K_VALUES_TP)
     if not torch.compiler.is_compiling():  # traced, shapes may be symbolic: no digest of the fields past the body
         header[_H_DIGEST] = zlib.crc32(struct.pack(f"<{len(flat)}q", *flat))
     body = flat[: 2 * _MAX_FIELDS]
@@ -380,8 +413,8 @@ def _first_disagreement(
     """
 
     def differs(slot: int) -> bool:
-        fingerprint = slot == _H_VALUES or (slot >= _HEADER and (slot - _HEADER) % 2 and own[slot - 1] == _K_VALUES)
-        if fingerprint and not per_rank_header:
+        tp_only = slot == _H_VALUES or (slot >= _HEADER and (slot - _HEADER) % 2 and own[slot - 1] == _K_VALUES_TP)
+        if tp_only and not per_rank_header:
             return False
         return len({s[slot] for s in sigs}) > 1
 
@@ -403,6 +436,11 @@ def _first_disagreement(
         kind_slot, value_slot = _HEADER + 2 * i, _HEADER + 2 * i + 1
         if differs(kind_slot) or differs(value_slot):
             return labels[i], _decode(own[kind_slot], own[value_slot])
+    if differs(_H_COUNT) and count < _MAX_FIELDS:  # the fields agree as far as every rank has them
+        extra = f", the next: {labels[count]}" if len(labels) > count else ""
+        return "how many argument fields the call has (a DTensor or a column on some ranks only?)", (
+            f"{own[_H_COUNT]} fields{extra}"
+        )
     if differs(_H_COUNT) or differs(_H_DIGEST):
         return f"an argument field past the first {_MAX_FIELDS}", f"digest {own[_H_DIGEST]:x}"
     if differs(_H_VALUES):
@@ -507,7 +545,7 @@ def _check(
     cp = cp if _is_distributed(cp) else None
     if tp is None and cp is None:
         return
-    sig, labels = _signature(name, arguments)
+    sig, labels = _signature(name, arguments, cp=cp is not None, world=tp.size() if tp is not None else 1)
     errors: list[str] = []
 
     def raise_errors() -> None:
@@ -567,18 +605,22 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], tp_arg: str | None,
     assertion that every rank's equals this rank's: no graph break, no host read. A mismatch
     raises `RuntimeError` with the same message on every rank (they all see the same gathered
     matrix). Not compared here: the shard layout (widths, offsets: the kernels' uniform default
-    is assumed) and, across the context-parallel group, the fingerprints."""
+    is assumed) and, across the context-parallel group, the fingerprints of sequence shards."""
     from torch.distributed import _functional_collectives as fc
 
     tp = arguments.get(tp_arg) if tp_arg else None
     cp = arguments.get(cp_arg) if cp_arg else None
     if cp is None and arguments.get("cp_sharder") is not None:
         cp, cp_arg = getattr(arguments["cp_sharder"], "cp_group", None), "cp_sharder.cp_group"
-    for group, group_name, with_values in ((tp, tp_arg, True), (cp, cp_arg, False)):
+    with_cp = cp is not None and _is_distributed(cp)
+    world = tp.size() if tp is not None and _is_distributed(tp) else 1
+    for group, group_name, across_tp in ((tp, tp_arg, True), (cp, cp_arg, False)):
         if group is None or not _is_distributed(group):
             continue
-        sig, _ = _signature(name, arguments, values=with_values)
-        skip = _PER_RANK_SLOTS if with_values else (_H_VERDICT,)
+        tp_only: list[int] = []
+        sig, _ = _signature(name, arguments, cp=with_cp, world=world, tp_only=tp_only)
+        # across CP: every slot but the verdict and the sequence shards' fingerprints
+        skip = _PER_RANK_SLOTS if across_tp else (_H_VERDICT, _H_VALUES, *tp_only)
         keep = torch.tensor([i not in skip for i in range(SIGNATURE_LEN)], device=sig.device)
         gathered = fc.all_gather_tensor(sig, 0, group).view(group.size(), SIGNATURE_LEN)
         agree = ((gathered == gathered[0]) | ~keep).all()
