@@ -50,6 +50,28 @@ DEFAULT: dict[str, Any] = {
     "dtensor": False,  # True: the sharded input is a DTensor on the 2-rank mesh
     "fsdp2": False,  # True: the weight is a Shard(0) DTensor and hidden differs per rank
     "checks": True,  # False: set_consistency_checks(False) on this rank
+    "D": 6,  # draft vocabulary (map_to_draft_vocab)
+    "d2t": "given",  # "moved": one entry of d2t differs; None: no d2t
+    # packing: cu_seqlens as "list" or "tensor"; "moved": one boundary moves (see _packing)
+    "cu_type": "list",
+    "cu": "given",
+    "cu_p": "given",
+    # OPD_FULL: how the teacher heads are passed ("rows", "dtensor", "full"), their dtype and keys
+    "heads": "rows",
+    "head_dtype": F64,
+    "head_keys": "same",  # "other": the second head under another key
+    "teacher_index": "given",  # "moved": one row routed to the other head
+    "payload_extra": 0,  # extra columns of a logits payload beyond V (allowed: each rank slices its window)
+    "validate": True,
+    "opd_chunk": None,
+    "penalty": 0.25,
+    # fused LM-head options (linear_next_token_logprobs[options])
+    "bias": True,  # this rank's rows of an LM-head bias [V]
+    "logit_scale": 0.8,
+    "softcap": 5.0,
+    "ignore_index": -100,  # some targets are ignored (equal to it)
+    "position_ids": "packed",  # "packed": padding-free rows (two sequences in row 0); "moved": another
+    # boundary; None: not given
 }
 
 _mesh: Any = None
@@ -57,6 +79,13 @@ _mesh: Any = None
 # the differentiable inputs of the case being built: (this rank's leaf, the float64 leaf of the
 # reference, full gradient -> the gradient this rank's leaf must get); reset by `run_case`
 _LEAVES: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+
+
+# for outputs that are this rank's part of one tensor whose parts depend on other ranks' inputs
+# (a shift across CP ranks): (rank, () -> every rank's reference outputs); reset by `run_case`.
+# Each rank weights its part with its own weights, and the reference gradient is that of the
+# sum over ranks (what a loss summed over the ranks' parts differentiates).
+_PER_RANK_REF: list[tuple[int, Any]] = []
 
 
 def _leaf(local: torch.Tensor, full: torch.Tensor, expected: Any) -> None:
@@ -407,6 +436,244 @@ def _fused(name):
     return build
 
 
+def _position_ids(cfg):
+    if cfg["position_ids"] is None:
+        return None
+    pos = torch.arange(cfg["S"]).repeat(cfg["B"], 1)
+    cut = 2 if cfg["position_ids"] == "packed" else 3  # row 0 holds two sequences, split at `cut`
+    pos[0, cut:] = torch.arange(cfg["S"] - cut)
+    return pos
+
+
+def _t_linear_next_token_options(cfg, rank, group):
+    """`linear_next_token_logprobs` with bias, logit scale, soft-cap, ignored targets and
+    padding-free `position_ids`."""
+    hidden, weight, h, rows, extra, group_kw = _fused_inputs(cfg, rank)
+    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
+    ids[1, 2] = ids[0, 4] = cfg["ignore_index"]  # ignored targets (a rank with another index ignores others)
+    bias_full = torch.randn(cfg["V"], generator=_gen(13), dtype=F64)
+    options: dict[str, Any] = {"logit_scale": cfg["logit_scale"], "softcap": cfg["softcap"]}
+    bias = None
+    if cfg["bias"]:
+        start, width = _shard(cfg, rank)
+        bias = bias_full.detach()[start : start + width].to(cfg["dtype"]).clone()
+        if cfg["requires_grad"]:
+            _leaf(bias, bias_full, lambda g: g[start : start + width])
+        if not group_kw:  # a DTensor head: its bias a Shard(0) DTensor on the same mesh
+            from torch.distributed.tensor import DTensor, Shard
+
+            bias = DTensor.from_local(bias, _device_mesh(), [Shard(0)], run_check=False, shape=(cfg["V"],), stride=(1,))
+    pos = _position_ids(cfg)
+    kw = dict(extra, temperature=cfg["temperature"], chunk_size=cfg["chunk_size"], ignore_index=cfg["ignore_index"])
+    if group_kw:
+        kw["group"] = group
+    lp, _ = reference.linear_next_token_logprobs(
+        hidden,
+        weight,
+        ids,
+        cfg["temperature"],
+        pos,
+        bias=bias_full if cfg["bias"] else None,
+        ignore_index=cfg["ignore_index"],
+        **options,
+    )
+    call = lambda: lossfx.linear_next_token_logprobs(h, rows, ids, bias=bias, position_ids=pos, **options, **kw)
+    return call, [lp]
+
+
+def _t_shift_left(cfg, rank, group):
+    """`shift_left` over the CP group: `x [B, L/2, V]` this rank's load-balanced part of `[B, L, V]`."""
+    length = 4 * (cfg["S"] // 2)
+    full = torch.randn(cfg["B"], length, cfg["V"], generator=_gen(0), dtype=F64)
+    local = reference.cp_shard(full, rank, 2).to(cfg["dtype"]).clone()
+
+    def refs(f=full):
+        shifted = torch.cat([f[:, 1:], torch.zeros_like(f[:, :1])], dim=1)
+        return [[reference.cp_shard(shifted, r, 2)] for r in range(2)]
+
+    if cfg["requires_grad"]:
+        _leaf(local, full, lambda g: reference.cp_shard(g, rank, 2))
+        _PER_RANK_REF.append((rank, refs))
+    return (lambda: lossfx.shift_left(local, group)), refs()[rank]
+
+
+def _draft_ids(cfg) -> torch.Tensor:
+    """`d2t [D]`: draft id `i` maps to target id `i + d2t[i]` (distinct target ids in `[0, V)`)."""
+    targets = torch.randperm(cfg["V"], generator=_gen(20))[: cfg["D"]].sort().values
+    d2t = targets - torch.arange(cfg["D"])
+    if cfg["d2t"] == "moved":  # one draft id maps elsewhere
+        d2t[1] = (targets[1] + cfg["V"] // 2) % cfg["V"] - 1
+    return d2t
+
+
+def _t_map_to_draft_vocab(cfg, rank, group):
+    """`map_to_draft_vocab` of this rank's (detached) target-vocabulary shard: its draft shard."""
+    full = _logits(cfg)
+    z, _ = _local({**cfg, "requires_grad": False}, full, rank)
+    d2t = None if cfg["d2t"] is None else _draft_ids(cfg)
+    g = _grp(cfg, group)
+    call = lambda: lossfx.map_to_draft_vocab(
+        z, d2t, vocab_parallel_rank=None if g is None else rank, vocab_parallel_group=g
+    )
+    if d2t is None:
+        want = full
+        start, width = _shard(cfg, rank)
+    else:
+        want = full[..., torch.arange(cfg["D"]) + d2t]
+        start, width = rank * cfg["D"] // 2, cfg["D"] // 2
+    return call, [want if cfg["dtensor"] else want[..., start : start + width]]
+
+
+def _packing(cfg) -> tuple[list[int], list[int]]:
+    """`(cu_seqlens_q, cu_seqlens_q_padded)` of B sequences of lengths S, S-2, S-1, ... (each at
+    most S), padded to multiples of 4 (2·C for C = 2). `cu` "moved": the first sequence one
+    token shorter; `cu_p` "moved": one padding slot moves from the second sequence to the first
+    (still valid without context parallelism)."""
+    lengths = [cfg["S"] - (2, 1)[i % 2] if i else cfg["S"] for i in range(cfg["B"])]
+    if cfg["cu"] == "moved":
+        lengths[0] -= 1
+    padded = [-(-max(n, 1) // 4) * 4 for n in lengths]
+    if cfg["cu_p"] == "moved":
+        padded[0], padded[1] = padded[0] - 1, padded[1] + 1
+    cu_q, cu_p = [0], [0]
+    for n, m in zip(lengths, padded, strict=True):
+        cu_q.append(cu_q[-1] + n)
+        cu_p.append(cu_p[-1] + m)
+    return cu_q, cu_p
+
+
+def _packed_cp_shard(x: torch.Tensor, cu_p: list[int], rank: int) -> torch.Tensor:
+    """Rank `rank`'s packed part of `x [1, T, ...]` for 2 CP ranks: every sequence's load-balanced part."""
+    return torch.cat([reference.cp_shard(x[:, a:b], rank, 2) for a, b in zip(cu_p[:-1], cu_p[1:])], dim=1)
+
+
+def _packed(cp: bool):
+    def build(cfg, rank, group):
+        """`prepare_packed_loss_input`: TP over the 2 ranks (`cp` False) or CP (`cp` True)."""
+        cu_q, cu_p = _packing(cfg)
+        total = cu_p[-1]
+        full = torch.randn(1, total, cfg["V"], generator=_gen(0), dtype=F64) * 2
+        ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
+        if cp:
+            local = _packed_cp_shard(full, cu_p, rank).to(cfg["dtype"]).clone()
+            if cfg["requires_grad"]:  # the summed-gradient convention over CP ranks
+                _leaf(local, full, lambda g: 2 * _packed_cp_shard(g, cu_p, rank))
+            layout = {"context_parallel_group": group}
+        else:
+            local, _ = _local(cfg, full, rank)  # uneven widths: read from the ranks ("auto")
+            g = _grp(cfg, group)
+            layout = {"vocab_parallel_group": g, "vocab_parallel_rank": None if g is None else rank}
+        if cfg["cu_type"] == "tensor":
+            cu_q, cu_p = torch.tensor(cu_q), torch.tensor(cu_p)
+        sp = _sampling(cfg)
+        loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
+        data = {"input_ids": ids, "token_mask": torch.ones(cfg["B"], cfg["S"])}
+
+        def call():
+            out, _ = lossfx.prepare_packed_loss_input(
+                local, dict(data), loss_fn, cu_q, cu_p, sampling_params=sp, chunk_size=cfg["chunk_size"], **layout
+            )
+            return out["next_token_logprobs"]
+
+        want = reference.packed_next_token_logprobs(
+            full, ids, list(map(int, cu_q)), list(map(int, cu_p)), top_k=cfg["top_k"], top_p=cfg["top_p"]
+        )
+        return call, [reference.mask_out_neg_inf_logprobs(want, torch.ones_like(want))]
+
+    return build
+
+
+def _opd_full(entry: str, payload: str):
+    def build(cfg, rank, group):
+        """OPD_FULL with a hidden-states teacher (two LM heads, rows routed by
+        `opd_full_teacher_index`) or a logits payload, TP over the 2 ranks."""
+        full = _logits(cfg)
+        z, _ = _local(cfg, full, rank)
+        ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
+        s_p = cfg["S"] - 1
+        gen = _gen(30)
+        hidden = torch.randn(cfg["B"], s_p, cfg["H"], generator=gen, dtype=F64)
+        heads = {k: torch.randn(cfg["V"], cfg["H"], generator=gen, dtype=F64) for k in (3, 7)}
+        index = torch.tensor([7, 3, 7, 3][: cfg["B"]])
+        teacher_logits = torch.randn(cfg["B"], s_p, cfg["V"], generator=gen, dtype=F64)
+        if cfg["teacher"]:
+            hidden[0, 0, 0] += 1.5
+            teacher_logits[0, 0, -1] += 1.5  # in rank 1's window
+        if cfg["teacher_index"] == "moved":
+            index[0] = 3
+        key2 = 7 if cfg["head_keys"] == "same" else 8
+        heads = {3: heads[3], key2: heads[7]}
+        index = torch.where(index == 7, key2, index)
+        start, width = _shard(cfg, rank)
+        if cfg["heads"] == "full":
+            mine = {k: w.to(cfg["head_dtype"]) for k, w in heads.items()}
+        else:
+            mine = {k: w[start : start + width].to(cfg["head_dtype"]).clone() for k, w in heads.items()}
+            if cfg["heads"] == "dtensor":
+                from torch.distributed.tensor import DTensor, Shard
+
+                mine = {
+                    k: DTensor.from_local(
+                        w, _device_mesh(), [Shard(0)], run_check=False, shape=(cfg["V"], cfg["H"]), stride=(cfg["H"], 1)
+                    )
+                    for k, w in mine.items()
+                }
+        opd = lossfx.OnPolicyDistillationFullConfig(
+            enabled=True,
+            teacher_payload="hidden_states" if payload == "hidden" else "logits",
+            validate_decomposition=cfg["validate"],
+            chunk_size=cfg["opd_chunk"],
+        )
+        loss_fn = SimpleNamespace(
+            input_type=lossfx.LossInputType.OPD_FULL, opd_full=opd, reference_policy_kl_penalty=cfg["penalty"]
+        )
+        if payload == "hidden":
+            data = {"input_ids": ids, "teacher_full_hidden_states": hidden, "opd_full_teacher_index": index}
+            heads_kw = {"teacher_output_layer_weight_by_index": mine}
+            teacher = reference.opd_full_teacher_logits(
+                hidden,
+                cfg["S"],
+                teacher_payload="hidden_states",
+                weights={k: w.to(cfg["head_dtype"]) for k, w in heads.items()},
+                teacher_index=index,
+            )
+        else:
+            wide = torch.cat([teacher_logits, torch.zeros(cfg["B"], s_p, cfg["payload_extra"], dtype=F64)], -1)
+            data = {"input_ids": ids, "teacher_full_logits": wide}
+            heads_kw = {}
+            teacher = reference.opd_full_teacher_logits(teacher_logits, cfg["S"], teacher_payload="logits")
+        g = _grp(cfg, group)
+        layout = {"vocab_parallel_group": g, "vocab_parallel_rank": None if g is None else rank}
+
+        def call():
+            if entry == "prepare_loss_input":
+                out, _ = lossfx.prepare_loss_input(
+                    z, dict(data), loss_fn, chunk_size=cfg["chunk_size"], **layout, **heads_kw
+                )
+            else:
+                out = lossfx.prepare_opd_full_loss_input(
+                    z,
+                    dict(data),
+                    loss_fn,
+                    context_parallel_group=None,
+                    sampling_params=None,
+                    chunk_size=cfg["chunk_size"],
+                    **layout,
+                    **heads_kw,
+                )
+            return [out[k] for k in _OPD_KEYS if k in out]
+
+        want = reference.opd_full_loss_input(
+            full, teacher, ids, validate_decomposition=cfg["validate"], reference_policy_kl_penalty=cfg["penalty"]
+        )
+        return call, [want[k] for k in _OPD_KEYS if k in want]
+
+    return build
+
+
+_OPD_KEYS = ("opd_full_divergence", "opd_full_entropy", "opd_full_cross_entropy", "next_token_logprobs")
+
+
 TARGETS = {
     "token_logprobs": _t_token_logprobs,
     "token_logprobs_with_lse": _t_token_logprobs_with_lse,
@@ -429,6 +696,14 @@ TARGETS = {
     "linear_next_token_logprobs": _fused("linear_next_token_logprobs"),
     "linear_gather_logprobs": _fused("linear_gather_logprobs"),
     "linear_logprob_objective": _fused("linear_logprob_objective"),
+    "linear_next_token_logprobs[options]": _t_linear_next_token_options,
+    "shift_left": _t_shift_left,
+    "map_to_draft_vocab": _t_map_to_draft_vocab,
+    "prepare_packed_loss_input": _packed(cp=False),
+    "prepare_packed_loss_input[cp]": _packed(cp=True),
+    "prepare_opd_full_loss_input": _opd_full("prepare_opd_full_loss_input", "hidden"),
+    "prepare_opd_full_loss_input[logits]": _opd_full("prepare_opd_full_loss_input", "logits"),
+    "prepare_loss_input[OPD_FULL]": _opd_full("prepare_loss_input", "hidden"),
 }
 
 
@@ -475,17 +750,17 @@ NO_GRAD_OUTPUTS: dict[str, set[int]] = {
 GRAD_TOL = 1e-4  # relative to max(1, the largest reference gradient)
 
 
-def _weights(ref: list[torch.Tensor]) -> list[torch.Tensor]:
+def _weights(ref: list[torch.Tensor], seed: int = 99) -> list[torch.Tensor]:
     """The random weighting of the outputs: the same on every rank (a replicated output gets the
     same upstream gradient everywhere, as a loss computed on every rank does)."""
-    gen = _gen(99)
+    gen = _gen(seed)
     return [torch.randn(r.shape, generator=gen, dtype=F64) for r in ref]
 
 
-def _weighted(outs: list[torch.Tensor], ref: list[torch.Tensor], skip: set[int]) -> torch.Tensor | None:
+def _weighted(outs: list[torch.Tensor], ref: list[torch.Tensor], skip: set[int], seed: int = 99) -> torch.Tensor | None:
     """`Σ_i Σ w_i · out_i` over the float outputs not in `skip`, entries finite in the reference."""
     total = None
-    for i, (o, r, w) in enumerate(zip(outs, ref, _weights(ref), strict=True)):
+    for i, (o, r, w) in enumerate(zip(outs, ref, _weights(ref, seed), strict=True)):
         if i in skip or not o.is_floating_point() or not (o.requires_grad or r.requires_grad):
             continue
         keep = torch.isfinite(r.detach())
@@ -506,8 +781,13 @@ def _gradient_error(target: str, got: list[torch.Tensor], ref: list[torch.Tensor
     missing = [i for i in missing if i not in skip]
     if missing:
         return float("inf"), f"outputs {missing} carry no gradient"
-    loss = _weighted(got, ref, skip)
-    ref_loss = _weighted(ref, ref, skip)
+    if _PER_RANK_REF:  # outputs that are this rank's part of one tensor: weights per rank, loss summed
+        rank, refs_of = _PER_RANK_REF[0]
+        loss = _weighted(got, ref, skip, seed=100 + rank)
+        ref_loss = sum(_weighted(refs, refs, skip, seed=100 + r) for r, refs in enumerate(refs_of()))
+    else:
+        loss = _weighted(got, ref, skip)
+        ref_loss = _weighted(ref, ref, skip)
     if loss is None or ref_loss is None:
         return 0.0, "no differentiable output"
     grads = torch.autograd.grad(loss, [loc for loc, _, _ in leaves], allow_unused=True)
@@ -547,6 +827,7 @@ def run_case(rank: int, world: int, group: Any, target: str, both: dict, rank1: 
     cfg = {**DEFAULT, **both, **(rank1 if rank == 1 else {})}
     previous = None
     _LEAVES.clear()
+    _PER_RANK_REF.clear()
     try:
         if not cfg["checks"]:
             switch = getattr(lossfx, "set_consistency_checks", None)  # a branch may remove the switch

@@ -85,6 +85,35 @@ PERTURBATIONS: dict[str, tuple[dict, dict]] = {
     # issue item 2: an FSDP2-style head (Shard(0) over the data-parallel mesh, hidden per rank)
     "fsdp2": ({"fsdp2": True}, {}),
     "fsdp2_one_rank": ({}, {"fsdp2": True}),
+    # draft vocabulary
+    "D": ({}, {"D": 4}),
+    "d2t_value": ({}, {"d2t": "moved"}),
+    "d2t_none_one_rank": ({}, {"d2t": None}),
+    "d2t_none_both": ({"d2t": None}, {}),
+    # packing
+    "cu_value": ({}, {"cu": "moved"}),
+    "cu_p_value": ({}, {"cu_p": "moved"}),
+    "cu_tensor_one_rank": ({}, {"cu_type": "tensor"}),
+    "cu_tensor_both": ({"cu_type": "tensor"}, {}),
+    # OPD_FULL
+    "head_dtype": ({}, {"head_dtype": torch.float32}),
+    "head_keys": ({}, {"head_keys": "other"}),
+    "heads_dtensor_one_rank": ({}, {"heads": "dtensor"}),
+    "heads_dtensor_both": ({"heads": "dtensor"}, {}),
+    "heads_full_one_rank": ({}, {"heads": "full"}),
+    "teacher_index_value": ({}, {"teacher_index": "moved"}),
+    "payload_width": ({}, {"payload_extra": 2}),
+    "validate": ({}, {"validate": False}),
+    "opd_chunk": ({}, {"opd_chunk": 2}),
+    "penalty": ({}, {"penalty": 0.0}),
+    "dtensor_heads_dtensor": ({"dtensor": True, "heads": "dtensor"}, {}),
+    # fused LM-head options
+    "softcap": ({}, {"softcap": None}),
+    "logit_scale": ({}, {"logit_scale": 1.0}),
+    "bias_none_one_rank": ({}, {"bias": False}),
+    "ignore_index": ({}, {"ignore_index": -1}),
+    "position_ids_value": ({}, {"position_ids": "moved"}),
+    "position_ids_none_one_rank": ({}, {"position_ids": None}),
 }
 
 COMMON = ["B", "S", "V", "dtype", "chunk_size", "chunk_size_none", "requires_grad", "no_grad_both", "dtensor_one_rank"]
@@ -131,6 +160,40 @@ APPLICABLE: dict[str, list[str]] = {
     "linear_next_token_logprobs": FUSED,
     "linear_gather_logprobs": [*FUSED, "K", "zero_outside_topk", "entropy"],
     "linear_logprob_objective": [*FUSED, "coef_value"],
+    # context parallel over the 2 ranks: every tensor is a per-rank sequence shard
+    "shift_left": ["B", "S", "V", "dtype", "requires_grad", "no_grad_both"],
+    "map_to_draft_vocab": [
+        *["B", "S", "V", "D", "dtype", "d2t_value", "d2t_none_one_rank", "d2t_none_both"],
+        *["dtensor_one_rank", "dtensor_both", "uneven_one_rank", "checks_off_one_rank"],
+    ],
+    "prepare_packed_loss_input": [
+        *["B", "S", "V", "dtype", "chunk_size", "requires_grad", "no_grad_both", "ids_value", "top_k", "top_p"],
+        *["cu_value", "cu_p_value", "cu_tensor_one_rank", "cu_tensor_both", "uneven_both", "dtensor_both"],
+        *["dtensor_one_rank", "checks_off_one_rank"],
+    ],
+    "prepare_packed_loss_input[cp]": [
+        *["B", "S", "V", "dtype", "chunk_size", "requires_grad", "no_grad_both", "ids_value", "top_k"],
+        *["cu_value", "cu_tensor_one_rank", "cu_tensor_both", "checks_off_one_rank"],
+    ],
+    "prepare_opd_full_loss_input": [
+        *["B", "S", "V", "H", "dtype", "chunk_size", "requires_grad", "no_grad_both", "ids_value"],
+        *["teacher_value", "head_dtype", "head_keys", "heads_dtensor_one_rank", "heads_dtensor_both"],
+        *["heads_full_one_rank", "teacher_index_value", "validate", "opd_chunk", "penalty", "dtensor_both"],
+        *["dtensor_one_rank", "dtensor_heads_dtensor", "uneven_dtensor_both", "checks_off_one_rank"],
+    ],
+    "prepare_opd_full_loss_input[logits]": [
+        *["B", "S", "V", "dtype", "requires_grad", "ids_value", "teacher_value", "payload_width", "penalty"],
+        *["dtensor_both", "dtensor_one_rank"],
+    ],
+    "prepare_loss_input[OPD_FULL]": [
+        *["B", "V", "dtype", "ids_value", "teacher_value", "head_dtype", "heads_dtensor_one_rank"],
+        *["heads_full_one_rank", "dtensor_both", "dtensor_heads_dtensor", "uneven_dtensor_both", "validate"],
+    ],
+    "linear_next_token_logprobs[options]": [
+        *[p for p in FUSED if "fsdp2" not in p],
+        *["softcap", "logit_scale", "bias_none_one_rank", "ignore_index"],
+        *["position_ids_value", "position_ids_none_one_rank"],
+    ],
 }
 
 # cases about compile: temperature, N and chunk_size mismatches on the logits and fused paths
@@ -144,7 +207,17 @@ COMPILED = [
     ("linear_token_logprobs", "dtensor_temperature"),
     ("linear_logprob_objective", "chunk_size"),
     ("linear_logprob_objective", "temperature"),
+    ("linear_next_token_logprobs[options]", "softcap"),
+    ("linear_next_token_logprobs[options]", "position_ids_value"),
+    ("prepare_packed_loss_input", "cu_value"),
+    ("prepare_packed_loss_input[cp]", "ids_value"),  # canonical ids compared across CP, in the graph
+    ("prepare_packed_loss_input[cp]", "requires_grad"),
+    ("prepare_opd_full_loss_input[logits]", "teacher_value"),  # the payload's [0, V) fingerprint
+    ("prepare_opd_full_loss_input", "head_dtype"),
+    ("map_to_draft_vocab", "d2t_value"),
+    ("shift_left", "S"),
 ]
+COMPILED_DEFAULT = [COMPILED[i] for i in (0, 1, 2, 4)] + [("prepare_packed_loss_input[cp]", "ids_value")]
 
 # the default suite's slice: every target, every kind of perturbation
 DEFAULT_SLICE = [
@@ -184,6 +257,19 @@ DEFAULT_SLICE = [
     ("linear_logprob_objective", "dtensor_B"),
     ("token_logprobs", "dtensor_B"),
     ("gather_logprobs", "dtensor_ids_value"),
+    ("linear_next_token_logprobs[options]", "position_ids_value"),
+    ("linear_next_token_logprobs[options]", "softcap"),
+    ("shift_left", "S"),
+    ("map_to_draft_vocab", "d2t_value"),
+    ("prepare_packed_loss_input", "cu_value"),
+    ("prepare_packed_loss_input[cp]", "cu_tensor_one_rank"),
+    ("prepare_packed_loss_input[cp]", "requires_grad"),  # was an abort (the CP backward's all-reduce)
+    ("prepare_packed_loss_input[cp]", "ids_value"),  # was a silent wrong answer
+    ("prepare_opd_full_loss_input[logits]", "teacher_value"),  # was a silent wrong answer
+    ("map_to_draft_vocab", "dtensor_one_rank"),  # was "an argument field past the first 122"
+    ("prepare_opd_full_loss_input", "head_dtype"),
+    ("prepare_opd_full_loss_input[logits]", "payload_width"),
+    ("prepare_loss_input[OPD_FULL]", "teacher_value"),
 ]
 
 # DTensor inputs on every rank and one disagreement (the logits paths unwrap DTensors themselves)
@@ -280,7 +366,7 @@ def test_adversarial_eager(target, perturbation):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize(("target", "perturbation"), COMPILED[:3] + COMPILED[4:5])
+@pytest.mark.parametrize(("target", "perturbation"), COMPILED_DEFAULT)
 def test_adversarial_compiled(target, perturbation):
     _check(target, perturbation, "aot_eager")
 
@@ -293,7 +379,7 @@ def test_adversarial_eager_matrix(target, perturbation):
 
 @pytest.mark.slow
 @pytest.mark.compile
-@pytest.mark.parametrize(("target", "perturbation"), [c for i, c in enumerate(COMPILED) if i not in (0, 1, 2, 4)])
+@pytest.mark.parametrize(("target", "perturbation"), [c for c in COMPILED if c not in COMPILED_DEFAULT])
 def test_adversarial_compiled_matrix(target, perturbation):
     _check(target, perturbation, "aot_eager")
 
