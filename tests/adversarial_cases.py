@@ -524,6 +524,41 @@ def _t_map_to_draft_vocab(cfg, rank, group):
     return call, [want if cfg["dtensor"] else want[..., start : start + width]]
 
 
+def _t_draft_targets_d2t(cfg, rank, group):
+    """`draft_targets` with a draft vocabulary: this rank's draft shard `[B, S, D/2]` and the mask."""
+    full = _logits(cfg)
+    z, _ = _local(cfg, full, rank)
+    mask = _mask(cfg)
+    d2t = None if cfg["d2t"] is None else _draft_ids(cfg)
+    g = _grp(cfg, group)
+    call = lambda: lossfx.draft_targets(
+        z, mask, d2t, vocab_parallel_rank=None if g is None else rank, vocab_parallel_group=g
+    )
+    teacher, shifted_mask = reference.draft_targets(full, mask, d2t)
+    if not cfg["dtensor"]:
+        start, width = (rank * cfg["D"] // 2, cfg["D"] // 2) if d2t is not None else _shard(cfg, rank)
+        teacher = teacher[..., start : start + width]
+    return call, [teacher, shifted_mask]
+
+
+def _t_linear_next_token_cp(cfg, rank, group):
+    """`linear_next_token_logprobs` under context parallelism over the 2 ranks: `hidden` this
+    rank's load-balanced part, the full LM head (no TP), canonical `input_ids`."""
+    length = 4 * (cfg["S"] // 2)
+    hidden = torch.randn(cfg["B"], length, cfg["H"], generator=_gen(10), dtype=F64)
+    weight = torch.randn(cfg["V"], cfg["H"], generator=_gen(11), dtype=F64)
+    ids = _ids(cfg, (cfg["B"], length), cfg["V"], 1)
+    h = reference.cp_shard(hidden, rank, 2).to(cfg["dtype"]).clone()
+    w = weight.to(cfg["dtype"])
+    if cfg["requires_grad"]:  # the summed-gradient convention over CP ranks
+        _leaf(h, hidden, lambda g: 2 * reference.cp_shard(g, rank, 2))
+    lp, _ = reference.linear_next_token_logprobs(hidden, weight, ids, cfg["temperature"])
+    call = lambda: lossfx.linear_next_token_logprobs(
+        h, w, ids, context_parallel_group=group, temperature=cfg["temperature"], chunk_size=cfg["chunk_size"]
+    )
+    return call, [lp]
+
+
 def _packing(cfg) -> tuple[list[int], list[int]]:
     """`(cu_seqlens_q, cu_seqlens_q_padded)` of B sequences of lengths S, S-2, S-1, ... (each at
     most S), padded to multiples of 4 (2·C for C = 2). `cu` "moved": the first sequence one
@@ -699,6 +734,8 @@ TARGETS = {
     "linear_next_token_logprobs[options]": _t_linear_next_token_options,
     "shift_left": _t_shift_left,
     "map_to_draft_vocab": _t_map_to_draft_vocab,
+    "draft_targets[d2t]": _t_draft_targets_d2t,
+    "linear_next_token_logprobs[cp]": _t_linear_next_token_cp,
     "prepare_packed_loss_input": _packed(cp=False),
     "prepare_packed_loss_input[cp]": _packed(cp=True),
     "prepare_opd_full_loss_input": _opd_full("prepare_opd_full_loss_input", "hidden"),

@@ -166,6 +166,14 @@ APPLICABLE: dict[str, list[str]] = {
         *["B", "S", "V", "D", "dtype", "d2t_value", "d2t_none_one_rank", "d2t_none_both"],
         *["dtensor_one_rank", "dtensor_both", "uneven_one_rank", "checks_off_one_rank"],
     ],
+    "draft_targets[d2t]": [
+        *["B", "S", "V", "D", "dtype", "mask_value", "d2t_value", "d2t_none_one_rank", "d2t_none_both"],
+        *["dtensor_one_rank", "dtensor_both", "uneven_one_rank"],
+    ],
+    "linear_next_token_logprobs[cp]": [
+        *["B", "S", "V", "H", "dtype", "temperature", "chunk_size", "ids_value", "requires_grad", "no_grad_both"],
+        "checks_off_one_rank",
+    ],
     "prepare_packed_loss_input": [
         *["B", "S", "V", "dtype", "chunk_size", "requires_grad", "no_grad_both", "ids_value", "top_k", "top_p"],
         *["cu_value", "cu_p_value", "cu_tensor_one_rank", "cu_tensor_both", "uneven_both", "dtensor_both"],
@@ -267,6 +275,8 @@ DEFAULT_SLICE = [
     ("prepare_packed_loss_input[cp]", "ids_value"),  # was a silent wrong answer
     ("prepare_opd_full_loss_input[logits]", "teacher_value"),  # was a silent wrong answer
     ("map_to_draft_vocab", "dtensor_one_rank"),  # was "an argument field past the first 122"
+    ("draft_targets[d2t]", "d2t_none_one_rank"),
+    ("linear_next_token_logprobs[cp]", "ids_value"),
     ("prepare_opd_full_loss_input", "head_dtype"),
     ("prepare_opd_full_loss_input[logits]", "payload_width"),
     ("prepare_loss_input[OPD_FULL]", "teacher_value"),
