@@ -559,6 +559,36 @@ def _t_linear_next_token_cp(cfg, rank, group):
     return call, [lp]
 
 
+def _cp_logits(cfg, rank):
+    """`(full [B, L, V], this rank's load-balanced part [B, L/2, V])` for 2 CP ranks, a leaf whose
+    gradient follows the summed convention."""
+    length = 4 * (cfg["S"] // 2)
+    full = torch.randn(cfg["B"], length, cfg["V"], generator=_gen(0), dtype=F64) * 2
+    local = reference.cp_shard(full, rank, 2).to(cfg["dtype"]).clone()
+    if cfg["requires_grad"]:
+        _leaf(local, full, lambda g: 2 * reference.cp_shard(g, rank, 2))
+    return full, local
+
+
+def _t_next_token_logprobs_cp(cfg, rank, group):
+    """`next_token_logprobs` under context parallelism over the 2 ranks (canonical `input_ids`)."""
+    full, local = _cp_logits(cfg, rank)
+    ids = _ids(cfg, (cfg["B"], full.shape[1]), cfg["V"], 1, row=(0, 0))
+    call = lambda: lossfx.next_token_logprobs(local, ids, context_parallel_group=group, chunk_size=cfg["chunk_size"])
+    return call, [reference.next_token_logprobs(full, ids)]
+
+
+def _t_distillation_cp(cfg, rank, group):
+    """`distillation_topk_logprobs` under context parallelism (canonical teacher top-k)."""
+    full, local = _cp_logits(cfg, rank)
+    vals, idx = _teacher_topk({**cfg, "S": full.shape[1]})
+    kw = {"zero_outside_topk": cfg["zero_outside_topk"], "calculate_entropy": cfg["entropy"]}
+    call = lambda: lossfx.distillation_topk_logprobs(
+        local, vals, idx, context_parallel_group=group, chunk_size=cfg["chunk_size"], **kw
+    )
+    return call, list(reference.distillation_topk_logprobs(full, vals, idx, **kw))
+
+
 def _packing(cfg) -> tuple[list[int], list[int]]:
     """`(cu_seqlens_q, cu_seqlens_q_padded)` of B sequences of lengths S, S-2, S-1, ... (each at
     most S), padded to multiples of 4 (2·C for C = 2). `cu` "moved": the first sequence one
@@ -736,6 +766,8 @@ TARGETS = {
     "map_to_draft_vocab": _t_map_to_draft_vocab,
     "draft_targets[d2t]": _t_draft_targets_d2t,
     "linear_next_token_logprobs[cp]": _t_linear_next_token_cp,
+    "next_token_logprobs[cp]": _t_next_token_logprobs_cp,
+    "distillation_topk_logprobs[cp]": _t_distillation_cp,
     "prepare_packed_loss_input": _packed(cp=False),
     "prepare_packed_loss_input[cp]": _packed(cp=True),
     "prepare_opd_full_loss_input": _opd_full("prepare_opd_full_loss_input", "hidden"),

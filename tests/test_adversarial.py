@@ -174,6 +174,11 @@ APPLICABLE: dict[str, list[str]] = {
         *["B", "S", "V", "H", "dtype", "temperature", "chunk_size", "ids_value", "requires_grad", "no_grad_both"],
         "checks_off_one_rank",
     ],
+    "next_token_logprobs[cp]": ["B", "S", "V", "dtype", "chunk_size", "ids_value", "requires_grad", "no_grad_both"],
+    "distillation_topk_logprobs[cp]": [
+        *["B", "S", "V", "K", "dtype", "chunk_size", "ids_value", "teacher_value", "zero_outside_topk", "entropy"],
+        *["requires_grad", "no_grad_both"],
+    ],
     "prepare_packed_loss_input": [
         *["B", "S", "V", "dtype", "chunk_size", "requires_grad", "no_grad_both", "ids_value", "top_k", "top_p"],
         *["cu_value", "cu_p_value", "cu_tensor_one_rank", "cu_tensor_both", "uneven_both", "dtensor_both"],
@@ -276,7 +281,9 @@ DEFAULT_SLICE = [
     ("prepare_opd_full_loss_input[logits]", "teacher_value"),  # was a silent wrong answer
     ("map_to_draft_vocab", "dtensor_one_rank"),  # was "an argument field past the first 122"
     ("draft_targets[d2t]", "d2t_none_one_rank"),
-    ("linear_next_token_logprobs[cp]", "ids_value"),
+    ("linear_next_token_logprobs[cp]", "ids_value"),  # was a silent wrong answer
+    ("next_token_logprobs[cp]", "requires_grad"),
+    ("distillation_topk_logprobs[cp]", "teacher_value"),
     ("prepare_opd_full_loss_input", "head_dtype"),
     ("prepare_opd_full_loss_input[logits]", "payload_width"),
     ("prepare_loss_input[OPD_FULL]", "teacher_value"),
