@@ -56,6 +56,7 @@ DEFAULT: dict[str, Any] = {
     "cu_type": "list",
     "cu": "given",
     "cu_p": "given",
+    "prepacked": False,  # True: data["input_ids"] is the packed row [1, T] (with data["cu_seqlens"])
     # OPD_FULL: how the teacher heads are passed ("rows", "dtensor", "full"), their dtype and keys
     "heads": "rows",
     "head_dtype": F64,
@@ -618,7 +619,10 @@ def _packed(cp: bool):
         cu_q, cu_p = _packing(cfg)
         total = cu_p[-1]
         full = torch.randn(1, total, cfg["V"], generator=_gen(0), dtype=F64) * 2
-        ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
+        if cfg["prepacked"]:  # the physical packed row: the result is in the packed layout [1, T-1]
+            ids = _ids(cfg, (1, total), cfg["V"], 1, row=(0, 0))
+        else:
+            ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
         if cp:
             local = _packed_cp_shard(full, cu_p, rank).to(cfg["dtype"]).clone()
             if cfg["requires_grad"]:  # the summed-gradient convention over CP ranks
@@ -632,7 +636,9 @@ def _packed(cp: bool):
             cu_q, cu_p = torch.tensor(cu_q), torch.tensor(cu_p)
         sp = _sampling(cfg)
         loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
-        data = {"input_ids": ids, "token_mask": torch.ones(cfg["B"], cfg["S"])}
+        data = {"input_ids": ids, "token_mask": torch.ones(ids.shape)}
+        if cfg["prepacked"]:
+            data["cu_seqlens"] = torch.tensor(list(map(int, cu_q)))
 
         def call():
             out, _ = lossfx.prepare_packed_loss_input(
@@ -641,7 +647,13 @@ def _packed(cp: bool):
             return out["next_token_logprobs"]
 
         want = reference.packed_next_token_logprobs(
-            full, ids, list(map(int, cu_q)), list(map(int, cu_p)), top_k=cfg["top_k"], top_p=cfg["top_p"]
+            full,
+            ids,
+            list(map(int, cu_q)),
+            list(map(int, cu_p)),
+            prepacked=cfg["prepacked"],
+            top_k=cfg["top_k"],
+            top_p=cfg["top_p"],
         )
         return call, [reference.mask_out_neg_inf_logprobs(want, torch.ones_like(want))]
 

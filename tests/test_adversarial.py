@@ -28,7 +28,10 @@ slice (every target and every kind of perturbation at least once, and the compil
 a mismatch is caught inside a `fullgraph=True` graph, which Inductor's code generation does not
 change, and it keeps a compile to about a second.
 
-Not covered yet: `reconstruct_opd_full_teacher_logits`, `top_k_top_p_threshold`.
+Targets run tensor parallel over the 2 ranks, or context parallel where the name says `[cp]`
+(and `allgather_cp`, `shift_left`). Not covered yet: `reconstruct_opd_full_teacher_logits`,
+`top_k_top_p_threshold`, `vocab_topk`'s and the fused path's `sequence_parallel` layout, TP and
+CP together (that needs 4 ranks).
 """
 
 from __future__ import annotations
@@ -95,6 +98,9 @@ PERTURBATIONS: dict[str, tuple[dict, dict]] = {
     "cu_p_value": ({}, {"cu_p": "moved"}),
     "cu_tensor_one_rank": ({}, {"cu_type": "tensor"}),
     "cu_tensor_both": ({"cu_type": "tensor"}, {}),
+    "prepacked_both": ({"prepacked": True}, {}),
+    "prepacked_one_rank": ({}, {"prepacked": True}),
+    "prepacked_ids_value": ({"prepacked": True}, {"ids": True}),
     # OPD_FULL
     "head_dtype": ({}, {"head_dtype": torch.float32}),
     "head_keys": ({}, {"head_keys": "other"}),
@@ -182,11 +188,13 @@ APPLICABLE: dict[str, list[str]] = {
     "prepare_packed_loss_input": [
         *["B", "S", "V", "dtype", "chunk_size", "requires_grad", "no_grad_both", "ids_value", "top_k", "top_p"],
         *["cu_value", "cu_p_value", "cu_tensor_one_rank", "cu_tensor_both", "uneven_both", "dtensor_both"],
+        *["prepacked_both", "prepacked_one_rank", "prepacked_ids_value"],
         *["dtensor_one_rank", "checks_off_one_rank"],
     ],
     "prepare_packed_loss_input[cp]": [
         *["B", "S", "V", "dtype", "chunk_size", "requires_grad", "no_grad_both", "ids_value", "top_k"],
         *["cu_value", "cu_tensor_one_rank", "cu_tensor_both", "checks_off_one_rank"],
+        *["prepacked_both", "prepacked_one_rank", "prepacked_ids_value"],
     ],
     "prepare_opd_full_loss_input": [
         *["B", "S", "V", "H", "dtype", "chunk_size", "requires_grad", "no_grad_both", "ids_value"],
