@@ -104,6 +104,9 @@ SIGNATURE_LEN = 256
 _MAGIC = 0x4C4F53534658_01  # "LOSSFX", format 1
 # header slots
 _H_MAGIC, _H_PATH, _H_DIGEST, _H_COUNT, _H_VERDICT, _H_WIDTH, _H_START, _H_SIZE, _H_RANK, _H_VALUES = range(10)
+# 1: the signature of a compiled call: compared (eager and compiled calls run different collectives);
+# it has no digest, and its rank cannot join the error path's exchange of values
+_H_TRACED = 10
 _HEADER = 12
 _MAX_FIELDS = (SIGNATURE_LEN - _HEADER) // 2  # each field is (kind, value)
 _NONE = -(2**63)  # a header value that was not given
@@ -353,6 +356,8 @@ def _signature(
         tp_only.extend(_HEADER + 2 * i + 1 for i, (kind, _) in enumerate(codes) if kind == _K_VALUES_TP)
     if not torch.compiler.is_compiling():  # traced, shapes may be symbolic: no digest of the fields past the body
         header[_H_DIGEST] = zlib.crc32(struct.pack(f"<{len(flat)}q", *flat))
+    else:
+        header[_H_TRACED] = 1
     body = flat[: 2 * _MAX_FIELDS]
     body += [0] * (SIGNATURE_LEN - _HEADER - len(body))
     device = fields.values[0][1].device if fields.values else None
@@ -422,6 +427,10 @@ def _first_disagreement(
         return "the lossfx signature format (another lossfx version?)", f"{own[_H_MAGIC]:x}"
     if differs(_H_PATH):
         return "the function called", f"lossfx.{_functions.get(own[_H_PATH], '?')}"
+    if differs(_H_TRACED):  # e.g. one rank past Dynamo's recompile limit: eager chunks run other collectives
+        return "how the call runs, compiled or eagerly (they run different collectives)", (
+            "compiled" if own[_H_TRACED] else "eager"
+        )
     if not per_rank_header:  # across the context-parallel group the shard layout must agree too
         for slot, label in [
             (_H_WIDTH, "the vocabulary shard width logits.shape[-1]"),
@@ -441,17 +450,21 @@ def _first_disagreement(
         return "how many argument fields the call has (a DTensor or a column on some ranks only?)", (
             f"{own[_H_COUNT]} fields{extra}"
         )
-    if differs(_H_COUNT) or differs(_H_DIGEST):
+    traced = any(s[_H_TRACED] for s in sigs)  # a compiled rank has no digest
+    if differs(_H_COUNT) or (differs(_H_DIGEST) and not traced):
         return f"an argument field past the first {_MAX_FIELDS}", f"digest {own[_H_DIGEST]:x}"
     if differs(_H_VALUES):
         return f"the values of a replicated tensor past the first {_MAX_FIELDS} fields", f"{own[_H_VALUES]:x}"
     return None
 
 
-def _describe(disagreement: tuple[str, str], group: dist.ProcessGroup) -> str:
+def _describe(disagreement: tuple[str, str], group: dist.ProcessGroup, sigs: list[list[int]]) -> str:
     """`"label (rank 0: v0, rank 1: v1, ...)"`: every rank's own value, exchanged once. Runs on
-    every rank of `group` together (they all found the same disagreement), only on the error path."""
+    every rank of `group` together (they all found the same disagreement), only on the error path;
+    with a compiled peer (it raises in its graph and exchanges nothing) only this rank's value."""
     label, value = disagreement
+    if any(s[_H_TRACED] for s in sigs):
+        return f"{label} (rank {group.rank()}: {value}; a peer runs compiled)"
     values: list[Any] = [None] * group.size()
     dist.all_gather_object(values, value, group=group)
     return f"{label} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))})"
@@ -506,10 +519,12 @@ def _tiling_error(sigs: list[list[int]], policy: str) -> str | None:
 
 
 def _gather_on_device(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """Every rank's `x` (1-D int64) stacked in rank order, `[R, L]`, still on the device."""
-    out = [torch.empty_like(x) for _ in range(group.size())]
-    dist.all_gather(out, x, group=group)
-    return torch.stack(out)
+    """Every rank's `x` (1-D int64) stacked in rank order, `[R, L]`, still on the device. The same
+    collective as the compiled check's functional all-gather, so an eager rank and a compiled
+    one (e.g. past Dynamo's recompile limit) meet in it."""
+    out = x.new_empty(group.size() * x.shape[0])
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.view(group.size(), x.shape[0])
 
 
 def _rows(values: list[int], world: int) -> list[list[int]]:
@@ -560,7 +575,7 @@ def _check(
         sigs = _rows(values, tp.size())
         own = sigs[tp.rank()]
         found = _first_disagreement(sigs, own, labels, per_rank_header=True)
-        problem = _describe(found, tp) if found else _tiling_error(sigs, policy)
+        problem = _describe(found, tp, sigs) if found else _tiling_error(sigs, policy)
         if problem is None:
             _scope.widths[id(tp)] = [s[_H_WIDTH] for s in sigs]
         else:
@@ -577,7 +592,7 @@ def _check(
         own = sigs[cp.rank()]
         found = _first_disagreement(sigs, own, labels, per_rank_header=False)
         if found:
-            errors.append(_message(name, cp_arg, cp, _describe(found, cp)))
+            errors.append(_message(name, cp_arg, cp, _describe(found, cp, sigs)))
         bad = [r for r, s in enumerate(sigs) if s[_H_VERDICT]]
         if bad:
             errors.append(
@@ -596,7 +611,8 @@ def _check(
     _host_reads.defer(_gather_on_device(sig, cp), judge_cp)
 
 
-_PER_RANK_SLOTS = (_H_VERDICT, _H_WIDTH, _H_START, _H_RANK)  # the shard layout: differs across the TP group
+# the shard layout (differs across the TP group), and what only an eager rank writes
+_PER_RANK_SLOTS = (_H_VERDICT, _H_WIDTH, _H_START, _H_RANK, _H_DIGEST)
 
 
 def _check_in_graph(name: str, arguments: Mapping[str, Any], tp_arg: str | None, cp_arg: str | None) -> None:
@@ -620,14 +636,15 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], tp_arg: str | None,
         tp_only: list[int] = []
         sig, _ = _signature(name, arguments, cp=with_cp, world=world, tp_only=tp_only)
         # across CP: every slot but the verdict and the sequence shards' fingerprints
-        skip = _PER_RANK_SLOTS if across_tp else (_H_VERDICT, _H_VALUES, *tp_only)
+        skip = _PER_RANK_SLOTS if across_tp else (_H_VERDICT, _H_VALUES, _H_DIGEST, *tp_only)
         keep = torch.tensor([i not in skip for i in range(SIGNATURE_LEN)], device=sig.device)
         gathered = fc.all_gather_tensor(sig, 0, group).view(group.size(), SIGNATURE_LEN)
         agree = ((gathered == gathered[0]) | ~keep).all()
         torch._assert_async(
             agree,
-            f"lossfx.{name}: the ranks of {group_name} disagree on the call (its function, shapes, dtypes, "
-            "scalar arguments, requires_grad or the values of replicated inputs; compiled, so the field is "
+            f"lossfx.{name}: the ranks of {group_name} disagree on the call (its function, whether it runs "
+            "compiled, shapes, dtypes, scalar arguments, requires_grad or the values of replicated inputs; "
+            "compiled, so the field is "
             "not named: run the same call eagerly to see it). Every rank of a group must make the same call",
         )
 

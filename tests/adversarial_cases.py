@@ -50,6 +50,8 @@ DEFAULT: dict[str, Any] = {
     "dtensor": False,  # True: the sharded input is a DTensor on the 2-rank mesh
     "fsdp2": False,  # True: the weight is a Shard(0) DTensor and hidden differs per rank
     "checks": True,  # False: set_consistency_checks(False) on this rank
+    "compiled": True,  # False: this rank runs eagerly in a compiled case (e.g. Dynamo's recompile limit hit)
+    "grad_mode": True,  # False: this rank calls under torch.no_grad()
     "D": 6,  # draft vocabulary (map_to_draft_vocab)
     "d2t": "given",  # "moved": one entry of d2t differs; None: no d2t
     # packing: cu_seqlens as "list" or "tensor"; "moved": one boundary moves (see _packing)
@@ -923,10 +925,11 @@ def run_case(rank: int, world: int, group: Any, target: str, both: dict, rank1: 
         dist.all_reduce(built, op=dist.ReduceOp.MIN, group=group)
         if not built[0]:
             return ("setup", "test setup failed", setup_error if "setup_error" in locals() else "on a peer"), 3.0
-        if mode != "eager":
+        if mode != "eager" and cfg["compiled"]:
             # the point is the cross-rank check in the graph, not codegen: aot_eager keeps it cheap
             call = torch.compile(call, backend=mode, fullgraph=True)
-        got, outcome = _attempt(lambda: _outputs(call()))
+        with torch.set_grad_enabled(cfg["grad_mode"]):
+            got, outcome = _attempt(lambda: _outputs(call()))
         if outcome is None:
             ref = [r for r in ref if r is not None]
             if target in SHARDED_OUTPUTS and not cfg["dtensor"]:

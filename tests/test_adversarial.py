@@ -76,6 +76,8 @@ PERTURBATIONS: dict[str, tuple[dict, dict]] = {
     "dtensor_one_rank": ({}, {"dtensor": True}),
     "uneven_one_rank": ({}, {"layout": "uneven"}),
     "checks_off_one_rank": ({}, {"checks": False}),
+    "eager_one_rank": ({}, {"compiled": False}),  # in a compiled case rank 1 runs eagerly (eager: as "none")
+    "no_grad_mode_one_rank": ({}, {"grad_mode": False}),
     # legitimate per-rank differences: the answer must be exact
     "uneven_both": ({"layout": "uneven"}, {}),
     "dtensor_both": ({"dtensor": True}, {}),
@@ -124,10 +126,12 @@ PERTURBATIONS: dict[str, tuple[dict, dict]] = {
 
 COMMON = ["B", "S", "V", "dtype", "chunk_size", "chunk_size_none", "requires_grad", "no_grad_both", "dtensor_one_rank"]
 COMMON += ["uneven_one_rank", "checks_off_one_rank", "uneven_both", "dtensor_both", "uneven_dtensor_both"]
+COMMON += ["no_grad_mode_one_rank", "eager_one_rank"]
 FILTER = ["top_k", "top_p", "ties"]
 FUSED = ["B", "S", "V", "H", "dtype", "temperature", "chunk_size", "chunk_size_none", "ids_value", "hidden_value"]
 FUSED += ["requires_grad", "no_grad_both", "dtensor_one_rank", "uneven_one_rank", "checks_off_one_rank", "uneven_both"]
 FUSED += ["dtensor_both", "dtensor_temperature", "dtensor_B", "dtensor_requires_grad", "fsdp2", "fsdp2_one_rank"]
+FUSED += ["no_grad_mode_one_rank", "eager_one_rank"]
 
 APPLICABLE: dict[str, list[str]] = {
     "token_logprobs": [*COMMON, "ids_value"],
@@ -194,7 +198,7 @@ APPLICABLE: dict[str, list[str]] = {
     "prepare_packed_loss_input[cp]": [
         *["B", "S", "V", "dtype", "chunk_size", "requires_grad", "no_grad_both", "ids_value", "top_k"],
         *["cu_value", "cu_tensor_one_rank", "cu_tensor_both", "checks_off_one_rank"],
-        *["prepacked_both", "prepacked_one_rank", "prepacked_ids_value"],
+        *["prepacked_both", "prepacked_one_rank", "prepacked_ids_value", "eager_one_rank"],
     ],
     "prepare_opd_full_loss_input": [
         *["B", "S", "V", "H", "dtype", "chunk_size", "requires_grad", "no_grad_both", "ids_value"],
@@ -237,8 +241,14 @@ COMPILED = [
     ("prepare_opd_full_loss_input", "head_dtype"),
     ("map_to_draft_vocab", "d2t_value"),
     ("shift_left", "S"),
+    # one rank eager next to a compiled one (e.g. past Dynamo's recompile limit): was a hang
+    ("token_logprobs", "eager_one_rank"),
+    ("linear_token_logprobs", "eager_one_rank"),
+    ("linear_logprob_objective", "eager_one_rank"),
+    ("prepare_packed_loss_input[cp]", "eager_one_rank"),
 ]
-COMPILED_DEFAULT = [COMPILED[i] for i in (0, 1, 2, 4)] + [("prepare_packed_loss_input[cp]", "ids_value")]
+COMPILED_DEFAULT = [COMPILED[i] for i in (0, 1, 2, 4)]
+COMPILED_DEFAULT += [("prepare_packed_loss_input[cp]", "ids_value"), ("token_logprobs", "eager_one_rank")]
 
 # the default suite's slice: every target, every kind of perturbation
 DEFAULT_SLICE = [
@@ -364,6 +374,10 @@ def _classify(answers: list, mode: str) -> tuple[str, str]:
             # lossfx's message, the same on every rank
             if len(firsts) == 1 and next(iter(firsts)).startswith("lossfx"):
                 return "clear error (in-graph RuntimeError)", next(iter(firsts))[:300]
+        # a rank that runs eagerly (its ValueError) next to compiled ones (their graph's assertion)
+        lossfx_only = all(o[2].startswith("lossfx") and (o[0] == "error" or o[1] == "RuntimeError") for o in outcomes)
+        if mode != "eager" and kinds == {"error", "other"} and lossfx_only:
+            return "clear error (in-graph RuntimeError)", detail[:600]
         return "unclear error", detail
     if kinds == {"error"}:
         if len({o[1] for o in outcomes}) == 1 and all(o[2].startswith("lossfx") for o in outcomes):
