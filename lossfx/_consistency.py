@@ -615,13 +615,18 @@ def _check(
 _PER_RANK_SLOTS = (_H_VERDICT, _H_WIDTH, _H_START, _H_RANK, _H_DIGEST)
 
 
-def _check_in_graph(name: str, arguments: Mapping[str, Any], tp_arg: str | None, cp_arg: str | None) -> None:
+def _check_in_graph(
+    name: str, arguments: Mapping[str, Any], tp_arg: str | None, cp_arg: str | None, policy: str = "free"
+) -> None:
     """The check inside a `torch.compile`d graph: the signature (static fields a constant of the
     graph, fingerprints computed in it) all-gathered with a functional collective, and an in-graph
     assertion that every rank's equals this rank's: no graph break, no host read. A mismatch
     raises `RuntimeError` with the same message on every rank (they all see the same gathered
     matrix). Not compared here: the shard layout (widths, offsets: the kernels' uniform default
-    is assumed) and, across the context-parallel group, the fingerprints of sequence shards."""
+    is assumed) and, across the context-parallel group, the fingerprints of sequence shards. With
+    the `"auto"` and `"equal"` policies the shard widths must be equal: traced, `vocab_shard_range`
+    has no gathered widths and the kernels take uniform shards (uneven plain shards gave wrong
+    log-probs)."""
     from torch.distributed import _functional_collectives as fc
 
     tp = arguments.get(tp_arg) if tp_arg else None
@@ -637,15 +642,17 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], tp_arg: str | None,
         sig, _ = _signature(name, arguments, cp=with_cp, world=world, tp_only=tp_only)
         # across CP: every slot but the verdict and the sequence shards' fingerprints
         skip = _PER_RANK_SLOTS if across_tp else (_H_VERDICT, _H_VALUES, _H_DIGEST, *tp_only)
+        if across_tp and policy in ("auto", "equal"):  # uniform shards under compile
+            skip = tuple(i for i in skip if i != _H_WIDTH)
         keep = torch.tensor([i not in skip for i in range(SIGNATURE_LEN)], device=sig.device)
         gathered = fc.all_gather_tensor(sig, 0, group).view(group.size(), SIGNATURE_LEN)
         agree = ((gathered == gathered[0]) | ~keep).all()
         torch._assert_async(
             agree,
             f"lossfx.{name}: the ranks of {group_name} disagree on the call (its function, whether it runs "
-            "compiled, shapes, dtypes, scalar arguments, requires_grad or the values of replicated inputs; "
-            "compiled, so the field is "
-            "not named: run the same call eagerly to see it). Every rank of a group must make the same call",
+            "compiled, shapes, shard widths, dtypes, scalar arguments, requires_grad or the values of "
+            "replicated inputs; compiled, so the field is not named: run the same call eagerly to see it). "
+            "Every rank of a group must make the same call",
         )
 
 
@@ -754,7 +761,8 @@ def boundary(
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()
             arguments = local(dict(bound.arguments))[0] if local is not None else bound.arguments
-            _check_in_graph(name, arguments, tp_arg, cp_arg)
+            policy = vocab(arguments) if callable(vocab) else vocab
+            _check_in_graph(name, arguments, tp_arg, cp_arg, policy)
             _traced_depth[0] += 1
             try:
                 return fn(*args, **kwargs)

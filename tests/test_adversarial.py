@@ -157,8 +157,12 @@ APPLICABLE: dict[str, list[str]] = {
     "draft_targets": ["B", "S", "V", "dtype", "requires_grad", "dtensor_one_rank", "dtensor_both", "mask_value"],
     "vocab_topk": ["B", "S", "V", "K", "dtype", "requires_grad", "dtensor_one_rank", "uneven_one_rank", "uneven_both"],
     "allgather_cp": ["B", "S", "V", "dtype"],  # no replicated input: every value is per-rank
-    "next_token_logprobs": [*[p for p in COMMON if "uneven" not in p], "ids_value"],
-    "prepare_loss_input[LOGPROB]": [*[p for p in COMMON if "uneven" not in p], "ids_value", *FILTER[:2]],
+    # the LOGPROB entry points read uneven widths from the ranks (no vocab_start argument)
+    "next_token_logprobs": [*[p for p in COMMON if "uneven" not in p], "ids_value", "uneven_both"],
+    "prepare_loss_input[LOGPROB]": [
+        *[p for p in COMMON if "uneven" not in p],
+        *["ids_value", *FILTER[:2], "uneven_both"],
+    ],
     "prepare_loss_input[DISTILLATION]": [
         *[p for p in COMMON if "uneven" not in p],
         "ids_value",
@@ -246,9 +250,15 @@ COMPILED = [
     ("linear_token_logprobs", "eager_one_rank"),
     ("linear_logprob_objective", "eager_one_rank"),
     ("prepare_packed_loss_input[cp]", "eager_one_rank"),
+    # uneven plain shards of the LOGPROB entry points: compiled, they took uniform shards (wrong log-probs)
+    ("prepare_loss_input[LOGPROB]", "uneven_both"),
+    ("next_token_logprobs", "uneven_both"),
+    ("prepare_packed_loss_input", "uneven_both"),
+    ("token_logprobs", "uneven_both"),  # explicit vocab_start / vocab_size: exact
 ]
 COMPILED_DEFAULT = [COMPILED[i] for i in (0, 1, 2, 4)]
 COMPILED_DEFAULT += [("prepare_packed_loss_input[cp]", "ids_value"), ("token_logprobs", "eager_one_rank")]
+COMPILED_DEFAULT += [("prepare_loss_input[LOGPROB]", "uneven_both")]
 
 # the default suite's slice: every target, every kind of perturbation
 DEFAULT_SLICE = [
