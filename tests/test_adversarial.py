@@ -467,3 +467,24 @@ def test_gradient_comparison_can_fail():
     adversarial_cases._leaf(local, full, lambda g: g)
     ref = [full.log_softmax(-1)]  # the first comparison consumed the reference's graph
     assert adversarial_cases._gradient_error("token_logprobs", right, ref)[0] < 1e-12
+
+
+def test_gather_logits_compiled_after_a_width_change():
+    """Found by the compiled matrix: a second call with another vocabulary width recompiles with
+    dynamic sizes, and `gather_logits`' backward (a saved `torch.Size`) was a Dynamo `Unsupported`.
+    Values and gradients against the float64 reference, for both widths."""
+    import lossfx
+
+    fn = torch.compile(lambda z, ids: lossfx.gather_logits(z, ids), backend="aot_eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(5)
+    for width in (8, 9):
+        full = torch.randn(2, 3, width, generator=gen, dtype=torch.float64, requires_grad=True)
+        ids = torch.randint(0, width, (2, 3, 4), generator=gen)
+        weights = torch.randn(2, 3, 4, generator=gen, dtype=torch.float64)
+        z = full.detach().clone().requires_grad_()
+        got = fn(z, ids)
+        (got * weights).sum().backward()
+        ref = full.gather(-1, ids)  # the dense gather (what `_t_gather_logits` compares with)
+        (ref * weights).sum().backward()
+        torch.testing.assert_close(got.detach(), ref.detach(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(z.grad, full.grad, rtol=0, atol=1e-12)
