@@ -20,9 +20,11 @@ field and each rank's value) or none does; after an error the group is still in 
 Rules across the tensor-parallel group: every field must agree except the shard's own layout
 (`vocab_start`, `vocab_parallel_rank`, the vocabulary width of the logits), which must tile
 `[0, V)` as the kernels will read it (`vocab` policy of the wrapped function, see
-`boundary`). Tensors sharded per rank (vocabulary shards, sequence-parallel `hidden`)
-are not fingerprinted. Across the context-parallel group every field but the fingerprints
-(sequence shards) must agree.
+`boundary`). Tensors sharded per rank (vocabulary shards, sequence-parallel rows) are not
+fingerprinted; a vocabulary-wide payload column (`Roles.columns`) is fingerprinted over `[0, V)`.
+Across the context-parallel group every field must agree but the fingerprints of the tensors that
+are this rank's sequence part (`Roles.cp_shards`); canonical ids, masks and teacher payloads are
+compared, and so is the logits' `requires_grad` (their backward all-reduces over CP).
 
 Nested public calls are checked once: the outermost wrapped call checks, the calls it makes
 inside its scope do not. There is no switch. Under `torch.compile` the check is traced into the
@@ -102,12 +104,17 @@ SIGNATURE_LEN = 256
 _MAGIC = 0x4C4F53534658_01  # "LOSSFX", format 1
 # header slots
 _H_MAGIC, _H_PATH, _H_DIGEST, _H_COUNT, _H_VERDICT, _H_WIDTH, _H_START, _H_SIZE, _H_RANK, _H_VALUES = range(10)
+# 1: the signature of a compiled call: compared (eager and compiled calls run different collectives);
+# it has no digest, and its rank cannot join the error path's exchange of values
+_H_TRACED = 10
 _HEADER = 12
 _MAX_FIELDS = (SIGNATURE_LEN - _HEADER) // 2  # each field is (kind, value)
 _NONE = -(2**63)  # a header value that was not given
 
 # field kinds
-_K_NONE, _K_BOOL, _K_INT, _K_FLOAT, _K_STR, _K_DTYPE, _K_TYPE, _K_VALUES = range(8)  # _K_VALUES: a fingerprint
+# _K_VALUES: a fingerprint compared across both groups; _K_VALUES_TP: across the tensor-parallel group
+# only (a tensor that is this rank's sequence part under context parallelism)
+_K_NONE, _K_BOOL, _K_INT, _K_FLOAT, _K_STR, _K_DTYPE, _K_TYPE, _K_VALUES, _K_VALUES_TP = range(9)
 _DTYPES = [
     torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -133,7 +140,10 @@ class Roles:
         heads: a mapping `{key: [rows, H]}` of LM heads beside the shards: its rows are checked
             against this rank's shard, not across ranks.
         columns: keys, in a mapping argument, of vocabulary-wide columns (the last dim is padded
-            per rank: not compared).
+            per rank: not compared; the values are fingerprinted over `[0, V)`, the part every rank reads).
+        cp_shards: arguments, or keys in a mapping argument, holding this rank's part of the
+            sequence under context parallelism: their values are compared across the
+            tensor-parallel group only (every other tensor is canonical on every CP rank).
         rows: `(tensor, flag)`: `tensor` holds this rank's rows (not replicated) when the `flag`
             argument is true.
         hint: appended to a disagreement on `rows`' tensor (`local` may replace it).
@@ -149,6 +159,7 @@ class Roles:
     size: str | None = None
     heads: str | None = None
     columns: tuple[str, ...] = ()
+    cp_shards: tuple[str, ...] = ()
     rows: tuple[str, str] | None = None
 
     def names(self) -> set[str]:
@@ -214,7 +225,7 @@ def _decode(kind: int, value: int) -> str:
         return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else _names().get(value, f"dtype#{value}")
     if kind == _K_TYPE:
         return _names().get(value, f"an object #{value:x}")
-    if kind == _K_VALUES:
+    if kind in (_K_VALUES, _K_VALUES_TP):
         return f"fingerprint {value & (2**64 - 1):016x}"
     return _names().get(value, f"value#{value:x}")
 
@@ -224,8 +235,10 @@ class _Fields:
     on the values of fields before it (a tensor's `ndim` precedes its dims, a mapping's keys
     precede its entries), so ranks compare labels position by position."""
 
-    def __init__(self, fingerprints: bool = True) -> None:
+    def __init__(self, fingerprints: bool = True, logits_grad: bool = False) -> None:
         self.fingerprints = fingerprints
+        self.logits_grad = logits_grad  # with a CP group the logits' backward runs a collective
+        self.columns: list[tuple[str, str, Tensor]] = []  # (owner, label, tensor): vocabulary-wide, last
         self.owner = ""  # the argument whose fields are being added
         self.owners: list[str] = []  # per field: its argument, or its tensor's values (the compiled messages)
         self.labels: list[str] = []
@@ -242,9 +255,12 @@ class _Fields:
         else:
             self.codes.append(_encode(value))
 
-    def tensor(self, label: str, value: Tensor, dims: Any, replicated: bool, grad_flag: bool = True) -> None:
+    def tensor(
+        self, label: str, value: Tensor, dims: Any, replicated: bool, grad_flag: bool = True, cp_shard: bool = False
+    ) -> None:
         """A tensor's fields: kind, ndim, the compared `dims` (`(i, size)` pairs), dtype, whether autograd tracks it
-        (it decides the backward's collectives), and for a `replicated` one its fingerprint."""
+        (it decides the backward's collectives), and for a `replicated` one its fingerprint (`cp_shard`:
+        compared across the tensor-parallel group only)."""
         self.add(label, _Kind("Tensor"))
         self.add(f"{label}.ndim", value.dim())
         for i, d in dims:
@@ -257,7 +273,7 @@ class _Fields:
                 self.values.append((len(self.codes), fingerprint(value)))
             self.labels.append(f"the values of {label} (which must be the same on every rank)")
             self.owners.append(f"the values of {label}")
-            self.codes.append((_K_VALUES, 0))  # the value slot is filled on the device
+            self.codes.append((_K_VALUES_TP if cp_shard else _K_VALUES, 0))  # the value slot is filled on the device
 
     def walk(
         self,
@@ -268,16 +284,22 @@ class _Fields:
         replicated: bool = True,
         logits: bool = False,
         columns: tuple[str, ...] = (),
+        cp_shards: tuple[str, ...] = (),
+        cp_shard: bool = False,
     ) -> None:
         """Fields of `value`; its first field is always labelled `label` (its kind or value), so
         ranks passing different kinds of values still disagree on a field of the same label.
         Tensors that are `replicated` (not a per-rank shard) are fingerprinted. The
-        `requires_grad` of `logits` (a vocabulary shard of logits) is not compared: the
-        logits-path backwards run no collective, and a sharded gradcheck differentiates one
-        rank's shard."""
+        `requires_grad` of `logits` (a vocabulary shard of logits) is not compared without a
+        context-parallel group: the logits-path backwards then run no collective, and a sharded
+        gradcheck differentiates one rank's shard. `cp_shard`: `value` is this rank's sequence
+        part (a key of a mapping is when it is in `cp_shards`)."""
         if isinstance(value, Tensor):
             dims = value.shape[:-1] if vocab_dim and value.dim() else value.shape
-            self.tensor(label, value, enumerate(dims), replicated and not vocab_dim, grad_flag=not logits)
+            grad_flag = not logits or self.logits_grad
+            self.tensor(label, value, enumerate(dims), replicated and not vocab_dim, grad_flag, cp_shard)
+            if vocab_dim and replicated and not logits and value.dim():
+                self.columns.append((self.owner, label, value))
         elif isinstance(value, dist.ProcessGroup):
             self.add(label, _Kind(f"process group of size {value.size()}"))
         elif value is None or isinstance(value, (bool, int, float, str, enum.Enum, torch.dtype)):
@@ -288,11 +310,19 @@ class _Fields:
             keys = sorted(value.keys(), key=str)
             self.add(label, _Kind(f"mapping with keys {[str(k) for k in keys]}"))
             for key in keys:  # a vocabulary-wide column's last dim may differ (padded per rank)
-                self.walk(f"{label}[{key!r}]", value[key], depth + 1, key in columns, replicated, columns=columns)
+                self.walk(
+                    f"{label}[{key!r}]",
+                    value[key],
+                    depth + 1,
+                    key in columns,
+                    replicated,
+                    columns=columns,
+                    cp_shard=cp_shard or key in cp_shards,
+                )
         elif isinstance(value, (list, tuple)):
             self.add(label, _Kind(f"sequence of length {len(value)}"))
             for i, item in enumerate(value[:32]):
-                self.walk(f"{label}[{i}]", item, depth + 1, replicated=replicated)
+                self.walk(f"{label}[{i}]", item, depth + 1, replicated=replicated, cp_shard=cp_shard)
         elif callable(value):
             self.add(label, value)
         else:  # a config object (dataclass, SimpleNamespace, a loss function): its public attributes
@@ -305,7 +335,7 @@ class _Fields:
             for attr in attrs:
                 item = getattr(value, attr, None)
                 if "rank" not in attr and not isinstance(item, dist.ProcessGroup):
-                    self.walk(f"{label}.{attr}", item, depth + 1, replicated=replicated)
+                    self.walk(f"{label}.{attr}", item, depth + 1, replicated=replicated, cp_shard=cp_shard)
 
 
 class _Kind(str):
@@ -322,6 +352,9 @@ def _signature(
     values: bool = True,
     owners: list[str] | None = None,
     roles: Roles = _NO_ROLES,
+    cp: bool = False,
+    world: int = 1,
+    tp_only: list[int] | None = None,
 ) -> tuple[Tensor, list[str]]:
     """`(signature [SIGNATURE_LEN] int64, labels)` of a call of `name` with bound `arguments`,
     whose parameters play the `roles` declared with the function.
@@ -329,8 +362,11 @@ def _signature(
     The static fields are known on the host; the fingerprints of replicated tensors are computed
     on their device and written into the vector there (no host read); `values=False` leaves
     them 0 (a group over which those tensors are shards). `owners`, if given, is extended with
-    each field's argument name (parallel to the labels)."""
-    fields = _Fields(values)
+    each field's argument name (parallel to the labels). `cp`: a context-parallel group takes
+    part (the logits' `requires_grad` is then compared: their backward all-reduces); `world`:
+    the tensor-parallel size (a vocabulary-wide column is fingerprinted over `[0, V)`);
+    `tp_only` receives the slots of fingerprints compared across the tensor-parallel group only."""
+    fields = _Fields(values, logits_grad=cp)
     header = [0] * _HEADER
     _scope.names = {}  # the strings of this call only: bounded memory over a long run
     header[_H_MAGIC], header[_H_PATH] = _MAGIC, _crc(name)
@@ -362,16 +398,34 @@ def _signature(
             if arg == roles.size:
                 header[_H_SIZE] = _NONE if value is None else int(value)
             per_rank = arg in (own_rows, roles.heads)
-            fields.walk(arg, value, replicated=not per_rank, columns=roles.columns)
+            fields.walk(
+                arg,
+                value,
+                replicated=not per_rank,
+                columns=roles.columns,
+                cp_shards=roles.cp_shards,
+                cp_shard=arg in roles.cp_shards,
+            )
     for arg, value in heads:
         fields.owner = arg
         _head_fields(fields, arg, value, header)
+    for owner, label, column in fields.columns:  # replicated over [0, V); a wider payload's tail is never read
+        fields.owner = owner
+        vocab = header[_H_SIZE] if header[_H_SIZE] != _NONE else world * header[_H_WIDTH]
+        if header[_H_WIDTH] == _NONE and header[_H_SIZE] == _NONE:
+            vocab = column.shape[-1]
+        fields.tensor(f"{label}[..., :{vocab}]", column[..., : max(vocab, 0)], [], replicated=True, grad_flag=False)
     if owners is not None:
         owners.extend(fields.owners)
     flat = [x for code in fields.codes for x in code]
     header[_H_COUNT] = len(fields.codes)
+    if tp_only is not None:
+        codes = fields.codes[:_MAX_FIELDS]
+        tp_only.extend(_HEADER + 2 * i + 1 for i, (kind, _) in enumerate(codes) if kind == _K_VALUES_TP)
     if not _host_reads.tracing():  # traced, shapes may be symbolic: no digest of the fields past the body
         header[_H_DIGEST] = zlib.crc32(struct.pack(f"<{len(flat)}q", *flat))
+    else:
+        header[_H_TRACED] = 1
     body = flat[: 2 * _MAX_FIELDS]
     body += [0] * (SIGNATURE_LEN - _HEADER - len(body))
     device = fields.values[0][1].device if fields.values else None
@@ -428,12 +482,13 @@ def _first_disagreement(
     The check is the same on every rank (it reads only the gathered `sigs`); the label is this
     rank's, which is every rank's (labels depend only on the fields before the first difference).
     Across the tensor-parallel group (`per_rank_header`) the fingerprints of replicated tensors
-    are compared; across the context-parallel group they are not (those tensors are sequence shards).
+    are compared; across the context-parallel group all but those of sequence shards
+    (`Roles.cp_shards`) and the mix past the body.
     """
 
     def differs(slot: int) -> bool:
-        fingerprint = slot == _H_VALUES or (slot >= _HEADER and (slot - _HEADER) % 2 and own[slot - 1] == _K_VALUES)
-        if fingerprint and not per_rank_header:
+        tp_only = slot == _H_VALUES or (slot >= _HEADER and (slot - _HEADER) % 2 and own[slot - 1] == _K_VALUES_TP)
+        if tp_only and not per_rank_header:
             return False
         return len({s[slot] for s in sigs}) > 1
 
@@ -441,6 +496,10 @@ def _first_disagreement(
         return "the lossfx signature format (another lossfx version?)", f"{own[_H_MAGIC]:x}"
     if differs(_H_PATH):
         return "the function called", f"lossfx.{_functions.get(own[_H_PATH], '?')}"
+    if differs(_H_TRACED):  # e.g. one rank past Dynamo's recompile limit: eager chunks run other collectives
+        return "how the call runs, compiled or eagerly (they run different collectives)", (
+            "compiled" if own[_H_TRACED] else "eager"
+        )
     if not per_rank_header:  # across the context-parallel group the shard layout must agree too
         for slot, label in [
             (_H_WIDTH, "the vocabulary shard width"),
@@ -455,17 +514,26 @@ def _first_disagreement(
         kind_slot, value_slot = _HEADER + 2 * i, _HEADER + 2 * i + 1
         if differs(kind_slot) or differs(value_slot):
             return labels[i], _decode(own[kind_slot], own[value_slot])
-    if differs(_H_COUNT) or differs(_H_DIGEST):
+    if differs(_H_COUNT) and count < _MAX_FIELDS:  # the fields agree as far as every rank has them
+        extra = f", the next: {labels[count]}" if len(labels) > count else ""
+        return "how many argument fields the call has (a DTensor or a column on some ranks only?)", (
+            f"{own[_H_COUNT]} fields{extra}"
+        )
+    traced = any(s[_H_TRACED] for s in sigs)  # a compiled rank has no digest
+    if differs(_H_COUNT) or (differs(_H_DIGEST) and not traced):
         return f"an argument field past the first {_MAX_FIELDS}", f"digest {own[_H_DIGEST]:x}"
     if differs(_H_VALUES):
         return f"the values of a replicated tensor past the first {_MAX_FIELDS} fields", f"{own[_H_VALUES]:x}"
     return None
 
 
-def _describe(disagreement: tuple[str, str], group: dist.ProcessGroup) -> str:
+def _describe(disagreement: tuple[str, str], group: dist.ProcessGroup, sigs: list[list[int]]) -> str:
     """`"label (rank 0: v0, rank 1: v1, ...)"`: every rank's own value, exchanged once. Runs on
-    every rank of `group` together (they all found the same disagreement), only on the error path."""
+    every rank of `group` together (they all found the same disagreement), only on the error path;
+    with a compiled peer (it raises in its graph and exchanges nothing) only this rank's value."""
     label, value = disagreement
+    if any(s[_H_TRACED] for s in sigs):
+        return f"{label} (rank {group.rank()}: {value}; a peer runs compiled)"
     values: list[Any] = [None] * group.size()
     dist.all_gather_object(values, value, group=group)
     return f"{label} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))})"
@@ -522,10 +590,12 @@ def _tiling_error(sigs: list[list[int]], policy: str, roles: Roles = _NO_ROLES) 
 
 
 def _gather_on_device(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """Every rank's `x` (1-D int64) stacked in rank order, `[R, L]`, still on the device."""
-    out = [torch.empty_like(x) for _ in range(group.size())]
-    dist.all_gather(out, x, group=group)
-    return torch.stack(out)
+    """Every rank's `x` (1-D int64) stacked in rank order, `[R, L]`, still on the device. The same
+    collective as the compiled check's functional all-gather, so an eager rank and a compiled
+    one (e.g. past Dynamo's recompile limit) meet in it."""
+    out = x.new_empty(group.size() * x.shape[0])
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.view(group.size(), x.shape[0])
 
 
 def _rows(values: list[int], world: int) -> list[list[int]]:
@@ -566,7 +636,7 @@ def _check(name: str, arguments: Mapping[str, Any], policy: str, roles: Roles, h
     cp = cp if _is_distributed(cp) else None
     if tp is None and cp is None:
         return
-    sig, labels = _signature(name, arguments, roles=roles)
+    sig, labels = _signature(name, arguments, roles=roles, cp=cp is not None, world=tp.size() if tp is not None else 1)
     errors: list[str] = []
 
     def raise_errors() -> None:
@@ -581,7 +651,7 @@ def _check(name: str, arguments: Mapping[str, Any], policy: str, roles: Roles, h
         sigs = _rows(values, tp.size())
         own = sigs[tp.rank()]
         found = _first_disagreement(sigs, own, labels, per_rank_header=True, roles=roles)
-        problem = _describe(found, tp) if found else _tiling_error(sigs, policy, roles)
+        problem = _describe(found, tp, sigs) if found else _tiling_error(sigs, policy, roles)
         if problem is None:
             _scope.widths[id(tp)] = [s[_H_WIDTH] for s in sigs]
         else:
@@ -598,7 +668,7 @@ def _check(name: str, arguments: Mapping[str, Any], policy: str, roles: Roles, h
         own = sigs[cp.rank()]
         found = _first_disagreement(sigs, own, labels, per_rank_header=False, roles=roles)
         if found:
-            errors.append(_message(name, cp_arg, cp, _describe(found, cp)))
+            errors.append(_message(name, cp_arg, cp, _describe(found, cp, sigs)))
         bad = [r for r, s in enumerate(sigs) if s[_H_VERDICT]]
         if bad:
             errors.append(
@@ -653,17 +723,25 @@ def _verdict_on_device(g: Tensor, policy: str) -> Tensor:
     return bad | (layout_bad & ~(w == _NONE).any())  # a width not given: no layout rule (as on the host)
 
 
-def _compiled_groups(owners: list[str], layout: bool, roles: Roles = _NO_ROLES) -> list[tuple[str, list[int]]]:
+def _compiled_groups(
+    owners: list[str], across_tp: bool, roles: Roles = _NO_ROLES, equal_widths: bool = False
+) -> list[tuple[str, list[int]]]:
     """`(what, slots)` of the compiled check's assertions, in the order of the eager check: the
-    function called, (with `layout`) the vocabulary shard layout, then each run of consecutive
-    fields of one argument (a replicated tensor's values a run of their own), then the fields
-    past the body. The runs before the first disagreeing field are the same on every rank (labels
-    depend only on earlier fields), so every rank fails the same assertion."""
-    groups: list[tuple[str, list[int]]] = [("the function called", [_H_MAGIC, _H_PATH])]
-    if layout:
+    function called, whether it runs compiled, (across the context-parallel group) the vocabulary
+    shard layout or (across the tensor-parallel group with `equal_widths`) the shard width, then
+    each run of consecutive fields of one argument (a replicated tensor's values a run of their
+    own), then the fields past the body. The runs before the first disagreeing field are the same
+    on every rank (labels depend only on earlier fields), so every rank fails the same assertion."""
+    groups: list[tuple[str, list[int]]] = [
+        ("the function called", [_H_MAGIC, _H_PATH]),
+        ("how the call runs, compiled or eagerly (they run different collectives)", [_H_TRACED]),
+    ]
+    if not across_tp:
         groups.append(
             ("the vocabulary shard layout (this rank's width, first id and rank)", [_H_WIDTH, _H_START, _H_RANK])
         )
+    elif equal_widths:  # traced, the kernels take uniform shards: uneven plain shards gave wrong log-probs
+        groups.append(("the vocabulary shard width (compiled, this function needs equal shards)", [_H_WIDTH]))
     for i, owner in enumerate(owners[:_MAX_FIELDS]):
         slots = [_HEADER + 2 * i, _HEADER + 2 * i + 1]
         if owner == roles.size:
@@ -672,33 +750,39 @@ def _compiled_groups(owners: list[str], layout: bool, roles: Roles = _NO_ROLES) 
             groups[-1][1].extend(slots)
         else:
             groups.append((owner, slots))
-    rest = [_H_COUNT, _H_DIGEST, _H_VALUES] + ([] if roles.size in owners[:_MAX_FIELDS] else [_H_SIZE])
+    rest = [_H_COUNT] + ([_H_VALUES] if across_tp else []) + ([] if roles.size in owners[:_MAX_FIELDS] else [_H_SIZE])
     groups.append((f"an argument past the first {_MAX_FIELDS} fields (or the values of a replicated tensor)", rest))
     return groups
 
 
-def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles) -> None:
+def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, policy: str = "free") -> None:
     """The check inside a `torch.compile`d graph: the signature (static fields a constant of the
     graph, fingerprints computed in it) all-gathered with a functional collective, and in-graph
     assertions that every rank's equals this rank's, one per argument (`_compiled_groups`): no
     graph break, no host read. A mismatch raises `RuntimeError` naming the argument, the same on
     every rank (they all see the same gathered matrix); each rank's value is not shown (that
     would be a host read). Not compared here: the shard layout across the tensor-parallel group
-    (widths, offsets: the kernels' uniform default is assumed) and, across the context-parallel
-    group, the fingerprints."""
+    (offsets: the kernels' uniform default is assumed; with the `"auto"` and `"equal"` policies
+    the widths must be equal, as traced `vocab_shard_range` has no gathered widths) and, across
+    the context-parallel group, the fingerprints of sequence shards (`Roles.cp_shards`). The
+    digest of the fields past the body is an eager rank's only (a compiled one has none)."""
     from torch.distributed import _functional_collectives as fc
 
     tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
-    for group, group_name, with_values in ((tp, tp_arg, True), (cp, cp_arg, False)):
+    with_cp = _is_distributed(cp)
+    world = tp.size() if _is_distributed(tp) else 1
+    for group, group_name, across_tp in ((tp, tp_arg, True), (cp, cp_arg, False)):
         if group is None or not _is_distributed(group):
             continue
         owners: list[str] = []
-        sig, _ = _signature(name, arguments, values=with_values, owners=owners, roles=roles)
-        groups = _compiled_groups(owners, layout=not with_values, roles=roles)
+        tp_only: list[int] = []
+        sig, _ = _signature(name, arguments, owners=owners, roles=roles, cp=with_cp, world=world, tp_only=tp_only)
+        groups = _compiled_groups(owners, across_tp, roles, equal_widths=policy in ("auto", "equal"))
+        skip = set() if across_tp else set(tp_only)  # across CP: not the sequence shards' fingerprints
         member = [[False] * SIGNATURE_LEN for _ in groups]
         for g, (_, slots) in enumerate(groups):
             for slot in slots:
-                member[g][slot] = True
+                member[g][slot] = slot not in skip
         gathered = fc.all_gather_tensor(sig, 0, group).view(group.size(), SIGNATURE_LEN)
         differs = (gathered != gathered[0]).any(0)  # [SIGNATURE_LEN]
         failed = (differs & torch.tensor(member, device=sig.device)).any(1)  # [groups]
@@ -820,7 +904,8 @@ def boundary(
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()
             arguments = local(dict(bound.arguments))[0] if local is not None else bound.arguments
-            _check_in_graph(name, arguments, checked_roles)
+            policy = vocab(arguments) if callable(vocab) else vocab
+            _check_in_graph(name, arguments, checked_roles, policy)
             _traced_depth[0] += 1
             try:
                 return fn(*args, **kwargs)

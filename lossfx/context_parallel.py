@@ -147,7 +147,7 @@ def unshard(shards: list[Tensor] | tuple[Tensor, ...], seq_dim: int = 1) -> Tens
 
 
 @renamed_keywords(group="context_parallel_group")
-@boundary(roles=Roles(cp="context_parallel_group"))
+@boundary(roles=Roles(cp="context_parallel_group", cp_shards=("x",)))
 def allgather_cp(x: Tensor, context_parallel_group: ProcessGroup | None, seq_dim: int = 1) -> Tensor:
     """Gather CP-sharded (load-balanced) tensors back into canonical sequence order.
 

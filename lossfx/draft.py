@@ -41,7 +41,7 @@ __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
 
 
 @renamed_keywords(cp_group="context_parallel_group")
-@boundary(roles=Roles(cp="context_parallel_group", cp_from="cp_sharder"))
+@boundary(roles=Roles(cp="context_parallel_group", cp_from="cp_sharder", cp_shards=("x",)))
 def shift_left(
     x: Tensor,
     context_parallel_group: ProcessGroup | None = None,

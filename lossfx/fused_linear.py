@@ -355,7 +355,7 @@ _ROLES = Roles(
     size="vocab_size",
     rows=("hidden", "sequence_parallel"),
 )
-_ROLES_CP = dataclasses.replace(_ROLES, cp="context_parallel_group", cp_from="cp_sharder")
+_ROLES_CP = dataclasses.replace(_ROLES, cp="context_parallel_group", cp_from="cp_sharder", cp_shards=("hidden",))
 
 
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))

@@ -205,21 +205,22 @@ class _GatherColumnsFn(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         logits, idx = inputs
-        ctx.save_for_backward(idx)
-        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        # the logits' shape and dtype as a stride-0 view of one element (no memory): a saved tensor's
+        # sizes stay traceable when they are dynamic, a saved `torch.Size` of SymInts did not
+        ctx.save_for_backward(idx, logits.new_zeros(()).expand(logits.shape))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        (idx,) = ctx.saved_tensors
+        idx, like_logits = ctx.saved_tensors
         same_column = idx.unsqueeze(-1) == idx.unsqueeze(-2)  # [..., K, K]
         column_total = torch.where(same_column, grad.unsqueeze(-2), 0.0).sum(dim=-1)  # [..., K]
-        dlogits = torch.zeros(ctx.logits_shape, dtype=ctx.logits_dtype, device=grad.device)
-        # index_put_ on the flat view: CPU's scatter_ also goes through a float32 copy for bf16
-        vocab = ctx.logits_shape[-1]
-        rows = torch.arange(idx.numel() // idx.shape[-1], device=idx.device).view(-1, 1) * vocab  # [N, 1]
-        flat = (rows + idx.reshape(-1, idx.shape[-1])).reshape(-1)  # [N·K] offsets into dlogits
-        dlogits.view(-1).index_put_((flat,), column_total.to(ctx.logits_dtype).reshape(-1))
+        dlogits = torch.zeros(like_logits.shape, dtype=like_logits.dtype, device=grad.device)
+        # index_put_ on the [N, V] view: CPU's scatter_ also goes through a float32 copy for bf16
+        cols = idx.reshape(-1, idx.shape[-1])  # [N, K]
+        rows = torch.arange(cols.shape[0], device=idx.device).unsqueeze(-1).expand_as(cols)  # [N, K]
+        values = column_total.to(like_logits.dtype).reshape(cols.shape)
+        dlogits.view(-1, like_logits.shape[-1]).index_put_((rows, cols), values)
         return dlogits, None  # one entry per forward input
 
 

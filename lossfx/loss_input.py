@@ -98,7 +98,13 @@ def _vocab_policy(arguments: Mapping[str, Any]) -> str:
 
 
 # the cross-rank check's view of the parameters (`_consistency.Roles`)
-_ROLES = Roles(tp="vocab_parallel_group", cp="context_parallel_group", shards=("logits",), rank="vocab_parallel_rank")
+_ROLES = Roles(
+    tp="vocab_parallel_group",
+    cp="context_parallel_group",
+    shards=("logits",),
+    rank="vocab_parallel_rank",
+    cp_shards=("student_logits",),  # DRAFT's data column: this CP rank's sequence part
+)
 _ROLES_SHARDER = dataclasses.replace(_ROLES, cp_from="cp_sharder")
 _ROLES_DATA = dataclasses.replace(_ROLES, columns=("teacher_full_logits",))
 _ROLES_OPD = dataclasses.replace(_ROLES_DATA, heads="teacher_output_layer_weight_by_index")

@@ -40,7 +40,7 @@ DEFAULT: dict[str, Any] = {
     "ties": "together",
     "zero_outside_topk": False,
     "entropy": False,
-    "requires_grad": False,
+    "requires_grad": True,  # the differentiable inputs (logits, hidden, weight rows) are leaves
     "ids": False,  # True: one entry of the replicated ids differs
     "hidden": False,  # True: one entry of the replicated hidden states differs
     "coef": False,  # True: one coefficient of the objective differs
@@ -50,9 +50,54 @@ DEFAULT: dict[str, Any] = {
     "dtensor": False,  # True: the sharded input is a DTensor on the 2-rank mesh
     "fsdp2": False,  # True: the weight is a Shard(0) DTensor and hidden differs per rank
     "checks": True,  # False: set_consistency_checks(False) on this rank
+    "compiled": True,  # False: this rank runs eagerly in a compiled case (e.g. Dynamo's recompile limit hit)
+    "grad_mode": True,  # False: this rank calls under torch.no_grad()
+    "D": 6,  # draft vocabulary (map_to_draft_vocab)
+    "d2t": "given",  # "moved": one entry of d2t differs; None: no d2t
+    # packing: cu_seqlens as "list" or "tensor"; "moved": one boundary moves (see _packing)
+    "cu_type": "list",
+    "cu": "given",
+    "cu_p": "given",
+    "prepacked": False,  # True: data["input_ids"] is the packed row [1, T] (with data["cu_seqlens"])
+    # OPD_FULL: how the teacher heads are passed ("rows", "dtensor", "full"), their dtype and keys
+    "heads": "rows",
+    "head_dtype": F64,
+    "head_keys": "same",  # "other": the second head under another key
+    "teacher_index": "given",  # "moved": one row routed to the other head
+    "payload_extra": 0,  # extra columns of a logits payload beyond V (allowed: each rank slices its window)
+    "validate": True,
+    "opd_chunk": None,
+    "penalty": 0.25,
+    # fused LM-head options (linear_next_token_logprobs[options])
+    "bias": True,  # this rank's rows of an LM-head bias [V]
+    "logit_scale": 0.8,
+    "softcap": 5.0,
+    "ignore_index": -100,  # some targets are ignored (equal to it)
+    "position_ids": "packed",  # "packed": padding-free rows (two sequences in row 0); "moved": another
+    # boundary; None: not given
 }
 
 _mesh: Any = None
+
+# the differentiable inputs of the case being built: (this rank's leaf, the float64 leaf of the
+# reference, full gradient -> the gradient this rank's leaf must get); reset by `run_case`
+_LEAVES: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+
+
+# for outputs that are this rank's part of one tensor whose parts depend on other ranks' inputs
+# (a shift across CP ranks): (rank, () -> every rank's reference outputs); reset by `run_case`.
+# Each rank weights its part with its own weights, and the reference gradient is that of the
+# sum over ranks (what a loss summed over the ranks' parts differentiates).
+_PER_RANK_REF: list[tuple[int, Any]] = []
+
+
+def _leaf(local: torch.Tensor, full: torch.Tensor, expected: Any) -> None:
+    """Make `local` (this rank's input) and `full` (the reference's float64 input) leaves that
+    require grad and register them: `expected(full.grad)` is the gradient `local` must get."""
+    local.requires_grad_()
+    if not full.requires_grad:
+        full.requires_grad_()
+    _LEAVES.append((local, full, expected))
 
 
 def _device_mesh() -> Any:
@@ -96,9 +141,9 @@ def _logits(cfg: dict) -> torch.Tensor:
 def _local(cfg: dict, full: torch.Tensor, rank: int) -> tuple[torch.Tensor, dict]:
     """This rank's shard of `full [..., V]` in cfg's dtype, and the shard arguments to pass."""
     start, width = _shard(cfg, rank)
-    local = full[..., start : start + width].to(cfg["dtype"]).clone()
+    local = full.detach()[..., start : start + width].to(cfg["dtype"]).clone()
     if cfg["requires_grad"]:
-        local.requires_grad_()
+        _leaf(local, full, lambda g: g[..., start : start + width])
     extra = {"vocab_start": start, "vocab_size": cfg["V"]} if cfg["layout"] == "uneven" else {}
     if cfg["dtensor"]:
         from torch.distributed.tensor import DTensor, Shard
@@ -260,7 +305,9 @@ def _t_vocab_topk(cfg, rank, group):
 def _t_allgather_cp(cfg, rank, group):
     # 4·S long: the load-balanced layout of 2 ranks needs a multiple of 4 (a builder must not raise)
     full = torch.randn(cfg["B"], cfg["S"] * 4, cfg["V"], generator=_gen(0), dtype=F64)
-    local = reference.cp_shard(full, rank, 2, seq_dim=1).to(cfg["dtype"])
+    local = reference.cp_shard(full.detach(), rank, 2, seq_dim=1).to(cfg["dtype"]).clone()
+    if cfg["requires_grad"]:  # the summed-gradient convention: every CP rank's upstream gradient, summed
+        _leaf(local, full, lambda g: 2 * reference.cp_shard(g, rank, 2, seq_dim=1))
     return (lambda: lossfx.allgather_cp(local, group, seq_dim=1)), [full]
 
 
@@ -345,8 +392,9 @@ def _fused_inputs(cfg, rank):
     rows = weight[start : start + width].to(cfg["dtype"]).clone()
     h = hidden.to(cfg["dtype"]).clone()
     if cfg["requires_grad"]:
-        h.requires_grad_()
-        rows.requires_grad_()
+        # replicated hidden: every rank's gradient is the full one; weight: this rank's rows
+        _leaf(h, hidden, lambda g: g)
+        _leaf(rows, weight, lambda g: g[start : start + width])
     extra = {"vocab_start": start, "vocab_size": cfg["V"]} if cfg["layout"] == "uneven" else {}
     group_kw = True
     if cfg["dtensor"] or cfg["fsdp2"]:
@@ -391,6 +439,320 @@ def _fused(name):
     return build
 
 
+def _position_ids(cfg):
+    if cfg["position_ids"] is None:
+        return None
+    pos = torch.arange(cfg["S"]).repeat(cfg["B"], 1)
+    cut = 2 if cfg["position_ids"] == "packed" else 3  # row 0 holds two sequences, split at `cut`
+    pos[0, cut:] = torch.arange(cfg["S"] - cut)
+    return pos
+
+
+def _t_linear_next_token_options(cfg, rank, group):
+    """`linear_next_token_logprobs` with bias, logit scale, soft-cap, ignored targets and
+    padding-free `position_ids`."""
+    hidden, weight, h, rows, extra, group_kw = _fused_inputs(cfg, rank)
+    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
+    ids[1, 2] = ids[0, 4] = cfg["ignore_index"]  # ignored targets (a rank with another index ignores others)
+    bias_full = torch.randn(cfg["V"], generator=_gen(13), dtype=F64)
+    options: dict[str, Any] = {"logit_scale": cfg["logit_scale"], "softcap": cfg["softcap"]}
+    bias = None
+    if cfg["bias"]:
+        start, width = _shard(cfg, rank)
+        bias = bias_full.detach()[start : start + width].to(cfg["dtype"]).clone()
+        if cfg["requires_grad"]:
+            _leaf(bias, bias_full, lambda g: g[start : start + width])
+        if not group_kw:  # a DTensor head: its bias a Shard(0) DTensor on the same mesh
+            from torch.distributed.tensor import DTensor, Shard
+
+            bias = DTensor.from_local(bias, _device_mesh(), [Shard(0)], run_check=False, shape=(cfg["V"],), stride=(1,))
+    pos = _position_ids(cfg)
+    kw = dict(extra, temperature=cfg["temperature"], chunk_size=cfg["chunk_size"], ignore_index=cfg["ignore_index"])
+    if group_kw:
+        kw["group"] = group
+    lp, _ = reference.linear_next_token_logprobs(
+        hidden,
+        weight,
+        ids,
+        cfg["temperature"],
+        pos,
+        bias=bias_full if cfg["bias"] else None,
+        ignore_index=cfg["ignore_index"],
+        **options,
+    )
+    call = lambda: lossfx.linear_next_token_logprobs(h, rows, ids, bias=bias, position_ids=pos, **options, **kw)
+    return call, [lp]
+
+
+def _t_shift_left(cfg, rank, group):
+    """`shift_left` over the CP group: `x [B, L/2, V]` this rank's load-balanced part of `[B, L, V]`."""
+    length = 4 * (cfg["S"] // 2)
+    full = torch.randn(cfg["B"], length, cfg["V"], generator=_gen(0), dtype=F64)
+    local = reference.cp_shard(full, rank, 2).to(cfg["dtype"]).clone()
+
+    def refs(f=full):
+        shifted = torch.cat([f[:, 1:], torch.zeros_like(f[:, :1])], dim=1)
+        return [[reference.cp_shard(shifted, r, 2)] for r in range(2)]
+
+    if cfg["requires_grad"]:
+        _leaf(local, full, lambda g: reference.cp_shard(g, rank, 2))
+        _PER_RANK_REF.append((rank, refs))
+    return (lambda: lossfx.shift_left(local, group)), refs()[rank]
+
+
+def _draft_ids(cfg) -> torch.Tensor:
+    """`d2t [D]`: draft id `i` maps to target id `i + d2t[i]` (distinct target ids in `[0, V)`)."""
+    targets = torch.randperm(cfg["V"], generator=_gen(20))[: cfg["D"]].sort().values
+    d2t = targets - torch.arange(cfg["D"])
+    if cfg["d2t"] == "moved":  # one draft id maps elsewhere
+        d2t[1] = (targets[1] + cfg["V"] // 2) % cfg["V"] - 1
+    return d2t
+
+
+def _t_map_to_draft_vocab(cfg, rank, group):
+    """`map_to_draft_vocab` of this rank's (detached) target-vocabulary shard: its draft shard."""
+    full = _logits(cfg)
+    z, _ = _local({**cfg, "requires_grad": False}, full, rank)
+    d2t = None if cfg["d2t"] is None else _draft_ids(cfg)
+    g = _grp(cfg, group)
+    call = lambda: lossfx.map_to_draft_vocab(
+        z, d2t, vocab_parallel_rank=None if g is None else rank, vocab_parallel_group=g
+    )
+    if d2t is None:
+        want = full
+        start, width = _shard(cfg, rank)
+    else:
+        want = full[..., torch.arange(cfg["D"]) + d2t]
+        start, width = rank * cfg["D"] // 2, cfg["D"] // 2
+    return call, [want if cfg["dtensor"] else want[..., start : start + width]]
+
+
+def _t_draft_targets_d2t(cfg, rank, group):
+    """`draft_targets` with a draft vocabulary: this rank's draft shard `[B, S, D/2]` and the mask."""
+    full = _logits(cfg)
+    z, _ = _local(cfg, full, rank)
+    mask = _mask(cfg)
+    d2t = None if cfg["d2t"] is None else _draft_ids(cfg)
+    g = _grp(cfg, group)
+    call = lambda: lossfx.draft_targets(
+        z, mask, d2t, vocab_parallel_rank=None if g is None else rank, vocab_parallel_group=g
+    )
+    teacher, shifted_mask = reference.draft_targets(full, mask, d2t)
+    if not cfg["dtensor"]:
+        start, width = (rank * cfg["D"] // 2, cfg["D"] // 2) if d2t is not None else _shard(cfg, rank)
+        teacher = teacher[..., start : start + width]
+    return call, [teacher, shifted_mask]
+
+
+def _t_linear_next_token_cp(cfg, rank, group):
+    """`linear_next_token_logprobs` under context parallelism over the 2 ranks: `hidden` this
+    rank's load-balanced part, the full LM head (no TP), canonical `input_ids`."""
+    length = 4 * (cfg["S"] // 2)
+    hidden = torch.randn(cfg["B"], length, cfg["H"], generator=_gen(10), dtype=F64)
+    weight = torch.randn(cfg["V"], cfg["H"], generator=_gen(11), dtype=F64)
+    ids = _ids(cfg, (cfg["B"], length), cfg["V"], 1)
+    h = reference.cp_shard(hidden, rank, 2).to(cfg["dtype"]).clone()
+    w = weight.to(cfg["dtype"])
+    if cfg["requires_grad"]:  # the summed-gradient convention over CP ranks
+        _leaf(h, hidden, lambda g: 2 * reference.cp_shard(g, rank, 2))
+    lp, _ = reference.linear_next_token_logprobs(hidden, weight, ids, cfg["temperature"])
+    call = lambda: lossfx.linear_next_token_logprobs(
+        h, w, ids, context_parallel_group=group, temperature=cfg["temperature"], chunk_size=cfg["chunk_size"]
+    )
+    return call, [lp]
+
+
+def _cp_logits(cfg, rank):
+    """`(full [B, L, V], this rank's load-balanced part [B, L/2, V])` for 2 CP ranks, a leaf whose
+    gradient follows the summed convention."""
+    length = 4 * (cfg["S"] // 2)
+    full = torch.randn(cfg["B"], length, cfg["V"], generator=_gen(0), dtype=F64) * 2
+    local = reference.cp_shard(full, rank, 2).to(cfg["dtype"]).clone()
+    if cfg["requires_grad"]:
+        _leaf(local, full, lambda g: 2 * reference.cp_shard(g, rank, 2))
+    return full, local
+
+
+def _t_next_token_logprobs_cp(cfg, rank, group):
+    """`next_token_logprobs` under context parallelism over the 2 ranks (canonical `input_ids`)."""
+    full, local = _cp_logits(cfg, rank)
+    ids = _ids(cfg, (cfg["B"], full.shape[1]), cfg["V"], 1, row=(0, 0))
+    call = lambda: lossfx.next_token_logprobs(local, ids, context_parallel_group=group, chunk_size=cfg["chunk_size"])
+    return call, [reference.next_token_logprobs(full, ids)]
+
+
+def _t_distillation_cp(cfg, rank, group):
+    """`distillation_topk_logprobs` under context parallelism (canonical teacher top-k)."""
+    full, local = _cp_logits(cfg, rank)
+    vals, idx = _teacher_topk({**cfg, "S": full.shape[1]})
+    kw = {"zero_outside_topk": cfg["zero_outside_topk"], "calculate_entropy": cfg["entropy"]}
+    call = lambda: lossfx.distillation_topk_logprobs(
+        local, vals, idx, context_parallel_group=group, chunk_size=cfg["chunk_size"], **kw
+    )
+    return call, list(reference.distillation_topk_logprobs(full, vals, idx, **kw))
+
+
+def _packing(cfg) -> tuple[list[int], list[int]]:
+    """`(cu_seqlens_q, cu_seqlens_q_padded)` of B sequences of lengths S, S-2, S-1, ... (each at
+    most S), padded to multiples of 4 (2·C for C = 2). `cu` "moved": the first sequence one
+    token shorter; `cu_p` "moved": one padding slot moves from the second sequence to the first
+    (still valid without context parallelism)."""
+    lengths = [cfg["S"] - (2, 1)[i % 2] if i else cfg["S"] for i in range(cfg["B"])]
+    if cfg["cu"] == "moved":
+        lengths[0] -= 1
+    padded = [-(-max(n, 1) // 4) * 4 for n in lengths]
+    if cfg["cu_p"] == "moved":
+        padded[0], padded[1] = padded[0] - 1, padded[1] + 1
+    cu_q, cu_p = [0], [0]
+    for n, m in zip(lengths, padded, strict=True):
+        cu_q.append(cu_q[-1] + n)
+        cu_p.append(cu_p[-1] + m)
+    return cu_q, cu_p
+
+
+def _packed_cp_shard(x: torch.Tensor, cu_p: list[int], rank: int) -> torch.Tensor:
+    """Rank `rank`'s packed part of `x [1, T, ...]` for 2 CP ranks: every sequence's load-balanced part."""
+    return torch.cat([reference.cp_shard(x[:, a:b], rank, 2) for a, b in zip(cu_p[:-1], cu_p[1:])], dim=1)
+
+
+def _packed(cp: bool):
+    def build(cfg, rank, group):
+        """`prepare_packed_loss_input`: TP over the 2 ranks (`cp` False) or CP (`cp` True)."""
+        cu_q, cu_p = _packing(cfg)
+        total = cu_p[-1]
+        full = torch.randn(1, total, cfg["V"], generator=_gen(0), dtype=F64) * 2
+        if cfg["prepacked"]:  # the physical packed row: the result is in the packed layout [1, T-1]
+            ids = _ids(cfg, (1, total), cfg["V"], 1, row=(0, 0))
+        else:
+            ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
+        if cp:
+            local = _packed_cp_shard(full, cu_p, rank).to(cfg["dtype"]).clone()
+            if cfg["requires_grad"]:  # the summed-gradient convention over CP ranks
+                _leaf(local, full, lambda g: 2 * _packed_cp_shard(g, cu_p, rank))
+            layout = {"context_parallel_group": group}
+        else:
+            local, _ = _local(cfg, full, rank)  # uneven widths: read from the ranks ("auto")
+            g = _grp(cfg, group)
+            layout = {"vocab_parallel_group": g, "vocab_parallel_rank": None if g is None else rank}
+        if cfg["cu_type"] == "tensor":
+            cu_q, cu_p = torch.tensor(cu_q), torch.tensor(cu_p)
+        sp = _sampling(cfg)
+        loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
+        data = {"input_ids": ids, "token_mask": torch.ones(ids.shape)}
+        if cfg["prepacked"]:
+            data["cu_seqlens"] = torch.tensor(list(map(int, cu_q)))
+
+        def call():
+            out, _ = lossfx.prepare_packed_loss_input(
+                local, dict(data), loss_fn, cu_q, cu_p, sampling_params=sp, chunk_size=cfg["chunk_size"], **layout
+            )
+            return out["next_token_logprobs"]
+
+        want = reference.packed_next_token_logprobs(
+            full,
+            ids,
+            list(map(int, cu_q)),
+            list(map(int, cu_p)),
+            prepacked=cfg["prepacked"],
+            top_k=cfg["top_k"],
+            top_p=cfg["top_p"],
+        )
+        return call, [reference.mask_out_neg_inf_logprobs(want, torch.ones_like(want))]
+
+    return build
+
+
+def _opd_full(entry: str, payload: str):
+    def build(cfg, rank, group):
+        """OPD_FULL with a hidden-states teacher (two LM heads, rows routed by
+        `opd_full_teacher_index`) or a logits payload, TP over the 2 ranks."""
+        full = _logits(cfg)
+        z, _ = _local(cfg, full, rank)
+        ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
+        s_p = cfg["S"] - 1
+        gen = _gen(30)
+        hidden = torch.randn(cfg["B"], s_p, cfg["H"], generator=gen, dtype=F64)
+        heads = {k: torch.randn(cfg["V"], cfg["H"], generator=gen, dtype=F64) for k in (3, 7)}
+        index = torch.tensor([7, 3, 7, 3][: cfg["B"]])
+        teacher_logits = torch.randn(cfg["B"], s_p, cfg["V"], generator=gen, dtype=F64)
+        if cfg["teacher"]:
+            hidden[0, 0, 0] += 1.5
+            teacher_logits[0, 0, -1] += 1.5  # in rank 1's window
+        if cfg["teacher_index"] == "moved":
+            index[0] = 3
+        key2 = 7 if cfg["head_keys"] == "same" else 8
+        heads = {3: heads[3], key2: heads[7]}
+        index = torch.where(index == 7, key2, index)
+        start, width = _shard(cfg, rank)
+        if cfg["heads"] == "full":
+            mine = {k: w.to(cfg["head_dtype"]) for k, w in heads.items()}
+        else:
+            mine = {k: w[start : start + width].to(cfg["head_dtype"]).clone() for k, w in heads.items()}
+            if cfg["heads"] == "dtensor":
+                from torch.distributed.tensor import DTensor, Shard
+
+                mine = {
+                    k: DTensor.from_local(
+                        w, _device_mesh(), [Shard(0)], run_check=False, shape=(cfg["V"], cfg["H"]), stride=(cfg["H"], 1)
+                    )
+                    for k, w in mine.items()
+                }
+        opd = lossfx.OnPolicyDistillationFullConfig(
+            enabled=True,
+            teacher_payload="hidden_states" if payload == "hidden" else "logits",
+            validate_decomposition=cfg["validate"],
+            chunk_size=cfg["opd_chunk"],
+        )
+        loss_fn = SimpleNamespace(
+            input_type=lossfx.LossInputType.OPD_FULL, opd_full=opd, reference_policy_kl_penalty=cfg["penalty"]
+        )
+        if payload == "hidden":
+            data = {"input_ids": ids, "teacher_full_hidden_states": hidden, "opd_full_teacher_index": index}
+            heads_kw = {"teacher_output_layer_weight_by_index": mine}
+            teacher = reference.opd_full_teacher_logits(
+                hidden,
+                cfg["S"],
+                teacher_payload="hidden_states",
+                weights={k: w.to(cfg["head_dtype"]) for k, w in heads.items()},
+                teacher_index=index,
+            )
+        else:
+            wide = torch.cat([teacher_logits, torch.zeros(cfg["B"], s_p, cfg["payload_extra"], dtype=F64)], -1)
+            data = {"input_ids": ids, "teacher_full_logits": wide}
+            heads_kw = {}
+            teacher = reference.opd_full_teacher_logits(teacher_logits, cfg["S"], teacher_payload="logits")
+        g = _grp(cfg, group)
+        layout = {"vocab_parallel_group": g, "vocab_parallel_rank": None if g is None else rank}
+
+        def call():
+            if entry == "prepare_loss_input":
+                out, _ = lossfx.prepare_loss_input(
+                    z, dict(data), loss_fn, chunk_size=cfg["chunk_size"], **layout, **heads_kw
+                )
+            else:
+                out = lossfx.prepare_opd_full_loss_input(
+                    z,
+                    dict(data),
+                    loss_fn,
+                    context_parallel_group=None,
+                    sampling_params=None,
+                    chunk_size=cfg["chunk_size"],
+                    **layout,
+                    **heads_kw,
+                )
+            return [out[k] for k in _OPD_KEYS if k in out]
+
+        want = reference.opd_full_loss_input(
+            full, teacher, ids, validate_decomposition=cfg["validate"], reference_policy_kl_penalty=cfg["penalty"]
+        )
+        return call, [want[k] for k in _OPD_KEYS if k in want]
+
+    return build
+
+
+_OPD_KEYS = ("opd_full_divergence", "opd_full_entropy", "opd_full_cross_entropy", "next_token_logprobs")
+
+
 TARGETS = {
     "token_logprobs": _t_token_logprobs,
     "token_logprobs_with_lse": _t_token_logprobs_with_lse,
@@ -413,6 +775,18 @@ TARGETS = {
     "linear_next_token_logprobs": _fused("linear_next_token_logprobs"),
     "linear_gather_logprobs": _fused("linear_gather_logprobs"),
     "linear_logprob_objective": _fused("linear_logprob_objective"),
+    "linear_next_token_logprobs[options]": _t_linear_next_token_options,
+    "shift_left": _t_shift_left,
+    "map_to_draft_vocab": _t_map_to_draft_vocab,
+    "draft_targets[d2t]": _t_draft_targets_d2t,
+    "linear_next_token_logprobs[cp]": _t_linear_next_token_cp,
+    "next_token_logprobs[cp]": _t_next_token_logprobs_cp,
+    "distillation_topk_logprobs[cp]": _t_distillation_cp,
+    "prepare_packed_loss_input": _packed(cp=False),
+    "prepare_packed_loss_input[cp]": _packed(cp=True),
+    "prepare_opd_full_loss_input": _opd_full("prepare_opd_full_loss_input", "hidden"),
+    "prepare_opd_full_loss_input[logits]": _opd_full("prepare_opd_full_loss_input", "logits"),
+    "prepare_loss_input[OPD_FULL]": _opd_full("prepare_loss_input", "hidden"),
 }
 
 
@@ -435,7 +809,7 @@ def _error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, boo
     worst, same = 0.0, True
     for g, r in zip(got, ref, strict=True):
         g = g.detach().to(F64) if g.is_floating_point() else g.detach().to(torch.int64)
-        r = r.to(g.dtype)
+        r = r.detach().to(g.dtype)
         if g.shape != r.shape:
             return float("inf"), False
         finite = torch.isfinite(g) & torch.isfinite(r)
@@ -445,12 +819,98 @@ def _error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, boo
     return worst, same
 
 
+# outputs that carry no gradient by contract (targets are detached, the objective's log-probs are values)
+# targets whose outputs are this rank's vocabulary shard (the reference is sliced to it)
+SHARDED_OUTPUTS = ("apply_top_k_top_p", "draft_targets")
+
+NO_GRAD_OUTPUTS: dict[str, set[int]] = {
+    "token_logprobs_with_lse": {1},  # the log-sum-exp is documented as not differentiable
+    "vocab_topk": {0, 1},  # a selection
+    "draft_targets": {0, 1},
+    "map_to_draft_vocab": {0},
+    "linear_logprob_objective": {1},
+}
+GRAD_TOL = 1e-4  # relative to max(1, the largest reference gradient)
+
+
+def _weights(ref: list[torch.Tensor], seed: int = 99) -> list[torch.Tensor]:
+    """The random weighting of the outputs: the same on every rank (a replicated output gets the
+    same upstream gradient everywhere, as a loss computed on every rank does)."""
+    gen = _gen(seed)
+    return [torch.randn(r.shape, generator=gen, dtype=F64) for r in ref]
+
+
+def _weighted(outs: list[torch.Tensor], ref: list[torch.Tensor], skip: set[int], seed: int = 99) -> torch.Tensor | None:
+    """`Σ_i Σ w_i · out_i` over the float outputs not in `skip`, entries finite in the reference."""
+    total = None
+    for i, (o, r, w) in enumerate(zip(outs, ref, _weights(ref, seed), strict=True)):
+        if i in skip or not o.is_floating_point() or not (o.requires_grad or r.requires_grad):
+            continue
+        keep = torch.isfinite(r.detach())
+        term = (torch.where(keep, o, torch.zeros((), dtype=o.dtype)) * torch.where(keep, w, 0).to(o.dtype)).sum()
+        total = term.to(F64) if total is None else total + term.to(F64)
+    return total
+
+
+def _gradient_error(target: str, got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, str]:
+    """Backward of a random weighting of this rank's outputs against the float64 reference's
+    gradient of the same weighting: `(largest relative error, detail)`. Runs a backward on
+    every rank whose inputs require grad (the backward's collectives run then)."""
+    leaves = [(loc, full, exp) for loc, full, exp in _LEAVES if loc.requires_grad]
+    if not leaves:
+        return 0.0, "no input requires grad"
+    skip = NO_GRAD_OUTPUTS.get(target, set())
+    missing = [i for i, (o, r) in enumerate(zip(got, ref, strict=True)) if r.requires_grad and not o.requires_grad]
+    missing = [i for i in missing if i not in skip]
+    if missing:
+        return float("inf"), f"outputs {missing} carry no gradient"
+    if _PER_RANK_REF:  # outputs that are this rank's part of one tensor: weights per rank, loss summed
+        rank, refs_of = _PER_RANK_REF[0]
+        loss = _weighted(got, ref, skip, seed=100 + rank)
+        ref_loss = sum(_weighted(refs, refs, skip, seed=100 + r) for r, refs in enumerate(refs_of()))
+    else:
+        loss = _weighted(got, ref, skip)
+        ref_loss = _weighted(ref, ref, skip)
+    if loss is None or ref_loss is None:
+        return 0.0, "no differentiable output"
+    grads = torch.autograd.grad(loss, [loc for loc, _, _ in leaves], allow_unused=True)
+    ref_grads = torch.autograd.grad(ref_loss, [full for _, full, _ in leaves], allow_unused=True)
+    worst = 0.0
+    for (loc, full, expected), g, rg in zip(leaves, grads, ref_grads, strict=True):
+        want = expected(torch.zeros_like(full) if rg is None else rg).detach()
+        if g is None:
+            g = torch.zeros_like(loc)
+        if hasattr(g, "to_local"):
+            g = g.to_local()
+        g = g.detach().to(F64)
+        if g.shape != want.shape or not bool(torch.isfinite(g).all()):
+            finite = bool(torch.isfinite(g).all())
+            return float("inf"), f"gradient of shape {tuple(g.shape)} (want {tuple(want.shape)}), finite: {finite}"
+        scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+        if g.numel():
+            worst = max(worst, float((g - want).abs().max()) / scale)
+    return worst, f"gradient error {worst:.1e}"
+
+
+def _attempt(fn: Any) -> tuple[Any, tuple | None]:
+    """`(fn(), None)`, or `(None, outcome)` for an exception (see the module doc)."""
+    try:
+        return fn(), None
+    except (ValueError, TypeError) as exc:
+        return None, ("error", type(exc).__name__, str(exc))
+    except Exception as exc:
+        return None, ("other", type(exc).__name__, f"{str(exc)[:1000]}\n{traceback.format_exc()[-2000:]}")
+
+
 def run_case(rank: int, world: int, group: Any, target: str, both: dict, rank1: dict, mode: str) -> tuple:
     """This rank's outcome of `target`: every rank on DEFAULT updated by `both`, rank 1 also by
-    `rank1` (the one perturbation); `mode` is "eager" or a torch.compile backend."""
+    `rank1` (the one perturbation); `mode` is "eager" or a torch.compile backend. When every
+    rank has an answer, each runs the backward of a random weighting of its outputs (see
+    `_gradient_error`); the outcome's value error is then the larger of the two."""
     cfg = {**DEFAULT, **both, **(rank1 if rank == 1 else {})}
     previous = None
-    outcome: tuple
+    _LEAVES.clear()
+    _PER_RANK_REF.clear()
     try:
         if not cfg["checks"]:
             switch = getattr(lossfx, "set_consistency_checks", None)  # a branch may remove the switch
@@ -465,20 +925,27 @@ def run_case(rank: int, world: int, group: Any, target: str, both: dict, rank1: 
         dist.all_reduce(built, op=dist.ReduceOp.MIN, group=group)
         if not built[0]:
             return ("setup", "test setup failed", setup_error if "setup_error" in locals() else "on a peer"), 3.0
-        if mode != "eager":
+        if mode != "eager" and cfg["compiled"]:
             # the point is the cross-rank check in the graph, not codegen: aot_eager keeps it cheap
             call = torch.compile(call, backend=mode, fullgraph=True)
-        got = _outputs(call())
-        ref = [r for r in ref if r is not None]
-        if target in ("apply_top_k_top_p", "draft_targets") and not cfg["dtensor"]:  # sharded outputs
-            start, width = _shard(cfg, rank)
-            ref = [r[..., start : start + width] if r.dim() == 3 else r for r in ref]
-        err, same = _error(got, ref)
-        outcome = ("value", err, same)
-    except (ValueError, TypeError) as exc:
-        outcome = ("error", type(exc).__name__, str(exc))
-    except Exception as exc:
-        outcome = ("other", type(exc).__name__, f"{str(exc)[:1000]}\n{traceback.format_exc()[-2000:]}")
+        with torch.set_grad_enabled(cfg["grad_mode"]):
+            got, outcome = _attempt(lambda: _outputs(call()))
+        if outcome is None:
+            ref = [r for r in ref if r is not None]
+            if target in SHARDED_OUTPUTS and not cfg["dtensor"]:
+                start, width = _shard(cfg, rank)
+                ref = [r[..., start : start + width] if r.dim() == 3 else r for r in ref]
+            err, same = _error(got, ref)
+        # the backward runs only when every rank has an answer (a rank that raised runs no backward)
+        answered = torch.tensor([float(outcome is None)])
+        dist.all_reduce(answered, op=dist.ReduceOp.MIN, group=group)
+        if outcome is None and answered[0]:
+            grad, outcome = _attempt(lambda: _gradient_error(target, got, ref))
+            if outcome is None:
+                gerr, gdetail = grad
+                outcome = ("value", max(err, gerr), same, f"values {err:.1e}, {gdetail}")
+        elif outcome is None:
+            outcome = ("value", err, same, "no backward: a peer raised")
     finally:
         if previous is not None:
             lossfx.set_consistency_checks(previous)
