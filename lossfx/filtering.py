@@ -21,9 +21,11 @@ Pipeline of the forward (`N` rows, `Vl` local columns, `R` ranks):
      (all-reduced; a counting pass only for rows whose ties outgrow the local candidates)
      completes the survivors, and the top-p masses `M`, `τ` and the filtered log-sum-exp follow
      from the `k` sorted candidates in float64, with no further pass over the logits;
-   * **bisection** (top-p alone, or a large k): a fixed number of bisection steps over the float
-     bit pattern (an order-preserving integer key; 32 steps for fp32, 64 for float64), each step
-     one pass over the logits and one all-reduce of a per-row count (top-k) or mass (top-p).
+   * **bisection** (top-p alone, or a large k): a search over the float bit pattern (an
+     order-preserving integer key). Top-k: 32 bisection steps (64 for float64), each one counting
+     pass and one all-reduce of `[N]` counts. Top-p over fp32 keys: 4 passes of a 256-ary search,
+     each one histogram of the float64 masses between 256 cut points and one all-reduce of
+     `[N, 257]` (float64 keys: 64 bisection steps of one masked mass sum each).
 2. the target logit on its owner rank (and, for the bisection strategy, one pass for the filtered
    log-sum-exp), merged with one all-gather of per-row statistics.
 
