@@ -21,9 +21,11 @@ Pipeline of the forward (`N` rows, `Vl` local columns, `R` ranks):
      (all-reduced; a counting pass only for rows whose ties outgrow the local candidates)
      completes the survivors, and the top-p masses `M`, `τ` and the filtered log-sum-exp follow
      from the `k` sorted candidates in float64, with no further pass over the logits;
-   * **bisection** (top-p alone, or a large k): a fixed number of bisection steps over the float
-     bit pattern (an order-preserving integer key; 32 steps for fp32, 64 for float64), each step
-     one pass over the logits and one all-reduce of a per-row count (top-k) or mass (top-p).
+   * **bisection** (top-p alone, or a large k): a search over the float bit pattern (an
+     order-preserving integer key). Top-k: 32 bisection steps (64 for float64), each one counting
+     pass and one all-reduce of `[N]` counts. Top-p over fp32 keys: 4 passes of a 256-ary search,
+     each one histogram of the float64 masses between 256 cut points and one all-reduce of
+     `[N, 257]` (float64 keys: 64 bisection steps of one masked mass sum each).
 2. the target logit on its owner rank (and, for the bisection strategy, one pass for the filtered
    log-sum-exp), merged with one all-gather of per-row statistics.
 
@@ -434,11 +436,17 @@ def _top_p_by_bisection(
     chunks: list[tuple[int, int]],
     cdtype: torch.dtype,
     group: ProcessGroup | None,
+    masked: bool = True,
+    radix: bool = True,
 ) -> Tensor:
     """`τ_p [N]`: the least key `t` with `M(float(t)) < top_p`, as a float (see module doc).
 
-    `(shift, log_s)`: the float64 log-sum of the top-k survivors, kept apart.
+    `(shift, log_s)`: the float64 log-sum of the top-k survivors, kept apart; `masked`: whether
+    top-k may have cut (`τ_k > −∞` possible). fp32 keys (with `radix`): a `RADIX`-ary search,
+    4 passes (`_top_p_by_radix`); otherwise one bisection step per key bit (64 for float64).
     """
+    if radix and _key_bits(cdtype) < 64:
+        return _top_p_by_radix(logits, tau_k, shift, log_s, top_p, chunks, cdtype, group, masked)
     empty = torch.isinf(log_s)  # a row without survivors of nonzero weight (log_s_for_softmax: +inf)
     n_rows = logits.shape[0]
     lo, hi = _key_limits(n_rows, cdtype, logits.device)  # pred(hi) true: nothing is above +inf
@@ -455,6 +463,82 @@ def _top_p_by_bisection(
         ok = (mass < top_p) & moving & weighed
         # not moving: mid == lo and ok is false, so `lo` keeps its value either way
         lo, hi = torch.where(ok, lo, mid), torch.where(ok, mid, hi)
+    return _key_to_float(hi, cdtype) + 0.0  # `+ 0.0`: a -0 threshold reads as +0
+
+
+# Sub-intervals per pass of the top-p search over fp32 keys: 4 passes cover the 2^32 keys.
+RADIX = 256
+
+
+def _radix_passes() -> int:
+    """Passes of `_top_p_by_radix` that take the fp32 key interval `(key(−∞) − 1, key(+∞)]` to
+    width 1: 4 (`key(+∞) = 0x7F800000`, `key(−∞) = −key(+∞) − 1`)."""
+    width, passes = 2 * 0x7F800000 + 2, 0
+    while width > 1:
+        width, passes = -(-width // RADIX), passes + 1
+    return passes
+
+
+def _mass_histogram(
+    logits: Tensor, bounds: Tensor, tau_k: Tensor | None, shift: Tensor, log_s: Tensor, chunks: list[tuple[int, int]]
+) -> Tensor:
+    """`[N, B + 1]` float64: local mass `Σ exp((z − shift) − log_s)` of the entries with exactly
+    `j` of the ascending `bounds [N, B]` strictly below them, in column `j` (entries `z < τ_k`
+    weigh 0; `tau_k` None: no top-k). So `Σ_{j > d} hist[:, j]` is the mass of the entries
+    `z > bounds[:, d]`, `_mass_above`'s set at `x = bounds[:, d]`.
+    """
+    parts = []
+    width = bounds.shape[1] + 1
+    for s, e in chunks:
+        z = logits[s:e]  # [C, Vl], never written
+        # [C, Vl] int64 #{bounds < z}, compared in fp32 (a bf16 chunk's fp32 copy dies here)
+        bins = torch.searchsorted(bounds[s:e], z.to(bounds.dtype).contiguous())
+        w = torch.sub(z, shift[s:e, None]).sub_(log_s[s:e, None]).exp_()  # [C, Vl] float64
+        if tau_k is not None:
+            w.masked_fill_(z < tau_k[s:e, None], 0.0)
+        parts.append(w.new_zeros(e - s, width).scatter_add_(1, bins, w))
+    return cat_chunks(parts)
+
+
+def _top_p_by_radix(
+    logits: Tensor,
+    tau_k: Tensor,
+    shift: Tensor,
+    log_s: Tensor,
+    top_p: float,
+    chunks: list[tuple[int, int]],
+    cdtype: torch.dtype,
+    group: ProcessGroup | None,
+    masked: bool,
+) -> Tensor:
+    """`τ_p [N]` of `_top_p_by_bisection` for fp32 keys, `RADIX` points per pass instead of one.
+
+    The key interval `(lo, hi]` (`P(hi)` true, `P(lo)` false) is cut at `RADIX` ascending points
+    `e_d = lo + ⌈(d + 1)·(hi − lo) / RADIX⌉` (`e_{RADIX−1} = hi`); one pass over the logits bins
+    the masses between them (`_mass_histogram`, one all-reduce of `[N, RADIX + 1]`), suffix sums
+    give `M(f(e_d))`, and `(lo, hi]` becomes `(e_{d*−1}, e_{d*}]` with `d*` the first point where
+    `P` holds. The width `< 2^32` shrinks to at most `⌈w / RADIX⌉` per pass: 4 passes end at
+    width 1, `hi = T*` (proofs/filtering.md §3.2).
+    """
+    empty = torch.isinf(log_s)  # a row without survivors of nonzero weight (log_s_for_softmax: +inf)
+    n_rows = logits.shape[0]
+    lo, hi = _key_limits(n_rows, cdtype, logits.device)  # pred(hi) true: nothing is above +inf
+    lo = lo - 1  # pred(lo) taken as false, never evaluated
+    steps = torch.arange(1, RADIX + 1, device=logits.device)  # [B]
+    last = steps == RADIX  # [B]: e_{B−1} = hi, P true without evaluation
+    for _ in range(_radix_passes()):
+        ends = lo[:, None] + ((hi - lo)[:, None] * steps + (RADIX - 1)) // RADIX  # [N, B] ascending
+        bounds = _key_to_float(ends, cdtype)  # [N, B]: real floats (lo + 1 ≤ e_d ≤ hi)
+        hist = all_reduce(
+            _mass_histogram(logits, bounds, tau_k if masked else None, shift, log_s, chunks), "sum", group
+        )  # [N, B + 1]
+        mass = hist.flip(-1).cumsum(-1).flip(-1)[:, 1:]  # [N, B]: M(bounds[:, d]) = Σ_{j > d} hist[:, j]
+        # a value of float64 weight 0 has the whole mass above it exactly (see _from_candidates)
+        weighed = (torch.exp(bounds.to(_F64) - shift[:, None]) > 0) | empty[:, None]
+        ok = ((mass < top_p) & weighed) | last  # [N, B], monotone: false … false true … true
+        first = RADIX - ok.sum(dim=-1, keepdim=True)  # [N, 1] d*: the number of false points
+        lo = torch.where(first > 0, ends.gather(-1, (first - 1).clamp_(min=0)), lo[:, None]).squeeze(-1)
+        hi = ends.gather(-1, first).squeeze(-1)
     return _key_to_float(hi, cdtype) + 0.0  # `+ 0.0`: a -0 threshold reads as +0
 
 
@@ -542,7 +626,8 @@ def _thresholds(
         if use_top_p:
             shift_k, log_s_k = _masked_logsum(logits, lambda z, s, e: z >= tau_k[s:e, None], chunks, _F64, group)
             log_s_k = log_s_for_softmax(log_s_k)
-            tau_p = _top_p_by_bisection(logits, tau_k, shift_k, log_s_k, top_p, chunks, cdtype, group)
+            masked = k is not None and k < vocab_size  # else τ_k = −∞: nothing to mask
+            tau_p = _top_p_by_bisection(logits, tau_k, shift_k, log_s_k, top_p, chunks, cdtype, group, masked)
             tau = torch.maximum(tau_k, tau_p)
             if sort_ties:
                 above = _mass_above(logits, torch.maximum(tau, _below(tau_k)), shift_k, log_s_k, chunks)

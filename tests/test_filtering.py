@@ -942,6 +942,69 @@ def test_property_matches_reference_large(case, params, strategy):
 # ---------------------------------------------------------------------------------------------
 
 
+def _rank_threshold_uneven(rank, world, group, z, top_k, top_p, ties):
+    widths = [z.shape[-1] // world + (1 if r < z.shape[-1] % world else 0) for r in range(world)]
+    start = sum(widths[:rank])
+    shard = z[..., start : start + widths[rank]]  # a column slice: not contiguous
+    out = lossfx.top_k_top_p_threshold(
+        shard,
+        top_k=top_k,
+        top_p=top_p,
+        group=group,
+        chunk_rows=5,
+        strategy="bisection",
+        ties=ties,
+        vocab_start=start,
+        vocab_size=z.shape[-1],
+    )
+    return out if ties == "sorted" else (out,)
+
+
+def _radix_cases():
+    gen = torch.Generator().manual_seed(3)
+    n, v = 12, 37
+    yield torch.randn(n, v, generator=gen, dtype=F64) * 3  # distinct values
+    yield torch.randint(0, 4, (n, v), generator=gen).to(F64)  # large tie groups
+    z = torch.randn(n, v, generator=gen, dtype=F64) * 2
+    yield z.masked_fill(torch.rand(n, v, generator=gen) < 0.4, float("-inf"))  # -inf entries
+    uniform = torch.full((n, v), -2000.0, dtype=F64)  # uniform rows: one tie group, the rest weigh 0
+    for row in range(n):
+        uniform[row, : 1 + row % 10] = 1.5
+    yield uniform
+    yield torch.randn(n, v, generator=gen, dtype=F64) * 1e-30  # tiny values around ±0
+    yield torch.round(torch.randn(n, v, generator=gen, dtype=F64) * 4) / 4 + 3e4  # large offset, ties
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_radix_top_p_decides_as_the_bisection(monkeypatch, dtype, world):
+    """proofs/filtering.md §3.2: the 256-ary top-p search over fp32 keys (4 passes) returns the
+    32-step bisection's threshold and id cut bit for bit: uneven TP shards, both tie rules, top-p
+    after a large top-k (masked entries), ties, uniform rows, -inf entries, tiny values."""
+    from lossfx import filtering
+
+    bisection = filtering._top_p_by_bisection
+
+    def halving(*args, **kwargs):
+        return bisection(*args, **kwargs, radix=False)
+
+    for z in _radix_cases():
+        z = z.to(dtype)
+        for top_k, top_p in [(None, 0.9), (None, 0.3), (None, 0.5), (7, 0.6), (None, 1e-9), (None, 0.999)]:
+            for ties in ("together", "sorted"):
+                args = (z, top_k, top_p, ties)
+                radix = run_ranks(world, _rank_threshold_uneven, *args)
+                with monkeypatch.context() as m:
+                    m.setattr(filtering, "_top_p_by_bisection", halving)
+                    halved = run_ranks(world, _rank_threshold_uneven, *args)
+                for got, want in zip(radix, halved, strict=True):
+                    for a, b in zip(got, want, strict=True):
+                        assert a.dtype == b.dtype
+                        assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), (a, b)
+                if world == 1:
+                    check_threshold(z, top_k, top_p, 1, strategy="bisection", ties=ties, chunk=5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_proof_keys_are_monotone(dtype):
     """§3.2: `key` is strictly increasing on canonical floats and `f = key⁻¹` inverts it."""
