@@ -283,9 +283,7 @@ def _dtensor_vocab_shard(
     else:
         mesh = x.device_mesh
         mesh_group, mesh_rank = mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim)
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # loaded with DTensor
-
-        start = compute_local_shape_and_global_offset(x.shape, mesh, x.placements)[1][vdim]
+        start = _shard_start(global_vocab, mesh.size(mesh_dim), mesh_rank)
     if group is not None and not (group.size() == 1 if mesh_group is None else _same_group(group, mesh_group)):
         raise ValueError(
             f"the explicit process group (size {group.size()}) disagrees with the DTensor {name}, whose placements "
@@ -306,6 +304,17 @@ def _dtensor_vocab_shard(
         if padded:
             local = _pad_columns(local, padded, vdim)
     return VocabShard(local, mesh_group, mesh_rank, start, global_vocab, x, padded)
+
+
+def _shard_start(size: int, parts: int, rank: int) -> int:
+    """The first index of shard `rank` of `size` entries split in `parts` by torch's `Shard` rule
+    (`torch.chunk`: shards of `ceil(size/parts)`, the last ones shorter or empty).
+
+    A Python int from the mesh coordinate, so a compiled graph specialises on it per rank: torch's
+    `compute_local_shape_and_global_offset` reads the offset back from an index tensor, which
+    under `torch.compile` is a data-dependent (unbacked) value that no check can branch on.
+    """
+    return min(rank * -(-size // parts), size)
 
 
 def _all_replicate(x: Any) -> bool:

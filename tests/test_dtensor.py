@@ -422,6 +422,32 @@ def test_compiled_fullgraph_every_path(backend):
     _check(gloo_pool(2).run(_run_cases, 11, names, backend), 11, frames=1)
 
 
+def _host_reads_in_compiled_graph(rank, world, group):
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    c = _case(11)
+    z = distribute_tensor(c["z"], _mesh((2,)), [Shard(2)], src_data_rank=None)
+    targets = []
+
+    def backend(gm, inputs):
+        def forward(graph, _):
+            targets.extend(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
+            return graph
+
+        return aot_module_simplified(gm, inputs, fw_compiler=forward)
+
+    out = torch.compile(lambda z: lossfx.token_logprobs(z, c["ids"]), backend=backend, fullgraph=True)(z)
+    torch.testing.assert_close(out, reference.token_logprobs(c["z"], c["ids"]), **TIGHT)
+    return [t for t in targets if "_local_scalar_dense" in t]
+
+
+def test_compiled_dtensor_offset_is_not_read_from_a_tensor():
+    # the shard's vocab_start comes from the mesh coordinate: no host read in the graph (torch's
+    # compute_local_shape_and_global_offset put one there, an unbacked value checks cannot branch on)
+    assert gloo_pool(2).run(_host_reads_in_compiled_graph) == [[], []]
+
+
 def _errors(rank, world, group):
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -457,3 +483,19 @@ def test_bad_placements_and_contradicting_arguments_raise():
         assert "vocab_size=8" in messages["vocab_size"]
         assert "teacher" in messages["teacher"] and "Replicate" in messages["teacher"]
         assert "target" in messages["ids_sharded"] and "Shard(dim=0)" in messages["ids_sharded"]
+
+
+def test_shard_start_follows_torchs_shard_rule():
+    # the offset is computed from the mesh coordinate (a Python int, static under compile); it
+    # must be torch's: uneven sizes, more parts than entries (empty last shards), size 0
+    from torch.distributed.tensor import Shard
+
+    from lossfx._dtensor import _shard_start
+
+    for size in range(0, 14):
+        for parts in range(1, 7):
+            starts = [_shard_start(size, parts, r) for r in range(parts)]
+            for r in range(parts):
+                width, offset = Shard.local_shard_size_and_offset(size, parts, r)
+                assert starts[r] == offset, (size, parts, r)
+                assert (starts[r + 1] if r + 1 < parts else size) - starts[r] == width, (size, parts, r)
