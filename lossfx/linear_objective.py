@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from lossfx._chunking import policy_for
-from lossfx._consistency import Roles, boundary
+from lossfx._consistency import boundary
 from lossfx._distributed import (
     ProcessGroup,
     all_gather_stack,
@@ -42,7 +42,14 @@ from lossfx._distributed import (
 from lossfx._dtensor import replicated
 from lossfx._tiles import LogitHead, Tiles, add_rows_, chunk_rows_for, compute_dtype, matmul_dtype
 from lossfx._validation import check_floating, check_integer_ids
-from lossfx.fused_linear import _local_arguments, _options, local_view, prepare_linear_rows, renamed_keyword
+from lossfx.fused_linear import (  # _ROLES: the cross-rank check's view of the LM-head parameters, shared
+    _ROLES,
+    _local_arguments,
+    _options,
+    local_view,
+    prepare_linear_rows,
+    renamed_keyword,
+)
 from lossfx.linear_chunks import merge_row_stats
 
 __all__ = ["linear_logprob_objective"]
@@ -302,16 +309,6 @@ class _LinearObjectiveFn(torch.autograd.Function):
         if ctx.needs_input_grad[7] and ctx.with_entropy:
             dew = neg_entropy * dobjective
         return dh, dw, db, None, None, None, dlw, dew, None, None, None, None, None, None, None
-
-
-_ROLES = Roles(
-    tp="group",
-    head="weight",
-    shards=("bias",),
-    start="vocab_start",
-    size="vocab_size",
-    rows=("hidden", "sequence_parallel"),
-)  # the cross-rank check's view of the parameters
 
 
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
