@@ -594,7 +594,8 @@ def _gather_on_device(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     collective as the compiled check's functional all-gather, so an eager rank and a compiled
     one (e.g. past Dynamo's recompile limit) meet in it."""
     out = x.new_empty(group.size() * x.shape[0])
-    dist.all_gather_into_tensor(out, x, group=group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the older name warns in 2.13
+    gather(out, x, group=group)
     return out.view(group.size(), x.shape[0])
 
 
