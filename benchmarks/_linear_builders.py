@@ -225,3 +225,26 @@ def build_unfused(
     fn = logprob_function("lossfx-unfused", compiled=compiled)
     h, w, t, _ = grpo_inputs(n, hidden_size, vocab, 1, dtype=getattr(torch, dtype))
     return _step(lambda h, w, t: -fn(h, w, t)[0].mean(), h, w, t)
+
+
+def result_row(
+    provider: str, tokens: int, hidden: int, vocab: int, dtype: str, timing: dict, first: float, peak: int, grads: int
+) -> dict:
+    """One benchmark row: time (ms), first call (s), the fresh-process peak beyond the inputs (MiB) and
+    that peak less the gradients, in units of the `[tokens, vocab]` fp32 logits."""
+    logits_fp32 = tokens * vocab * 4
+    return {
+        "provider": provider,
+        "tokens": tokens,
+        "hidden": hidden,
+        "vocab": vocab,
+        "dtype": dtype,
+        "median_ms": round(1e3 * timing["median_s"], 2),
+        "p20_ms": round(1e3 * timing["p20_s"], 2),
+        "p80_ms": round(1e3 * timing["p80_s"], 2),
+        "first_call_s": round(first, 2),
+        "peak_extra_mib": round(peak / 2**20, 1),
+        "grads_mib": round(grads / 2**20, 1),
+        "logits_fp32_mib": round(logits_fp32 / 2**20, 1),
+        "beyond_grads_x_logits": round((peak - grads) / logits_fp32, 3),
+    }

@@ -146,24 +146,8 @@ def measure_provider(
     del run
     peak = measure.peak_memory_bytes("benchmarks.bench_grpo:build", kwargs)
     grads = (tokens + vocab) * hidden * 4
-    logits = tokens * vocab * 4
-    return {
-        "provider": provider,
-        "tokens": tokens,
-        "hidden": hidden,
-        "vocab": vocab,
-        "dtype": "fp32",
-        "entropy": provider in WITH_ENTROPY,
-        "median_ms": round(1e3 * timing["median_s"], 2),
-        "p20_ms": round(1e3 * timing["p20_s"], 2),
-        "p80_ms": round(1e3 * timing["p80_s"], 2),
-        "first_call_s": round(first, 2),
-        "peak_extra_mib": round(peak / 2**20, 1),
-        "grads_mib": round(grads / 2**20, 1),
-        "logits_fp32_mib": round(logits / 2**20, 1),
-        "beyond_grads_x_logits": round((peak - grads) / logits, 3),
-        **values,
-    }
+    row = builders.result_row(provider, tokens, hidden, vocab, "fp32", timing, first, peak, grads)
+    return {**row, "entropy": provider in WITH_ENTROPY, **values}
 
 
 def markdown(rows: list[dict[str, Any]], env: dict[str, Any], skipped: list[str]) -> str:

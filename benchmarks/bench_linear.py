@@ -140,22 +140,7 @@ def measure_provider(
     peak = measure.peak_memory_bytes("benchmarks.bench_linear:build", kwargs)
     itemsize = DTYPES[dtype].itemsize
     grads = (tokens + vocab) * hidden * itemsize  # dhidden + dweight, in the inputs' dtype
-    logits_fp32 = tokens * vocab * 4
-    return {
-        "provider": provider,
-        "tokens": tokens,
-        "hidden": hidden,
-        "vocab": vocab,
-        "dtype": dtype,
-        "median_ms": round(1e3 * timing["median_s"], 2),
-        "p20_ms": round(1e3 * timing["p20_s"], 2),
-        "p80_ms": round(1e3 * timing["p80_s"], 2),
-        "first_call_s": round(first, 2),
-        "peak_extra_mib": round(peak / 2**20, 1),
-        "grads_mib": round(grads / 2**20, 1),
-        "logits_fp32_mib": round(logits_fp32 / 2**20, 1),
-        "beyond_grads_x_logits": round((peak - grads) / logits_fp32, 3),
-    }
+    return builders.result_row(provider, tokens, hidden, vocab, dtype, timing, first, peak, grads)
 
 
 def _compile_time_here(tokens: int, hidden: int, vocab: int, chunks: int) -> dict[str, float]:
