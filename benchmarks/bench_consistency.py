@@ -1,4 +1,4 @@
-"""Cost of the cross-rank consistency check (`lossfx/_consistency.py`) on a real gloo group.
+"""Cost of the cross-rank consistency check (`lossfx/_boundary/consistency.py`) on a real gloo group.
 
     python -m benchmarks.bench_consistency            # 2 processes over gloo on 127.0.0.1
     python -m benchmarks.bench_consistency --world 4 --iters 400
@@ -69,8 +69,8 @@ def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
     import torch.distributed as dist
 
     import lossfx
-    from lossfx import _consistency
-    from lossfx._distributed import all_gather_stack
+    from lossfx._boundary import consistency as _consistency
+    from lossfx._core.distributed import all_gather_stack
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -36,7 +36,7 @@ from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lossfx
-from lossfx._chunking import CPU_POLICY, GPU_POLICY, ChunkPolicy, chunk_policy
+from lossfx._core.chunking import CPU_POLICY, GPU_POLICY, ChunkPolicy, chunk_policy
 from lossfx.divergence import divergence_to_projected_teacher
 
 # ops that launch nothing: allocation without a fill, autograd bookkeeping, metadata

@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lossfx
-from lossfx._chunking import GPU_POLICY, ChunkPolicy, chunk_policy, default_chunk_rows
+from lossfx._core.chunking import GPU_POLICY, ChunkPolicy, chunk_policy, default_chunk_rows
 
 HOST_READS = ("_local_scalar_dense", "is_nonzero", "item", "nonzero", "equal")
 NO_LAUNCH = (

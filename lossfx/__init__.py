@@ -6,7 +6,7 @@ beneath them, and `lossfx.reference`, the dense float64 reference of everything.
 """
 
 from lossfx import reference
-from lossfx._chunking import CPU_POLICY, GPU_POLICY, ChunkPolicy, chunk_policy
+from lossfx._core.chunking import CPU_POLICY, GPU_POLICY, ChunkPolicy, chunk_policy
 from lossfx.context_parallel import allgather_cp, shard_for_cp_rank, unshard
 from lossfx.distillation import distillation_topk_logprobs
 from lossfx.divergence import cross_entropy_to_fixed, entropy, neg_entropy, reverse_kl_to_fixed

@@ -29,11 +29,11 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from lossfx._consistency import Roles, boundary
-from lossfx._deprecation import renamed_keywords
-from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_size
-from lossfx._dtensor import replicated
-from lossfx._validation import check_tensor
+from lossfx._boundary.consistency import Roles, boundary
+from lossfx._boundary.deprecation import renamed_keywords
+from lossfx._boundary.dtensor import replicated
+from lossfx._boundary.validation import check_tensor
+from lossfx._core.distributed import ProcessGroup, all_gather_stack_summed_grad, group_size
 
 __all__ = ["allgather_cp", "cp_positions", "shard_for_cp_rank", "unshard"]
 
@@ -87,7 +87,7 @@ def shard_for_cp_rank(x: Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1) -
     Raises:
         ValueError: length not divisible by `2C`, bad rank/size or `seq_dim`.
     """
-    x = replicated(x, "x")  # a canonical tensor may be a Replicate() DTensor (lossfx/_dtensor.py)
+    x = replicated(x, "x")  # a canonical tensor may be a Replicate() DTensor (lossfx/_boundary/dtensor.py)
     check_tensor("x", x)
     _check_cp(cp_rank, cp_size)
     seq_dim = _check_seq_dim(x, seq_dim)

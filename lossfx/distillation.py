@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lossfx._consistency import Roles, boundary
-from lossfx._distributed import ProcessGroup, group_size
-from lossfx._dtensor import replicated, vocab_shard
-from lossfx._numerics import compute_dtype, log_softmax_rows
-from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
+from lossfx._boundary.consistency import Roles, boundary
+from lossfx._boundary.dtensor import replicated, vocab_shard
+from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
+from lossfx._core.distributed import ProcessGroup, group_size
+from lossfx._core.numerics import compute_dtype, log_softmax_rows
 from lossfx.gather import gather_logits, gather_logprobs
 from lossfx.sequence_layout import ContextParallelSharder, sequence_layout
 

@@ -43,14 +43,14 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lossfx._chunking import cat_chunks, policy_for, resolve_chunk_rows, row_chunks
-from lossfx._consistency import Roles, boundary
-from lossfx._deprecation import warn_renamed
-from lossfx._distributed import ProcessGroup, all_gather_stack
-from lossfx._dtensor import check_view, vocab_shard
-from lossfx._numerics import compiled_row_sum, finite_or_zero, log_s_for_softmax, tracing
-from lossfx._tiles import LogitHead, Tiles, chunk_rows_for
-from lossfx._validation import check_floating, check_integer_ids, check_positive_int
+from lossfx._boundary.consistency import Roles, boundary
+from lossfx._boundary.deprecation import warn_renamed
+from lossfx._boundary.dtensor import check_view, vocab_shard
+from lossfx._boundary.validation import check_floating, check_integer_ids, check_positive_int
+from lossfx._core.chunking import cat_chunks, policy_for, resolve_chunk_rows, row_chunks
+from lossfx._core.distributed import ProcessGroup, all_gather_stack
+from lossfx._core.numerics import compiled_row_sum, finite_or_zero, log_s_for_softmax, tracing
+from lossfx._core.tiles import LogitHead, Tiles, chunk_rows_for
 
 __all__ = ["cross_entropy_to_fixed", "entropy", "neg_entropy", "reverse_kl_to_fixed"]
 
@@ -390,7 +390,7 @@ def neg_entropy(
     .. math::
         \\mathrm{out}_n = \\sum_v p_{n,v} \\log p_{n,v} \\le 0
     """
-    student, group, *_ = vocab_shard(student, name="student", group=group)  # lossfx/_dtensor.py
+    student, group, *_ = vocab_shard(student, name="student", group=group)  # lossfx/_boundary/dtensor.py
     return _apply("entropy", student, None, group, resolve_chunk_rows(chunk_rows, chunk_size))
 
 
@@ -428,7 +428,7 @@ def cross_entropy_to_fixed(
     .. math::
         \\mathrm{out}_n = -\\sum_v p_s(v) \\log p_t(v)
     """
-    s = vocab_shard(student, name="student", group=group)  # lossfx/_dtensor.py
+    s = vocab_shard(student, name="student", group=group)  # lossfx/_boundary/dtensor.py
     student, group, teacher = s.local, s.group, s.like(teacher, "teacher")
     return _apply("cross_entropy", student, teacher, group, resolve_chunk_rows(chunk_rows, chunk_size))
 
@@ -458,7 +458,7 @@ def reverse_kl_to_fixed(
         >>> lossfx.reverse_kl_to_fixed(s, s)
         tensor([0.])
     """
-    s = vocab_shard(student, name="student", group=group)  # lossfx/_dtensor.py
+    s = vocab_shard(student, name="student", group=group)  # lossfx/_boundary/dtensor.py
     student, group, teacher = s.local, s.group, s.like(teacher, "teacher")
     return _apply("reverse_kl", student, teacher, group, resolve_chunk_rows(chunk_rows, chunk_size))
 
@@ -519,7 +519,7 @@ def _projected_rows(
     """Teacher rows `[start, end)`: row `n` of `hidden [N, H]` through `weights[head[n]]` -> `[C, Vl]`,
     and the rows per chunk (`chunk_rows`, or the engine's rows-outside default when negative).
 
-    Projected by the tile engine (`lossfx._tiles.Tiles`) into one reused `[C, Vl]` buffer: the
+    Projected by the tile engine (`lossfx._core.tiles.Tiles`) into one reused `[C, Vl]` buffer: the
     operands are cast once per call (the hidden states to the heads' dtype; both to the GEMM dtype
     when `logits_dtype` differs), each product rounded to `logits_dtype`. Each chunk reads every
     head once, so a chunk of a few rows would make the projection a memory-bound pass over the head

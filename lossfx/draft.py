@@ -23,9 +23,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lossfx._consistency import Roles, boundary
-from lossfx._deprecation import renamed_keywords
-from lossfx._distributed import (
+from lossfx._boundary.consistency import Roles, boundary
+from lossfx._boundary.deprecation import renamed_keywords
+from lossfx._boundary.dtensor import check_view, is_dtensor, replicated, vocab_shard
+from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
+from lossfx._core.distributed import (
     ProcessGroup,
     check_group,
     group_rank,
@@ -33,8 +35,6 @@ from lossfx._distributed import (
     local_columns,
     reduce_scatter_sum,
 )
-from lossfx._dtensor import check_view, is_dtensor, replicated, vocab_shard
-from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx.sequence_layout import ContextParallelSharder, sequence_layout
 
 __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
@@ -62,7 +62,7 @@ def shift_left(
             canonical sequence is then the sharder's gathered (trimmed) one.
     """
     cp_group = context_parallel_group
-    if is_dtensor(x):  # shifts along the sequence: a vocabulary-sharded DTensor stays one (lossfx/_dtensor.py)
+    if is_dtensor(x):  # shifts along the sequence: a vocabulary-sharded DTensor stays one (lossfx/_boundary/dtensor.py)
         s = vocab_shard(x, name="x")
         return s.wrap(shift_left(s.local, cp_group, cp_sharder=cp_sharder))
     check_tensor("x", x)
@@ -98,7 +98,7 @@ def map_to_draft_vocab(
         ValueError: a target id outside `[0, V)` (eager only), `D` not divisible by TP.
     """
     check_group("vocab_parallel_group", vocab_parallel_group)
-    if is_dtensor(teacher_logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_dtensor.py)
+    if is_dtensor(teacher_logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_boundary/dtensor.py)
         s = vocab_shard(
             teacher_logits, name="teacher_logits", group=vocab_parallel_group, rank=vocab_parallel_rank, even=True
         )
@@ -173,7 +173,7 @@ def draft_targets(
     """
     check_group("vocab_parallel_group", vocab_parallel_group)
     check_group("context_parallel_group", context_parallel_group)
-    if is_dtensor(logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_dtensor.py)
+    if is_dtensor(logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_boundary/dtensor.py)
         s, d2t = (
             vocab_shard(logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True),
             replicated(d2t, "d2t"),

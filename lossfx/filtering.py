@@ -48,9 +48,17 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lossfx._chunking import cat_chunks, resolve_chunk_rows, row_chunks
-from lossfx._consistency import Roles, boundary
-from lossfx._distributed import (
+from lossfx._boundary.consistency import Roles, boundary
+from lossfx._boundary.dtensor import check_view, is_dtensor, replicated, vocab_shard
+from lossfx._boundary.validation import (
+    check_floating,
+    check_ids_in_range,
+    check_integer_ids,
+    check_positive_int,
+    read_now,
+)
+from lossfx._core.chunking import cat_chunks, resolve_chunk_rows, row_chunks
+from lossfx._core.distributed import (
     ProcessGroup,
     all_gather_stack,
     all_reduce,
@@ -58,14 +66,13 @@ from lossfx._distributed import (
     group_size,
     local_columns,
 )
-from lossfx._dtensor import check_view, is_dtensor, replicated, vocab_shard
-from lossfx._numerics import compute_dtype, finite_or_zero, log_s_for_softmax, merge_max_logsum, row_max_sumexp, tracing
-from lossfx._validation import (
-    check_floating,
-    check_ids_in_range,
-    check_integer_ids,
-    check_positive_int,
-    read_now,
+from lossfx._core.numerics import (
+    compute_dtype,
+    finite_or_zero,
+    log_s_for_softmax,
+    merge_max_logsum,
+    row_max_sumexp,
+    tracing,
 )
 
 __all__ = [
@@ -866,7 +873,7 @@ def top_k_top_p_threshold(
     """
     logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
         logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
-    )  # lossfx/_dtensor.py
+    )  # lossfx/_boundary/dtensor.py
     check_floating("logits", logits)
     k, p = check_filter_params(top_k, top_p)
     _check_strategy(strategy)
@@ -915,7 +922,7 @@ def apply_top_k_top_p(
         tensor([[3., -inf, 2.]])
     """
     chunk_rows = resolve_chunk_rows(chunk_rows, chunk_size)
-    if is_dtensor(logits):  # vocabulary-sharded results come back as DTensors (lossfx/_dtensor.py)
+    if is_dtensor(logits):  # vocabulary-sharded results come back as DTensors (lossfx/_boundary/dtensor.py)
         s = vocab_shard(logits, group=group, vocab_size=vocab_size)
         out = apply_top_k_top_p(
             s.local,

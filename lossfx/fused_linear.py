@@ -36,9 +36,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._consistency import Roles, boundary
-from lossfx._deprecation import renamed_keyword
-from lossfx._distributed import (
+from lossfx._boundary.consistency import Roles, boundary
+from lossfx._boundary.deprecation import renamed_keyword
+from lossfx._boundary.dtensor import _same_group, is_dtensor, replicated, vocab_shard
+from lossfx._boundary.validation import (
+    check_floating,
+    check_ids_in_range,
+    check_integer_ids,
+    check_positive_float,
+    check_positive_int,
+    read_now,
+    values_checkable,
+)
+from lossfx._core.distributed import (
     ProcessGroup,
     all_gather_stack,
     all_reduce,
@@ -48,18 +58,8 @@ from lossfx._distributed import (
     local_columns,
     reduce_scatter_sum,
 )
-from lossfx._dtensor import _same_group, is_dtensor, replicated, vocab_shard
-from lossfx._numerics import log_softmax_rows
-from lossfx._tiles import LogitHead
-from lossfx._validation import (
-    check_floating,
-    check_ids_in_range,
-    check_integer_ids,
-    check_positive_float,
-    check_positive_int,
-    read_now,
-    values_checkable,
-)
+from lossfx._core.numerics import log_softmax_rows
+from lossfx._core.tiles import LogitHead
 from lossfx.linear_chunks import linear_local_grads, linear_local_stats, merge_row_stats
 from lossfx.next_token import check_position_ids
 from lossfx.sequence_layout import score_next_tokens, sequence_layout

@@ -11,7 +11,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeGuard, runtime_checkable
 
-from lossfx._validation import check_positive_float
+from lossfx._boundary.validation import check_positive_float
 
 __all__ = ["LossFunction", "LossInputType", "TrainingSamplingParams", "need_top_k_or_top_p_filtering"]
 

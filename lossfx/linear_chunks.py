@@ -1,6 +1,6 @@
 """The per-rank chunk loops of the fused LM-head path, as opaque `torch.library` custom ops.
 
-Both loops are the tile engine's walk (`lossfx._tiles.Tiles`: sizes from the device's policy,
+Both loops are the tile engine's walk (`lossfx._core.tiles.Tiles`: sizes from the device's policy,
 buffers, logits, merge) with this path's per-tile arithmetic plugged in. They walk `[C, Cv]` tiles
 of the logits `z = c · tanh(s · (hidden @ weight.T + bias) / c) / T` (`z = s · (hidden @ weight.T +
 bias) / T` without a soft-cap `c`; `LogitHead`) of this rank's vocabulary shard, visiting only the
@@ -41,8 +41,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lossfx._chunking import policy_for
-from lossfx._tiles import LogitHead, Tiles, add_rows_, compute_dtype, matmul_dtype, merge_stats, tile_shape
+from lossfx._core.chunking import policy_for
+from lossfx._core.tiles import LogitHead, Tiles, add_rows_, compute_dtype, matmul_dtype, merge_stats, tile_shape
 
 __all__ = ["linear_local_grads", "linear_local_stats", "merge_row_stats"]
 

@@ -14,7 +14,7 @@ over the rows forms `dlogits` and both gradients (three matmuls, as unfused), an
 scales them by the upstream gradient of the scalar.
 
 The loop (`lossfx::linear_objective_rows`, one opaque custom op under `torch.compile`, on the tile
-engine `lossfx._tiles`, rows outside) walks chunks of `C` rows of `hidden` and keeps one `[C, Vl]`
+engine `lossfx._core.tiles`, rows outside) walks chunks of `C` rows of `hidden` and keeps one `[C, Vl]`
 chunk of logits of this rank's vocabulary shard, the most any design with three matmuls needs: per
 chunk it forms the logits (in vocabulary blocks), the row statistics, merges them over the
 tensor-parallel ranks (one all-gather of `[R, 4, C]` per-row scalars, inside the op), turns the
@@ -29,9 +29,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._chunking import policy_for
-from lossfx._consistency import boundary
-from lossfx._distributed import (
+from lossfx._boundary.consistency import boundary
+from lossfx._boundary.dtensor import replicated
+from lossfx._boundary.validation import check_floating, check_integer_ids
+from lossfx._core.chunking import policy_for
+from lossfx._core.distributed import (
     ProcessGroup,
     all_gather_stack,
     all_reduce,
@@ -39,9 +41,7 @@ from lossfx._distributed import (
     is_distributed,
     reduce_scatter_sum,
 )
-from lossfx._dtensor import replicated
-from lossfx._tiles import LogitHead, Tiles, add_rows_, chunk_rows_for, compute_dtype, matmul_dtype
-from lossfx._validation import check_floating, check_integer_ids
+from lossfx._core.tiles import LogitHead, Tiles, add_rows_, chunk_rows_for, compute_dtype, matmul_dtype
 from lossfx.fused_linear import (  # _ROLES: the cross-rank check's view of the LM-head parameters, shared
     _ROLES,
     _local_arguments,
@@ -58,7 +58,7 @@ __all__ = ["linear_logprob_objective"]
 def default_objective_chunk_rows(
     n_rows: int, shard_width: int, dtype: torch.dtype, device: torch.device | None = None
 ) -> int:
-    """Rows per chunk when the caller gives none (`lossfx._tiles.chunk_rows_for` under the device's
+    """Rows per chunk when the caller gives none (`lossfx._core.tiles.chunk_rows_for` under the device's
     policy; on CPU `min(N / 16, a [C, shard_width] compute-dtype chunk near 96 MiB)`, at least 16).
 
     The three matmuls of a chunk are `[C, H] x [H, Vl]`-shaped with the whole head streamed once

@@ -30,17 +30,17 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lossfx._chunking import cat_chunks, resolve_chunk_rows, row_chunks
-from lossfx._consistency import Roles, boundary
-from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size, local_columns
-from lossfx._dtensor import check_view, replicated, vocab_shard
-from lossfx._numerics import compute_dtype, log_s_for_softmax, merge_max_logsum, row_max_sumexp, tracing
-from lossfx._validation import (
+from lossfx._boundary.consistency import Roles, boundary
+from lossfx._boundary.dtensor import check_view, replicated, vocab_shard
+from lossfx._boundary.validation import (
     check_floating,
     check_ids_in_range,
     check_integer_ids,
     check_positive_int,
 )
+from lossfx._core.chunking import cat_chunks, resolve_chunk_rows, row_chunks
+from lossfx._core.distributed import ProcessGroup, all_gather_stack, group_rank, group_size, local_columns
+from lossfx._core.numerics import compute_dtype, log_s_for_softmax, merge_max_logsum, row_max_sumexp, tracing
 
 __all__ = ["token_logprobs"]
 

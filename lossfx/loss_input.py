@@ -30,16 +30,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._consistency import (
+from lossfx._boundary.consistency import (
     Roles,
     boundary,
     vocab_shard_range,
     vocab_size_when_read,
 )
-from lossfx._distributed import ProcessGroup, check_group, check_vocab_parallel
-from lossfx._dtensor import EntryKeys, check_view, entry_point_on_local, has_dtensor, replicated, vocab_shard
-from lossfx._numerics import compute_dtype
-from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
+from lossfx._boundary.dtensor import EntryKeys, check_view, entry_point_on_local, has_dtensor, replicated, vocab_shard
+from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
+from lossfx._core.distributed import ProcessGroup, check_group, check_vocab_parallel
+from lossfx._core.numerics import compute_dtype
 from lossfx.distillation import distillation_topk_logprobs
 from lossfx.draft import draft_targets
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
@@ -164,7 +164,7 @@ def next_token_logprobs(
     logits, vocab_parallel_group, vocab_parallel_rank, *_ = vocab_shard(
         logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True, group_arg="vocab_parallel_group"
     )
-    input_ids = replicated(input_ids, "input_ids")  # DTensor boundary: lossfx/_dtensor.py
+    input_ids = replicated(input_ids, "input_ids")  # DTensor boundary: lossfx/_boundary/dtensor.py
     ignored = None
     if ignore_index is not None:
         check_ignore_index(ignore_index)
@@ -281,7 +281,7 @@ def prepare_loss_input(
             teacher_logits_dtype=teacher_logits_dtype,
             cp_sharder=cp_sharder,
         ), data
-    if dtensors:  # DTensor boundary: lossfx/_dtensor.py
+    if dtensors:  # DTensor boundary: lossfx/_boundary/dtensor.py
         return entry_point_on_local(
             prepare_loss_input,
             logits,
@@ -421,7 +421,7 @@ def prepare_opd_full_loss_input(
             missing columns, bad shapes.
     """
     if has_dtensor(logits, data) or has_dtensor_head(teacher_output_layer_weight_by_index):
-        # DTensor boundary: lossfx/_dtensor.py, with the teacher heads as this rank's rows
+        # DTensor boundary: lossfx/_boundary/dtensor.py, with the teacher heads as this rank's rows
         return prepare_opd_full_on_local(
             logits,
             data,
@@ -500,7 +500,7 @@ def prepare_packed_loss_input(
             decreasing, padded shorter than unpadded, total not matching the logits, not a
             multiple of `2C`), naming the offending entries; bad shapes or ids.
     """
-    if has_dtensor(logits, data):  # DTensor boundary: lossfx/_dtensor.py
+    if has_dtensor(logits, data):  # DTensor boundary: lossfx/_boundary/dtensor.py
         return entry_point_on_local(
             prepare_packed_loss_input,
             logits,

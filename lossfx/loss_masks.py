@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx import _host_reads
-from lossfx._consistency import boundary
-from lossfx._dtensor import replicated
-from lossfx._validation import check_floating, check_tensor, values_checkable
+from lossfx._boundary.consistency import boundary
+from lossfx._boundary.dtensor import replicated
+from lossfx._boundary.validation import check_floating, check_tensor, values_checkable
+from lossfx._core import host_reads as _host_reads
 
 __all__ = ["loss_mask_from_data", "mask_out_neg_inf_logprobs"]
 
@@ -51,7 +51,7 @@ def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logpr
         >>> lossfx.mask_out_neg_inf_logprobs(torch.tensor([[-1.0, float("-inf")]]), torch.tensor([[1, 0]]))
         tensor([[-1.,  0.]])
     """
-    logprobs, mask = replicated(logprobs, name), replicated(mask, "mask")  # lossfx/_dtensor.py
+    logprobs, mask = replicated(logprobs, name), replicated(mask, "mask")  # lossfx/_boundary/dtensor.py
     check_floating("logprobs", logprobs)
     check_tensor("mask", mask)
     if tuple(mask.shape) != tuple(logprobs.shape):

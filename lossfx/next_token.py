@@ -22,16 +22,16 @@ from typing import Literal
 
 from torch import Tensor
 
-from lossfx._consistency import Roles, boundary
-from lossfx._distributed import ProcessGroup, group_size
-from lossfx._dtensor import replicated, vocab_shard
-from lossfx._validation import (
+from lossfx._boundary.consistency import Roles, boundary
+from lossfx._boundary.dtensor import replicated, vocab_shard
+from lossfx._boundary.validation import (
     check_floating,
     check_ids_in_range,
     check_integer_ids,
     check_positive_int,
     mark_checked,
 )
+from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx.filtering import filtered_token_logprobs
 from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.logprobs import token_logprobs
@@ -231,7 +231,7 @@ def next_token_filtered_logprobs(
     Returns:
         `[B, S-1]` in the compute dtype; `-inf` where the next token was filtered out.
     """
-    logits, group, *_ = vocab_shard(logits, group=group, even=True)  # lossfx/_dtensor.py
+    logits, group, *_ = vocab_shard(logits, group=group, even=True)  # lossfx/_boundary/dtensor.py
     input_ids = replicated(input_ids, "input_ids")
     return sharded_next_token_logprobs(
         logits,

@@ -29,10 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx import _host_reads
-from lossfx._consistency import Roles, boundary
-from lossfx._distributed import ProcessGroup, check_vocab_parallel, group_size
-from lossfx._dtensor import (
+from lossfx._boundary.consistency import Roles, boundary
+from lossfx._boundary.dtensor import (
     EntryKeys,
     VocabShard,
     _same_group,
@@ -41,8 +39,16 @@ from lossfx._dtensor import (
     replicated,
     vocab_shard,
 )
-from lossfx._host_reads import tracing
-from lossfx._validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int, check_tensor
+from lossfx._boundary.validation import (
+    check_floating,
+    check_ids_in_range,
+    check_integer_ids,
+    check_positive_int,
+    check_tensor,
+)
+from lossfx._core import host_reads as _host_reads
+from lossfx._core.distributed import ProcessGroup, check_vocab_parallel, group_size
+from lossfx._core.host_reads import tracing
 from lossfx.divergence import (
     cross_entropy_to_fixed,
     divergence_to_projected_teacher,
@@ -362,7 +368,7 @@ def reconstruct_opd_full_teacher_logits(
             eager mode only.)
     """
     if is_dtensor(student_logits) or is_dtensor(payload) or has_dtensor_head(teacher_output_layer_weight_by_index):
-        # sharded like the student logits (lossfx/_dtensor.py); a projection needs no even width
+        # sharded like the student logits (lossfx/_boundary/dtensor.py); a projection needs no even width
         logits_payload = teacher_payload == "logits"
         s = vocab_shard(student_logits, name="student_logits", rank=vocab_parallel_rank, even=logits_payload)
         return s.wrap(

@@ -33,10 +33,10 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from lossfx import _host_reads
-from lossfx._consistency import Roles, boundary
-from lossfx._distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
-from lossfx._validation import check_integer_ids, check_tensor, values_checkable
+from lossfx._boundary.consistency import Roles, boundary
+from lossfx._boundary.validation import check_integer_ids, check_tensor, values_checkable
+from lossfx._core import host_reads as _host_reads
+from lossfx._core.distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
 from lossfx.interfaces import TrainingSamplingParams
 from lossfx.next_token import target_logprobs
 from lossfx.sequence_layout import SequenceLayout, score_next_tokens

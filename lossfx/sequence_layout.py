@@ -33,7 +33,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size
+from lossfx._core.distributed import ProcessGroup, all_gather_stack, group_rank, group_size
 from lossfx.context_parallel import allgather_cp, shard_for_cp_rank
 
 __all__ = [

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from lossfx import reference
-from lossfx._deprecation import warn_renamed
+from lossfx._boundary.deprecation import warn_renamed
 
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy

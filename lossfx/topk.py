@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._consistency import Roles, boundary
-from lossfx._distributed import ProcessGroup, all_gather_stack, group_rank, group_size
-from lossfx._dtensor import check_view, vocab_shard
-from lossfx._numerics import compute_dtype
-from lossfx._validation import check_floating, check_positive_int
+from lossfx._boundary.consistency import Roles, boundary
+from lossfx._boundary.dtensor import check_view, vocab_shard
+from lossfx._boundary.validation import check_floating, check_positive_int
+from lossfx._core.distributed import ProcessGroup, all_gather_stack, group_rank, group_size
+from lossfx._core.numerics import compute_dtype
 
 __all__ = ["vocab_topk"]
 
@@ -92,7 +92,7 @@ def vocab_topk(
         >>> lossfx.vocab_topk(torch.tensor([[0.5, 2.0, 2.0, -1.0]]), 2)
         (tensor([[2., 2.]]), tensor([[1, 2]]))
     """
-    s = vocab_shard(logits, group=group, vocab_start=vocab_start, even=True)  # lossfx/_dtensor.py
+    s = vocab_shard(logits, group=group, vocab_start=vocab_start, even=True)  # lossfx/_boundary/dtensor.py
     logits, group, vocab_start, k = s.local, s.group, None if s.padded else s.vocab_start, s.at_most_vocab(k)
     check_floating("logits", logits)
     k = check_positive_int("k", k, allow_none=False)

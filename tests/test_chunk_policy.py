@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import lossfx
-from lossfx import _chunking, reference
-from lossfx._chunking import default_chunk_rows, policy_for, row_chunks
+from lossfx import reference
+from lossfx._core import chunking as _chunking
+from lossfx._core.chunking import default_chunk_rows, policy_for, row_chunks
 
 F64 = torch.float64
 TIGHT = {"rtol": 0, "atol": 1e-10}

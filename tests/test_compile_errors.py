@@ -1,8 +1,9 @@
 """Bad input under `torch.compile(fullgraph=True)` raises the eager error (issue 15 item 9).
 
 Dynamo turns an exception raised while it traces into `Unsupported: Observed exception`;
-`lossfx._consistency.boundary` (with `lossfx._compile_errors`) re-raises a public function's ValueError /
-TypeError so that the compiled call raises the same type with the same message as the eager call.
+`lossfx._boundary.consistency.boundary` (with `lossfx._boundary.compile_errors`) re-raises a public
+function's ValueError / TypeError
+so that the compiled call raises the same type with the same message as the eager call.
 Good input still compiles into one graph (no graph break). The `eager` backend: Dynamo alone.
 """
 

@@ -4,7 +4,7 @@ Each case runs a public function on `Shard(-1)` DTensor logits (an uneven vocabu
 columns, unless stated) and replicated arguments given as plain tensors or `Replicate()` DTensors,
 backpropagates a fixed weighting of its outputs, and compares the outputs and the full gradient
 (`grad.full_tensor()`, which must keep the logits' placement) with `lossfx.reference` in float64
-at 1e-10. A few cases, one per distinct path through `lossfx/_dtensor.py`, are also run under
+at 1e-10. A few cases, one per distinct path through `lossfx/_boundary/dtensor.py`, are also run under
 `torch.compile(fullgraph=True)` with one compile each (aot_eager; `-m slow`: every path, aot_eager
 and inductor).
 """
@@ -258,7 +258,7 @@ CASES = {
     ),
 }
 
-# one compiled case per distinct path through lossfx/_dtensor.py; the default suite compiles the
+# one compiled case per distinct path through lossfx/_boundary/dtensor.py; the default suite compiles the
 # cheap ones with aot_eager (an inductor compile costs ~20-40 s here), `-m slow` all of them with
 # both backends
 COMPILED = {
@@ -490,7 +490,7 @@ def test_shard_start_follows_torchs_shard_rule():
     # must be torch's: uneven sizes, more parts than entries (empty last shards), size 0
     from torch.distributed.tensor import Shard
 
-    from lossfx._dtensor import _shard_start
+    from lossfx._boundary.dtensor import _shard_start
 
     for size in range(0, 14):
         for parts in range(1, 7):

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import lossfx
 from lossfx import reference
-from lossfx._chunking import CPU_POLICY, chunk_policy
+from lossfx._core.chunking import CPU_POLICY, chunk_policy
 from lossfx.context_parallel import shard_for_cp_rank
 from lossfx.next_token import LoadBalancedSharder
 
@@ -652,7 +652,7 @@ def test_saved_for_backward_is_inputs_and_row_scalars():
 def test_bfloat16_backward_in_vocabulary_blocks(monkeypatch):
     """bf16 weights take the blocked backward (a `[Cv, H]` fp32 accumulator per vocabulary block):
     several blocks give the gradients of one block, to the bf16 rounding of each tile's product."""
-    from lossfx import _tiles
+    from lossfx._core import tiles as _tiles
 
     hidden, weight, target, dout, dent = make_case(24, 16, 40, seed=21, dtype=torch.bfloat16)
     grads = []

@@ -25,7 +25,7 @@ from harness import compiled_for_rank, gloo_pool, run_ranks, shard_rows
 
 import lossfx
 from lossfx import reference
-from lossfx._chunking import CPU_POLICY, chunk_policy
+from lossfx._core.chunking import CPU_POLICY, chunk_policy
 
 F64 = torch.float64
 TIGHT = {"rtol": 0.0, "atol": 1e-10}

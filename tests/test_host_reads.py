@@ -1,7 +1,7 @@
 """The host-read budget (issue 15): at most one device→host read per public call with the checks
 on, eager, on 1 and 2 gloo ranks; none in a compiled graph. Counted with a `TorchDispatchMode`
 (`benchmarks/bench_syncs.py`: `_local_scalar_dense`, `is_nonzero`, `item`, `nonzero`, `equal`,
-and `Tensor.tolist`). The read-once collector (`lossfx/_host_reads.py`) keeps every check's
+and `Tensor.tolist`). The read-once collector (`lossfx/_core/host_reads.py`) keeps every check's
 error: a deferred check still raises its own ValueError, in a nested call too.
 """
 
@@ -16,7 +16,9 @@ from harness import gloo_pool
 
 import lossfx
 from benchmarks.bench_syncs import compiled_host_reads, count_host_reads, entry_points
-from lossfx import _consistency, _host_reads, reference
+from lossfx import reference
+from lossfx._boundary import consistency as _consistency
+from lossfx._core import host_reads as _host_reads
 
 NOT_CALLED = {"need_top_k_or_top_p_filtering", "chunk_policy"}  # take no tensor
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import lossfx
 from lossfx import linear_objective, reference
-from lossfx._chunking import CPU_POLICY, chunk_policy
+from lossfx._core.chunking import CPU_POLICY, chunk_policy
 
 F64 = torch.float64
 TIGHT = {"rtol": 0.0, "atol": 1e-10}

@@ -68,7 +68,7 @@ def sharded(logits, target, world, *, dout=None, chunk=None, kind="dout"):
     Also checks that every rank returns the same (replicated) output and lse.
     """
     if dout is None:
-        dout = torch.ones(target.shape, dtype=lossfx._numerics.compute_dtype(logits.dtype))
+        dout = torch.ones(target.shape, dtype=lossfx._core.numerics.compute_dtype(logits.dtype))
     results = run_ranks(world, _rank_fn, logits, target, dout, chunk, kind)
     out0, lse0, _ = results[0]
     for rank, (out, lse, _) in enumerate(results[1:], start=1):
@@ -263,7 +263,7 @@ def _grad_tol(dtype):
 def test_chunked_equals_unchunked(case):
     logits, target = case.logits(), case.target()
     dout = torch.randn(target.shape, generator=torch.Generator().manual_seed(case.seed), dtype=F64)
-    dout = dout.to(lossfx._numerics.compute_dtype(case.dtype))
+    dout = dout.to(lossfx._core.numerics.compute_dtype(case.dtype))
     out_c, lse_c, grad_c = sharded(logits, target, case.world, dout=dout, chunk=case.chunk)
     out_1, lse_1, grad_1 = sharded(logits, target, case.world, dout=dout, chunk=max(1, case.n_tokens + 1))
     tol = _grad_tol(case.dtype)
@@ -364,7 +364,7 @@ def test_all_neg_inf_row_is_neg_inf_with_zero_grad(case):
     logits.view(-1, case.vocab)[0] = -math.inf  # at least the first row, on every dtype
     logits = logits.to(case.dtype)
     dout = torch.randn(target.shape, generator=torch.Generator().manual_seed(case.seed))
-    dout = dout.to(lossfx._numerics.compute_dtype(case.dtype))
+    dout = dout.to(lossfx._core.numerics.compute_dtype(case.dtype))
     out, lse, grad = sharded(logits, target, case.world, dout=dout, chunk=case.chunk)
     assert_no_nan(out, lse, grad)
     dead = torch.isneginf(logits).all(dim=-1)

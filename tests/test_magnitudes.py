@@ -43,7 +43,7 @@ from hypothesis import strategies as st
 
 import lossfx
 from lossfx import reference
-from lossfx._numerics import compute_dtype
+from lossfx._core.numerics import compute_dtype
 
 F64 = torch.float64
 MANTISSA_BITS = {torch.float64: 53, torch.float32: 24, torch.bfloat16: 8}

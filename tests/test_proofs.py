@@ -5,7 +5,7 @@ import torch
 
 import lossfx
 from lossfx import reference
-from lossfx._numerics import merge_max_logsum, row_max_sumexp
+from lossfx._core.numerics import merge_max_logsum, row_max_sumexp
 
 F64 = torch.float64
 
@@ -88,7 +88,7 @@ def test_gather_vjp_formula_with_duplicates():
 @pytest.mark.parametrize("shards", [1, 2, 3])
 def test_gather_entropy_merge_identity(shards):
     """proofs/gather.md §3: H = Σ_r w_r (u_r + (m_r − m) s_r) / S − log S from per-shard (m, s, u)."""
-    from lossfx._numerics import merge_max_logsum
+    from lossfx._core.numerics import merge_max_logsum
     from lossfx.gather import _merge_neg_entropy, _shifted_terms
 
     n, v = 4, 10
@@ -230,7 +230,7 @@ def test_fused_linear_softcap_scale_bias_chain_rule(softcap):
 def test_fused_linear_merge_identity(shards, scale):
     """proofs/fused_linear.md §5: per-shard (m, s, u, z at owned ids) over any partition of the
     vocabulary merge into log p = (z − shift) − log_s and E = Σ_r w_r(u_r + (m_r − shift)s_r)/S − log_s."""
-    from lossfx._distributed import local_columns
+    from lossfx._core.distributed import local_columns
     from lossfx.linear_chunks import linear_local_stats
     from lossfx.linear_chunks import merge_row_stats as _merge_stats
 
@@ -258,7 +258,7 @@ def test_fused_linear_tiles_partition_the_sums(rows):
     the same dh and dW, to rounding."""
     import dataclasses
 
-    from lossfx._chunking import CPU_POLICY, chunk_policy
+    from lossfx._core.chunking import CPU_POLICY, chunk_policy
 
     h, w, ids, g, e = _linear_case(20)
     results = []
@@ -300,7 +300,7 @@ def test_fused_linear_backward_row_sums_at_large_offsets(offset, temperature):
     """proofs/fused_linear.md §8: with z = c + y (h_0 = 1, W_0 = c + b), dh = dz W₀/T + (c/T)(Σ dz) e₀;
     `exp(z − shift)·exp(−log_s)` keeps Σ p = 1 to O(ε), `exp(z − (shift + log_s))` does not (its
     error grows with c), and the fused fp32 backward's offset column is off by O(ε c/T) only."""
-    from lossfx._distributed import local_columns
+    from lossfx._core.distributed import local_columns
     from lossfx.linear_chunks import linear_local_stats, merge_row_stats
 
     f32, eps = torch.float32, torch.finfo(torch.float32).eps
@@ -394,7 +394,7 @@ def test_linear_objective_shards_form_their_own_columns():
 def test_divergence_split_shift_is_exact_at_any_magnitude(offset):
     """proofs/divergence.md §8: `(z − M) − log S` matches log_softmax at any offset; `z − (M + log S)`
     does not once `ulp(M)` exceeds `log S`."""
-    from lossfx._numerics import merge_max_logsum
+    from lossfx._core.numerics import merge_max_logsum
 
     z = offset + torch.tensor([[0.0, 0.0, -1.0, -3.0, -80.0]], dtype=F64)
     halves = [z[:, :2], z[:, 2:]]  # two "ranks"
@@ -469,7 +469,7 @@ def test_gather_compiled_backward_overwrite_identity(vocab_start):
     equals §2's scatter-add formula (duplicate ids, ids owned by another shard), in float64."""
     from unittest import mock
 
-    from lossfx._numerics import merge_max_logsum
+    from lossfx._core.numerics import merge_max_logsum
     from lossfx.gather import _gather_logprobs_bwd
 
     n, v, k = 5, 9, 4

@@ -19,7 +19,7 @@ from harness import assert_every_rank_raises, gloo_pool
 
 import lossfx
 from lossfx import reference
-from lossfx._consistency import fingerprint
+from lossfx._boundary.consistency import fingerprint
 
 pytestmark = pytest.mark.distributed
 
@@ -436,7 +436,7 @@ def test_compiled_disagreement_raises_on_every_rank(backend, monkeypatch):
 
 def _host_reads(rank, world, group):
     from benchmarks.bench_syncs import compiled_host_reads, count_host_reads, entry_points
-    from lossfx import _consistency
+    from lossfx._boundary import consistency as _consistency
 
     calls = entry_points(rank, world, group)
     hidden, weight, target = _fused(0)

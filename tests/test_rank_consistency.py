@@ -1,5 +1,5 @@
 """Ranks that disagree get the same clear ValueError on every rank: never a hang, an abort or a
-silently wrong answer (issue 10 items 4-6, `lossfx/_consistency.py`).
+silently wrong answer (issue 10 items 4-6, `lossfx/_boundary/consistency.py`).
 
 The mismatch cases run on a real gloo process pool (2 processes; 4 for the TP x CP grid). Each
 rank catches its own ValueError and returns the message, then makes one consistent call on the
@@ -17,7 +17,8 @@ import torch
 from harness import assert_every_rank_raises, gloo_pool, mesh_groups, thread_world
 
 import lossfx
-from lossfx import _consistency, reference
+from lossfx import reference
+from lossfx._boundary import consistency as _consistency
 from lossfx.context_parallel import shard_for_cp_rank
 from lossfx.next_token import LoadBalancedSharder
 

@@ -2,7 +2,7 @@
 2-process gloo pool: ranks that disagree (hidden shape, dtype, weight rows against the declared
 vocabulary, a scalar argument) get the same clear ValueError on every rank within seconds, and
 the group stays in step: a consistent call afterwards (uneven 6 + 5 rows) matches the reference.
-The shard width of a fused call is the weight's row count (`lossfx/_consistency.py`).
+The shard width of a fused call is the weight's row count (`lossfx/_boundary/consistency.py`).
 """
 
 import time

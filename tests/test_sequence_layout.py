@@ -20,7 +20,7 @@ from harness import compiled_for_rank, mesh_groups, run_ranks
 
 import lossfx
 from lossfx import reference
-from lossfx._distributed import all_gather_stack_summed_grad, group_rank, group_size
+from lossfx._core.distributed import all_gather_stack_summed_grad, group_rank, group_size
 from lossfx.context_parallel import cp_positions
 from lossfx.opd_full import OnPolicyDistillationFullConfig
 from lossfx.packing import PackedLayout

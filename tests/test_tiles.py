@@ -1,4 +1,4 @@
-"""The tile engine of hidden states × LM head (`lossfx/_tiles.py`): its merge, its sizes, and the
+"""The tile engine of hidden states × LM head (`lossfx/_core/tiles.py`): its merge, its sizes, and the
 launch count of every fused path under the GPU policy (counted on `meta` tensors, no GPU)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.bench_launches import _paths, count
-from lossfx import _tiles
-from lossfx._chunking import CPU_POLICY, GPU_POLICY
+from lossfx._core import tiles as _tiles
+from lossfx._core.chunking import CPU_POLICY, GPU_POLICY
 
 F64 = torch.float64
 
@@ -83,7 +83,7 @@ def test_compiled_tile_bodies_match_the_reference_and_compile_once_per_tile_shap
 
     import lossfx
     from lossfx import reference
-    from lossfx._chunking import chunk_policy
+    from lossfx._core.chunking import chunk_policy
 
     policy = dataclasses.replace(CPU_POLICY, max_block=5, compile_tiles=True)
     gen = torch.Generator().manual_seed(5)

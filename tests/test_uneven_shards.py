@@ -17,7 +17,9 @@ import torch
 from harness import gloo_pool
 
 import lossfx
-from lossfx import _chunking, _tiles, reference
+from lossfx import reference
+from lossfx._core import chunking as _chunking
+from lossfx._core import tiles as _tiles
 
 pytestmark = pytest.mark.distributed
 
@@ -54,7 +56,7 @@ def _data():
 @contextlib.contextmanager
 def _budgets():
     """Every chunk budget shrunk to BUDGET bytes through a forced `lossfx.ChunkPolicy`: the logits
-    loops' rows, the tile engine's tiles and its rows-outside chunks (lossfx/_tiles.py)."""
+    loops' rows, the tile engine's tiles and its rows-outside chunks (lossfx/_core/tiles.py)."""
     tight = lossfx.ChunkPolicy(row_bytes=BUDGET, min_rows=1, tile_bytes=BUDGET, max_block=2048, chunk_bytes=BUDGET)
     with lossfx.chunk_policy(tight):
         yield

@@ -22,8 +22,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lossfx._dtensor import is_dtensor
-from lossfx._validation import check_floating, check_integer_ids, check_positive_float
+from lossfx._boundary.dtensor import is_dtensor
+from lossfx._boundary.validation import check_floating, check_integer_ids, check_positive_float
 from lossfx.fused_linear import linear_next_token_logprobs
 from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.next_token import sharded_next_token_logprobs

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from lossfx._host_reads import tracing
+from lossfx._core.host_reads import tracing
 
 __all__ = [
     "CPU_POLICY",
@@ -55,7 +55,7 @@ class ChunkPolicy:
         tile_bytes: bytes of one `[C, Cv]` compute-dtype tile of the hidden × LM-head loops.
         max_block: vocabulary rows `Cv` per hidden × LM-head tile, at most.
         chunk_bytes: bytes of one `[C, Vl]` compute-dtype chunk of the hidden × LM-head loops that
-            run rows outside (`linear_logprob_objective`, the projected teacher); `lossfx._tiles`.
+            run rows outside (`linear_logprob_objective`, the projected teacher); `lossfx._core.tiles`.
         compile_tiles: run the fused path's per-tile arithmetic as an Inductor-compiled function
             (one compile per dtype and tile shape) instead of eager in-place passes.
 
@@ -89,7 +89,7 @@ class ChunkPolicy:
 # chunk from cache (3 rows at V = 151936 fp32); measured no slower than the former 8 MiB / 16-row
 # default of the log-prob loops and ~1.8x faster on the 5-pass gather + entropy (benchmarks/README.md).
 CPU_POLICY = ChunkPolicy(row_bytes=2 << 20, min_rows=1, tile_bytes=4 << 20, max_block=2048)
-# ... and the tile engine (lossfx/_tiles.py): one vocabulary block of up to 2^18 rows (V = 151936 in one
+# ... and the tile engine (lossfx/_core/tiles.py): one vocabulary block of up to 2^18 rows (V = 151936 in one
 # block), 1 GiB row chunks, Inductor-compiled tile bodies (docs/design.md, "One tile engine").
 # GPU: 2 GiB per temporary, at least 1024 rows: a [16384, 151936] fp32 row loop runs 5 chunks
 # (3533 rows each), so no logits path launches 1,000 kernels per forward + backward

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from lossfx._host_reads import tracing
+from lossfx._core.host_reads import tracing
 
 __all__ = ["renamed_keyword", "renamed_keywords", "warn_renamed"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lossfx._host_reads import tracing
+from lossfx._core.host_reads import tracing
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

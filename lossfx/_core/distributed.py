@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import TypeIs
 
-from lossfx import _host_reads
+from lossfx._core import host_reads as _host_reads
 
 __all__ = [
     "all_gather_stack",

@@ -16,8 +16,8 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from lossfx import _host_reads
-from lossfx._host_reads import read_now, tracing
+from lossfx._core import host_reads as _host_reads
+from lossfx._core.host_reads import read_now, tracing
 
 __all__ = [
     "check_floating",

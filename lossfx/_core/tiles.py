@@ -48,7 +48,7 @@ ROW_FRACTION = 16  # a rows-outside chunk holds at most 1/16 of the rows (so of 
 
 
 class TileSizes(typing.Protocol):
-    """The fields of `lossfx._chunking.ChunkPolicy` the engine reads."""
+    """The fields of `lossfx._core.chunking.ChunkPolicy` the engine reads."""
 
     @property
     def tile_bytes(self) -> int: ...

@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lossfx import _host_reads
-from lossfx._compile_errors import reraise_while_tracing
+from lossfx._boundary.compile_errors import reraise_while_tracing
+from lossfx._core import host_reads as _host_reads
 
 __all__ = [
     "SIGNATURE_LEN",

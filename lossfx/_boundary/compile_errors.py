@@ -4,7 +4,7 @@ Dynamo traces a `raise` symbolically: an exception that leaves the compiled func
 traced becomes `torch._dynamo.exc.Unsupported: Observed exception` (with `fullgraph=True`; without
 it, a graph break, then the eager call raises the real exception). So a bad argument raised
 `Unsupported` instead of the `ValueError` naming it. The boundary of every public function
-(`lossfx._consistency.boundary`), while tracing, catches a `ValueError` / `TypeError` raised
+(`lossfx._boundary.consistency.boundary`), while tracing, catches a `ValueError` / `TypeError` raised
 inside it (Dynamo traces the `except`) and raises it again through `reraise_while_tracing` and
 `raise_while_tracing`, a `torch.compiler.assume_constant_result`
 function, which Dynamo runs for real at trace time; the exception it raises is a subclass of the

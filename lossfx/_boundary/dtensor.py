@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lossfx._host_reads import tracing
+from lossfx._core.host_reads import tracing
 
 ProcessGroup = dist.ProcessGroup
 

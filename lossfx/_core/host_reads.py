@@ -6,7 +6,7 @@ the cross-rank check (the gathered signatures), the fused functions' count of ac
 the outermost public call (`outermost`) each of them is `defer`red: a small device tensor and a
 handler for its values. `settle` reads every deferred tensor with ONE `tolist()` of their
 concatenation, then runs the handlers in the order they were deferred (the first that raises
-wins). It runs before the call's first collective (`lossfx._distributed`), where a kernel needs
+wins). It runs before the call's first collective (`lossfx._core.distributed`), where a kernel needs
 a value on the host (`read_now`: read with the deferred ones), and when the call returns or
 raises. Outside a public call (or while `torch.compile`
 traces: nothing is deferred there) `defer` reads at once. A check that already ran in this call
