@@ -25,6 +25,12 @@ each logits chunk and forms
 then one all-reduce of `dhidden [N, H]` over the TP group (replicated hidden: every rank's
 `hidden.grad` is the full gradient) or one reduce-scatter (sequence parallel: this rank's rows).
 Reference: `lossfx.reference.linear_token_logprobs` and friends.
+
+The boundary: this module is the public face. Each public function does its boundary work once,
+at the top (the DTensor unwrap of `weight`/`bias`/`hidden`, argument validation, one range check
+of the ids, the `VocabRange` of this rank's head rows), then calls the pure kernel in
+`lossfx._kernels.fused_linear` once; the maths above lives there (and in
+`lossfx._kernels.linear_chunks`).
 """
 
 from __future__ import annotations
@@ -33,7 +39,6 @@ import dataclasses
 import typing
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
@@ -45,81 +50,16 @@ from lossfx._boundary.validation import (
     check_integer_ids,
     check_positive_float,
     check_positive_int,
-    read_now,
     values_checkable,
 )
-from lossfx._core.distributed import (
-    ProcessGroup,
-    all_gather_stack,
-    all_reduce,
-    group_rank,
-    group_size,
-    is_distributed,
-    local_columns,
-    reduce_scatter_sum,
-)
-from lossfx._core.numerics import log_softmax_rows
+from lossfx._core.distributed import ProcessGroup, group_rank, group_size
 from lossfx._core.tiles import LogitHead
-from lossfx.linear_chunks import linear_local_grads, linear_local_stats, merge_row_stats
+from lossfx._core.vocab import VocabRange
+from lossfx._kernels import fused_linear as kernel
 from lossfx.next_token import check_position_ids
 from lossfx.sequence_layout import score_next_tokens, sequence_layout
 
 __all__ = ["linear_gather_logprobs", "linear_next_token_logprobs", "linear_token_logprobs"]
-
-
-class _FusedLinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx, hidden, weight, bias, local_idx, owned, valid, rows, head, with_entropy, chunk_rows, group, seq_par
-    ):
-        # hidden [N or N/R, H], weight [Vl, H], bias [Vl] or None, local_idx/owned/valid [N, K],
-        # rows: the rows to compute (`LinearRows.active_rows`)
-        full_hidden = hidden
-        if seq_par and is_distributed(group):
-            full_hidden = all_gather_stack(hidden, group).flatten(0, 1)  # [N, H], rank order
-        active = valid.any(dim=1)  # [N]: rows with at least one id that is not ignore_index
-        stats = linear_local_stats(full_hidden, weight, bias, local_idx, owned, rows, *head, with_entropy, chunk_rows)
-        merged = all_gather_stack(stats, group)  # [R, 3 + K, N]: per-row scalars only
-        logprobs, neg_entropy, shift, log_s = merge_row_stats(merged, local_idx.shape[1])
-        logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))  # ignored ids: 0
-        neg_entropy = torch.where(active, neg_entropy, torch.zeros_like(neg_entropy))  # ignored rows: 0
-        ctx.save_for_backward(full_hidden, weight, bias, local_idx, owned, valid, rows, shift, log_s, neg_entropy)
-        ctx.head, ctx.with_entropy, ctx.chunk_rows = head, with_entropy, chunk_rows
-        ctx.group, ctx.seq_par = group, seq_par
-        ctx.hidden_dtype = hidden.dtype
-        return logprobs, neg_entropy
-
-    @staticmethod
-    def backward(ctx, dlogprobs, dneg_entropy):
-        full_hidden, weight, bias, local_idx, owned, valid, rows, shift, log_s, neg_entropy = ctx.saved_tensors
-        cdtype = shift.dtype
-        g = torch.where(valid, dlogprobs.to(cdtype), torch.zeros((), dtype=cdtype, device=shift.device))  # [N, K]
-        grad_ids = torch.where(owned, g, torch.zeros_like(g))
-        dhidden, dweight, dbias = linear_local_grads(
-            full_hidden,
-            weight,
-            bias,
-            local_idx,
-            rows,
-            grad_ids,
-            g.sum(dim=1),
-            dneg_entropy.to(cdtype),
-            shift,
-            log_s,
-            neg_entropy,
-            *ctx.head,
-            ctx.with_entropy,
-            ctx.chunk_rows,
-        )
-        dbias = None if bias is None else dbias.to(bias.dtype)
-        nones = (None,) * 9
-        if not ctx.needs_input_grad[0]:  # the same on every rank, so the collective is skipped by all
-            return None, dweight, dbias, *nones
-        if ctx.seq_par:
-            dhidden = reduce_scatter_sum(dhidden, ctx.group)  # [N/R, H]: this rank's rows, summed
-        else:
-            dhidden = all_reduce(dhidden, "sum", ctx.group)  # [N, H]: the full gradient on every rank
-        return dhidden.to(ctx.hidden_dtype), dweight, dbias, *nones
 
 
 def _local_arguments(
@@ -200,41 +140,35 @@ def local_view(seq_dim: int) -> Any:
     return view
 
 
-class LinearRows(typing.NamedTuple):
-    """Validated, flattened arguments of the fused LM-head kernels (`prepare_linear_rows`)."""
+class LinearCall(typing.NamedTuple):
+    """The resolved arguments of one fused call, as the pure kernels take them (`validated_head`)."""
 
-    hidden: Tensor  # [N or N/R, H]
-    local_idx: Tensor  # [N, K] column of each id in this shard (0 where not owned or ignored)
-    owned: Tensor  # [N, K] whether this shard owns the id (False where ignored)
-    valid: Tensor  # [N, K] whether the id is not ignore_index
-    # the rows to compute: eager, the int64 index of the rows with an id that is not ignore_index
-    # (its length read with the call's checks, once); compiled, their bool mask [N] (read in the op)
-    active_rows: Tensor
+    vocab: VocabRange  # this rank's rows of the head: group, first id, global V
+    bias: Tensor | None  # [Vl] local (a DTensor bias unwrapped)
     head: LogitHead  # temperature, logit_scale, softcap
     chunk_rows: int  # 0: the loop picks its default
 
 
-def prepare_linear_rows(
+def validated_head(
     hidden: Tensor,
     weight: Tensor,
-    ids: Tensor,
     *,
-    bias: Tensor | None = None,
+    bias: Tensor | None,
     group: ProcessGroup | None,
     vocab_start: int | None,
     vocab_size: int | None,
     temperature: float,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    ignore_index: int = -100,
+    logit_scale: float,
+    softcap: float | None,
+    ignore_index: int,
     sequence_parallel: bool,
     chunk_size: int | None,
-) -> LinearRows:
-    """Check hidden `[..., H]`, weight `[Vl, H]`, bias `[Vl]`, ids `[..., K]` and the options
-    (TypeError/ValueError naming the argument) and flatten them to the kernels' `[N, H]` / `[N, K]` rows."""
+) -> LinearCall:
+    """Check hidden `[..., H]`, weight `[Vl, H]`, bias `[Vl]` (a `Shard(0)` DTensor bias must agree
+    with the weight's group and offsets) and the options (TypeError/ValueError naming the argument),
+    and resolve them into the kernels' `LinearCall`."""
     check_floating("hidden", hidden)
     check_floating("weight", weight)
-    check_integer_ids("ids", ids)
     chunk_size = check_positive_int("chunk_size", chunk_size)
     temperature = check_positive_float("temperature", temperature)
     logit_scale = check_positive_float("logit_scale", logit_scale)
@@ -248,9 +182,11 @@ def prepare_linear_rows(
             f"weight must be [V_local, H] and hidden [..., H] with the same H; got "
             f"hidden.shape={tuple(hidden.shape)} and weight.shape={tuple(weight.shape)}"
         )
-    local_vocab, hidden_size = weight.shape
+    local_vocab = weight.shape[0]
     if local_vocab < 1:
         raise ValueError(f"weight must hold at least one vocabulary row, got shape {tuple(weight.shape)}")
+    if bias is not None and is_dtensor(bias):
+        bias = vocab_shard(bias, dim=0, name="bias", group=group, vocab_start=vocab_start, vocab_size=vocab_size).local
     if bias is not None:
         check_floating("bias", bias)
         if tuple(bias.shape) != (local_vocab,):
@@ -258,10 +194,24 @@ def prepare_linear_rows(
                 f"bias must be [V_local] = [{local_vocab}] (this rank's rows of the head's bias, like weight's), "
                 f"got shape {tuple(bias.shape)}"
             )
+    start = group_rank(group) * local_vocab if vocab_start is None else vocab_start
+    size = group_size(group) * local_vocab if vocab_size is None else vocab_size
+    chunk_rows = 0 if chunk_size is None else chunk_size  # 0: each loop picks its default
+    return LinearCall(VocabRange(group, start, size), bias, LogitHead(temperature, logit_scale, softcap), chunk_rows)
+
+
+def check_rows(
+    hidden: Tensor, ids: Tensor, call: LinearCall, *, ignore_index: int, sequence_parallel: bool, name: str
+) -> None:
+    """Check ids `[..., K]` (integer, `K >= 1`, in `[0, V)` but for `ignore_index`; `name` in the
+    messages) against hidden `[..., H]` (the same leading dims; under sequence parallelism this
+    rank's `N/R` rows)."""
+    check_integer_ids(name, ids)
     if ids.dim() < 1 or ids.shape[-1] < 1:
         raise ValueError(f"ids must be [..., K] with K >= 1, got shape {tuple(ids.shape)}")
-    world = group_size(group)
+    world = group_size(call.vocab.group)
     n_rows = ids[..., 0].numel()
+    hidden_size = hidden.shape[-1]
     hidden_rows = hidden.numel() // hidden_size if hidden_size else hidden[..., 0].numel()
     if sequence_parallel:
         if hidden_rows * world != n_rows:
@@ -275,75 +225,8 @@ def prepare_linear_rows(
             f"hidden's leading dims must equal the target's; got hidden.shape={tuple(hidden.shape)} and "
             f"target/ids leading shape {tuple(ids.shape[:-1])}"
         )
-    if vocab_start is None:
-        vocab_start = group_rank(group) * local_vocab
-    if vocab_size is None:
-        vocab_size = world * local_vocab
-    flat_ids = ids.reshape(n_rows, ids.shape[-1]).to(torch.int64)  # [N, K]
-    valid = flat_ids != ignore_index
     if values_checkable(ids):  # ignore_index is never out of range
-        name = "target" if ids.shape[-1] == 1 else "ids"
-        check_ids_in_range(name, ids.masked_fill(ids == ignore_index, 0), vocab_size)
-    chunk_rows = 0 if chunk_size is None else chunk_size  # 0: each loop picks its default
-    flat_hidden = hidden.reshape(hidden_rows, hidden_size)  # [N or N/R, H]
-    local_idx, owned = local_columns(torch.where(valid, flat_ids, -1), vocab_start, local_vocab)
-    active = valid.any(dim=1)  # [N]
-    if values_checkable(ids):
-        active = torch.nonzero_static(active, size=read_now(active.sum())[0])[:, 0]
-    head = LogitHead(temperature, logit_scale, softcap)
-    return LinearRows(flat_hidden, local_idx, owned, valid, active, head, chunk_rows)
-
-
-def _options(
-    bias: Tensor | None,
-    group: ProcessGroup | None,
-    vocab_start: int | None,
-    vocab_size: int | None,
-    temperature: float,
-    logit_scale: float,
-    softcap: float | None,
-) -> dict[str, Any]:
-    """`prepare_linear_rows`' keywords, with a `Shard(0)` DTensor `bias` taken as its local shard
-    (it must agree with the weight's group and offsets)."""
-    if bias is not None and is_dtensor(bias):
-        bias = vocab_shard(bias, dim=0, name="bias", group=group, vocab_start=vocab_start, vocab_size=vocab_size).local
-    return {
-        "bias": bias,
-        "group": group,
-        "vocab_start": vocab_start,
-        "vocab_size": vocab_size,
-        "temperature": temperature,
-        "logit_scale": logit_scale,
-        "softcap": softcap,
-    }
-
-
-def _linear_gather(
-    hidden: Tensor,
-    weight: Tensor,
-    ids: Tensor,
-    *,
-    with_entropy: bool,
-    options: dict[str, Any],
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Validated core: hidden `[..., H]`, ids `[..., K]` -> (logprobs `[..., K]`, neg_entropy `[...]`,
-    valid `[..., K]`); `options` are `prepare_linear_rows`' keywords."""
-    rows = prepare_linear_rows(hidden, weight, ids, **options)
-    logprobs, neg_entropy = _FusedLinearFn.apply(
-        rows.hidden,
-        weight,
-        options["bias"],
-        rows.local_idx,
-        rows.owned,
-        rows.valid,
-        rows.active_rows,
-        rows.head,
-        with_entropy,
-        rows.chunk_rows,
-        options["group"],
-        options["sequence_parallel"],
-    )
-    return logprobs.view(ids.shape), neg_entropy.view(ids.shape[:-1]), rows.valid.view(ids.shape)
+        check_ids_in_range(name, ids.masked_fill(ids == ignore_index, 0), call.vocab.size)
 
 
 # the cross-rank check's view of the parameters (`_consistency.Roles`)
@@ -441,17 +324,35 @@ def linear_gather_logprobs(
         hidden, weight, group, vocab_start, vocab_size, sequence_parallel, seq_dim=0
     )
     ids = replicated(ids, "ids")
-    options = _options(bias, group, vocab_start, vocab_size, temperature, logit_scale, softcap)
-    options.update(ignore_index=ignore_index, sequence_parallel=sequence_parallel, chunk_size=chunk_size)
     with_neg_entropy = bool(renamed_keyword("with_neg_entropy", with_neg_entropy, "with_entropy", with_entropy))
-    logprobs, neg_entropy, valid = _linear_gather(hidden, weight, ids, with_entropy=with_neg_entropy, options=options)
-    if not zero_outside_topk:
-        # log_softmax over the K ids is unchanged by the per-row lse already subtracted; ignored ids
-        # take no part (-inf), and a row without any keeps its zeros
-        zero = torch.zeros_like(logprobs)
-        fill = torch.where(valid.any(dim=-1, keepdim=True), torch.full_like(logprobs, float("-inf")), zero)
-        logprobs = torch.where(valid, log_softmax_rows(torch.where(valid, logprobs, fill)), zero)
-    return logprobs, (neg_entropy if with_neg_entropy else None)
+    call = validated_head(
+        hidden,
+        weight,
+        bias=bias,
+        group=group,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        ignore_index=ignore_index,
+        sequence_parallel=sequence_parallel,
+        chunk_size=chunk_size,
+    )
+    check_rows(hidden, ids, call, ignore_index=ignore_index, sequence_parallel=sequence_parallel, name="ids")
+    return kernel.linear_gather_logprobs(
+        hidden,
+        weight,
+        ids,
+        call.vocab,
+        bias=call.bias,
+        head=call.head,
+        ignore_index=ignore_index,
+        with_neg_entropy=with_neg_entropy,
+        zero_outside_topk=zero_outside_topk,
+        chunk_rows=call.chunk_rows,
+        sequence_parallel=sequence_parallel,
+    )
 
 
 @typing.overload
@@ -608,14 +509,41 @@ def linear_token_logprobs(
     return_neg_entropy = bool(
         renamed_keyword("return_neg_entropy", return_neg_entropy, "return_entropy", return_entropy)
     )
-    options = _options(bias, group, vocab_start, vocab_size, temperature, logit_scale, softcap)
-    options.update(ignore_index=ignore_index, sequence_parallel=sequence_parallel, chunk_size=chunk_size)
-    logprobs, neg_entropy, _ = _linear_gather(
-        hidden, weight, target.unsqueeze(-1), with_entropy=return_neg_entropy, options=options
+    call = validated_head(
+        hidden,
+        weight,
+        bias=bias,
+        group=group,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        ignore_index=ignore_index,
+        sequence_parallel=sequence_parallel,
+        chunk_size=chunk_size,
     )
-    if return_neg_entropy:
-        return logprobs.squeeze(-1), neg_entropy
-    return logprobs.squeeze(-1)
+    check_rows(
+        hidden,
+        target.unsqueeze(-1),
+        call,
+        ignore_index=ignore_index,
+        sequence_parallel=sequence_parallel,
+        name="target",
+    )
+    logprobs, neg_entropy = kernel.linear_token_logprobs(
+        hidden,
+        weight,
+        target,
+        call.vocab,
+        bias=call.bias,
+        head=call.head,
+        ignore_index=ignore_index,
+        with_neg_entropy=return_neg_entropy,
+        chunk_rows=call.chunk_rows,
+        sequence_parallel=sequence_parallel,
+    )
+    return (logprobs, neg_entropy) if neg_entropy is not None else logprobs
 
 
 @boundary(roles=_ROLES_CP, vocab="tiled", local=local_view(seq_dim=1))
@@ -704,12 +632,29 @@ def linear_next_token_logprobs(
     check_integer_ids("input_ids", input_ids)
     position_ids = check_position_ids(position_ids, input_ids)
     layout = sequence_layout(context_parallel_group, cp_sharder)
-    tp_size = group_size(group) if sequence_parallel else 1
+    if isinstance(sequence_parallel, bool) and sequence_parallel:
+        tp_size = group_size(group)
+    else:
+        tp_size = 1
     if hidden.dim() != 3 or input_ids.dim() != 2 or hidden.shape[0] != input_ids.shape[0]:
         raise ValueError(
             f"hidden must be [B, S_local, H] and input_ids [B, S] with the same B; got "
             f"hidden.shape={tuple(hidden.shape)} and input_ids.shape={tuple(input_ids.shape)}"
         )
+    call = validated_head(
+        hidden,
+        weight,
+        bias=bias,
+        group=group,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        ignore_index=ignore_index,
+        sequence_parallel=sequence_parallel,
+        chunk_size=chunk_size,
+    )
     local_len = hidden.shape[1] * tp_size  # this CP rank's positions
     shapes = (
         f"hidden.shape={tuple(hidden.shape)} (x{tp_size} sequence-parallel ranks) and "
@@ -719,31 +664,36 @@ def linear_next_token_logprobs(
     # under sequence parallelism the rows are taken sequence-major, so that each TP rank's
     # [B, S_l/R] positions are one contiguous block of the flattened rows
     seq_major = sequence_parallel and tp_size > 1
+    rows = hidden.transpose(0, 1) if seq_major else hidden  # [S_l/R, B, H] under sequence parallelism
 
-    def kernel(target: Tensor) -> list[Tensor]:  # [B, S_l] -> [B, S_l] each
-        result = linear_token_logprobs(
-            hidden.transpose(0, 1) if seq_major else hidden,  # [S_l/R, B, H] under sequence parallelism
-            weight,
-            target.transpose(0, 1) if seq_major else target,  # [S_l, B]
-            group=group,
-            vocab_start=vocab_start,
-            vocab_size=vocab_size,
-            temperature=temperature,
-            bias=bias,
-            logit_scale=logit_scale,
-            softcap=softcap,
+    def score(target: Tensor) -> list[Tensor]:  # [B, S_l] -> [B, S_l] each
+        target = target.transpose(0, 1) if seq_major else target  # [S_l, B]
+        # the layout's targets are the call's ids: range-checked here, once (as "target")
+        check_rows(
+            rows,
+            target.unsqueeze(-1),
+            call,
             ignore_index=ignore_index,
             sequence_parallel=sequence_parallel,
-            chunk_size=chunk_size,
-            return_neg_entropy=return_neg_entropy,
+            name="target",
         )
-        outputs = list(result) if isinstance(result, tuple) else [result]
+        logprobs, neg_entropy = kernel.linear_token_logprobs(
+            rows,
+            weight,
+            target,
+            call.vocab,
+            bias=call.bias,
+            head=call.head,
+            ignore_index=ignore_index,
+            with_neg_entropy=return_neg_entropy,
+            chunk_rows=call.chunk_rows,
+            sequence_parallel=sequence_parallel,
+        )
+        outputs = [logprobs] if neg_entropy is None else [logprobs, neg_entropy]
         return [x.transpose(0, 1) for x in outputs] if seq_major else outputs
 
     # the shift, the layout, the kernel, the gather: each sequence's last position (and the
     # dropped last column, and any padding) is an ignored (skipped) row
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     ids = input_ids.to(hidden.device)
-    outputs = score_next_tokens(layout, ids, local_len, kernel, fill=ignore_index, position_ids=position_ids)
+    outputs = score_next_tokens(layout, ids, local_len, score, fill=ignore_index, position_ids=position_ids)
     return (outputs[0], outputs[1]) if return_neg_entropy else outputs[0]

@@ -231,8 +231,8 @@ def test_fused_linear_merge_identity(shards, scale):
     """proofs/fused_linear.md §5: per-shard (m, s, u, z at owned ids) over any partition of the
     vocabulary merge into log p = (z − shift) − log_s and E = Σ_r w_r(u_r + (m_r − shift)s_r)/S − log_s."""
     from lossfx._core.distributed import local_columns
-    from lossfx.linear_chunks import linear_local_stats
-    from lossfx.linear_chunks import merge_row_stats as _merge_stats
+    from lossfx._kernels.linear_chunks import linear_local_stats
+    from lossfx._kernels.linear_chunks import merge_row_stats as _merge_stats
 
     h, w, ids, _, _ = _linear_case(10 + shards)
     h = h * scale
@@ -301,7 +301,7 @@ def test_fused_linear_backward_row_sums_at_large_offsets(offset, temperature):
     `exp(z − shift)·exp(−log_s)` keeps Σ p = 1 to O(ε), `exp(z − (shift + log_s))` does not (its
     error grows with c), and the fused fp32 backward's offset column is off by O(ε c/T) only."""
     from lossfx._core.distributed import local_columns
-    from lossfx.linear_chunks import linear_local_stats, merge_row_stats
+    from lossfx._kernels.linear_chunks import linear_local_stats, merge_row_stats
 
     f32, eps = torch.float32, torch.finfo(torch.float32).eps
     gen = torch.Generator().manual_seed(0)

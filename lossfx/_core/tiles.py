@@ -3,7 +3,7 @@
 Every fused path walks tiles of the logits `z = head(hidden @ weight.T + bias)` of this rank's
 vocabulary shard and plugs in only its per-tile arithmetic:
 
-* `lossfx::linear_local_stats` / `linear_local_grads` (`linear_chunks`): vocabulary blocks
+* `lossfx::linear_local_stats` / `linear_local_grads` (`_kernels.linear_chunks`): vocabulary blocks
   outside, row chunks inside (`Tiles.blocks` / `Tiles.tiles`): each `[Cv, H]` block of `weight`
   is read from memory once, and one `[C, Cv]` tile of logits is alive;
 * `lossfx::linear_objective_rows` (`linear_objective`) and the projected teacher of
