@@ -6,7 +6,7 @@ vocabulary shard and plugs in only its per-tile arithmetic:
 * `lossfx::linear_local_stats` / `linear_local_grads` (`_kernels.linear_chunks`): vocabulary blocks
   outside, row chunks inside (`Tiles.blocks` / `Tiles.tiles`): each `[Cv, H]` block of `weight`
   is read from memory once, and one `[C, Cv]` tile of logits is alive;
-* `lossfx::linear_objective_rows` (`linear_objective`) and the projected teacher of
+* `lossfx::linear_objective_rows` (`_kernels.linear_objective`) and the projected teacher of
   `divergence_to_projected_teacher`: rows outside (`Tiles.chunks`), because a row's statistics
   are needed before its logits can be used; one `[C, Vl]` chunk of logits is alive, walked in
   `Tiles.block_slices` for the elementwise passes.

@@ -22,7 +22,10 @@ the output shapes, symbolic in `N`), so the compiled graph and its compile time 
 the number of chunks, a new `N` does not force a new graph beyond the usual automatic-dynamic
 recompile, and Inductor cannot merge the chunks back into one `[N, Vl]` logits buffer (it cannot
 fuse a matmul into the row reduction). The collectives stay outside, in the traced graph
-(`lossfx.fused_linear`). See docs/design.md, "The fused LM-head path under the compiler".
+(`lossfx._kernels.fused_linear`). See docs/design.md, "The fused LM-head path under the compiler".
+
+Pure: plain tensors and resolved options in; no DTensor, no argument validation, no cross-rank
+check (the public `lossfx.fused_linear` and `lossfx.linear_objective` do those, once per call).
 
 Precision: every matmul runs in `promote_types(hidden.dtype, weight.dtype)` (a bf16 hidden with
 an fp32 head multiplies in fp32, each `[C, H]` chunk widened as it is read; bf16/fp16 multiply with the BLAS's fp32
