@@ -419,7 +419,7 @@ def test_divergence_split_shift_is_exact_at_any_magnitude(offset):
 def test_projected_teacher_rows_equal_the_dense_projection(chunk):
     """proofs/divergence.md §9: per-chunk projection with per-row routing gives every row the same
     teacher statistics as the materialised teacher logits."""
-    from lossfx.divergence import _projected_teacher_stats, _stats_eager
+    from lossfx._kernels.divergence import _projected_teacher_stats, _stats_eager
 
     gen = torch.Generator().manual_seed(chunk)
     n, v, h = 7, 11, 4
