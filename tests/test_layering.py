@@ -116,11 +116,8 @@ def test_kernels_import_only_the_floors_below():
     graph = _graph()
     for module, layer in layer_of.items():
         if layer == "kernels":
-            wrong = {
-                dep
-                for dep in graph[module]
-                if _layer(dep, layer_of) not in ("ground", "core", "boundary", "pure kernels")
-            }
+            floors = ("ground", "core", "boundary", "pure kernels")
+            wrong = {dep for dep in graph[module] if _layer(dep, layer_of) not in floors}
             assert not wrong, f"kernel {module} imports {sorted(wrong)}"
 
 

@@ -89,7 +89,7 @@ def test_gather_vjp_formula_with_duplicates():
 def test_gather_entropy_merge_identity(shards):
     """proofs/gather.md §3: H = Σ_r w_r (u_r + (m_r − m) s_r) / S − log S from per-shard (m, s, u)."""
     from lossfx._core.numerics import merge_max_logsum
-    from lossfx.gather import _merge_neg_entropy, _shifted_terms
+    from lossfx._kernels.gather import _merge_neg_entropy, _shifted_terms
 
     n, v = 4, 10
     z = _logits(n, v, 5 + shards, neg_inf=True)[1:]  # drop the all -inf row: H is defined as 0 there
@@ -470,7 +470,7 @@ def test_gather_compiled_backward_overwrite_identity(vocab_start):
     from unittest import mock
 
     from lossfx._core.numerics import merge_max_logsum
-    from lossfx.gather import _gather_logprobs_bwd
+    from lossfx._kernels.gather import _gather_logprobs_bwd
 
     n, v, k = 5, 9, 4
     z = _logits(n, v, 21)
