@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 import lossfx
 from lossfx import reference
+from lossfx._core.numerics import compute_dtype
 from lossfx.filtering import check_filter_params
 
 F64 = torch.float64
@@ -121,7 +122,7 @@ def check_logprobs(
     z, target, top_k, top_p, world, *, chunk=None, strategy="auto", backend=None, tol=TOL64, ties="together"
 ):
     dout = torch.randn(target.shape, generator=torch.Generator().manual_seed(7), dtype=F64)
-    dout = dout.to(lossfx.filtering.compute_dtype(z.dtype))
+    dout = dout.to(compute_dtype(z.dtype))
     ref_out, ref_grad = reference_logprobs(z, target, dout, top_k, top_p, ties)
     results = run_ranks(world, _rank_logprobs, z, target, dout, top_k, top_p, chunk, strategy, backend, ties)
     for out, _ in results:
@@ -500,7 +501,7 @@ def test_exact_boundary_compiled_aot_eager_world_2():
 def _torch_log_softmax_errors(z, keep, target, dout, ref_out, ref_grad):
     """`(value error, gradient error)` per row of `torch.log_softmax` on the filtered logits in
     their own compute dtype: the accuracy floor lossfx must reach (issue 10 item 1)."""
-    cdtype = lossfx.filtering.compute_dtype(z.dtype)
+    cdtype = compute_dtype(z.dtype)
     x = z.to(cdtype).detach().requires_grad_(True)
     lp = torch.log_softmax(torch.where(keep, x, float("-inf")), dim=-1).gather(-1, target[..., None])[..., 0]
     (grad,) = torch.autograd.grad(lp, x, dout.to(cdtype))
@@ -563,11 +564,11 @@ def test_property_large_offsets_as_accurate_as_log_softmax(
     target = torch.randint(0, vocab, (2, 3), generator=gen)
     assume(margin_ok(z, top_k, top_p, margin=1e-6))
     check_threshold(z, top_k, top_p, world, strategy=strategy)
-    dout = torch.randn(2, 3, generator=gen, dtype=F64).to(lossfx.filtering.compute_dtype(dtype))
+    dout = torch.randn(2, 3, generator=gen, dtype=F64).to(compute_dtype(dtype))
     ref_out, ref_grad = reference_logprobs(z, target, dout, top_k, top_p)
     _, keep = reference.apply_top_k_top_p(z, top_k, top_p)
     floor_value, floor_grad = _torch_log_softmax_errors(z, keep, target, dout, ref_out, ref_grad)
-    eps = torch.finfo(lossfx.filtering.compute_dtype(dtype)).eps
+    eps = torch.finfo(compute_dtype(dtype)).eps
     results = run_ranks(world, _rank_logprobs, z, target, dout, top_k, top_p, 2, strategy, None)
     for out, _ in results:
         assert torch.equal(torch.isneginf(out), torch.isneginf(ref_out))
@@ -981,7 +982,7 @@ def test_radix_top_p_decides_as_the_bisection(monkeypatch, dtype, world):
     """proofs/filtering.md §3.2: the 256-ary top-p search over fp32 keys (4 passes) returns the
     32-step bisection's threshold and id cut bit for bit: uneven TP shards, both tie rules, top-p
     after a large top-k (masked entries), ties, uniform rows, -inf entries, tiny values."""
-    from lossfx import filtering
+    from lossfx._kernels import filtering
 
     bisection = filtering._top_p_by_bisection
 
@@ -1008,7 +1009,7 @@ def test_radix_top_p_decides_as_the_bisection(monkeypatch, dtype, world):
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_proof_keys_are_monotone(dtype):
     """§3.2: `key` is strictly increasing on canonical floats and `f = key⁻¹` inverts it."""
-    from lossfx.filtering import _float_to_key, _floor_avg, _key_bits, _key_to_float
+    from lossfx._kernels.filtering import _float_to_key, _floor_avg, _key_bits, _key_to_float
 
     info = torch.finfo(dtype)
     special = [

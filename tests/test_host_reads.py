@@ -59,7 +59,8 @@ def _two_ranks(rank, world, group):
 # on several ranks, a host value needed after the call's first collective is a second read
 TWO_READS = {
     "prepare_loss_input LOGPROB top-k + KL": "the count of -inf filtered log-probs (a warning)",
-    "prepare_loss_input LOGPROB top-k + top-p": "whether a top-p tie is cut (n < tied)",
+    # (not filtering's: with ties="together" the filter reads nothing; "sorted" reads whether a tie is cut)
+    "prepare_loss_input LOGPROB top-k + top-p": "the count of -inf filtered log-probs (a warning)",
     # the entry point asks for the shard layout (a settle) before the packed layout defers its
     # cu_seqlens and id checks (6 reads before: each cu_seqlens tensor was read 2x on its own)
     "prepare_packed_loss_input, tensor cu_seqlens": "the cu_seqlens values and the scored ids' range check",

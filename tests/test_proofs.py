@@ -498,7 +498,7 @@ def test_filtering_exact_ceil_of_top_p_times_count():
     import random
     from fractions import Fraction
 
-    from lossfx.filtering import EXACT_TIES_MAX, _ceil_top_p_times, _split_top_p
+    from lossfx._kernels.filtering import EXACT_TIES_MAX, _ceil_top_p_times, _split_top_p
 
     rng = random.Random(0)
     tricky = [math.nextafter(1 / 3, 1.0), 1 / 3, 0.5, 0.3, 0.9, 0.1, math.nextafter(1.0, 0.0), 1e-300, 5e-324]
