@@ -105,6 +105,9 @@ def entry_points(rank: int, world: int, group, every: bool = False):
         "prepare_packed_loss_input, tensor cu_seqlens": lambda: lossfx.prepare_packed_loss_input(
             packed, {"input_ids": ids[:, :5], "token_mask": torch.ones(b, 5)}, logprob, cu, cu, **vp
         ),
+        "prepare_packed_loss_input top-k + KL, tensor cu_seqlens": lambda: lossfx.prepare_packed_loss_input(
+            packed, {"input_ids": ids[:, :5], "token_mask": torch.ones(b, 5)}, kl, cu, cu, sampling_params=sp, **vp
+        ),
         "linear_token_logprobs": lambda: lossfx.linear_token_logprobs(hidden, weight, ids.reshape(-1), **tp),
         "linear_token_logprobs, ignored targets": lambda: lossfx.linear_token_logprobs(hidden, weight, ignored, **tp),
         "linear_logprob_objective": lambda: lossfx.linear_logprob_objective(

@@ -527,10 +527,9 @@ def prepare_packed_loss_input(
         raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
     input_ids = check_tensor("data['input_ids']", _column(data, "input_ids"))
-    vocab_start, vocab_size = vocab_shard_range(check_tensor("logits", logits).shape[-1], group)  # uneven shards
+    check_tensor("logits", logits)
     layout: dict[str, Any] = {
-        "vocab_start": vocab_start,
-        "vocab_size": vocab_size,
+        "uneven_shards": True,  # the shard range is read with the packed checks (one host read)
         "prepacked": "cu_seqlens" in data,
         "vocab_parallel_group": group,
         "context_parallel_group": context_parallel_group,

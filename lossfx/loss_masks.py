@@ -6,13 +6,17 @@ column names of a batch (`token_mask`, `sample_mask`) but nothing about vocabula
 * `loss_mask_from_data`: `token_mask · sample_mask[:, None]` `[B, S]` (a missing `token_mask`
   raises `ValueError`, docs/decisions.md §2.5; a missing `sample_mask` is ones);
 * `mask_out_neg_inf_logprobs`: `where(mask & ~isinf(logprobs), logprobs, 0)`, warning in eager
-  mode about valid tokens a top-k/top-p filter removed.
+  mode about valid tokens a top-k/top-p filter removed. The warning's count is copied to the host
+  without stalling the device (`lossfx._core.host_reads.when_landed`): on CPU it fires in the
+  call, on a GPU once the copy has landed (at the latest at the next lossfx call in the thread).
 
 Reference: `lossfx.reference.mask_out_neg_inf_logprobs`.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -36,7 +40,9 @@ def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logpr
     NaN at a valid position stays NaN, since it signals broken logits, not a filter mismatch. The gradient is
     0 at the zeroed positions (never NaN). In eager mode, when some position with a nonzero mask
     holds `±inf`, a `UserWarning` reports how many of the valid tokens were masked out; under
-    `torch.compile` the count and the warning are skipped (no graph break).
+    `torch.compile` the count and the warning are skipped (no graph break). The count never
+    stalls the device: on a GPU the warning fires once its copy reached the host, at the latest
+    at the next lossfx call of the thread.
 
     Args:
         logprobs: `[B, T]` float log-probs (e.g. filtered next-token log-probs).
@@ -61,18 +67,30 @@ def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logpr
         )
     valid = mask != 0
     not_inf = ~torch.isinf(logprobs)  # NaN passes through (issue 10 item 3)
-    if values_checkable(logprobs, mask):  # read with the call's other host reads
+    if values_checkable(logprobs, mask):  # a report: copied to the host without a stall
 
         def warn_if_bad(counts: list[int]) -> None:
             if counts[0]:
                 warnings.warn(
                     f"{counts[0]}/{counts[1]} valid tokens have -inf in {name} (policy top-k/top-p "
                     "mismatch). Masking out these positions.",
-                    stacklevel=2,
+                    stacklevel=_outside_lossfx(),
                 )
 
-        _host_reads.defer(torch.stack([(valid & ~not_inf).sum(), valid.sum()]), warn_if_bad)
+        _host_reads.when_landed(torch.stack([(valid & ~not_inf).sum(), valid.sum()]), warn_if_bad)
     return torch.where(valid & not_inf, logprobs, torch.zeros_like(logprobs))
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _outside_lossfx() -> int:
+    """The `stacklevel` of `warnings.warn`, called from the caller of this function, that names
+    the first frame outside lossfx (the user's line, whenever the warning fires)."""
+    level, frame = 2, sys._getframe(2)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def loss_mask_from_data(data: Mapping[str, Any], input_ids: Tensor) -> Tensor:

@@ -26,15 +26,15 @@ parts of every sequence.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from einops import rearrange
 from torch import Tensor
 
-from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.validation import check_integer_ids, check_tensor, values_checkable
+from lossfx._boundary.consistency import Roles, boundary, vocab_shard_range, vocab_size_when_read
+from lossfx._boundary.validation import check_integer_ids, check_tensor, mark_checked, values_checkable
 from lossfx._core import host_reads as _host_reads
 from lossfx._core.distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
 from lossfx.interfaces import TrainingSamplingParams
@@ -59,6 +59,13 @@ def _check_cu_type(name: str, cu: Any) -> None:
         raise TypeError(f"{name} must hold ints, got {cu!r} (non-int entries {bad[:5]!r})")
 
 
+def _cu_key(cu: Any) -> tuple[object, ...]:
+    """What identifies `cu_seqlens` within one call (a tensor by its storage, a sequence by value)."""
+    if isinstance(cu, Tensor):
+        return (cu.data_ptr(), cu.dtype, tuple(cu.shape), cu.stride())
+    return tuple(int(v) for v in cu)
+
+
 def _as_tensor(name: str, cu: Any, device: torch.device) -> Tensor:
     """`cu_seqlens` as a 1-D int64 tensor on `device` (tuples of ints and int tensors accepted)."""
     _check_cu_type(name, cu)
@@ -72,7 +79,9 @@ def check_cu_seqlens(cu_seqlens_q: Any, cu_seqlens_q_padded: Any, n_seqs: int, t
 
     Checks: `n_seqs + 1` entries each, starting at 0, non-decreasing, every padded length at
     least its unpadded length, the padded total equal to `total` (the packed logits' `C·T/C`),
-    and, with context parallelism, every padded length a multiple of `2C`. Eager only.
+    and, with context parallelism, every padded length a multiple of `2C`. Eager only. Tensor
+    values are read with the call's other host reads (`_host_reads.defer`); the same check again
+    in the call (the unfiltered log-probs of a KL term) is skipped.
     """
     _check_cu_type("cu_seqlens_q", cu_seqlens_q)  # types always; values in eager mode only
     _check_cu_type("cu_seqlens_q_padded", cu_seqlens_q_padded)
@@ -83,6 +92,9 @@ def check_cu_seqlens(cu_seqlens_q: Any, cu_seqlens_q_padded: Any, n_seqs: int, t
         _check_cu_lists([int(v) for v in cu_seqlens_q], [int(v) for v in cu_seqlens_q_padded], n_seqs, total, cp_size)
         return
     # tensor values: read with the call's other checks (one host read), checked when read
+    key = ("cu_seqlens", _cu_key(cu_seqlens_q), _cu_key(cu_seqlens_q_padded), n_seqs, total, cp_size)
+    if _host_reads.seen(key):
+        return
     q = _as_tensor("cu_seqlens_q", cu_seqlens_q, tensors[0].device)
     p = _as_tensor("cu_seqlens_q_padded", cu_seqlens_q_padded, tensors[0].device)
     n = q.shape[0]
@@ -117,16 +129,28 @@ def _check_cu_lists(cu_q: list[int], cu_p: list[int], n_seqs: int, total: int, c
 
 
 def check_packed_input_ids(
-    name: str, input_ids: Tensor, cu_seqlens_q: Any, cu_seqlens_q_padded: Any, vocab: int, prepacked: bool
+    name: str,
+    input_ids: Tensor,
+    cu_seqlens_q: Any,
+    cu_seqlens_q_padded: Any,
+    vocab: int | Callable[[], int],
+    prepacked: bool,
 ) -> None:
     """Raise `ValueError` for a scored id outside `[0, vocab)`, naming its `(b, t)` in `input_ids`.
 
     The scored ids are each sequence's tokens after its first: `input_ids[b, 1:len_b]` (unpacked,
     `len_b` the real length, clipped to the row and to the padded length), or
     `input_ids[0, cu_p[i] + 1 : cu_p[i+1]]` (pre-packed). Other entries (first tokens, padding) are
-    never read and may hold anything. Eager only; call after `check_cu_seqlens`.
+    never read and may hold anything. Eager only; call after `check_cu_seqlens`. The scored ids'
+    min and max are read with the call's other host reads; `vocab` may be a function called then
+    (the size the call's cross-rank check reports, `vocab_size_when_read`). Skipped when the
+    same check already ran in this call.
     """
     if not values_checkable(input_ids, cu_seqlens_q, cu_seqlens_q_padded) or input_ids.numel() == 0:
+        return
+    ids_key = (input_ids.data_ptr(), input_ids.dtype, tuple(input_ids.shape), input_ids.stride())
+    key = ("packed ids", ids_key, _cu_key(cu_seqlens_q), _cu_key(cu_seqlens_q_padded), prepacked)
+    if _host_reads.seen((*key, "V of the call" if callable(vocab) else vocab)):
         return
     # the scored positions on the device: the `cu_seqlens` values are not read here
     cu_p = _as_tensor("cu_seqlens_q_padded", cu_seqlens_q_padded, input_ids.device)
@@ -137,17 +161,20 @@ def check_packed_input_ids(
         cu_q = _as_tensor("cu_seqlens_q", cu_seqlens_q, input_ids.device)
         length = torch.minimum(cu_q[1:] - cu_q[:-1], cu_p[1:] - cu_p[:-1])  # [B]
         scored = (position >= 1) & (position < length[:, None])  # [B, S]
-    bad = scored & ((input_ids < 0) | (input_ids >= vocab))
+    values = torch.where(scored, input_ids, torch.zeros_like(input_ids))  # 0: in range for any V >= 1
 
-    def raise_if_bad(count: list[int]) -> None:  # read with the call's other host reads
-        if count[0]:
+    def raise_if_bad(extremes: list[int]) -> None:  # read with the call's other host reads
+        top = vocab() if callable(vocab) else vocab
+        if extremes[0] < 0 or extremes[1] >= top:
+            bad = scored & ((input_ids < 0) | (input_ids >= top))
             where = bad.nonzero()[:5].tolist()
             raise ValueError(
-                f"{name} must lie in [0, {vocab}) at the scored positions (each sequence's tokens after its "
-                f"first); {count[0]} entries do not, e.g. values {input_ids[bad][:5].tolist()} at positions {where}"
+                f"{name} must lie in [0, {top}) at the scored positions (each sequence's tokens after its "
+                f"first); {int(bad.sum())} entries do not, e.g. values {input_ids[bad][:5].tolist()} at positions "
+                f"{where}"
             )
 
-    _host_reads.defer(bad.sum(), raise_if_bad)
+    _host_reads.defer(torch.stack([values.min(), values.max()]).to(torch.int64), raise_if_bad)
 
 
 def _slot_of_local(cu_p: Tensor, local_len: int, cp_rank: int, cp_size: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -356,9 +383,12 @@ def _packed_next_token_logprobs(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     ids_name: str = "input_ids",
+    uneven_shards: bool = False,
 ) -> Tensor:
     """`packed_next_token_logprobs`; errors about the ids name them `ids_name` (the entry point
-    passes `data['input_ids']`)."""
+    passes `data['input_ids']`). `uneven_shards`: `vocab_start` and `vocab_size` are the shard
+    widths the call's cross-rank check reported (`vocab_shard_range`), asked for once this
+    function's checks are deferred, so that they are read together (one host read)."""
     check_tensor("logits", logits)
     check_integer_ids(ids_name, input_ids)
     if logits.dim() != 3 or logits.shape[0] != 1:
@@ -372,10 +402,21 @@ def _packed_next_token_logprobs(
     layout = PackedLayout(cu_seqlens_q, cu_seqlens_q_padded, context_parallel_group, prepacked)
     local_len = logits.shape[1]
     layout.check_covers("packed logits", local_len, input_ids.shape[0], f"logits.shape={tuple(logits.shape)}")
-    vocab = vocab_size if vocab_size is not None else group_size(vocab_parallel_group) * logits.shape[-1]
+    vocab: int | Callable[[], int] = (
+        vocab_size_when_read(logits.shape[-1], vocab_parallel_group)
+        if uneven_shards
+        else vocab_size
+        if vocab_size is not None
+        else group_size(vocab_parallel_group) * logits.shape[-1]
+    )
     check_packed_input_ids(ids_name, input_ids, cu_seqlens_q, cu_seqlens_q_padded, vocab, prepacked)
+    if uneven_shards:  # settles: the checks above are read with the cross-rank check's verdict
+        vocab_start, vocab_size = vocab_shard_range(logits.shape[-1], vocab_parallel_group)
+
+    checked = vocab_size if vocab_size is not None else group_size(vocab_parallel_group) * logits.shape[-1]
 
     def kernel(target: Tensor) -> list[Tensor]:  # [1, T/C] -> [1, T/C]: this rank's [T/C, Vl] logits
+        mark_checked(target, checked)  # the scored ids (checked above) and the fill 0
         return [
             target_logprobs(
                 logits,

@@ -56,23 +56,14 @@ def _two_ranks(rank, world, group):
     return counts
 
 
-# on several ranks, a host value needed after the call's first collective is a second read
-TWO_READS = {
-    "prepare_loss_input LOGPROB top-k + KL": "the count of -inf filtered log-probs (a warning)",
-    # (not filtering's: with ties="together" the filter reads nothing; "sorted" reads whether a tie is cut)
-    "prepare_loss_input LOGPROB top-k + top-p": "the count of -inf filtered log-probs (a warning)",
-    # the entry point asks for the shard layout (a settle) before the packed layout defers its
-    # cu_seqlens and id checks (6 reads before: each cu_seqlens tensor was read 2x on its own)
-    "prepare_packed_loss_input, tensor cu_seqlens": "the cu_seqlens values and the scored ids' range check",
-}
-
-
 def test_two_gloo_ranks_read_once(monkeypatch):
     """The cross-rank check's gathered signatures, the range checks (against the vocabulary size
-    the check reports) and the fused functions' count of active rows share one read."""
+    the check reports), the packed `cu_seqlens` checks and the fused functions' count of active
+    rows share one read, taken before the call's first collective; the -inf warning's count
+    (filtered rows) is copied to the host without a read (`_host_reads.when_landed`)."""
     monkeypatch.setattr(harness, "_TIMEOUT_S", 300.0)
     for counts in gloo_pool(2).run(_two_ranks):
-        assert counts == {name: 2 if name in TWO_READS else 1 for name in counts}
+        assert counts == dict.fromkeys(counts, 1)
 
 
 @pytest.mark.compile
@@ -126,6 +117,47 @@ def test_collector_reads_once_and_runs_handlers_in_order():
     assert seen[-1] == [6]
     _host_reads.defer(torch.tensor(7), seen.append)  # outside a call: at once
     assert seen[-1] == [7]
+
+
+class _Event:
+    """A device event that completes when told to (the copy in flight of `when_landed`)."""
+
+    def __init__(self):
+        self.done, self.waited = False, False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waited = self.done = True
+
+
+def test_a_landed_report_runs_without_a_read_and_in_order(monkeypatch):
+    """`when_landed`: CPU values are on the host, the handler runs at once with no counted read;
+    a copy in flight (a GPU's, its event not complete) waits for a poll that finds it landed, at
+    the latest the next public call's entry, and never blocks unless asked to (`wait`)."""
+    seen = []
+    assert count_host_reads(lambda: _host_reads.when_landed(torch.tensor([2, 9]), seen.append)) == 0
+    assert seen == [[2, 9]]
+    first, second = _Event(), _Event()
+    monkeypatch.setattr(_host_reads._state, "landing", [(torch.tensor([1]), first, seen.append)])
+    _host_reads.when_landed(torch.tensor(3), seen.append)  # queued behind the copy in flight
+    _host_reads.poll()
+    assert seen == [[2, 9]]
+    first.done = True
+    with _host_reads.outermost():  # the next public call polls on entry
+        assert seen == [[2, 9], [1], [3]]
+    _host_reads._state.landing.append((torch.tensor([4]), second, seen.append))
+    _host_reads.poll(wait=True)
+    assert second.waited and seen[-1] == [4]
+
+
+def test_the_neg_inf_warning_names_the_callers_line():
+    lp, mask = torch.tensor([[-1.0, float("-inf"), -2.0]]), torch.ones(1, 3)
+    with pytest.warns(UserWarning, match="1/3 valid tokens have -inf in logprobs") as record:
+        out = lossfx.mask_out_neg_inf_logprobs(lp, mask)
+    assert record[0].filename == __file__
+    torch.testing.assert_close(out, reference.mask_out_neg_inf_logprobs(lp, mask).float())
 
 
 def test_a_deferred_error_replaces_the_error_it_provoked():

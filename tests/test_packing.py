@@ -419,3 +419,67 @@ def _logprob_cp_compiled_rank(rank, world, group, tp, z, ids):
     lp = fn(local, ids)
     (lp.sum() / cp).backward()
     return lp.detach(), local.grad, counter.frame_count
+
+
+# ---------------------------------------------------------------------------------------------
+# Uneven shards, tensor cu_seqlens, a filter and a KL term on real gloo processes: one host read
+# ---------------------------------------------------------------------------------------------
+
+_PACKED_WIDTHS = (6, 5)  # V = 11: rank 0 alone would take R·Vl = 12
+
+
+def _packed_uneven_case():
+    gen = torch.Generator().manual_seed(21)
+    z = torch.randn(1, 8, sum(_PACKED_WIDTHS), dtype=torch.float64, generator=gen)
+    ids = torch.randint(0, sum(_PACKED_WIDTHS), (2, 5), generator=gen)
+    return z, ids
+
+
+def _packed_uneven_rank(rank, world, group, bad_id):
+    from benchmarks.bench_syncs import count_host_reads
+
+    z, ids = _packed_uneven_case()
+    if bad_id:
+        ids[1, 2] = sum(_PACKED_WIDTHS)  # scored; below 12, so only V of the check catches it
+    start = sum(_PACKED_WIDTHS[:rank])
+    local = z[..., start : start + _PACKED_WIDTHS[rank]]
+    cu = torch.tensor([0, 5, 8])
+    kl = SimpleNamespace(input_type="logprob", reference_policy_kl_penalty=0.1)
+    data = {"input_ids": ids, "token_mask": torch.ones(2, 5)}
+    sp = lossfx.TrainingSamplingParams(top_k=3)
+
+    def call():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the -inf warning: filtered-out targets are expected
+            return lossfx.prepare_packed_loss_input(local, dict(data), kl, cu, cu, rank, group, sampling_params=sp)
+
+    if bad_id:
+        try:
+            call()
+        except ValueError as exc:
+            return str(exc)
+        return None
+    reads = count_host_reads(call)
+    out, new_data = call()
+    return reads, out["next_token_logprobs"], new_data["curr_logprobs_unfiltered"]
+
+
+@pytest.mark.distributed
+def test_gloo_uneven_packed_filter_with_kl_reads_once():
+    """Tensor `cu_seqlens`, 6 + 5 vocabulary columns, top-k and a KL term on 2 gloo processes:
+    the packed checks are read with the cross-rank check (one read per call, not 2), the results
+    equal the float64 reference, and an id of 11 (inside rank 0's `R·Vl = 12`, outside `V = 11`)
+    is named on every rank."""
+    from harness import assert_every_rank_raises, gloo_pool
+
+    z, ids = _packed_uneven_case()
+    cu = (0, 5, 8)
+    filtered = reference.packed_next_token_logprobs(z, ids, cu, cu, top_k=3)
+    want = reference.mask_out_neg_inf_logprobs(filtered, torch.ones(2, 4))
+    unfiltered = reference.packed_next_token_logprobs(z, ids, cu, cu)
+    for reads, lp, lp_unfiltered in gloo_pool(2).run(_packed_uneven_rank, False):
+        assert reads == 1
+        torch.testing.assert_close(lp, want, rtol=0, atol=1e-12)
+        torch.testing.assert_close(lp_unfiltered, unfiltered, rtol=0, atol=1e-12)
+    messages = gloo_pool(2).run(_packed_uneven_rank, True)
+    assert_every_rank_raises(messages, ["data['input_ids'] must lie in [0, 11)", "values [11] at positions [[1, 2]]"])

@@ -12,6 +12,14 @@ raises. Outside a public call (or while `torch.compile`
 traces: nothing is deferred there) `defer` reads at once. A check that already ran in this call
 (the same ids, the same range: nested public calls re-check what the outer one checked) is
 skipped (`seen`). Dense equivalent: `for t, handler in deferred: handler(t.tolist())`.
+
+Values that are only reported, never needed to go on (a warning's count), do not wait even for
+that read: `when_landed` queues their copy to the host behind the kernels (`non_blocking`, into
+pinned memory on CUDA, a device event recorded after it) and runs the handler at the first `poll`
+after the event completed: at once if it has, else at the next public call's entry or exit or the
+next `settle` in this thread (`poll(wait=True)` waits). CPU values are on the host already: their
+handler runs at once, along the same path (no copy, no event), and the landed buffer is read as
+host memory (`Tensor.numpy`), which no device op does.
 """
 
 from __future__ import annotations
@@ -24,10 +32,11 @@ import torch
 import torch._guards
 from torch import Tensor
 
-__all__ = ["defer", "depth", "nested", "outermost", "read_now", "seen", "settle", "tracing"]
+__all__ = ["defer", "depth", "nested", "outermost", "poll", "read_now", "seen", "settle", "tracing", "when_landed"]
 
 Handler = Callable[[list[int]], None]
 _state = threading.local()  # .depth: public calls entered; .pending: [(tensor, handler)] or None (read at once)
+# .landing: [(host buffer, event or None, handler)], copies to the host in flight (`when_landed`)
 
 
 def tracing() -> bool:
@@ -62,6 +71,40 @@ def defer(values: Tensor, handler: Handler) -> None:
         pending.append((values, handler))
 
 
+def when_landed(values: Tensor, handler: Handler) -> None:
+    """Call `handler(values.reshape(-1).tolist())` once the values are on the host, without
+    waiting for the device: the copy is queued behind the kernels that compute `values`, and the
+    handler runs at the first `poll` after it landed (CPU values: at once). For reports only (a
+    warning): an error that must stop the call belongs in `defer`. Eager only."""
+    flat = values.detach().reshape(-1).to(torch.int64)
+    event: torch.Event | None = None
+    host = flat
+    if flat.device.type != "cpu":
+        host = torch.empty(flat.shape, dtype=torch.int64, pin_memory=flat.device.type == "cuda")
+        host.copy_(flat, non_blocking=True)  # pageable memory (other devices): the copy waits
+        event = torch.Event(device=flat.device)
+        event.record()
+    if getattr(_state, "landing", None) is None:
+        _state.landing = []
+    _state.landing.append((host, event, handler))
+    poll()
+
+
+def poll(wait: bool = False) -> None:
+    """Run, in order, the `when_landed` handlers whose copies have landed (`wait`: all of them,
+    waiting for their events). Reads host memory only: no device→host synchronisation unless
+    `wait`."""
+    landing = getattr(_state, "landing", None)
+    while landing:
+        host, event, handler = landing[0]
+        if event is not None and not event.query():
+            if not wait:
+                return
+            event.synchronize()
+        landing.pop(0)
+        handler(host.numpy().tolist())  # host memory: the copy has landed
+
+
 def seen(key: object) -> bool:
     """Whether a check with this `key` already ran (or is deferred) in this outermost call;
     records it. Outside a public call: always False."""
@@ -83,9 +126,10 @@ def read_now(values: Tensor) -> list[int]:
 
 
 def settle() -> None:
-    """Read every deferred tensor in one transfer and run their handlers (in order)."""
+    """Read every deferred tensor in one transfer and run their handlers (in order); `poll`."""
     if tracing():  # nothing is deferred while tracing
         return
+    poll()
     pending = getattr(_state, "pending", None)
     if not pending:
         return
@@ -103,7 +147,8 @@ def settle() -> None:
 def outermost() -> Iterator[None]:
     """The scope of an outermost public call: defers until the first `settle`, settles on exit.
     On an exception the deferred checks run first: an error they find (the cause, the same on
-    every rank for the cross-rank check) replaces the one it provoked."""
+    every rank for the cross-rank check) replaces the one it provoked. Polls on entry and exit."""
+    poll()
     _state.depth, _state.pending, _state.keys = 1, [], set()
     try:
         yield
@@ -113,6 +158,7 @@ def outermost() -> Iterator[None]:
         raise
     finally:
         _state.depth, _state.pending, _state.keys = 0, None, None
+        poll()
 
 
 @contextlib.contextmanager
