@@ -152,6 +152,14 @@ def test_a_landed_report_runs_without_a_read_and_in_order(monkeypatch):
     assert second.waited and seen[-1] == [4]
 
 
+def test_a_report_still_in_flight_at_exit_is_shown_then(monkeypatch):
+    """A copy in flight when the program ends (no later lossfx call polls it) runs at exit."""
+    seen, event = [], _Event()
+    monkeypatch.setattr(_host_reads._state, "landing", [(torch.tensor([7]), event, seen.append)])
+    _host_reads._poll_at_exit()
+    assert event.waited and seen == [[7]]
+
+
 def test_the_neg_inf_warning_names_the_callers_line():
     lp, mask = torch.tensor([[-1.0, float("-inf"), -2.0]]), torch.ones(1, 3)
     with pytest.warns(UserWarning, match="1/3 valid tokens have -inf in logprobs") as record:

@@ -24,6 +24,7 @@ host memory (`Tensor.numpy`), which no device op does.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
@@ -103,6 +104,14 @@ def poll(wait: bool = False) -> None:
             event.synchronize()
         landing.pop(0)
         handler(host.numpy().tolist())  # host memory: the copy has landed
+
+
+@atexit.register
+def _poll_at_exit() -> None:
+    """A warning whose copy is still in flight when the program ends (this thread made no later
+    lossfx call) is shown then, not lost."""
+    with contextlib.suppress(RuntimeError):  # a device already torn down
+        poll(wait=True)
 
 
 def seen(key: object) -> bool:
