@@ -241,6 +241,60 @@ def test_grouped_public_calls_enter_the_pure_code_once_per_rank(counts):
     assert per_rank == {"allgather": 1, "draft_targets": 1, "map_to_draft_vocab": 2, "check_ids_in_range": 2}
 
 
+COUNTED = ("shift_left", "map_to_draft_vocab", "draft_targets", "check_ids_in_range")
+
+
+def gloo_dtensor_count_job(rank, world, group, z, mask, d2t):
+    """Vocabulary-sharded DTensor logits on a real gloo mesh: each public call unwraps once and
+    enters the pure code once (no re-entry on local tensors); the results, gathered, and the counts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = distribute_tensor(z, mesh, [Shard(2)], src_data_rank=None)
+    counts = dict.fromkeys(COUNTED, 0)
+    modules = {name: lossfx.draft if name == "check_ids_in_range" else pure_draft for name in COUNTED}
+    originals = {name: getattr(modules[name], name) for name in COUNTED}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in COUNTED:
+        setattr(modules[name], name, counted(name))
+    try:
+        outs = [
+            lossfx.shift_left(x).full_tensor(),
+            lossfx.map_to_draft_vocab(x, d2t).full_tensor(),
+            lossfx.draft_targets(x, mask, d2t)[0].full_tensor(),
+        ]
+    finally:
+        for name in COUNTED:
+            setattr(modules[name], name, originals[name])
+    return [*outs, torch.tensor([counts[name] for name in COUNTED])]
+
+
+@pytest.mark.distributed
+def test_dtensor_public_calls_enter_the_pure_code_once():
+    from harness import gloo_pool
+
+    z, mask = torch.randn(B, S, V, dtype=F64), (torch.rand(B, S) > 0.3).to(F64)
+    want = [_shift(z), z[..., torch.arange(D) + D2T], reference.draft_targets(z, mask, D2T)[0]]
+    for shifted, mapped, teacher, got in gloo_pool(2).run(gloo_dtensor_count_job, z, mask, D2T):
+        for out, ref in zip((shifted, mapped, teacher), want, strict=True):
+            torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        # map_to_draft_vocab: the public call, and once inside the pure draft_targets
+        assert dict(zip(COUNTED, got.tolist(), strict=True)) == {
+            "shift_left": 1,
+            "map_to_draft_vocab": 2,
+            "draft_targets": 1,
+            "check_ids_in_range": 2,
+        }
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. Compiled
 # ---------------------------------------------------------------------------------------------
