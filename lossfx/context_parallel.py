@@ -21,26 +21,24 @@ The split and its inverse are einops `rearrange` patterns (`"a0 (k n) ... -> k a
 an object handed to every consumer.
 
 Lengths that do not split evenly raise `ValueError` (the reference silently drops tokens).
+
+The boundary: each public function here unwraps a replicated DTensor, validates its arguments
+(ranks, sizes, `seq_dim`, lengths) once and calls the pure code in `lossfx._layouts.context_parallel`
+once; the layouts (`lossfx.sequence_layout`) call that pure code directly.
 """
 
 from __future__ import annotations
 
-import torch
-from einops import rearrange
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import renamed_keywords
 from lossfx._boundary.dtensor import replicated
 from lossfx._boundary.validation import check_tensor
-from lossfx._core.distributed import ProcessGroup, all_gather_stack_summed_grad, group_size
+from lossfx._core.distributed import ProcessGroup, group_size
+from lossfx._layouts import context_parallel as _pure
 
 __all__ = ["allgather_cp", "cp_positions", "shard_for_cp_rank", "unshard"]
-
-
-def _lead(seq_dim: int) -> str:
-    """The einops names of the `seq_dim` dims before the sequence dim: `"a0 a1"` for `seq_dim = 2`."""
-    return " ".join(f"a{i}" for i in range(seq_dim))
 
 
 def _check_seq_dim(x: Tensor, seq_dim: int) -> int:
@@ -62,11 +60,7 @@ def cp_positions(length: int, cp_rank: int, cp_size: int) -> list[int]:
     _check_cp(cp_rank, cp_size)
     if length % (2 * cp_size) and cp_size > 1:
         raise ValueError(f"sequence length {length} is not divisible by 2·cp_size = {2 * cp_size}")
-    if cp_size == 1:
-        return list(range(length))
-    n = length // (2 * cp_size)
-    first, second = cp_rank * n, (2 * cp_size - 1 - cp_rank) * n
-    return list(range(first, first + n)) + list(range(second, second + n))
+    return _pure.positions(length, cp_rank, cp_size)
 
 
 @boundary(collectives=False)
@@ -99,19 +93,7 @@ def shard_for_cp_rank(x: Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1) -
             f"the sequence length {length} (dim {seq_dim} of shape {tuple(x.shape)}) must be divisible by "
             f"2·cp_size = {2 * cp_size} for the load-balanced context-parallel layout; pad it first"
         )
-    lead = _lead(seq_dim)
-    chunks = rearrange(x, f"{lead} (k n) ... -> k {lead} n ...", k=2 * cp_size)  # [2C, ..., L/2C, ...]
-    pair = torch.stack([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]])
-    return rearrange(pair, f"two {lead} n ... -> {lead} (two n) ...")
-
-
-def _unshard_stacked(stacked: Tensor, seq_dim: int) -> Tensor:
-    """`[C, *local]` (rank order) -> canonical, with local seq length `2n` along `seq_dim`."""
-    lead = _lead(seq_dim)
-    halves = rearrange(stacked, f"c {lead} (two n) ... -> two c {lead} n ...", two=2)  # [2, C, ..., n, ...]
-    # rank r's first half is chunk r, its second half chunk 2C−1−r: chunks C .. 2C−1 are ranks C−1 .. 0
-    chunks = torch.cat([halves[0], halves[1].flip(0)])  # [2C, ..., n, ...]
-    return rearrange(chunks, f"k {lead} n ... -> {lead} (k n) ...")
+    return _pure.shard(x, cp_rank, cp_size, seq_dim)
 
 
 def _check_local(x: Tensor, seq_dim: int) -> int:
@@ -142,8 +124,7 @@ def unshard(shards: list[Tensor] | tuple[Tensor, ...], seq_dim: int = 1) -> Tens
     shapes = {tuple(s.shape) for s in shards}
     if len(shapes) != 1:
         raise ValueError(f"all CP shards must have one shape; got {sorted(shapes)}")
-    seq_dim = _check_local(shards[0], seq_dim)
-    return _unshard_stacked(torch.stack(list(shards)), seq_dim)
+    return _pure.unshard(shards, _check_local(shards[0], seq_dim))
 
 
 @renamed_keywords(group="context_parallel_group")
@@ -177,4 +158,4 @@ def allgather_cp(x: Tensor, context_parallel_group: ProcessGroup | None, seq_dim
         return x
     seq_dim = _check_local(x, seq_dim)
     # one all-gather [C, *x.shape] whose backward sums the ranks' gradients, then canonical order
-    return _unshard_stacked(all_gather_stack_summed_grad(x, group), seq_dim)
+    return _pure.allgather(x, group, seq_dim)

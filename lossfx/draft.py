@@ -16,32 +16,42 @@
    Exactly one rank owns each target id, so the sum is exact.
 
 The targets are detached: no gradient flows into them.
+
+The boundary: each public function here unwraps its DTensors, validates its arguments, range-checks
+the draft-to-target ids once and builds the call's layout, then calls the pure code in
+`lossfx._layouts.draft` once (the public functions never call each other).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import renamed_keywords
-from lossfx._boundary.dtensor import check_view, is_dtensor, replicated, vocab_shard
+from lossfx._boundary.dtensor import VocabShard, check_view, is_dtensor, replicated, vocab_shard
 from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
-from lossfx._core.distributed import (
-    ProcessGroup,
-    check_group,
-    group_rank,
-    group_size,
-    local_columns,
-    reduce_scatter_sum,
-)
-from lossfx.sequence_layout import ContextParallelSharder, sequence_layout
+from lossfx._core.distributed import ProcessGroup, check_group, group_size
+from lossfx._core.vocab import VocabRange
+from lossfx._layouts import draft as _pure
+from lossfx.sequence_layout import ContextParallelSharder, LoadBalancedLayout, sequence_layout
 
 __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
 
 
+def _shift_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The cross-rank check's view of a `shift_left` call: a vocabulary-sharded DTensor `x` as
+    its local shard, exactly as the body unwraps it."""
+    if is_dtensor(arguments["x"]):
+        arguments["x"] = vocab_shard(arguments["x"], name="x").local
+        arguments["DTensor arguments"] = ("x",)
+    return arguments, ""
+
+
 @renamed_keywords(cp_group="context_parallel_group")
-@boundary(roles=Roles(cp="context_parallel_group", cp_from="cp_sharder", cp_shards=("x",)))
+@boundary(roles=Roles(cp="context_parallel_group", cp_from="cp_sharder", cp_shards=("x",)), local=_shift_view)
 def shift_left(
     x: Tensor,
     context_parallel_group: ProcessGroup | None = None,
@@ -61,14 +71,39 @@ def shift_left(
             `lossfx.sequence_layout.SequenceLayout`; takes precedence over the group. The
             canonical sequence is then the sharder's gathered (trimmed) one.
     """
-    cp_group = context_parallel_group
-    if is_dtensor(x):  # shifts along the sequence: a vocabulary-sharded DTensor stays one (lossfx/_boundary/dtensor.py)
-        s = vocab_shard(x, name="x")
-        return s.wrap(shift_left(s.local, cp_group, cp_sharder=cp_sharder))
-    check_tensor("x", x)
-    if x.dim() < 2:
-        raise ValueError(f"x must have a sequence dim 1, got shape {tuple(x.shape)}")
-    return sequence_layout(cp_group, cp_sharder).shift_left(x)
+    # shifts along the sequence: a vocabulary-sharded DTensor stays one (lossfx/_boundary/dtensor.py)
+    shard = vocab_shard(x, name="x") if is_dtensor(x) else None
+    local = x if shard is None else shard.local
+    check_tensor("x", local)
+    if local.dim() < 2:
+        raise ValueError(f"x must have a sequence dim 1, got shape {tuple(local.shape)}")
+    layout = sequence_layout(context_parallel_group, cp_sharder)
+    if isinstance(layout, LoadBalancedLayout) and layout.cp_size > 1 and local.shape[1] % 2:
+        raise ValueError(f"a context-parallel shard has an even length (two chunks), got {local.shape[1]}")
+    out = _pure.shift_left(local, layout)
+    return out if shard is None else shard.wrap(out)
+
+
+def _validated_target_ids(d2t: Tensor, group: ProcessGroup | None, rank: int | None, local_vocab: int) -> Tensor:
+    """`arange(D) + d2t` (int64 `[D]`), checked once: `d2t` 1-D integer, `D` divisible by the
+    tensor-parallel size, every target id in `[0, R·Vl)`."""
+    check_integer_ids("d2t", d2t)
+    if d2t.dim() != 1:
+        raise ValueError(f"d2t must be 1-D [D], got shape {tuple(d2t.shape)}")
+    world = group_size(group)
+    if group is not None and rank is None:
+        raise ValueError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
+    draft_vocab = d2t.shape[0]
+    if draft_vocab % world:
+        raise ValueError(f"len(d2t)={draft_vocab} must be divisible by the tensor-parallel size {world}")
+    target_ids = torch.arange(draft_vocab, device=d2t.device) + d2t.to(torch.int64)  # [D]
+    check_ids_in_range("d2t targets (i + d2t[i])", target_ids, world * local_vocab)
+    return target_ids
+
+
+def _wrap_draft(shard: VocabShard, out: Tensor, d2t: Tensor | None) -> Tensor:
+    """A result in the draft vocabulary (or the target one without `d2t`), placed like the input."""
+    return shard.wrap(out) if d2t is None else shard.wrap_other_vocab(out, d2t.shape[0])
 
 
 @boundary(
@@ -98,36 +133,18 @@ def map_to_draft_vocab(
         ValueError: a target id outside `[0, V)` (eager only), `D` not divisible by TP.
     """
     check_group("vocab_parallel_group", vocab_parallel_group)
+    shard = VocabShard(teacher_logits, vocab_parallel_group, vocab_parallel_rank, None, None)
     if is_dtensor(teacher_logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_boundary/dtensor.py)
-        s = vocab_shard(
+        shard = vocab_shard(
             teacher_logits, name="teacher_logits", group=vocab_parallel_group, rank=vocab_parallel_rank, even=True
         )
-        out = map_to_draft_vocab(
-            s.local, replicated(d2t, "d2t"), vocab_parallel_rank=s.rank, vocab_parallel_group=s.group
-        )
-        return s.wrap(out) if d2t is None else s.wrap_other_vocab(out, d2t.shape[0])
+    d2t = replicated(d2t, "d2t")
     if d2t is None:
         return teacher_logits
-    check_integer_ids("d2t", d2t)
-    if d2t.dim() != 1:
-        raise ValueError(f"d2t must be 1-D [D], got shape {tuple(d2t.shape)}")
-    world, local_vocab = group_size(vocab_parallel_group), teacher_logits.shape[-1]
-    if vocab_parallel_group is not None and vocab_parallel_rank is None:
-        raise ValueError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
-    draft_vocab = d2t.shape[0]
-    if draft_vocab % world:
-        raise ValueError(f"len(d2t)={draft_vocab} must be divisible by the tensor-parallel size {world}")
-    target_ids = torch.arange(draft_vocab, device=d2t.device) + d2t.to(torch.int64)  # [D]
-    check_ids_in_range("d2t targets (i + d2t[i])", target_ids, world * local_vocab)
-    if world == 1:
-        return teacher_logits[..., target_ids.to(teacher_logits.device)]
-    vocab_start = group_rank(vocab_parallel_group) * local_vocab
-    local_idx, owned = local_columns(target_ids.to(teacher_logits.device), vocab_start, local_vocab)  # [D]
-    picked = teacher_logits[..., local_idx]  # [..., D]
-    picked = torch.where(owned, picked, torch.zeros_like(picked))
-    draft_major = picked.movedim(-1, 0)  # [D, ...]
-    mine = reduce_scatter_sum(draft_major, vocab_parallel_group)  # [D/TP, ...]
-    return mine.movedim(0, -1)
+    local_vocab = shard.local.shape[-1]
+    target_ids = _validated_target_ids(d2t, shard.group, shard.rank, local_vocab)
+    out = _pure.map_to_draft_vocab(shard.local, target_ids, VocabRange.uniform(shard.group, local_vocab))
+    return _wrap_draft(shard, out, d2t)
 
 
 @boundary(
@@ -173,36 +190,24 @@ def draft_targets(
     """
     check_group("vocab_parallel_group", vocab_parallel_group)
     check_group("context_parallel_group", context_parallel_group)
+    shard = VocabShard(logits, vocab_parallel_group, vocab_parallel_rank, None, None)
     if is_dtensor(logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_boundary/dtensor.py)
-        s, d2t = (
-            vocab_shard(logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True),
-            replicated(d2t, "d2t"),
-        )
-        teacher, mask = draft_targets(
-            s.local,
-            replicated(token_mask, "token_mask"),
-            d2t,
-            vocab_parallel_rank=s.rank,
-            vocab_parallel_group=s.group,
-            context_parallel_group=context_parallel_group,
-            cp_sharder=cp_sharder,
-        )
-        return (s.wrap(teacher) if d2t is None else s.wrap_other_vocab(teacher, d2t.shape[0])), mask
+        shard = vocab_shard(logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True)
+    local = shard.local
     token_mask, d2t = replicated(token_mask, "token_mask"), replicated(d2t, "d2t")
-    check_floating("logits", logits)
+    check_floating("logits", local)
     check_tensor("token_mask", token_mask)
-    if logits.dim() != 3 or token_mask.dim() != 2 or logits.shape[0] != token_mask.shape[0]:
+    if local.dim() != 3 or token_mask.dim() != 2 or local.shape[0] != token_mask.shape[0]:
         raise ValueError(
-            f"logits must be [B, S_local, V_local] and token_mask [B, S]; got {tuple(logits.shape)} "
+            f"logits must be [B, S_local, V_local] and token_mask [B, S]; got {tuple(local.shape)} "
             f"and {tuple(token_mask.shape)}"
         )
     layout = sequence_layout(context_parallel_group, cp_sharder)
-    seq, local_len = token_mask.shape[1], logits.shape[1]
-    got = f"logits.shape={tuple(logits.shape)} and token_mask.shape={tuple(token_mask.shape)}"
+    seq, local_len = token_mask.shape[1], local.shape[1]
+    got = f"logits.shape={tuple(local.shape)} and token_mask.shape={tuple(token_mask.shape)}"
     layout.check_covers("logits", local_len, seq, got, canonical="token_mask")
-    shifted = layout.shift_left(logits.detach(), seq)
-    teacher = map_to_draft_vocab(
-        shifted, d2t, vocab_parallel_rank=vocab_parallel_rank, vocab_parallel_group=vocab_parallel_group
-    )
-    mask = torch.cat([token_mask[:, 1:], torch.zeros_like(token_mask[:, :1])], dim=1)
-    return teacher, layout.to_local(mask, local_len)
+    local_vocab = local.shape[-1]
+    target_ids = None if d2t is None else _validated_target_ids(d2t, shard.group, shard.rank, local_vocab)
+    vocab = VocabRange.uniform(shard.group, local_vocab)
+    teacher, mask = _pure.draft_targets(local, token_mask, target_ids, vocab, layout)
+    return _wrap_draft(shard, teacher, d2t), mask
