@@ -12,20 +12,24 @@ Pipeline (`distillation_topk_logprobs`), every step on this rank's `[B, S_l, Vl]
    CP layout gradients are summed over CP ranks, so divide the loss by `C`) and unpadded;
 4. the teacher's log-probs, renormalised over its K logits; all outputs drop the last position
    (position `t` predicts token `t+1`; student and teacher are already aligned).
+
+The boundary: `distillation_topk_logprobs` (and `lossfx.prepare_loss_input`'s `DISTILLATION`
+branch, through the same private `_distillation`) unwraps DTensors, validates the arguments,
+range-checks the ids once, builds the layout and the `VocabRange`, then calls the pure
+`lossfx._layouts.distillation.distillation_topk_logprobs` once.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import replicated, vocab_shard
+from lossfx._boundary.dtensor import check_view, replicated, vocab_shard
 from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
-from lossfx._core.distributed import ProcessGroup, group_size
-from lossfx._core.numerics import compute_dtype, log_softmax_rows
-from lossfx.gather import gather_logits, gather_logprobs
-from lossfx.sequence_layout import ContextParallelSharder, sequence_layout
+from lossfx._core.distributed import ProcessGroup
+from lossfx._core.vocab import VocabRange
+from lossfx._layouts import distillation as _pure
+from lossfx.sequence_layout import ContextParallelSharder, SequenceLayout, sequence_layout
 
 __all__ = ["distillation_topk_logprobs"]
 
@@ -38,6 +42,7 @@ __all__ = ["distillation_topk_logprobs"]
         shards=("student_logits",),
     ),
     vocab="equal",
+    local=check_view("student_logits", group_arg="vocab_parallel_group", even=True),
 )
 def distillation_topk_logprobs(
     student_logits: Tensor,
@@ -85,59 +90,76 @@ def distillation_topk_logprobs(
     Raises:
         ValueError: `K <= 0`, ids outside `[0, V)`, shape mismatches. TypeError: bad dtypes.
     """
-    student_logits, vocab_parallel_group, *_ = vocab_shard(
-        student_logits, name="student_logits", group=vocab_parallel_group, even=True, group_arg="vocab_parallel_group"
+    return _distillation(
+        student_logits,
+        teacher_topk_logits,
+        teacher_topk_indices,
+        zero_outside_topk=zero_outside_topk,
+        calculate_entropy=calculate_entropy,
+        vocab_parallel_group=vocab_parallel_group,
+        layout=sequence_layout(context_parallel_group, cp_sharder),
+        chunk_size=chunk_size,
     )
-    teacher_topk_logits, teacher_topk_indices = (
-        replicated(teacher_topk_logits, "teacher_topk_logits"),
-        replicated(teacher_topk_indices, "teacher_topk_indices"),
+
+
+def _distillation(
+    student_logits: Tensor,
+    teacher_topk_logits: Tensor,
+    teacher_topk_indices: Tensor,
+    *,
+    zero_outside_topk: bool,
+    calculate_entropy: bool,
+    vocab_parallel_group: ProcessGroup | None,
+    layout: SequenceLayout,
+    chunk_size: int | None,
+    names: tuple[str, str, str] = ("student_logits", "teacher_topk_logits", "teacher_topk_indices"),
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The boundary work of `distillation_topk_logprobs`, once, then the pure call: shared with
+    `prepare_loss_input`'s `DISTILLATION` branch (`names`: how its arguments are called there)."""
+    logits_name, values_name, ids_name = names
+    shard = vocab_shard(
+        student_logits, name=logits_name, group=vocab_parallel_group, even=True, group_arg="vocab_parallel_group"
     )
-    check_floating("student_logits", student_logits)
-    check_floating("teacher_topk_logits", teacher_topk_logits)
-    check_integer_ids("teacher_topk_indices", teacher_topk_indices)
+    student_logits, group = shard.local, shard.group
+    teacher_topk_logits = replicated(teacher_topk_logits, values_name)
+    teacher_topk_indices = replicated(teacher_topk_indices, ids_name)
+    check_floating(logits_name, student_logits)
+    check_floating(values_name, teacher_topk_logits)
+    check_integer_ids(ids_name, teacher_topk_indices)
     chunk_size = check_positive_int("chunk_size", chunk_size)
     if teacher_topk_indices.dim() != 3 or teacher_topk_indices.shape[-1] < 1:
         raise ValueError(
-            f"topk must be positive: teacher_topk_indices must be [B, S, K] with K >= 1, got shape "
+            f"topk must be positive: {ids_name} must be [B, S, K] with K >= 1, got shape "
             f"{tuple(teacher_topk_indices.shape)} (topk=0 is not supported)"
         )
     if tuple(teacher_topk_logits.shape) != tuple(teacher_topk_indices.shape):
         raise ValueError(
-            f"teacher_topk_logits and teacher_topk_indices must share one [B, S, K] shape; got "
+            f"{values_name} and {ids_name} must share one [B, S, K] shape; got "
             f"{tuple(teacher_topk_logits.shape)} and {tuple(teacher_topk_indices.shape)}"
         )
     if student_logits.dim() != 3 or student_logits.shape[0] != teacher_topk_indices.shape[0]:
         raise ValueError(
-            f"student_logits must be [B, S_local, V_local] with the teacher's B; got "
+            f"{logits_name} must be [B, S_local, V_local] with the teacher's B; got "
             f"{tuple(student_logits.shape)} and teacher shape {tuple(teacher_topk_indices.shape)}"
         )
     batch, seq, _ = teacher_topk_indices.shape
-    layout = sequence_layout(context_parallel_group, cp_sharder)
-    local_len = student_logits.shape[1]
     layout.check_covers(
-        "student_logits",
-        local_len,
+        logits_name,
+        student_logits.shape[1],
         seq,
-        f"student_logits.shape={tuple(student_logits.shape)} and teacher shape {tuple(teacher_topk_indices.shape)}",
-        canonical="teacher_topk_indices",
+        f"{logits_name}.shape={tuple(student_logits.shape)} and teacher shape {tuple(teacher_topk_indices.shape)}",
+        canonical=ids_name,
     )
-    vocab = group_size(vocab_parallel_group) * student_logits.shape[-1]
-    check_ids_in_range("teacher_topk_indices", teacher_topk_indices, vocab)
-    # any integer dtype: int64 for gather (uint8 ids would also wrap in `ids - vocab_start`)
-    ids = layout.to_local(teacher_topk_indices.to(torch.int64), local_len)  # [B, S_l, K]
-    rows = None if chunk_size is None else chunk_size * batch
-    neg_entropy = None
-    if zero_outside_topk:
-        student_lp, neg_entropy = gather_logprobs(
-            student_logits, ids, with_neg_entropy=calculate_entropy, group=vocab_parallel_group, chunk_rows=rows
-        )
-    else:
-        picked = gather_logits(student_logits, ids, group=vocab_parallel_group)  # [B, S_l, K]
-        student_lp = log_softmax_rows(picked)
-    width = max(seq - 1, 0)  # position t predicts token t+1: the last position is dropped
-    student_lp = layout.to_canonical(student_lp, width)
-    if neg_entropy is not None:
-        neg_entropy = layout.to_canonical(neg_entropy, width)
-    cdtype = compute_dtype(student_logits.dtype)
-    teacher_lp = log_softmax_rows(teacher_topk_logits.to(device=student_lp.device, dtype=cdtype))
-    return student_lp, teacher_lp[:, :width], neg_entropy
+    vocab = VocabRange.uniform(group, student_logits.shape[-1])  # equal (padded) shards
+    # a DTensor's padding columns are no ids: the range is its real V
+    check_ids_in_range(ids_name, teacher_topk_indices, vocab.size if shard.vocab_size is None else shard.vocab_size)
+    return _pure.distillation_topk_logprobs(
+        student_logits,
+        teacher_topk_logits,
+        teacher_topk_indices,
+        vocab,
+        layout,
+        zero_outside_topk=zero_outside_topk,
+        calculate_entropy=calculate_entropy,
+        chunk_rows=None if chunk_size is None else chunk_size * batch,
+    )

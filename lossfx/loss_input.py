@@ -36,17 +36,27 @@ from lossfx._boundary.consistency import (
     vocab_shard_range,
     vocab_size_when_read,
 )
-from lossfx._boundary.dtensor import EntryKeys, check_view, entry_point_on_local, has_dtensor, replicated, vocab_shard
+from lossfx._boundary.dtensor import (
+    EntryKeys,
+    _all_replicate,
+    check_view,
+    entry_point_on_local,
+    has_dtensor,
+    is_dtensor,
+    replicated,
+    vocab_shard,
+)
 from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx._core.distributed import ProcessGroup, check_group, check_vocab_parallel
 from lossfx._core.numerics import compute_dtype
-from lossfx.distillation import distillation_topk_logprobs
+from lossfx.distillation import _distillation
 from lossfx.draft import draft_targets
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.logprobs import check_ignore_index
 from lossfx.loss_masks import loss_mask_from_data, mask_out_neg_inf_logprobs
 from lossfx.next_token import sharded_next_token_logprobs
-from lossfx.opd_full import has_dtensor_head, prepare_opd_full, prepare_opd_full_on_local
+from lossfx.opd_full import check_view as opd_check_view
+from lossfx.opd_full import opd_full_input
 from lossfx.packing import _packed_next_token_logprobs as packed_next_token_logprobs
 from lossfx.sequence_layout import SequenceLayout, sequence_layout
 
@@ -107,7 +117,8 @@ _ROLES = Roles(
 )
 _ROLES_SHARDER = dataclasses.replace(_ROLES, cp_from="cp_sharder")
 _ROLES_DATA = dataclasses.replace(_ROLES, columns=("teacher_full_logits",))
-_ROLES_OPD = dataclasses.replace(_ROLES_DATA, heads="teacher_output_layer_weight_by_index")
+# `vocab_size`: filled in by the DTensor view of an OPD_FULL call (`lossfx.opd_full.check_view`)
+_ROLES_OPD = dataclasses.replace(_ROLES_DATA, heads="teacher_output_layer_weight_by_index", size="vocab_size")
 _ROLES_ALL = dataclasses.replace(_ROLES_OPD, cp_from="cp_sharder")
 
 
@@ -192,7 +203,38 @@ def next_token_logprobs(
     return out if ignored is None else torch.where(ignored.to(out.device), torch.zeros_like(out), out)
 
 
-@boundary(roles=_ROLES_ALL, vocab=_vocab_policy)
+def _loss_input_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The cross-rank check's view of a `prepare_loss_input` call with DTensors: OPD_FULL's
+    (`lossfx.opd_full.check_view`), or the local tensors `entry_point_on_local` hands the branch
+    (the logits' even shard, its group and rank, the replicated columns, the payload padded like
+    the logits) and which arguments were DTensors."""
+    try:
+        opd = LossInputType(getattr(arguments.get("loss_fn"), "input_type", None)) is LossInputType.OPD_FULL
+    except ValueError:
+        opd = False  # the body raises on the input type
+    if opd:
+        return opd_check_view(arguments)
+    logits, data = arguments["logits"], arguments["data"]
+    if not isinstance(data, Mapping) or not has_dtensor(logits, data):
+        return arguments, ""
+    shard = vocab_shard(
+        logits,
+        group=arguments["vocab_parallel_group"],
+        rank=arguments["vocab_parallel_rank"],
+        even=True,
+        group_arg="vocab_parallel_group",
+    )
+    local = {k: replicated(v, f"data[{k!r}]") if is_dtensor(v) and _all_replicate(v) else v for k, v in data.items()}
+    for key in _DTENSOR_KEYS.full_columns:
+        if key in local:
+            local[key] = shard.pad_full(local[key])
+    given = ("logits",) * is_dtensor(logits) + ("data",) * any(is_dtensor(v) for v in data.values())
+    arguments.update(logits=shard.local, data=local, vocab_parallel_group=shard.group, vocab_parallel_rank=shard.rank)
+    arguments["DTensor arguments"] = given
+    return arguments, ""
+
+
+@boundary(roles=_ROLES_ALL, vocab=_vocab_policy, local=_loss_input_view)
 def prepare_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -267,20 +309,24 @@ def prepare_loss_input(
         check_tensor("logits", logits)
         check_group("vocab_parallel_group", vocab_parallel_group)
         check_group("context_parallel_group", context_parallel_group)
-    if input_type is LossInputType.OPD_FULL:  # its own boundary also maps DTensor logits, columns and teacher heads
-        return prepare_opd_full_loss_input(
+    if input_type is LossInputType.OPD_FULL:  # its boundary also maps DTensor logits, columns and teacher heads
+        return opd_full_input(
             logits,
             data,
             loss_fn,
             vocab_parallel_rank=vocab_parallel_rank,
             vocab_parallel_group=vocab_parallel_group,
             context_parallel_group=context_parallel_group,
-            sampling_params=sampling_params,
             chunk_size=chunk_size,
             teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
             teacher_logits_dtype=teacher_logits_dtype,
             cp_sharder=cp_sharder,
         ), data
+    if input_type is LossInputType.DISTILLATION:  # its boundary also maps DTensor logits and columns
+        if not is_dtensor(logits):
+            _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+        layout = sequence_layout(context_parallel_group, cp_sharder)
+        return _prepare_distillation_input(logits, data, loss_fn, vocab_parallel_group, layout, chunk_size), data
     if dtensors:  # DTensor boundary: lossfx/_boundary/dtensor.py
         return entry_point_on_local(
             prepare_loss_input,
@@ -301,10 +347,6 @@ def prepare_loss_input(
     if input_type is LossInputType.LOGIT:
         return {"logits": logits}, data
     layout = sequence_layout(context_parallel_group, cp_sharder)  # built once, handed to the branch
-    if input_type is LossInputType.DISTILLATION:
-        return _prepare_distillation_input(
-            logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, layout, chunk_size
-        ), data
     if input_type is LossInputType.DRAFT:
         return _prepare_draft_input(logits, data, d2t, vocab_parallel_rank, vocab_parallel_group, layout), data
     # the last of LossInputType's five members (`_input_type` rejects anything else)
@@ -368,7 +410,7 @@ def _prepare_logprob_input(
     return {"next_token_logprobs": logprobs}
 
 
-@boundary(roles=_ROLES_ALL, vocab="equal")
+@boundary(roles=_ROLES_ALL, vocab="equal", local=opd_check_view)
 def prepare_opd_full_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -420,33 +462,17 @@ def prepare_opd_full_loss_input(
         ValueError: every error condition of NeMo's payload reconstruction (docs/decisions.md §3),
             missing columns, bad shapes.
     """
-    if has_dtensor(logits, data) or has_dtensor_head(teacher_output_layer_weight_by_index):
-        # DTensor boundary: lossfx/_boundary/dtensor.py, with the teacher heads as this rank's rows
-        return prepare_opd_full_on_local(
-            logits,
-            data,
-            loss_fn,
-            vocab_parallel_rank=vocab_parallel_rank,
-            vocab_parallel_group=vocab_parallel_group,
-            context_parallel_group=context_parallel_group,
-            sampling_params=sampling_params,
-            chunk_size=chunk_size,
-            teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
-            teacher_logits_dtype=teacher_logits_dtype,
-            cp_sharder=cp_sharder,
-        )
-    return prepare_opd_full(
+    return opd_full_input(
         logits,
         data,
         loss_fn,
         vocab_parallel_rank=vocab_parallel_rank,
         vocab_parallel_group=vocab_parallel_group,
         context_parallel_group=context_parallel_group,
-        sampling_params=sampling_params,
         chunk_size=chunk_size,
         teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
         teacher_logits_dtype=teacher_logits_dtype,
-        cp_sharder=sequence_layout(context_parallel_group, cp_sharder),
+        cp_sharder=cp_sharder,
     )
 
 
@@ -559,23 +585,28 @@ def _prepare_distillation_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
     loss_fn: Any,
-    vocab_parallel_rank: int | None,
     vocab_parallel_group: ProcessGroup | None,
     layout: SequenceLayout,
     chunk_size: int | None,
 ) -> dict[str, Any]:
-    """`DISTILLATION`: student/teacher log-probs at the teacher's top-k ids (`lossfx.distillation`)."""
-    _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+    """`DISTILLATION`: student/teacher log-probs at the teacher's top-k ids (`lossfx.distillation`).
+
+    The whole boundary of the branch, DTensor logits and columns included (no re-entry), through
+    `lossfx.distillation._distillation`: one range check of the ids, one pure call."""
     zero_outside_topk = bool(getattr(loss_fn, "zero_outside_topk", False))
     calculate_entropy = zero_outside_topk and getattr(loss_fn, "kl_type", "mixed") != "forward"
-    student, teacher, neg_entropy = distillation_topk_logprobs(
+    values, ids = (
+        check_tensor(f"data[{key!r}]", replicated(_column(data, key), f"data[{key!r}]"))
+        for key in ("teacher_topk_logits", "teacher_topk_indices")
+    )
+    student, teacher, neg_entropy = _distillation(
         logits,
-        check_tensor("data['teacher_topk_logits']", _column(data, "teacher_topk_logits")),
-        check_tensor("data['teacher_topk_indices']", _column(data, "teacher_topk_indices")),
+        values,
+        ids,
         zero_outside_topk=zero_outside_topk,
         calculate_entropy=calculate_entropy,
-        vocab_parallel_group=group,
-        cp_sharder=layout,
+        vocab_parallel_group=vocab_parallel_group,
+        layout=layout,
         chunk_size=chunk_size,
     )
     return {"student_topk_logprobs": student, "teacher_topk_logprobs": teacher, "H_all": neg_entropy}

@@ -17,6 +17,13 @@ Pipeline of `prepare_opd_full` (NeMo RL's OPD_FULL branch; docs/opd_full.md, doc
    unfiltered `next_token_logprobs` (CP-aware).
 
 `vocab_parallel_group=None` works (the reference raises), on CPU and in float64.
+
+The boundary: each public function here (and `lossfx.prepare_opd_full_loss_input`, through the
+same private `opd_full_input`) unwraps its DTensors once (`local_call`: the logits' shard, the
+replicated columns, each teacher head as this rank's rows; the cross-rank check's `check_view`
+sees the same local tensors), validates the config, columns, payload and heads, range-checks the
+ids once, then calls the pure code in `lossfx._layouts.opd_full` once. No re-entry on local
+tensors, and no public function calls another.
 """
 
 from __future__ import annotations
@@ -24,21 +31,13 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import (
-    EntryKeys,
-    VocabShard,
-    _same_group,
-    entry_point_on_local,
-    is_dtensor,
-    replicated,
-    vocab_shard,
-)
+from lossfx._boundary.dtensor import VocabShard, _same_group, is_dtensor, replicated, vocab_shard
 from lossfx._boundary.validation import (
     check_floating,
     check_ids_in_range,
@@ -49,14 +48,8 @@ from lossfx._boundary.validation import (
 from lossfx._core import host_reads as _host_reads
 from lossfx._core.distributed import ProcessGroup, check_vocab_parallel, group_size
 from lossfx._core.host_reads import tracing
-from lossfx.divergence import (
-    cross_entropy_to_fixed,
-    divergence_to_projected_teacher,
-    neg_entropy,
-    project_onto_lm_head,
-    reverse_kl_to_fixed,
-)
-from lossfx.next_token import sharded_next_token_logprobs
+from lossfx._core.vocab import VocabRange
+from lossfx._layouts import opd_full as _pure
 from lossfx.sequence_layout import ContextParallelSharder, SequenceLayout, sequence_layout
 
 __all__ = [
@@ -120,13 +113,8 @@ class OnPolicyDistillationFullConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Teacher logits reconstruction
+# The teacher: validated once, at the boundary (the pure alignment is lossfx._layouts.opd_full)
 # ---------------------------------------------------------------------------------------------
-
-
-def _project_onto_teacher_lm_head(h: Tensor, weight: Tensor, output_dtype: torch.dtype | None) -> Tensor:
-    """`h [..., H] @ weight [Vl, H]ᵀ` (see `lossfx.divergence.project_onto_lm_head`)."""
-    return project_onto_lm_head(h, weight, output_dtype)
 
 
 def _width_mismatch(key: Any, payload_width: int, weight: Tensor) -> ValueError:
@@ -147,7 +135,7 @@ def _check_weight(key: Any, weight: Any) -> Tensor:
 
 
 def _teacher_heads(
-    weights: dict[Any, Tensor], teacher_index: Tensor | None, payload: Tensor
+    weights: dict[Any, Tensor], teacher_index: Tensor | None, batch: int, device: torch.device
 ) -> tuple[list[Tensor], Tensor | None]:
     """`(heads, position [B])`: the loaded LM-head shards in a list, and each payload row's position
     in it (`None` with one head and no index). Checks the heads share one shard shape and dtype
@@ -165,14 +153,13 @@ def _teacher_heads(
     if teacher_index is None:
         return heads, None
     check_integer_ids("teacher_index", teacher_index)
-    teacher_index = teacher_index.to(payload.device).reshape(-1)
-    if teacher_index.shape[0] != payload.shape[0]:
+    teacher_index = teacher_index.to(device).reshape(-1)
+    if teacher_index.shape[0] != batch:
         raise ValueError(
-            f"teacher_index must carry one entry per payload row: got {teacher_index.shape[0]} entries for "
-            f"{payload.shape[0]} rows"
+            f"teacher_index must carry one entry per payload row: got {teacher_index.shape[0]} entries for {batch} rows"
         )
     # position of each row's key in `keys` (an unloaded key, unchecked under compile, reads 0)
-    key_values = torch.tensor(keys, dtype=torch.int64, device=payload.device)  # [K]
+    key_values = torch.tensor(keys, dtype=torch.int64, device=device)  # [K]
     matches = teacher_index.to(torch.int64)[:, None] == key_values[None, :]  # [B, K]
     if not tracing() and teacher_index.numel():  # read with the call's other checks (one host read)
         unloaded = ~matches.any(dim=-1)  # [B]
@@ -193,35 +180,16 @@ def _unloaded_error(loaded: list[Any]) -> Callable[[list[int]], None]:
     return raise_if_unloaded
 
 
-def _project_per_teacher(
-    payload: Tensor, heads: list[Tensor], position: Tensor | None, output_dtype: torch.dtype | None
-) -> Tensor:
-    """Row `b` of `payload [B, S, H]` through `heads[position[b]]` -> `[B, S, Vl]` (materialised)."""
-    if position is None:
-        return _project_onto_teacher_lm_head(payload, heads[0], output_dtype)
-    if tracing():  # no value-dependent shapes in a graph: project all, select
-        out = _project_onto_teacher_lm_head(payload, heads[0], output_dtype)
-        for k, weight in enumerate(heads[1:], start=1):
-            projected = _project_onto_teacher_lm_head(payload, weight, output_dtype)  # [B, S, Vl]
-            out = torch.where((position == k)[:, None, None], projected, out)
-        return out
-    out = payload.new_empty((*payload.shape[:-1], heads[0].shape[0]), dtype=output_dtype or heads[0].dtype)
-    for k, weight in enumerate(heads):
-        rows = position == k  # [B]
-        out[rows] = _project_onto_teacher_lm_head(payload[rows], weight, output_dtype)
-    return out
+class _Teacher(NamedTuple):
+    """The validated teacher, as the pure code takes it: a logits payload's `columns = (start, Vl)`,
+    or the LM-head shards and each row's position in them (`None` with one head)."""
+
+    columns: tuple[int, int] | None
+    heads: list[Tensor] | None
+    position: Tensor | None
 
 
-@dataclass(frozen=True)
-class _ProjectedTeacher:
-    """The teacher as aligned hidden states `[B, S_l, H]`, LM-head shards and each row's head."""
-
-    hidden: Tensor
-    heads: list[Tensor]
-    position: Tensor | None  # [B], or None with one head
-
-
-def _aligned_teacher(
+def _validated_teacher(
     payload: Tensor,
     *,
     teacher_payload: str,
@@ -230,14 +198,9 @@ def _aligned_teacher(
     layout: SequenceLayout,
     teacher_output_layer_weight_by_index: dict[Any, Tensor] | None,
     teacher_index: Tensor | None,
-    output_dtype: torch.dtype | None,
-    project: bool,
-    canonical_len: int | None = None,
-) -> Tensor | _ProjectedTeacher:
-    """`reconstruct_opd_full_teacher_logits`; with `project=False` a hidden-states payload comes back
-    as a `_ProjectedTeacher` (validated and aligned, not projected). `canonical_len`: the sequence
-    length `S` of the call (`input_ids`), where known: a layout that pads by itself (an external
-    sharder) gets the payload zero-padded or cut to it."""
+) -> _Teacher:
+    """Every check of the teacher payload and heads against this rank's `student_logits [B, S_l, Vl]`
+    (NeMo's payload-reconstruction errors, docs/decisions.md §3), before any work."""
     check_floating("payload", payload)
     check_tensor("student_logits", student_logits)
     if teacher_payload not in _PAYLOAD_COLUMNS:
@@ -251,7 +214,7 @@ def _aligned_teacher(
         )
     local_vocab = student_logits.shape[-1]
     weights = teacher_output_layer_weight_by_index or {}
-    # 1. validation and vocabulary narrowing, before any other work
+    columns = None
     if teacher_payload == "hidden_states":
         if not weights:
             raise ValueError(
@@ -279,46 +242,37 @@ def _aligned_teacher(
                 f"{payload.shape[-1]} vs required end {end} "
                 f"(rank {vocab_parallel_rank}, V_local {local_vocab})"
             )
-        payload = payload[..., start:end]  # [B, S_p, Vl]
-    # 2. sequence alignment: zero padding is a uniform teacher (zero logits, or zero hidden states
-    #    through the LM head); then this rank's part in the student's sequence layout
+        columns = (start, local_vocab)
     local_len = student_logits.shape[1]
     window = layout.window(local_len)
-    if window is None:  # the layout pads by itself: hand it the canonical length
-        if canonical_len is not None and payload.shape[1] != canonical_len:
-            payload = torch.nn.functional.pad(payload, (0, 0, 0, canonical_len - payload.shape[1]))
-    elif payload.shape[1] > window:
+    if window is not None and payload.shape[1] > window:
         raise ValueError(
             f"Teacher payload is longer than the student forward window: {payload.shape[1]} vs "
             f"{window} (= S_l {local_len} · CP {layout.cp_size})"
         )
-    payload = layout.to_local(payload, local_len)  # [B, S_l, D]
-    # 3. to the student's device; the logits payload keeps its dtype
-    payload = payload.contiguous().to(student_logits.device)
-    # 4. hidden states: the LM head(s) of each row; the result must be this rank's vocabulary shard
-    width = payload.shape[-1]
-    if teacher_payload == "hidden_states":
-        heads, position = _teacher_heads(weights, teacher_index, payload)
-        width = heads[0].shape[0]
+    if teacher_payload != "hidden_states":
+        return _Teacher(columns, None, None)
+    heads, position = _teacher_heads(weights, teacher_index, payload.shape[0], student_logits.device)
+    width = heads[0].shape[0]
     if width != local_vocab:
-        hint = ""
-        if teacher_payload == "hidden_states":
-            hint = (
-                f" (the teacher LM heads have {width} rows; pass this rank's {local_vocab} rows of each head, "
-                "split like the student logits, or the head as a Shard(0) DTensor on the logits' mesh)"
-            )
         raise ValueError(
             "Reconstructed teacher logits must match the student vocabulary shard width; got "
-            f"{width} vs {local_vocab}{hint}"
+            f"{width} vs {local_vocab} (the teacher LM heads have {width} rows; pass this rank's {local_vocab} rows "
+            "of each head, split like the student logits, or the head as a Shard(0) DTensor on the logits' mesh)"
         )
-    if teacher_payload != "hidden_states":
-        return payload
-    if not project:
-        return _ProjectedTeacher(payload, heads, position)
-    return _project_per_teacher(payload, heads, position, output_dtype)  # [B, S_l, Vl]
+    return _Teacher(None, heads, position)
 
 
-@boundary(collectives=False)
+def _reconstruct_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The boundary's view of a `reconstruct_opd_full_teacher_logits` call (no collective: no
+    cross-rank check runs; its host reads are read once): DTensors as the body unwraps them."""
+    given = tuple(name for name, value in arguments.items() if is_dtensor(value) or has_dtensor_head(value))
+    if given:
+        arguments["DTensor arguments"] = given
+    return arguments, ""
+
+
+@boundary(collectives=False, local=_reconstruct_view)
 def reconstruct_opd_full_teacher_logits(
     payload: Tensor,
     *,
@@ -367,36 +321,36 @@ def reconstruct_opd_full_teacher_logits(
             batch differs from the student's. (The per-row head check reads values and runs in
             eager mode only.)
     """
-    if is_dtensor(student_logits) or is_dtensor(payload) or has_dtensor_head(teacher_output_layer_weight_by_index):
-        # sharded like the student logits (lossfx/_boundary/dtensor.py); a projection needs no even width
-        logits_payload = teacher_payload == "logits"
-        s = vocab_shard(student_logits, name="student_logits", rank=vocab_parallel_rank, even=logits_payload)
-        return s.wrap(
-            reconstruct_opd_full_teacher_logits(
-                s.pad_full(replicated(payload, "payload")) if logits_payload else replicated(payload, "payload"),
-                teacher_payload=teacher_payload,
-                student_logits=s.local,
-                vocab_parallel_rank=s.rank,
-                context_parallel_group=context_parallel_group,
-                teacher_output_layer_weight_by_index=local_teacher_heads(teacher_output_layer_weight_by_index, s),
-                teacher_index=replicated(teacher_index, "teacher_index"),
-                output_dtype=output_dtype,
-                cp_sharder=cp_sharder,
-            )
-        )
-    teacher = _aligned_teacher(
+    # DTensor boundary (lossfx/_boundary/dtensor.py): the student's shard, the payload and index
+    # replicated, each head as this rank's rows; a projection needs no even width
+    logits_payload = teacher_payload == "logits"
+    shard = vocab_shard(student_logits, name="student_logits", rank=vocab_parallel_rank, even=logits_payload)
+    payload = replicated(payload, "payload")
+    if logits_payload:
+        payload = shard.pad_full(payload)
+    student = shard.local
+    heads = local_teacher_heads(teacher_output_layer_weight_by_index, shard)
+    layout = sequence_layout(context_parallel_group, cp_sharder)
+    teacher = _validated_teacher(
         payload,
         teacher_payload=teacher_payload,
-        student_logits=student_logits,
-        vocab_parallel_rank=vocab_parallel_rank,
-        layout=sequence_layout(context_parallel_group, cp_sharder),
-        teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
-        teacher_index=teacher_index,
-        output_dtype=output_dtype,
-        project=True,
+        student_logits=student,
+        vocab_parallel_rank=shard.rank if shard.dtensor is not None else vocab_parallel_rank,
+        layout=layout,
+        teacher_output_layer_weight_by_index=heads,
+        teacher_index=replicated(teacher_index, "teacher_index"),
     )
-    assert isinstance(teacher, Tensor)  # project=True always gives the logits
-    return teacher
+    out = _pure.teacher_logits(
+        payload,
+        layout,
+        student.shape[1],
+        student.device,
+        columns=teacher.columns,
+        heads=teacher.heads,
+        position=teacher.position,
+        output_dtype=output_dtype,
+    )
+    return shard.wrap(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,45 +399,6 @@ def local_teacher_heads(weights: Any, shard: VocabShard) -> Any:
     return out
 
 
-# what the DTensor boundary (`_dtensor.entry_point_on_local`) maps, as for prepare_loss_input: the
-# data key padded like the logits, the results given back as the caller's DTensor or wrapped
-_DTENSOR_KEYS = EntryKeys(
-    full_columns=("teacher_full_logits",), as_input=("logits",), sharded=("teacher_logits",), other_vocab="d2t"
-)
-
-
-def prepare_opd_full_on_local(
-    logits: Tensor,
-    data: MutableMapping[str, Any],
-    loss_fn: Any,
-    *,
-    vocab_parallel_rank: int | None,
-    vocab_parallel_group: ProcessGroup | None,
-    teacher_output_layer_weight_by_index: dict[Any, Tensor] | None = None,
-    **kwargs: Any,
-) -> dict[str, Any]:
-    """The DTensor boundary of OPD_FULL: `prepare_opd_full` on this rank's local tensors.
-
-    The logits become their local shard, padded with `-inf` columns to the even width `ceil(V/R)`
-    on a short rank (`entry_point_on_local`); each teacher head becomes this rank's rows
-    (`local_teacher_heads`), unpadded; `vocab_size = V` tells the branch which of its columns are
-    real, so the hidden-states teacher is projected onto exactly those.
-    """
-    shard = vocab_shard(logits, group=vocab_parallel_group, rank=vocab_parallel_rank)
-    return entry_point_on_local(
-        prepare_opd_full,
-        logits,
-        data,
-        loss_fn,
-        keys=_DTENSOR_KEYS,
-        vocab_parallel_rank=vocab_parallel_rank,
-        vocab_parallel_group=vocab_parallel_group,
-        teacher_output_layer_weight_by_index=local_teacher_heads(teacher_output_layer_weight_by_index, shard),
-        vocab_size=shard.vocab_size if shard.group is not None else None,
-        **kwargs,
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # The branch
 # ---------------------------------------------------------------------------------------------
@@ -494,6 +409,189 @@ def _tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int
     if group is None:
         return 0 if vocab_parallel_rank is None else vocab_parallel_rank
     return check_vocab_parallel(vocab_parallel_rank, group)
+
+
+class _LocalCall(NamedTuple):
+    """An OPD_FULL call's DTensor arguments as plain local tensors (`local_call`)."""
+
+    logits: Tensor
+    data: Mapping[str, Any]
+    heads: Any
+    group: ProcessGroup | None
+    rank: int | None
+    vocab_size: int | None
+
+
+def local_call(
+    logits: Any,
+    data: Mapping[str, Any],
+    heads: Any,
+    group: ProcessGroup | None,
+    rank: int | None,
+    vocab_size: int | None = None,
+) -> _LocalCall:
+    """The DTensor boundary of OPD_FULL, the same for the body and the cross-rank check's view.
+
+    The logits become their local shard, padded with `-inf` columns to the even width
+    `ceil(V/R)` on a short rank, with the group and rank of their placement; `Replicate()`
+    DTensor columns of `data` their local tensors (in a new dict: `data` is never modified), the
+    logits payload `teacher_full_logits` padded like the logits (`VocabShard.pad_full`); each
+    teacher head this rank's rows (`local_teacher_heads`), unpadded; `vocab_size = V` says which
+    of the logits' columns are real, so a hidden-states teacher is projected onto exactly those.
+    Plain arguments pass through.
+    """
+    columns = data.values() if isinstance(data, Mapping) else ()
+    if not (is_dtensor(logits) or any(is_dtensor(v) for v in columns) or has_dtensor_head(heads)):
+        return _LocalCall(logits, data, heads, group, rank, vocab_size)
+    shard = vocab_shard(logits, group=group, rank=rank, even=True, group_arg="vocab_parallel_group")
+    local = {key: replicated(value, f"data[{key!r}]") for key, value in data.items()}
+    if "teacher_full_logits" in local:
+        local["teacher_full_logits"] = shard.pad_full(local["teacher_full_logits"])
+    size = shard.vocab_size if shard.group is not None else None
+    return _LocalCall(shard.local, local, local_teacher_heads(heads, shard), shard.group, shard.rank, size)
+
+
+def check_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The cross-rank check's view of an OPD_FULL call (`boundary(local=...)`): its arguments as
+    `local_call` unwraps them for the body, `vocab_size` filled in for a padded DTensor shard
+    (the heads' rows are checked against the real part), and which arguments were DTensors."""
+    heads_arg = "teacher_output_layer_weight_by_index"
+    given = tuple(
+        name
+        for name, value in arguments.items()
+        if is_dtensor(value) or (isinstance(value, Mapping) and any(is_dtensor(v) for v in value.values()))
+    )
+    if not given:
+        return arguments, ""
+    call = local_call(
+        arguments["logits"],
+        arguments["data"],
+        arguments.get(heads_arg),
+        arguments.get("vocab_parallel_group"),
+        arguments.get("vocab_parallel_rank"),
+        arguments.get("vocab_size"),
+    )
+    arguments.update(
+        logits=call.logits,
+        data=call.data,
+        vocab_parallel_group=call.group,
+        vocab_parallel_rank=call.rank,
+        vocab_size=call.vocab_size,
+    )
+    arguments[heads_arg] = call.heads
+    arguments["DTensor arguments"] = given
+    return arguments, ""
+
+
+def opd_full_input(
+    logits: Tensor,
+    data: Mapping[str, Any],
+    loss_fn: Any,
+    *,
+    vocab_parallel_rank: int | None,
+    vocab_parallel_group: ProcessGroup | None,
+    context_parallel_group: ProcessGroup | None,
+    chunk_size: int | None,
+    teacher_output_layer_weight_by_index: dict[Any, Tensor] | None = None,
+    teacher_logits_dtype: torch.dtype | None = None,
+    vocab_size: int | None = None,
+    cp_sharder: Any = None,
+) -> dict[str, Any]:
+    """The boundary work of an OPD_FULL call, once (DTensors, config, columns, heads, ids), then the
+    pure `lossfx._layouts.opd_full.opd_full_loss_input` once. Shared by `prepare_opd_full` and
+    `lossfx.prepare_opd_full_loss_input` / `prepare_loss_input`'s OPD_FULL branch (which are
+    not called by each other); no cross-rank check here (their `boundary` runs it)."""
+    call = local_call(
+        logits, data, teacher_output_layer_weight_by_index, vocab_parallel_group, vocab_parallel_rank, vocab_size
+    )
+    logits, data, heads, group, vocab_size = call.logits, call.data, call.heads, call.group, call.vocab_size
+    # 1. config, arguments and columns (all checked before any work; `data` is never modified)
+    cfg = getattr(loss_fn, "opd_full", None)
+    if cfg is None:
+        raise ValueError("LossInputType.OPD_FULL requires loss_fn.opd_full (an OnPolicyDistillationFullConfig)")
+    teacher_payload = getattr(cfg, "teacher_payload", "hidden_states")
+    if teacher_payload not in _PAYLOAD_COLUMNS:
+        raise ValueError(f"opd_full.teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}")
+    cfg_chunk = getattr(cfg, "chunk_size", None)
+    if cfg_chunk is not None and (
+        isinstance(cfg_chunk, bool) or not isinstance(cfg_chunk, numbers.Integral) or cfg_chunk < 1
+    ):
+        raise ValueError(f"on_policy_distillation.full.chunk_size must be >= 1, got {cfg_chunk!r}")
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    check_floating("logits", logits)
+    if logits.dim() != 3:
+        raise ValueError(f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(logits.shape)}")
+    tp_rank = _tp_rank(call.rank, group)
+    column = _PAYLOAD_COLUMNS[teacher_payload]
+    if column not in data:
+        raise ValueError(
+            f"opd_full requires the teacher payload column {column!r} in the training microbatch; "
+            f"data has {sorted(data.keys())}"
+        )
+    if "input_ids" not in data:
+        raise ValueError(f"opd_full requires the column 'input_ids'; data has {sorted(data.keys())}")
+    input_ids = check_integer_ids("data['input_ids']", data["input_ids"])
+    if input_ids.dim() != 2 or input_ids.shape[0] != logits.shape[0]:
+        raise ValueError(
+            "input_ids must be [B, S] with the logits' batch size; got "
+            f"input_ids.shape={tuple(input_ids.shape)} "
+            f"and logits.shape={tuple(logits.shape)}"
+        )
+    layout = sequence_layout(context_parallel_group, cp_sharder)
+    seq = input_ids.shape[1]
+    window = layout.window(logits.shape[1])
+    if window is not None and seq > window:
+        raise ValueError(
+            f"input_ids has {seq} positions, more than the student window S_l·CP = {logits.shape[1]}·{layout.cp_size}"
+        )
+    teacher_index = data.get(TEACHER_INDEX_FIELD) if teacher_payload == "hidden_states" else None
+    # the student the divergence sees: a short rank's -inf padding columns dropped for a projected
+    # teacher (exact: they hold no probability), so its columns are the teacher heads' rows
+    student = logits
+    if vocab_size is not None and group is not None and teacher_payload == "hidden_states":
+        width, ranks = logits.shape[-1], group_size(group)
+        if (ranks - 1) * width >= vocab_size:  # the same verdict on every rank
+            raise ValueError(
+                f"a vocabulary of V={vocab_size} split over {ranks} ranks leaves the last rank(s) no rows "
+                f"(torch's split: {width} per rank); a hidden-states teacher needs every rank to hold at "
+                "least one vocabulary row: use fewer ranks or pad the vocabulary"
+            )
+        real = min(vocab_size - tp_rank * width, width)
+        student = logits.narrow(-1, 0, real) if real < logits.shape[-1] else logits
+    # 2. this rank's teacher, validated: a logits payload's window, or the LM-head shards
+    payload = data[column]
+    teacher = _validated_teacher(
+        payload,
+        teacher_payload=teacher_payload,
+        student_logits=student,
+        vocab_parallel_rank=tp_rank,
+        layout=layout,
+        teacher_output_layer_weight_by_index=heads,
+        teacher_index=teacher_index,
+    )
+    # 3. the reference-KL term's ids, range-checked once (its logits may be padded: V is the real size)
+    logprobs = None
+    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
+        got = f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
+        layout.check_covers("logits", logits.shape[1], seq, got)
+        vocab = VocabRange.uniform(group, logits.shape[-1])
+        check_ids_in_range("data['input_ids']", input_ids, vocab.size if vocab_size is None else vocab_size)
+        rows = None if chunk_size is None else chunk_size * logits.shape[0]
+        logprobs = (logits, input_ids, vocab, rows)
+    return _pure.opd_full_loss_input(
+        student,
+        payload,
+        seq,
+        layout,
+        group,
+        columns=teacher.columns,
+        heads=teacher.heads,
+        position=teacher.position,
+        validate_decomposition=bool(getattr(cfg, "validate_decomposition", False)),
+        chunk_rows=None if cfg_chunk is None else int(cfg_chunk) * logits.shape[0],
+        teacher_logits_dtype=teacher_logits_dtype,
+        logprobs=logprobs,
+    )
 
 
 @boundary(
@@ -508,6 +606,7 @@ def _tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int
         columns=("teacher_full_logits",),
     ),
     vocab="equal",
+    local=check_view,
 )
 def prepare_opd_full(
     logits: Tensor,
@@ -531,121 +630,21 @@ def prepare_opd_full(
     first `clamp(V − rank·Vl, 0, Vl)` columns are real, and the teacher heads hold that many rows.
     `None`: every column is real.
     """
-    # 1. config, arguments and columns (all checked before any work; `data` is never modified)
-    cfg = getattr(loss_fn, "opd_full", None)
-    if cfg is None:
-        raise ValueError("LossInputType.OPD_FULL requires loss_fn.opd_full (an OnPolicyDistillationFullConfig)")
-    teacher_payload = getattr(cfg, "teacher_payload", "hidden_states")
-    if teacher_payload not in _PAYLOAD_COLUMNS:
-        raise ValueError(f"opd_full.teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}")
-    cfg_chunk = getattr(cfg, "chunk_size", None)
-    if cfg_chunk is not None and (
-        isinstance(cfg_chunk, bool) or not isinstance(cfg_chunk, numbers.Integral) or cfg_chunk < 1
-    ):
-        raise ValueError(f"on_policy_distillation.full.chunk_size must be >= 1, got {cfg_chunk!r}")
-    chunk_size = check_positive_int("chunk_size", chunk_size)
-    check_floating("logits", logits)
-    if logits.dim() != 3:
-        raise ValueError(f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(logits.shape)}")
-    tp_rank = _tp_rank(vocab_parallel_rank, vocab_parallel_group)
-    column = _PAYLOAD_COLUMNS[teacher_payload]
-    if column not in data:
-        raise ValueError(
-            f"opd_full requires the teacher payload column {column!r} in the training microbatch; "
-            f"data has {sorted(data.keys())}"
-        )
-    if "input_ids" not in data:
-        raise ValueError(f"opd_full requires the column 'input_ids'; data has {sorted(data.keys())}")
-    input_ids = check_integer_ids("data['input_ids']", data["input_ids"])
-    if input_ids.dim() != 2 or input_ids.shape[0] != logits.shape[0]:
-        raise ValueError(
-            "input_ids must be [B, S] with the logits' batch size; got "
-            f"input_ids.shape={tuple(input_ids.shape)} "
-            f"and logits.shape={tuple(logits.shape)}"
-        )
-    layout = sequence_layout(context_parallel_group, cp_sharder)
-    window = layout.window(logits.shape[1])
-    if window is not None and input_ids.shape[1] > window:
-        raise ValueError(
-            f"input_ids has {input_ids.shape[1]} positions, more than the student window "
-            f"S_l·CP = {logits.shape[1]}·{layout.cp_size}"
-        )
-    index_field = TEACHER_INDEX_FIELD if teacher_payload == "hidden_states" else None
-    teacher_index = data.get(index_field) if index_field is not None else None
-    # the student the divergence sees: a short rank's -inf padding columns dropped for a projected
-    # teacher (exact: they hold no probability), so its columns are the teacher heads' rows
-    student = logits
-    if vocab_size is not None and vocab_parallel_group is not None and teacher_payload == "hidden_states":
-        width, ranks = logits.shape[-1], group_size(vocab_parallel_group)
-        if (ranks - 1) * width >= vocab_size:  # the same verdict on every rank
-            raise ValueError(
-                f"a vocabulary of V={vocab_size} split over {ranks} ranks leaves the last rank(s) no rows "
-                f"(torch's split: {width} per rank); a hidden-states teacher needs every rank to hold at "
-                "least one vocabulary row: use fewer ranks or pad the vocabulary"
-            )
-        real = min(vocab_size - tp_rank * width, width)
-        student = logits.narrow(-1, 0, real) if real < logits.shape[-1] else logits
-    # 2. this rank's teacher, fixed: logits `[B, S_l, Vl]`, or hidden states `[B, S_l, H]` with the
-    #    LM-head shards, projected chunk by chunk inside the divergence (never `[B, S_l, Vl]`)
-    teacher = _aligned_teacher(
-        data[column],
-        teacher_payload=teacher_payload,
-        student_logits=student,
-        vocab_parallel_rank=tp_rank,
-        layout=layout,
+    return opd_full_input(
+        logits,
+        data,
+        loss_fn,
+        vocab_parallel_rank=vocab_parallel_rank,
+        vocab_parallel_group=vocab_parallel_group,
+        context_parallel_group=context_parallel_group,
+        chunk_size=chunk_size,
         teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
-        teacher_index=teacher_index,
-        output_dtype=teacher_logits_dtype,
-        project=False,
-        canonical_len=input_ids.shape[1],
+        teacher_logits_dtype=teacher_logits_dtype,
+        vocab_size=vocab_size,
+        cp_sharder=cp_sharder,
     )
-    # 3. the divergence (differentiable) and the metric-only decomposition (nothing saved)
-    rows = None if cfg_chunk is None else int(cfg_chunk) * logits.shape[0]
-    group = vocab_parallel_group
 
-    def divergence_to_teacher(kind: str) -> Tensor:  # [B, S_l]
-        if isinstance(teacher, _ProjectedTeacher):
-            head = None
-            if teacher.position is not None:  # each row's head, for every position of the row
-                head = teacher.position[:, None].expand(logits.shape[:-1])  # [B, S_l]
-            return divergence_to_projected_teacher(
-                kind,
-                student,
-                teacher.hidden,
-                teacher.heads,
-                head,
-                group=group,
-                chunk_size=rows,
-                logits_dtype=teacher_logits_dtype,
-            )
-        fn = reverse_kl_to_fixed if kind == "reverse_kl" else cross_entropy_to_fixed
-        return fn(logits, teacher.detach(), group=group, chunk_rows=rows)
 
-    divergence = divergence_to_teacher("reverse_kl")  # [B, S_l]
-    ent = ce = None
-    if getattr(cfg, "validate_decomposition", False):
-        with torch.no_grad():
-            ent = neg_entropy(student, group=group, chunk_rows=rows)  # [B, S_l]
-            ce = divergence_to_teacher("cross_entropy")  # [B, S_l]
-    # 4. canonical order (under lossfx's CP layout the gradient is summed over CP ranks), cut to
-    # 5. the next-token width: student and teacher at t both predict t+1 (no shift between them)
-    width = max(input_ids.shape[1] - 1, 0)
-    divergence = layout.to_canonical(divergence, width)
-    ent = None if ent is None else layout.to_canonical(ent, width)
-    ce = None if ce is None else layout.to_canonical(ce, width)
-    out: dict[str, Any] = {
-        "opd_full_divergence": divergence,
-        "opd_full_entropy": ent,
-        "opd_full_cross_entropy": ce,
-    }
-    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
-        vocab = vocab_size if vocab_size is not None else logits.shape[-1] * group_size(group)
-        check_ids_in_range("data['input_ids']", input_ids, vocab)
-        out["next_token_logprobs"] = sharded_next_token_logprobs(
-            logits,
-            input_ids,
-            vocab_parallel_group=group,
-            cp_sharder=layout,
-            chunk_size=chunk_size,
-        )
-    return out
+# `prepare_opd_full` unwraps DTensor logits, columns and heads itself (once, no re-entry): the
+# former DTensor boundary is the same function
+prepare_opd_full_on_local = prepare_opd_full

@@ -857,6 +857,8 @@ def boundary(
     def wrap(fn: F) -> F:
         sig = inspect.signature(fn)
         unknown = roles.names() - set(sig.parameters)
+        if local is not None:  # a `local` view may fill in the size its DTensors give (`Roles.size`)
+            unknown.discard(roles.size)
         if unknown:
             raise TypeError(f"boundary(roles=...) of {fn.__name__} names no parameter of it: {sorted(unknown)}")
         if collectives and not (roles.tp or roles.cp or roles.cp_from):  # it would never be checked
