@@ -335,7 +335,7 @@ def reconstruct_opd_full_teacher_logits(
         payload,
         teacher_payload=teacher_payload,
         student_logits=student,
-        vocab_parallel_rank=shard.rank if shard.dtensor is not None else vocab_parallel_rank,
+        vocab_parallel_rank=shard.rank,  # a DTensor's, else as given
         layout=layout,
         teacher_output_layer_weight_by_index=heads,
         teacher_index=replicated(teacher_index, "teacher_index"),
