@@ -265,3 +265,41 @@ def test_dtensor_public_calls_validate_once_on_gloo():
         assert len(got) == len(expected)
         for out, ref in zip(got, expected, strict=True):
             torch.testing.assert_close(out, ref, **TIGHT)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Compiled
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.compile
+def test_pure_opd_full_compiles_without_graph_breaks():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    vocab = VocabRange.whole(V)
+
+    def fn(z, payload, ids):
+        return pure.opd_full_loss_input(
+            z,
+            payload,
+            S,
+            PlainLayout(),
+            None,
+            columns=(0, V),
+            validate_decomposition=True,
+            chunk_rows=None,
+            teacher_logits_dtype=None,
+            logprobs=(z, ids, vocab, None),
+        )
+
+    compiled = torch.compile(fn, backend=counter, fullgraph=True)
+    for seed in (0, 1):
+        c = _case(seed=seed)
+        want = reference.opd_full_loss_input(
+            c["z"], _teacher(c, "logits", S), c["ids"], validate_decomposition=True, reference_policy_kl_penalty=PENALTY
+        )
+        got = compiled(c["z"], c["logits"], c["ids"])
+        for key in KEYS:
+            torch.testing.assert_close(got[key], want[key], **TIGHT)
+    assert counter.frame_count == 1
