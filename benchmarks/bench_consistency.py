@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_consistency            # 2 processes over gloo on 127.0.0.1
     python -m benchmarks.bench_consistency --world 4 --iters 400
+    python -m benchmarks.bench_consistency --compiled-only --iters 100   # the compiled [4, 512, 8192] row
 
 Per call, on every rank (medians over `--iters` calls; the whole-call rows time check-on and
 check-off calls in pairs, in alternating order, each after a barrier so that no call absorbs the
@@ -79,7 +80,39 @@ def _interleaved(on, off, iters: int, barrier=None) -> tuple[tuple[float, float]
     return _stats_us(times[0]), _stats_us(times[1]), _median_band(diffs)
 
 
-def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
+def _compiled_row(rows, batch, seq, vocab, logits, data, kwargs, loss_fn, unchecked, iters, barrier) -> None:
+    """The compiled (inductor, `fullgraph=True`) call with the check in its graph and without."""
+    import torch
+
+    import lossfx
+    from lossfx._boundary import consistency as _consistency
+
+    def call_step(fn, z, ids, kwargs=kwargs, mask=data["token_mask"]):
+        return fn(z, {"input_ids": ids, "token_mask": mask}, loss_fn, **kwargs)[0]["next_token_logprobs"]
+
+    entry = lossfx.prepare_loss_input
+    on = torch.compile(lambda z, ids, entry=entry: call_step(entry, z, ids), fullgraph=True)
+    off = torch.compile(lambda z, ids, entry=unchecked: call_step(entry, z, ids), fullgraph=True)
+    ids = data["input_ids"]
+
+    def run_on(z=logits, ids=ids, on=on):
+        on(z, ids)
+
+    def run_off(z=logits, ids=ids, off=off):
+        _consistency._traced_depth[0] = 1  # traced as if nested: no check in this graph
+        try:
+            off(z, ids)
+        finally:
+            _consistency._traced_depth[0] = 0
+
+    for _ in range(3):
+        run_on()
+        run_off()
+    label = f"compiled (inductor) prepare_loss_input LOGPROB top-k 50 top-p 0.9 fwd, [{batch}, {seq}, {vocab}]"
+    rows.append((label, *_interleaved(run_on, run_off, iters, barrier)))
+
+
+def _worker(rank: int, world: int, port: int, iters: int, queue, compiled_only: bool = False) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import warnings
 
@@ -108,7 +141,8 @@ def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
         dist.barrier(group)
 
     roles = lossfx.prepare_loss_input._lossfx_roles  # the parameters' parts, declared with the function
-    for batch, seq, vocab in [(2, 16, 64 * world), (4, 512, 4096 * world)]:
+    shapes = [(2, 16, 64 * world), (4, 512, 4096 * world)]
+    for batch, seq, vocab in shapes[1:] if compiled_only else shapes:
         gen = torch.Generator().manual_seed(0)
         logits = torch.randn(batch, seq, vocab // world, generator=gen)
         data = {"input_ids": torch.randint(0, vocab, (batch, seq), generator=gen), "token_mask": torch.ones(batch, seq)}
@@ -135,6 +169,10 @@ def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
         def kernel_gather(stats=stats):  # for scale: the [3, N] all-gather every log-prob call runs
             all_gather_stack(stats, group)
 
+        if compiled_only:
+            unchecked = lossfx.prepare_loss_input.__wrapped__
+            _compiled_row(rows, batch, seq, vocab, logits, data, kwargs, loss_fn, unchecked, iters, barrier)
+            continue
         for _ in range(5):
             check()
             call()
@@ -152,30 +190,7 @@ def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
         label = f"prepare_loss_input LOGPROB top-k 50 top-p 0.9 fwd, [{batch}, {seq}, {vocab}]"
         rows.append((label, *_interleaved(call, call_unchecked, iters, barrier)))
         if batch * seq >= 2048:  # compiled (inductor, fullgraph): the check is in the graph
-
-            def call_step(fn, z, ids, kwargs=kwargs, mask=data["token_mask"]):
-                return fn(z, {"input_ids": ids, "token_mask": mask}, loss_fn, **kwargs)[0]["next_token_logprobs"]
-
-            entry = lossfx.prepare_loss_input
-            on = torch.compile(lambda z, ids, entry=entry: call_step(entry, z, ids), fullgraph=True)
-            off = torch.compile(lambda z, ids, entry=unchecked: call_step(entry, z, ids), fullgraph=True)
-            ids = data["input_ids"]
-
-            def run_on(z=logits, ids=ids, on=on):
-                on(z, ids)
-
-            def run_off(z=logits, ids=ids, off=off):
-                _consistency._traced_depth[0] = 1  # traced as if nested: no check in this graph
-                try:
-                    off(z, ids)
-                finally:
-                    _consistency._traced_depth[0] = 0
-
-            for _ in range(3):
-                run_on()
-                run_off()
-            label = f"compiled (inductor) prepare_loss_input LOGPROB top-k 50 top-p 0.9 fwd, [{batch}, {seq}, {vocab}]"
-            rows.append((label, *_interleaved(run_on, run_off, iters, barrier)))
+            _compiled_row(rows, batch, seq, vocab, logits, data, kwargs, loss_fn, unchecked, iters, barrier)
     queue.put((rank, rows))
     dist.barrier()
     dist.destroy_process_group()
@@ -185,13 +200,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--compiled-only", action="store_true", help="only the compiled [4, 512, 8192] row")
     args = parser.parse_args()
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args.iters, queue)) for r in range(args.world)]
+    worker_args = (args.world, port, args.iters, queue, args.compiled_only)
+    procs = [ctx.Process(target=_worker, args=(r, *worker_args)) for r in range(args.world)]
     for p in procs:
         p.start()
     per_rank = dict(queue.get(timeout=3600) for _ in procs)
