@@ -539,10 +539,15 @@ def run_heldout(rank: int, world: int, group: Any, name: str, mode: str) -> tupl
 # ---------------------------------------------------------------------------------------------
 
 
+def _ready(rank: int, world: int, group: Any) -> int:
+    return rank
+
+
 def _run(name: str, mode: str = "eager") -> tuple[str, str]:
     """(outcome, detail) of one case on the 2-process gloo pool, as `test_adversarial._run`."""
     timeout = EAGER_TIMEOUT_S if mode == "eager" else COMPILED_TIMEOUT_S
     pool = harness.gloo_pool(2)
+    pool.run(_ready)  # a fresh pool starts (imports, rendezvous) outside the case's timeout
     job = (__name__, "run_heldout", harness.to_wire((name, mode)), {})
     for conn in pool._conns:
         conn.send(job)
