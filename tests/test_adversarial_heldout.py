@@ -460,7 +460,21 @@ def _input_ids_int32_one_rank(rank, group):
     return call, [reference.next_token_logprobs(full, ids)]
 
 
+def _teacher_requires_grad_one_rank(rank, group):
+    """`cross_entropy_to_fixed` whose teacher shard requires grad on rank 0 only (the teacher is
+    fixed: only the student's gradient is compared)."""
+    full = _logits()
+    teacher_full = torch.randn(full.shape, generator=_gen(7), dtype=F64)
+    z = _shard_of(full, rank)
+    t = _shard_of(teacher_full, rank, grad=False)
+    if rank == 0:
+        t.requires_grad_()
+    call = lambda: lossfx.cross_entropy_to_fixed(z, t, group=group)
+    return call, [reference.cross_entropy_to_fixed(full, teacher_full)]
+
+
 CASES = {
+    "teacher_requires_grad_one_rank": _teacher_requires_grad_one_rank,
     "dtensor_replicate_vs_plain": _dtensor_replicate_vs_plain,
     "dtensor_bad_start_one_rank": _dtensor_bad_start((1,)),
     "dtensor_bad_start_both": _dtensor_bad_start((0, 1)),
