@@ -41,9 +41,10 @@ from lossfx._boundary.dtensor import EntryKeys, check_view, entry_point_on_local
 from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx._core.distributed import ProcessGroup, check_group, check_vocab_parallel
 from lossfx._core.numerics import compute_dtype
+from lossfx._layouts import draft as _draft
 from lossfx._layouts import packing as _packing
 from lossfx.distillation import distillation_topk_logprobs
-from lossfx.draft import draft_targets
+from lossfx.draft import validated_draft
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.logprobs import check_ignore_index
 from lossfx.loss_masks import loss_mask_from_data, mask_out_neg_inf_logprobs
@@ -630,15 +631,13 @@ def _prepare_draft_input(
     vocab_parallel_group: ProcessGroup | None,
     layout: SequenceLayout,
 ) -> dict[str, Any]:
-    """`DRAFT`: shifted teacher logits in draft vocabulary and the shifted mask (`lossfx.draft`)."""
-    _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+    """`DRAFT`: shifted teacher logits in draft vocabulary and the shifted mask, on local tensors
+    (`prepare_loss_input` unwrapped them): validated once (`lossfx.draft.validated_draft`), then
+    the pure `lossfx._layouts.draft.draft_targets` once."""
+    rank, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
     student_logits = _column(data, "student_logits")
-    teacher, mask = draft_targets(
-        logits,
-        check_tensor("data['token_mask']", _column(data, "token_mask")),
-        d2t,
-        vocab_parallel_rank=vocab_parallel_rank if group is not None else None,
-        vocab_parallel_group=group,
-        cp_sharder=layout,
-    )
+    token_mask = check_tensor("data['token_mask']", _column(data, "token_mask"))
+    d2t = replicated(d2t, "d2t")
+    target_ids, vocab = validated_draft(logits, token_mask, d2t, group, rank if group is not None else None, layout)
+    teacher, mask = _draft.draft_targets(logits, token_mask, target_ids, vocab, layout)
     return {"teacher_logits": teacher, "student_logits": student_logits, "token_mask": mask}
