@@ -47,7 +47,7 @@ from lossfx.distillation import distillation_topk_logprobs
 from lossfx.draft import validated_draft
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.logprobs import check_ignore_index
-from lossfx.loss_masks import loss_mask_from_data, mask_out_neg_inf_logprobs
+from lossfx.loss_masks import loss_mask_from_data, mask_out_neg_inf_logprobs, masked_out_neg_inf
 from lossfx.next_token import sharded_next_token_logprobs
 from lossfx.opd_full import has_dtensor_head, prepare_opd_full, prepare_opd_full_on_local
 from lossfx.packing import _validated_packed
@@ -585,11 +585,12 @@ def _prepare_packed_on_local(
         ids_name="data['input_ids']",
         uneven_shards=True,  # the shard range is read with the packed checks (one host read)
     )
+    filtering = need_top_k_or_top_p_filtering(sampling_params)
+    mask = loss_mask_from_data(data, input_ids) if filtering else None  # [B, S] ([1, T] pre-packed)
     logprobs = _packing.packed_next_token_logprobs(logits, input_ids, layout, vocab, **options)
-    if not need_top_k_or_top_p_filtering(sampling_params):
+    if mask is None:
         return {"next_token_logprobs": logprobs}, data
-    mask = loss_mask_from_data(data, input_ids)  # [B, S], or [1, T] for pre-packed input
-    logprobs = mask_out_neg_inf_logprobs(logprobs, mask[:, 1:], "curr_logprobs")
+    logprobs = masked_out_neg_inf(logprobs, mask[:, 1:], "curr_logprobs")  # shapes match by construction
     if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
         data["curr_logprobs_unfiltered"] = _packing.packed_next_token_logprobs(
             logits, input_ids, layout, vocab, chunk_rows=options["chunk_rows"]
