@@ -256,3 +256,66 @@ def test_one_public_call_on_two_ranks(name, counts):
     no nested public call."""
     (want, _) = run_ranks(2, _rank_calls, name)
     assert {k: len(v) / 2 for k, v in counts.items()} == want
+
+
+def gloo_dtensor_packed_job(rank, world, group, z, ids):
+    """`prepare_packed_loss_input` with `Shard(2)` DTensor logits on a real gloo mesh: unwrapped
+    once (no re-entry of the public function), one range check, one pure call, no nested public
+    call; the log-probs and the counts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = distribute_tensor(z, mesh, [Shard(2)], src_data_rank=None)
+    names = ("check_packed_input_ids", "nested", "packed_next_token_logprobs")
+    modules = (lossfx.packing, host_reads, pure_packing)
+    counts = dict.fromkeys(names, 0)
+    originals = [getattr(m, n) for m, n in zip(modules, names)]
+
+    def counted(name, original):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    for module, name, original in zip(modules, names, originals):
+        setattr(module, name, counted(name, original))
+    try:
+        loss_fn = _Fn(input_type=lossfx.LossInputType.LOGPROB)
+        out, _ = lossfx.prepare_packed_loss_input(x, {"input_ids": ids}, loss_fn, CU_Q, CU_P)
+    finally:
+        for module, name, original in zip(modules, names, originals):
+            setattr(module, name, original)
+    return out["next_token_logprobs"], torch.tensor([counts[n] for n in names])
+
+
+@pytest.mark.distributed
+def test_dtensor_prepare_packed_loss_input_unwraps_once_on_gloo():
+    from harness import gloo_pool
+
+    z, ids = _case(5)
+    z = z[..., :10]  # Shard(2) of 10 columns over 2 ranks
+    want = reference.packed_next_token_logprobs(z, ids, CU_Q, CU_P)
+    for out, got in gloo_pool(2).run(gloo_dtensor_packed_job, z, ids):
+        torch.testing.assert_close(out, want, **TIGHT)
+        assert got.tolist() == [1, 0, 1]
+
+
+def test_pure_packed_compiles_without_graph_breaks():
+    """The pure pipeline with tensor `cu_seqlens` under `fullgraph=True`: one graph, reused for
+    another layout of the same shapes, and the reference's values."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def fn(z, ids, cu_q, cu_p):
+        layout = pure_packing.PackedLayout(cu_q, cu_p, None, False)
+        return pure_packing.packed_next_token_logprobs(z, ids, layout, VocabRange.whole(z.shape[-1]), top_k=5)
+
+    compiled = torch.compile(fn, backend=counter, fullgraph=True)
+    z, ids = _case(9)
+    for cu_q, cu_p in ((CU_Q, CU_P), ([0, 4, 8, 10], [0, 4, 12, 16])):
+        got = compiled(z, ids, torch.tensor(cu_q), torch.tensor(cu_p))
+        torch.testing.assert_close(got, reference.packed_next_token_logprobs(z, ids, cu_q, cu_p, top_k=5), **TIGHT)
+    assert counter.frame_count == 1
