@@ -2,9 +2,12 @@
 
     python -m benchmarks.bench_consistency            # 2 processes over gloo on 127.0.0.1
     python -m benchmarks.bench_consistency --world 4 --iters 400
+    python -m benchmarks.bench_consistency --compiled-only --iters 100   # the compiled [4, 512, 8192] row
 
-Per call, on every rank (medians over `--iters` calls, check-on and check-off calls interleaved so
-both see the same machine load; rows of the whole call compare it with and without the check):
+Per call, on every rank (medians over `--iters` calls; the whole-call rows time check-on and
+check-off calls in pairs, in alternating order, each after a barrier so that no call absorbs the
+rank skew left by the previous one, and report the median of the paired differences with a 95 %
+distribution-free band, per rank):
 
 - `gather`: one all-gather of the `[256]` int64 signature alone (the collective the check adds),
   and for scale the `[3, B·S]` statistics all-gather the log-prob kernel runs anyway;
@@ -16,7 +19,7 @@ both see the same machine load; rows of the whole call compare it with and witho
   fixed cost shows) and `[4, 512, 8192]`, eager and compiled (inductor, `fullgraph=True`; the
   check-off graph is traced as a nested call, which skips the check).
 
-Prints a markdown table (rank 0's numbers).
+Prints a markdown table (rank 0's times; the paired differences of every rank).
 """
 
 from __future__ import annotations
@@ -50,17 +53,66 @@ def _stats_us(times: list[float]) -> tuple[float, float]:
     return statistics.median(ordered) * 1e6, ordered[len(ordered) // 10] * 1e6
 
 
-def _interleaved(on, off, iters: int) -> tuple[tuple[float, float], tuple[float, float]]:
-    """`(stats of on, stats of off)`, the calls alternating so that both see the same load."""
+def _median_band(values: list[float]) -> tuple[float, float, float]:
+    """`(median, low, high)`: a distribution-free 95 % confidence band of the median (the order
+    statistics `n/2 ∓ 0.98·√n`, binomial with p = 1/2)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    half = int(0.98 * n**0.5) + 1
+    return statistics.median(ordered), ordered[max(0, n // 2 - half)], ordered[min(n - 1, (n - 1) // 2 + half)]
+
+
+def _interleaved(on, off, iters: int, barrier=None) -> tuple[tuple[float, float], tuple[float, float], tuple]:
+    """`(stats of on, stats of off, paired)`: per iteration one call of each, in alternating order
+    (on, off, off, on, ...) so both see the same load and neither always runs first; `barrier()`
+    before each timed call lines the ranks up, so a call does not absorb the skew the previous one
+    left (the check's all-gather is the call's first collective: it would wait for the slowest rank).
+    `paired`: the median of the per-iteration differences `on − off` in µs and its 95 % band."""
     times: tuple[list[float], list[float]] = ([], [])
     for i in range(iters):
-        start = time.perf_counter()
-        (on if i % 2 == 0 else off)()
-        times[i % 2].append(time.perf_counter() - start)
-    return _stats_us(times[0]), _stats_us(times[1])
+        for j in (0, 1) if i % 2 == 0 else (1, 0):
+            if barrier is not None:
+                barrier()
+            start = time.perf_counter()
+            (on, off)[j]()
+            times[j].append(time.perf_counter() - start)
+    diffs = [(a - b) * 1e6 for a, b in zip(*times, strict=True)]
+    return _stats_us(times[0]), _stats_us(times[1]), _median_band(diffs)
 
 
-def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
+def _compiled_row(rows, batch, seq, vocab, logits, data, kwargs, loss_fn, unchecked, iters, barrier) -> None:
+    """The compiled (inductor, `fullgraph=True`) call with the check in its graph and without."""
+    import torch
+
+    import lossfx
+    from lossfx._boundary import consistency as _consistency
+
+    def call_step(fn, z, ids, kwargs=kwargs, mask=data["token_mask"]):
+        return fn(z, {"input_ids": ids, "token_mask": mask}, loss_fn, **kwargs)[0]["next_token_logprobs"]
+
+    entry = lossfx.prepare_loss_input
+    on = torch.compile(lambda z, ids, entry=entry: call_step(entry, z, ids), fullgraph=True)
+    off = torch.compile(lambda z, ids, entry=unchecked: call_step(entry, z, ids), fullgraph=True)
+    ids = data["input_ids"]
+
+    def run_on(z=logits, ids=ids, on=on):
+        on(z, ids)
+
+    def run_off(z=logits, ids=ids, off=off):
+        _consistency._traced_depth[0] = 1  # traced as if nested: no check in this graph
+        try:
+            off(z, ids)
+        finally:
+            _consistency._traced_depth[0] = 0
+
+    for _ in range(3):
+        run_on()
+        run_off()
+    label = f"compiled (inductor) prepare_loss_input LOGPROB top-k 50 top-p 0.9 fwd, [{batch}, {seq}, {vocab}]"
+    rows.append((label, *_interleaved(run_on, run_off, iters, barrier)))
+
+
+def _worker(rank: int, world: int, port: int, iters: int, queue, compiled_only: bool = False) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import warnings
 
@@ -85,8 +137,12 @@ def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
         ("gather: one [256] int64 all-gather", _stats_us(_times(lambda: _consistency._gather(sig, group), iters)), None)
     )
 
+    def barrier() -> None:
+        dist.barrier(group)
+
     roles = lossfx.prepare_loss_input._lossfx_roles  # the parameters' parts, declared with the function
-    for batch, seq, vocab in [(2, 16, 64 * world), (4, 512, 4096 * world)]:
+    shapes = [(2, 16, 64 * world), (4, 512, 4096 * world)]
+    for batch, seq, vocab in shapes[1:] if compiled_only else shapes:
         gen = torch.Generator().manual_seed(0)
         logits = torch.randn(batch, seq, vocab // world, generator=gen)
         data = {"input_ids": torch.randint(0, vocab, (batch, seq), generator=gen), "token_mask": torch.ones(batch, seq)}
@@ -113,6 +169,10 @@ def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
         def kernel_gather(stats=stats):  # for scale: the [3, N] all-gather every log-prob call runs
             all_gather_stack(stats, group)
 
+        if compiled_only:
+            unchecked = lossfx.prepare_loss_input.__wrapped__
+            _compiled_row(rows, batch, seq, vocab, logits, data, kwargs, loss_fn, unchecked, iters, barrier)
+            continue
         for _ in range(5):
             check()
             call()
@@ -128,34 +188,10 @@ def _worker(rank: int, world: int, port: int, iters: int, queue) -> None:
             unchecked(logits, data, loss_fn, **kwargs)
 
         label = f"prepare_loss_input LOGPROB top-k 50 top-p 0.9 fwd, [{batch}, {seq}, {vocab}]"
-        rows.append((label, *_interleaved(call, call_unchecked, iters)))
+        rows.append((label, *_interleaved(call, call_unchecked, iters, barrier)))
         if batch * seq >= 2048:  # compiled (inductor, fullgraph): the check is in the graph
-
-            def call_step(fn, z, ids, kwargs=kwargs, mask=data["token_mask"]):
-                return fn(z, {"input_ids": ids, "token_mask": mask}, loss_fn, **kwargs)[0]["next_token_logprobs"]
-
-            entry = lossfx.prepare_loss_input
-            on = torch.compile(lambda z, ids, entry=entry: call_step(entry, z, ids), fullgraph=True)
-            off = torch.compile(lambda z, ids, entry=unchecked: call_step(entry, z, ids), fullgraph=True)
-            ids = data["input_ids"]
-
-            def run_on(z=logits, ids=ids, on=on):
-                on(z, ids)
-
-            def run_off(z=logits, ids=ids, off=off):
-                _consistency._traced_depth[0] = 1  # traced as if nested: no check in this graph
-                try:
-                    off(z, ids)
-                finally:
-                    _consistency._traced_depth[0] = 0
-
-            for _ in range(3):
-                run_on()
-                run_off()
-            label = f"compiled (inductor) prepare_loss_input LOGPROB top-k 50 top-p 0.9 fwd, [{batch}, {seq}, {vocab}]"
-            rows.append((label, *_interleaved(run_on, run_off, iters)))
-    if rank == 0:
-        queue.put(rows)
+            _compiled_row(rows, batch, seq, vocab, logits, data, kwargs, loss_fn, unchecked, iters, barrier)
+    queue.put((rank, rows))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -164,27 +200,42 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--compiled-only", action="store_true", help="only the compiled [4, 512, 8192] row")
     args = parser.parse_args()
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args.iters, queue)) for r in range(args.world)]
+    worker_args = (args.world, port, args.iters, queue, args.compiled_only)
+    procs = [ctx.Process(target=_worker, args=(r, *worker_args)) for r in range(args.world)]
     for p in procs:
         p.start()
-    rows = queue.get(timeout=1800)
+    per_rank = dict(queue.get(timeout=3600) for _ in procs)
     for p in procs:
         p.join()
-    print(f"world {args.world} (gloo, 127.0.0.1, 1 thread per rank), median of {args.iters} calls, rank 0\n")
-    print("| what | median µs (check on) | p10 µs | median µs, check off | p10 µs | added (median) |")
+    print(f"world {args.world} (gloo, 127.0.0.1, 1 thread per rank), {args.iters} calls each; rank 0, then")
+    print("the paired differences of every rank (barrier before each timed call, on/off order alternating)\n")
+    added_header = "added: median of paired on − off, µs [95 % band]"
+    print(f"| what | median µs (check on) | p10 µs | median µs, check off | p10 µs | {added_header} |")
     print("|---|---:|---:|---:|---:|---:|")
-    for label, (med, p10), off in rows:
-        if off is None:
+    for label, (med, p10), *rest in per_rank[0]:
+        if not rest or rest[0] is None:
             print(f"| {label} | {med:.0f} | {p10:.0f} | | | |")
-        else:
-            added = f"{med - off[0]:+.0f} ({(med - off[0]) / off[0]:+.1%})"
-            print(f"| {label} | {med:.0f} | {p10:.0f} | {off[0]:.0f} | {off[1]:.0f} | {added} |")
+            continue
+        off = rest[0]
+        added = [f"r{r}: {_band(per_rank[r], label)}" for r in sorted(per_rank)]
+        print(f"| {label} | {med:.0f} | {p10:.0f} | {off[0]:.0f} | {off[1]:.0f} | {'; '.join(added)} |")
+
+
+def _band(rows, label: str) -> str:
+    """`+d µs [lo, hi] (+x % [lo %, hi %])` of the paired differences of the row `label`, relative
+    to that rank's median check-off time."""
+    for row_label, _, *rest in rows:
+        if row_label == label:
+            off, (d, lo, hi) = rest
+            return f"{d:+.0f} [{lo:+.0f}, {hi:+.0f}] ({d / off[0]:+.1%} [{lo / off[0]:+.1%}, {hi / off[0]:+.1%}])"
+    return "?"
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from lossfx._boundary.validation import check_floating, check_ids_in_range, chec
 from lossfx._core.distributed import ProcessGroup, check_group, group_size
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import draft as _pure
-from lossfx.sequence_layout import ContextParallelSharder, LoadBalancedLayout, sequence_layout
+from lossfx.sequence_layout import ContextParallelSharder, LoadBalancedLayout, SequenceLayout, sequence_layout
 
 __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
 
@@ -193,21 +193,35 @@ def draft_targets(
     shard = VocabShard(logits, vocab_parallel_group, vocab_parallel_rank, None, None)
     if is_dtensor(logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_boundary/dtensor.py)
         shard = vocab_shard(logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True)
-    local = shard.local
     token_mask, d2t = replicated(token_mask, "token_mask"), replicated(d2t, "d2t")
-    check_floating("logits", local)
+    layout = sequence_layout(context_parallel_group, cp_sharder)
+    target_ids, vocab = validated_draft(shard.local, token_mask, d2t, shard.group, shard.rank, layout)
+    teacher, mask = _pure.draft_targets(shard.local, token_mask, target_ids, vocab, layout)
+    return _wrap_draft(shard, teacher, d2t), mask
+
+
+def validated_draft(
+    logits: Tensor,
+    token_mask: Tensor,
+    d2t: Tensor | None,
+    group: ProcessGroup | None,
+    rank: int | None,
+    layout: SequenceLayout,
+) -> tuple[Tensor | None, VocabRange]:
+    """The boundary work of a `draft_targets` call on local tensors, once: `(target_ids or None,
+    vocab)` as `lossfx._layouts.draft.draft_targets` takes them (shapes checked against the
+    layout, `d2t` checked and its target ids range-checked once). Shared with the `DRAFT`
+    branch of `lossfx.prepare_loss_input`."""
+    check_floating("logits", logits)
     check_tensor("token_mask", token_mask)
-    if local.dim() != 3 or token_mask.dim() != 2 or local.shape[0] != token_mask.shape[0]:
+    if logits.dim() != 3 or token_mask.dim() != 2 or logits.shape[0] != token_mask.shape[0]:
         raise ValueError(
-            f"logits must be [B, S_local, V_local] and token_mask [B, S]; got {tuple(local.shape)} "
+            f"logits must be [B, S_local, V_local] and token_mask [B, S]; got {tuple(logits.shape)} "
             f"and {tuple(token_mask.shape)}"
         )
-    layout = sequence_layout(context_parallel_group, cp_sharder)
-    seq, local_len = token_mask.shape[1], local.shape[1]
-    got = f"logits.shape={tuple(local.shape)} and token_mask.shape={tuple(token_mask.shape)}"
+    seq, local_len = token_mask.shape[1], logits.shape[1]
+    got = f"logits.shape={tuple(logits.shape)} and token_mask.shape={tuple(token_mask.shape)}"
     layout.check_covers("logits", local_len, seq, got, canonical="token_mask")
-    local_vocab = local.shape[-1]
-    target_ids = None if d2t is None else _validated_target_ids(d2t, shard.group, shard.rank, local_vocab)
-    vocab = VocabRange.uniform(shard.group, local_vocab)
-    teacher, mask = _pure.draft_targets(local, token_mask, target_ids, vocab, layout)
-    return _wrap_draft(shard, teacher, d2t), mask
+    local_vocab = logits.shape[-1]
+    target_ids = None if d2t is None else _validated_target_ids(d2t, group, rank, local_vocab)
+    return target_ids, VocabRange.uniform(group, local_vocab)

@@ -30,7 +30,9 @@ The boundary: this module is the public face. Each public function does its boun
 at the top (the DTensor unwrap of `weight`/`bias`/`hidden`, argument validation, one range check
 of the ids, the `VocabRange` of this rank's head rows), then calls the pure kernel in
 `lossfx._kernels.fused_linear` once; the maths above lives there (and in
-`lossfx._kernels.linear_chunks`).
+`lossfx._kernels.linear_chunks`). `linear_next_token_logprobs` calls the pure next-token
+pipeline `lossfx._layouts.linear_next_token` once (its sequence layout work: shift, lay out,
+gather).
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ from lossfx._core.distributed import ProcessGroup, group_rank, group_size
 from lossfx._core.tiles import LogitHead
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import fused_linear as kernel
+from lossfx._layouts import linear_next_token as _pure_next_token
 from lossfx.next_token import check_position_ids
-from lossfx.sequence_layout import score_next_tokens, sequence_layout
+from lossfx.sequence_layout import sequence_layout
 
 __all__ = ["linear_gather_logprobs", "linear_next_token_logprobs", "linear_token_logprobs"]
 
@@ -661,39 +664,21 @@ def linear_next_token_logprobs(
         f"input_ids.shape={tuple(input_ids.shape)}"
     )
     layout.check_covers("hidden states", local_len, input_ids.shape[1], shapes)
-    # under sequence parallelism the rows are taken sequence-major, so that each TP rank's
-    # [B, S_l/R] positions are one contiguous block of the flattened rows
-    seq_major = sequence_parallel and tp_size > 1
-    rows = hidden.transpose(0, 1) if seq_major else hidden  # [S_l/R, B, H] under sequence parallelism
-
-    def score(target: Tensor) -> list[Tensor]:  # [B, S_l] -> [B, S_l] each
-        target = target.transpose(0, 1) if seq_major else target  # [S_l, B]
-        # the layout's targets are the call's ids: range-checked here, once (as "target")
-        check_rows(
-            rows,
-            target.unsqueeze(-1),
-            call,
-            ignore_index=ignore_index,
-            sequence_parallel=sequence_parallel,
-            name="target",
-        )
-        logprobs, neg_entropy = kernel.linear_token_logprobs(
-            rows,
-            weight,
-            target,
-            call.vocab,
-            bias=call.bias,
-            head=call.head,
-            ignore_index=ignore_index,
-            with_neg_entropy=return_neg_entropy,
-            chunk_rows=call.chunk_rows,
-            sequence_parallel=sequence_parallel,
-        )
-        outputs = [logprobs] if neg_entropy is None else [logprobs, neg_entropy]
-        return [x.transpose(0, 1) for x in outputs] if seq_major else outputs
-
-    # the shift, the layout, the kernel, the gather: each sequence's last position (and the
-    # dropped last column, and any padding) is an ignored (skipped) row
-    ids = input_ids.to(hidden.device)
-    outputs = score_next_tokens(layout, ids, local_len, score, fill=ignore_index, position_ids=position_ids)
+    # the scored ids input_ids[:, 1:], once (ignore_index is never out of range); positions are input_ids'
+    scored = input_ids[:, 1:]
+    check_ids_in_range("input_ids", scored.masked_fill(scored == ignore_index, 0), call.vocab.size, column_offset=1)
+    outputs = _pure_next_token.linear_next_token_logprobs(
+        hidden,
+        weight,
+        input_ids,
+        layout,
+        call.vocab,
+        head=call.head,
+        bias=call.bias,
+        ignore_index=ignore_index,
+        with_neg_entropy=return_neg_entropy,
+        chunk_rows=call.chunk_rows,
+        sequence_parallel=sequence_parallel,
+        position_ids=position_ids,
+    )
     return (outputs[0], outputs[1]) if return_neg_entropy else outputs[0]

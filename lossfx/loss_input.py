@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lossfx._boundary import dtensor as _dtensor
 from lossfx._boundary.consistency import (
     Roles,
     boundary,
@@ -43,21 +44,24 @@ from lossfx._boundary.dtensor import (
     entry_point_on_local,
     has_dtensor,
     is_dtensor,
+    rejections_compared,
     replicated,
     vocab_shard,
 )
 from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx._core.distributed import ProcessGroup, check_group, check_vocab_parallel
 from lossfx._core.numerics import compute_dtype
+from lossfx._layouts import draft as _draft
+from lossfx._layouts import packing as _packing
 from lossfx.distillation import _distillation
-from lossfx.draft import draft_targets
+from lossfx.draft import validated_draft
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.logprobs import check_ignore_index
-from lossfx.loss_masks import loss_mask_from_data, mask_out_neg_inf_logprobs
+from lossfx.loss_masks import loss_mask_from_data, mask_out_neg_inf_logprobs, masked_out_neg_inf
 from lossfx.next_token import sharded_next_token_logprobs
 from lossfx.opd_full import check_view as opd_check_view
 from lossfx.opd_full import opd_full_input
-from lossfx.packing import _packed_next_token_logprobs as packed_next_token_logprobs
+from lossfx.packing import _validated_packed
 from lossfx.sequence_layout import SequenceLayout, sequence_layout
 
 __all__ = [
@@ -203,7 +207,7 @@ def next_token_logprobs(
     return out if ignored is None else torch.where(ignored.to(out.device), torch.zeros_like(out), out)
 
 
-def _loss_input_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+def _local_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The cross-rank check's view of a `prepare_loss_input` call with DTensors: OPD_FULL's
     (`lossfx.opd_full.check_view`), or the local tensors `entry_point_on_local` hands the branch
     (the logits' even shard, its group and rank, the replicated columns, the payload padded like
@@ -232,6 +236,10 @@ def _loss_input_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
     arguments.update(logits=shard.local, data=local, vocab_parallel_group=shard.group, vocab_parallel_rank=shard.rank)
     arguments["DTensor arguments"] = given
     return arguments, ""
+
+
+# a DTensor rejected on some rank is a compared field, not an error before the check's collective
+_loss_input_view = rejections_compared(_local_view, "vocab_parallel_group")
 
 
 @boundary(roles=_ROLES_ALL, vocab=_vocab_policy, local=_loss_input_view)
@@ -480,7 +488,18 @@ def prepare_opd_full_loss_input(
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
 
 
-@boundary(roles=_ROLES_DATA, vocab="auto")
+def _packed_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The cross-rank check's view of a `prepare_packed_loss_input` call with DTensors: the local
+    logits (and their group and rank) and the local `data` columns, as its body unwraps them."""
+    arguments, hint = _LOGITS_VIEW(arguments)
+    arguments["data"] = _dtensor._replicated_columns(arguments["data"])
+    return arguments, hint
+
+
+_LOGITS_VIEW = check_view("logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True)
+
+
+@boundary(roles=_ROLES_DATA, vocab="auto", local=_packed_view)
 def prepare_packed_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -526,9 +545,9 @@ def prepare_packed_loss_input(
             decreasing, padded shorter than unpadded, total not matching the logits, not a
             multiple of `2C`), naming the offending entries; bad shapes or ids.
     """
-    if has_dtensor(logits, data):  # DTensor boundary: lossfx/_boundary/dtensor.py
+    if has_dtensor(logits, data):  # DTensor boundary: lossfx/_boundary/dtensor.py (unwrapped once)
         return entry_point_on_local(
-            prepare_packed_loss_input,
+            _prepare_packed_on_local,
             logits,
             data,
             loss_fn,
@@ -541,6 +560,36 @@ def prepare_packed_loss_input(
             sampling_params=sampling_params,
             chunk_size=chunk_size,
         )
+    return _prepare_packed_on_local(
+        logits,
+        data,
+        loss_fn,
+        cu_seqlens_q,
+        cu_seqlens_q_padded,
+        vocab_parallel_rank=vocab_parallel_rank,
+        vocab_parallel_group=vocab_parallel_group,
+        context_parallel_group=context_parallel_group,
+        sampling_params=sampling_params,
+        chunk_size=chunk_size,
+    )
+
+
+def _prepare_packed_on_local(
+    logits: Tensor,
+    data: MutableMapping[str, Any],
+    loss_fn: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_q_padded: Any,
+    *,
+    vocab_parallel_rank: int | None,
+    vocab_parallel_group: ProcessGroup | None,
+    context_parallel_group: ProcessGroup | None,
+    sampling_params: TrainingSamplingParams | None,
+    chunk_size: int | None,
+) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
+    """`prepare_packed_loss_input` on local tensors: validate once (`_validated_packed`: the
+    `cu_seqlens` and the scored ids read in one host read), then the pure packed pipeline
+    (`lossfx._layouts.packing`), once more unfiltered for a reference-KL term (nothing rechecked)."""
     input_type = _input_type(loss_fn)
     if input_type is not LossInputType.LOGPROB:
         raise ValueError(
@@ -554,29 +603,28 @@ def prepare_packed_loss_input(
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
     input_ids = check_tensor("data['input_ids']", _column(data, "input_ids"))
     check_tensor("logits", logits)
-    layout: dict[str, Any] = {
-        "uneven_shards": True,  # the shard range is read with the packed checks (one host read)
-        "prepacked": "cu_seqlens" in data,
-        "vocab_parallel_group": group,
-        "context_parallel_group": context_parallel_group,
-    }
-    logprobs = packed_next_token_logprobs(
+    logits, input_ids, layout, vocab, options = _validated_packed(
         logits,
         input_ids,
         cu_seqlens_q,
         cu_seqlens_q_padded,
+        prepacked="cu_seqlens" in data,
+        vocab_parallel_group=group,
+        context_parallel_group=context_parallel_group,
         sampling_params=sampling_params,
         chunk_size=chunk_size,
         ids_name="data['input_ids']",
-        **layout,
+        uneven_shards=True,  # the shard range is read with the packed checks (one host read)
     )
-    if not need_top_k_or_top_p_filtering(sampling_params):
+    filtering = need_top_k_or_top_p_filtering(sampling_params)
+    mask = loss_mask_from_data(data, input_ids) if filtering else None  # [B, S] ([1, T] pre-packed)
+    logprobs = _packing.packed_next_token_logprobs(logits, input_ids, layout, vocab, **options)
+    if mask is None:
         return {"next_token_logprobs": logprobs}, data
-    mask = loss_mask_from_data(data, input_ids)  # [B, S], or [1, T] for pre-packed input
-    logprobs = mask_out_neg_inf_logprobs(logprobs, mask[:, 1:], "curr_logprobs")
+    logprobs = masked_out_neg_inf(logprobs, mask[:, 1:], "curr_logprobs")  # shapes match by construction
     if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
-        data["curr_logprobs_unfiltered"] = packed_next_token_logprobs(
-            logits, input_ids, cu_seqlens_q, cu_seqlens_q_padded, **layout
+        data["curr_logprobs_unfiltered"] = _packing.packed_next_token_logprobs(
+            logits, input_ids, layout, vocab, chunk_rows=options["chunk_rows"]
         )
     return {"next_token_logprobs": logprobs}, data
 
@@ -620,15 +668,13 @@ def _prepare_draft_input(
     vocab_parallel_group: ProcessGroup | None,
     layout: SequenceLayout,
 ) -> dict[str, Any]:
-    """`DRAFT`: shifted teacher logits in draft vocabulary and the shifted mask (`lossfx.draft`)."""
-    _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+    """`DRAFT`: shifted teacher logits in draft vocabulary and the shifted mask, on local tensors
+    (`prepare_loss_input` unwrapped them): validated once (`lossfx.draft.validated_draft`), then
+    the pure `lossfx._layouts.draft.draft_targets` once."""
+    rank, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
     student_logits = _column(data, "student_logits")
-    teacher, mask = draft_targets(
-        logits,
-        check_tensor("data['token_mask']", _column(data, "token_mask")),
-        d2t,
-        vocab_parallel_rank=vocab_parallel_rank if group is not None else None,
-        vocab_parallel_group=group,
-        cp_sharder=layout,
-    )
+    token_mask = check_tensor("data['token_mask']", _column(data, "token_mask"))
+    d2t = replicated(d2t, "d2t")
+    target_ids, vocab = validated_draft(logits, token_mask, d2t, group, rank if group is not None else None, layout)
+    teacher, mask = _draft.draft_targets(logits, token_mask, target_ids, vocab, layout)
     return {"teacher_logits": teacher, "student_logits": student_logits, "token_mask": mask}

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import VocabShard, _same_group, is_dtensor, replicated, vocab_shard
+from lossfx._boundary.dtensor import VocabShard, _same_group, is_dtensor, rejections_compared, replicated, vocab_shard
 from lossfx._boundary.validation import (
     check_floating,
     check_ids_in_range,
@@ -451,8 +451,8 @@ def local_call(
     return _LocalCall(shard.local, local, local_teacher_heads(heads, shard), shard.group, shard.rank, size)
 
 
-def check_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The cross-rank check's view of an OPD_FULL call (`boundary(local=...)`): its arguments as
+def _view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The cross-rank check's view of an OPD_FULL call (`check_view`): its arguments as
     `local_call` unwraps them for the body, `vocab_size` filled in for a padded DTensor shard
     (the heads' rows are checked against the real part), and which arguments were DTensors."""
     heads_arg = "teacher_output_layer_weight_by_index"
@@ -481,6 +481,10 @@ def check_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
     arguments[heads_arg] = call.heads
     arguments["DTensor arguments"] = given
     return arguments, ""
+
+
+# a DTensor that `local_call` rejects on some rank is a compared field, not an error before the check
+check_view = rejections_compared(_view, "vocab_parallel_group")
 
 
 def opd_full_input(

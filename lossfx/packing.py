@@ -21,6 +21,13 @@ parts of every sequence.
 4. one all-gather over the CP group (gradient summed over CP ranks: divide the loss by `C`) and a
    gather into canonical packed order, then either the unpacked `[B, S−1]` view or the packed
    physical `[1, T−1]` layout with each sequence's last slot set to 0.
+
+The boundary: `packed_next_token_logprobs` (and `lossfx.prepare_packed_loss_input`) validate
+once (types, shapes, `cu_seqlens` values and the scored ids, read together in one host read),
+resolve this rank's `VocabRange` and the filter, then call the pure pipeline
+`lossfx._layouts.packing.packed_next_token_logprobs` once. The index maps and the pure
+`PackedLayout` live in `lossfx._layouts.packing`; `PackedLayout` here adds the boundary's
+`cu_seqlens` check (`check_covers`).
 """
 
 from __future__ import annotations
@@ -30,16 +37,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from einops import rearrange
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary, vocab_shard_range, vocab_size_when_read
-from lossfx._boundary.validation import check_integer_ids, check_tensor, mark_checked, values_checkable
+from lossfx._boundary.validation import check_floating, check_integer_ids, check_positive_int, values_checkable
 from lossfx._core import host_reads as _host_reads
-from lossfx._core.distributed import ProcessGroup, all_gather_stack_summed_grad, group_rank, group_size
-from lossfx.interfaces import TrainingSamplingParams
-from lossfx.next_token import target_logprobs
-from lossfx.sequence_layout import SequenceLayout, score_next_tokens
+from lossfx._core.distributed import ProcessGroup
+from lossfx._core.vocab import VocabRange
+from lossfx._layouts import packing as _pure
+from lossfx.filtering import check_filter_params
+from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
 
 __all__ = ["PackedLayout", "check_cu_seqlens", "check_packed_input_ids", "packed_next_token_logprobs"]
 
@@ -69,9 +76,7 @@ def _cu_key(cu: Any) -> tuple[object, ...]:
 def _as_tensor(name: str, cu: Any, device: torch.device) -> Tensor:
     """`cu_seqlens` as a 1-D int64 tensor on `device` (tuples of ints and int tensors accepted)."""
     _check_cu_type(name, cu)
-    if isinstance(cu, Tensor):
-        return cu.to(device=device, dtype=torch.int64)
-    return torch.tensor(list(cu), dtype=torch.int64, device=device)
+    return _pure.cu_tensor(cu, device)
 
 
 def check_cu_seqlens(cu_seqlens_q: Any, cu_seqlens_q_padded: Any, n_seqs: int, total: int, cp_size: int) -> None:
@@ -177,129 +182,16 @@ def check_packed_input_ids(
     _host_reads.defer(torch.stack([values.min(), values.max()]).to(torch.int64), raise_if_bad)
 
 
-def _slot_of_local(cu_p: Tensor, local_len: int, cp_rank: int, cp_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """For each local slot `[T/C]`: its sequence, its position in that sequence, the padded length."""
-    n_seqs = cu_p.shape[0] - 1
-    q = torch.arange(local_len, device=cu_p.device)
-    seg = torch.searchsorted(cu_p[1:] // cp_size, q, right=True).clamp(max=max(n_seqs - 1, 0))  # [T/C]
-    padded_len = cu_p[seg + 1] - cu_p[seg]  # [T/C]
-    lo = q - cu_p[seg] // cp_size  # position inside this rank's part of the sequence
-    if cp_size == 1:
-        return seg, lo, padded_len
-    half = padded_len // (2 * cp_size)  # each of the rank's two chunks
-    first = cp_rank * half + lo
-    second = (2 * cp_size - 1 - cp_rank) * half + (lo - half)
-    return seg, torch.where(lo < half, first, second), padded_len
-
-
-def _local_of_canonical(cu_p: Tensor, local_len: int, cp_size: int) -> Tensor:
-    """For each canonical slot `[T]`: its index in the rank-major gathered `[C·T/C]` local slots."""
-    n_seqs = cu_p.shape[0] - 1
-    p = torch.arange(local_len * cp_size, device=cu_p.device)
-    if cp_size == 1:
-        return p
-    seg = torch.searchsorted(cu_p[1:], p, right=True).clamp(max=max(n_seqs - 1, 0))
-    offset, j = cu_p[seg], p - cu_p[seg]
-    half = ((cu_p[seg + 1] - offset) // (2 * cp_size)).clamp_min(1)  # a slot's sequence is non-empty
-    chunk = j // half
-    owner = torch.where(chunk < cp_size, chunk, 2 * cp_size - 1 - chunk)
-    lo = torch.where(chunk < cp_size, j - chunk * half, half + j - chunk * half)
-    return owner * local_len + offset // cp_size + lo
-
-
-def _local_targets(
-    input_ids: Tensor,
-    cu_q: Tensor,
-    cu_p: Tensor,
-    seg: Tensor,
-    j: Tensor,
-    padded_len: Tensor,
-    prepacked: bool,
-    fill: int = 0,
-) -> Tensor:
-    """Next-token target of every local slot, within its own sequence (`fill` where there is none)."""
-    nxt = j + 1
-    if prepacked:  # input_ids is the physical packed row [1, T]
-        has_next = nxt < padded_len
-        position = (cu_p[seg] + nxt).clamp(max=input_ids.shape[1] - 1)
-        return torch.where(has_next, input_ids[0, position], torch.full_like(position, fill))
-    width = input_ids.shape[1]
-    real_len = torch.clamp(cu_q[seg + 1] - cu_q[seg], max=width)  # bin padding may exceed the row
-    has_next = (nxt < real_len) & (nxt < padded_len)
-    token = input_ids[seg, nxt.clamp(max=width - 1)]
-    return torch.where(has_next, token, torch.full_like(token, fill))
-
-
-class PackedLayout(SequenceLayout):
-    """Packed rows as a sequence layout: the canonical packed row `[1, T, ...]`
-    (`T = cu_seqlens_q_padded[-1]`) and this rank's `[1, T/C, ...]`, each sequence load-balanced
-    on its own over `cp_group` (`C` ranks; `None`: the local row is the canonical one).
-
-    `to_local` / `to_canonical` map slots through the index maps above (tensor ops only);
-    `to_canonical` is one all-gather whose backward sums the upstream gradients over CP ranks
-    (divide the loss by `C`). The next-token targets shift **within each sequence**, and the
-    outputs are the unpacked `[B, S−1]` rows (or the packed `[1, T−1]` row, each sequence's last
-    slot 0, when `prepacked`). Build after the `check_*` functions (eager) have run.
-    """
-
-    def __init__(self, cu_seqlens_q: Any, cu_seqlens_q_padded: Any, cp_group: ProcessGroup | None, prepacked: bool):
-        self.cu_seqlens_q, self.cu_seqlens_q_padded = cu_seqlens_q, cu_seqlens_q_padded
-        self.cp_group, self.prepacked = cp_group, prepacked
-        self.cp_size, self.cp_rank = group_size(cp_group), group_rank(cp_group)
-        self.describe = f"packed sequences over {self.cp_size} context-parallel ranks"
+class PackedLayout(_pure.PackedLayout):
+    """`lossfx._layouts.packing.PackedLayout` (packed rows as a sequence layout: the canonical
+    packed row `[1, T, ...]`, `T = cu_seqlens_q_padded[-1]`, and this rank's `[1, T/C, ...]`, each
+    sequence load-balanced on its own over `cp_group`), with the boundary's question answered:
+    `check_covers` runs `check_cu_seqlens` against the packed length the local rows cover."""
 
     def check_covers(self, what: str, local_len: int, seq: int, got: str, canonical: str = "input_ids") -> None:
         """`check_cu_seqlens` against the packed length the local rows cover, `C·T/C`."""
         n_seqs = len(self.cu_seqlens_q_padded) - 1 if self.prepacked else seq
         check_cu_seqlens(self.cu_seqlens_q, self.cu_seqlens_q_padded, n_seqs, local_len * self.cp_size, self.cp_size)
-
-    def local_len(self, seq: int) -> int | None:
-        """`T/C` (the packed row's length is `cu_seqlens_q_padded[-1]`, whatever `seq`)."""
-        return int(self.cu_seqlens_q_padded[-1]) // self.cp_size
-
-    def _cu(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        return (
-            _as_tensor("cu_seqlens_q", self.cu_seqlens_q, device),
-            _as_tensor("cu_seqlens_q_padded", self.cu_seqlens_q_padded, device),
-        )
-
-    def to_local(self, x: Tensor, local_len: int, fill: float = 0) -> Tensor:
-        _, cu_p = self._cu(x.device)
-        seg, j, _ = _slot_of_local(cu_p, local_len, self.cp_rank, self.cp_size)  # [T/C] each
-        x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, max(local_len * self.cp_size - x.shape[1], 0)])
-        return x[:, cu_p[seg] + j]  # [1, T/C, ...]
-
-    def to_canonical(self, x: Tensor, length: int | None = None) -> Tensor:
-        _, cu_p = self._cu(x.device)
-        stacked = all_gather_stack_summed_grad(x, self.cp_group)  # [C, 1, T/C, ...]
-        gathered = rearrange(stacked, "c b t ... -> b (c t) ...")  # the ranks' rows, rank-major
-        return gathered[:, _local_of_canonical(cu_p, x.shape[1], self.cp_size)][:, :length]  # [1, T, ...]
-
-    def next_token_targets(
-        self, input_ids: Tensor, local_len: int, *, fill: int = 0, position_ids: Tensor | None = None
-    ) -> tuple[Tensor, Tensor | None]:
-        """`[1, T/C]`: slot `j` of a sequence scores its token `j+1` (`fill` where there is none)."""
-        cu_q, cu_p = self._cu(input_ids.device)
-        seg, j, padded_len = _slot_of_local(cu_p, local_len, self.cp_rank, self.cp_size)
-        return _local_targets(input_ids, cu_q, cu_p, seg, j, padded_len, self.prepacked, fill).unsqueeze(0), None
-
-    def next_token_outputs(self, local: Tensor, input_ids: Tensor, ends: Tensor | None) -> Tensor:
-        """`[1, T/C]` -> `[B, S−1]` (row `i`: sequence `i`'s slots, 0 past its padded length), or
-        `[1, T−1]` (each sequence's last slot 0) when `prepacked`."""
-        _, cu_p = self._cu(local.device)
-        canonical = self.to_canonical(local)[0]  # [T]
-        total, n_seqs = canonical.shape[0], cu_p.shape[0] - 1
-        slot = torch.arange(total, device=local.device)
-        if self.prepacked:
-            seq_of_slot = torch.searchsorted(cu_p[1:], slot, right=True).clamp(max=max(n_seqs - 1, 0))
-            is_last = slot == cu_p[seq_of_slot + 1] - 1
-            packed = torch.where(is_last, torch.zeros_like(canonical), canonical)
-            return packed[: max(total - 1, 0)].unsqueeze(0)  # [1, T−1]
-        t = torch.arange(max(input_ids.shape[1] - 1, 0), device=local.device)  # [S−1]
-        position = cu_p[:-1, None] + t  # [B, S−1]
-        valid = t < (cu_p[1:] - cu_p[:-1] - 1)[:, None]
-        values = canonical[position.clamp(max=max(total - 1, 0))] if total > 0 else position.to(canonical.dtype)
-        return torch.where(valid, values, torch.zeros_like(values))
 
 
 @boundary(
@@ -354,7 +246,7 @@ def packed_next_token_logprobs(
         ValueError: bad shapes; malformed `cu_seqlens` (`check_cu_seqlens`); a scored id outside
             `[0, V)` (`check_packed_input_ids`: first tokens and padding are never read). Eager only.
     """
-    return _packed_next_token_logprobs(
+    logits, input_ids, layout, vocab, options = _validated_packed(
         logits,
         input_ids,
         cu_seqlens_q,
@@ -367,9 +259,10 @@ def packed_next_token_logprobs(
         vocab_start=vocab_start,
         vocab_size=vocab_size,
     )
+    return _pure.packed_next_token_logprobs(logits, input_ids, layout, vocab, **options)
 
 
-def _packed_next_token_logprobs(
+def _validated_packed(
     logits: Tensor,
     input_ids: Tensor,
     cu_seqlens_q: Any,
@@ -384,50 +277,50 @@ def _packed_next_token_logprobs(
     vocab_size: int | None = None,
     ids_name: str = "input_ids",
     uneven_shards: bool = False,
-) -> Tensor:
-    """`packed_next_token_logprobs`; errors about the ids name them `ids_name` (the entry point
-    passes `data['input_ids']`). `uneven_shards`: `vocab_start` and `vocab_size` are the shard
-    widths the call's cross-rank check reported (`vocab_shard_range`), asked for once this
-    function's checks are deferred, so that they are read together (one host read)."""
-    check_tensor("logits", logits)
+) -> tuple[Tensor, Tensor, PackedLayout, VocabRange, dict[str, Any]]:
+    """The boundary work of a packed call, once: `(logits, input_ids, layout, vocab, options)` as
+    `lossfx._layouts.packing.packed_next_token_logprobs(logits, input_ids, layout, vocab, **options)`
+    takes them (`options`: the resolved filter and `chunk_rows`). `cu_seqlens` and the scored
+    ids are checked here (read with the call's other host reads); errors about the ids name them
+    `ids_name` (the entry point passes `data['input_ids']`). `uneven_shards`: `vocab_start` and
+    `vocab_size` are the shard widths the call's cross-rank check reported
+    (`vocab_shard_range`), asked for once the checks are deferred, so that they are read together."""
+    check_floating("logits", logits)
     check_integer_ids(ids_name, input_ids)
     if logits.dim() != 3 or logits.shape[0] != 1:
         raise ValueError(f"packed logits must be [1, T/C, V_local], got shape {tuple(logits.shape)}")
+    if logits.shape[-1] < 1:
+        raise ValueError(f"logits must have at least one vocabulary column, got shape {tuple(logits.shape)}")
     if input_ids.dim() != 2 or (prepacked and input_ids.shape[0] != 1):
         raise ValueError(
             f"input_ids must be [B, S] (or [1, T] for pre-packed data), got shape {tuple(input_ids.shape)}"
         )
+    if sampling_params is not None and not isinstance(sampling_params, TrainingSamplingParams):
+        raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
+    chunk_rows = check_positive_int("chunk_size", chunk_size)
+    options: dict[str, Any] = {"chunk_rows": chunk_rows}
+    if need_top_k_or_top_p_filtering(sampling_params):
+        top_k, top_p = check_filter_params(sampling_params.top_k, sampling_params.top_p)
+        options.update(top_k=top_k, top_p=top_p, ties=sampling_params.ties)
     _check_cu_type("cu_seqlens_q", cu_seqlens_q)
     _check_cu_type("cu_seqlens_q_padded", cu_seqlens_q_padded)
     layout = PackedLayout(cu_seqlens_q, cu_seqlens_q_padded, context_parallel_group, prepacked)
-    local_len = logits.shape[1]
+    local_len, local_vocab = logits.shape[1], logits.shape[-1]
     layout.check_covers("packed logits", local_len, input_ids.shape[0], f"logits.shape={tuple(logits.shape)}")
+    uniform = VocabRange.uniform(vocab_parallel_group, local_vocab)
     vocab: int | Callable[[], int] = (
-        vocab_size_when_read(logits.shape[-1], vocab_parallel_group)
+        vocab_size_when_read(local_vocab, vocab_parallel_group)
         if uneven_shards
         else vocab_size
         if vocab_size is not None
-        else group_size(vocab_parallel_group) * logits.shape[-1]
+        else uniform.size
     )
     check_packed_input_ids(ids_name, input_ids, cu_seqlens_q, cu_seqlens_q_padded, vocab, prepacked)
     if uneven_shards:  # settles: the checks above are read with the cross-rank check's verdict
-        vocab_start, vocab_size = vocab_shard_range(logits.shape[-1], vocab_parallel_group)
-
-    checked = vocab_size if vocab_size is not None else group_size(vocab_parallel_group) * logits.shape[-1]
-
-    def kernel(target: Tensor) -> list[Tensor]:  # [1, T/C] -> [1, T/C]: this rank's [T/C, Vl] logits
-        mark_checked(target, checked)  # the scored ids (checked above) and the fill 0
-        return [
-            target_logprobs(
-                logits,
-                target,
-                sampling_params=sampling_params,
-                group=vocab_parallel_group,
-                chunk_size=chunk_size,
-                vocab_start=vocab_start,
-                vocab_size=vocab_size,
-            )
-        ]
-
-    (out,) = score_next_tokens(layout, input_ids.to(logits.device), local_len, kernel)
-    return out
+        vocab_start, vocab_size = vocab_shard_range(local_vocab, vocab_parallel_group)
+    resolved = VocabRange(
+        vocab_parallel_group,
+        uniform.start if vocab_start is None else vocab_start,
+        uniform.size if vocab_size is None else vocab_size,
+    )
+    return logits, input_ids, layout, resolved, options

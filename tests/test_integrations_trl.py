@@ -170,7 +170,7 @@ def test_mixed_dtypes_need_no_cast(hidden_dtype, head_dtype):
         ({"logits_to_keep": 10}, ValueError, r"logits_to_keep must lie in .* got 10"),
         ({"logits_to_keep": 2.0}, TypeError, "logits_to_keep must be an int"),
         ({"labels": torch.full((3, 9), 1)}, ValueError, r"labels must have input_ids' shape \(3, 10\)"),
-        ({"labels": torch.full((3, 10), -5)}, ValueError, r"target must lie in \[0, 20\).*-5"),
+        ({"labels": torch.full((3, 10), -5)}, ValueError, r"input_ids must lie in \[0, 20\).*-5"),
         ({"sharded_head": "shard"}, ValueError, "sharded_head must be"),
     ],
 )

@@ -114,7 +114,7 @@ def test_gather_entropy_merge_identity(shards):
 @pytest.mark.parametrize("seed", range(3))
 def test_packing_index_maps_are_inverse_bijections(cp, seed):
     """proofs/packing.md §2: (rank, local slot) -> canonical slot is a bijection, with the inverse."""
-    from lossfx.packing import _local_of_canonical, _slot_of_local
+    from lossfx._layouts.packing import _local_of_canonical, _slot_of_local
 
     gen = torch.Generator().manual_seed(seed)
     lengths = (torch.randint(0, 4, (5,), generator=gen) * 2 * cp).tolist()  # empty sequences too

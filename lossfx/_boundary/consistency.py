@@ -8,7 +8,8 @@ This module turns every such disagreement into the same `ValueError` on every ra
 How (one idea): each public function that runs collectives is wrapped by `boundary`.
 Before the function runs, every rank encodes its call into a fixed-length int64 *signature*
 (`[SIGNATURE_LEN]`: the function called, grad mode, every tensor argument's shape, dtype and
-`requires_grad` (they decide the backward's collectives), a `fingerprint` of the values of every
+`requires_grad` (they decide the backward's collectives), the policy `lossfx.chunk_policy` forces
+(process state that sizes the eager loops, or none), a `fingerprint` of the values of every
 tensor that must be replicated over the group, every scalar argument, the fields of
 `sampling_params`, `loss_fn` and `data`, this rank's vocabulary shard width and `vocab_start`;
 the rows of a fused LM-head `weight [Vl, H]`), and one all-gather of it runs per process group
@@ -49,6 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lossfx._boundary.compile_errors import reraise_while_tracing
+from lossfx._core import chunking as _chunking
 from lossfx._core import host_reads as _host_reads
 
 __all__ = [
@@ -374,6 +376,8 @@ def _signature(
     heads = []
     fields.owner = "torch.is_grad_enabled()"
     fields.add("torch.is_grad_enabled()", torch.is_grad_enabled())  # decides the backward's collectives
+    fields.owner = _POLICY_LABEL  # process state, not an argument: it sizes the loops (and their collectives)
+    fields.add(_POLICY_LABEL, _Kind(_policy_text(_chunking._forced)))
     own_rows = roles.rows[0] if roles.rows and arguments.get(roles.rows[1]) else None  # this rank's rows
     for arg, value in arguments.items():
         fields.owner = arg
@@ -415,6 +419,7 @@ def _signature(
         if header[_H_WIDTH] == _NONE and header[_H_SIZE] == _NONE:
             vocab = column.shape[-1]
         fields.tensor(f"{label}[..., :{vocab}]", column[..., : max(vocab, 0)], [], replicated=True, grad_flag=False)
+        fields.labels[-1] = _COLUMN_VALUES + fields.labels[-1].removeprefix("the values of ")
     if owners is not None:
         owners.extend(fields.owners)
     flat = [x for code in fields.codes for x in code]
@@ -442,6 +447,21 @@ def _signature(
         mix = torch.arange(len(fields.values), device=device, dtype=torch.int64) * 2 + 1
         sig = sig.index_put((torch.tensor([_H_VALUES], device=device),), (prints * mix).sum().reshape(1))
     return sig, fields.labels
+
+
+_POLICY_LABEL = "the forced lossfx.chunk_policy"
+_COLUMN_VALUES = "the values over [0, V) of "  # a vocabulary-wide column's label: V is of this rank's layout
+
+
+def _policy_text(policy: _chunking.ChunkPolicy | None) -> str:
+    """How `policy` (forced by `lossfx.chunk_policy`, or `None`) reads in a disagreement. Traced,
+    the fields are read one by one (Dynamo guards on each: another policy retraces the check)."""
+    if policy is None:
+        return "none (each device's default)"
+    return (
+        f"ChunkPolicy(row_bytes={policy.row_bytes}, min_rows={policy.min_rows}, tile_bytes={policy.tile_bytes}, "
+        f"max_block={policy.max_block}, chunk_bytes={policy.chunk_bytes}, compile_tiles={policy.compile_tiles})"
+    )
 
 
 def _head_fields(fields: _Fields, arg: str, heads: Mapping[Any, Any], header: list[int]) -> None:
@@ -652,7 +672,10 @@ def _check(name: str, arguments: Mapping[str, Any], policy: str, roles: Roles, h
         sigs = _rows(values, tp.size())
         own = sigs[tp.rank()]
         found = _first_disagreement(sigs, own, labels, per_rank_header=True, roles=roles)
-        problem = _describe(found, tp, sigs) if found else _tiling_error(sigs, policy, roles)
+        tiling = _tiling_error(sigs, policy, roles)
+        if found and tiling and found[0].startswith(_COLUMN_VALUES):
+            found = None  # a column is read over [0, V) of this rank's layout: a bad layout is the cause
+        problem = _describe(found, tp, sigs) if found else tiling
         if problem is None:
             _scope.widths[id(tp)] = [s[_H_WIDTH] for s in sigs]
         else:

@@ -333,6 +333,19 @@ def replicated(x: Any, name: str) -> Any:
     return x.to_local()
 
 
+_REJECTED = "DTensor arguments rejected"
+
+
+def _mesh_group(x: Any) -> ProcessGroup | None:
+    """The group of the mesh dim that shards the DTensor `x` (the first `Shard` placement, or a
+    1-D mesh's only dim), `None` when there is none: whom a rank that rejects `x` checks with."""
+    if x is None:
+        return None
+    mesh = x.device_mesh
+    dims = [d for d, p in enumerate(x.placements) if type(p).__name__ == "Shard"] or ([0] if mesh.ndim == 1 else [])
+    return mesh.get_group(dims[0]) if dims and mesh.size(dims[0]) > 1 else None
+
+
 def check_view(
     *vocab_args: str, group_arg: str = "group", rank_arg: str | None = None, even: bool = False
 ) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
@@ -342,9 +355,27 @@ def check_view(
     rank, `vocab_start` and `vocab_size` of that placement filled in, and every other DTensor
     replaced by its replicated local tensor, exactly as the function's body will unwrap them.
     Which arguments were DTensors is one more field: a rank that passes a DTensor where its peer
-    passes a plain tensor takes another path (DTensor outputs, their collectives), so they disagree."""
+    passes a plain tensor takes another path (DTensor outputs, their collectives), so they disagree.
+
+    A DTensor argument this view rejects (a placement, or an explicit argument that contradicts
+    it) is not raised here, before the check's collective, where the peers would wait for this
+    rank: the error's text becomes one more field ("DTensor arguments rejected"), so ranks that
+    disagree about it raise the check's error together, and ranks that agree pass the check and
+    raise it in the function's body, each the same."""
 
     def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        try:
+            checked, hint = _view(dict(arguments))
+            return {_REJECTED: None, **checked}, hint
+        except (ValueError, TypeError) as err:
+            rejected = {k: None if is_dtensor(v) else v for k, v in arguments.items()}
+            if rejected.get(group_arg) is None:  # meet the peers in the check over the mesh's group
+                rejected[group_arg] = _mesh_group(
+                    next((arguments[n] for n in vocab_args if is_dtensor(arguments.get(n))), None)
+                )
+            return {_REJECTED: f"{type(err).__name__}: {err}", **rejected}, ""
+
+    def _view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
         shard: VocabShard | None = None
         given = tuple(name for name, value in arguments.items() if is_dtensor(value))
         for name in vocab_args:
@@ -377,6 +408,38 @@ def check_view(
         return arguments, ""
 
     return view
+
+
+def rejections_compared(
+    view: Callable[[dict[str, Any]], tuple[dict[str, Any], str]], group_arg: str
+) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
+    """`view` (a `boundary(local=...)` view) whose `ValueError` / `TypeError`, a DTensor argument it
+    rejects, is compared as the field "DTensor arguments rejected" instead of raised before the
+    check's collective, as `check_view` does: the rejected view drops every DTensor (also the
+    values of a mapping argument), and without an explicit `group_arg` the first DTensor's mesh
+    group is the one checked."""
+
+    def checked_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        try:
+            checked, hint = view(dict(arguments))
+            return {_REJECTED: None, **checked}, hint
+        except (ValueError, TypeError) as err:
+            found: list[Any] = []
+
+            def drop(value: Any) -> Any:
+                if is_dtensor(value):
+                    found.append(value)
+                    return None
+                if isinstance(value, Mapping) and any(is_dtensor(v) for v in value.values()):
+                    return {k: drop(v) for k, v in value.items()}
+                return value
+
+            rejected = {k: drop(v) for k, v in arguments.items()}
+            if rejected.get(group_arg) is None:
+                rejected[group_arg] = _mesh_group(found[0] if found else None)
+            return {_REJECTED: f"{type(err).__name__}: {err}", **rejected}, ""
+
+    return checked_view
 
 
 def _replicated_columns(data: Mapping[str, Any]) -> dict[str, Any]:

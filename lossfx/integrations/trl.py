@@ -10,6 +10,10 @@ computed by `lossfx.linear_next_token_logprobs` on the last `K + 1` positions on
 never materialised and the prompt is never projected. `LossfxGRPOMixin` plugs it into a
 `GRPOTrainer`; `LossfxGRPOTrainer` is the ready subclass (built on first access, so importing this
 module imports neither TRL nor transformers). Docs: docs/huggingface.md.
+
+An integration is a user of lossfx's public API: it calls the public entry points
+(`lossfx.linear_next_token_logprobs`, `lossfx.next_token_logprobs`), each of which does its
+boundary work once, never the pure code below them.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from lossfx._boundary.dtensor import is_dtensor
 from lossfx._boundary.validation import check_floating, check_integer_ids, check_positive_float
 from lossfx.fused_linear import linear_next_token_logprobs
 from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
-from lossfx.next_token import sharded_next_token_logprobs
+from lossfx.loss_input import next_token_logprobs
 
 # LossfxGRPOTrainer comes from the module's __getattr__ (built on first access)
 __all__ = [
@@ -255,7 +259,7 @@ def _filtered(
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
         logits = logits / temperature
-        logps = sharded_next_token_logprobs(logits, targets, sampling_params=sampling_params, position_ids=position_ids)
+        logps = next_token_logprobs(logits, targets, sampling_params=sampling_params, position_ids=position_ids)
         entropies = None
         if compute_entropy:
             lp = torch.log_softmax(logits[:, :-1].to(logps.dtype), dim=-1)

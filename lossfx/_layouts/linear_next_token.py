@@ -1,0 +1,73 @@
+"""Pure: next-token log-probs from hidden states in a sequence layout (the fused head's pipeline).
+
+    out[b, t] = log softmax(head(hidden[b, t] @ weight.T))[input_ids[b, t+1]]      t < S − 1
+
+The one next-token pipeline (`lossfx._layouts.sequence_layout.score_next_tokens`) around the
+fused kernel (`lossfx._kernels.fused_linear.linear_token_logprobs`): the shift on the canonical
+ids, the targets laid out like `hidden`, the kernel, the gather back to canonical order. Each
+sequence's last position, the dropped last column and any padding are `ignore_index` rows
+(skipped: 0 with a zero gradient). Plain tensors in, validated by the public boundary
+(`lossfx.fused_linear.linear_next_token_logprobs`: shapes, the head, the ids range-checked once).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from lossfx._core.distributed import group_size
+from lossfx._core.tiles import LogitHead
+from lossfx._core.vocab import VocabRange
+from lossfx._kernels import fused_linear as _kernel
+from lossfx._layouts.sequence_layout import SequenceLayout, score_next_tokens
+
+__all__ = ["linear_next_token_logprobs"]
+
+
+def linear_next_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    input_ids: Tensor,
+    layout: SequenceLayout,
+    vocab: VocabRange,
+    *,
+    head: LogitHead,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    with_neg_entropy: bool = False,
+    chunk_rows: int = 0,
+    sequence_parallel: bool = False,
+    position_ids: Tensor | None = None,
+) -> list[Tensor]:
+    """hidden `[B, S_l, H]` (`[B, S_l/R, H]` under sequence parallelism over `vocab.group`, `R`
+    ranks), weight `[Vl, H]`, input_ids `[B, S]` canonical -> `[logprobs [B, S−1]]`, and
+    `Σ p log p [B, S−1]` after it when `with_neg_entropy`.
+
+    Dense equivalent (no parallelism): ``linear_token_logprobs(hidden[:, :-1], weight,
+    input_ids[:, 1:])``, 0 where `input_ids[:, t+1] == ignore_index` or `position_ids[:, t+1] == 0`.
+    """
+    tp_size = group_size(vocab.group) if sequence_parallel else 1
+    seq_major = tp_size > 1
+    # under sequence parallelism the rows are taken sequence-major, so that each TP rank's
+    # [B, S_l/R] positions are one contiguous block of the flattened rows
+    rows = hidden.transpose(0, 1) if seq_major else hidden  # [S_l/R, B, H] under sequence parallelism
+
+    def score(target: Tensor) -> list[Tensor]:  # [B, S_l] -> [B, S_l] each
+        target = target.transpose(0, 1) if seq_major else target  # [S_l, B]
+        logprobs, neg_entropy = _kernel.linear_token_logprobs(
+            rows,
+            weight,
+            target,
+            vocab,
+            bias=bias,
+            head=head,
+            ignore_index=ignore_index,
+            with_neg_entropy=with_neg_entropy,
+            chunk_rows=chunk_rows,
+            sequence_parallel=sequence_parallel,
+        )
+        outputs = [logprobs] if neg_entropy is None else [logprobs, neg_entropy]
+        return [x.transpose(0, 1) for x in outputs] if seq_major else outputs
+
+    local_len = hidden.shape[1] * tp_size  # this CP rank's positions
+    ids = input_ids.to(hidden.device)
+    return score_next_tokens(layout, ids, local_len, score, fill=ignore_index, position_ids=position_ids)
