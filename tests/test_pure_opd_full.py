@@ -303,3 +303,40 @@ def test_pure_opd_full_compiles_without_graph_breaks():
         for key in KEYS:
             torch.testing.assert_close(got[key], want[key], **TIGHT)
     assert counter.frame_count == 1
+
+
+def gloo_rejected_head_job(rank, world, group, z, hidden, heads, ids):
+    """Rank 1 passes its head as a `Shard(1)` DTensor (rejected: not the vocabulary dim), rank 0 as
+    `Shard(0)`: each rank's error message (None if it did not raise)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    logits = distribute_tensor(z, mesh, [Shard(2)], src_data_rank=None)
+    placement = Shard(1) if rank == 1 else Shard(0)
+    dheads = {k: distribute_tensor(w, mesh, [placement], src_data_rank=None) for k, w in heads.items()}
+    messages = []
+    for name, call in _calls(logits, {"ids": ids, "hidden": hidden}, dheads, None, None).items():
+        if name in ("prepare_opd_full_loss_input", "prepare_loss_input", "prepare_opd_full"):
+            try:
+                call()
+                messages.append(None)
+            except ValueError as err:
+                messages.append(str(err))
+    return messages
+
+
+@pytest.mark.distributed
+def test_a_head_rejected_on_one_rank_raises_on_every_rank(monkeypatch):
+    """A DTensor head that one rank's boundary rejects is a field of the cross-rank check, not an
+    error before its collective (where the other rank would wait): every rank raises, none hangs."""
+    import harness
+
+    monkeypatch.setattr(harness, "_TIMEOUT_S", 120.0)
+    c = _case(vocab=12)
+    for rank, messages in enumerate(
+        harness.gloo_pool(2).run(gloo_rejected_head_job, c["z"], c["hidden"], c["heads"], c["ids"])
+    ):
+        for message in messages:
+            assert message is not None, f"rank {rank} did not raise"
+            assert "DTensor arguments rejected" in message, message
