@@ -65,6 +65,12 @@ def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logpr
             f"mask must have the shape of {name}; got mask.shape={tuple(mask.shape)} and "
             f"{name}.shape={tuple(logprobs.shape)}"
         )
+    return masked_out_neg_inf(logprobs, mask, name)
+
+
+def masked_out_neg_inf(logprobs: Tensor, mask: Tensor, name: str = "logprobs") -> Tensor:
+    """`mask_out_neg_inf_logprobs` without its boundary (for the entry points, whose own boundary
+    checked `logprobs [B, T]` and `mask [B, T]`): the same result and warning."""
     valid = mask != 0
     not_inf = ~torch.isinf(logprobs)  # NaN passes through (issue 10 item 3)
     if values_checkable(logprobs, mask):  # a report: copied to the host without a stall
