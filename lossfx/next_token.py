@@ -43,6 +43,7 @@ from lossfx.sequence_layout import (
     ContextParallelSharder,
     LoadBalancedLayout,
     SequenceLayout,
+    check_covers,
     mask_sequence_ends,
     sequence_layout,
     zero_sequence_ends,
@@ -126,7 +127,7 @@ def validated_next_token_call(
     position_ids = check_position_ids(position_ids, input_ids)
     local_len, width = logits.shape[1], logits.shape[-1]
     shapes = f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
-    layout.check_covers("logits", local_len, input_ids.shape[1], shapes)
+    check_covers(layout, "logits", local_len, input_ids.shape[1], shapes)
     # only the scored ids input_ids[:, 1:] must be in range; positions are reported as input_ids'
     scored = input_ids[:, 1:]
     if ignore_index is not None:

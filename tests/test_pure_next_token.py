@@ -288,3 +288,29 @@ def test_pure_next_token_logprobs_compiles_without_graph_breaks():
         z, ids = torch.randn(B, S, V, generator=g, dtype=F64), torch.randint(0, V, (B, S), generator=g)
         torch.testing.assert_close(fn(z, ids), _reference(z, ids, FILTERS["top_k"]), **TIGHT)
     assert counter.frame_count == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The boundary's coverage check of a layout
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("local_len", [3, 4, 6, 8])
+def test_check_covers_function_matches_the_layout_rule(cp, local_len):
+    from lossfx.sequence_layout import check_covers
+
+    layouts = [LoadBalancedLayout(None)]
+    layouts[0].cp_size = cp  # the rule reads only the size (no collective)
+    if cp == 1:
+        layouts.append(PlainLayout())
+    for layout in layouts:
+        fits = local_len * cp >= 8 and local_len % 2 == 0 if cp > 1 else local_len == 8
+        if fits:
+            check_covers(layout, "logits", local_len, 8, "shapes")
+        else:
+            with pytest.raises(ValueError, match="logits") as err:
+                check_covers(layout, "logits", local_len, 8, "shapes")
+            with pytest.raises(ValueError) as method_err:
+                layout.check_covers("logits", local_len, 8, "shapes")
+            assert str(err.value) == str(method_err.value)
