@@ -180,7 +180,7 @@ def next_token_logprobs(
         position_ids=position_ids,
         ignore_index=ignore_index,
     )
-    return next_token_logprobs_of(call, resolve_filter(sampling_params), ignore_index)
+    return next_token_logprobs_of(call, resolve_filter(sampling_params))
 
 
 def _validated_logprob_call(

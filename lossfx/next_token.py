@@ -92,6 +92,7 @@ class NextTokenCall(NamedTuple):
     vocab: VocabRange
     chunk_size: int | None
     position_ids: Tensor | None  # [B, S]
+    ignore_index: int | None = None  # an id of input_ids that scores 0 (not range-checked)
 
 
 def validated_next_token_call(
@@ -144,11 +145,11 @@ def validated_next_token_call(
         group_rank(group) * width if vocab_start is None else vocab_start,
         group_size(group) * width if vocab_size is None else vocab_size,
     )
-    return NextTokenCall(logits, input_ids, layout, vocab, chunk_size, position_ids)
+    return NextTokenCall(logits, input_ids, layout, vocab, chunk_size, position_ids, ignore_index)
 
 
-def next_token_logprobs_of(call: NextTokenCall, top: TopKTopP | None = None, ignore_index: int | None = None) -> Tensor:
-    """The pure pipeline on a validated call: `[B, S−1]`."""
+def next_token_logprobs_of(call: NextTokenCall, top: TopKTopP | None = None) -> Tensor:
+    """The pure pipeline on a validated call, under the filter `top` (or none): `[B, S−1]`."""
     return _pure.next_token_logprobs(
         call.logits,
         call.input_ids,
@@ -157,7 +158,7 @@ def next_token_logprobs_of(call: NextTokenCall, top: TopKTopP | None = None, ign
         top=top,
         chunk_size=call.chunk_size,
         position_ids=call.position_ids,
-        ignore_index=ignore_index,
+        ignore_index=call.ignore_index,
     )
 
 
