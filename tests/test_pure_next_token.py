@@ -269,6 +269,45 @@ def test_one_public_call_is_one_boundary_on_gloo():
             assert {k: v for k, v in zip(KEYS, row, strict=True) if v} == _want(name), name
 
 
+def gloo_dtensor_count_job(rank, world, group, z, ids):
+    """Vocabulary-sharded DTensor logits on a real gloo mesh: each public call unwraps once (no
+    re-entry on local tensors); per call its result and counts `[KEYS]`."""
+    import pytest as _pytest
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    x = distribute_tensor(z, init_device_mesh("cpu", (world,)), [Shard(2)], src_data_rank=None)
+    calls = {
+        "next_token_logprobs": lambda: lossfx.next_token_logprobs(x, ids, chunk_size=2),
+        "next_token_filtered_logprobs": lambda: lossfx.next_token_filtered_logprobs(x, ids, top_k=3, top_p=0.9),
+    }
+    counts: dict[str, list[int]] = {}
+    got = []
+    with _pytest.MonkeyPatch.context() as monkeypatch:
+        _count(monkeypatch, counts)
+        for call in calls.values():
+            counts.clear()
+            got.append((call(), torch.tensor([len(counts.get(key, [])) for key in KEYS])))
+    return got
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("vocab", [V, V - 1])  # V - 1: uneven shards (6 + 5 columns)
+def test_dtensor_public_calls_are_one_boundary_on_gloo(vocab):
+    from harness import gloo_pool
+
+    g = torch.Generator().manual_seed(13)
+    z, ids = torch.randn(B, S, vocab, generator=g, dtype=F64), torch.randint(0, vocab, (B, S), generator=g)
+    want = {
+        "next_token_logprobs": reference.next_token_logprobs(z, ids),
+        "next_token_filtered_logprobs": reference.next_token_filtered_logprobs(z, ids, 3, 0.9),
+    }
+    for got in gloo_pool(2).run(gloo_dtensor_count_job, z, ids):
+        for (name, ref), (out, row) in zip(want.items(), got, strict=True):
+            torch.testing.assert_close(out, ref, **TIGHT)
+            assert {k: v for k, v in zip(KEYS, row.tolist(), strict=True) if v} == _want(name), name
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Compiled
 # ---------------------------------------------------------------------------------------------
