@@ -163,8 +163,9 @@ def linear_local_stats(
     Rows of the result: `m` (row max of this shard's logits `z = LogitHead(...)(h Wᵀ + b)`),
     `s = Σ exp(z − m)`, `u = Σ exp(z − m)·(z − m)` (0 unless `with_entropy`), then
     `z[n, local_idx[n, k]]` where `owned`, else 0; an inactive row keeps `(0, 1, 0, 0…)` and is never
-    computed. Tiles: vocabulary blocks outside, row chunks of `chunk_rows` inside (0: the default),
-    each block's statistics folded into the running ones exactly.
+    computed; a row whose shard is all `-inf` is `(-inf, 0, 0, …)` (proofs/fused_linear.md §10).
+    Tiles: vocabulary blocks outside, row chunks of `chunk_rows` inside (0: the default), each
+    block's statistics folded into the running ones exactly.
     """
     n_rows, n_ids = local_idx.shape
     head = LogitHead(temperature, logit_scale, softcap)
