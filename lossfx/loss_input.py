@@ -34,8 +34,6 @@ from lossfx._boundary import dtensor as _dtensor
 from lossfx._boundary.consistency import (
     Roles,
     boundary,
-    vocab_shard_range,
-    vocab_size_when_read,
 )
 from lossfx._boundary.dtensor import (
     EntryKeys,
@@ -48,7 +46,7 @@ from lossfx._boundary.dtensor import (
     replicated,
     vocab_shard,
 )
-from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
+from lossfx._boundary.validation import check_floating, check_tensor
 from lossfx._core.distributed import ProcessGroup, check_group, check_vocab_parallel
 from lossfx._core.numerics import compute_dtype
 from lossfx._layouts import draft as _draft
@@ -57,8 +55,13 @@ from lossfx.distillation import _distillation
 from lossfx.draft import validated_draft
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.logprobs import check_ignore_index
-from lossfx.loss_masks import loss_mask_from_data, mask_out_neg_inf_logprobs, masked_out_neg_inf
-from lossfx.next_token import sharded_next_token_logprobs
+from lossfx.loss_masks import loss_mask_from_data, masked_out_neg_inf
+from lossfx.next_token import (
+    NextTokenCall,
+    next_token_logprobs_of,
+    resolve_filter,
+    validated_next_token_call,
+)
 from lossfx.opd_full import check_view as opd_check_view
 from lossfx.opd_full import opd_full_input
 from lossfx.packing import _validated_packed
@@ -180,31 +183,49 @@ def next_token_logprobs(
         logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True, group_arg="vocab_parallel_group"
     )
     input_ids = replicated(input_ids, "input_ids")  # DTensor boundary: lossfx/_boundary/dtensor.py
-    ignored = None
     if ignore_index is not None:
         check_ignore_index(ignore_index)
-        check_integer_ids("input_ids", input_ids)
-        ignored = input_ids[:, 1:] == ignore_index  # [B, S-1]
-        input_ids = input_ids.masked_fill(input_ids == ignore_index, 0)  # any valid id; replaced below
-    _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
-    integer = isinstance(input_ids, torch.Tensor) and not (input_ids.is_floating_point() or input_ids.is_complex())
-    if integer and input_ids.dtype != torch.bool and input_ids.dim() == 2 and logits.dim() == 3:  # read with the check
-        vocab = vocab_size_when_read(logits.shape[-1], group)
-        check_ids_in_range("input_ids", input_ids[:, 1:], vocab, column_offset=1)
-    vocab_start, vocab_size = vocab_shard_range(logits.shape[-1], group)  # uneven shards (eager)
-    out = sharded_next_token_logprobs(
+    call = _validated_logprob_call(
         logits,
         input_ids,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        vocab_parallel_group=group,
-        context_parallel_group=context_parallel_group,
-        cp_sharder=cp_sharder,
-        sampling_params=sampling_params,
+        vocab_parallel_rank,
+        vocab_parallel_group,
+        sequence_layout(context_parallel_group, cp_sharder),
+        chunk_size,
+        position_ids=position_ids,
+        ignore_index=ignore_index,
+    )
+    return next_token_logprobs_of(call, resolve_filter(sampling_params))
+
+
+def _validated_logprob_call(
+    logits: Tensor,
+    input_ids: Tensor,
+    vocab_parallel_rank: int | None,
+    vocab_parallel_group: ProcessGroup | None,
+    layout: SequenceLayout,
+    chunk_size: int | None,
+    *,
+    position_ids: Tensor | None = None,
+    ignore_index: int | None = None,
+    ids_name: str = "input_ids",
+) -> NextTokenCall:
+    """The boundary work of `next_token_logprobs` and of `prepare_loss_input(LOGPROB)` on local
+    tensors, once: the tensor-parallel arguments, then `validated_next_token_call` (shapes, ONE
+    range check of the scored ids, this rank's `VocabRange` from the widths the ranks reported:
+    uneven shards in eager mode)."""
+    _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+    return validated_next_token_call(
+        logits,
+        input_ids,
+        group=group,
+        layout=layout,
         chunk_size=chunk_size,
         position_ids=position_ids,
+        uneven=True,
+        ids_name=ids_name,
+        ignore_index=ignore_index,
     )
-    return out if ignored is None else torch.where(ignored.to(out.device), torch.zeros_like(out), out)
 
 
 def _local_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -335,23 +356,34 @@ def prepare_loss_input(
             _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
         layout = sequence_layout(context_parallel_group, cp_sharder)
         return _prepare_distillation_input(logits, data, loss_fn, vocab_parallel_group, layout, chunk_size), data
-    if dtensors:  # DTensor boundary: lossfx/_boundary/dtensor.py
-        return entry_point_on_local(
-            prepare_loss_input,
-            logits,
-            data,
-            loss_fn,
-            keys=_DTENSOR_KEYS,
-            vocab_parallel_rank=vocab_parallel_rank,
-            vocab_parallel_group=vocab_parallel_group,
-            context_parallel_group=context_parallel_group,
-            sampling_params=sampling_params,
-            d2t=d2t,
-            chunk_size=chunk_size,
-            cp_sharder=cp_sharder,
-            teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
-            teacher_logits_dtype=teacher_logits_dtype,
-        )
+    parallel: dict[str, Any] = {
+        "vocab_parallel_rank": vocab_parallel_rank,
+        "vocab_parallel_group": vocab_parallel_group,
+        "context_parallel_group": context_parallel_group,
+        "cp_sharder": cp_sharder,
+    }
+    options: dict[str, Any] = {"sampling_params": sampling_params, "d2t": d2t, "chunk_size": chunk_size}
+    if dtensors:  # DTensor boundary: lossfx/_boundary/dtensor.py (unwrapped once, no re-entry)
+        return entry_point_on_local(_prepare_on_local, logits, data, loss_fn, keys=_DTENSOR_KEYS, **parallel, **options)
+    return _prepare_on_local(logits, data, loss_fn, **parallel, **options)
+
+
+def _prepare_on_local(
+    logits: Tensor,
+    data: MutableMapping[str, Any],
+    loss_fn: Any,
+    *,
+    vocab_parallel_rank: int | None,
+    vocab_parallel_group: ProcessGroup | None,
+    context_parallel_group: ProcessGroup | None,
+    cp_sharder: Any,
+    sampling_params: TrainingSamplingParams | None,
+    d2t: Tensor | None,
+    chunk_size: int | None,
+) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
+    """`prepare_loss_input`'s `LOGIT`, `DRAFT` and `LOGPROB` branches on local tensors (DTensors
+    unwrapped by `entry_point_on_local`, checked by the boundary's `_loss_input_view`)."""
+    input_type = _input_type(loss_fn)
     if input_type is LossInputType.LOGIT:
         return {"logits": logits}, data
     layout = sequence_layout(context_parallel_group, cp_sharder)  # built once, handed to the branch
@@ -391,19 +423,11 @@ def _prepare_logprob_input(
             )
         width = max(input_ids.shape[1] - 1, 0)
         return {"next_token_logprobs": logits.to(compute_dtype(logits.dtype))[:, :width]}
-    check_integer_ids("data['input_ids']", input_ids)
-    if input_ids.dim() == 2 and logits.dim() == 3:  # else next_token_logprobs raises on the shapes
-        # the scored ids input_ids[:, 1:] (position 0 is never scored), reported at their own (b, t)
-        vocab = vocab_size_when_read(logits.shape[-1], vocab_parallel_group)  # uneven shards (eager)
-        check_ids_in_range("data['input_ids']", input_ids[:, 1:], vocab, column_offset=1)
-    parallel: dict[str, Any] = {
-        "vocab_parallel_rank": vocab_parallel_rank,
-        "vocab_parallel_group": vocab_parallel_group,
-        "cp_sharder": layout,
-    }
-    logprobs = next_token_logprobs(
-        logits, input_ids, sampling_params=sampling_params, chunk_size=chunk_size, **parallel
-    )  # [B, S-1]; validates the shapes
+    top = resolve_filter(sampling_params)
+    call = _validated_logprob_call(
+        logits, input_ids, vocab_parallel_rank, vocab_parallel_group, layout, chunk_size, ids_name="data['input_ids']"
+    )
+    logprobs = next_token_logprobs_of(call, top)  # [B, S-1]
     if not filtering:
         return {"next_token_logprobs": logprobs}
     # The -inf rule (NeMo's `mask_out_neg_inf_logprobs`, docs/decisions.md §3): positions whose token fell
@@ -411,10 +435,10 @@ def _prepare_logprob_input(
     # is ones) is 0, become 0.
     # Everything is computed before `data` is touched, so a call that raises leaves it unchanged.
     mask = loss_mask_from_data(data, input_ids)  # [B, S] bool
-    logprobs = mask_out_neg_inf_logprobs(logprobs, mask[:, 1:], "curr_logprobs")
+    logprobs = masked_out_neg_inf(logprobs, mask[:, 1:], "curr_logprobs")
     if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
         # the reference-KL term reads unfiltered log-probs (it cannot take -inf)
-        data["curr_logprobs_unfiltered"] = next_token_logprobs(logits, input_ids, **parallel)
+        data["curr_logprobs_unfiltered"] = next_token_logprobs_of(call)
     return {"next_token_logprobs": logprobs}
 
 

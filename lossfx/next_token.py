@@ -2,13 +2,15 @@
 
     out[b, t] = log p(input_ids[b, t+1] | logits[b, t])          t < S − 1
 
-`sharded_next_token_logprobs` (beneath the entry point `lossfx.next_token_logprobs`) runs the
-token log-prob kernel (`logprobs.token_logprobs`, or
-`filtering.filtered_token_logprobs` under a top-k/top-p filter) on this rank's `[B, S_l, Vl]`
-logits, run inside the one next-token pipeline of `lossfx.sequence_layout.score_next_tokens`:
-the shift on the canonical ids (never a slice of the logits; the dropped last column scores id 0,
-so `input_ids[:, 0]` is never read), the targets in the logits' layout, the kernel, the gather
-back to canonical order (gradient summed over CP ranks: divide the loss by `C`), `[:, :S−1]`.
+The boundary: each public function here unwraps DTensor arguments, validates its arguments once
+(`validated_next_token_call`: types, shapes, the layout's coverage, `position_ids`, ONE range
+check of the scored ids `input_ids[:, 1:]`), builds the sequence layout and this rank's
+`VocabRange` once, then calls the pure pipeline `lossfx._layouts.next_token` once. That pipeline
+is `lossfx.sequence_layout.score_next_tokens` around the token log-prob kernel
+(`lossfx._kernels.logprobs`, or `lossfx._kernels.filtering` under a top-k/top-p filter): the shift
+on the canonical ids (never a slice of the logits; the dropped last column scores id 0, so
+`input_ids[:, 0]` is never read), the targets in the logits' layout, the kernel, the gather back
+to canonical order (gradient summed over CP ranks: divide the loss by `C`), `[:, :S−1]`.
 
 Padding-free rows (`position_ids=`, several sequences in one row, positions restarting at 0): the
 shift must not cross a sequence boundary, so `mask_sequence_ends` blanks the target of each
@@ -18,28 +20,31 @@ result to 0 (zero gradient), as the packed path treats a sequence's last slot.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from torch import Tensor
 
-from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import replicated, vocab_shard
+from lossfx._boundary.consistency import Roles, boundary, vocab_shard_range, vocab_size_when_read
+from lossfx._boundary.dtensor import check_view, replicated, vocab_shard
 from lossfx._boundary.validation import (
     check_floating,
     check_ids_in_range,
     check_integer_ids,
     check_positive_int,
-    mark_checked,
 )
-from lossfx._core.distributed import ProcessGroup, group_size
-from lossfx.filtering import filtered_token_logprobs
+from lossfx._core.distributed import ProcessGroup, group_rank, group_size
+from lossfx._core.vocab import VocabRange
+from lossfx._layouts import next_token as _pure
+from lossfx._layouts.next_token import TopKTopP
+from lossfx.filtering import check_filter_params, check_ties
 from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
-from lossfx.logprobs import token_logprobs
+from lossfx.logprobs import _validated as validated_token_call
 from lossfx.sequence_layout import (
     ContextParallelSharder,
     LoadBalancedLayout,
+    SequenceLayout,
+    check_covers,
     mask_sequence_ends,
-    score_next_tokens,
     sequence_layout,
     zero_sequence_ends,
 )
@@ -69,10 +74,102 @@ def check_position_ids(position_ids: object, input_ids: Tensor) -> Tensor | None
     return position_ids
 
 
+def resolve_filter(sampling_params: TrainingSamplingParams | None) -> TopKTopP | None:
+    """The filter `sampling_params` asks for, checked (`top_k`, `top_p`, `ties`), or `None`."""
+    if not need_top_k_or_top_p_filtering(sampling_params):
+        return None
+    top_k, top_p = check_filter_params(sampling_params.top_k, sampling_params.top_p)
+    check_ties(sampling_params.ties)
+    return TopKTopP(top_k, top_p, sampling_params.ties)
+
+
+class NextTokenCall(NamedTuple):
+    """A validated next-token call, as the pure pipeline `lossfx._layouts.next_token` takes it."""
+
+    logits: Tensor  # [B, S_l, Vl]
+    input_ids: Tensor  # [B, S]
+    layout: SequenceLayout
+    vocab: VocabRange
+    chunk_size: int | None
+    position_ids: Tensor | None  # [B, S]
+    ignore_index: int | None = None  # an id of input_ids that scores 0 (not range-checked)
+
+
+def validated_next_token_call(
+    logits: Tensor,
+    input_ids: Tensor,
+    *,
+    group: ProcessGroup | None,
+    layout: SequenceLayout,
+    chunk_size: int | None,
+    position_ids: object = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    uneven: bool = False,
+    ids_name: str = "input_ids",
+    ignore_index: int | None = None,
+) -> NextTokenCall:
+    """The boundary work of a next-token call on local tensors, once.
+
+    Checks the types and shapes (`logits [B, S_l, Vl]`, `input_ids [B, S]`, `position_ids`), that
+    `layout` covers `S` with `S_l` positions, and range-checks the scored ids `input_ids[:, 1:]`
+    once (those equal to `ignore_index` excepted). This rank's `VocabRange`: `vocab_start` /
+    `vocab_size` when given, the widths the ranks reported to the cross-rank check when `uneven`
+    (eager; read with the range check), else uniform shards.
+    """
+    check_floating("logits", logits)
+    check_integer_ids(ids_name, input_ids)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    if logits.dim() != 3 or input_ids.dim() != 2 or logits.shape[0] != input_ids.shape[0]:
+        raise ValueError(
+            f"logits must be [B, S_local, V_local] and input_ids [B, S] with the same B; got "
+            f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
+        )
+    position_ids = check_position_ids(position_ids, input_ids)
+    local_len, width = logits.shape[1], logits.shape[-1]
+    shapes = f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
+    check_covers(layout, "logits", local_len, input_ids.shape[1], shapes)
+    # only the scored ids input_ids[:, 1:] must be in range; positions are reported as input_ids'
+    scored = input_ids[:, 1:]
+    if ignore_index is not None:
+        scored = scored.masked_fill(scored == ignore_index, 0)
+    if uneven and vocab_start is None and vocab_size is None:
+        # the size the ranks' widths sum to, read with the cross-rank check's own read
+        check_ids_in_range(ids_name, scored, vocab_size_when_read(width, group), column_offset=1)
+        vocab_start, vocab_size = vocab_shard_range(width, group)
+    else:
+        size = group_size(group) * width if vocab_size is None else vocab_size
+        check_ids_in_range(ids_name, scored, size, column_offset=1)
+    vocab = VocabRange(
+        group,
+        group_rank(group) * width if vocab_start is None else vocab_start,
+        group_size(group) * width if vocab_size is None else vocab_size,
+    )
+    return NextTokenCall(logits, input_ids, layout, vocab, chunk_size, position_ids, ignore_index)
+
+
+def next_token_logprobs_of(call: NextTokenCall, top: TopKTopP | None = None) -> Tensor:
+    """The pure pipeline on a validated call, under the filter `top` (or none): `[B, S−1]`."""
+    return _pure.next_token_logprobs(
+        call.logits,
+        call.input_ids,
+        call.layout,
+        call.vocab,
+        top=top,
+        chunk_size=call.chunk_size,
+        position_ids=call.position_ids,
+        ignore_index=call.ignore_index,
+    )
+
+
 LoadBalancedSharder = LoadBalancedLayout  # the load-balanced layout is itself a `ContextParallelSharder`
 
 
-@boundary(roles=Roles(tp="group", shards=("logits",), start="vocab_start", size="vocab_size"), vocab="tiled")
+@boundary(
+    roles=Roles(tp="group", shards=("logits",), start="vocab_start", size="vocab_size"),
+    vocab="tiled",
+    local=check_view("logits"),
+)
 def target_logprobs(
     logits: Tensor,
     target: Tensor,
@@ -90,21 +187,11 @@ def target_logprobs(
         eager chunk; vocab_start, vocab_size: this shard's first id and `V` (defaults: uniform
         shards). Returns `[...]` in the compute dtype (`−inf` where a filter drops the target).
     """
-    if need_top_k_or_top_p_filtering(sampling_params):
-        return filtered_token_logprobs(
-            logits,
-            target,
-            top_k=sampling_params.top_k,
-            top_p=sampling_params.top_p,
-            ties=sampling_params.ties,
-            group=group,
-            chunk_rows=chunk_size,
-            vocab_start=vocab_start,
-            vocab_size=vocab_size,
-        )
-    return token_logprobs(
-        logits, target, group=group, chunk_rows=chunk_size, vocab_start=vocab_start, vocab_size=vocab_size
-    )
+    top = resolve_filter(sampling_params)
+    logits, target, vocab, chunk_rows = validated_token_call(
+        logits, target, group, vocab_start, vocab_size, chunk_size, None
+    )  # as `lossfx.token_logprobs` takes it (its `chunk_rows` is this `chunk_size`)
+    return _pure.target_logprobs(logits, target, vocab, top=top, chunk_rows=chunk_rows)
 
 
 @boundary(
@@ -167,45 +254,20 @@ def sharded_next_token_logprobs(
             load-balanced layout needs a multiple of `2C`); an id of `input_ids[:, 1:]` outside
             `[0, V)` (eager only; the message gives its `(b, t)` in `input_ids` and its value).
     """
-    check_floating("logits", logits)
-    check_integer_ids("input_ids", input_ids)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
-    layout = sequence_layout(context_parallel_group, cp_sharder)
-    if logits.dim() != 3 or input_ids.dim() != 2 or logits.shape[0] != input_ids.shape[0]:
-        raise ValueError(
-            f"logits must be [B, S_local, V_local] and input_ids [B, S] with the same B; got "
-            f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
-        )
-    position_ids = check_position_ids(position_ids, input_ids)
-    batch, seq = input_ids.shape
-    local_len = logits.shape[1]
-    layout.check_covers(
-        "logits", local_len, seq, f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
+    call = validated_next_token_call(
+        logits,
+        input_ids,
+        group=vocab_parallel_group,
+        layout=sequence_layout(context_parallel_group, cp_sharder),
+        chunk_size=chunk_size,
+        position_ids=position_ids,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
     )
-    # only the scored ids input_ids[:, 1:] must be in range; positions are reported as input_ids'
-    vocab = vocab_size if vocab_size is not None else group_size(vocab_parallel_group) * logits.shape[-1]
-    check_ids_in_range("input_ids", input_ids[:, 1:], vocab, column_offset=1)
-    rows = None if chunk_size is None else chunk_size * batch
-
-    def kernel(target: Tensor) -> list[Tensor]:  # [B, S_l] -> [B, S_l]
-        mark_checked(target, vocab)  # input_ids[:, 1:] (checked above) and zeros
-        return [
-            target_logprobs(
-                logits,
-                target,
-                sampling_params=sampling_params,
-                group=vocab_parallel_group,
-                chunk_size=rows,
-                vocab_start=vocab_start,
-                vocab_size=vocab_size,
-            )
-        ]
-
-    (out,) = score_next_tokens(layout, input_ids.to(logits.device), local_len, kernel, position_ids=position_ids)
-    return out
+    return next_token_logprobs_of(call, resolve_filter(sampling_params))
 
 
-@boundary(roles=Roles(tp="group", shards=("logits",)), vocab="equal")
+@boundary(roles=Roles(tp="group", shards=("logits",)), vocab="equal", local=check_view("logits", even=True))
 def next_token_filtered_logprobs(
     logits: Tensor,
     input_ids: Tensor,
@@ -233,10 +295,6 @@ def next_token_filtered_logprobs(
     """
     logits, group, *_ = vocab_shard(logits, group=group, even=True)  # lossfx/_boundary/dtensor.py
     input_ids = replicated(input_ids, "input_ids")
-    return sharded_next_token_logprobs(
-        logits,
-        input_ids,
-        vocab_parallel_group=group,
-        sampling_params=TrainingSamplingParams(top_k=top_k, top_p=top_p, ties=ties),
-        chunk_size=chunk_size,
-    )
+    top = resolve_filter(TrainingSamplingParams(top_k=top_k, top_p=top_p, ties=ties))
+    call = validated_next_token_call(logits, input_ids, group=group, layout=sequence_layout(), chunk_size=chunk_size)
+    return next_token_logprobs_of(call, top)

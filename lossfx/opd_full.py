@@ -580,8 +580,7 @@ def opd_full_input(
         layout.check_covers("logits", logits.shape[1], seq, got)
         vocab = VocabRange.uniform(group, logits.shape[-1])
         check_ids_in_range("data['input_ids']", input_ids, vocab.size if vocab_size is None else vocab_size)
-        rows = None if chunk_size is None else chunk_size * logits.shape[0]
-        logprobs = (logits, input_ids, vocab, rows)
+        logprobs = (logits, input_ids, vocab, chunk_size)
     return _pure.opd_full_loss_input(
         student,
         payload,

@@ -10,8 +10,8 @@ between the two along dim 1, so that every consumer is written once for all layo
   (`None`: all the layout's canonical positions), differentiable (gradient rule: the layout's
   gather, see each class);
 - `shift_left(x, length)`: this rank's part of the canonical left shift (last row zero);
-- `check_covers(what, local_len, seq, got)`: `ValueError` unless `local_len` positions per rank
-  can hold a length-`seq` canonical sequence; `local_len(seq)`: the fewest that can;
+- `local_len(seq)`: the fewest local positions per rank that hold a length-`seq` canonical
+  sequence (the boundary's `check_covers(layout, ...)` here raises unless the logits' can);
 - `next_token_targets` / `next_token_outputs`: the two halves of the one next-token pipeline
   (shift the canonical ids -> targets in the local layout; kernel; gather -> drop the last
   column), which `score_next_tokens` runs around a kernel.
@@ -27,7 +27,9 @@ down; a layout is itself a `ContextParallelSharder`, so it travels through every
 The layouts are the small value objects that the boundary hands to pure code: the classes live
 in `lossfx._layouts.sequence_layout` (pure: plain tensors in, no validation) and are re-exported
 here. This module is the boundary's part: `sequence_layout(...)` checks a user's `cp_sharder`
-and builds the layout once per call, and `ShardedLayout` is the pure one plus the checks of what
+and builds the layout once per call, `check_covers(layout, ...)` checks that the logits' local
+length fits the layout (the pure classes' own `check_covers` methods stay only for the callers not
+yet moved to this function), and `ShardedLayout` is the pure one plus the checks of what
 the user's sharder returns (its local and canonical lengths).
 """
 
@@ -53,6 +55,7 @@ __all__ = [
     "PlainLayout",
     "SequenceLayout",
     "ShardedLayout",
+    "check_covers",
     "mask_sequence_ends",
     "score_next_tokens",
     "sequence_layout",
@@ -85,6 +88,32 @@ class ShardedLayout(_pure.ShardedLayout):
                 f"positions (shape {tuple(full.shape)}); the call needs {length}"
             )
         return full[:, :length]
+
+
+def check_covers(
+    layout: SequenceLayout, what: str, local_len: int, seq: int, got: str, canonical: str = "input_ids"
+) -> None:
+    """The boundary's question to a layout: `ValueError` unless `local_len` local positions per
+    rank can hold the `seq` positions of the canonical tensor named `canonical` (`got` describes
+    the offending shapes). No context parallelism: equal lengths; the load-balanced layout over
+    `C > 1` ranks: `C·S_l >= S` with an even `S_l`; an external sharder: only it knows
+    (`ShardedLayout` checks the lengths it produces); a layout with its own rule (packed rows):
+    its `check_covers`."""
+    if isinstance(layout, _pure.ShardedLayout):
+        return
+    if isinstance(layout, LoadBalancedLayout) and layout.cp_size > 1:
+        if local_len * layout.cp_size < seq or local_len % 2:
+            raise ValueError(
+                f"context-parallel {what} hold {local_len} positions on each of {layout.cp_size} ranks; they must "
+                f"cover {canonical}' {seq} positions with an even local length (a multiple of 2·{layout.cp_size} "
+                f"in all; pad the sequence to it); got {got}"
+            )
+        return
+    if type(layout) in (PlainLayout, LoadBalancedLayout):
+        if local_len != seq:
+            raise ValueError(f"{what} must cover {canonical}' {seq} positions without context parallelism; got {got}")
+        return
+    layout.check_covers(what, local_len, seq, got, canonical)
 
 
 def _check_sharder(cp_sharder: object) -> None:

@@ -632,11 +632,6 @@ XFAIL = {
         "hang: consistency._Fields.walk reads __dict__ only; a property (zero_outside_topk) is not compared "
         "and the ranks run different collectives"
     ),
-    "neg_inf_bias[linear_token_logprobs]": (
-        "non-finite hidden gradient where the reference's is finite: the fused path with a bias that is -inf "
-        "over a whole vocabulary block (here rank 1's shard: padded rows masked out) gives NaN "
-        "(exp(-inf - -inf) of a block whose max is -inf); see test_fused_neg_inf_block_single_process"
-    ),
 }
 
 # the default suite's handful (one pool start, no hang): the rest is slow
@@ -703,11 +698,11 @@ def test_heldout_compiled(name):
     _check(name, "aot_eager")
 
 
-@pytest.mark.xfail(strict=True, reason=XFAIL["neg_inf_bias[linear_token_logprobs]"])
 def test_fused_neg_inf_block_single_process():
     """One process, no group: a bias that is -inf over one whole vocabulary block of the fused
-    loop (a forced policy of 8-row blocks) gives NaN log-probs and gradients; the float64
-    reference's are finite. The default CPU policy (2048-row blocks) hides it at V = 16."""
+    loop (a forced policy of 8-row blocks) gives the float64 reference's finite log-probs and
+    gradients (it gave NaN: `exp(-inf - -inf)` of the block's max). The default CPU policy
+    (2048-row blocks) hides it at V = 16; tests/test_fused_neg_inf.py covers every fused path."""
     gen = _gen(0)
     hidden = torch.randn(B, S, H, generator=gen, dtype=F64, requires_grad=True)
     weight = torch.randn(V, H, generator=gen, dtype=F64, requires_grad=True)

@@ -152,7 +152,7 @@ def test_chunk_rows_wins_over_the_policy():
             calls.append(len(real(n_rows, chunk_rows, *args)))
             return real(n_rows, chunk_rows, *args)
 
-        for module in (lossfx.logprobs, lossfx._kernels.divergence):
+        for module in (lossfx._kernels.logprobs, lossfx._kernels.divergence):
             module.row_chunks, saved = spy, module.row_chunks
             try:
                 lossfx.token_logprobs(z, d["target"], chunk_rows=7).sum().backward()

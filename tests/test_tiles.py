@@ -39,6 +39,43 @@ def test_merge_stats_of_any_column_partition_is_the_whole_rows(parts, seed, scal
     torch.testing.assert_close(moment / total - total.log(), (p * torch.log_softmax(z, 1)).sum(1), rtol=0, atol=1e-9)
 
 
+@settings(max_examples=30, deadline=None)
+@given(parts=st.integers(2, 5), dead=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_merge_stats_with_neg_inf_parts(parts, dead, seed):
+    """proofs/fused_linear.md §10: parts whose columns are all `-inf` (`(-inf, 0, 0)`) add nothing,
+    in any order, folded pairwise (as the vocabulary blocks are) or all at once (as the ranks
+    are); a row whose parts are all `-inf` stays `(-inf, 0, 0)`, with no NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(4, 5 * parts, generator=gen, dtype=F64) * 3
+    killed = torch.randperm(parts, generator=gen)[: min(dead, parts - 1)]
+    for k in killed.tolist():
+        z[:2, 5 * k : 5 * k + 5] = float("-inf")  # rows 0-1: some parts all -inf
+    z[3] = float("-inf")  # row 3: every part
+    m, s, u = [], [], []
+    for k in range(parts):
+        part = z[:, 5 * k : 5 * k + 5]
+        mp = part.amax(1)
+        x = part - torch.where(mp.isfinite(), mp, 0.0)[:, None]
+        e = x.exp()
+        m.append(mp), s.append(e.sum(1)), u.append(torch.where(e > 0, e * x, 0.0).sum(1))
+    m, s, u = torch.stack(m), torch.stack(s), torch.stack(u)
+    big, total, moment = _tiles.merge_stats(m, s, u)
+    folded = (m[0], s[0], u[0])
+    for k in range(1, parts):  # the vocabulary blocks' pairwise fold
+        pair = [torch.stack([a, b]) for a, b in zip(folded, (m[k], s[k], u[k]), strict=True)]
+        folded = _tiles.merge_stats(*pair)
+    for got in ((big, total, moment), folded):
+        assert got[2] is not None and not any(t.isnan().any() for t in got)
+        live = slice(0, 3)
+        lse = torch.logsumexp(z[live], 1)
+        shift = got[0][live]
+        torch.testing.assert_close(shift + got[1][live].log(), lse, rtol=0, atol=1e-12)
+        lp = torch.log_softmax(z[live], 1)
+        want = torch.where(lp.isneginf(), 0.0, lp.exp() * lp).sum(1)
+        torch.testing.assert_close(got[2][live] / got[1][live] - got[1][live].log(), want, rtol=0, atol=1e-12)
+        assert got[0][3] == float("-inf") and got[1][3] == 0 and got[2][3] == 0
+
+
 def test_cpu_policy_keeps_the_fused_tile_sizes():
     """CPU: `[C, Cv]` tiles near `tile_bytes` with `Cv <= max_block`; bf16 weights bound `Cv` by the
     `[Cv, H]` fp32 accumulator; rows-outside chunks `min(N/16, chunk_bytes / row bytes)`, >= 16."""

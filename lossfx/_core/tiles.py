@@ -127,15 +127,21 @@ def merge_stats(m: Tensor, s: Tensor, u: Tensor | None = None) -> tuple[Tensor, 
 
         M = max_r m_r,  S = Σ_r w_r s_r,  U = Σ_r w_r (u_r + (m_r − M) s_r),  w_r = exp(m_r − M)
 
-    (`M` is 0 on a row whose parts are all `-inf`; proofs/fused_linear.md §5).
+    `-inf` parts (a block or shard whose logits are all `-inf`, e.g. masked padded head rows) are
+    `m_r = -inf, s_r = u_r = 0`: their weight is 0 and they add nothing. `S` and `U` are taken
+    about the finite shift `finite(M)` (0 where `M = -inf`); `M` itself is returned unchanged, so
+    an all `-inf` row stays the part `(-inf, 0, 0)` and merges again exactly (proofs/fused_linear.md §5, §10).
     """
-    big = m.amax(dim=0)
-    big = torch.where(torch.isfinite(big), big, torch.zeros_like(big))  # [N]
-    delta = m - big  # [R, N], <= 0
+    big = m.amax(dim=0)  # [N]
+    # the shift, 0 where no part is finite: no `-inf − -inf` (one op: see numerics.finite_or_zero)
+    shift = torch.nan_to_num(big, nan=0.0, posinf=0.0, neginf=0.0)
+    delta = m - shift  # [R, N], <= 0, -inf for an all -inf part
     weight = torch.exp(delta)
     total = (weight * s).sum(dim=0)
     if u is None:
         return big, total, None
+    # w_r = 0 exactly where delta_r = -inf (and s_r = 0 there): the term is 0, never -inf · 0
+    delta = torch.nan_to_num(delta, nan=0.0, posinf=0.0, neginf=0.0)
     return big, total, (weight * (u + delta * s)).sum(dim=0)
 
 

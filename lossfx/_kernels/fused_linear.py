@@ -57,7 +57,9 @@ class _FusedLinearFn(torch.autograd.Function):
     def backward(ctx, dlogprobs, dneg_entropy):
         full_hidden, weight, bias, local_idx, owned, valid, rows, shift, log_s, neg_entropy = ctx.saved_tensors
         cdtype = shift.dtype
-        g = torch.where(valid, dlogprobs.to(cdtype), torch.zeros((), dtype=cdtype, device=shift.device))  # [N, K]
+        # ignored ids, and the rows whose logits are all -inf (constant: -inf log-probs), get no gradient
+        live = valid & ~torch.isneginf(log_s)[:, None]  # [N, K]
+        g = torch.where(live, dlogprobs.to(cdtype), torch.zeros((), dtype=cdtype, device=shift.device))  # [N, K]
         grad_ids = torch.where(owned, g, torch.zeros_like(g))
         dhidden, dweight, dbias = linear_local_grads(
             full_hidden,

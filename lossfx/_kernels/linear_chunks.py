@@ -41,13 +41,22 @@ one `[Cv, H]` fp32 accumulator (so no `[Vl, H]` fp32 buffer is ever allocated), 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from lossfx._core.chunking import policy_for
+from lossfx._core.numerics import finite_or_zero, log_s_for_softmax
 from lossfx._core.tiles import LogitHead, Tiles, add_rows_, compute_dtype, matmul_dtype, merge_stats, tile_shape
 
-__all__ = ["linear_local_grads", "linear_local_stats", "merge_row_stats"]
+__all__ = ["linear_local_grads", "linear_local_stats", "merge_row_stats", "nan_to_zero_"]
+
+
+def nan_to_zero_(x: Tensor) -> Tensor:
+    """`x` with its NaNs set to 0 in place (infinities kept): the `0·(±inf)` terms of a gradient
+    tile where `p = 0` (a `-inf` logit) are 0. Dense: ``torch.where(x.isnan(), 0, x)``."""
+    return x.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
 
 
 def _tiles(hidden: Tensor, weight: Tensor, bias: Tensor | None, head: LogitHead, active, chunk_rows: int, scratch: int):
@@ -76,9 +85,10 @@ def _stats_body(z: Tensor, block_idx: Tensor, in_block: Tensor, with_entropy: bo
     """Tile `z [C, Cv]` -> `(m_b, s_b, u_b or None, picked [C, K])` (see `linear_local_stats`)."""
     picked = torch.where(in_block, z.gather(1, block_idx), 0.0)
     m = z.amax(dim=1)
-    x = z - m[:, None]
+    x = z - finite_or_zero(m)[:, None]  # -inf where z is: e = 0 there
     e = torch.exp(x)
-    return m, e.sum(dim=1), ((e * x).sum(dim=1) if with_entropy else None), picked
+    # 0·(−inf) = NaN only where e = 0: those terms are 0 (0·log 0 = 0)
+    return m, e.sum(dim=1), (torch.where(e > 0, e * x, 0.0).sum(dim=1) if with_entropy else None), picked
 
 
 def _grad_body(
@@ -96,8 +106,8 @@ def _grad_body(
     `h/S`, `Σ p (z − shift)`, `Σ_k g_k / S`; `cap_factor` `T/c` (0-d) with a soft-cap."""
     x = z - shift[:, None]
     e = torch.exp(x)
-    if with_entropy:
-        dz = e * ((x - centre[:, None]) * entropy_factor[:, None] - total_factor[:, None])
+    if with_entropy:  # where p = 0 (z = −inf) the term is 0, not 0·(±inf)
+        dz = torch.where(e > 0, e * ((x - centre[:, None]) * entropy_factor[:, None] - total_factor[:, None]), 0.0)
     else:
         dz = e * -total_factor[:, None]
     dz = dz.scatter_add(1, block_idx, block_grad)
@@ -118,13 +128,18 @@ def _fold_block(stats: Tensor, rows: slice | Tensor, m_b: Tensor, s_b: Tensor, u
 
 
 def merge_row_stats(stats: Tensor, n_ids: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Every rank's `[R, 3 + K, N]` -> (logprobs `[N, K]`, neg_entropy `[N]`, shift `[N]`, log_s `[N]`)."""
-    shift, total, moment = merge_stats(stats[:, 0], stats[:, 1], stats[:, 2])  # [N] each; lse = shift + log_s
+    """Every rank's `[R, 3 + K, N]` -> (logprobs `[N, K]`, neg_entropy `[N]`, shift `[N]`, log_s `[N]`).
+
+    `shift` is finite; a row whose logits are all `-inf` has `log_s = -inf`, log-probs `-inf` and
+    `Σ p log p = 0` (the reference's; its gradient is 0: `linear_local_grads`)."""
+    big, total, moment = merge_stats(stats[:, 0], stats[:, 1], stats[:, 2])  # [N] each
     assert moment is not None
+    shift = finite_or_zero(big)  # lse = shift + log_s
     log_s = torch.log(total)
+    dead = torch.isneginf(log_s)  # [N]: every logit of the row is -inf
     picked = stats[:, 3 : 3 + n_ids].sum(dim=0)  # [K, N]; exactly one rank owns each id
-    logprobs = ((picked - shift) - log_s).T  # [N, K]
-    neg_entropy = moment / total - log_s  # Σ p log p = Σ p (z − shift) − log_s
+    logprobs = torch.where(dead, float("-inf"), (picked - shift) - log_s).T  # [N, K]
+    neg_entropy = torch.where(dead, 0.0, moment / total - log_s)  # Σ p log p = Σ p (z − shift) − log_s
     return logprobs, neg_entropy, shift, log_s
 
 
@@ -148,8 +163,9 @@ def linear_local_stats(
     Rows of the result: `m` (row max of this shard's logits `z = LogitHead(...)(h Wᵀ + b)`),
     `s = Σ exp(z − m)`, `u = Σ exp(z − m)·(z − m)` (0 unless `with_entropy`), then
     `z[n, local_idx[n, k]]` where `owned`, else 0; an inactive row keeps `(0, 1, 0, 0…)` and is never
-    computed. Tiles: vocabulary blocks outside, row chunks of `chunk_rows` inside (0: the default),
-    each block's statistics folded into the running ones exactly.
+    computed; a row whose shard is all `-inf` is `(-inf, 0, 0, …)` (proofs/fused_linear.md §10).
+    Tiles: vocabulary blocks outside, row chunks of `chunk_rows` inside (0: the default), each
+    block's statistics folded into the running ones exactly.
     """
     n_rows, n_ids = local_idx.shape
     head = LogitHead(temperature, logit_scale, softcap)
@@ -168,13 +184,13 @@ def linear_local_stats(
                 picked = z.gather(1, block_idx[rows])  # [C, K]
                 # each owned id lies in exactly one block: adding 0 elsewhere is exact
                 stats[3:, rows] += torch.where(in_block[rows], picked, torch.zeros_like(picked)).T
-                m_b = z.amax(dim=1)  # [C]
-                z.sub_(m_b[:, None])  # z − m_b, in place
+                m_b = z.amax(dim=1)  # [C], -inf for a row whose block is all -inf
+                z.sub_(finite_or_zero(m_b)[:, None])  # z − m_b in place (−inf stays −inf: e = 0)
                 u_b = None
                 if with_entropy:
                     e = torch.exp(z, out=tiles.scratch(0, z))  # [C, Cv]
                     s_b = e.sum(dim=1)
-                    u_b = e.mul_(z).sum(dim=1)
+                    u_b = e.mul_(z).nansum(dim=1)  # 0·(−inf) = NaN only where e = 0: dropped (0·log 0 = 0)
                 else:
                     s_b = z.exp_().sum(dim=1)
             if cols.start == 0:
@@ -245,8 +261,10 @@ def linear_local_grads(
     # `shift + log_s` (eps·|shift|) would be one relative error common to the whole row of p, so
     # Σ p ≠ 1 by it, and `dz W` multiplies Σ dz ≠ 0 by W's common direction (proofs/fused_linear.md
     # §8). `exp(−log_s)` is a per-row factor, folded into the per-row scalars below (no extra pass).
-    inv_s = torch.exp(-log_s)  # [N], 1/S with S >= 1
-    centre = log_s + neg_entropy  # [N], Σ p (z − shift): log p − H = (z − shift) − centre
+    # An all -inf row (log_s = -inf) is constant: 1/S := 0 makes its p and its gradient 0 (the
+    # caller zeroes its `grad_ids`); its centre is 0, so every per-row factor stays finite.
+    inv_s = torch.exp(-log_s_for_softmax(log_s))  # [N], 1/S with S >= 1, 0 for an all -inf row
+    centre = finite_or_zero(log_s + neg_entropy)  # [N], Σ p (z − shift): log p − H = (z − shift) − centre
     scale = head.scale  # dz/dr = s/T (· (1 − tanh²)): s/T folded into the two matmuls (alpha)
     entropy_factor, total_factor = grad_entropy * inv_s, grad_total * inv_s  # [N]: h/S, Σ_k g_k/S
     cap_factor = None
@@ -281,7 +299,8 @@ def linear_local_grads(
                     # dz = p ⊙ (h·(log p − H) − Σ_k g_k) = exp(x) ⊙ ((x − centre)·h/S − Σ_k g_k/S)
                     e = torch.exp(x, out=tiles.scratch(0, z))  # [C, Cv]
                     bracket = x.sub_(centre[rows, None]).mul_(entropy_factor[rows, None])
-                    dz = e.mul_(bracket.sub_(total_factor[rows, None]))
+                    # where z = −inf, e = 0 and the bracket is ±inf: 0·inf = NaN, which is 0
+                    dz = nan_to_zero_(e.mul_(bracket.sub_(total_factor[rows, None])))
                 else:
                     dz = x.exp_().mul_(-total_factor[rows, None])  # −p·Σ_k g_k, in the same buffer
                 dz.scatter_add_(1, block_idx[rows], block_grad[rows])  # + g at each id in this block

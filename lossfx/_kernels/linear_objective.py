@@ -20,10 +20,11 @@ from torch import Tensor
 
 from lossfx._core.chunking import policy_for
 from lossfx._core.distributed import all_gather_stack, all_reduce, group_size, is_distributed, reduce_scatter_sum
+from lossfx._core.numerics import finite_or_zero, log_s_for_softmax
 from lossfx._core.tiles import LogitHead, Tiles, add_rows_, chunk_rows_for, compute_dtype, matmul_dtype
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels.fused_linear import linear_rows
-from lossfx._kernels.linear_chunks import merge_row_stats
+from lossfx._kernels.linear_chunks import merge_row_stats, nan_to_zero_
 
 __all__ = ["default_objective_chunk_rows", "linear_logprob_objective", "linear_objective_rows"]
 
@@ -120,21 +121,23 @@ def linear_objective_rows(
     for rows, h_rows, z in tiles.chunks_full():  # z [C, Vl]
         n = h_rows.shape[0]
         idx, own = local_idx[rows, None], owned[rows]
-        m = z.amax(dim=1)  # [C]
+        m = z.amax(dim=1)  # [C], -inf for a row whose shard is all -inf
+        m_safe = finite_or_zero(m)  # z − m_safe is −inf exactly where z is: e = 0 there
+        # e·(z − m): 0·(−inf) = NaN only where e = 0, so nansum drops exactly those terms (0·log 0 = 0)
         if whole:  # s = Σ exp(z − m), u = Σ exp(z − m)(z − m) in one tile
-            shifted = torch.sub(z, m[:, None], out=tiles.scratch(0, z))
+            shifted = torch.sub(z, m_safe[:, None], out=tiles.scratch(0, z))
             e = torch.exp(shifted) if with_entropy else shifted.exp_()
             s = e.sum(dim=1)
-            u = e.mul_(shifted).sum(dim=1) if with_entropy else torch.zeros_like(s)
+            u = e.mul_(shifted).nansum(dim=1) if with_entropy else torch.zeros_like(s)
         else:  # ... per block in a small tile
             s = torch.zeros(n, dtype=cdtype, device=device)
             u = torch.zeros(n, dtype=cdtype, device=device)
             for cols in blocks:
-                shifted = torch.sub(z[:, cols], m[:, None], out=tiles.scratch(0, z[:, cols]))
+                shifted = torch.sub(z[:, cols], m_safe[:, None], out=tiles.scratch(0, z[:, cols]))
                 if with_entropy:
                     e = torch.exp(shifted)
                     s += e.sum(dim=1)
-                    u += e.mul_(shifted).sum(dim=1)
+                    u += e.mul_(shifted).nansum(dim=1)
                 else:
                     s += shifted.exp_().sum(dim=1)
         z_t = z.gather(1, idx)[:, 0]  # [C], the logit of the target (where owned)
@@ -151,7 +154,11 @@ def linear_objective_rows(
         rows_out[0, rows], rows_out[1, rows] = logprob[:, 0], neg_entropy
         if not (need_dhidden or need_dweight):
             continue
-        a, b = logprob_weight[rows, None], entropy_weight[rows, None]
+        # a row whose logits are all -inf is constant: p = 0 (log_s := +inf) and a := 0 (no one-hot)
+        dead = torch.isneginf(log_s)[:, None]  # [C, 1]
+        log_s = log_s_for_softmax(log_s)
+        a = torch.where(dead, 0.0, logprob_weight[rows, None])
+        b = entropy_weight[rows, None]
         # dz = p ⊙ (b·(log p − Σ p log p) − a) + a·onehot(t)        (proofs/linear_objective.md §1)
         if softcap is None and not with_entropy:
             z.sub_(shift[:, None]).sub_(log_s[:, None]).exp_().mul_(-a)  # −a·p, in place
@@ -163,7 +170,8 @@ def linear_objective_rows(
             logp = zc.sub_(shift[:, None]).sub_(log_s[:, None])  # log p, in place
             if with_entropy:
                 p = torch.exp(logp, out=tiles.scratch(0, zc))
-                logp.sub_(neg_entropy[:, None]).mul_(b).sub_(a).mul_(p)
+                # where z = −inf: p = 0 and the bracket ±inf; 0·inf = NaN, which is 0
+                nan_to_zero_(logp.sub_(neg_entropy[:, None]).mul_(b).sub_(a).mul_(p))
             else:
                 logp.exp_().mul_(-a)
             if cap is not None:

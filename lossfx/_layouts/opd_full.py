@@ -7,7 +7,8 @@
 
 Plain tensors, a `SequenceLayout` and a `VocabRange` in; the public boundary (`lossfx.opd_full`,
 `lossfx.loss_input`) has unwrapped the DTensors, validated the payload, the heads and the ids and
-resolved every option. The kernels are `lossfx._kernels.divergence` and `lossfx._kernels.logprobs`.
+resolved every option. Below: `lossfx._kernels.divergence` and the pure next-token layout
+`lossfx._layouts.next_token`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from lossfx._core.distributed import ProcessGroup
 from lossfx._core.host_reads import tracing
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import divergence as _divergence
-from lossfx._kernels import logprobs as _logprobs
-from lossfx._layouts.sequence_layout import SequenceLayout, score_next_tokens
+from lossfx._layouts import next_token as _next_token
+from lossfx._layouts.sequence_layout import SequenceLayout
 
 __all__ = [
     "ProjectedTeacher",
@@ -135,8 +136,9 @@ def opd_full_loss_input(
     cut to `columns`, or hidden states through `heads` (each row's `position`), projected chunk
     by chunk inside the divergence (never `[B, S_l, Vl]`).
 
-    `logprobs = (logits [B, S_l, Vl'], input_ids [B, S], vocab, chunk_rows)` adds the unfiltered
-    `next_token_logprobs` (the reference-KL term). Dense equivalent:
+    `logprobs = (logits [B, S_l, Vl'], input_ids [B, S], vocab, chunk_size)` adds the unfiltered
+    `next_token_logprobs` (the reference-KL term, `lossfx._layouts.next_token`; `chunk_size`:
+    sequence positions per eager chunk). Dense equivalent:
     `lossfx.reference.opd_full_loss_input`. The divergence is differentiable in the student; the
     decomposition (`opd_full_entropy`, `opd_full_cross_entropy`) is computed without autograd.
     """
@@ -170,11 +172,8 @@ def opd_full_loss_input(
         "opd_full_cross_entropy": None if ce is None else layout.to_canonical(ce, width),
     }
     if logprobs is not None:
-        logits, input_ids, vocab, rows = logprobs
-
-        def kernel(target: Tensor) -> list[Tensor]:  # [B, S_l] -> [B, S_l]
-            return [_logprobs.token_logprobs(logits, target, vocab, chunk_rows=rows)]
-
-        ids = input_ids.to(logits.device)
-        (out["next_token_logprobs"],) = score_next_tokens(layout, ids, logits.shape[1], kernel)
+        logits, input_ids, vocab, chunk_size = logprobs
+        out["next_token_logprobs"] = _next_token.next_token_logprobs(
+            logits, input_ids, layout, vocab, chunk_size=chunk_size
+        )
     return out

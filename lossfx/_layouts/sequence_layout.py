@@ -3,7 +3,8 @@ rank's logits hold (`lossfx.sequence_layout` documents the interface).
 
 `PlainLayout`, `LoadBalancedLayout`, `ShardedLayout` (and `lossfx.packing.PackedLayout`) take
 plain tensors whose shapes the public boundary has checked (`check_covers` is the boundary's
-question to a layout; the pure paths never ask it). A layout is built once per call by the
+question to a layout, asked through `lossfx.sequence_layout.check_covers`; the methods here remain
+for the boundaries not yet moved to it, and the pure paths never ask it). A layout is built once per call by the
 boundary (`lossfx.sequence_layout.sequence_layout`, which also checks a user's `cp_sharder`)
 and handed down to every consumer.
 """
