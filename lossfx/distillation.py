@@ -29,7 +29,7 @@ from lossfx._boundary.validation import check_floating, check_ids_in_range, chec
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import distillation as _pure
-from lossfx.sequence_layout import ContextParallelSharder, SequenceLayout, sequence_layout
+from lossfx.sequence_layout import ContextParallelSharder, SequenceLayout, check_covers, sequence_layout
 
 __all__ = ["distillation_topk_logprobs"]
 
@@ -143,7 +143,8 @@ def _distillation(
             f"{tuple(student_logits.shape)} and teacher shape {tuple(teacher_topk_indices.shape)}"
         )
     batch, seq, _ = teacher_topk_indices.shape
-    layout.check_covers(
+    check_covers(
+        layout,
         logits_name,
         student_logits.shape[1],
         seq,

@@ -32,11 +32,17 @@ from torch import Tensor
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import renamed_keywords
 from lossfx._boundary.dtensor import VocabShard, check_view, is_dtensor, replicated, vocab_shard
-from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
-from lossfx._core.distributed import ProcessGroup, check_group, group_size
+from lossfx._boundary.validation import check_floating, check_group, check_ids_in_range, check_integer_ids, check_tensor
+from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import draft as _pure
-from lossfx.sequence_layout import ContextParallelSharder, LoadBalancedLayout, SequenceLayout, sequence_layout
+from lossfx.sequence_layout import (
+    ContextParallelSharder,
+    LoadBalancedLayout,
+    SequenceLayout,
+    check_covers,
+    sequence_layout,
+)
 
 __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
 
@@ -221,7 +227,7 @@ def validated_draft(
         )
     seq, local_len = token_mask.shape[1], logits.shape[1]
     got = f"logits.shape={tuple(logits.shape)} and token_mask.shape={tuple(token_mask.shape)}"
-    layout.check_covers("logits", local_len, seq, got, canonical="token_mask")
+    check_covers(layout, "logits", local_len, seq, got, canonical="token_mask")
     local_vocab = logits.shape[-1]
     target_ids = None if d2t is None else _validated_target_ids(d2t, group, rank, local_vocab)
     return target_ids, VocabRange.uniform(group, local_vocab)

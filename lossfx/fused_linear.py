@@ -60,7 +60,7 @@ from lossfx._core.vocab import VocabRange
 from lossfx._kernels import fused_linear as kernel
 from lossfx._layouts import linear_next_token as _pure_next_token
 from lossfx.next_token import check_position_ids
-from lossfx.sequence_layout import sequence_layout
+from lossfx.sequence_layout import check_covers, sequence_layout
 
 __all__ = ["linear_gather_logprobs", "linear_next_token_logprobs", "linear_token_logprobs"]
 
@@ -663,7 +663,7 @@ def linear_next_token_logprobs(
         f"hidden.shape={tuple(hidden.shape)} (x{tp_size} sequence-parallel ranks) and "
         f"input_ids.shape={tuple(input_ids.shape)}"
     )
-    layout.check_covers("hidden states", local_len, input_ids.shape[1], shapes)
+    check_covers(layout, "hidden states", local_len, input_ids.shape[1], shapes)
     # the scored ids input_ids[:, 1:], once (ignore_index is never out of range); positions are input_ids'
     scored = input_ids[:, 1:]
     check_ids_in_range("input_ids", scored.masked_fill(scored == ignore_index, 0), call.vocab.size, column_offset=1)

@@ -46,8 +46,8 @@ from lossfx._boundary.dtensor import (
     replicated,
     vocab_shard,
 )
-from lossfx._boundary.validation import check_floating, check_tensor
-from lossfx._core.distributed import ProcessGroup, check_group, check_vocab_parallel
+from lossfx._boundary.validation import check_floating, check_group, check_group_rank, check_tensor
+from lossfx._core.distributed import ProcessGroup
 from lossfx._core.numerics import compute_dtype
 from lossfx._layouts import draft as _draft
 from lossfx._layouts import packing as _packing
@@ -103,7 +103,9 @@ def _vocab_parallel(
     """Validate the tensor-parallel arguments; return `(rank, group)` (`(0, None)` without TP)."""
     if vocab_parallel_group is None:
         return 0, None
-    return check_vocab_parallel(vocab_parallel_rank, vocab_parallel_group), vocab_parallel_group
+    return check_group_rank(
+        "vocab_parallel_rank", vocab_parallel_rank, "vocab_parallel_group", vocab_parallel_group
+    ), vocab_parallel_group
 
 
 def _vocab_policy(arguments: Mapping[str, Any]) -> str:

@@ -40,17 +40,18 @@ from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.dtensor import VocabShard, _same_group, is_dtensor, rejections_compared, replicated, vocab_shard
 from lossfx._boundary.validation import (
     check_floating,
+    check_group_rank,
     check_ids_in_range,
     check_integer_ids,
     check_positive_int,
     check_tensor,
 )
 from lossfx._core import host_reads as _host_reads
-from lossfx._core.distributed import ProcessGroup, check_vocab_parallel, group_size
+from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.host_reads import tracing
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import opd_full as _pure
-from lossfx.sequence_layout import ContextParallelSharder, SequenceLayout, sequence_layout
+from lossfx.sequence_layout import ContextParallelSharder, SequenceLayout, check_covers, sequence_layout
 
 __all__ = [
     "OnPolicyDistillationFullConfig",
@@ -408,7 +409,7 @@ def _tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int
     """This rank's vocabulary window index: validated against a group, else as given (default 0)."""
     if group is None:
         return 0 if vocab_parallel_rank is None else vocab_parallel_rank
-    return check_vocab_parallel(vocab_parallel_rank, group)
+    return check_group_rank("vocab_parallel_rank", vocab_parallel_rank, "vocab_parallel_group", group)
 
 
 class _LocalCall(NamedTuple):
@@ -577,7 +578,7 @@ def opd_full_input(
     logprobs = None
     if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
         got = f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
-        layout.check_covers("logits", logits.shape[1], seq, got)
+        check_covers(layout, "logits", logits.shape[1], seq, got)
         vocab = VocabRange.uniform(group, logits.shape[-1])
         check_ids_in_range("data['input_ids']", input_ids, vocab.size if vocab_size is None else vocab_size)
         logprobs = (logits, input_ids, vocab, chunk_size)

@@ -28,8 +28,7 @@ The layouts are the small value objects that the boundary hands to pure code: th
 in `lossfx._layouts.sequence_layout` (pure: plain tensors in, no validation) and are re-exported
 here. This module is the boundary's part: `sequence_layout(...)` checks a user's `cp_sharder`
 and builds the layout once per call, `check_covers(layout, ...)` checks that the logits' local
-length fits the layout (the pure classes' own `check_covers` methods stay only for the callers not
-yet moved to this function), and `ShardedLayout` is the pure one plus the checks of what
+length fits the layout, and `ShardedLayout` is the pure one plus the checks of what
 the user's sharder returns (its local and canonical lengths).
 """
 
@@ -98,7 +97,7 @@ def check_covers(
     the offending shapes). No context parallelism: equal lengths; the load-balanced layout over
     `C > 1` ranks: `C·S_l >= S` with an even `S_l`; an external sharder: only it knows
     (`ShardedLayout` checks the lengths it produces); a layout with its own rule (packed rows):
-    its `check_covers`."""
+    its `check_covers` method (the public `lossfx.packing.PackedLayout`)."""
     if isinstance(layout, _pure.ShardedLayout):
         return
     if isinstance(layout, LoadBalancedLayout) and layout.cp_size > 1:
@@ -113,7 +112,10 @@ def check_covers(
         if local_len != seq:
             raise ValueError(f"{what} must cover {canonical}' {seq} positions without context parallelism; got {got}")
         return
-    layout.check_covers(what, local_len, seq, got, canonical)
+    own_rule = getattr(layout, "check_covers", None)  # a layout with its own rule (packed rows)
+    if own_rule is None:
+        raise TypeError(f"{type(layout).__name__} is not a layout the boundary can check")
+    own_rule(what, local_len, seq, got, canonical)
 
 
 def _check_sharder(cp_sharder: object) -> None:

@@ -118,7 +118,6 @@ def test_kernels_import_only_the_floors_below():
     floors = {  # every module of a package listed as a whole (`_kernels.filtering`) included
         "pure kernels": ("ground", "core", "pure kernels"),
         "pure layouts": ("ground", "core", "pure kernels", "pure layouts"),
-        "kernels": ("ground", "core", "boundary", "pure kernels"),
     }
     for module in graph:
         layer = _layer(module, layer_of)
@@ -176,19 +175,18 @@ PROTOCOL = {"cp_group"}  # the attribute a context-parallel sharder object carri
 # and the layout arguments it fills in; `_core.distributed` names its argument in its own error message
 PINNED = {
     "_boundary.dtensor": {"group", "logits", "vocab_parallel_group", "vocab_size", "vocab_start"},
-    "_core.distributed": {"vocab_parallel_group"},
 }
 
 
 def _public_parameters() -> set[str]:
-    """Parameter names of the public functions of the kernels, layouts and entry points."""
+    """Parameter names of the public functions and entry points."""
     import importlib
     import inspect
 
     layer_of, _ = _layer_table()
     names: set[str] = set()
     for module, layer in layer_of.items():
-        if layer not in ("kernels", "layouts", "entry points"):
+        if layer not in ("public functions", "entry points"):
             continue
         mod = importlib.import_module(f"lossfx.{module}")
         for public in getattr(mod, "__all__", []):

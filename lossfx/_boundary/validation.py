@@ -17,17 +17,19 @@ import torch
 from torch import Tensor
 
 from lossfx._core import host_reads as _host_reads
-from lossfx._core.host_reads import read_now, tracing
+from lossfx._core.distributed import ProcessGroup, group_rank, group_size
+from lossfx._core.host_reads import tracing
 
 __all__ = [
     "check_floating",
+    "check_group",
+    "check_group_rank",
     "check_ids_in_range",
     "check_integer_ids",
     "check_positive_float",
     "check_positive_int",
     "check_tensor",
     "mark_checked",
-    "read_now",  # a kernel's host read, taken with the call's checks (kernels import foundations only)
     "values_checkable",
 ]
 
@@ -138,3 +140,33 @@ def check_ids_in_range(
 
     flat = ids.reshape(-1)
     _host_reads.defer(torch.stack([flat.min(), flat.max()]).to(torch.int64), raise_if_bad)
+
+
+def check_group(name: str, group: object) -> None:
+    """Raise `TypeError` naming `name` unless `group` is a `ProcessGroup` or `None`."""
+    if group is not None and not isinstance(group, ProcessGroup):
+        raise TypeError(
+            f"{name} must be a torch.distributed.ProcessGroup or None, got {group!r} ({type(group).__name__}); "
+            "pass the group object (e.g. device_mesh.get_group('tp')), not its name"
+        )
+
+
+def check_group_rank(rank_arg: str, rank: object, group_arg: str, group: ProcessGroup | None) -> int:
+    """Validate a rank argument (`rank_arg`, e.g. NeMo's `vocab_parallel_rank`) against a non-`None`
+    group (`group_arg`) and return it; the messages name both arguments.
+
+    Raises:
+        ValueError: a group without a rank, or a rank that is not this process's rank in it.
+        TypeError: a group that is not a `ProcessGroup`, a non-int rank.
+    """
+    if rank is None:
+        raise ValueError(f"{rank_arg} must be provided when {group_arg} is provided")
+    check_group(group_arg, group)
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"{rank_arg} must be an int, got {rank!r}")
+    actual = group_rank(group)
+    if rank != actual:
+        raise ValueError(
+            f"{rank_arg}={rank} disagrees with the rank {actual} of {group_arg} (size {group_size(group)})"
+        )
+    return actual

@@ -19,8 +19,6 @@ __all__ = [
     "all_gather_stack",
     "all_gather_stack_summed_grad",
     "all_reduce",
-    "check_group",
-    "check_vocab_parallel",
     "group_rank",
     "group_size",
     "is_distributed",
@@ -113,33 +111,3 @@ def local_columns(ids: Tensor, vocab_start: int, local_vocab: int) -> tuple[Tens
     local = ids - vocab_start
     owned = (local >= 0) & (local < local_vocab)
     return torch.where(owned, local, torch.zeros_like(local)), owned
-
-
-def check_group(name: str, group: object) -> None:
-    """Raise `TypeError` naming `name` unless `group` is a `ProcessGroup` or `None`."""
-    if group is not None and not isinstance(group, ProcessGroup):
-        raise TypeError(
-            f"{name} must be a torch.distributed.ProcessGroup or None, got {group!r} ({type(group).__name__}); "
-            "pass the group object (e.g. device_mesh.get_group('tp')), not its name"
-        )
-
-
-def check_vocab_parallel(vocab_parallel_rank: int | None, vocab_parallel_group: ProcessGroup | None) -> int:
-    """Validate `vocab_parallel_rank` against a non-`None` group and return it.
-
-    Raises:
-        ValueError: a group without a rank, or a rank that is not this process's rank in it.
-        TypeError: a group that is not a `ProcessGroup`, a non-int rank.
-    """
-    if vocab_parallel_rank is None:
-        raise ValueError("vocab_parallel_rank must be provided when vocab_parallel_group is provided")
-    check_group("vocab_parallel_group", vocab_parallel_group)
-    if isinstance(vocab_parallel_rank, bool) or not isinstance(vocab_parallel_rank, int):
-        raise TypeError(f"vocab_parallel_rank must be an int, got {vocab_parallel_rank!r}")
-    rank = group_rank(vocab_parallel_group)
-    if vocab_parallel_rank != rank:
-        raise ValueError(
-            f"vocab_parallel_rank={vocab_parallel_rank} disagrees with the rank {rank} of "
-            f"vocab_parallel_group (size {group_size(vocab_parallel_group)})"
-        )
-    return rank

@@ -97,8 +97,8 @@ class PackedLayout(SequenceLayout):
     `to_canonical` is one all-gather whose backward sums the upstream gradients over CP ranks
     (divide the loss by `C`). The next-token targets shift **within each sequence**, and the
     outputs are the unpacked `[B, S−1]` rows (or the packed `[1, T−1]` row, each sequence's last
-    slot 0, when `prepacked`). Pure: `cu_seqlens` must be checked already; `check_covers` asks
-    nothing here (the public `lossfx.packing.PackedLayout` checks `cu_seqlens` there).
+    slot 0, when `prepacked`). Pure: `cu_seqlens` must be checked already (the public
+    `lossfx.packing.PackedLayout.check_covers` checks them at the boundary).
     """
 
     def __init__(self, cu_seqlens_q: Any, cu_seqlens_q_padded: Any, cp_group: ProcessGroup | None, prepacked: bool):
@@ -106,9 +106,6 @@ class PackedLayout(SequenceLayout):
         self.cp_group, self.prepacked = cp_group, prepacked
         self.cp_size, self.cp_rank = group_size(cp_group), group_rank(cp_group)
         self.describe = f"packed sequences over {self.cp_size} context-parallel ranks"
-
-    def check_covers(self, what: str, local_len: int, seq: int, got: str, canonical: str = "input_ids") -> None:
-        return None  # the boundary's question: `lossfx.packing.PackedLayout` answers it
 
     def local_len(self, seq: int) -> int | None:
         """`T/C` (the packed row's length is `cu_seqlens_q_padded[-1]`, whatever `seq`)."""

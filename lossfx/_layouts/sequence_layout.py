@@ -2,9 +2,8 @@
 rank's logits hold (`lossfx.sequence_layout` documents the interface).
 
 `PlainLayout`, `LoadBalancedLayout`, `ShardedLayout` (and `lossfx.packing.PackedLayout`) take
-plain tensors whose shapes the public boundary has checked (`check_covers` is the boundary's
-question to a layout, asked through `lossfx.sequence_layout.check_covers`; the methods here remain
-for the boundaries not yet moved to it, and the pure paths never ask it). A layout is built once per call by the
+plain tensors whose shapes the public boundary has checked (whether the logits cover the
+sequence is the boundary's question, `lossfx.sequence_layout.check_covers`). A layout is built once per call by the
 boundary (`lossfx.sequence_layout.sequence_layout`, which also checks a user's `cp_sharder`)
 and handed down to every consumer.
 """
@@ -99,12 +98,6 @@ class SequenceLayout:
     cp_size: int = 1
     describe = "no context parallelism"
 
-    def check_covers(self, what: str, local_len: int, seq: int, got: str, canonical: str = "input_ids") -> None:
-        """Raise `ValueError` unless `local_len` local positions can hold the `seq` positions of the
-        canonical tensor named `canonical`; `got` describes the offending shapes. Here: equal."""
-        if local_len != seq:
-            raise ValueError(f"{what} must cover {canonical}' {seq} positions without context parallelism; got {got}")
-
     def window(self, local_len: int) -> int | None:
         """The canonical positions `local_len` local ones cover (`C·S_l`), `None` if unknown."""
         return local_len * self.cp_size
@@ -185,17 +178,6 @@ class LoadBalancedLayout(SequenceLayout):
         """`S` padded to a multiple of `2C`, over `C` ranks."""
         return seq if self.cp_size == 1 else (seq + (-seq) % (2 * self.cp_size)) // self.cp_size
 
-    def check_covers(self, what: str, local_len: int, seq: int, got: str, canonical: str = "input_ids") -> None:
-        """`C·S_l >= S` with an even `S_l` (two equal chunks); equal lengths without CP."""
-        if self.cp_size == 1:
-            return super().check_covers(what, local_len, seq, got, canonical)
-        if local_len * self.cp_size < seq or local_len % 2:
-            raise ValueError(
-                f"context-parallel {what} hold {local_len} positions on each of {self.cp_size} ranks; they must "
-                f"cover {canonical}' {seq} positions with an even local length (a multiple of 2·{self.cp_size} "
-                f"in all; pad the sequence to it); got {got}"
-            )
-
     def to_local(self, x: Tensor, local_len: int, fill: float = 0) -> Tensor:
         if self.cp_size == 1:
             return _pad_seq(x, local_len, fill)
@@ -246,9 +228,6 @@ class ShardedLayout(SequenceLayout):
         self.sharder = sharder
         self.cp_group = getattr(sharder, "cp_group", None)
         self.describe = f"the layout of cp_sharder={type(sharder).__name__}"
-
-    def check_covers(self, what: str, local_len: int, seq: int, got: str, canonical: str = "input_ids") -> None:
-        return None  # only the sharder knows; the public subclass checks the length it produces
 
     def window(self, local_len: int) -> int | None:
         return None
