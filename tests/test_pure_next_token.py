@@ -336,7 +336,9 @@ def test_pure_next_token_logprobs_compiles_without_graph_breaks():
 
 @pytest.mark.parametrize("cp", [1, 2])
 @pytest.mark.parametrize("local_len", [3, 4, 6, 8])
-def test_check_covers_function_matches_the_layout_rule(cp, local_len):
+def test_check_covers_is_the_layout_rule(cp, local_len):
+    """The boundary's question (the pure layouts have no check of their own): `C·S_l >= S` with an
+    even `S_l` over `C > 1` ranks, equal lengths without context parallelism."""
     from lossfx.sequence_layout import check_covers
 
     layouts = [LoadBalancedLayout(None)]
@@ -348,8 +350,5 @@ def test_check_covers_function_matches_the_layout_rule(cp, local_len):
         if fits:
             check_covers(layout, "logits", local_len, 8, "shapes")
         else:
-            with pytest.raises(ValueError, match="logits") as err:
+            with pytest.raises(ValueError, match=r"logits .*cover input_ids' 8 positions.*got shapes"):
                 check_covers(layout, "logits", local_len, 8, "shapes")
-            with pytest.raises(ValueError) as method_err:
-                layout.check_covers("logits", local_len, 8, "shapes")
-            assert str(err.value) == str(method_err.value)
