@@ -13,7 +13,7 @@ ids `[N, K]`, with token log-probs the `K = 1` case. Pipeline of the forward:
 2. `lossfx::linear_local_stats` (`lossfx.linear_chunks`): per tile, one `[C, Cv]` block of logits
    (`Cv <= Vl`) and this shard's per-row statistics `(m, s, u)` and the logits at the ids it owns;
 3. one all-gather of those per-row scalars `[R, 3 + K, N]`, merged exactly with the row max and
-   the log-sum kept apart: `log p = (z − shift) − log_s` (`_numerics.merge_max_logsum`).
+   the log-sum kept apart: `log p = (z − shift) − log_s` (`_core.numerics.merge_max_logsum`).
 
 Saved for backward: `hidden` (the gathered rows under sequence parallelism), `weight`, the ids'
 local columns, and three per-row scalars. The backward (`lossfx::linear_local_grads`) recomputes
@@ -232,7 +232,7 @@ def check_rows(
         check_ids_in_range(name, ids.masked_fill(ids == ignore_index, 0), call.vocab.size)
 
 
-# the cross-rank check's view of the parameters (`_consistency.Roles`)
+# the cross-rank check's view of the parameters (`_boundary.consistency.Roles`)
 _ROLES = Roles(
     tp="group",
     head="weight",

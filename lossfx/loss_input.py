@@ -75,7 +75,7 @@ __all__ = [
 ]
 
 
-# what the DTensor boundary (`_dtensor.entry_point_on_local`) maps: the data key padded like the
+# what the DTensor boundary (`_boundary.dtensor.entry_point_on_local`) maps: the data key padded like the
 # logits, the results given back as the caller's DTensor or wrapped as sharded ones
 _DTENSOR_KEYS = EntryKeys(
     full_columns=("teacher_full_logits",), as_input=("logits",), sharded=("teacher_logits",), other_vocab="d2t"
@@ -116,7 +116,7 @@ def _vocab_policy(arguments: Mapping[str, Any]) -> str:
     return "auto" if name.endswith(("LOGPROB", "LOGIT")) else "equal"
 
 
-# the cross-rank check's view of the parameters (`_consistency.Roles`)
+# the cross-rank check's view of the parameters (`_boundary.consistency.Roles`)
 _ROLES = Roles(
     tp="vocab_parallel_group",
     cp="context_parallel_group",

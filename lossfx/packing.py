@@ -85,7 +85,7 @@ def check_cu_seqlens(cu_seqlens_q: Any, cu_seqlens_q_padded: Any, n_seqs: int, t
     Checks: `n_seqs + 1` entries each, starting at 0, non-decreasing, every padded length at
     least its unpadded length, the padded total equal to `total` (the packed logits' `C·T/C`),
     and, with context parallelism, every padded length a multiple of `2C`. Eager only. Tensor
-    values are read with the call's other host reads (`_host_reads.defer`); the same check again
+    values are read with the call's other host reads (`_core.host_reads.defer`); the same check again
     in the call (the unfiltered log-probs of a KL term) is skipped.
     """
     _check_cu_type("cu_seqlens_q", cu_seqlens_q)  # types always; values in eager mode only

@@ -182,7 +182,7 @@ def _crc(text: str) -> int:
 
 # Under torch.compile: run at trace time, a constant in the graph. This is what
 # `torch.compiler.assume_constant_result` sets; calling it at import would import torch._dynamo
-# (inductor, DTensor: ~1 s), as `_compile_errors.raise_while_tracing` explains.
+# (inductor, DTensor: ~1 s), as `_boundary.compile_errors.raise_while_tracing` explains.
 _crc._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
@@ -650,7 +650,7 @@ def _check(name: str, arguments: Mapping[str, Any], policy: str, roles: Roles, h
     Every rank runs the same collectives whatever it finds (the tensor-parallel gather, then the
     context-parallel one carrying the TP verdict, computed on the device by `_verdict_on_device`),
     so no rank is left waiting; then it raises. Both gathered matrices are read with the call's
-    other host reads (`_host_reads.defer`, settled before the call's first collective): one read.
+    other host reads (`_core.host_reads.defer`, settled before the call's first collective): one read.
     """
     tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
     tp = tp if _is_distributed(tp) else None
@@ -857,8 +857,8 @@ def boundary(
 ) -> Callable[[F], F]:
     """The boundary of a public function, once per outermost call: the cross-rank consistency
     check (eager, or traced into the graph), the read-once scope of its host reads
-    (`_host_reads.outermost`), and under `torch.compile` its `ValueError` / `TypeError` kept as
-    such (`_compile_errors`). Nested public calls go straight to their body.
+    (`_core.host_reads.outermost`), and under `torch.compile` its `ValueError` / `TypeError` kept as
+    such (`_boundary.compile_errors`). Nested public calls go straight to their body.
 
     Args:
         vocab: how the tensor-parallel shards must relate (or a function of the bound arguments

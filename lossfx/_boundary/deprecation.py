@@ -43,7 +43,7 @@ def renamed_keyword(new_name: str, new: Any, old_name: str, old: Any) -> Any:
 
 def renamed_keywords(**new_name_of: str) -> Callable[[F], F]:
     """Decorator: each keyword `old=` (given as `old="new"`) is passed on as `new=`, with a
-    FutureWarning in eager mode. Both given: TypeError. Put it outside `_consistency.boundary`, so
+    FutureWarning in eager mode. Both given: TypeError. Put it outside `_boundary.consistency.boundary`, so
     that the boundary (and its cross-rank check) sees the new name only."""
 
     def wrap(fn: F) -> F:

@@ -111,10 +111,10 @@ def check_ids_in_range(
 
     Positions are reported in the caller's coordinates: `column_offset` is added to the last index
     (for a check of `x[..., 1:]` pass 1, so the positions name entries of `x`). The count of bad
-    entries is read with the call's other host reads (`_host_reads.defer`); the details only on
+    entries is read with the call's other host reads (`_core.host_reads.defer`); the details only on
     the error path. A check of the same ids and range earlier in the call is not repeated.
     `high` may be a function, called when the values are read (a vocabulary size that the
-    call's cross-rank check reports, `_consistency.vocab_size_when_read`): the ids' min and max
+    call's cross-rank check reports, `_boundary.consistency.vocab_size_when_read`): the ids' min and max
     are read, not a count.
     """
     if not values_checkable(ids) or ids.numel() == 0:

@@ -9,7 +9,7 @@ over a vocabulary that may be sharded across tensor-parallel ranks. Pipeline of 
    rank owns (0 elsewhere);
 2. one all-gather of the stacked per-row scalars `[2 + K (+1), N]`, then an exact max-shifted merge
    into `(shift, log_s)` (`lse = shift + log_s`, kept apart), `Σ p (z − shift)` and the gathered
-   logits (`_numerics`). Log-probs are `(z − shift) − log_s`: exact at any magnitude.
+   logits (`_core.numerics`). Log-probs are `(z − shift) − log_s`: exact at any magnitude.
 
 Saved for backward: the logits (no copy), the ids, `shift`, `log_s` and the negative entropy `H`
 (per row).

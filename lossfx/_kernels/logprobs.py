@@ -8,7 +8,7 @@ Pipeline of the forward (one streaming read of the logits):
    the target logit is gathered once, on the rank that owns the target's column (0 elsewhere);
 2. one all-gather of the stacked `[3, N]` statistics over the tensor-parallel group, then an exact
    max-shifted merge into the row's `(shift, log_s)` (`lse = shift + log_s`, kept as two parts) and
-   the target logit (`_numerics.merge_max_logsum`).
+   the target logit (`_core.numerics.merge_max_logsum`).
 
 The output is `(z_t − shift) − log_s`, never `z_t − lse`: once `|shift|` dwarfs `log_s`, the sum
 `shift + log_s` rounds `log_s` away, while subtracting the large part first is exact to a few ulps at
