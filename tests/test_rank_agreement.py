@@ -16,6 +16,8 @@ import harness
 import pytest
 import torch
 from harness import assert_every_rank_raises, gloo_pool
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import lossfx
 from lossfx import reference
@@ -327,6 +329,98 @@ def test_fingerprint_compiled_equals_eager():
         assert torch.equal(compiled(x[:rows]), fingerprint(x[:rows])), rows
     y = torch.randint(-(2**62), 2**62, (9, 5), generator=_gen(4))
     assert torch.equal(compiled(y), fingerprint(y))
+
+
+def _differ(x: torch.Tensor, y: torch.Tensor) -> None:
+    """`x` and `y` hold different values (not just a different layout): their fingerprints differ."""
+    assert not torch.equal(x, y)
+    assert not torch.equal(fingerprint(x), fingerprint(y)), (x.tolist(), y.tolist())
+
+
+@settings(max_examples=200)
+@given(
+    n=st.integers(2, 64),
+    values=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=2, max_size=4),
+    i=st.integers(0, 63),
+    j=st.integers(0, 63),
+    d=st.integers(1, 63),
+    dtype=st.sampled_from([torch.int64, torch.int32, F64, torch.bfloat16]),
+)
+def test_fingerprint_pair_swaps_never_collide(n, values, i, j, d, dtype):
+    """Two swaps the same distance `d` apart (`[a,b,b,a]` against `[b,a,a,b]`: invisible to a
+    fingerprint linear in the position) and any single swap of unequal elements are seen."""
+    x = torch.tensor([values[k % len(values)] for k in range(n)]).to(dtype)
+    i, j = i % n, j % n
+    y = x.clone()
+    y[[i, j]] = x[[j, i]]
+    if not torch.equal(x, y):
+        _differ(x, y)
+    if i + d < n and j + d < n and len({i, j, i + d, j + d}) == 4:
+        z = y.clone()
+        z[[i + d, j + d]] = y[[j + d, i + d]]
+        if not torch.equal(x, z):
+            _differ(x, z)
+
+
+@settings(max_examples=200)
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(2, 48),
+    shift=st.integers(1, 47),
+    kinds=st.integers(2, 4),
+    dtype=st.sampled_from([torch.int64, F64, torch.float32, torch.bool]),
+)
+def test_fingerprint_rotations_never_collide(seed, n, shift, kinds, dtype):
+    """A rotated row of few distinct values (a shifted pattern) is seen whenever it differs."""
+    x = torch.randint(0, kinds, (n,), generator=_gen(seed))
+    x = x.bool() if dtype == torch.bool else x.to(dtype)
+    y = x.roll(shift % n)
+    if not torch.equal(x, y):
+        _differ(x, y)
+
+
+@settings(max_examples=200)
+@given(
+    rows=st.integers(1, 4),
+    n=st.integers(2, 32),
+    starts=st.lists(st.integers(0, 31), min_size=8, max_size=8),
+    lengths=st.lists(st.integers(0, 32), min_size=8, max_size=8),
+    moves=st.lists(st.integers(-31, 31), min_size=8, max_size=8),
+    dtype=st.sampled_from([F64, torch.bool, torch.int64]),
+)
+@example(rows=2, n=6, starts=[0, 3] + [0] * 6, lengths=[3, 3] + [0] * 6, moves=[1, -1] + [0] * 6, dtype=F64)
+def test_fingerprint_mask_shifts_never_collide(rows, n, starts, lengths, moves, dtype):
+    """0/1 masks `[rows, n]` of contiguous runs, each row's run moved (same counts; the shifted
+    masks of `shifted_mask_coefficients`, whose position sums can match) are seen when they differ."""
+
+    def mask(offsets: list[int]) -> torch.Tensor:
+        m = torch.zeros(rows, n, dtype=torch.int64)
+        for r in range(rows):
+            length = lengths[r] % (n + 1)
+            start = offsets[r] % (n - length + 1)
+            m[r, start : start + length] = 1
+        return m.bool() if dtype == torch.bool else m.to(dtype)
+
+    x = mask(starts)
+    y = mask([s + m for s, m in zip(starts, moves, strict=False)])
+    if not torch.equal(x, y):
+        _differ(x, y)
+
+
+@pytest.mark.compile
+@settings(max_examples=10)
+@given(seed=st.integers(0, 2**16), n=st.sampled_from([1, 7, 64, 1000]))
+def test_fingerprint_inductor_equals_eager_on_structured_values(seed, n):
+    """Inductor computes the eager fingerprint of masks, small ids and extreme integers alike."""
+    compiled = torch.compile(fingerprint, fullgraph=True, backend="inductor", dynamic=True)
+    gen = _gen(seed)
+    for x in (
+        torch.randint(0, 2, (n,), generator=gen).bool(),
+        torch.randint(0, 5, (2, n), generator=gen),
+        torch.randint(-(2**63), 2**63 - 1, (n,), generator=gen),
+        torch.randn(n, generator=gen, dtype=torch.float32),
+    ):
+        assert torch.equal(compiled(x), fingerprint(x))
 
 
 # ---------------------------------------------------------------------------------------------
