@@ -654,17 +654,15 @@ def test_heldout_eager_matrix(name):
 
 
 # compiled (aot_eager, as tests/test_adversarial.py): name -> the reason it fails today, or None
-_TRACE_TIME = (
-    "hang: under torch.compile the rejecting rank raises its ValueError while tracing (the body's "
-    "vocab_shard / check_vocab_parallel), so its graph, which holds the cross-rank check's all-gather, never "
-    "runs, while the peer's graph waits in that all-gather; eager is fixed (the rejection is a compared field)"
-)
 COMPILED = {
     "neg_inf_shard[token_logprobs]": None,
     "temperature_int_vs_float": None,
     "pair_swapped_ids": None,
-    "dtensor_bad_start_one_rank": _TRACE_TIME,
-    "vocab_parallel_rank_wrong_one_rank": _TRACE_TIME,
+    # a rank that rejects its call while tracing tells its peers' in-graph check (`_exchange_rejection`)
+    "dtensor_bad_start_one_rank": None,
+    "dtensor_bad_start_both": None,
+    "vocab_parallel_rank_wrong_one_rank": None,
+    "vocab_parallel_rank_swapped": None,
 }
 COMPILED_DEFAULT = ["neg_inf_shard[token_logprobs]", "temperature_int_vs_float"]
 

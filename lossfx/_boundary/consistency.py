@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lossfx._boundary.compile_errors import reraise_while_tracing
+from lossfx._boundary.compile_errors import raise_while_tracing, reraise_while_tracing
 from lossfx._core import chunking as _chunking
 from lossfx._core import host_reads as _host_reads
 
@@ -120,6 +120,9 @@ _H_MAGIC, _H_PATH, _H_DIGEST, _H_COUNT, _H_VERDICT, _H_WIDTH, _H_START, _H_SIZE,
 # 1: the signature of a compiled call: compared (eager and compiled calls run different collectives);
 # it has no digest, and its rank cannot join the error path's exchange of values
 _H_TRACED = 10
+# 1: the signature of a rank that rejected its call while it was traced (its graph never runs): sent by
+# `_exchange_rejection` at trace time, so that its peers' check fails instead of waiting for it
+_H_REJECTED = 11
 _HEADER = 12
 _MAX_FIELDS = (SIGNATURE_LEN - _HEADER) // 2  # each field is (kind, value)
 _NONE = -(2**63)  # a header value that was not given
@@ -197,6 +200,14 @@ def _crc(text: str) -> int:
 _crc._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+def _crc_repr(value: str) -> int:
+    """`_crc(repr(value))` (run for real under torch.compile: Dynamo cannot trace `repr` of a str)."""
+    return _crc(repr(value))
+
+
+_crc_repr._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def _names() -> dict[int, str]:
     names = getattr(_scope, "names", None)
     if names is None:
@@ -219,7 +230,7 @@ def _encode(value: Any) -> tuple[int, int]:
     if isinstance(value, _Kind):
         return _K_TYPE, _crc(str(value))
     if isinstance(value, str):
-        return _K_STR, _crc(repr(value))
+        return _K_STR, _crc_repr(value)
     if isinstance(value, torch.dtype):
         return _K_DTYPE, _DTYPES.index(value) if value in _DTYPES else _crc(str(value))
     return _K_TYPE, _crc(f"a {type(value).__qualname__}")
@@ -570,6 +581,8 @@ def _first_disagreement(
         return "the lossfx signature format (another lossfx version?)", f"{own[_H_MAGIC]:x}"
     if differs(_H_PATH):
         return "the function called", f"lossfx.{_functions.get(own[_H_PATH], '?')}"
+    if differs(_H_REJECTED):
+        return _REJECTED_WHAT, "rejected" if own[_H_REJECTED] else "accepted"
     if differs(_H_TRACED):  # e.g. one rank past Dynamo's recompile limit: eager chunks run other collectives
         return "how the call runs, compiled or eagerly (they run different collectives)", (
             "compiled" if own[_H_TRACED] else "eager"
@@ -812,6 +825,7 @@ def _compiled_groups(
     on every rank (labels depend only on earlier fields), so every rank fails the same assertion."""
     groups: list[tuple[str, list[int]]] = [
         ("the function called", [_H_MAGIC, _H_PATH]),
+        (_REJECTED_WHAT, [_H_REJECTED]),
         ("how the call runs, compiled or eagerly (they run different collectives)", [_H_TRACED]),
     ]
     if not across_tp:
@@ -849,6 +863,7 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
     tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
     with_cp = _is_distributed(cp)
     world = tp.size() if _is_distributed(tp) else 1
+    checks = []
     for group, group_name, across_tp in ((tp, tp_arg, True), (cp, cp_arg, False)):
         if group is None or not _is_distributed(group):
             continue
@@ -861,7 +876,11 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
         for g, (_, slots) in enumerate(groups):
             for slot in slots:
                 member[g][slot] = slot not in skip
+        # every group's all-gather runs before the first assertion: a rank that rejected the call
+        # while tracing (`_exchange_rejection`) sends to each group in turn, then stops
         gathered = fc.all_gather_tensor(sig, 0, group).view(group.size(), SIGNATURE_LEN)
+        checks.append((gathered, sig, member, groups, group_name))
+    for gathered, sig, member, groups, group_name in checks:
         differs = (gathered != gathered[0]).any(0)  # [SIGNATURE_LEN]
         failed = (differs & torch.tensor(member, device=sig.device)).any(1)  # [groups]
         for g, (what, _) in enumerate(groups):
@@ -871,6 +890,35 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
                 "of a group must make the same call (compiled: each rank's value is not shown; the same call "
                 "run eagerly shows it)",
             )
+
+
+_REJECTED_WHAT = "whether the call is valid (a rank rejected it while compiling: its own error says why)"
+
+
+def _exchange_rejection(name: str, groups: tuple[str, ...], told: str, device: str, kind: str, message: str) -> bool:
+    """Run for real at trace time by a rank whose traced call raises `kind(message)` (a bad
+    argument found while tracing: its graph, with the check's all-gathers, will never run): send
+    a signature saying so to each of the call's `groups` (by name, in the check's order; `told`
+    names their arguments) as the
+    compiled check of its peers would, so their check fails instead of waiting for this rank; then
+    raise (`lossfx.<name>: <message> ...`). A host read, on the error path only (this rank stops anyway)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    with unset_fake_temporarily():
+        sig = torch.zeros(SIGNATURE_LEN, dtype=torch.int64, device=device)
+        sig[_H_MAGIC], sig[_H_PATH], sig[_H_TRACED], sig[_H_REJECTED] = _MAGIC, _crc(name), 1, 1
+        for group_name in groups:
+            _gather_on_device(sig, _resolve_process_group(group_name))  # type: ignore[arg-type]
+    return raise_while_tracing(
+        kind,
+        f"lossfx.{name}: {message} (found while compiling this rank's call; the cross-rank check of its peers in "
+        f"{told} fails with it)",
+    )
+
+
+# Under torch.compile: Dynamo runs it for real at trace time (see `_compile_errors.raise_while_tracing`)
+_exchange_rejection._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _message(name: str, group_name: str | None, group: dist.ProcessGroup, what: str) -> str:
@@ -982,13 +1030,24 @@ def boundary(
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()
             arguments = local(dict(bound.arguments))[0] if local is not None else bound.arguments
-            policy = vocab(arguments) if callable(vocab) else vocab
-            _check_in_graph(name, arguments, checked_roles, policy)
-            _traced_depth[0] += 1
             try:
-                return fn(*args, **kwargs)
-            finally:
-                _traced_depth[0] -= 1
+                policy = vocab(arguments) if callable(vocab) else vocab
+                _check_in_graph(name, arguments, checked_roles, policy)
+                _traced_depth[0] += 1
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    _traced_depth[0] -= 1
+            except (ValueError, TypeError) as err:  # this rank's graph never runs: tell the peers' checks
+                tp, tp_arg, cp, cp_arg = _groups(arguments, checked_roles)
+                to = [(g.group_name, str(a)) for g, a in ((tp, tp_arg), (cp, cp_arg)) if _is_distributed(g)]
+                if not to or not collectives:
+                    raise
+                device = next((str(v.device) for v in arguments.values() if isinstance(v, Tensor)), "cpu")
+                kind = type(err).__name__ if isinstance(err, ValueError) else "TypeError"
+                told = " and ".join(a for _, a in to)
+                _exchange_rejection(name, tuple(n for n, _ in to), told, device, kind, str(err))
+                raise
 
         checked._lossfx_roles = roles  # type: ignore[attr-defined]  # (tests and benchmarks read it)
         return checked  # type: ignore[return-value]
