@@ -89,6 +89,20 @@ def _dtensor_replicate_vs_plain(rank, group):
     return (lambda: lossfx.token_logprobs(z, ids, group=group, chunk_size=4)), [reference.token_logprobs(full, ids)]
 
 
+def _dtensor_replicate_vs_plain_no_group(rank, group):
+    """Rank 0: the full logits as an all-`Replicate()` DTensor on a 2-rank mesh; rank 1: the same
+    full logits as a plain tensor, no group. Neither runs a collective: both answers exact. (A fix
+    of `dtensor_replicate_vs_plain` that made the Replicate rank check over its mesh would hang here.)"""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    full = _logits()
+    ids = _ids()
+    local = full.detach().clone()
+    ac._leaf(local, full, lambda g: g)
+    z = DTensor.from_local(local, _mesh(), [Replicate()], run_check=False) if rank == 0 else local
+    return (lambda: lossfx.token_logprobs(z, ids, chunk_size=4)), [reference.token_logprobs(full, ids)]
+
+
 def _dtensor_bad_start(ranks: tuple[int, ...]):
     def build(rank, group):
         """Both ranks pass a `Shard(-1)` DTensor; the ranks in `ranks` also pass a `vocab_start`
@@ -476,6 +490,7 @@ def _teacher_requires_grad_one_rank(rank, group):
 CASES = {
     "teacher_requires_grad_one_rank": _teacher_requires_grad_one_rank,
     "dtensor_replicate_vs_plain": _dtensor_replicate_vs_plain,
+    "dtensor_replicate_vs_plain_no_group": _dtensor_replicate_vs_plain_no_group,
     "dtensor_bad_start_one_rank": _dtensor_bad_start((1,)),
     "dtensor_bad_start_both": _dtensor_bad_start((0, 1)),
     "vocab_parallel_rank_swapped": _vocab_parallel_rank({0: 1, 1: 0}),
@@ -608,9 +623,11 @@ ACCEPTED = ("clear error", "exact", "clear error (in-graph RuntimeError)", "a lo
 # cases that fail today, with their cause (the fix lies outside lossfx/_boundary/dtensor.py, validation.py)
 XFAIL = {
     "dtensor_replicate_vs_plain": (
-        "hang: a Replicate() DTensor on a 2-rank mesh resolves to group=None, so that rank runs no check "
-        "(consistency._check returns without a collective) while the peer with a plain shard and a group "
-        "waits in the check's all-gather"
+        "hang, a documented limitation (docs/dtensor.md): a Replicate() DTensor means no tensor parallelism, "
+        "so that rank runs no collective and no check, while the peer with a plain shard and a group waits in "
+        "the check's all-gather. No rank-local rule fixes it: checking a Replicate() rank over its mesh's group "
+        "would hang against a peer passing the plain full logits without a group "
+        "(dtensor_replicate_vs_plain_no_group, exact today), which no check can reach"
     ),
     "neg_inf_bias[linear_token_logprobs]": (
         "non-finite hidden gradient where the reference's is finite: the fused path with a bias that is -inf "
