@@ -645,6 +645,7 @@ DEFAULT = [
     "empty_batch_both",
     "inference_mode_one_rank",
     "vocab_parallel_rank_swapped",
+    "vocab_parallel_rank_wrong_one_rank",
 ]
 assert set(DEFAULT) <= set(CASES) and set(XFAIL) <= set(CASES)
 
@@ -681,7 +682,7 @@ COMPILED = {
     "vocab_parallel_rank_wrong_one_rank": None,
     "vocab_parallel_rank_swapped": None,
 }
-COMPILED_DEFAULT = ["neg_inf_shard[token_logprobs]", "temperature_int_vs_float"]
+COMPILED_DEFAULT = ["neg_inf_shard[token_logprobs]", "temperature_int_vs_float", "vocab_parallel_rank_wrong_one_rank"]
 
 
 def _compiled_param(name: str) -> Any:

@@ -331,6 +331,77 @@ def test_fingerprint_compiled_equals_eager():
     assert torch.equal(compiled(y), fingerprint(y))
 
 
+class _SlotsBase:
+    __slots__ = ("kl_type",)
+
+
+class _SlotsConfig(_SlotsBase):
+    __slots__ = ("_private", "top_k")
+
+    def __init__(self, top_k):
+        self.kl_type, self.top_k, self._private = "forward", top_k, object()
+
+
+class _PropertyConfig:
+    def __init__(self, zero):
+        self._zero = zero
+
+    def __call__(self, x):  # a callable loss object: still a config whose settings are compared
+        return x
+
+    @property
+    def zero_outside_topk(self):
+        return self._zero
+
+    @property
+    def broken(self):
+        raise RuntimeError("not configured")
+
+    @property
+    def weights(self):
+        return torch.ones(2)
+
+
+def _walked(value):
+    from lossfx._boundary.consistency import _Fields
+
+    fields = _Fields(fingerprints=False)
+    fields.walk("loss_fn", value)
+    return dict(zip(fields.labels, fields.codes, strict=True))
+
+
+def test_config_walk_reads_slots_and_properties():
+    """`loss_fn` / `sampling_params` settings held in `__slots__` (over the MRO) or in public
+    properties are compared (held-out cases `loss_fn_slots_*`, `loss_fn_property_*` hung)."""
+    slots = _walked(_SlotsConfig(5))
+    assert {"loss_fn.kl_type", "loss_fn.top_k"} <= set(slots) and "loss_fn._private" not in slots
+    assert _walked(_SlotsConfig(7))["loss_fn.top_k"] != slots["loss_fn.top_k"]
+    on, off = _walked(_PropertyConfig(True)), _walked(_PropertyConfig(False))
+    assert on["loss_fn.zero_outside_topk"] != off["loss_fn.zero_outside_topk"]
+    assert on["loss_fn.broken"] == off["loss_fn.broken"]  # a getter that raises: recorded, not raised
+    assert "loss_fn.weights" in on  # not a simple value: its type only
+    assert on.keys() == off.keys()
+
+
+def test_config_walk_does_not_read_dataclass_properties():
+    """A dataclass's fields are its configuration; its properties (e.g. a trainer config's
+    `device`, which sets up state) are never called."""
+    import dataclasses
+
+    calls = []
+
+    @dataclasses.dataclass
+    class Config:
+        top_k: int = 3
+
+        @property
+        def device(self):
+            calls.append(1)
+            return "cpu"
+
+    assert "loss_fn.top_k" in _walked(Config()) and not calls
+
+
 def _differ(x: torch.Tensor, y: torch.Tensor) -> None:
     """`x` and `y` hold different values (not just a different layout): their fingerprints differ."""
     assert not torch.equal(x, y)
