@@ -544,6 +544,10 @@ def run_heldout(rank: int, world: int, group: Any, name: str, mode: str) -> tupl
     if not built[0]:
         return ("setup", "test setup failed", setup_error if "setup_error" in locals() else "on a peer"), 3.0
     if mode != "eager":
+        # a fresh Dynamo per case, as in a fresh process: cases share code objects (one builder's
+        # lambda), and a value that changes between two cases (vocab_parallel_rank 0, then 1) would
+        # become a dynamic SymInt, which no real rank's call sees
+        torch._dynamo.reset()
         call = torch.compile(call, backend=mode, fullgraph=True)
     got, outcome = ac._attempt(lambda: ac._outputs(call()))
     if outcome is None:
