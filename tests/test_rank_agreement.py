@@ -16,6 +16,8 @@ import harness
 import pytest
 import torch
 from harness import assert_every_rank_raises, gloo_pool
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import lossfx
 from lossfx import reference
@@ -327,6 +329,169 @@ def test_fingerprint_compiled_equals_eager():
         assert torch.equal(compiled(x[:rows]), fingerprint(x[:rows])), rows
     y = torch.randint(-(2**62), 2**62, (9, 5), generator=_gen(4))
     assert torch.equal(compiled(y), fingerprint(y))
+
+
+class _SlotsBase:
+    __slots__ = ("kl_type",)
+
+
+class _SlotsConfig(_SlotsBase):
+    __slots__ = ("_private", "top_k")
+
+    def __init__(self, top_k):
+        self.kl_type, self.top_k, self._private = "forward", top_k, object()
+
+
+class _PropertyConfig:
+    def __init__(self, zero):
+        self._zero = zero
+
+    def __call__(self, x):  # a callable loss object: still a config whose settings are compared
+        return x
+
+    @property
+    def zero_outside_topk(self):
+        return self._zero
+
+    @property
+    def broken(self):
+        raise RuntimeError("not configured")
+
+    @property
+    def weights(self):
+        return torch.ones(2)
+
+
+def _walked(value):
+    from lossfx._boundary.consistency import _Fields
+
+    fields = _Fields(fingerprints=False)
+    fields.walk("loss_fn", value)
+    return dict(zip(fields.labels, fields.codes, strict=True))
+
+
+def test_config_walk_reads_slots_and_properties():
+    """`loss_fn` / `sampling_params` settings held in `__slots__` (over the MRO) or in public
+    properties are compared (held-out cases `loss_fn_slots_*`, `loss_fn_property_*` hung)."""
+    slots = _walked(_SlotsConfig(5))
+    assert {"loss_fn.kl_type", "loss_fn.top_k"} <= set(slots) and "loss_fn._private" not in slots
+    assert _walked(_SlotsConfig(7))["loss_fn.top_k"] != slots["loss_fn.top_k"]
+    on, off = _walked(_PropertyConfig(True)), _walked(_PropertyConfig(False))
+    assert on["loss_fn.zero_outside_topk"] != off["loss_fn.zero_outside_topk"]
+    assert on["loss_fn.broken"] == off["loss_fn.broken"]  # a getter that raises: recorded, not raised
+    assert "loss_fn.weights" in on  # not a simple value: its type only
+    assert on.keys() == off.keys()
+
+
+def test_config_walk_does_not_read_dataclass_properties():
+    """A dataclass's fields are its configuration; its properties (e.g. a trainer config's
+    `device`, which sets up state) are never called."""
+    import dataclasses
+
+    calls = []
+
+    @dataclasses.dataclass
+    class Config:
+        top_k: int = 3
+
+        @property
+        def device(self):
+            calls.append(1)
+            return "cpu"
+
+    assert "loss_fn.top_k" in _walked(Config()) and not calls
+
+
+def _differ(x: torch.Tensor, y: torch.Tensor) -> None:
+    """`x` and `y` hold different values (not just a different layout): their fingerprints differ."""
+    assert not torch.equal(x, y)
+    assert not torch.equal(fingerprint(x), fingerprint(y)), (x.tolist(), y.tolist())
+
+
+@settings(max_examples=200)
+@given(
+    n=st.integers(2, 64),
+    values=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=2, max_size=4),
+    i=st.integers(0, 63),
+    j=st.integers(0, 63),
+    d=st.integers(1, 63),
+    dtype=st.sampled_from([torch.int64, torch.int32, F64, torch.bfloat16]),
+)
+def test_fingerprint_pair_swaps_never_collide(n, values, i, j, d, dtype):
+    """Two swaps the same distance `d` apart (`[a,b,b,a]` against `[b,a,a,b]`: invisible to a
+    fingerprint linear in the position) and any single swap of unequal elements are seen."""
+    x = torch.tensor([values[k % len(values)] for k in range(n)]).to(dtype)
+    i, j = i % n, j % n
+    y = x.clone()
+    y[[i, j]] = x[[j, i]]
+    if not torch.equal(x, y):
+        _differ(x, y)
+    if i + d < n and j + d < n and len({i, j, i + d, j + d}) == 4:
+        z = y.clone()
+        z[[i + d, j + d]] = y[[j + d, i + d]]
+        if not torch.equal(x, z):
+            _differ(x, z)
+
+
+@settings(max_examples=200)
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(2, 48),
+    shift=st.integers(1, 47),
+    kinds=st.integers(2, 4),
+    dtype=st.sampled_from([torch.int64, F64, torch.float32, torch.bool]),
+)
+def test_fingerprint_rotations_never_collide(seed, n, shift, kinds, dtype):
+    """A rotated row of few distinct values (a shifted pattern) is seen whenever it differs."""
+    x = torch.randint(0, kinds, (n,), generator=_gen(seed))
+    x = x.bool() if dtype == torch.bool else x.to(dtype)
+    y = x.roll(shift % n)
+    if not torch.equal(x, y):
+        _differ(x, y)
+
+
+@settings(max_examples=200)
+@given(
+    rows=st.integers(1, 4),
+    n=st.integers(2, 32),
+    starts=st.lists(st.integers(0, 31), min_size=8, max_size=8),
+    lengths=st.lists(st.integers(0, 32), min_size=8, max_size=8),
+    moves=st.lists(st.integers(-31, 31), min_size=8, max_size=8),
+    dtype=st.sampled_from([F64, torch.bool, torch.int64]),
+)
+@example(rows=2, n=6, starts=[0, 3] + [0] * 6, lengths=[3, 3] + [0] * 6, moves=[1, -1] + [0] * 6, dtype=F64)
+def test_fingerprint_mask_shifts_never_collide(rows, n, starts, lengths, moves, dtype):
+    """0/1 masks `[rows, n]` of contiguous runs, each row's run moved (same counts; the shifted
+    masks of `shifted_mask_coefficients`, whose position sums can match) are seen when they differ."""
+
+    def mask(offsets: list[int]) -> torch.Tensor:
+        m = torch.zeros(rows, n, dtype=torch.int64)
+        for r in range(rows):
+            length = lengths[r] % (n + 1)
+            start = offsets[r] % (n - length + 1)
+            m[r, start : start + length] = 1
+        return m.bool() if dtype == torch.bool else m.to(dtype)
+
+    x = mask(starts)
+    y = mask([s + m for s, m in zip(starts, moves, strict=False)])
+    if not torch.equal(x, y):
+        _differ(x, y)
+
+
+@pytest.mark.compile
+@settings(max_examples=10)
+@given(seed=st.integers(0, 2**16), n=st.sampled_from([1, 7, 64, 1000]))
+def test_fingerprint_inductor_equals_eager_on_structured_values(seed, n):
+    """Inductor computes the eager fingerprint of masks, small ids and extreme integers alike."""
+    compiled = torch.compile(fingerprint, fullgraph=True, backend="inductor", dynamic=True)
+    gen = _gen(seed)
+    for x in (
+        torch.randint(0, 2, (n,), generator=gen).bool(),
+        torch.randint(0, 5, (2, n), generator=gen),
+        torch.randint(-(2**63), 2**63 - 1, (n,), generator=gen),
+        torch.randn(n, generator=gen, dtype=torch.float32),
+    ):
+        assert torch.equal(compiled(x), fingerprint(x))
 
 
 # ---------------------------------------------------------------------------------------------

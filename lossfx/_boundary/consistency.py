@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lossfx._boundary.compile_errors import reraise_while_tracing
+from lossfx._boundary.compile_errors import raise_while_tracing, reraise_while_tracing
 from lossfx._core import chunking as _chunking
 from lossfx._core import host_reads as _host_reads
 
@@ -70,19 +70,29 @@ _scope = threading.local()  # .widths: {id(group): [w_0, ..., w_R-1]}
 # ---------------------------------------------------------------------------------------------
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_MIX = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64 (odd: a bijection mod 2^64)
-_LOW32 = 0xFFFFFFFF
+# splitmix64's finaliser constants, as signed int64 (odd: multiplying by them is a bijection mod 2^64)
+_MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+_MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+
+
+def _shift_right(h: Tensor, bits: int) -> Tensor:
+    """`h >>> bits`, a logical shift of int64 (an arithmetic shift with the sign bits masked off)."""
+    return (h >> bits) & ((1 << (64 - bits)) - 1)
 
 
 def fingerprint(x: Tensor) -> Tensor:
     """A 0-d int64 fingerprint of `x`'s bits, computed on `x`'s device (no host read).
 
-    With `x` bit-cast to integers, flattened, and each element mixed by a bijection of int64
-    (`h = v · K`, `h ^= h >>> 32`), it is `Σ_i h_i · (2i + 1) mod 2^64`. Each weight is odd, so
-    invertible mod 2^64: changing any one element always changes the fingerprint; the weights
-    depend on the position, so moved elements almost surely do too. Integer arithmetic wraps and
-    is associative: every rank and every reduction order (eager, Inductor) get the same value.
-    Dense equivalent: a checksum of `x.flatten()`. Compiles (`fullgraph=True`) to one fused pass.
+    With `x` bit-cast to integers and flattened (`v [N]`), each element and its position are
+    mixed by splitmix64's finaliser `m` (xor-shifts and odd multiplies: a bijection of int64),
+    and `fingerprint = Σ_i m(v_i + i) · (2i + 1) mod 2^64`. For a fixed position both steps are
+    bijections (an odd weight is invertible mod 2^64), so changing any one element always changes
+    it; the position enters nonlinearly, so moved, swapped or shifted elements (`[a,b,b,a]` against
+    `[b,a,a,b]`, a 0/1 mask shifted) change it too, but for a chance collision (2^-64). Integer
+    arithmetic wraps and the sum is associative: every rank and every reduction order (eager,
+    Inductor) get the same value. The index arithmetic stays small (`i`, `2i + 1`: Inductor's
+    index expressions must not overflow); the mixing is on values. Dense equivalent: a checksum
+    of `x.flatten()`. Compiles (`fullgraph=True`) to one fused pass.
     """
     t = x.detach()
     if t.is_complex():
@@ -91,11 +101,12 @@ def fingerprint(x: Tensor) -> Tensor:
         t = t.to(torch.uint8)
     elif t.is_floating_point():
         t = t.contiguous().view(_INT_OF_SIZE[t.element_size()])
-    h = t.reshape(-1).to(torch.int64) * _MIX
-    h = h ^ ((h >> 32) & _LOW32)  # a logical shift: the top half is kept, so this is a bijection
-    # (the weights stay small: Inductor's index arithmetic must not overflow)
-    weights = torch.arange(h.shape[0], device=h.device, dtype=torch.int64) * 2 + 1
-    return (h * weights).sum()
+    position = torch.arange(t.numel(), device=t.device, dtype=torch.int64)
+    h = t.reshape(-1).to(torch.int64) + position
+    h = (h ^ _shift_right(h, 30)) * _MIX1
+    h = (h ^ _shift_right(h, 27)) * _MIX2
+    h = h ^ _shift_right(h, 31)
+    return (h * (position * 2 + 1)).sum()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,6 +120,9 @@ _H_MAGIC, _H_PATH, _H_DIGEST, _H_COUNT, _H_VERDICT, _H_WIDTH, _H_START, _H_SIZE,
 # 1: the signature of a compiled call: compared (eager and compiled calls run different collectives);
 # it has no digest, and its rank cannot join the error path's exchange of values
 _H_TRACED = 10
+# 1: the signature of a rank that rejected its call while it was traced (its graph never runs): sent by
+# `_exchange_rejection` at trace time, so that its peers' check fails instead of waiting for it
+_H_REJECTED = 11
 _HEADER = 12
 _MAX_FIELDS = (SIGNATURE_LEN - _HEADER) // 2  # each field is (kind, value)
 _NONE = -(2**63)  # a header value that was not given
@@ -186,6 +200,14 @@ def _crc(text: str) -> int:
 _crc._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+def _crc_repr(value: str) -> int:
+    """`_crc(repr(value))` (run for real under torch.compile: Dynamo cannot trace `repr` of a str)."""
+    return _crc(repr(value))
+
+
+_crc_repr._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def _names() -> dict[int, str]:
     names = getattr(_scope, "names", None)
     if names is None:
@@ -208,7 +230,7 @@ def _encode(value: Any) -> tuple[int, int]:
     if isinstance(value, _Kind):
         return _K_TYPE, _crc(str(value))
     if isinstance(value, str):
-        return _K_STR, _crc(repr(value))
+        return _K_STR, _crc_repr(value)
     if isinstance(value, torch.dtype):
         return _K_DTYPE, _DTYPES.index(value) if value in _DTYPES else _crc(str(value))
     return _K_TYPE, _crc(f"a {type(value).__qualname__}")
@@ -325,23 +347,57 @@ class _Fields:
             self.add(label, _Kind(f"sequence of length {len(value)}"))
             for i, item in enumerate(value[:32]):
                 self.walk(f"{label}[{i}]", item, depth + 1, replicated=replicated, cp_shard=cp_shard)
-        elif callable(value):
+        elif inspect.isroutine(value) or isinstance(value, (type, functools.partial)):
             self.add(label, value)
-        else:  # a config object (dataclass, SimpleNamespace, a loss function): its public attributes
+        else:  # a config object (dataclass, SimpleNamespace, a loss function, callable or not): its public attributes
             self.add(label, value)
+            slots, properties = _class_attributes(type(value))
             attrs = (
                 [f.name for f in dataclasses.fields(value)]
                 if dataclasses.is_dataclass(value)
-                else sorted(k for k in getattr(value, "__dict__", {}) if not k.startswith("_"))
+                else sorted({*(k for k in getattr(value, "__dict__", {}) if not k.startswith("_")), *slots})
             )
             for attr in attrs:
                 item = getattr(value, attr, None)
                 if "rank" not in attr and not isinstance(item, dist.ProcessGroup):
                     self.walk(f"{label}.{attr}", item, depth + 1, replicated=replicated, cp_shard=cp_shard)
+            for attr in (p for p in properties if "rank" not in p):  # a getter is read; a simple value compared
+                try:
+                    item = getattr(value, attr)
+                except Exception as err:  # recorded as such: ranks whose getters differ disagree
+                    item = _Kind(f"a property that raises {type(err).__name__}")
+                if not isinstance(item, _SIMPLE):
+                    item = _Kind(f"a {type(item).__qualname__}")
+                self.add(f"{label}.{attr}", item)
 
 
 class _Kind(str):
     """A description encoded as itself (a string field shown without quotes)."""
+
+
+_SIMPLE = (type(None), bool, int, float, str, enum.Enum)
+
+
+def _class_attributes(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """`(slots, properties)`: the public `__slots__` names over `cls`'s MRO, and the public
+    properties of a plain config class (not a dataclass, whose fields are its configuration, nor
+    a torch or builtin class; `functools.cached_property` is not one: reading it writes). Read
+    from the class only, without calling anything."""
+    slots: set[str] = set()
+    for klass in cls.__mro__:
+        names = klass.__dict__.get("__slots__", ())
+        slots.update((names,) if isinstance(names, str) else names)
+    slots = {n for n in slots if not n.startswith("_")}
+    plain = not dataclasses.is_dataclass(cls) and cls.__module__.partition(".")[0] not in ("torch", "builtins")
+    properties: set[str] = set()
+    if plain:
+        for klass in cls.__mro__[:-1]:  # not `object`
+            properties.update(k for k, v in klass.__dict__.items() if isinstance(v, property) and not k.startswith("_"))
+    return tuple(sorted(slots)), tuple(sorted(properties - slots))
+
+
+# Under torch.compile: run at trace time on the (constant) class, a constant in the graph
+_class_attributes._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _is_fake(t: Tensor) -> bool:
@@ -379,6 +435,7 @@ def _signature(
     fields.owner = _POLICY_LABEL  # process state, not an argument: it sizes the loops (and their collectives)
     fields.add(_POLICY_LABEL, _Kind(_policy_text(_chunking._forced)))
     own_rows = roles.rows[0] if roles.rows and arguments.get(roles.rows[1]) else None  # this rank's rows
+    tp_group = arguments.get(roles.tp) if roles.tp else None
     for arg, value in arguments.items():
         fields.owner = arg
         if arg == roles.heads and isinstance(value, Mapping) and value:
@@ -386,6 +443,8 @@ def _signature(
         elif arg in (roles.start, roles.rank):
             slot = _H_START if arg == roles.start else _H_RANK
             header[slot] = _NONE if value is None else int(value)
+            if arg == roles.rank:  # compared: a rank whose body rejects it must not leave its peers waiting
+                fields.add(f"whether {arg} is this process's rank in {roles.tp}", _is_own_rank(value, tp_group))
         elif arg == roles.cp_from:
             fields.add(arg, value)  # its state is this rank's: only its type is compared
         elif arg in roles.shards and isinstance(value, Tensor) and value.dim():
@@ -444,9 +503,15 @@ def _signature(
         slots = [_HEADER + 2 * i + 1 for i, _ in fields.values if i < _MAX_FIELDS]
         if slots:
             sig = sig.index_put((torch.tensor(slots, device=device),), prints[: len(slots)])
-        mix = torch.arange(len(fields.values), device=device, dtype=torch.int64) * 2 + 1
-        sig = sig.index_put((torch.tensor([_H_VALUES], device=device),), (prints * mix).sum().reshape(1))
+        sig = sig.index_put((torch.tensor([_H_VALUES], device=device),), fingerprint(prints).reshape(1))
     return sig, fields.labels
+
+
+def _is_own_rank(value: Any, group: Any) -> bool:
+    """Whether `value` (a given vocabulary-parallel rank) is this process's rank in `group`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not isinstance(group, dist.ProcessGroup):
+        return False
+    return value == group.rank()
 
 
 _POLICY_LABEL = "the forced lossfx.chunk_policy"
@@ -516,6 +581,8 @@ def _first_disagreement(
         return "the lossfx signature format (another lossfx version?)", f"{own[_H_MAGIC]:x}"
     if differs(_H_PATH):
         return "the function called", f"lossfx.{_functions.get(own[_H_PATH], '?')}"
+    if differs(_H_REJECTED):
+        return _REJECTED_WHAT, "rejected" if own[_H_REJECTED] else "accepted"
     if differs(_H_TRACED):  # e.g. one rank past Dynamo's recompile limit: eager chunks run other collectives
         return "how the call runs, compiled or eagerly (they run different collectives)", (
             "compiled" if own[_H_TRACED] else "eager"
@@ -758,6 +825,7 @@ def _compiled_groups(
     on every rank (labels depend only on earlier fields), so every rank fails the same assertion."""
     groups: list[tuple[str, list[int]]] = [
         ("the function called", [_H_MAGIC, _H_PATH]),
+        (_REJECTED_WHAT, [_H_REJECTED]),
         ("how the call runs, compiled or eagerly (they run different collectives)", [_H_TRACED]),
     ]
     if not across_tp:
@@ -795,6 +863,7 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
     tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
     with_cp = _is_distributed(cp)
     world = tp.size() if _is_distributed(tp) else 1
+    checks = []
     for group, group_name, across_tp in ((tp, tp_arg, True), (cp, cp_arg, False)):
         if group is None or not _is_distributed(group):
             continue
@@ -807,7 +876,11 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
         for g, (_, slots) in enumerate(groups):
             for slot in slots:
                 member[g][slot] = slot not in skip
+        # every group's all-gather runs before the first assertion: a rank that rejected the call
+        # while tracing (`_exchange_rejection`) sends to each group in turn, then stops
         gathered = fc.all_gather_tensor(sig, 0, group).view(group.size(), SIGNATURE_LEN)
+        checks.append((gathered, sig, member, groups, group_name))
+    for gathered, sig, member, groups, group_name in checks:
         differs = (gathered != gathered[0]).any(0)  # [SIGNATURE_LEN]
         failed = (differs & torch.tensor(member, device=sig.device)).any(1)  # [groups]
         for g, (what, _) in enumerate(groups):
@@ -817,6 +890,35 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
                 "of a group must make the same call (compiled: each rank's value is not shown; the same call "
                 "run eagerly shows it)",
             )
+
+
+_REJECTED_WHAT = "whether the call is valid (a rank rejected it while compiling: its own error says why)"
+
+
+def _exchange_rejection(name: str, groups: tuple[str, ...], told: str, device: str, kind: str, message: str) -> bool:
+    """Run for real at trace time by a rank whose traced call raises `kind(message)` (a bad
+    argument found while tracing: its graph, with the check's all-gathers, will never run): send
+    a signature saying so to each of the call's `groups` (by name, in the check's order; `told`
+    names their arguments) as the
+    compiled check of its peers would, so their check fails instead of waiting for this rank; then
+    raise (`lossfx.<name>: <message> ...`). A host read, on the error path only (this rank stops anyway)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    with unset_fake_temporarily():
+        sig = torch.zeros(SIGNATURE_LEN, dtype=torch.int64, device=device)
+        sig[_H_MAGIC], sig[_H_PATH], sig[_H_TRACED], sig[_H_REJECTED] = _MAGIC, _crc(name), 1, 1
+        for group_name in groups:
+            _gather_on_device(sig, _resolve_process_group(group_name))  # type: ignore[arg-type]
+    return raise_while_tracing(
+        kind,
+        f"lossfx.{name}: {message} (found while compiling this rank's call; the cross-rank check of its peers in "
+        f"{told} fails with it)",
+    )
+
+
+# Under torch.compile: Dynamo runs it for real at trace time (see `_compile_errors.raise_while_tracing`)
+_exchange_rejection._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _message(name: str, group_name: str | None, group: dist.ProcessGroup, what: str) -> str:
@@ -930,13 +1032,24 @@ def boundary(
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()
             arguments = local(dict(bound.arguments))[0] if local is not None else bound.arguments
-            policy = vocab(arguments) if callable(vocab) else vocab
-            _check_in_graph(name, arguments, checked_roles, policy)
-            _traced_depth[0] += 1
             try:
-                return fn(*args, **kwargs)
-            finally:
-                _traced_depth[0] -= 1
+                policy = vocab(arguments) if callable(vocab) else vocab
+                _check_in_graph(name, arguments, checked_roles, policy)
+                _traced_depth[0] += 1
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    _traced_depth[0] -= 1
+            except (ValueError, TypeError) as err:  # this rank's graph never runs: tell the peers' checks
+                tp, tp_arg, cp, cp_arg = _groups(arguments, checked_roles)
+                to = [(g.group_name, str(a)) for g, a in ((tp, tp_arg), (cp, cp_arg)) if _is_distributed(g)]
+                if not to or not collectives:
+                    raise
+                device = next((str(v.device) for v in arguments.values() if isinstance(v, Tensor)), "cpu")
+                kind = type(err).__name__ if isinstance(err, ValueError) else "TypeError"
+                told = " and ".join(a for _, a in to)
+                _exchange_rejection(name, tuple(n for n, _ in to), told, device, kind, str(err))
+                raise
 
         checked._lossfx_roles = roles  # type: ignore[attr-defined]  # (tests and benchmarks read it)
         return checked  # type: ignore[return-value]

@@ -373,7 +373,9 @@ def check_view(
                 rejected[group_arg] = _mesh_group(
                     next((arguments[n] for n in vocab_args if is_dtensor(arguments.get(n))), None)
                 )
-            return {_REJECTED: f"{type(err).__name__}: {err}", **rejected}, ""
+            # traced, the message is not a constant Dynamo can hash: the error's type stands for it
+            why = type(err).__name__ if tracing() else f"{type(err).__name__}: {err}"
+            return {_REJECTED: why, **rejected}, ""
 
     def _view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
         shard: VocabShard | None = None
