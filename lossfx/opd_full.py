@@ -1,6 +1,7 @@
 """Full-vocabulary on-policy distillation (`LossInputType.OPD_FULL`): teacher logits and the branch.
 
-Pipeline of `prepare_opd_full` (NeMo RL's OPD_FULL branch; docs/opd_full.md, docs/decisions.md §3):
+Pipeline of `opd_full_input` (NeMo RL's OPD_FULL branch, behind `lossfx.prepare_opd_full_loss_input`;
+docs/opd_full.md, docs/decisions.md §3):
 
 1. read the config `loss_fn.opd_full` and the teacher payload column (`teacher_full_logits`
    `[B, S_p, V]`, or `teacher_full_hidden_states` `[B, S_p, H]` with the per-row
@@ -29,14 +30,14 @@ tensors, and no public function calls another.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from lossfx._boundary.consistency import Roles, boundary
+from lossfx._boundary.consistency import boundary
 from lossfx._boundary.dtensor import VocabShard, _same_group, is_dtensor, rejections_compared, replicated, vocab_shard
 from lossfx._boundary.validation import (
     check_floating,
@@ -57,8 +58,6 @@ __all__ = [
     "OnPolicyDistillationFullConfig",
     "has_dtensor_head",
     "local_teacher_heads",
-    "prepare_opd_full",
-    "prepare_opd_full_on_local",
     "reconstruct_opd_full_teacher_logits",
 ]
 
@@ -503,9 +502,9 @@ def opd_full_input(
     cp_sharder: Any = None,
 ) -> dict[str, Any]:
     """The boundary work of an OPD_FULL call, once (DTensors, config, columns, heads, ids), then the
-    pure `lossfx._layouts.opd_full.opd_full_loss_input` once. Shared by `prepare_opd_full` and
-    `lossfx.prepare_opd_full_loss_input` / `prepare_loss_input`'s OPD_FULL branch (which are
-    not called by each other); no cross-rank check here (their `boundary` runs it)."""
+    pure `lossfx._layouts.opd_full.opd_full_loss_input` once. Shared by
+    `lossfx.prepare_opd_full_loss_input` and `prepare_loss_input`'s OPD_FULL branch (which do not
+    call each other); no cross-rank check here (their `boundary` runs it)."""
     call = local_call(
         logits, data, teacher_output_layer_weight_by_index, vocab_parallel_group, vocab_parallel_rank, vocab_size
     )
@@ -596,59 +595,3 @@ def opd_full_input(
         teacher_logits_dtype=teacher_logits_dtype,
         logprobs=logprobs,
     )
-
-
-@boundary(
-    roles=Roles(
-        tp="vocab_parallel_group",
-        cp="context_parallel_group",
-        cp_from="cp_sharder",
-        shards=("logits",),
-        rank="vocab_parallel_rank",
-        size="vocab_size",
-        heads="teacher_output_layer_weight_by_index",
-        columns=("teacher_full_logits",),
-    ),
-    vocab="equal",
-    local=check_view,
-)
-def prepare_opd_full(
-    logits: Tensor,
-    data: MutableMapping[str, Any],
-    loss_fn: Any,
-    *,
-    vocab_parallel_rank: int | None,
-    vocab_parallel_group: ProcessGroup | None,
-    context_parallel_group: ProcessGroup | None,
-    sampling_params: Any,
-    chunk_size: int | None,
-    teacher_output_layer_weight_by_index: dict[Any, Tensor] | None = None,
-    teacher_logits_dtype: torch.dtype | None = None,
-    vocab_size: int | None = None,
-    cp_sharder: ContextParallelSharder | None = None,
-) -> dict[str, Any]:
-    """The OPD_FULL loss inputs; see `lossfx.prepare_opd_full_loss_input` for the contract.
-
-    `vocab_size`: the global `V` when `logits [B, S_l, Vl]` is this rank's shard padded with
-    `-inf` columns to the even width `Vl = ceil(V/R)` (the DTensor boundary's layout): only its
-    first `clamp(V − rank·Vl, 0, Vl)` columns are real, and the teacher heads hold that many rows.
-    `None`: every column is real.
-    """
-    return opd_full_input(
-        logits,
-        data,
-        loss_fn,
-        vocab_parallel_rank=vocab_parallel_rank,
-        vocab_parallel_group=vocab_parallel_group,
-        context_parallel_group=context_parallel_group,
-        chunk_size=chunk_size,
-        teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
-        teacher_logits_dtype=teacher_logits_dtype,
-        vocab_size=vocab_size,
-        cp_sharder=cp_sharder,
-    )
-
-
-# `prepare_opd_full` unwraps DTensor logits, columns and heads itself (once, no re-entry): the
-# former DTensor boundary is the same function
-prepare_opd_full_on_local = prepare_opd_full

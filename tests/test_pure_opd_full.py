@@ -1,6 +1,6 @@
 """The pure OPD_FULL layout (`lossfx._layouts.opd_full`) against the float64 reference, and the
 boundary of its public faces (`prepare_opd_full_loss_input`, `prepare_loss_input`'s OPD_FULL
-branch, `lossfx.opd_full.prepare_opd_full`, `reconstruct_opd_full_teacher_logits`): one public
+branch, `reconstruct_opd_full_teacher_logits`): one public
 call validates once, range-checks the ids once, enters the pure code once and calls no other
 public function; DTensor logits and heads are unwrapped once (no re-entry on local tensors).
 
@@ -177,9 +177,6 @@ def _calls(logits, c, heads, rank, group):
         "prepare_loss_input": lambda: lossfx.prepare_loss_input(
             logits, data, LOSS_FN, teacher_output_layer_weight_by_index=heads, **tp
         )[0],
-        "prepare_opd_full": lambda: lossfx.opd_full.prepare_opd_full(
-            logits, data, LOSS_FN, teacher_output_layer_weight_by_index=heads, **entry
-        ),
         "reconstruct_opd_full_teacher_logits": lambda: lossfx.reconstruct_opd_full_teacher_logits(
             c["hidden"],
             teacher_payload="hidden_states",
@@ -260,7 +257,7 @@ def test_dtensor_public_calls_validate_once_on_gloo():
     c = _case(vocab=11)
     want, _ = _reference("hidden_states", vocab=11)
     teacher = _teacher(c, "hidden_states", S)
-    expected = [*(want[k] for k in KEYS)] * 3 + [teacher]
+    expected = [*(want[k] for k in KEYS)] * 2 + [teacher]
     for got in gloo_pool(2).run(gloo_dtensor_count_job, c["z"], c["hidden"], c["heads"], c["ids"]):
         assert len(got) == len(expected)
         for out, ref in zip(got, expected, strict=True):
