@@ -40,7 +40,7 @@ from lossfx._boundary.validation import (
     check_positive_int,
 )
 from lossfx._core.chunking import resolve_chunk_rows
-from lossfx._core.distributed import ProcessGroup, group_rank, group_size
+from lossfx._core.distributed import ProcessGroup
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import filtering as _kernel
 from lossfx._kernels.filtering import CANDIDATE_TOP_K_MAX
@@ -91,14 +91,6 @@ def check_ties(ties: object) -> None:
 def _check_logits_shape(logits: Tensor) -> None:
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
-
-
-def _vocab_range(group: ProcessGroup | None, width: int, start: int | None, size: int | None) -> VocabRange:
-    """This rank's `VocabRange`: explicit `start` / `size` (a DTensor's placement, or the caller's),
-    else `rank · Vl` and `R · Vl`."""
-    start = group_rank(group) * width if start is None else start
-    size = group_size(group) * width if size is None else size
-    return VocabRange(group, start, size)
 
 
 def _validated_filter(
@@ -200,7 +192,7 @@ def top_k_top_p_threshold(
     _check_logits_shape(logits)
     if strategy == "candidates" and k is None:
         raise ValueError("strategy='candidates' needs top-k enabled (top_k > 0)")
-    vocab = _vocab_range(group, logits.shape[-1], vocab_start, vocab_size)
+    vocab = VocabRange.of(group, logits.shape[-1], vocab_start, vocab_size)
     return _kernel.top_k_top_p_threshold(
         logits, vocab, top_k=k, top_p=p, chunk_rows=chunk_rows, strategy=strategy, ties=ties
     )
@@ -237,7 +229,7 @@ def apply_top_k_top_p(
     local = shard.local
     k, p, chunk_rows = _validated_filter(local, top_k, top_p, "auto", ties, chunk_rows, chunk_size)
     _check_logits_shape(local)
-    vocab = _vocab_range(shard.group, local.shape[-1], shard.vocab_start, shard.vocab_size)
+    vocab = VocabRange.of(shard.group, local.shape[-1], shard.vocab_start, shard.vocab_size)
     filtered, keep = _kernel.apply_top_k_top_p(local, vocab, top_k=k, top_p=p, chunk_rows=chunk_rows, ties=ties)
     return shard.wrap(filtered), shard.wrap(keep)
 
@@ -314,7 +306,7 @@ def filtered_token_logprobs(
     if strategy == "candidates" and k is None:
         raise ValueError("strategy='candidates' needs top-k enabled (top_k > 0)")
     _check_logits_shape(logits)
-    vocab = _vocab_range(group, logits.shape[-1], vocab_start, vocab_size)
+    vocab = VocabRange.of(group, logits.shape[-1], vocab_start, vocab_size)
     check_ids_in_range("target", target, vocab.size)
     return _kernel.filtered_token_logprobs(
         logits, target, vocab, top_k=k, top_p=p, chunk_rows=chunk_rows, strategy=strategy, ties=ties

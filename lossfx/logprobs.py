@@ -61,12 +61,7 @@ def _validated(
     local_vocab = logits.shape[-1]
     if local_vocab < 1:
         raise ValueError(f"logits must have at least one vocabulary column, got shape {tuple(logits.shape)}")
-    uniform = VocabRange.uniform(group, local_vocab)
-    vocab = VocabRange(
-        group,
-        uniform.start if vocab_start is None else vocab_start,
-        uniform.size if vocab_size is None else vocab_size,
-    )
+    vocab = VocabRange.of(group, local_vocab, vocab_start, vocab_size)
     checked = target if ignore_index is None else target.masked_fill(target == ignore_index, 0)
     check_ids_in_range("target", checked, vocab.size)
     return logits, target, vocab, chunk_rows

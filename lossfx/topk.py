@@ -1,15 +1,7 @@
-"""Top-k values and global ids over a vocabulary sharded across tensor-parallel ranks.
-
-1. each rank takes its local top `min(k, Vl)` values and turns their columns into global ids,
-   padded to `k' = min(k, R·Vl)` candidates with `(-inf, sentinel id)` (the sentinel sorts after
-   every real id, so padding is never chosen while real candidates remain: there are at least
-   `min(k', V)` of them), so that every rank sends the same number even when `k` exceeds a shard;
-2. one all-gather of the candidates `[R, N, k']` (values and ids, a few scalars per row);
-3. the global top-k is the top-k of the union of the candidates: every member of the global top-k
-   is in its own shard's local top-k, since fewer than k values of that shard exceed it.
-
-Ties are broken deterministically by the smaller global id (the result does not depend on the TP
-size, on the chunking, or on `torch.topk`'s unspecified tie order). No gradient (a selection).
+"""Top-k values and global ids over a vocabulary sharded across tensor-parallel ranks
+(`vocab_topk`): each rank's local top-k as global ids, one all-gather of the candidates, the top-k
+of their union, ties broken by the smaller global id (the algorithm and why it is exact:
+`lossfx._kernels.topk`). No gradient (a selection).
 
 The boundary: `vocab_topk` unwraps (and pads) a DTensor, validates `logits` and `k`, resolves
 this rank's `VocabRange` and calls the pure kernel `lossfx._kernels.topk` once.

@@ -33,6 +33,13 @@ class VocabRange(NamedTuple):
         return cls(group, group.rank() * width, group.size() * width)
 
     @classmethod
+    def of(cls, group: dist.ProcessGroup | None, width: int, start: int | None, size: int | None) -> VocabRange:
+        """Explicit `start` / `size` (a DTensor's placement, or the caller's), each defaulting to
+        the uniform layout's (`uniform`)."""
+        uniform = cls.uniform(group, width)
+        return cls(group, uniform.start if start is None else start, uniform.size if size is None else size)
+
+    @classmethod
     def whole(cls, size: int) -> VocabRange:
         """The full vocabulary on one rank."""
         return cls(None, 0, size)
