@@ -29,7 +29,6 @@ __all__ = [
     "check_positive_float",
     "check_positive_int",
     "check_tensor",
-    "mark_checked",
     "values_checkable",
 ]
 
@@ -95,13 +94,6 @@ def values_checkable(*tensors: object) -> bool:
 
 def _range_key(ids: Tensor, low: int, high: object) -> tuple[object, ...]:
     return ("ids in range", ids.data_ptr(), ids.dtype, tuple(ids.shape), ids.stride(), low, high)
-
-
-def mark_checked(ids: Tensor, high: int, low: int = 0) -> None:
-    """Record that every entry of `ids` is known to lie in `[low, high)` (e.g. ids built from
-    checked ones): a later `check_ids_in_range` of them in this call is skipped."""
-    if values_checkable(ids):
-        _host_reads.seen(_range_key(ids, low, high))
 
 
 def check_ids_in_range(
