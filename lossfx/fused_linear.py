@@ -10,7 +10,7 @@ matmuls in `promote_types(hidden.dtype, weight.dtype)`. One kernel serves every 
 ids `[N, K]`, with token log-probs the `K = 1` case. Pipeline of the forward:
 
 1. with `sequence_parallel=True`, all-gather this rank's `[N/R, H]` rows of `hidden`;
-2. `lossfx::linear_local_stats` (`lossfx.linear_chunks`): per tile, one `[C, Cv]` block of logits
+2. `lossfx::linear_local_stats` (`lossfx._kernels.linear_chunks`): per tile, one `[C, Cv]` block of logits
    (`Cv <= Vl`) and this shard's per-row statistics `(m, s, u)` and the logits at the ids it owns;
 3. one all-gather of those per-row scalars `[R, 3 + K, N]`, merged exactly with the row max and
    the log-sum kept apart: `log p = (z − shift) − log_s` (`_core.numerics.merge_max_logsum`).

@@ -314,7 +314,7 @@ def gloo_rejected_head_job(rank, world, group, z, hidden, heads, ids):
     dheads = {k: distribute_tensor(w, mesh, [placement], src_data_rank=None) for k, w in heads.items()}
     messages = []
     for name, call in _calls(logits, {"ids": ids, "hidden": hidden}, dheads, None, None).items():
-        if name in ("prepare_opd_full_loss_input", "prepare_loss_input", "prepare_opd_full"):
+        if name in ("prepare_opd_full_loss_input", "prepare_loss_input"):
             try:
                 call()
                 messages.append(None)
