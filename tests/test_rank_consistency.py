@@ -443,3 +443,27 @@ def test_compiled_check_waits_after_the_kernels_first_pass():
     local_pass = first(lambda s: s.startswith("cpp_fused") and "amax" in s and "assert" not in s)
     asserts = first(lambda s: s.startswith("cpp_fused") and "assert_async" in s)
     assert check_gather < local_pass < wait < asserts < kernel_gather, calls
+
+
+def _objective_chunk_mismatch_compiled(rank, world, group):
+    """`linear_logprob_objective` compiled with a different `chunk_size` per rank: its collectives
+    run inside an opaque op, which the deferred in-graph check must precede."""
+    gen = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(2, 8, 16, generator=gen, dtype=F64), torch.randn(32, 16, generator=gen, dtype=F64)
+    ids, coef = torch.randint(0, 32, (2, 8), generator=gen), torch.randn(2, 8, generator=gen, dtype=F64)
+    rows = weight[rank * 16 : (rank + 1) * 16].clone().requires_grad_()
+
+    def step(h, w):
+        return lossfx.linear_logprob_objective(h, w, ids, coef, group=group, chunk_size=4 + 4 * rank)[0]
+
+    try:
+        torch.compile(step, fullgraph=True, backend="aot_eager")(hidden.clone().requires_grad_(), rows)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.compile
+def test_compiled_check_precedes_an_opaque_ops_collectives():
+    messages = gloo_pool(2).run(_objective_chunk_mismatch_compiled)
+    assert_every_rank_raises(messages, ["lossfx.linear_logprob_objective", "disagree on chunk_size"])

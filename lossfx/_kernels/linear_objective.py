@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lossfx._core.chunking import policy_for
 from lossfx._core.distributed import all_gather_stack, all_reduce, group_size, is_distributed, reduce_scatter_sum
+from lossfx._core.host_reads import settle
 from lossfx._core.numerics import finite_or_zero, log_s_for_softmax
 from lossfx._core.tiles import LogitHead, Tiles, add_rows_, chunk_rows_for, compute_dtype, matmul_dtype
 from lossfx._core.vocab import VocabRange
@@ -240,6 +241,8 @@ class _LinearObjectiveFn(torch.autograd.Function):
         need_dhidden = ctx.needs_input_grad[0]
         need_dweight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
         cdtype = compute_dtype(matmul_dtype(hidden, weight))
+        # the op runs its collectives inside (opaque to the compiler): the call's checks come first
+        settle(full_hidden)
         rows, dhidden, dweight, dbias = linear_objective_rows(
             full_hidden,
             weight,
