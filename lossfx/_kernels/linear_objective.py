@@ -241,8 +241,6 @@ class _LinearObjectiveFn(torch.autograd.Function):
         need_dhidden = ctx.needs_input_grad[0]
         need_dweight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
         cdtype = compute_dtype(matmul_dtype(hidden, weight))
-        # the op runs its collectives inside (opaque to the compiler): the call's checks come first
-        settle(full_hidden)
         rows, dhidden, dweight, dbias = linear_objective_rows(
             full_hidden,
             weight,
@@ -327,6 +325,9 @@ def linear_logprob_objective(
     with_entropy = neg_entropy_weight is not None
     ew = neg_entropy_weight.reshape(-1) if neg_entropy_weight is not None else torch.zeros_like(lw)
     shard_width = -(-vocab.size // group_size(vocab.group))  # sizes the default chunk: rank-independent
+    # the call's checks come before its collectives, which run inside an op opaque to the compiler
+    # (and traced, here rather than in the autograd.Function's forward subgraph)
+    settle(rows.local_idx)
     objective, logprobs, neg_entropy = _LinearObjectiveFn.apply(
         rows.hidden,
         weight,
