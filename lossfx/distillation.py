@@ -34,16 +34,12 @@ from lossfx.sequence_layout import ContextParallelSharder, SequenceLayout, check
 __all__ = ["distillation_topk_logprobs"]
 
 
-@boundary(
-    roles=Roles(
-        tp="vocab_parallel_group",
-        cp="context_parallel_group",
-        cp_from="cp_sharder",
-        shards=("student_logits",),
-    ),
-    vocab="equal",
-    local=check_view("student_logits", group_arg="vocab_parallel_group", even=True),
+_ROLES = Roles(  # the parameters' parts (`Roles`)
+    tp="vocab_parallel_group", cp="context_parallel_group", cp_from="cp_sharder", shards=("student_logits",)
 )
+
+
+@boundary(roles=_ROLES, vocab="equal", local=check_view(_ROLES, even=True))
 def distillation_topk_logprobs(
     student_logits: Tensor,
     teacher_topk_logits: Tensor,
@@ -117,9 +113,7 @@ def _distillation(
     """The boundary work of `distillation_topk_logprobs`, once, then the pure call: shared with
     `prepare_loss_input`'s `DISTILLATION` branch (`names`: how its arguments are called there)."""
     logits_name, values_name, ids_name = names
-    shard = vocab_shard(
-        student_logits, name=logits_name, group=vocab_parallel_group, even=True, group_arg="vocab_parallel_group"
-    )
+    shard = vocab_shard(student_logits, name=logits_name, roles=_ROLES, group=vocab_parallel_group, even=True)
     student_logits, group = shard.local, shard.group
     teacher_topk_logits = replicated(teacher_topk_logits, values_name)
     teacher_topk_indices = replicated(teacher_topk_indices, ids_name)

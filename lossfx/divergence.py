@@ -82,7 +82,11 @@ _COMMON_DOC = """
 """
 
 
-@boundary(roles=Roles(tp="group", shards=("student",)), vocab="free", local=check_view("student"))
+_ROLES_STUDENT = Roles(tp="group", shards=("student",))  # the parameters' parts (`Roles`)
+_ROLES_PAIR = Roles(tp="group", shards=("student", "teacher"))
+
+
+@boundary(roles=_ROLES_STUDENT, vocab="free", local=check_view(_ROLES_STUDENT))
 def neg_entropy(
     student: Tensor,
     *,
@@ -98,12 +102,13 @@ def neg_entropy(
     .. math::
         \\mathrm{out}_n = \\sum_v p_{n,v} \\log p_{n,v} \\le 0
     """
-    student, group, *_ = vocab_shard(student, name="student", group=group)  # lossfx/_boundary/dtensor.py
+    # DTensor boundary: lossfx/_boundary/dtensor.py
+    student, group, *_ = vocab_shard(student, name="student", roles=_ROLES_STUDENT, group=group)
     chunk_rows = _validated(student, None, resolve_chunk_rows(chunk_rows, chunk_size))
     return _kernel.neg_entropy(student, group, chunk_rows=chunk_rows)
 
 
-@boundary(roles=Roles(tp="group", shards=("student",)), vocab="free", local=check_view("student"))
+@boundary(roles=_ROLES_STUDENT, vocab="free", local=check_view(_ROLES_STUDENT))
 def entropy(
     student: Tensor,
     *,
@@ -118,12 +123,13 @@ def entropy(
     `−Σ p log p` is its negation.
     """
     warn_renamed("lossfx.entropy", "lossfx.neg_entropy", stacklevel=4)  # past the boundary's wrapper
-    student, group, *_ = vocab_shard(student, name="student", group=group)  # lossfx/_boundary/dtensor.py
+    # DTensor boundary: lossfx/_boundary/dtensor.py
+    student, group, *_ = vocab_shard(student, name="student", roles=_ROLES_STUDENT, group=group)
     chunk_rows = _validated(student, None, resolve_chunk_rows(chunk_rows, chunk_size))
     return _kernel.neg_entropy(student, group, chunk_rows=chunk_rows)
 
 
-@boundary(roles=Roles(tp="group", shards=("student", "teacher")), vocab="free", local=check_view("student", "teacher"))
+@boundary(roles=_ROLES_PAIR, vocab="free", local=check_view(_ROLES_PAIR))
 def cross_entropy_to_fixed(
     student: Tensor,
     teacher: Tensor,
@@ -140,13 +146,13 @@ def cross_entropy_to_fixed(
     .. math::
         \\mathrm{out}_n = -\\sum_v p_s(v) \\log p_t(v)
     """
-    s = vocab_shard(student, name="student", group=group)  # lossfx/_boundary/dtensor.py
+    s = vocab_shard(student, name="student", roles=_ROLES_PAIR, group=group)  # lossfx/_boundary/dtensor.py
     student, group, teacher = s.local, s.group, s.like(teacher, "teacher")
     chunk_rows = _validated(student, teacher, resolve_chunk_rows(chunk_rows, chunk_size))
     return _kernel.cross_entropy_to_fixed(student, teacher, group, chunk_rows=chunk_rows)
 
 
-@boundary(roles=Roles(tp="group", shards=("student", "teacher")), vocab="free", local=check_view("student", "teacher"))
+@boundary(roles=_ROLES_PAIR, vocab="free", local=check_view(_ROLES_PAIR))
 def reverse_kl_to_fixed(
     student: Tensor,
     teacher: Tensor,
@@ -171,7 +177,7 @@ def reverse_kl_to_fixed(
         >>> lossfx.reverse_kl_to_fixed(s, s)
         tensor([0.])
     """
-    s = vocab_shard(student, name="student", group=group)  # lossfx/_boundary/dtensor.py
+    s = vocab_shard(student, name="student", roles=_ROLES_PAIR, group=group)  # lossfx/_boundary/dtensor.py
     student, group, teacher = s.local, s.group, s.like(teacher, "teacher")
     chunk_rows = _validated(student, teacher, resolve_chunk_rows(chunk_rows, chunk_size))
     return _kernel.reverse_kl_to_fixed(student, teacher, group, chunk_rows=chunk_rows)

@@ -112,11 +112,10 @@ def _wrap_draft(shard: VocabShard, out: Tensor, d2t: Tensor | None) -> Tensor:
     return shard.wrap(out) if d2t is None else shard.wrap_other_vocab(out, d2t.shape[0])
 
 
-@boundary(
-    roles=Roles(tp="vocab_parallel_group", shards=("teacher_logits",), rank="vocab_parallel_rank"),
-    vocab="equal",
-    local=check_view("teacher_logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True),
-)
+_ROLES_MAP = Roles(tp="vocab_parallel_group", shards=("teacher_logits",), rank="vocab_parallel_rank")
+
+
+@boundary(roles=_ROLES_MAP, vocab="equal", local=check_view(_ROLES_MAP, even=True))
 def map_to_draft_vocab(
     teacher_logits: Tensor,
     d2t: Tensor | None,
@@ -142,7 +141,12 @@ def map_to_draft_vocab(
     shard = VocabShard(teacher_logits, vocab_parallel_group, vocab_parallel_rank, None, None)
     if is_dtensor(teacher_logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_boundary/dtensor.py)
         shard = vocab_shard(
-            teacher_logits, name="teacher_logits", group=vocab_parallel_group, rank=vocab_parallel_rank, even=True
+            teacher_logits,
+            name="teacher_logits",
+            roles=_ROLES_MAP,
+            group=vocab_parallel_group,
+            rank=vocab_parallel_rank,
+            even=True,
         )
     d2t = replicated(d2t, "d2t")
     if d2t is None:
@@ -153,17 +157,16 @@ def map_to_draft_vocab(
     return _wrap_draft(shard, out, d2t)
 
 
-@boundary(
-    roles=Roles(
-        tp="vocab_parallel_group",
-        cp="context_parallel_group",
-        cp_from="cp_sharder",
-        shards=("logits",),
-        rank="vocab_parallel_rank",
-    ),
-    vocab="equal",
-    local=check_view("logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True),
+_ROLES_TARGETS = Roles(
+    tp="vocab_parallel_group",
+    cp="context_parallel_group",
+    cp_from="cp_sharder",
+    shards=("logits",),
+    rank="vocab_parallel_rank",
 )
+
+
+@boundary(roles=_ROLES_TARGETS, vocab="equal", local=check_view(_ROLES_TARGETS, even=True))
 def draft_targets(
     logits: Tensor,
     token_mask: Tensor,
@@ -198,7 +201,9 @@ def draft_targets(
     check_group("context_parallel_group", context_parallel_group)
     shard = VocabShard(logits, vocab_parallel_group, vocab_parallel_rank, None, None)
     if is_dtensor(logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_boundary/dtensor.py)
-        shard = vocab_shard(logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True)
+        shard = vocab_shard(
+            logits, name="logits", roles=_ROLES_TARGETS, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True
+        )
     token_mask, d2t = replicated(token_mask, "token_mask"), replicated(d2t, "d2t")
     layout = sequence_layout(context_parallel_group, cp_sharder)
     target_ids, vocab = validated_draft(shard.local, token_mask, d2t, shard.group, shard.rank, layout)

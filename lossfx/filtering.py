@@ -121,7 +121,7 @@ _ROLES = Roles(
 )  # the cross-rank check's view of the parameters
 
 
-@boundary(roles=_ROLES, vocab="sized", local=check_view("logits"))
+@boundary(roles=_ROLES, vocab="sized", local=check_view(_ROLES))
 def top_k_top_p_threshold(
     logits: Tensor,
     *,
@@ -186,7 +186,7 @@ def top_k_top_p_threshold(
         tensor([2.])
     """
     logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
-        logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
+        logits, name="logits", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
     )  # lossfx/_boundary/dtensor.py
     k, p, chunk_rows = _validated_filter(logits, top_k, top_p, strategy, ties, chunk_rows, chunk_size)
     _check_logits_shape(logits)
@@ -198,7 +198,7 @@ def top_k_top_p_threshold(
     )
 
 
-@boundary(roles=_ROLES, vocab="sized", local=check_view("logits"))
+@boundary(roles=_ROLES, vocab="sized", local=check_view(_ROLES))
 def apply_top_k_top_p(
     logits: Tensor,
     *,
@@ -225,7 +225,9 @@ def apply_top_k_top_p(
         >>> lossfx.apply_top_k_top_p(torch.tensor([[3.0, 1.0, 2.0]]), top_k=2)[0]
         tensor([[3., -inf, 2.]])
     """
-    shard = vocab_shard(logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size)
+    shard = vocab_shard(
+        logits, name="logits", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
+    )
     local = shard.local
     k, p, chunk_rows = _validated_filter(local, top_k, top_p, "auto", ties, chunk_rows, chunk_size)
     _check_logits_shape(local)
@@ -234,7 +236,7 @@ def apply_top_k_top_p(
     return shard.wrap(filtered), shard.wrap(keep)
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view("logits"))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES))
 def filtered_token_logprobs(
     logits: Tensor,
     target: Tensor,
@@ -292,7 +294,7 @@ def filtered_token_logprobs(
     See also: proofs/filtering.md, lossfx.reference.filtered_token_logprobs.
     """
     logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
-        logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
+        logits, name="logits", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
     )
     target = replicated(target, "target")
     check_floating("logits", logits)

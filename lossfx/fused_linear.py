@@ -84,7 +84,7 @@ def _local_arguments(
     weight's tensor-parallel group, in equal parts.
     """
     w, group, _, vocab_start, vocab_size, *_ = vocab_shard(
-        weight, dim=0, name="weight", group=group, vocab_start=vocab_start, vocab_size=vocab_size
+        weight, dim=0, name="weight", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
     )
     if not is_dtensor(hidden) or not sequence_parallel:
         return replicated(hidden, "hidden"), w, group, vocab_start, vocab_size
@@ -189,7 +189,9 @@ def validated_head(
     if local_vocab < 1:
         raise ValueError(f"weight must hold at least one vocabulary row, got shape {tuple(weight.shape)}")
     if bias is not None and is_dtensor(bias):
-        bias = vocab_shard(bias, dim=0, name="bias", group=group, vocab_start=vocab_start, vocab_size=vocab_size).local
+        bias = vocab_shard(
+            bias, dim=0, name="bias", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
+        ).local
     if bias is not None:
         check_floating("bias", bias)
         if tuple(bias.shape) != (local_vocab,):

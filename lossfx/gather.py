@@ -37,7 +37,7 @@ def _validated(
     """The boundary work of both public functions, once: `(logits, ids, vocab, chunk_rows)` as the
     kernel takes them (local tensors, this rank's range; ids range-checked)."""
     logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
-        logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
+        logits, name="logits", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
     )
     ids = replicated(ids, "ids")
     check_floating("logits", logits)
@@ -63,7 +63,7 @@ _ROLES = Roles(
 )  # the cross-rank check's view of the parameters
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view("logits"))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES))
 def gather_logprobs(
     logits: Tensor,
     ids: Tensor,
@@ -125,7 +125,7 @@ def gather_logprobs(
     return _kernel.gather_logprobs(logits, ids, vocab, with_neg_entropy=with_entropy, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view("logits"))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES))
 def gather_logits(
     logits: Tensor,
     ids: Tensor,

@@ -47,7 +47,7 @@ def _validated(
     as the kernel takes them (local tensors, this rank's range; ids range-checked, the ignored
     positions excepted)."""
     logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
-        logits, group=group, vocab_start=vocab_start, vocab_size=vocab_size
+        logits, name="logits", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
     )
     target = replicated(target, "target")
     check_floating("logits", logits)
@@ -67,7 +67,7 @@ def _validated(
     return logits, target, vocab, chunk_rows
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view("logits"))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES))
 def token_logprobs_with_lse(
     logits: Tensor,
     target: Tensor,
@@ -90,7 +90,7 @@ def token_logprobs_with_lse(
     return _kernel.token_logprobs_with_lse(logits, target, vocab, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view("logits"))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES))
 def token_logprobs(
     logits: Tensor,
     target: Tensor,

@@ -134,7 +134,7 @@ _ROLES_ALL = dataclasses.replace(_ROLES_OPD, cp_from="cp_sharder")
 @boundary(
     roles=_ROLES_SHARDER,
     vocab="auto",
-    local=check_view("logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True),
+    local=check_view(_ROLES_SHARDER, even=True),
 )
 def next_token_logprobs(
     logits: Tensor,
@@ -182,7 +182,7 @@ def next_token_logprobs(
         CP the gradient is summed over CP ranks (divide the loss by the CP size).
     """
     logits, vocab_parallel_group, vocab_parallel_rank, *_ = vocab_shard(
-        logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True, group_arg="vocab_parallel_group"
+        logits, name="logits", roles=_ROLES, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True
     )
     input_ids = replicated(input_ids, "input_ids")  # DTensor boundary: lossfx/_boundary/dtensor.py
     if ignore_index is not None:
@@ -246,10 +246,11 @@ def _local_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
         return arguments, ""
     shard = vocab_shard(
         logits,
+        name="logits",
+        roles=_ROLES,
         group=arguments["vocab_parallel_group"],
         rank=arguments["vocab_parallel_rank"],
         even=True,
-        group_arg="vocab_parallel_group",
     )
     local = {k: replicated(v, f"data[{k!r}]") if is_dtensor(v) and _all_replicate(v) else v for k, v in data.items()}
     for key in _DTENSOR_KEYS.full_columns:
@@ -366,7 +367,9 @@ def prepare_loss_input(
     }
     options: dict[str, Any] = {"sampling_params": sampling_params, "d2t": d2t, "chunk_size": chunk_size}
     if dtensors:  # DTensor boundary: lossfx/_boundary/dtensor.py (unwrapped once, no re-entry)
-        return entry_point_on_local(_prepare_on_local, logits, data, loss_fn, keys=_DTENSOR_KEYS, **parallel, **options)
+        return entry_point_on_local(
+            _prepare_on_local, logits, data, loss_fn, keys=_DTENSOR_KEYS, roles=_ROLES, **parallel, **options
+        )
     return _prepare_on_local(logits, data, loss_fn, **parallel, **options)
 
 
@@ -522,7 +525,7 @@ def _packed_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return arguments, hint
 
 
-_LOGITS_VIEW = check_view("logits", group_arg="vocab_parallel_group", rank_arg="vocab_parallel_rank", even=True)
+_LOGITS_VIEW = check_view(_ROLES_DATA, even=True)
 
 
 @boundary(roles=_ROLES_DATA, vocab="auto", local=_packed_view)
@@ -580,6 +583,7 @@ def prepare_packed_loss_input(
             cu_seqlens_q,
             cu_seqlens_q_padded,
             keys=_DTENSOR_KEYS,
+            roles=_ROLES_DATA,
             vocab_parallel_rank=vocab_parallel_rank,
             vocab_parallel_group=vocab_parallel_group,
             context_parallel_group=context_parallel_group,

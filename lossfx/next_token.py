@@ -165,11 +165,10 @@ def next_token_logprobs_of(call: NextTokenCall, top: TopKTopP | None = None) -> 
 LoadBalancedSharder = LoadBalancedLayout  # the load-balanced layout is itself a `ContextParallelSharder`
 
 
-@boundary(
-    roles=Roles(tp="group", shards=("logits",), start="vocab_start", size="vocab_size"),
-    vocab="tiled",
-    local=check_view("logits"),
-)
+_ROLES_TARGET = Roles(tp="group", shards=("logits",), start="vocab_start", size="vocab_size")
+
+
+@boundary(roles=_ROLES_TARGET, vocab="tiled", local=check_view(_ROLES_TARGET))
 def target_logprobs(
     logits: Tensor,
     target: Tensor,
@@ -267,7 +266,10 @@ def sharded_next_token_logprobs(
     return next_token_logprobs_of(call, resolve_filter(sampling_params))
 
 
-@boundary(roles=Roles(tp="group", shards=("logits",)), vocab="equal", local=check_view("logits", even=True))
+_ROLES_FILTERED = Roles(tp="group", shards=("logits",))
+
+
+@boundary(roles=_ROLES_FILTERED, vocab="equal", local=check_view(_ROLES_FILTERED, even=True))
 def next_token_filtered_logprobs(
     logits: Tensor,
     input_ids: Tensor,
@@ -293,7 +295,8 @@ def next_token_filtered_logprobs(
     Returns:
         `[B, S-1]` in the compute dtype; `-inf` where the next token was filtered out.
     """
-    logits, group, *_ = vocab_shard(logits, group=group, even=True)  # lossfx/_boundary/dtensor.py
+    # DTensor boundary: lossfx/_boundary/dtensor.py
+    logits, group, *_ = vocab_shard(logits, name="logits", roles=_ROLES_FILTERED, group=group, even=True)
     input_ids = replicated(input_ids, "input_ids")
     top = resolve_filter(TrainingSamplingParams(top_k=top_k, top_p=top_p, ties=ties))
     call = validated_next_token_call(logits, input_ids, group=group, layout=sequence_layout(), chunk_size=chunk_size)

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from lossfx._boundary.consistency import boundary
+from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.dtensor import VocabShard, _same_group, is_dtensor, rejections_compared, replicated, vocab_shard
 from lossfx._boundary.validation import (
     check_floating,
@@ -324,7 +324,9 @@ def reconstruct_opd_full_teacher_logits(
     # DTensor boundary (lossfx/_boundary/dtensor.py): the student's shard, the payload and index
     # replicated, each head as this rank's rows; a projection needs no even width
     logits_payload = teacher_payload == "logits"
-    shard = vocab_shard(student_logits, name="student_logits", rank=vocab_parallel_rank, even=logits_payload)
+    shard = vocab_shard(
+        student_logits, name="student_logits", roles=_LAYOUT, rank=vocab_parallel_rank, even=logits_payload
+    )
     payload = replicated(payload, "payload")
     if logits_payload:
         payload = shard.pad_full(payload)
@@ -411,6 +413,10 @@ def _tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int
     return check_group_rank("vocab_parallel_rank", vocab_parallel_rank, "vocab_parallel_group", group)
 
 
+# the layout parameters of OPD_FULL's entry points, named in the DTensor boundary's messages
+_LAYOUT = Roles(tp="vocab_parallel_group", rank="vocab_parallel_rank")
+
+
 class _LocalCall(NamedTuple):
     """An OPD_FULL call's DTensor arguments as plain local tensors (`local_call`)."""
 
@@ -443,7 +449,7 @@ def local_call(
     columns = data.values() if isinstance(data, Mapping) else ()
     if not (is_dtensor(logits) or any(is_dtensor(v) for v in columns) or has_dtensor_head(heads)):
         return _LocalCall(logits, data, heads, group, rank, vocab_size)
-    shard = vocab_shard(logits, group=group, rank=rank, even=True, group_arg="vocab_parallel_group")
+    shard = vocab_shard(logits, name="logits", roles=_LAYOUT, group=group, rank=rank, even=True)
     local = {key: replicated(value, f"data[{key!r}]") for key, value in data.items()}
     if "teacher_full_logits" in local:
         local["teacher_full_logits"] = shard.pad_full(local["teacher_full_logits"])

@@ -31,11 +31,10 @@ def _vocab_policy(arguments: Mapping[str, Any]) -> str:
     return f"topk:{k}" if isinstance(k, int) and not isinstance(k, bool) and k > 0 else "free"
 
 
-@boundary(
-    roles=Roles(tp="group", shards=("logits",), start="vocab_start"),
-    vocab=_vocab_policy,
-    local=check_view("logits", even=True),
-)
+_ROLES = Roles(tp="group", shards=("logits",), start="vocab_start")  # the parameters' parts (`Roles`)
+
+
+@boundary(roles=_ROLES, vocab=_vocab_policy, local=check_view(_ROLES, even=True))
 @torch.no_grad()
 def vocab_topk(
     logits: Tensor,
@@ -69,7 +68,8 @@ def vocab_topk(
         >>> lossfx.vocab_topk(torch.tensor([[0.5, 2.0, 2.0, -1.0]]), 2)
         (tensor([[2., 2.]]), tensor([[1, 2]]))
     """
-    s = vocab_shard(logits, group=group, vocab_start=vocab_start, even=True)  # lossfx/_boundary/dtensor.py
+    # DTensor boundary: lossfx/_boundary/dtensor.py
+    s = vocab_shard(logits, name="logits", roles=_ROLES, group=group, vocab_start=vocab_start, even=True)
     logits, group, vocab_start, k = s.local, s.group, None if s.padded else s.vocab_start, s.at_most_vocab(k)
     check_floating("logits", logits)
     k = check_positive_int("k", k, allow_none=False)

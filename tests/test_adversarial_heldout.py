@@ -680,6 +680,9 @@ COMPILED = {
     "dtensor_bad_start_both": None,
     "vocab_parallel_rank_wrong_one_rank": None,
     "vocab_parallel_rank_swapped": None,
+    # a config held in `__slots__` / a property: the compiled check reads the class walk (cached per class)
+    "loss_fn_slots_zero_outside_topk": None,
+    "loss_fn_property_zero_outside_topk": None,
 }
 COMPILED_DEFAULT = ["neg_inf_shard[token_logprobs]", "temperature_int_vs_float", "vocab_parallel_rank_wrong_one_rank"]
 

@@ -478,7 +478,7 @@ def test_bad_placements_and_contradicting_arguments_raise():
         assert "Partial" in messages["partial"]
         assert "Shard(dim=0)" in messages["shard_batch"]
         assert "disagrees" in messages["group_without_tp"]
-        assert "rank=" in messages["rank"] and "disagrees" in messages["rank"]
+        assert "vocab_parallel_rank=" in messages["rank"] and "disagrees" in messages["rank"]  # the caller's name
         assert "vocab_start=3" in messages["vocab_start"]
         assert "vocab_size=8" in messages["vocab_size"]
         assert "teacher" in messages["teacher"] and "Replicate" in messages["teacher"]

@@ -157,25 +157,12 @@ def test_the_checker_sees_function_level_and_package_imports():
     assert _imports(eager, modules) == {"filtering", "reference", "__init__"}
 
 
-# The boundary's generic floor knows no parameter of the floors above: the cross-rank check learns
+# The floors below the public functions know no parameter of them: the cross-rank check learns
 # which parameters are the groups, the vocabulary shards and their layout from the `Roles` each
-# public function declares (`boundary(roles=...)`), not from a table of names in `_boundary.consistency`.
-GENERIC = (
-    "_core.host_reads",
-    "_core.numerics",
-    "_core.chunking",
-    "_core.tiles",
-    "_boundary.compile_errors",
-    "_boundary.consistency",
-    "_boundary.validation",
-    "_boundary.deprecation",
-)  # the core and boundary modules but _boundary.dtensor, _core.distributed (PINNED)
+# public function declares (`boundary(roles=...)`), and the DTensor boundary gets the names its
+# messages use and its views fill in from the caller (the sharded argument's `name`, its `Roles`).
+FLOORS = ("ground", "core", "pure kernels", "pure layouts", "boundary")
 PROTOCOL = {"cp_group"}  # the attribute a context-parallel sharder object carries (not a parameter)
-# known debt, pinned so that it cannot grow: the DTensor boundary still names the entry points' keys
-# and the layout arguments it fills in; `_core.distributed` names its argument in its own error message
-PINNED = {
-    "_boundary.dtensor": {"group", "logits", "vocab_parallel_group", "vocab_size", "vocab_start"},
-}
 
 
 def _public_parameters() -> set[str]:
@@ -197,10 +184,13 @@ def _public_parameters() -> set[str]:
 
 
 def _string_literals(source: str) -> set[str]:
-    """String constants of `source` but docstrings and f-string format specs (`:016x`)."""
+    """String constants of `source` but docstrings, f-string format specs (`:016x`) and the
+    module's own exported names (`__all__`: a pure `shard` function is no `shard` parameter)."""
     tree = ast.parse(source)
     skip: set[int] = set()
     for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            skip |= {id(n) for n in ast.walk(node.value)}
         body = getattr(node, "body", None)
         first = body[0] if isinstance(body, list) and body else None
         if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
@@ -214,14 +204,17 @@ def _string_literals(source: str) -> set[str]:
 def test_foundations_name_no_parameter_of_the_floors_above():
     params = _public_parameters()
     assert {"logits", "vocab_parallel_group", "teacher_output_layer_weight_by_index"} <= params  # not vacuous
+    layer_of, _ = _layer_table()
+    scanned = {m: p for m, p in _modules().items() if _layer(m, layer_of) in FLOORS}
+    assert {"_boundary.dtensor", "_boundary.consistency", "_core.distributed", "_kernels.logprobs"} <= set(scanned)
     found = {}
-    for module in (*GENERIC, *PINNED):
-        literals = _string_literals((PACKAGE / f"{module.replace('.', '/')}.py").read_text())
-        named = (literals & params) - PROTOCOL - PINNED.get(module, set())
+    for module, path in scanned.items():
+        named = (_string_literals(path.read_text()) & params) - PROTOCOL
         if named:
             found[module] = sorted(named)
-    assert not found, f"foundation modules name parameters of public functions (declare them with Roles): {found}"
+    assert not found, f"modules below the public functions name their parameters (declare them with Roles): {found}"
 
 
 def test_the_literal_scan_sees_a_parameter_name():
-    assert _string_literals('"""doc"""\nx = f"{v:016x}"\nROLE = ("logits",)\n') == {"logits"}
+    source = '"""doc"""\n__all__ = ["shard"]\nx = f"{v:016x}"\nROLE = ("logits",)\nmsg = f"{v} of logits"\n'
+    assert _string_literals(source) == {"logits", " of logits"}

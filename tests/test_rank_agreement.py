@@ -402,6 +402,50 @@ def test_config_walk_does_not_read_dataclass_properties():
     assert "loss_fn.top_k" in _walked(Config()) and not calls
 
 
+def test_config_walk_walks_each_class_once(monkeypatch):
+    """The eager check walks a config's class (`__slots__`, properties) once per class, not on
+    every call; the cached walk is the walk, and a compiled function that takes the walk as a
+    constant (`fullgraph=True`) traces once for every instance of the class."""
+    from torch._dynamo.testing import CompileCounter
+
+    from lossfx._boundary import consistency
+
+    walked = []
+    real = consistency._walk_class
+    monkeypatch.setattr(consistency, "_walk_class", lambda cls: walked.append(cls) or real(cls))
+
+    class Slots(_SlotsConfig):  # fresh classes: no earlier test has walked them
+        __slots__ = ("top_p",)
+
+        def __init__(self, top_k):
+            super().__init__(top_k)
+            self.top_p = 0.5
+
+    class Property(_PropertyConfig):
+        pass
+
+    first, second = _walked(Slots(5)), _walked(Slots(7))
+    assert {"loss_fn.top_p", "loss_fn.top_k", "loss_fn.kl_type"} <= set(first) and first.keys() == second.keys()
+    assert first["loss_fn.top_k"] != second["loss_fn.top_k"]  # the values are read on every call
+    _walked(Property(True))
+    assert walked == [Slots, Property]
+    assert consistency._class_attributes(Slots) == real(Slots) == (("kl_type", "top_k", "top_p"), ())
+
+    class Traced(_PropertyConfig):
+        pass
+
+    def count_attributes(x, config):
+        slots, properties = consistency._class_attributes(type(config))
+        return x + len(slots) + len(properties)
+
+    counter = CompileCounter()
+    compiled = torch.compile(count_attributes, backend=counter, fullgraph=True)
+    x = torch.zeros(2)
+    for config in (Traced(True), Traced(False), Traced(True)):
+        torch.testing.assert_close(compiled(x, config), count_attributes(x, config), rtol=0, atol=0)
+    assert counter.frame_count == 1 and walked.count(Traced) == 1
+
+
 def _differ(x: torch.Tensor, y: torch.Tensor) -> None:
     """`x` and `y` hold different values (not just a different layout): their fingerprints differ."""
     assert not torch.equal(x, y)

@@ -71,6 +71,34 @@ def test_the_right_range_stated_explicitly_is_accepted(name):
     torch.testing.assert_close(CALLS[name](Z, W, **explicit), CALLS[name](Z, W), rtol=0, atol=0)
 
 
+def test_the_dtensor_boundary_names_the_callers_parameters():
+    """`_boundary.dtensor` knows no parameter name: its messages name the ones the caller's
+    `Roles` declare, and a layout argument given without its declared parameter is a lossfx bug
+    caught at the call (TypeError), not a message naming nothing."""
+    from lossfx._boundary.consistency import Roles
+    from lossfx._boundary.dtensor import vocab_shard
+
+    roles = Roles(tp="my_group", start="first_id", size="n_ids")
+    cases = [
+        (
+            {"vocab_start": 3},
+            ValueError,
+            "first_id=3 without a tensor-parallel group (my_group of one rank or None): scores",
+        ),
+        ({"vocab_size": V + 1}, ValueError, f"n_ids={V + 1} without a tensor-parallel group (my_group of one rank"),
+        ({"vocab_start": 1.0}, TypeError, "first_id must be an int or None, got 1.0"),
+        ({"group": "tp"}, TypeError, "my_group must be a torch.distributed.ProcessGroup or None, got 'tp'"),
+    ]
+    for arguments, error, message in cases:
+        with pytest.raises(error, match=re.escape(message)):
+            vocab_shard(Z, name="scores", roles=roles, **arguments)
+    assert vocab_shard(Z, name="scores", roles=roles, vocab_start=0, vocab_size=V).local is Z
+    with pytest.raises(
+        TypeError, match=re.escape("vocab_shard(scores): the caller's roles declare no parameter for rank")
+    ):
+        vocab_shard(Z, name="scores", roles=roles, rank=0)
+
+
 def test_without_a_group_the_defaults_match_the_reference():
     torch.testing.assert_close(lossfx.token_logprobs(Z, T, vocab_start=0, vocab_size=V), reference.token_logprobs(Z, T))
 

@@ -41,6 +41,7 @@ import functools
 import inspect
 import struct
 import threading
+import weakref
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -378,7 +379,22 @@ class _Kind(str):
 _SIMPLE = (type(None), bool, int, float, str, enum.Enum)
 
 
+_walked: weakref.WeakKeyDictionary[type, tuple[tuple[str, ...], tuple[str, ...]]] = weakref.WeakKeyDictionary()
+
+
 def _class_attributes(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """`(slots, properties)` of `cls` (`_walk_class`), walked once per class.
+
+    The cache lives inside this function, which Dynamo runs for real (a constant of the graph, see
+    below), so traced code never sees it. Like a compiled graph, which keeps the walk as a
+    constant, it assumes a class does not gain slots or properties after its first call."""
+    found = _walked.get(cls)
+    if found is None:
+        found = _walked[cls] = _walk_class(cls)
+    return found
+
+
+def _walk_class(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """`(slots, properties)`: the public `__slots__` names over `cls`'s MRO, and the public
     properties of a plain config class (not a dataclass, whose fields are its configuration, nor
     a torch or builtin class; `functools.cached_property` is not one: reading it writes). Read

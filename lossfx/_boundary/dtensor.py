@@ -13,7 +13,11 @@ tensors. Rules (docs/dtensor.md):
 * `to_local()` is differentiable, so the gradient reaches the DTensor with its own placement.
 
 The fused LM-head functions take a vocabulary-sharded weight `[Vl, H]` the same way:
-``vocab_shard(weight, dim=0, name="weight", group=group, vocab_start=..., vocab_size=...)``.
+``vocab_shard(weight, dim=0, name="weight", roles=ROLES, group=group, vocab_start=..., vocab_size=...)``.
+
+This module knows no parameter name of the public functions: each caller names the sharded
+argument (`name`) and passes the `Roles` it declares for the cross-rank check, whose `tp`,
+`rank`, `start` and `size` are the parameters its messages name and its views fill in.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lossfx._boundary.consistency import Roles
 from lossfx._core.host_reads import tracing
 
 ProcessGroup = dist.ProcessGroup
@@ -173,17 +178,20 @@ def _same_group(a: ProcessGroup, b: ProcessGroup) -> bool:
     return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
 
 
+_NO_ROLES = Roles()
+
+
 def vocab_shard(
     x: Tensor,
     *,
+    name: str,
+    roles: Roles = _NO_ROLES,
     dim: int = -1,
-    name: str = "logits",
     group: ProcessGroup | None = None,
     rank: int | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     even: bool = False,
-    group_arg: str = "group",
 ) -> VocabShard:
     """Split a possibly-DTensor argument sharded on its vocabulary dim `dim` into what the kernels take.
 
@@ -194,8 +202,9 @@ def vocab_shard(
     `ceil(V/R)` of torch's sharding rule, so that assumption holds; `-inf` logits have zero
     probability and receive no gradient, and `wrap` strips the padding.
 
-    `group_arg` names the group argument in error messages (`"vocab_parallel_group"` for the
-    entry points).
+    `name` is `x`'s parameter; `roles` (the caller's `boundary` roles) names the parameters that
+    `group` (`tp`), `rank`, `vocab_start` (`start`) and `vocab_size` (`size`) come from, for the
+    messages: each one given must be declared there.
 
     Raises:
         TypeError: a `group` that is not a `ProcessGroup` (or `None`), a non-int `vocab_start` /
@@ -204,26 +213,36 @@ def vocab_shard(
             elsewhere; an explicit argument that contradicts the DTensor; for a plain `x`, a
             vocabulary range it cannot hold (`_check_span`).
     """
-    _check_span_types(group, group_arg, vocab_start, vocab_size)
+    _check_declared(name, roles, group, rank, vocab_start, vocab_size)
+    _check_span_types(group, roles, vocab_start, vocab_size)
     if not is_dtensor(x):
-        _check_span(x, dim, name, group, group_arg, vocab_start, vocab_size)
+        _check_span(x, dim, name, group, roles, vocab_start, vocab_size)
         return VocabShard(x, group, rank, vocab_start, vocab_size)
-    return _dtensor_vocab_shard(x, dim, name, group, rank, vocab_start, vocab_size, even)
+    return _dtensor_vocab_shard(x, dim, name, roles, group, rank, vocab_start, vocab_size, even)
 
 
-def _check_span_types(group: Any, group_arg: str, vocab_start: Any, vocab_size: Any) -> None:
+def _check_declared(name: str, roles: Roles, *given: Any) -> None:
+    """Every layout argument given to `vocab_shard` has its parameter declared (a lossfx bug if not)."""
+    declared = (roles.tp, roles.rank, roles.start, roles.size)
+    missing = [i for i, (value, arg) in enumerate(zip(given, declared)) if value is not None and arg is None]
+    if missing:
+        parts = ", ".join(("tp", "rank", "start", "size")[i] for i in missing)
+        raise TypeError(f"vocab_shard({name}): the caller's roles declare no parameter for {parts} ({roles})")
+
+
+def _check_span_types(group: Any, roles: Roles, vocab_start: Any, vocab_size: Any) -> None:
     if group is not None and not isinstance(group, ProcessGroup):
         raise TypeError(
-            f"{group_arg} must be a torch.distributed.ProcessGroup or None, got {group!r} ({type(group).__name__}); "
+            f"{roles.tp} must be a torch.distributed.ProcessGroup or None, got {group!r} ({type(group).__name__}); "
             "pass the group object (e.g. device_mesh.get_group('tp')), not its name"
         )
-    for arg, value in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
+    for arg, value in ((roles.start, vocab_start), (roles.size, vocab_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{arg} must be an int or None, got {value!r} ({type(value).__name__})")
 
 
 def _check_span(
-    x: Any, dim: int, name: str, group: Any, group_arg: str, vocab_start: int | None, vocab_size: int | None
+    x: Any, dim: int, name: str, group: Any, roles: Roles, vocab_start: int | None, vocab_size: int | None
 ) -> None:
     """The explicit vocabulary range of a plain shard `x` (its dim `dim` holds `Vl` ids).
 
@@ -235,29 +254,30 @@ def _check_span(
     if (vocab_start is None and vocab_size is None) or not isinstance(x, Tensor) or x.dim() == 0:
         return  # nothing explicit to check, or the caller's own checks reject `x`
     width = x.shape[dim]
+    group_arg, start_arg, size_arg = roles.tp, roles.start, roles.size
     world = 1 if group is None else group.size()
     if world == 1:
         if vocab_start not in (None, 0):
             raise ValueError(
-                f"vocab_start={vocab_start} without a tensor-parallel group ({group_arg} of one rank or None): "
+                f"{start_arg}={vocab_start} without a tensor-parallel group ({group_arg} of one rank or None): "
                 f"{name} then holds the whole vocabulary [0, {width}), which starts at 0; pass {group_arg} for a shard"
             )
         if vocab_size not in (None, width):
             raise ValueError(
-                f"vocab_size={vocab_size} without a tensor-parallel group ({group_arg} of one rank or None) must "
+                f"{size_arg}={vocab_size} without a tensor-parallel group ({group_arg} of one rank or None) must "
                 f"equal the {width} vocabulary entries of {name} (its dim {dim}), which hold the whole vocabulary"
             )
         return
     if vocab_size is not None and vocab_size < width:
         raise ValueError(
-            f"vocab_size={vocab_size} is smaller than this rank's shard: {name} has {width} vocabulary entries"
+            f"{size_arg}={vocab_size} is smaller than this rank's shard: {name} has {width} vocabulary entries"
         )
     high = None if vocab_size is None else vocab_size - width  # without vocab_size the cross-rank check bounds it
     if vocab_start is not None and (vocab_start < 0 or (high is not None and vocab_start > high)):
         raise ValueError(
-            f"vocab_start={vocab_start} puts this rank's {width} vocabulary entries of {name} at "
+            f"{start_arg}={vocab_start} puts this rank's {width} vocabulary entries of {name} at "
             f"[{vocab_start}, {vocab_start + width}), outside [0, {'V' if vocab_size is None else vocab_size}); "
-            f"vocab_start must lie in [0, {'V - ' + str(width) if high is None else high}]"
+            f"{start_arg} must lie in [0, {'V - ' + str(width) if high is None else high}]"
         )
 
 
@@ -265,6 +285,7 @@ def _dtensor_vocab_shard(
     x: Any,
     dim: int,
     name: str,
+    roles: Roles,
     group: ProcessGroup | None,
     rank: int | None,
     vocab_start: int | None,
@@ -291,9 +312,9 @@ def _dtensor_vocab_shard(
             "pass the DTensor alone"
         )
     for arg, given, derived in (
-        ("rank", rank, mesh_rank),
-        ("vocab_start", vocab_start, start),
-        ("vocab_size", vocab_size, global_vocab),
+        (roles.rank, rank, mesh_rank),
+        (roles.start, vocab_start, start),
+        (roles.size, vocab_size, global_vocab),
     ):
         if given is not None and derived is not None and given != derived:
             raise ValueError(f"{arg}={given} disagrees with the DTensor {name}, whose placement gives {derived}")
@@ -346,13 +367,12 @@ def _mesh_group(x: Any) -> ProcessGroup | None:
     return mesh.get_group(dims[0]) if dims and mesh.size(dims[0]) > 1 else None
 
 
-def check_view(
-    *vocab_args: str, group_arg: str = "group", rank_arg: str | None = None, even: bool = False
-) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
+def check_view(roles: Roles, *, even: bool = False) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
     """The cross-rank check's view of a call whose arguments may be DTensors
-    (`boundary(local=...)`): the bound `arguments` with the vocabulary-sharded ones
-    (`vocab_args`, the first's placement for all) replaced by their local shards, the group,
-    rank, `vocab_start` and `vocab_size` of that placement filled in, and every other DTensor
+    (`boundary(roles=roles, local=check_view(roles))`): the bound `arguments` with the
+    vocabulary-sharded ones (`roles.shards`, the first's placement for all) replaced by their local
+    shards, the group, rank, first id and size of that placement filled in (the `roles.tp`,
+    `rank`, `start`, `size` parameters the function has), and every other DTensor
     replaced by its replicated local tensor, exactly as the function's body will unwrap them.
     Which arguments were DTensors is one more field: a rank that passes a DTensor where its peer
     passes a plain tensor takes another path (DTensor outputs, their collectives), so they disagree.
@@ -362,6 +382,9 @@ def check_view(
     rank: the error's text becomes one more field ("DTensor arguments rejected"), so ranks that
     disagree about it raise the check's error together, and ranks that agree pass the check and
     raise it in the function's body, each the same."""
+    if roles.tp is None:
+        raise TypeError(f"check_view: the roles must name the tensor-parallel group ({roles})")
+    group_arg = roles.tp
 
     def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
         try:
@@ -371,7 +394,7 @@ def check_view(
             rejected = {k: None if is_dtensor(v) else v for k, v in arguments.items()}
             if rejected.get(group_arg) is None:  # meet the peers in the check over the mesh's group
                 rejected[group_arg] = _mesh_group(
-                    next((arguments[n] for n in vocab_args if is_dtensor(arguments.get(n))), None)
+                    next((arguments[n] for n in roles.shards if is_dtensor(arguments.get(n))), None)
                 )
             # traced, the message is not a constant Dynamo can hash: the error's type stands for it
             why = type(err).__name__ if tracing() else f"{type(err).__name__}: {err}"
@@ -380,7 +403,7 @@ def check_view(
     def _view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
         shard: VocabShard | None = None
         given = tuple(name for name, value in arguments.items() if is_dtensor(value))
-        for name in vocab_args:
+        for name in roles.shards:
             x = arguments.get(name)
             if not is_dtensor(x):
                 continue
@@ -388,20 +411,20 @@ def check_view(
                 shard = vocab_shard(
                     x,  # type: ignore[arg-type]
                     name=name,
+                    roles=roles,
                     group=arguments.get(group_arg),
-                    rank=arguments.get(rank_arg) if rank_arg else None,
-                    vocab_start=arguments.get("vocab_start"),
-                    vocab_size=arguments.get("vocab_size"),
+                    rank=arguments.get(roles.rank),  # type: ignore[arg-type]  # (`.get(None)`: a role not declared)
+                    vocab_start=arguments.get(roles.start),  # type: ignore[arg-type]
+                    vocab_size=arguments.get(roles.size),  # type: ignore[arg-type]
                     even=even,
-                    group_arg=group_arg,
                 )
                 arguments[name] = shard.local
             else:
                 arguments[name] = shard.like(x, name)
         if shard is not None:
             arguments[group_arg] = shard.group
-            spans = {"vocab_start": shard.vocab_start, "vocab_size": shard.vocab_size, rank_arg: shard.rank}
-            arguments.update({k: v for k, v in spans.items() if k in arguments})
+            spans = ((roles.start, shard.vocab_start), (roles.size, shard.vocab_size), (roles.rank, shard.rank))
+            arguments.update({k: v for k, v in spans if k in arguments})
         for name, value in arguments.items():
             if is_dtensor(value):
                 arguments[name] = replicated(value, name)
@@ -480,12 +503,12 @@ def entry_point_on_local(
     data: MutableMapping[str, Any],
     *args: Any,
     keys: EntryKeys,
-    vocab_parallel_rank: int | None,
-    vocab_parallel_group: ProcessGroup | None,
+    roles: Roles,
     **kwargs: Any,
 ) -> Any:
-    """Run the entry point `fn(logits, data, *args, vocab_parallel_rank=, vocab_parallel_group=,
-    **kwargs)` on plain local tensors and map its result back, as its `keys` say.
+    """Run the entry point `fn(logits, data, *args, **kwargs)` on plain local tensors and map its
+    result back, as its `keys` say; `roles` (the entry point's) names the logits (`shards[0]`) and
+    the keyword arguments `kwargs[roles.tp]`, `kwargs[roles.rank]` that hold the group and rank.
 
     The logits become their local shard (padded to the even width when uneven, see
     `vocab_shard`) with the group and rank of their placement; `Replicate()` DTensor columns of
@@ -496,17 +519,18 @@ def entry_point_on_local(
     (on another vocabulary of `kwargs[keys.other_vocab].shape[0]` ids when given); every other
     result is a plain tensor.
     """
+    group_arg, rank_arg = roles.tp, roles.rank
+    if group_arg is None or rank_arg is None:
+        raise TypeError(f"entry_point_on_local: the roles of {fn.__name__} must name its group and rank ({roles})")
     shard = vocab_shard(
-        logits, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True, group_arg="vocab_parallel_group"
+        logits, name=roles.shards[0], roles=roles, group=kwargs[group_arg], rank=kwargs[rank_arg], even=True
     )
     local_data = _replicated_columns(data)
     for key in keys.full_columns:
         if key in local_data:
             local_data[key] = shard.pad_full(local_data[key])
     before = dict(local_data)
-    result = fn(
-        shard.local, local_data, *args, vocab_parallel_rank=shard.rank, vocab_parallel_group=shard.group, **kwargs
-    )
+    result = fn(shard.local, local_data, *args, **{**kwargs, group_arg: shard.group, rank_arg: shard.rank})
     for key, value in local_data.items():
         if key not in before or before[key] is not value:
             data[key] = value
