@@ -3,7 +3,7 @@
 Pure: plain tensors, a `VocabRange` (this rank's slice of the vocabulary) and resolved options in
 (`top_k` an int > 0 or None, `top_p` a float in `(0, 1]`, `strategy` and `ties` known names); no
 argument validation, no DTensor, no cross-rank check: `lossfx.filtering` does those once, at its
-boundary. The one host read is the "sorted" tie rule's (eager): whether any row cuts a tie.
+boundary. No host read, eager or compiled: every loop count and collective is fixed by the shapes.
 
 The filter keeps, per row, the tokens whose logit is at least a threshold `τ`; the whole design is
 to find `τ` exactly while communicating only per-row scalars (the rules: `lossfx.filtering`).
@@ -15,7 +15,7 @@ Pipeline of the forward (`N` rows, `Vl` local columns, `R` ranks):
      largest values (a two-level top-k: one max-reduction over groups of 64 columns, then a
      `topk` over the best groups only); one all-gather of `[N, k]`; the top-k of the union is the
      global top-k multiset, so `τ_k` is its last entry; the global count of ties at `τ_k`
-     (all-reduced; a counting pass only for rows whose ties outgrow the local candidates)
+     (one counting pass, all-reduced; all-gathered per rank under `ties="sorted"`)
      completes the survivors, and the top-p masses `M`, `τ` and the filtered log-sum-exp follow
      from the `k` sorted candidates in float64, with no further pass over the logits;
    * **bisection** (top-p alone, or a large k): a search over the float bit pattern (an
@@ -23,10 +23,15 @@ Pipeline of the forward (`N` rows, `Vl` local columns, `R` ranks):
      pass and one all-reduce of `[N]` counts. Top-p over fp32 keys: 4 passes of a 256-ary search,
      each one histogram of the float64 masses between 256 cut points and one all-reduce of
      `[N, 257]` (float64 keys: 64 bisection steps of one masked mass sum each).
+   Under `ties="sorted"` (top-p) the ties at `τ` are cut by id (`_id_cut`): every rank's count of
+   its ties and its first id ride on an all-gather the counts need anyway; each rank then keeps
+   its share, the largest of its tied ids, found by one local pass (a cumulative count); the
+   threshold function's replicated cut is one all-reduce (min) of `[N]`.
 2. the target logit on its owner rank (and, for the bisection strategy, one pass for the filtered
    log-sum-exp), merged with one all-gather of per-row statistics.
 
-Saved for backward: the logits (no copy), `τ [N]` and the filtered `lse [N]`. The keep mask is a
+Saved for backward: the logits (no copy), `τ [N]`, the filtered `lse [N]` and, under
+`ties="sorted"`, this rank's id cut `[N]`. The keep mask is a
 constant (no derivative through the thresholds), so the backward is one local read/write pass:
 
     dlogits = keep ⊙ (onehot(target) − exp(logits − lse)) · dout,     keep = logits ≥ τ.
