@@ -194,3 +194,27 @@ def test_sorted_ties_compiled(world, strategy, dtype):
         results = check_sorted(z, top_k, 0.5123, strategy, world, layout, backend="aot_eager")
     for *_, frames in results:
         assert frames == [1, 1]
+
+
+def _rank_empty(rank, world, group, strategy):
+    span = {"group": group} if world > 1 else {}
+    shapes = []
+    for shape in [(0, 5), (3, 0, 5)]:
+        x = torch.randn(shape, dtype=F64, requires_grad=True)
+        t = torch.zeros(shape[:-1], dtype=torch.long)
+        kw = {"top_k": 2, "top_p": 0.5, "ties": "sorted"}
+        out = lossfx.filtered_token_logprobs(x, t, strategy=strategy, **kw, **span)
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        tau, cut = lossfx.top_k_top_p_threshold(x, strategy=strategy, **kw, **span)
+        keep = lossfx.apply_top_k_top_p(x, **kw, **span)[1]
+        shapes.append((out.shape, grad.shape, tau.shape, cut.shape, keep.shape))
+    return shapes
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("strategy", ["candidates", "bisection"])
+def test_sorted_ties_empty_rows(world, strategy):
+    """No rows (`N = 0`): correctly shaped empty results, no collective of a mis-sized count."""
+    for shapes in run_ranks(world, _rank_empty, strategy):
+        for (out, grad, tau, cut, keep), shape in zip(shapes, [(0, 5), (3, 0, 5)], strict=True):
+            assert out == tau == cut == shape[:-1] and grad == keep == shape

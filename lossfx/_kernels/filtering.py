@@ -497,7 +497,7 @@ def _gather_with_start(x: Tensor, vocab_start: int, group: ProcessGroup | None) 
     in one all-gather (explicit vocabulary ranges need not be in rank order)."""
     flat = torch.cat([x.reshape(-1), x.new_full((1,), vocab_start)])  # [numel + 1]
     gathered = all_gather_stack(flat, group)  # [R, numel + 1]
-    return gathered[:, :-1].reshape(-1, *x.shape), gathered[:, -1]
+    return gathered[:, :-1].reshape(gathered.shape[0], *x.shape), gathered[:, -1]
 
 
 def _tied_prefix(logits: Tensor, tau: Tensor, drop: Tensor, chunks: list[tuple[int, int]]) -> Tensor:
