@@ -218,3 +218,43 @@ def test_sorted_ties_empty_rows(world, strategy):
     for shapes in run_ranks(world, _rank_empty, strategy):
         for (out, grad, tau, cut, keep), shape in zip(shapes, [(0, 5), (3, 0, 5)], strict=True):
             assert out == tau == cut == shape[:-1] and grad == keep == shape
+
+
+def _rank_collectives(rank, world, group, z, target, top_k, strategy):
+    """`{ties: collectives in the compiled forward graph}` of `filtered_token_logprobs` on this rank."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    width = z.shape[-1] // world
+    shard = z[..., rank * width : (rank + 1) * width]
+    counts = {}
+    for ties in ("together", "sorted"):
+        found = []
+
+        def forward(gm, example_inputs, found=found):
+            names = [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
+            found.append(sum(("all_reduce" in n or "all_gather" in n) and "wait" not in n for n in names))
+            return make_boxed_func(gm.forward)
+
+        def fn(x, t, ties=ties):
+            return lossfx.filtered_token_logprobs(
+                x, t, top_k=top_k, top_p=0.5123, strategy=strategy, ties=ties, group=group
+            )
+
+        torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=forward))(shard, target)
+        counts[ties] = found
+    return counts
+
+
+@pytest.mark.parametrize("strategy,dtype", [("candidates", F64), ("bisection", torch.float32)])
+def test_sorted_ties_add_no_collective_search(strategy, dtype):
+    """The compiled forward of `ties="sorted"` holds as many collectives as `ties="together"`'s
+    (candidates: the tie count's all-reduce becomes an all-gather) or one more (bisection: the
+    gathered `(M(τ), ties, live)` of the tie rule), where the id bisection added ⌈log2 V⌉ = 6."""
+    z = tied_logits(64, dtype, seed=2)
+    target = torch.randint(0, 64, z.shape[:-1], generator=torch.Generator().manual_seed(1))
+    top_k = 6 if strategy == "candidates" else None
+    for counts in run_ranks(2, _rank_collectives, z, target, top_k, strategy):
+        (together,), (tie_sorted,) = counts["together"], counts["sorted"]
+        assert together >= 3  # the cross-rank check's, the threshold's, the statistics' gathers
+        assert tie_sorted == together + (0 if strategy == "candidates" else 1), counts
