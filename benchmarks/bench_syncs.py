@@ -92,6 +92,7 @@ def entry_points(rank: int, world: int, group, every: bool = False):
     masked = {"input_ids": ids, "token_mask": torch.ones(b, s)}
     packed = torch.randn(1, s, v, generator=gen)[..., rank * 16 : (rank + 1) * 16]  # two sequences of 5 and 3
     cu = torch.tensor([0, 5, 8])
+    tied = logits.round()  # integer values: top-p cuts tie groups under ties="sorted"
     calls = {
         "token_logprobs": lambda: lossfx.token_logprobs(logits[:, :-1], ids[:, 1:], **tp),
         "next_token_logprobs": lambda: lossfx.next_token_logprobs(logits, ids, **vp),
@@ -107,6 +108,12 @@ def entry_points(rank: int, world: int, group, every: bool = False):
         ),
         "prepare_packed_loss_input top-k + KL, tensor cu_seqlens": lambda: lossfx.prepare_packed_loss_input(
             packed, {"input_ids": ids[:, :5], "token_mask": torch.ones(b, 5)}, kl, cu, cu, sampling_params=sp, **vp
+        ),
+        'filtered_token_logprobs top-p, ties="sorted"': lambda: lossfx.filtered_token_logprobs(
+            tied, ids, top_p=0.5, ties="sorted", **tp
+        ),
+        'top_k_top_p_threshold top-k + top-p, ties="sorted"': lambda: lossfx.top_k_top_p_threshold(
+            tied, top_k=6, top_p=0.5, ties="sorted", **tp
         ),
         "linear_token_logprobs": lambda: lossfx.linear_token_logprobs(hidden, weight, ids.reshape(-1), **tp),
         "linear_token_logprobs, ignored targets": lambda: lossfx.linear_token_logprobs(hidden, weight, ignored, **tp),

@@ -66,6 +66,37 @@ def test_two_gloo_ranks_read_once(monkeypatch):
         assert counts == dict.fromkeys(counts, 1)
 
 
+_SORTED = ('filtered_token_logprobs top-p, ties="sorted"', 'top_k_top_p_threshold top-k + top-p, ties="sorted"')
+
+
+def _sorted_ties_reads(rank, world, group):
+    """`{name: (eager reads, compiled reads, rows whose tie group is cut)}` on this rank."""
+    calls = entry_points(rank, world, group)
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 8, 16 * world, generator=gen).round()  # the entry points' tied logits, whole
+    counts = {}
+    for name in _SORTED:
+        top_k = 6 if name.startswith("top_k") else None
+        cut = reference.apply_top_k_top_p(z, top_k, 0.5, "sorted")[1].sum(-1)
+        whole = reference.apply_top_k_top_p(z, top_k, 0.5)[1].sum(-1)
+        calls[name]()  # warm-up
+        counts[name] = (count_host_reads(calls[name]), compiled_host_reads(calls[name]), int((cut < whole).sum()))
+    return counts
+
+
+@pytest.mark.compile
+def test_sorted_ties_read_once_eager_and_never_compiled(monkeypatch):
+    """Top-p with `ties="sorted"` on 2 gloo ranks: the id cut needs no host value (it read whether
+    a tie is cut, a second read after the filter's collectives, and then ran an id bisection):
+    one read per call eagerly (the call's checks), none in the compiled graph, on calls where
+    top-p does cut tie groups."""
+    monkeypatch.setattr(harness, "_TIMEOUT_S", 300.0)
+    for counts in gloo_pool(2).run(_sorted_ties_reads):
+        for name, (eager, compiled, cut_rows) in counts.items():
+            assert (eager, compiled) == (1, 0), name
+            assert cut_rows >= 4, name
+
+
 @pytest.mark.compile
 def test_compiled_graphs_read_nothing():
     calls = entry_points(0, 1, None)

@@ -542,3 +542,57 @@ def test_filtering_nemo_cumsum_on_uniform_rows():
                 kept = lossfx.apply_top_k_top_p(torch.zeros(1, t, dtype=dtype), top_p=p, ties="sorted")[1]
                 assert int(kept.sum()) == exact
         assert misses == expected_misses
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_filtering_id_cut_from_rank_counts(seed):
+    """proofs/filtering.md §1, "Finding t*": from every rank's tie count and first id, rank r keeps
+    its `k_r = clamp(n − a_r, 0, c_r)` largest tied ids, found by one cumulative count
+    (`J_r`); over any shard layout (ranks in any order, widths 1..9) the kept ties are the n
+    largest ids, and `t*` (the n-th largest) is the least kept id over the ranks."""
+    from lossfx._kernels.filtering import _count_eq, _id_cut
+
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(25):
+        world = int(torch.randint(1, 5, (1,), generator=gen))
+        widths = torch.randint(1, 10, (world,), generator=gen).tolist()
+        vocab = sum(widths)
+        order = torch.randperm(world, generator=gen).tolist()  # rank order[i] holds the i-th block
+        starts = [0] * world
+        for i, r in enumerate(order):
+            starts[r] = sum(widths[order[j]] for j in range(i))
+        z = torch.randint(0, 3, (6, vocab), generator=gen).to(F64)
+        z[5] = 7.0  # one row: all tied
+        tau = torch.randint(0, 3, (6,), generator=gen).to(F64)
+        tau[4] = 5.0  # a row without ties at τ
+        tied = z == tau[:, None]
+        c = tied.sum(-1)
+        n = torch.minimum((torch.rand(6, generator=gen) * c).long() + 1, c.clamp(min=1))  # 1 ≤ n ≤ c
+        shards = [z[:, s : s + w] for s, w in zip(starts, widths, strict=True)]
+        counts = torch.stack([_count_eq(x, tau, [(0, 6)]) for x in shards])  # [R, N]
+        kept = torch.zeros_like(tied)
+        first_kept = torch.full((6,), vocab)  # min over the ranks that keep a tie of s_r + J_r
+        for r in range(world):
+            mine_first = [r] + [q for q in range(world) if q != r]  # `counts[rank]` is row 0 without a group
+            cut = _id_cut(
+                shards[r],
+                tau,
+                n,
+                counts[mine_first],
+                torch.tensor(starts)[mine_first],
+                starts[r],
+                vocab,
+                [(0, 2), (2, 6)],
+                None,
+                shared=False,
+            )
+            ids = torch.arange(starts[r], starts[r] + widths[r])
+            kept[:, ids] = tied[:, ids] & (ids >= cut[:, None])
+            first_kept = torch.where(kept[:, ids].any(-1), torch.minimum(first_kept, cut), first_kept)
+        ids = torch.arange(vocab)
+        for row in range(6):
+            tied_ids = ids[tied[row]].flip(0)  # largest first
+            assert kept[row].sum() == min(int(n[row]), len(tied_ids))
+            assert torch.equal(ids[kept[row]].flip(0), tied_ids[: int(n[row])])
+            if len(tied_ids):  # t* = the n-th largest tied id = the least s_r + J_r of the ranks keeping one
+                assert int(first_kept[row]) == int(tied_ids[int(n[row]) - 1])

@@ -3,7 +3,7 @@
 Pure: plain tensors, a `VocabRange` (this rank's slice of the vocabulary) and resolved options in
 (`top_k` an int > 0 or None, `top_p` a float in `(0, 1]`, `strategy` and `ties` known names); no
 argument validation, no DTensor, no cross-rank check: `lossfx.filtering` does those once, at its
-boundary. The one host read is the "sorted" tie rule's (eager): whether any row cuts a tie.
+boundary. No host read, eager or compiled: every loop count and collective is fixed by the shapes.
 
 The filter keeps, per row, the tokens whose logit is at least a threshold `τ`; the whole design is
 to find `τ` exactly while communicating only per-row scalars (the rules: `lossfx.filtering`).
@@ -15,7 +15,7 @@ Pipeline of the forward (`N` rows, `Vl` local columns, `R` ranks):
      largest values (a two-level top-k: one max-reduction over groups of 64 columns, then a
      `topk` over the best groups only); one all-gather of `[N, k]`; the top-k of the union is the
      global top-k multiset, so `τ_k` is its last entry; the global count of ties at `τ_k`
-     (all-reduced; a counting pass only for rows whose ties outgrow the local candidates)
+     (one counting pass, all-reduced; all-gathered per rank under `ties="sorted"`)
      completes the survivors, and the top-p masses `M`, `τ` and the filtered log-sum-exp follow
      from the `k` sorted candidates in float64, with no further pass over the logits;
    * **bisection** (top-p alone, or a large k): a search over the float bit pattern (an
@@ -23,10 +23,15 @@ Pipeline of the forward (`N` rows, `Vl` local columns, `R` ranks):
      pass and one all-reduce of `[N]` counts. Top-p over fp32 keys: 4 passes of a 256-ary search,
      each one histogram of the float64 masses between 256 cut points and one all-reduce of
      `[N, 257]` (float64 keys: 64 bisection steps of one masked mass sum each).
+   Under `ties="sorted"` (top-p) the ties at `τ` are cut by id (`_id_cut`): every rank's count of
+   its ties and its first id ride on an all-gather the counts need anyway; each rank then keeps
+   its share, the largest of its tied ids, found by one local pass (a cumulative count); the
+   threshold function's replicated cut is one all-reduce (min) of `[N]`.
 2. the target logit on its owner rank (and, for the bisection strategy, one pass for the filtered
    log-sum-exp), merged with one all-gather of per-row statistics.
 
-Saved for backward: the logits (no copy), `τ [N]` and the filtered `lse [N]`. The keep mask is a
+Saved for backward: the logits (no copy), `τ [N]`, the filtered `lse [N]` and, under
+`ties="sorted"`, this rank's id cut `[N]`. The keep mask is a
 constant (no derivative through the thresholds), so the backward is one local read/write pass:
 
     dlogits = keep ⊙ (onehot(target) − exp(logits − lse)) · dout,     keep = logits ≥ τ.
@@ -45,15 +50,13 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lossfx._core.chunking import cat_chunks, row_chunks
-from lossfx._core.distributed import ProcessGroup, all_gather_stack, all_reduce, group_size, local_columns
-from lossfx._core.host_reads import read_now
+from lossfx._core.distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size, local_columns
 from lossfx._core.numerics import (
     compute_dtype,
     finite_or_zero,
     log_s_for_softmax,
     merge_max_logsum,
     row_max_sumexp,
-    tracing,
 )
 from lossfx._core.vocab import VocabRange
 
@@ -133,17 +136,6 @@ def _count_eq(logits: Tensor, x: Tensor, chunks: list[tuple[int, int]]) -> Tenso
 def _count_nan(logits: Tensor, chunks: list[tuple[int, int]]) -> Tensor:
     """`[N]` int64: local number of NaN entries."""
     return cat_chunks([torch.isnan(logits[s:e]).sum(dim=-1, dtype=torch.int64) for s, e in chunks])
-
-
-def _count_tied_ids_ge(
-    logits: Tensor, x: Tensor, cut: Tensor, columns: Tensor, chunks: list[tuple[int, int]]
-) -> Tensor:
-    """`[N]` int64: local number of entries `z == x[n]` whose global id (`columns [Vl]`) is `≥ cut[n]`."""
-    parts = []
-    for s, e in chunks:
-        tied = (logits[s:e] == x[s:e, None]).logical_and_(columns >= cut[s:e, None])  # [C, Vl]
-        parts.append(tied.sum(dim=-1, dtype=torch.int64))
-    return cat_chunks(parts)
 
 
 def _below(tau_k: Tensor) -> Tensor:
@@ -241,8 +233,8 @@ def _local_top(logits: Tensor, width: int, cdtype: torch.dtype) -> Tensor:
 def _candidates(
     logits: Tensor, k: int, chunks: list[tuple[int, int]], cdtype: torch.dtype, group: ProcessGroup | None
 ) -> tuple[Tensor, Tensor]:
-    """`(cand [N, k], local [N, w])`: the k largest values of each global row (descending, with
-    multiplicity), and this rank's `w = min(k + 1, Vl)` largest local values (descending).
+    """`(cand [N, k], ranks [R, N, k])`: the k largest values of each global row (descending, with
+    multiplicity), and every rank's `min(k, Vl)` largest local values (descending, `−∞`-padded).
 
     A NaN counts as larger than every number (`torch.topk`'s order), so a row holding one has a
     NaN first candidate. Eager: row chunk by row chunk (the strided view of a row whose width is
@@ -254,8 +246,9 @@ def _candidates(
     mine = local[:, :k]  # [N, min(k, Vl)]
     if mine.shape[1] < k:  # pad to the same width on every rank: -inf never changes the k largest
         mine = torch.cat([mine, mine.new_full((n_rows, k - mine.shape[1]), float("-inf"))], dim=-1)
-    union = all_gather_stack(mine, group).permute(1, 0, 2).reshape(n_rows, group_size(group) * k)  # [N, R·k]
-    return torch.topk(union, k, dim=-1, sorted=True).values, local  # [N, k], [N, w]
+    ranks = all_gather_stack(mine, group)  # [R, N, k]
+    union = ranks.permute(1, 0, 2).reshape(n_rows, group_size(group) * k)  # [N, R·k]
+    return torch.topk(union, k, dim=-1, sorted=True).values, ranks  # [N, k], [R, N, k]
 
 
 def _tie_count(
@@ -499,37 +492,67 @@ def _top_p_by_radix(
     return _key_to_float(hi, cdtype) + 0.0  # `+ 0.0`: a -0 threshold reads as +0
 
 
+def _gather_with_start(x: Tensor, vocab_start: int, group: ProcessGroup | None) -> tuple[Tensor, Tensor]:
+    """`(xs [R, *x.shape], starts [R])`: every rank's `x` (int64 or float64) and its first global id,
+    in one all-gather (explicit vocabulary ranges need not be in rank order)."""
+    flat = torch.cat([x.reshape(-1), x.new_full((1,), vocab_start)])  # [numel + 1]
+    gathered = all_gather_stack(flat, group)  # [R, numel + 1]
+    return gathered[:, :-1].reshape(gathered.shape[0], *x.shape), gathered[:, -1]
+
+
+def _tied_prefix(logits: Tensor, tau: Tensor, drop: Tensor, chunks: list[tuple[int, int]]) -> Tensor:
+    """`[N]` int64: the number of local columns `j` with `#{i ≤ j : z_i == τ} ≤ drop[n]`, i.e. the
+    column of the `(drop + 1)`-th smallest local tied entry (`Vl` when there are `≤ drop`).
+
+    One pass: a cumulative count of the tied mask along the row (int32, chunked like `_count_eq`).
+    """
+    parts = []
+    for s, e in chunks:
+        cum = (logits[s:e] == tau[s:e, None]).cumsum(dim=-1, dtype=torch.int32)  # [C, Vl]
+        parts.append((cum <= drop[s:e, None]).sum(dim=-1, dtype=torch.int64))
+    return cat_chunks(parts)
+
+
 def _id_cut(
     logits: Tensor,
     tau: Tensor,
     n: Tensor,
-    columns: Tensor,
+    counts: Tensor,
+    starts: Tensor,
+    vocab_start: int,
     vocab_size: int,
     chunks: list[tuple[int, int]],
-    cdtype: torch.dtype,
     group: ProcessGroup | None,
+    shared: bool,
 ) -> Tensor:
-    """`[N]` int64: the id of the n-th largest id among the entries equal to `τ` (global).
+    """`[N]` int64: the id cut of the sort-order rule (keep the entries `z == τ` with id `≥ cut`).
 
-    Bisection on the id: `#{z == τ, id ≥ t}` is non-increasing in `t`, `≥ n` at `t = 0` and `0 < n`
-    at `t = V`; `⌈log2 V⌉` steps of one counting pass and one all-reduce of `[N]` find the largest
-    `t` with a count `≥ n`. The same on every rank and at every TP size (global ids and counts).
+    `counts [R, N]` and `starts [R]`: every rank's number of entries equal to `τ` and first global
+    id (rank order: `mine = counts[rank]`); `n [N]` how many ties the rule keeps. The kept ties are the
+    `n` largest ids, so this rank keeps its `k_r = clamp(n − above_r, 0, mine)` largest, `above_r`
+    the ties in the shards of larger ids, and drops its `mine − k_r` smallest: one local pass
+    (`_tied_prefix`) finds its own cut. `shared`: the global cut `t*`, the n-th largest tied id,
+    the same on every rank (one all-reduce: the least first kept id over the ranks that keep one;
+    0 for a row without ties or holding a NaN); else this rank's own cut (`≥ vocab_start + Vl` when
+    it keeps none of its ties), which selects the same entries on its columns (proofs/filtering.md,
+    Lemma 1s).
     """
-    lo = torch.zeros_like(n)  # pred true
-    hi = torch.full_like(n, vocab_size)  # pred false (n ≥ 1), never evaluated
-    for _ in range((vocab_size - 1).bit_length()):
-        mid = (lo + hi) // 2
-        count = all_reduce(_count_tied_ids_ge(logits, tau, mid, columns, chunks), "sum", group)
-        ok = count >= n
-        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
-    return lo
+    mine = counts[group_rank(group)]  # [N]
+    above = torch.where(starts[:, None] > vocab_start, counts, 0).sum(dim=0)  # [N]
+    keep_here = torch.minimum((n - above).clamp(min=0), mine)  # [N] k_r
+    local_cut = vocab_start + _tied_prefix(logits, tau, mine - keep_here, chunks)  # [N]
+    if not shared:
+        return local_cut
+    first_kept = torch.where(keep_here > 0, local_cut, vocab_size)  # [N]
+    cut = all_reduce(first_kept, "min", group)  # [N]
+    return torch.where((cut == vocab_size) | torch.isnan(tau), 0, cut)
 
 
 class _Filter(NamedTuple):
     """A row's filter: keep `z > τ`, and `z == τ` when the id is `≥ cut` (every tie if `cut` is None)."""
 
     tau: Tensor  # [N] compute dtype; NaN for a row holding a NaN (keeps nothing)
-    cut: Tensor | None  # [N] int64 global id, or None
+    cut: Tensor | None  # [N] int64 global id (the global cut, or this rank's own: `_id_cut`), or None
     shift: Tensor | None  # [N] filtered row max (finite, or 0), or None when not computed
     log_s: Tensor | None  # [N] filtered log Σ exp(z − shift) over the kept entries
 
@@ -551,11 +574,13 @@ def _thresholds(
     group: ProcessGroup | None,
     strategy: str,
     ties: str,
+    shared_cut: bool = True,
 ) -> _Filter:
     """The filter of every row (`_Filter`), in the compute dtype.
 
     The candidate strategy also returns the filtered log-sum (from the candidates); the bisection
-    strategy returns `None` for it. Under `ties="sorted"` the entries tied at `τ` are cut by id.
+    strategy returns `None` for it. Under `ties="sorted"` the entries tied at `τ` are cut by id:
+    `shared_cut` returns the global cut (the same on every rank), else this rank's own (`_id_cut`).
     """
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
@@ -569,10 +594,20 @@ def _thresholds(
     n: Tensor | None = None
     if k is not None and use_candidates:
         # 1. the global top-k multiset from per-rank candidates: one all-gather of [N, k]
-        cand, _ = _candidates(logits, k, chunks, cdtype, group)  # [N, k]
+        cand, ranks = _candidates(logits, k, chunks, cdtype, group)  # [N, k], [R, N, k]
         # 2. the tie group at τ_k completes the survivors; top-p over the sorted candidates
-        ties_k = _tie_count(logits, cand[:, -1], chunks, cdtype, group)  # [N]
-        tau, n, tied, shift, log_s = _from_candidates(cand, ties_k, top_p, sort_ties)
+        tau_k = cand[:, -1]  # [N]
+        if sort_ties:  # every rank's count at τ_k (and first id), for the id cut
+            at_tau_k, starts = _gather_with_start(_count_eq(logits, tau_k, chunks), vocab_start, group)  # [R, N]
+            ties_k = at_tau_k.sum(dim=0)  # [N]
+        else:
+            ties_k = _tie_count(logits, tau_k, chunks, cdtype, group)  # [N]
+        tau, n, _tied, shift, log_s = _from_candidates(cand, ties_k, top_p, sort_ties)
+        if sort_ties:
+            # each rank's count at τ: above τ_k its ties are among its gathered candidates (fewer
+            # than k values exceed τ_k), at τ_k the counting pass's; 0 for a NaN τ
+            in_cand = (ranks == tau[:, None]).sum(dim=-1)  # [R, N]
+            counts = torch.where(tau > tau_k, in_cand, torch.where(tau == tau_k, at_tau_k, 0))  # [R, N]
     else:
         # bisection: top-k by global counts, then top-p by global masses
         if k is None or k >= vocab_size:
@@ -590,21 +625,19 @@ def _thresholds(
                 above = _mass_above(logits, torch.maximum(tau, _below(tau_k)), shift_k, log_s_k, chunks)
                 tied_here = _count_eq(logits, tau, chunks).to(_F64)
                 live = _count_live_below(logits, tau, tau_k, shift_k, chunks)
-                counts = all_reduce(torch.stack([above, tied_here, live]), "sum", group)  # [3, N]
+                # every rank's (mass, ties, live) and first id: one all-gather, summed in rank order
+                per_rank, starts = _gather_with_start(torch.stack([above, tied_here, live]), vocab_start, group)
+                sums = per_rank.sum(dim=0)  # [3, N]
                 q_tau = torch.exp((tau.to(_F64) - shift_k) - log_s_k)
-                tied = counts[1].to(torch.int64)
-                uniform = (tau.to(_F64) == shift_k) & torch.isfinite(tau) & (counts[2] == 0)
-                n = _keep_at_boundary(counts[0], tied, q_tau, top_p, uniform)
+                tied = sums[1].to(torch.int64)
+                uniform = (tau.to(_F64) == shift_k) & torch.isfinite(tau) & (sums[2] == 0)
+                n = _keep_at_boundary(sums[0], tied, q_tau, top_p, uniform)
+                counts = per_rank[:, 1].to(torch.int64)  # [R, N]
         nan_rows = all_reduce(_count_nan(logits, chunks), "sum", group) > 0
         tau = torch.where(nan_rows, torch.full_like(tau, float("nan")), tau)
     cut = None
-    if n is not None:
-        columns = torch.arange(local_vocab, device=logits.device) + vocab_start  # [Vl] global ids
-        # eager: the ⌈log2 V⌉-pass bisection only when a tie is cut (read with the call's checks)
-        if tracing() or read_now((n < tied).any())[0]:
-            cut = _id_cut(logits, tau, n, columns, vocab_size, chunks, cdtype, group)
-        else:
-            cut = torch.zeros_like(n)
+    if n is not None:  # no host read and no search: one gathered count per rank, one local pass
+        cut = _id_cut(logits, tau, n, counts, starts, vocab_start, vocab_size, chunks, group, shared_cut)
     return _Filter(tau, cut, shift, log_s)
 
 
@@ -625,16 +658,18 @@ def _filtered_logprobs_fwd(
     strategy: str,
     ties: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """logits `[N, Vl]`, target `[N]` -> (out, shift, log_s, τ, cut), each `[N]` (cut int64).
+    """logits `[N, Vl]`, target `[N]` -> (out, shift, log_s, τ, cut), each `[N]` (cut int64, this
+    rank's own id cut: `_id_cut`).
 
     `out = (z_t − shift) − log_s`: the row max and the log-sum are subtracted one after the other,
     never added first (exact at any magnitude, proofs/filtering.md §4).
     """
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
-    # 1. the filter (keep = z > τ, or z == τ with id ≥ cut) and, from the candidates, the log-sum
+    # 1. the filter (keep = z > τ, or z == τ with id ≥ cut; this rank's own cut: its columns are all
+    # it is applied to) and, from the candidates, the log-sum
     tau, cut, shift, log_s = _thresholds(
-        logits, top_k, top_p, vocab_start, vocab_size, chunk_rows, group, strategy, ties
+        logits, top_k, top_p, vocab_start, vocab_size, chunk_rows, group, strategy, ties, shared_cut=False
     )
     local_idx, owned = local_columns(target, vocab_start, local_vocab)  # [N], [N]
     picked = logits.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1).to(cdtype)  # [N]
