@@ -87,8 +87,12 @@ def _check_grpo_results(tmp_path, providers):
     return doc
 
 
-def test_bench_grpo_quick_runs_eager_providers(tmp_path):
-    providers = ["lossfx-fused", "trl-fused"]
+# trl-fused (importing TRL is half the run) with -m slow, here and in the every-provider run below;
+# lossfx against stock TRL by default: tests/test_examples.py, tests/test_integrations_trl.py
+@pytest.mark.parametrize(
+    "providers", [["lossfx-fused"], pytest.param(["lossfx-fused", "trl-fused"], marks=pytest.mark.slow)], ids=len
+)
+def test_bench_grpo_quick_runs_eager_providers(tmp_path, providers):
     _run(["-m", "benchmarks.bench_grpo", "--quick", "--min-runs", "1", "--providers", *providers], tmp_path)
     doc = _check_grpo_results(tmp_path, providers)
     rows = {r["provider"]: r for r in doc["results"]}
