@@ -501,7 +501,10 @@ def test_einops_layouts_compile_without_graph_break():
 
 @pytest.mark.compile
 @pytest.mark.distributed
-@pytest.mark.parametrize("branch", ["logprob", "distillation", "draft", "opd_full"])
+# opd_full with -m slow: by default it compiles under CP 2 in tests/test_opd_full.py
+@pytest.mark.parametrize(
+    "branch", ["logprob", "distillation", "draft", pytest.param("opd_full", marks=pytest.mark.slow)]
+)
 def test_sharder_layout_compiles_on_every_branch(branch):
     """An external sharder's layout under `fullgraph=True` (aot_eager) on CP 2: equal to the
     reference, one compile for three calls with new values. DRAFT gathers before it shards, so
