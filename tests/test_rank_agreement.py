@@ -555,7 +555,7 @@ def _compiled_cases(rank, world, group, backend):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("backend", [pytest.param("aot_eager", marks=pytest.mark.slow), "inductor"])  # the same trace
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_disagreement_raises_on_every_rank(backend, monkeypatch):
     monkeypatch.setattr(harness, "_TIMEOUT_S", 600.0)  # several Inductor compiles on a loaded machine
     results = gloo_pool(2).run(_compiled_cases, backend)
