@@ -515,6 +515,9 @@ def test_sharder_layout_compiles_on_every_branch(branch):
     assert [frames for _, _, frames in results] == [2 if branch == "draft" else 1] * 2
 
 
+# with -m slow: by default the sharder layout compiles on the logits branches (above) and the fused
+# next-token path compiles under CP 2 in tests/test_fused_linear.py (test_compiled_next_token_context_parallel)
+@pytest.mark.slow
 @pytest.mark.compile
 @pytest.mark.distributed
 def test_fused_next_token_with_sharder_compiles():
