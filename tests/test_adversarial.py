@@ -256,7 +256,9 @@ COMPILED = [
     ("prepare_packed_loss_input", "uneven_both"),
     ("token_logprobs", "uneven_both"),  # explicit vocab_start / vocab_size: exact
 ]
-COMPILED_DEFAULT = [COMPILED[i] for i in (0, 1, 2, 4)]
+# (linear_token_logprobs, temperature) runs with -m slow: by default the fused path's compiled
+# temperature mismatch is test_rank_agreement.py::test_compiled_disagreement_raises_on_every_rank
+COMPILED_DEFAULT = [COMPILED[i] for i in (0, 1, 2)]
 COMPILED_DEFAULT += [("prepare_packed_loss_input[cp]", "ids_value"), ("token_logprobs", "eager_one_rank")]
 COMPILED_DEFAULT += [("prepare_loss_input[LOGPROB]", "uneven_both")]
 

@@ -2,6 +2,10 @@
 
 The one quantitative check is the memory method's reason to exist: a compiled forward + backward
 must be seen to allocate at least its returned gradient (the profiler's events read ~0 there).
+
+Each script runs in a fresh single-threaded process; the runs of the selected tests start
+together when the module starts, two at a time (on a 2-core machine the second core would
+otherwise idle), and each test waits for its own run and checks its output.
 """
 
 import csv
@@ -9,25 +13,79 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+GRPO = ["-m", "benchmarks.bench_grpo", "--quick", "--min-runs", "1"]
+GPU = ["-m", "benchmarks.gpu", "--smoke"]
+# benchmarks/gpu.py: the prepared GPU check, run on the CPU at tiny shapes (its --smoke configuration)
+GPU_EAGER_PROVIDERS = ["naive", "lossfx-logits", "lossfx-fused", "lossfx-objective", "torch-linear-ce", "liger-flce"]
+GPU_PLANTED_PATHS = ["token_logprobs", "prepare_loss_input[DRAFT]", "linear_logprob_objective", "neg_entropy"]
+GPU_PLANTED = GPU_PLANTED_PATHS[:3]
+
+# each test's command line (its name -> the arguments after the interpreter; "--out DIR" is added)
+RUNS = {
+    "test_benchmark_quick_run_writes_results": [
+        str(ROOT / "benchmarks" / "run.py"), "--quick", "--no-plot", "--cases", "1x9x257", "--dtypes", "fp32"
+    ],
+    "test_bench_memory_quick_counts_compiled_buffers": [
+        "-m", "benchmarks.bench_memory", "--quick", "--paths", "logprob", "--dtypes", "fp32"
+    ],
+    "test_bench_linear_quick_runs": [
+        "-m", "benchmarks.bench_linear", "--quick", "--dtypes", "fp32", "--min-runs", "1", "--no-compile-time",
+        "--providers", "linear-eager", "unfused-compiled",
+    ],
+    "test_bench_grpo_quick_runs_eager_providers[1]": [*GRPO, "--providers", "lossfx-fused"],
+    "test_bench_grpo_quick_runs_eager_providers[2]": [*GRPO, "--providers", "lossfx-fused", "trl-fused"],
+    "test_bench_grpo_quick_runs_every_provider": GRPO,
+    "test_gpu_script_smoke_checks_every_path_and_runs_the_bench": [*GPU, "--providers", *GPU_EAGER_PROVIDERS],
+    "test_gpu_script_catches_a_planted_error": [
+        *GPU, "--sections", "checks", "--dtypes", "bf16", "--paths", *GPU_PLANTED_PATHS, "--plant-error", *GPU_PLANTED
+    ],
+    "test_gpu_script_smoke_runs_every_provider": [*GPU, "--sections", "bench"],
+}  # fmt: skip
+_EXECUTOR = ThreadPoolExecutor(max_workers=2)
+_STARTED: dict[str, Future] = {}
 
 
-def _run(args: list[str], tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, *args, "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+def _start(name: str, tmp_path_factory) -> Future:
+    """The run of test `name` (started now unless it already is): `(completed process, out dir)`."""
+    if name not in _STARTED:
+        out = tmp_path_factory.mktemp(name.replace("[", "-").replace("]", ""))
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        cmd = [sys.executable, *RUNS[name], "--out", str(out)]
+
+        def run():
+            return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900), out
+
+        _STARTED[name] = _EXECUTOR.submit(run)
+    return _STARTED[name]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_the_selected_runs(request, tmp_path_factory):
+    for item in request.session.items:
+        if getattr(item, "module", None) is request.module and item.name in RUNS:  # doctests have none
+            _start(item.name, tmp_path_factory)
+
+
+@pytest.fixture
+def finished(request, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """This test's run, waited for: `(completed process, its --out directory)`."""
+    return _start(request.node.name, tmp_path_factory).result()
+
+
+def _ok(finished) -> Path:
+    proc, out = finished
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return out
 
 
-def test_benchmark_quick_run_writes_results(tmp_path):
-    _run(
-        [str(ROOT / "benchmarks" / "run.py"), "--quick", "--no-plot", "--cases", "1x9x257", "--dtypes", "fp32"],
-        tmp_path,
-    )
+def test_benchmark_quick_run_writes_results(finished):
+    tmp_path = _ok(finished)
 
     doc = json.loads((tmp_path / "logprob.json").read_text())
     assert {"date", "machine", "torch", "lossfx", "omp_num_threads"} <= set(doc["environment"])
@@ -50,8 +108,8 @@ def test_benchmark_quick_run_writes_results(tmp_path):
     assert "| case | dtype |" in (tmp_path / "logprob.md").read_text()
 
 
-def test_bench_memory_quick_counts_compiled_buffers(tmp_path):
-    _run(["-m", "benchmarks.bench_memory", "--quick", "--paths", "logprob", "--dtypes", "fp32"], tmp_path)
+def test_bench_memory_quick_counts_compiled_buffers(finished):
+    tmp_path = _ok(finished)
 
     rows = json.loads((tmp_path / "memory.json").read_text())["results"]
     assert [(r["path"], r["mode"]) for r in rows] == [("logprob", "eager"), ("logprob", "compiled")]
@@ -63,10 +121,9 @@ def test_bench_memory_quick_counts_compiled_buffers(tmp_path):
 
 
 @pytest.mark.slow  # two compiled providers, each also in a fresh process: minutes on a busy 2-core VM
-def test_bench_linear_quick_runs(tmp_path):
+def test_bench_linear_quick_runs(finished):
     providers = ["linear-eager", "unfused-compiled"]
-    flags = ["--quick", "--dtypes", "fp32", "--min-runs", "1", "--no-compile-time"]
-    _run(["-m", "benchmarks.bench_linear", *flags, "--providers", *providers], tmp_path)
+    tmp_path = _ok(finished)
 
     doc = json.loads((tmp_path / "linear.json").read_text())
     measured = {r["provider"] for r in doc["results"]}
@@ -87,9 +144,13 @@ def _check_grpo_results(tmp_path, providers):
     return doc
 
 
-def test_bench_grpo_quick_runs_eager_providers(tmp_path):
-    providers = ["lossfx-fused", "trl-fused"]
-    _run(["-m", "benchmarks.bench_grpo", "--quick", "--min-runs", "1", "--providers", *providers], tmp_path)
+# trl-fused (importing TRL is half the run) with -m slow, here and in the every-provider run below;
+# lossfx against stock TRL by default: tests/test_examples.py, tests/test_integrations_trl.py
+@pytest.mark.parametrize(
+    "providers", [["lossfx-fused"], pytest.param(["lossfx-fused", "trl-fused"], marks=pytest.mark.slow)], ids=len
+)
+def test_bench_grpo_quick_runs_eager_providers(finished, providers):
+    tmp_path = _ok(finished)
     doc = _check_grpo_results(tmp_path, providers)
     rows = {r["provider"]: r for r in doc["results"]}
     if "trl-fused" in rows:  # the same loss and gradient from every provider (fp32 rounding)
@@ -98,30 +159,24 @@ def test_bench_grpo_quick_runs_eager_providers(tmp_path):
 
 
 @pytest.mark.slow  # every provider, compiled ones too, each also in a fresh process: minutes on 2 cores
-def test_bench_grpo_quick_runs_every_provider(tmp_path):
+def test_bench_grpo_quick_runs_every_provider(finished):
     from benchmarks.bench_grpo import PROVIDERS
 
-    _run(["-m", "benchmarks.bench_grpo", "--quick", "--min-runs", "1"], tmp_path)
+    tmp_path = _ok(finished)
     doc = _check_grpo_results(tmp_path, list(PROVIDERS))
     for r in doc["results"]:
         assert r["time_vs_naive"] > 0 and r["grad_norm_rel"] < 1e-4, r
 
 
-# benchmarks/gpu.py: the prepared GPU check, run on the CPU at tiny shapes (its --smoke configuration)
-GPU_EAGER_PROVIDERS = ["naive", "lossfx-logits", "lossfx-fused", "lossfx-objective", "torch-linear-ce", "liger-flce"]
+def _gpu(finished) -> tuple[subprocess.CompletedProcess, dict]:
+    proc, out = finished
+    return proc, json.loads((out / "gpu.json").read_text())
 
 
-def _run_gpu(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "benchmarks.gpu", "--smoke", *args, "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    return proc, json.loads((tmp_path / "gpu.json").read_text())
-
-
-def test_gpu_script_smoke_checks_every_path_and_runs_the_bench(tmp_path):
+def test_gpu_script_smoke_checks_every_path_and_runs_the_bench(finished):
     from benchmarks.gpu import FUSED_COMPILED, SMOKE, check_names, logits_paths
 
-    proc, doc = _run_gpu(["--providers", *GPU_EAGER_PROVIDERS], tmp_path)
+    proc, doc = _gpu(finished)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert doc["failures"] == []
     names = check_names(SMOKE)
@@ -142,18 +197,16 @@ def test_gpu_script_smoke_checks_every_path_and_runs_the_bench(tmp_path):
         if provider.startswith(("naive", "lossfx")) or "skipped" not in r:  # a peer may be absent
             assert r["median_ms"] > 0 and r["grad_norm"] > 0, r
             assert r["grad_norm_rel"] < 2e-2, r  # bf16: every provider forms the same gradient
-    md = (tmp_path / "gpu.md").read_text()
+    md = (finished[1] / "gpu.md").read_text()
     assert "| path | dtype | mode | worst ratio |" in md and "| N | H | V | provider | median ms |" in md
 
 
-def test_gpu_script_catches_a_planted_error(tmp_path):
+def test_gpu_script_catches_a_planted_error(finished):
     """The check cannot be vacuous: outputs scaled by 1 + 1e-2 in two paths fail them (eager and
     compiled, logits path and fused head, values and gradients), the untouched path still passes,
     and the script exits 1."""
-    paths = ["token_logprobs", "prepare_loss_input[DRAFT]", "linear_logprob_objective", "neg_entropy"]
-    planted = paths[:3]
-    args = ["--sections", "checks", "--dtypes", "bf16", "--paths", *paths, "--plant-error", *planted]
-    proc, doc = _run_gpu(args, tmp_path)
+    paths, planted = GPU_PLANTED_PATHS, GPU_PLANTED
+    proc, doc = _gpu(finished)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {(r["path"], r["mode"]): r for r in doc["checks"]}
     assert set(results) == {(p, "eager") for p in paths} | {(p, "compiled") for p in planted if p != planted[1]}
@@ -163,10 +216,10 @@ def test_gpu_script_catches_a_planted_error(tmp_path):
 
 
 @pytest.mark.slow  # every provider, compiled ones and compiling peers: minutes on a busy 2-core VM
-def test_gpu_script_smoke_runs_every_provider(tmp_path):
+def test_gpu_script_smoke_runs_every_provider(finished):
     from benchmarks.gpu import BENCH_PROVIDERS
 
-    proc, doc = _run_gpu(["--sections", "bench"], tmp_path)
+    proc, doc = _gpu(finished)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     bench = {r["provider"]: r for r in doc["bench"]}
     assert set(bench) == set(BENCH_PROVIDERS)

@@ -62,8 +62,16 @@ def _gather_rank(rank, world, group, x, weight, seq_dim, backend):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("backend", [None, pytest.param("aot_eager", marks=pytest.mark.compile)])
+# 4 ranks compiled runs with -m slow (4 ranks eager and 2 ranks compiled by default)
+@pytest.mark.parametrize(
+    ("world", "backend"),
+    [
+        (2, None),
+        (4, None),
+        pytest.param(2, "aot_eager", marks=pytest.mark.compile),
+        pytest.param(4, "aot_eager", marks=[pytest.mark.compile, pytest.mark.slow]),
+    ],
+)
 @pytest.mark.parametrize("seq_dim", [1, 0])
 def test_allgather_values_and_summed_gradient(world, backend, seq_dim):
     shape = [3, 4 * world] if seq_dim == 1 else [4 * world, 3]

@@ -7,6 +7,7 @@ prepare_loss_input over TP x CP, eager and compiled; 6 errors; 7 memory and muta
 
 from types import SimpleNamespace
 
+import harness
 import pytest
 import torch
 from harness import compiled_for_rank, mesh_groups, run_ranks, sharded_gradcheck
@@ -365,33 +366,48 @@ def test_draft_branch_matches_reference(world, tp, with_d2t):
         assert not teacher.requires_grad
 
 
+def _frame_counts(key, world):
+    """Compiles so far of each rank's `compiled_for_rank` entry `key` (0 before the first)."""
+    entries = [harness._compiled.get((rank, key, "aot_eager")) for rank in range(world)]
+    return [0 if entry is None else entry[0].frame_count for entry in entries]
+
+
+# CP 2 runs with -m slow: by default distillation and draft compile under CP 2 in an external
+# sharder's layout (test_sequence_layout.py::test_sharder_layout_compiles_on_every_branch), and the
+# load-balanced layout compiles in the LOGPROB, packed, OPD_FULL and fused CP tests
 @pytest.mark.compile
-def test_distillation_and_draft_compile_on_two_ranks():
+@pytest.mark.parametrize(
+    ("tp", "lengths"),
+    [(2, (8, 12, 16)), pytest.param(1, (8, 12, 16), marks=pytest.mark.slow)],
+    ids=["tp2", "cp2"],
+)
+def test_distillation_and_draft_compile_on_two_ranks(tp, lengths):
     """fullgraph=True (aot_eager) on TP2 and CP2; equal to eager; bounded recompiles."""
     b, v, k = 2, 8, 3
     loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.DISTILLATION, zero_outside_topk=True, kl_type="reverse")
-    for world, tp in [(2, 2), (2, 1)]:
-        for s in (8, 12, 16):
-            z = _logits((b, s, v), seed=s)
-            data = {"teacher_topk_logits": _logits((b, s, k), 1), "teacher_topk_indices": _ids((b, s, k), v, 2)}
-            upstream = {"student": torch.randn(b, s - 1, k, dtype=F64), "H": torch.randn(b, s - 1, dtype=F64)}
-            compiled = run_ranks(world, _distill_rank, tp, z, data, loss_fn, None, upstream, "aot_eager")
-            ref, ref_grad = _distill_reference(z, data, loss_fn, upstream)
-            for rank, (out, grad) in enumerate(compiled):
-                torch.testing.assert_close(out["student_topk_logprobs"], ref["student_topk_logprobs"].detach(), **TIGHT)
-                torch.testing.assert_close(out["H_all"], ref["H_all"].detach(), **TIGHT)
-                expected = _local_student(ref_grad, rank % tp, tp, rank // tp, world // tp)
-                torch.testing.assert_close(grad, expected, **TIGHT)
-            draft_data = {"token_mask": torch.ones(b, s), "student_logits": z}
-            drafts = run_ranks(world, _draft_rank, tp, z, draft_data, None, "aot_eager")
-            ref_draft = reference.prepare_draft_input(z, draft_data, None)
-            for rank, (teacher, _, _) in enumerate(drafts):
-                expected = shard_for_cp_rank(ref_draft["teacher_logits"], rank // tp, world // tp, 1)
-                expected = _tp_slice(expected, rank % tp, tp)
-                torch.testing.assert_close(teacher, expected, rtol=0, atol=0)
-        for rank in range(world):
-            counter, _ = compiled_for_rank(rank, ("distill", world, tp, "aot_eager"), None, backend="aot_eager")
-            assert counter.frame_count <= 2, "at most one recompile when the sequence length changes"
+    world = 2
+    before = _frame_counts(("distill", world, tp, "aot_eager"), world)
+    for s in lengths:
+        z = _logits((b, s, v), seed=s)
+        data = {"teacher_topk_logits": _logits((b, s, k), 1), "teacher_topk_indices": _ids((b, s, k), v, 2)}
+        upstream = {"student": torch.randn(b, s - 1, k, dtype=F64), "H": torch.randn(b, s - 1, dtype=F64)}
+        compiled = run_ranks(world, _distill_rank, tp, z, data, loss_fn, None, upstream, "aot_eager")
+        ref, ref_grad = _distill_reference(z, data, loss_fn, upstream)
+        for rank, (out, grad) in enumerate(compiled):
+            torch.testing.assert_close(out["student_topk_logprobs"], ref["student_topk_logprobs"].detach(), **TIGHT)
+            torch.testing.assert_close(out["H_all"], ref["H_all"].detach(), **TIGHT)
+            expected = _local_student(ref_grad, rank % tp, tp, rank // tp, world // tp)
+            torch.testing.assert_close(grad, expected, **TIGHT)
+        draft_data = {"token_mask": torch.ones(b, s), "student_logits": z}
+        drafts = run_ranks(world, _draft_rank, tp, z, draft_data, None, "aot_eager")
+        ref_draft = reference.prepare_draft_input(z, draft_data, None)
+        for rank, (teacher, _, _) in enumerate(drafts):
+            expected = shard_for_cp_rank(ref_draft["teacher_logits"], rank // tp, world // tp, 1)
+            expected = _tp_slice(expected, rank % tp, tp)
+            torch.testing.assert_close(teacher, expected, rtol=0, atol=0)
+    after = _frame_counts(("distill", world, tp, "aot_eager"), world)
+    for rank in range(world):
+        assert after[rank] - before[rank] <= 2, "at most one recompile when the sequence length changes"
 
 
 @pytest.mark.compile

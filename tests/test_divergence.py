@@ -248,7 +248,7 @@ def test_double_backward_is_unsupported():
 
 @pytest.mark.compile
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: eager by default
 def test_compiled_aot_eager_matches_reference(world):
     student, teacher = make_logits((6, 20), 21, 2.0, "some"), make_logits((6, 20), 22, 2.0)
     teacher = torch.where(torch.isneginf(student), student, teacher)
@@ -496,7 +496,8 @@ def test_large_magnitude_issue_example():
 
 @pytest.mark.compile
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [1, 2])
+# 2 ranks with -m slow: the compiled collectives are checked by test_compiled_aot_eager_matches_reference[2]
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 @given(kind=st.sampled_from(("entropy", "reverse_kl")), case=magnitude_cases((torch.float32, torch.bfloat16)))
 @settings(max_examples=4)
 def test_large_magnitudes_compiled(world, kind, case):

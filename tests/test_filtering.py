@@ -443,8 +443,13 @@ def test_reference_one_more_token_breaks_the_tie_exactness():
             assert int(keep.sum()) == kept
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("strategy", STRATEGIES)
+# 4 ranks x bisection (64 unrolled steps per threshold) runs with -m slow; by default 4 ranks run
+# the candidates strategy, and the bisection 1 and 2 ranks, every dtype.
+@pytest.mark.parametrize(
+    ("world", "strategy"),
+    [(w, s) for w in (1, 2) for s in STRATEGIES]
+    + [(4, "candidates"), pytest.param(4, "bisection", marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
 def test_exact_boundary_kernels(world, strategy, dtype):
     """Uniform rows of several lengths (the rest -inf, underflowing, or cut by top-k), dyadic and
@@ -652,7 +657,9 @@ def test_property_permutation_and_shift_invariance(vocab, seed, params, ties):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+# 1 rank (no collective in the graph) and 4 ranks with -m slow: 2 ranks compile here by default,
+# 1 rank in test_compiled_graph_has_no_breaks / test_prepare_loss_input_compiled_aot_eager, 4 ranks run eagerly
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_compiled_aot_eager_candidates(world):
     z, target = make_logits(3, 3, 6 * world, seed=world, ties=True)  # B·S = 9
     assert margin_ok(z, 4, 0.8)
@@ -977,7 +984,7 @@ def _radix_cases():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow)])  # 2 ranks: uneven (19 + 18)
 def test_radix_top_p_decides_as_the_bisection(monkeypatch, dtype, world):
     """proofs/filtering.md §3.2: the 256-ary top-p search over fp32 keys (4 passes) returns the
     32-step bisection's threshold and id cut bit for bit: uneven TP shards, both tie rules, top-p
@@ -1108,13 +1115,15 @@ def _rank_prepare_shape(rank, world, group, batch, seq, vocab, backend):
     return out.detach(), grad
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("backend", [None, "aot_eager"])
-@pytest.mark.parametrize("batch,seq", [(0, 4), (2, 1)])
+# compiled: 2 ranks cover the collectives, 1 rank runs eagerly (compile time); B = 0 compiled is
+# in the slow run (S = 1 compiled and B = 0 eager on 1 and 2 ranks run by default)
+@pytest.mark.parametrize(
+    ("world", "backend", "batch", "seq"),
+    [(w, None, b, s) for w in (1, 2) for b, s in [(0, 4), (2, 1)]]
+    + [(2, "aot_eager", 2, 1), pytest.param(2, "aot_eager", 0, 4, marks=pytest.mark.slow)],
+)
 def test_empty_rows_give_empty_results(world, backend, batch, seq):
     """decisions.md §2.9: `B = 0` or `S = 1` (no next-token position) returns `[B, S-1]` results."""
-    if backend is not None and world == 1:
-        pytest.skip("compiled: 2 ranks cover the collectives; 1 rank runs eagerly (compile time)")
     for strategy in STRATEGIES:
         for shape in [(0, 7 * world), (3, 0, 7 * world)]:
             x = torch.randn(shape, dtype=F64, requires_grad=True)

@@ -172,8 +172,17 @@ def test_branch_tp2_cp2(mode, backend):
 
 @pytest.mark.compile
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode", ["logits", "hidden_states"])
-@pytest.mark.parametrize(("parallel", "world"), [("tp", 2), ("cp", 2)])
+# by default each parallelism and each payload compiles once (tp x logits, cp x hidden states);
+# the other two pairs with -m slow
+@pytest.mark.parametrize(
+    ("parallel", "world", "mode"),
+    [
+        ("tp", 2, "logits"),
+        ("cp", 2, "hidden_states"),
+        pytest.param("tp", 2, "hidden_states", marks=pytest.mark.slow),
+        pytest.param("cp", 2, "logits", marks=pytest.mark.slow),
+    ],
+)
 def test_branch_matches_reference_compiled(parallel, world, mode):
     check_branch(parallel, world, mode, backend="aot_eager")
 

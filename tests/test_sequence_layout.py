@@ -501,7 +501,10 @@ def test_einops_layouts_compile_without_graph_break():
 
 @pytest.mark.compile
 @pytest.mark.distributed
-@pytest.mark.parametrize("branch", ["logprob", "distillation", "draft", "opd_full"])
+# opd_full with -m slow: by default it compiles under CP 2 in tests/test_opd_full.py
+@pytest.mark.parametrize(
+    "branch", ["logprob", "distillation", "draft", pytest.param("opd_full", marks=pytest.mark.slow)]
+)
 def test_sharder_layout_compiles_on_every_branch(branch):
     """An external sharder's layout under `fullgraph=True` (aot_eager) on CP 2: equal to the
     reference, one compile for three calls with new values. DRAFT gathers before it shards, so
@@ -512,6 +515,9 @@ def test_sharder_layout_compiles_on_every_branch(branch):
     assert [frames for _, _, frames in results] == [2 if branch == "draft" else 1] * 2
 
 
+# with -m slow: by default the sharder layout compiles on the logits branches (above) and the fused
+# next-token path compiles under CP 2 in tests/test_fused_linear.py (test_compiled_next_token_context_parallel)
+@pytest.mark.slow
 @pytest.mark.compile
 @pytest.mark.distributed
 def test_fused_next_token_with_sharder_compiles():
