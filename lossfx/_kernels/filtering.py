@@ -11,7 +11,7 @@ to find `τ` exactly while communicating only per-row scalars (the rules: `lossf
 Pipeline of the forward (`N` rows, `Vl` local columns, `R` ranks):
 
 1. thresholds (`_thresholds`), one of two exact strategies:
-   * **candidates** (top-k enabled, `k ≤ CANDIDATE_TOP_K_MAX`): each rank's `min(k+1, Vl)`
+   * **candidates** (top-k enabled, `k ≤ CANDIDATE_TOP_K_MAX`): each rank's `min(k, Vl)`
      largest values (a two-level top-k: one max-reduction over groups of 64 columns, then a
      `topk` over the best groups only); one all-gather of `[N, k]`; the top-k of the union is the
      global top-k multiset, so `τ_k` is its last entry; the global count of ties at `τ_k`
@@ -241,9 +241,8 @@ def _candidates(
     not a multiple of `_GROUP` is copied by the reshape: one chunk at a time).
     """
     n_rows, local_vocab = logits.shape
-    width = min(k + 1, local_vocab)
-    local = torch.cat([_local_top(logits[s:e], width, cdtype) for s, e in chunks])  # [N, w]
-    mine = local[:, :k]  # [N, min(k, Vl)]
+    width = min(k, local_vocab)
+    mine = torch.cat([_local_top(logits[s:e], width, cdtype) for s, e in chunks])  # [N, min(k, Vl)]
     if mine.shape[1] < k:  # pad to the same width on every rank: -inf never changes the k largest
         mine = torch.cat([mine, mine.new_full((n_rows, k - mine.shape[1]), float("-inf"))], dim=-1)
     ranks = all_gather_stack(mine, group)  # [R, N, k]
@@ -259,7 +258,7 @@ def _tie_count(
     group: ProcessGroup | None,
 ) -> Tensor:
     """`[N]` int64: the global number of entries equal to `τ_k`: one fused counting pass over the
-    logits, eager and compiled (no host read: the local top-(k+1) candidates hold the count on
+    logits, eager and compiled (no host read: a rank's top-(k+1) values would hold the count on
     most rows, but finding the other rows on the host would cost a device→host read)."""
     return all_reduce(_count_eq(logits, tau_k, chunks), "sum", group)
 
