@@ -335,8 +335,17 @@ def _run(target: str, perturbation: str, mode: str) -> tuple[str, str]:
     """(outcome, detail) of one case on the 2-process gloo pool (see the module doc)."""
     both, rank1 = PERTURBATIONS[perturbation]
     timeout = EAGER_TIMEOUT_S if mode == "eager" else COMPILED_TIMEOUT_S
-    pool = harness.gloo_pool(2)
     job = (adversarial_cases.__name__, "run_case", harness.to_wire((target, both, rank1, mode)), {})
+    answers, failed = _answers(harness.gloo_pool(2), job, timeout)
+    if failed is not None:
+        return failed
+    return _classify(answers, mode)
+
+
+def _answers(pool: harness.GlooPool, job: tuple, timeout: float) -> tuple[list, tuple[str, str] | None]:
+    """Send `job` to every rank of `pool`; `(answers, None)` when every rank answered within
+    `timeout`, else `([], (outcome, detail))`: an abort, a hang, or an error outside lossfx's
+    (the pool is then closed: the next case gets a fresh one)."""
     for conn in pool._conns:
         conn.send(job)
     deadline = time.monotonic() + timeout
@@ -355,19 +364,19 @@ def _run(target: str, perturbation: str, mode: str) -> tuple[str, str]:
             answers.append(harness.from_wire(payload))
         else:
             problems[rank] = payload
-    if problems:
-        pool.close()  # joins, kills what is left; the next case gets a fresh pool
-        codes = [proc.exitcode for proc in pool._procs]
-        signals = {r: -c for r, c in enumerate(codes) if c is not None and c < 0 and c != -9}
-        if signals or "died" in problems.values():
-            return "abort", f"rank processes ended with exit codes {codes}; {problems}"
-        if "hang" in problems.values():
-            return "hang", f"no answer within {timeout:.0f} s from ranks {sorted(problems)}"
-        text = "\n".join(f"--- rank {r} ---\n{p}" for r, p in problems.items())
-        if "all_reduce(probe" in text:
-            return "group out of step", text[-1500:]
-        return "unclear error", text[-1500:]
-    return _classify(answers, mode)
+    if not problems:
+        return answers, None
+    pool.close()  # joins, kills what is left
+    codes = [proc.exitcode for proc in pool._procs]
+    signals = {r: -c for r, c in enumerate(codes) if c is not None and c < 0 and c != -9}
+    if signals or "died" in problems.values():
+        return [], ("abort", f"rank processes ended with exit codes {codes}; {problems}")
+    if "hang" in problems.values():
+        return [], ("hang", f"no answer within {timeout:.0f} s from ranks {sorted(problems)}")
+    text = "\n".join(f"--- rank {r} ---\n{p}" for r, p in problems.items())
+    if "all_reduce(probe" in text:
+        return [], ("group out of step", text[-1500:])
+    return [], ("unclear error", text[-1500:])
 
 
 def _classify(answers: list, mode: str) -> tuple[str, str]:

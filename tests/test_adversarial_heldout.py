@@ -19,7 +19,6 @@ marked `xfail(strict=True)` with its cause (found by this file).
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -582,36 +581,9 @@ def _run(name: str, mode: str = "eager") -> tuple[str, str]:
     pool = harness.gloo_pool(2)
     pool.run(_ready)  # a fresh pool starts (imports, rendezvous) outside the case's timeout
     job = (__name__, "run_heldout", harness.to_wire((name, mode)), {})
-    for conn in pool._conns:
-        conn.send(job)
-    deadline = time.monotonic() + timeout
-    answers: list = []
-    problems: dict[int, str] = {}
-    for rank, conn in enumerate(pool._conns):
-        try:
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                problems[rank] = "hang"
-                continue
-            ok, payload = conn.recv()
-        except (EOFError, OSError):
-            problems[rank] = "died"
-            continue
-        if ok:
-            answers.append(harness.from_wire(payload))
-        else:
-            problems[rank] = payload
-    if problems:
-        pool.close()
-        codes = [proc.exitcode for proc in pool._procs]
-        signals = {r: -c for r, c in enumerate(codes) if c is not None and c < 0 and c != -9}
-        if signals or "died" in problems.values():
-            return "abort", f"rank processes ended with exit codes {codes}; {problems}"
-        if "hang" in problems.values():
-            return "hang", f"no answer within {timeout:.0f} s from ranks {sorted(problems)}"
-        text = "\n".join(f"--- rank {r} ---\n{p}" for r, p in problems.items())
-        if "all_reduce(probe" in text:
-            return "group out of step", text[-1500:]
-        return "unclear error", text[-1500:]
+    answers, failed = test_adversarial._answers(pool, job, timeout)
+    if failed is not None:
+        return failed
     outcomes = [o for o, _ in answers]
     if all(p == 3.0 for _, p in answers) and {o[0] for o in outcomes} == {"error"}:
         if len({o[1] for o in outcomes}) == 1 and not all(o[2].startswith("lossfx") for o in outcomes):
