@@ -410,10 +410,44 @@ def test_cp_shards_are_compared_across_tensor_parallel_only():
             assert tp is not None and "'part'" in tp[0]
 
 
+def _inductor_code_of_a_checked_call(rank, world, group):
+    """Rank 0's Inductor wrapper code of a compiled `token_logprobs` over the group, and the value."""
+    from torch._inductor.utils import run_and_get_code
+
+    def step(z, ids):
+        return lossfx.token_logprobs(z, ids, group=group)
+
+    z, ids = _logits(2, 5, 64, 7, dtype=torch.float32), _ids(2, 5, 64, 7)
+    width = 64 // world
+    out, code = run_and_get_code(torch.compile(step, fullgraph=True), z[..., rank * width : (rank + 1) * width], ids)
+    return out, code[0] if rank == 0 else None
+
+
+@pytest.mark.compile
+def test_compiled_check_waits_after_the_kernels_first_pass():
+    """The check's all-gather is issued first; its wait (`lossfx::wait_after`) and assertions
+    come after the kernel's local log-sum-exp pass and before the kernel's own all-gather, so the
+    round trip overlaps that pass (Inductor's locality pass and the CPU kernel groups had moved the
+    pass below a plain `wait_tensor`). Read off the generated wrapper code, in call order."""
+    (out, code), _ = gloo_pool(2).run(_inductor_code_of_a_checked_call)
+    ref = reference.token_logprobs(_logits(2, 5, 64, 7), _ids(2, 5, 64, 7))
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)  # fp32 over 64 columns
+    calls = [line.strip() for line in code.splitlines() if line.startswith("        ") and "(" in line]
+
+    def first(pred) -> int:
+        return next(i for i, line in enumerate(calls) if pred(line))
+
+    check_gather = first(lambda s: "all_gather_into_tensor.default(" in s)
+    wait = first(lambda s: "lossfx.wait_after.default(" in s)
+    kernel_gather = first(lambda s: "all_gather_into_tensor.default(" in s and calls.index(s) > check_gather)
+    local_pass = first(lambda s: s.startswith("cpp_fused") and "amax" in s and "assert" not in s)
+    asserts = first(lambda s: s.startswith("cpp_fused") and "assert_async" in s)
+    assert check_gather < local_pass < wait < asserts < kernel_gather, calls
+
+
 def _objective_chunk_mismatch_compiled(rank, world, group):
     """`linear_logprob_objective` compiled with a different `chunk_size` per rank: its collectives
-    run inside an opaque op, which the in-graph check must precede (a compiled chunk_size
-    mismatch aborted with the check moved to the first traced collective)."""
+    run inside an opaque op, which the deferred in-graph check must precede."""
     gen = torch.Generator().manual_seed(3)
     hidden, weight = torch.randn(2, 8, 16, generator=gen, dtype=F64), torch.randn(32, 16, generator=gen, dtype=F64)
     ids, coef = torch.randint(0, 32, (2, 8), generator=gen), torch.randn(2, 8, generator=gen, dtype=F64)

@@ -865,8 +865,10 @@ def _compiled_groups(
 
 def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, policy: str = "free") -> None:
     """The check inside a `torch.compile`d graph: the signature (static fields a constant of the
-    graph, fingerprints computed in it) all-gathered with a functional collective, and in-graph
-    assertions that every rank's equals this rank's, one per argument (`_compiled_groups`): no
+    graph, fingerprints computed in it) all-gathered with a functional collective, issued here,
+    and in-graph assertions that every rank's equals this rank's, one per argument
+    (`_compiled_groups`), emitted with the wait just before the kernel's first collective
+    (`_core.host_reads.defer_traced`; the round trip overlaps the kernel's first local pass): no
     graph break, no host read. A mismatch raises `RuntimeError` naming the argument, the same on
     every rank (they all see the same gathered matrix); each rank's value is not shown (that
     would be a host read). Not compared here: the shard layout across the tensor-parallel group
@@ -874,8 +876,7 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
     the widths must be equal, as traced `vocab_shard_range` has no gathered widths) and, across
     the context-parallel group, the fingerprints of sequence shards (`Roles.cp_shards`). The
     digest of the fields past the body is an eager rank's only (a compiled one has none)."""
-    from torch.distributed import _functional_collectives as fc
-
+    c10d = torch.ops._c10d_functional
     tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
     with_cp = _is_distributed(cp)
     world = tp.size() if _is_distributed(tp) else 1
@@ -892,20 +893,45 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
         for g, (_, slots) in enumerate(groups):
             for slot in slots:
                 member[g][slot] = slot not in skip
-        # every group's all-gather runs before the first assertion: a rank that rejected the call
-        # while tracing (`_exchange_rejection`) sends to each group in turn, then stops
-        gathered = fc.all_gather_tensor(sig, 0, group).view(group.size(), SIGNATURE_LEN)
-        checks.append((gathered, sig, member, groups, group_name))
-    for gathered, sig, member, groups, group_name in checks:
-        differs = (gathered != gathered[0]).any(0)  # [SIGNATURE_LEN]
-        failed = (differs & torch.tensor(member, device=sig.device)).any(1)  # [groups]
-        for g, (what, _) in enumerate(groups):
-            torch._assert_async(
-                ~failed[g],
-                f"lossfx.{name}: the ranks of {group_name} disagree on {what}. Every rank "
-                "of a group must make the same call (compiled: each rank's value is not shown; the same call "
-                "run eagerly shows it)",
-            )
+        # every group's all-gather is issued before the first assertion: a rank that rejected the
+        # call while tracing (`_exchange_rejection`) sends to each group in turn, then stops. Issued
+        # only: the wait is the assertions' (below), so the round trip flies while the kernel computes
+        in_flight = c10d.all_gather_into_tensor(sig, group.size(), group.group_name)
+        checks.append((in_flight, sig, member, groups, group_name))
+
+    def assert_agreement(before: Tensor | None) -> None:  # before the kernel's first collective
+        for in_flight, sig, member, groups, group_name in checks:
+            if before is None:
+                gathered = c10d.wait_tensor(in_flight)
+            else:  # waits once `before` (the kernel's first collective's input) is computed
+                gathered = torch.ops.lossfx.wait_after(in_flight, before)
+            gathered = gathered.view(-1, SIGNATURE_LEN)  # [R, SIGNATURE_LEN]
+            differs = (gathered != gathered[0]).any(0)  # [SIGNATURE_LEN]
+            failed = (differs & torch.tensor(member, device=sig.device)).any(1)  # [groups]
+            for g, (what, _) in enumerate(groups):
+                torch._assert_async(
+                    ~failed[g],
+                    f"lossfx.{name}: the ranks of {group_name} disagree on {what}. Every rank "
+                    "of a group must make the same call (compiled: each rank's value is not shown; the same "
+                    "call run eagerly shows it)",
+                )
+
+    _host_reads.defer_traced(assert_agreement)
+
+
+@torch.library.custom_op("lossfx::wait_after", mutates_args=())
+def _wait_after(in_flight: Tensor, before: Tensor) -> Tensor:
+    """`wait_tensor(in_flight)`, once `before` is computed: an opaque op, so that Inductor neither
+    fuses the check's assertions into the kernel's first local pass nor moves that pass below the
+    wait (its locality pass and the CPU backend's kernel groups did both): the check's all-gather
+    flies while the kernel computes `before`, the input of its first collective. A copy (a custom
+    op's output may not alias its input): `[R·L]` int64, 4 KiB at `R = 2`."""
+    return torch.ops._c10d_functional.wait_tensor(in_flight).clone()
+
+
+@_wait_after.register_fake
+def _(in_flight: Tensor, before: Tensor) -> Tensor:
+    return torch.empty_like(in_flight)
 
 
 _REJECTED_WHAT = "whether the call is valid (a rank rejected it while compiling: its own error says why)"
@@ -1053,7 +1079,9 @@ def boundary(
                 _check_in_graph(name, arguments, checked_roles, policy)
                 _traced_depth[0] += 1
                 try:
-                    return fn(*args, **kwargs)
+                    out = fn(*args, **kwargs)
+                    _host_reads.settle()  # the check's assertions, if the call ran no collective
+                    return out
                 finally:
                     _traced_depth[0] -= 1
             except (ValueError, TypeError) as err:  # this rank's graph never runs: tell the peers' checks

@@ -33,11 +33,26 @@ import torch
 import torch._guards
 from torch import Tensor
 
-__all__ = ["defer", "depth", "nested", "outermost", "poll", "read_now", "seen", "settle", "tracing", "when_landed"]
+__all__ = [
+    "defer",
+    "defer_traced",
+    "depth",
+    "nested",
+    "outermost",
+    "poll",
+    "read_now",
+    "seen",
+    "settle",
+    "tracing",
+    "when_landed",
+]
 
 Handler = Callable[[list[int]], None]
 _state = threading.local()  # .depth: public calls entered; .pending: [(tensor, handler)] or None (read at once)
 # .landing: [(host buffer, event or None, handler)], copies to the host in flight (`when_landed`)
+# what the code being traced deferred to its first collective (`defer_traced`); a module list, not
+# `_state`: only traced code changes it (symbolically: Dynamo replays the final, empty, list)
+_traced_pending: list[Callable[[Tensor | None], None]] = []
 
 
 def tracing() -> bool:
@@ -70,6 +85,19 @@ def defer(values: Tensor, handler: Handler) -> None:
         handler(values.reshape(-1).tolist())
     else:
         pending.append((values, handler))
+
+
+def defer_traced(emit: Callable[[Tensor | None], None]) -> None:
+    """While tracing: call `emit(before)` at the next `settle(before)` of the traced call (before
+    its first collective, `before` that collective's input; or `None` when the boundary settles at
+    its end) instead of now; otherwise `emit(None)` at once. The compiled cross-rank check defers
+    its wait and in-graph assertions so: its all-gather is issued first and flies while the kernel
+    computes the input of its first collective (`emit` makes the assertions read `before`, so that
+    graph passes keep that computation ahead of the wait)."""
+    if tracing():
+        _traced_pending.append(emit)
+    else:
+        emit(None)
 
 
 def when_landed(values: Tensor, handler: Handler) -> None:
@@ -134,9 +162,13 @@ def read_now(values: Tensor) -> list[int]:
     return out
 
 
-def settle() -> None:
-    """Read every deferred tensor in one transfer and run their handlers (in order); `poll`."""
-    if tracing():  # nothing is deferred while tracing
+def settle(before: Tensor | None = None) -> None:
+    """Read every deferred tensor in one transfer and run their handlers (in order); `poll`.
+    While tracing: emit what `defer_traced` deferred (into the graph, in order), before the
+    collective whose input is `before`."""
+    if tracing():  # nothing is read while tracing
+        while _traced_pending:
+            _traced_pending.pop(0)(before)
         return
     poll()
     pending = getattr(_state, "pending", None)
