@@ -410,12 +410,18 @@ def test_cp_shards_are_compared_across_tensor_parallel_only():
             assert tp is not None and "'part'" in tp[0]
 
 
-def _inductor_code_of_a_checked_call(rank, world, group):
-    """Rank 0's Inductor wrapper code of a compiled `token_logprobs` over the group, and the value."""
+def _inductor_code_of_a_checked_call(rank, world, group, top_k):
+    """Rank 0's Inductor wrapper code of a compiled `prepare_loss_input(LOGPROB)` over the group
+    (top-k filtered when `top_k`), and rank 0's log-probs."""
     from torch._inductor.utils import run_and_get_code
 
+    sampling = lossfx.TrainingSamplingParams(top_k=top_k) if top_k else None
+    loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
+
     def step(z, ids):
-        return lossfx.token_logprobs(z, ids, group=group)
+        data = {"input_ids": ids, "token_mask": torch.ones(ids.shape)}
+        kw = {"vocab_parallel_rank": rank, "vocab_parallel_group": group, "sampling_params": sampling}
+        return lossfx.prepare_loss_input(z, data, loss_fn, **kw)[0]["next_token_logprobs"]
 
     z, ids = _logits(2, 5, 64, 7, dtype=torch.float32), _ids(2, 5, 64, 7)
     width = 64 // world
@@ -423,26 +429,38 @@ def _inductor_code_of_a_checked_call(rank, world, group):
     return out, code[0] if rank == 0 else None
 
 
-@pytest.mark.compile
-def test_compiled_check_waits_after_the_kernels_first_pass():
-    """The check's all-gather is issued first; its wait (`lossfx::wait_after`) and assertions
-    come after the kernel's local log-sum-exp pass and before the kernel's own all-gather, so the
-    round trip overlaps that pass (Inductor's locality pass and the CPU kernel groups had moved the
-    pass below a plain `wait_tensor`). Read off the generated wrapper code, in call order."""
-    (out, code), _ = gloo_pool(2).run(_inductor_code_of_a_checked_call)
-    ref = reference.token_logprobs(_logits(2, 5, 64, 7), _ids(2, 5, 64, 7))
-    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)  # fp32 over 64 columns
-    calls = [line.strip() for line in code.splitlines() if line.startswith("        ") and "(" in line]
+def _calls(code: str) -> list[str]:
+    """The wrapper's calls (kernels, extern ops, collectives), in the order it makes them."""
+    return [line.strip() for line in code.splitlines() if line.startswith("        ") and "(" in line]
 
-    def first(pred) -> int:
-        return next(i for i, line in enumerate(calls) if pred(line))
+
+@pytest.mark.compile
+@pytest.mark.parametrize("top_k", [None, 5])
+def test_compiled_check_precedes_the_kernels_first_collective(top_k):
+    """Safety, in the code Inductor generates: the check's all-gather is issued first, and its
+    assertions (`lossfx::assert_agreement`, after the wait) come before the kernel's own first
+    all-gather, which reads their token (`settle_before`): no compiler order can run a collective
+    whose size may differ first. Overlap, where the kernel starts with an extern op (the top-k
+    filter's `topk`): that op runs between the check's all-gather and its wait, so the round trip
+    flies meanwhile. (A fused first pass may be fused into the fingerprint's kernel, ahead of the
+    all-gather: no overlap then, and no loss.) Values checked against the float64 reference."""
+    (out, code), _ = gloo_pool(2).run(_inductor_code_of_a_checked_call, top_k)
+    ids = _ids(2, 5, 64, 7)
+    ref = reference.next_token_filtered_logprobs(_logits(2, 5, 64, 7), ids, top_k=top_k)
+    ref = ref.masked_fill(ref.isneginf(), 0.0)  # prepare_loss_input's filtered-out targets read 0
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)  # fp32 over 64 columns
+    calls = _calls(code)
+
+    def first(pred, after: int = -1) -> int:
+        return next(i for i, line in enumerate(calls) if i > after and pred(line))
 
     check_gather = first(lambda s: "all_gather_into_tensor.default(" in s)
-    wait = first(lambda s: "lossfx.wait_after.default(" in s)
-    kernel_gather = first(lambda s: "all_gather_into_tensor.default(" in s and calls.index(s) > check_gather)
-    local_pass = first(lambda s: s.startswith("cpp_fused") and "amax" in s and "assert" not in s)
-    asserts = first(lambda s: s.startswith("cpp_fused") and "assert_async" in s)
-    assert check_gather < local_pass < wait < asserts < kernel_gather, calls
+    wait = first(lambda s: "wait_tensor.default(" in s)
+    asserts = first(lambda s: "lossfx.assert_agreement.default(" in s)
+    kernel_gather = first(lambda s: "all_gather_into_tensor.default(" in s, after=check_gather)
+    assert check_gather < wait < asserts < kernel_gather, calls
+    if top_k:
+        assert check_gather < first(lambda s: "aten.topk.default(" in s) < wait, calls
 
 
 def _objective_chunk_mismatch_compiled(rank, world, group):

@@ -29,8 +29,8 @@ compared, and so is the logits' `requires_grad` (their backward all-reduces over
 
 Nested public calls are checked once: the outermost wrapped call checks, the calls it makes
 inside its scope do not. There is no switch. Under `torch.compile` the check is traced into the
-graph (`_check_in_graph`: a functional all-gather and an in-graph assertion; no graph break, no
-host read).
+graph (`_check_in_graph`: a functional all-gather issued first, its wait and assertions just before
+the kernel's first collective, which reads their token; no graph break, no host read).
 """
 
 from __future__ import annotations
@@ -868,9 +868,10 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
     graph, fingerprints computed in it) all-gathered with a functional collective, issued here,
     and in-graph assertions that every rank's equals this rank's, one per argument
     (`_compiled_groups`), emitted with the wait just before the kernel's first collective
-    (`_core.host_reads.defer_traced`; the round trip overlaps the kernel's first local pass): no
-    graph break, no host read. A mismatch raises `RuntimeError` naming the argument, the same on
-    every rank (they all see the same gathered matrix); each rank's value is not shown (that
+    (`_core.host_reads.defer_traced`; the round trip may overlap the kernel's first local pass),
+    inside `lossfx::assert_agreement`, whose token that collective reads (so it runs after them
+    in any compiled order): no graph break, no host read. A mismatch raises `RuntimeError` naming
+    the argument, the same on every rank (they all see the same gathered matrix); each rank's value is not shown (that
     would be a host read). Not compared here: the shard layout across the tensor-parallel group
     (offsets: the kernels' uniform default is assumed; with the `"auto"` and `"equal"` policies
     the widths must be equal, as traced `vocab_shard_range` has no gathered widths) and, across
@@ -899,39 +900,48 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
         in_flight = c10d.all_gather_into_tensor(sig, group.size(), group.group_name)
         checks.append((in_flight, sig, member, groups, group_name))
 
-    def assert_agreement(before: Tensor | None) -> None:  # before the kernel's first collective
+    def assert_agreement(before: Tensor | None) -> Tensor | None:  # before the kernel's first collective
+        token = None
         for in_flight, sig, member, groups, group_name in checks:
-            if before is None:
-                gathered = c10d.wait_tensor(in_flight)
-            else:  # waits once `before` (the kernel's first collective's input) is computed
-                gathered = torch.ops.lossfx.wait_after(in_flight, before)
-            gathered = gathered.view(-1, SIGNATURE_LEN)  # [R, SIGNATURE_LEN]
+            gathered = c10d.wait_tensor(in_flight).view(-1, SIGNATURE_LEN)  # [R, SIGNATURE_LEN]
             differs = (gathered != gathered[0]).any(0)  # [SIGNATURE_LEN]
             failed = (differs & torch.tensor(member, device=sig.device)).any(1)  # [groups]
-            for g, (what, _) in enumerate(groups):
-                torch._assert_async(
-                    ~failed[g],
-                    f"lossfx.{name}: the ranks of {group_name} disagree on {what}. Every rank "
-                    "of a group must make the same call (compiled: each rank's value is not shown; the same "
-                    "call run eagerly shows it)",
-                )
+            messages = [
+                f"lossfx.{name}: the ranks of {group_name} disagree on {what}. Every rank of a group must make the "
+                "same call (compiled: each rank's value is not shown; the same call run eagerly shows it)"
+                for what, _ in groups
+            ]
+            if before is None:  # no collective follows in this graph: plain in-graph assertions
+                for g, message in enumerate(messages):
+                    torch._assert_async(~failed[g], message)
+            else:
+                done = torch.ops.lossfx.assert_agreement(before.detach(), failed, _SEPARATOR.join(messages))
+                token = done if token is None else token | done
+        return token
 
     _host_reads.defer_traced(assert_agreement)
 
 
-@torch.library.custom_op("lossfx::wait_after", mutates_args=())
-def _wait_after(in_flight: Tensor, before: Tensor) -> Tensor:
-    """`wait_tensor(in_flight)`, once `before` is computed: an opaque op, so that Inductor neither
-    fuses the check's assertions into the kernel's first local pass nor moves that pass below the
-    wait (its locality pass and the CPU backend's kernel groups did both): the check's all-gather
-    flies while the kernel computes `before`, the input of its first collective. A copy (a custom
-    op's output may not alias its input): `[R·L]` int64, 4 KiB at `R = 2`."""
-    return torch.ops._c10d_functional.wait_tensor(in_flight).clone()
+_SEPARATOR = "\x1f"  # between the messages of `_assert_agreement` (a custom op takes one string)
 
 
-@_wait_after.register_fake
-def _(in_flight: Tensor, before: Tensor) -> Tensor:
-    return torch.empty_like(in_flight)
+@torch.library.custom_op("lossfx::assert_agreement", mutates_args=())
+def _assert_agreement(before: Tensor, failed: Tensor, messages: str) -> Tensor:
+    """`_assert_async(~failed[g], messages[g])` for each group `g` of the compiled check, then a
+    0-d `False` (the token): the collective that sends `before` is made to read the token
+    (`_core.host_reads.settle_before`), so it runs after the assertions in any order a compiler
+    picks (a plain `_assert_async` has no output: Inductor's scheduler placed one after the
+    kernel's all-gather). `before` is only read for order: the compiled graph computes it (the
+    kernel's first local pass) first, and the check's round trip flies meanwhile. Opaque: no
+    compiler pass moves or drops it."""
+    for g, message in enumerate(messages.split(_SEPARATOR)):
+        torch._assert_async(~failed[g], message)
+    return torch.zeros((), dtype=torch.bool, device=before.device)
+
+
+@_assert_agreement.register_fake
+def _(before: Tensor, failed: Tensor, messages: str) -> Tensor:
+    return torch.empty((), dtype=torch.bool, device=before.device)
 
 
 _REJECTED_WHAT = "whether the call is valid (a rank rejected it while compiling: its own error says why)"

@@ -48,7 +48,7 @@ def all_gather_stack(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """Stack every rank's `x` along a new leading dim: `[*]` -> `[R, *]` (rank order)."""
     if not is_distributed(group):
         return x.unsqueeze(0)
-    _host_reads.settle(x)  # the call's checks are read before its first collective
+    x = _host_reads.settle_before(x)  # the call's checks are read before its first collective
     # imported on first use, here and below: `import lossfx` loads no torch module that `import torch`
     # does not (tests/test_import.py)
     import torch.distributed._functional_collectives as funcol
@@ -63,7 +63,7 @@ def all_reduce(x: Tensor, op: str, group: ProcessGroup | None) -> Tensor:
     """Out-of-place all-reduce (`op` in `"sum"`, `"max"`, `"min"`); identity without a group."""
     if not is_distributed(group):
         return x
-    _host_reads.settle(x)
+    x = _host_reads.settle_before(x)
     import torch.distributed._functional_collectives as funcol
 
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, group=group))
@@ -73,7 +73,7 @@ def reduce_scatter_sum(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """Sum `x [R·d0, ...]` over ranks and keep this rank's `d0` rows; identity without a group."""
     if not is_distributed(group):
         return x
-    _host_reads.settle(x)
+    x = _host_reads.settle_before(x)
     import torch.distributed._functional_collectives as funcol
 
     scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor  # torch < 2.8

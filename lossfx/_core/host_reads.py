@@ -43,6 +43,7 @@ __all__ = [
     "read_now",
     "seen",
     "settle",
+    "settle_before",
     "tracing",
     "when_landed",
 ]
@@ -52,7 +53,7 @@ _state = threading.local()  # .depth: public calls entered; .pending: [(tensor, 
 # .landing: [(host buffer, event or None, handler)], copies to the host in flight (`when_landed`)
 # what the code being traced deferred to its first collective (`defer_traced`); a module list, not
 # `_state`: only traced code changes it (symbolically: Dynamo replays the final, empty, list)
-_traced_pending: list[Callable[[Tensor | None], None]] = []
+_traced_pending: list[Callable[[Tensor | None], Tensor | None]] = []
 
 
 def tracing() -> bool:
@@ -87,13 +88,14 @@ def defer(values: Tensor, handler: Handler) -> None:
         pending.append((values, handler))
 
 
-def defer_traced(emit: Callable[[Tensor | None], None]) -> None:
-    """While tracing: call `emit(before)` at the next `settle(before)` of the traced call (before
-    its first collective, `before` that collective's input; or `None` when the boundary settles at
-    its end) instead of now; otherwise `emit(None)` at once. The compiled cross-rank check defers
-    its wait and in-graph assertions so: its all-gather is issued first and flies while the kernel
-    computes the input of its first collective (`emit` makes the assertions read `before`, so that
-    graph passes keep that computation ahead of the wait)."""
+def defer_traced(emit: Callable[[Tensor | None], Tensor | None]) -> None:
+    """While tracing: call `emit(before)` at the next `settle_before(before)` of the traced call
+    (`before` the input of its first collective), or `emit(None)` at the `settle()` that ends it
+    when it runs no collective, instead of now; otherwise `emit(None)` at once. `emit` returns a
+    0-d bool `False` computed after its assertions (or `None`): the collective's input is made to
+    depend on it, so no compiler pass can move the collective above them. The compiled
+    cross-rank check defers its wait and assertions so: its all-gather is issued first and flies
+    while the kernel computes the input of its first collective."""
     if tracing():
         _traced_pending.append(emit)
     else:
@@ -162,13 +164,12 @@ def read_now(values: Tensor) -> list[int]:
     return out
 
 
-def settle(before: Tensor | None = None) -> None:
+def settle() -> None:
     """Read every deferred tensor in one transfer and run their handlers (in order); `poll`.
-    While tracing: emit what `defer_traced` deferred (into the graph, in order), before the
-    collective whose input is `before`."""
+    While tracing: emit what `defer_traced` deferred (into the graph, in order)."""
     if tracing():  # nothing is read while tracing
         while _traced_pending:
-            _traced_pending.pop(0)(before)
+            _traced_pending.pop(0)(None)
         return
     poll()
     pending = getattr(_state, "pending", None)
@@ -182,6 +183,22 @@ def settle(before: Tensor | None = None) -> None:
     for t, handler in pending:
         handler(values[start : start + t.numel()])
         start += t.numel()
+
+
+def settle_before(x: Tensor) -> Tensor:
+    """`settle()` before a collective that sends `x`; returns the tensor to send. Eagerly `x`.
+    While tracing, what `defer_traced` deferred is emitted here, reading `x`, and `x` comes back
+    as `where(token, 0, x)` (bit for bit `x`, differentiable): a data dependency on the deferred
+    assertions' token that keeps the collective below them in any order the compiler picks."""
+    if not tracing():
+        settle()
+        return x
+    token = None
+    while _traced_pending:
+        done = _traced_pending.pop(0)(x)
+        if done is not None:
+            token = done if token is None else token | done
+    return x if token is None else torch.where(token, x.new_zeros(()), x)
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lossfx._core.distributed import all_gather_stack, all_reduce, is_distributed, local_columns, reduce_scatter_sum
-from lossfx._core.host_reads import read_now, settle, tracing
+from lossfx._core.host_reads import read_now, settle_before, tracing
 from lossfx._core.numerics import log_softmax_rows
 from lossfx._core.tiles import LogitHead
 from lossfx._core.vocab import VocabRange
@@ -130,16 +130,17 @@ def _fused(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (logprobs `[..., K]`, neg_entropy `[...]`, valid `[..., K]`) for ids `[..., K]`."""
     rows = linear_rows(hidden, ids, vocab, weight.shape[0], ignore_index)
+    local_idx = rows.local_idx
     if sequence_parallel:
         # the call's checks before the forward's first collective, the all-gather of the rows it
         # saves for backward: emitted there, inside the autograd.Function's traced forward, Dynamo
         # rejects the graph (an intermediate that aliases an output, reached by a side effect)
-        settle(rows.local_idx)
+        local_idx = settle_before(local_idx)
     logprobs, neg_entropy = _FusedLinearFn.apply(
         rows.hidden,
         weight,
         bias,
-        rows.local_idx,
+        local_idx,
         rows.owned,
         rows.valid,
         rows.active_rows,

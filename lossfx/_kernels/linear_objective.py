@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lossfx._core.chunking import policy_for
 from lossfx._core.distributed import all_gather_stack, all_reduce, group_size, is_distributed, reduce_scatter_sum
-from lossfx._core.host_reads import settle
+from lossfx._core.host_reads import settle_before
 from lossfx._core.numerics import finite_or_zero, log_s_for_softmax
 from lossfx._core.tiles import LogitHead, Tiles, add_rows_, chunk_rows_for, compute_dtype, matmul_dtype
 from lossfx._core.vocab import VocabRange
@@ -327,12 +327,12 @@ def linear_logprob_objective(
     shard_width = -(-vocab.size // group_size(vocab.group))  # sizes the default chunk: rank-independent
     # the call's checks come before its collectives, which run inside an op opaque to the compiler
     # (and traced, here rather than in the autograd.Function's forward subgraph)
-    settle(rows.local_idx)
+    local_idx = settle_before(rows.local_idx)
     objective, logprobs, neg_entropy = _LinearObjectiveFn.apply(
         rows.hidden,
         weight,
         bias,
-        rows.local_idx[:, 0],
+        local_idx[:, 0],
         rows.owned[:, 0],
         rows.active_rows,
         lw,
