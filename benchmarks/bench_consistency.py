@@ -19,7 +19,9 @@ distribution-free band, per rank):
   fixed cost shows) and `[4, 512, 8192]`, eager and compiled (inductor, `fullgraph=True`; the
   check-off graph is traced as a nested call, which skips the check).
 
-Prints a markdown table (rank 0's times; the paired differences of every rank).
+Prints a markdown table (rank 0's times; the paired differences of every rank, of wall time and
+of the calling thread's CPU time: their gap is time spent blocked, waiting for the other rank or
+for a wake-up, rather than work the check adds).
 """
 
 from __future__ import annotations
@@ -62,22 +64,27 @@ def _median_band(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(ordered), ordered[max(0, n // 2 - half)], ordered[min(n - 1, (n - 1) // 2 + half)]
 
 
-def _interleaved(on, off, iters: int, barrier=None) -> tuple[tuple[float, float], tuple[float, float], tuple]:
-    """`(stats of on, stats of off, paired)`: per iteration one call of each, in alternating order
-    (on, off, off, on, ...) so both see the same load and neither always runs first; `barrier()`
-    before each timed call lines the ranks up, so a call does not absorb the skew the previous one
-    left (the check's all-gather is the call's first collective: it would wait for the slowest rank).
-    `paired`: the median of the per-iteration differences `on − off` in µs and its 95 % band."""
+def _interleaved(on, off, iters: int, barrier=None) -> tuple[tuple[float, float], tuple[float, float], tuple, tuple]:
+    """`(stats of on, stats of off, paired, paired_cpu)`: per iteration one call of each, in
+    alternating order (on, off, off, on, ...) so both see the same load and neither always runs
+    first; `barrier()` before each timed call lines the ranks up, so a call does not absorb the
+    skew the previous one left (the check's all-gather is the call's first collective: it would
+    wait for the slowest rank). `paired`: the median of the per-iteration differences `on − off`
+    of wall time in µs and its 95 % band; `paired_cpu`: the same of this thread's CPU time
+    (`time.thread_time`: the work the check adds, without the time spent blocked in a wait)."""
     times: tuple[list[float], list[float]] = ([], [])
+    cpu: tuple[list[float], list[float]] = ([], [])
     for i in range(iters):
         for j in (0, 1) if i % 2 == 0 else (1, 0):
             if barrier is not None:
                 barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             (on, off)[j]()
             times[j].append(time.perf_counter() - start)
+            cpu[j].append(time.thread_time() - start_cpu)
     diffs = [(a - b) * 1e6 for a, b in zip(*times, strict=True)]
-    return _stats_us(times[0]), _stats_us(times[1]), _median_band(diffs)
+    cpu_diffs = [(a - b) * 1e6 for a, b in zip(*cpu, strict=True)]
+    return _stats_us(times[0]), _stats_us(times[1]), _median_band(diffs), _median_band(cpu_diffs)
 
 
 def _compiled_row(rows, batch, seq, vocab, logits, data, kwargs, loss_fn, unchecked, iters, barrier) -> None:
@@ -217,23 +224,27 @@ def main() -> None:
     print(f"world {args.world} (gloo, 127.0.0.1, 1 thread per rank), {args.iters} calls each; rank 0, then")
     print("the paired differences of every rank (barrier before each timed call, on/off order alternating)\n")
     added_header = "added: median of paired on − off, µs [95 % band]"
-    print(f"| what | median µs (check on) | p10 µs | median µs, check off | p10 µs | {added_header} |")
-    print("|---|---:|---:|---:|---:|---:|")
+    cpu_header = "of which this thread's CPU time, µs [95 % band]"
+    print(f"| what | median µs (check on) | p10 µs | median µs, check off | p10 µs | {added_header} | {cpu_header} |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for label, (med, p10), *rest in per_rank[0]:
         if not rest or rest[0] is None:
-            print(f"| {label} | {med:.0f} | {p10:.0f} | | | |")
+            print(f"| {label} | {med:.0f} | {p10:.0f} | | | | |")
             continue
         off = rest[0]
         added = [f"r{r}: {_band(per_rank[r], label)}" for r in sorted(per_rank)]
-        print(f"| {label} | {med:.0f} | {p10:.0f} | {off[0]:.0f} | {off[1]:.0f} | {'; '.join(added)} |")
+        cpu = [f"r{r}: {_band(per_rank[r], label, cpu=True)}" for r in sorted(per_rank)]
+        times = f"{med:.0f} | {p10:.0f} | {off[0]:.0f} | {off[1]:.0f}"
+        print(f"| {label} | {times} | {'; '.join(added)} | {'; '.join(cpu)} |")
 
 
-def _band(rows, label: str) -> str:
-    """`+d µs [lo, hi] (+x % [lo %, hi %])` of the paired differences of the row `label`, relative
-    to that rank's median check-off time."""
+def _band(rows, label: str, cpu: bool = False) -> str:
+    """`+d µs [lo, hi] (+x % [lo %, hi %])` of the paired differences (wall, or with `cpu` this
+    thread's CPU time) of the row `label`, relative to that rank's median check-off wall time."""
     for row_label, _, *rest in rows:
         if row_label == label:
-            off, (d, lo, hi) = rest
+            off, wall, thread = rest
+            d, lo, hi = thread if cpu else wall
             return f"{d:+.0f} [{lo:+.0f}, {hi:+.0f}] ({d / off[0]:+.1%} [{lo / off[0]:+.1%}, {hi / off[0]:+.1%}])"
     return "?"
 
