@@ -915,7 +915,7 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
                 for g, message in enumerate(messages):
                     torch._assert_async(~failed[g], message)
             else:
-                done = torch.ops.lossfx.assert_agreement(before.detach(), failed, _SEPARATOR.join(messages))
+                done = torch.ops.lossfx.assert_agreement(before.detach(), ~failed, _SEPARATOR.join(messages))
                 token = done if token is None else token | done
         return token
 
@@ -926,21 +926,21 @@ _SEPARATOR = "\x1f"  # between the messages of `_assert_agreement` (a custom op 
 
 
 @torch.library.custom_op("lossfx::assert_agreement", mutates_args=())
-def _assert_agreement(before: Tensor, failed: Tensor, messages: str) -> Tensor:
-    """`_assert_async(~failed[g], messages[g])` for each group `g` of the compiled check, then a
+def _assert_agreement(before: Tensor, agree: Tensor, messages: str) -> Tensor:
+    """`_assert_async(agree[g], messages[g])` for each group `g` of the compiled check, then a
     0-d `False` (the token): the collective that sends `before` is made to read the token
     (`_core.host_reads.settle_before`), so it runs after the assertions in any order a compiler
     picks (a plain `_assert_async` has no output: Inductor's scheduler placed one after the
     kernel's all-gather). `before` is only read for order: the compiled graph computes it (the
     kernel's first local pass) first, and the check's round trip flies meanwhile. Opaque: no
-    compiler pass moves or drops it."""
-    for g, message in enumerate(messages.split(_SEPARATOR)):
-        torch._assert_async(~failed[g], message)
+    compiler pass moves or drops it. ~1 µs per group on the CPU (one `unbind`, no host read)."""
+    for ok, message in zip(agree.unbind(0), messages.split(_SEPARATOR), strict=True):
+        torch._assert_async(ok, message)
     return torch.zeros((), dtype=torch.bool, device=before.device)
 
 
 @_assert_agreement.register_fake
-def _(before: Tensor, failed: Tensor, messages: str) -> Tensor:
+def _(before: Tensor, agree: Tensor, messages: str) -> Tensor:
     return torch.empty((), dtype=torch.bool, device=before.device)
 
 
