@@ -1090,7 +1090,7 @@ def boundary(
                 _traced_depth[0] += 1
                 try:
                     out = fn(*args, **kwargs)
-                    _host_reads.settle()  # the check's assertions, if the call ran no collective
+                    _host_reads.end_traced()  # the check's assertions, if the call ran no collective
                     return out
                 finally:
                     _traced_depth[0] -= 1

@@ -37,6 +37,7 @@ __all__ = [
     "defer",
     "defer_traced",
     "depth",
+    "end_traced",
     "nested",
     "outermost",
     "poll",
@@ -54,6 +55,9 @@ _state = threading.local()  # .depth: public calls entered; .pending: [(tensor, 
 # what the code being traced deferred to its first collective (`defer_traced`); a module list, not
 # `_state`: only traced code changes it (symbolically: Dynamo replays the final, empty, list)
 _traced_pending: list[Callable[[Tensor | None], Tensor | None]] = []
+# the token of the traced call's emitted assertions, read by each of its later collectives (`settle_before`);
+# emptied when the call's trace ends (`end_traced`)
+_traced_token: list[Tensor] = []
 
 
 def tracing() -> bool:
@@ -187,18 +191,25 @@ def settle() -> None:
 
 def settle_before(x: Tensor) -> Tensor:
     """`settle()` before a collective that sends `x`; returns the tensor to send. Eagerly `x`.
-    While tracing, what `defer_traced` deferred is emitted here, reading `x`, and `x` comes back
-    as `where(token, 0, x)` (bit for bit `x`, differentiable): a data dependency on the deferred
-    assertions' token that keeps the collective below them in any order the compiler picks."""
+    While tracing, what `defer_traced` deferred is emitted at the call's first collective, reading
+    `x`, and this and every later collective of the traced call sends `where(token, 0, x)` (bit
+    for bit `x`, differentiable) instead: a data dependency on the deferred assertions' token,
+    so no compiler order can run any of the call's collectives before them."""
     if not tracing():
         settle()
         return x
-    token = None
     while _traced_pending:
         done = _traced_pending.pop(0)(x)
         if done is not None:
-            token = done if token is None else token | done
-    return x if token is None else torch.where(token, x.new_zeros(()), x)
+            _traced_token[:] = [done if not _traced_token else _traced_token[0] | done]
+    return torch.where(_traced_token[0], x.new_zeros(()), x) if _traced_token else x
+
+
+def end_traced() -> None:
+    """At the end of an outermost traced call: emit what is still deferred (the call ran no
+    collective) and forget the token (a later call's collectives read their own)."""
+    settle()
+    _traced_token.clear()
 
 
 @contextlib.contextmanager
