@@ -869,14 +869,15 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
     and in-graph assertions that every rank's equals this rank's, one per argument
     (`_compiled_groups`), emitted with the wait just before the kernel's first collective
     (`_core.host_reads.defer_traced`; the round trip may overlap the kernel's first local pass),
-    inside `lossfx::assert_agreement`, whose token that collective reads (so it runs after them
-    in any compiled order): no graph break, no host read. A mismatch raises `RuntimeError` naming
-    the argument, the same on every rank (they all see the same gathered matrix); each rank's value is not shown (that
-    would be a host read). Not compared here: the shard layout across the tensor-parallel group
-    (offsets: the kernels' uniform default is assumed; with the `"auto"` and `"equal"` policies
-    the widths must be equal, as traced `vocab_shard_range` has no gathered widths) and, across
-    the context-parallel group, the fingerprints of sequence shards (`Roles.cp_shards`). The
-    digest of the fields past the body is an eager rank's only (a compiled one has none)."""
+    inside `lossfx::assert_agreement`, whose token every collective of the call reads (so they
+    run after them in any compiled order): no graph break, no host read. A mismatch raises
+    `RuntimeError` naming the argument, the same on every rank (they all see the same gathered
+    matrix); each rank's value is not shown (that would be a host read). Not compared here: the
+    shard layout across the tensor-parallel group (offsets: the kernels' uniform default is
+    assumed; with the `"auto"` and `"equal"` policies the widths must be equal, as traced
+    `vocab_shard_range` has no gathered widths) and, across the context-parallel group, the
+    fingerprints of sequence shards (`Roles.cp_shards`). The digest of the fields past the body
+    is an eager rank's only (a compiled one has none)."""
     c10d = torch.ops._c10d_functional
     tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
     with_cp = _is_distributed(cp)

@@ -94,8 +94,8 @@ def defer(values: Tensor, handler: Handler) -> None:
 
 def defer_traced(emit: Callable[[Tensor | None], Tensor | None]) -> None:
     """While tracing: call `emit(before)` at the next `settle_before(before)` of the traced call
-    (`before` the input of its first collective), or `emit(None)` at the `settle()` that ends it
-    when it runs no collective, instead of now; otherwise `emit(None)` at once. `emit` returns a
+    (`before` the input of its first collective), or `emit(None)` at its `end_traced` when it
+    runs no collective, instead of now; otherwise `emit(None)` at once. `emit` returns a
     0-d bool `False` computed after its assertions (or `None`): the collective's input is made to
     depend on it, so no compiler pass can move the collective above them. The compiled
     cross-rank check defers its wait and assertions so: its all-gather is issued first and flies
