@@ -1,4 +1,4 @@
-"""Test-session set-up: one thread per op, a persistent Inductor cache, hypothesis profiles."""
+"""Test-session set-up: one thread per op, a persistent Inductor cache, hypothesis profiles, `--device`."""
 
 import os
 
@@ -8,6 +8,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the checkout so a fresh clone on the same machine reuses it.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "lossfx", "inductor"))
 
+import devices
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -29,6 +30,39 @@ settings.register_profile(
 settings.register_profile("ci", settings.get_profile("dev"), max_examples=60)
 settings.register_profile("nightly", settings.get_profile("dev"), max_examples=2000, derandomize=False)
 settings.load_profile(os.getenv("LOSSFX_HYPOTHESIS_PROFILE", "ci" if os.getenv("CI") else "dev"))
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="device the tests build their tensors on (default: cpu; e.g. cuda); tests marked cpu_only "
+        "are skipped on any other device (docs/testing.md lists them)",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only(reason): cannot run on another --device (skipped there)")
+    try:
+        devices.DEVICE = devices.select(config.getoption("--device"))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_collection_modifyitems(config, items):
+    if devices.DEVICE.type == "cpu":
+        return
+    for item in items:
+        marker = item.get_closest_marker("cpu_only")
+        if marker is not None:
+            why = marker.args[0] if marker.args else "CPU only"
+            item.add_marker(pytest.mark.skip(reason=f"--device {devices.DEVICE}: {why}"))
+
+
+@pytest.fixture
+def device():
+    """The device of `--device` (the same as `devices.DEVICE`)."""
+    return devices.DEVICE
 
 
 @pytest.fixture(autouse=True)

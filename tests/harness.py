@@ -264,7 +264,17 @@ _gloo_pools: dict[int, GlooPool] = {}
 
 
 def gloo_pool(world_size: int) -> GlooPool:
-    """The session's persistent gloo pool of this size (restarted after a failure)."""
+    """The session's persistent gloo pool of this size (restarted after a failure).
+
+    Skips the calling test under `pytest --device` other than cpu: the workers exchange CPU tensors
+    through a pipe and reduce them with gloo's CPU collectives, so they cannot follow the option.
+    """
+    import devices
+
+    if devices.DEVICE.type != "cpu":
+        import pytest
+
+        pytest.skip(f"--device {devices.DEVICE}: gloo worker processes exchange and reduce CPU tensors")
     pool = _gloo_pools.get(world_size)
     if pool is None or pool.broken:
         pool = _gloo_pools[world_size] = GlooPool(world_size)

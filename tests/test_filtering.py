@@ -1194,6 +1194,7 @@ def test_nan_row_is_not_a_filter_mismatch():
 
 
 @pytest.mark.slow  # a fresh interpreter: ~20 s on the shared 2-core machine
+@pytest.mark.cpu_only("the CPU memory method: resident high-water mark of a fresh process (benchmarks/rss.py)")
 def test_eager_forward_temporaries_stay_within_one_chunk(monkeypatch):
     """issue 10 item 8: the rows whose ties at the k-th value outgrow the local candidates are
     counted a chunk at a time, never gathered whole (resident high-water mark, fresh process)."""

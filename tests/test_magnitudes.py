@@ -39,6 +39,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from devices import DEVICE, on_device
 from harness import compiled_for_rank, run_ranks
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
@@ -217,10 +218,10 @@ def _rank_fn(rank, world, group, name, x, ids, dout, dneg_h, chunk, compiled):
 
 
 def _run(case, name, compiled=False):
-    x, y, ids, dout = case.build()
+    x, y, ids, dout = on_device(case.build())
     if name == "token":
         dout = dout[:, :1]
-    dneg_h = torch.randn(case.rows, dtype=F64, generator=torch.Generator().manual_seed(case.seed + 1))
+    dneg_h = torch.randn(case.rows, dtype=F64, generator=torch.Generator().manual_seed(case.seed + 1)).to(DEVICE)
     results = run_ranks(case.world, _rank_fn, name, x, ids[:, : dout.shape[1]], dout, dneg_h, case.chunk, compiled)
     lp, neg_h, _, _ = results[0]
     for other in results[1:]:
@@ -251,18 +252,22 @@ def test_gather_logprobs_never_less_accurate_than_log_softmax(case):
 
 def test_issue_examples_exactly():
     """The two reproductions of the issue, with their known truths."""
-    z = torch.tensor([[1e30, 1e30, -1e30]], dtype=F64, requires_grad=True)
-    lp = lossfx.token_logprobs(z, torch.tensor([0]))
+
+    def tensor(data, dtype=None):
+        return torch.tensor(data, dtype=dtype, device=DEVICE)
+
+    z = tensor([[1e30, 1e30, -1e30]], F64).requires_grad_(True)
+    lp = lossfx.token_logprobs(z, tensor([0]))
     lp.sum().backward()
-    torch.testing.assert_close(lp, torch.tensor([-math.log(2)], dtype=F64), rtol=0, atol=1e-15)
-    torch.testing.assert_close(z.grad, torch.tensor([[0.5, -0.5, 0.0]], dtype=F64), rtol=0, atol=1e-15)
-    z32 = torch.tensor([[1e4, 1e4, 1e4, -1e4]])
-    assert lossfx.token_logprobs(z32, torch.tensor([0])).item() == pytest.approx(-math.log(3), abs=2e-7)
-    lp, neg_h = lossfx.gather_logprobs(z.detach(), torch.tensor([[0, 2]]), with_neg_entropy=True)
-    torch.testing.assert_close(lp, torch.tensor([[-math.log(2), -2e30]], dtype=F64), rtol=1e-15, atol=1e-15)
-    torch.testing.assert_close(neg_h, torch.tensor([-math.log(2)], dtype=F64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(lp, tensor([-math.log(2)], F64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(z.grad, tensor([[0.5, -0.5, 0.0]], F64), rtol=0, atol=1e-15)
+    z32 = tensor([[1e4, 1e4, 1e4, -1e4]])
+    assert lossfx.token_logprobs(z32, tensor([0])).item() == pytest.approx(-math.log(3), abs=2e-7)
+    lp, neg_h = lossfx.gather_logprobs(z.detach(), tensor([[0, 2]]), with_neg_entropy=True)
+    torch.testing.assert_close(lp, tensor([[-math.log(2), -2e30]], F64), rtol=1e-15, atol=1e-15)
+    torch.testing.assert_close(neg_h, tensor([-math.log(2)], F64), rtol=0, atol=1e-15)
     # token_logprobs_with_lse keeps its API: the row log-sum-exp, shift + log_s rounded once
-    _, lse = lossfx.token_logprobs_with_lse(z32, torch.tensor([0]))
+    _, lse = lossfx.token_logprobs_with_lse(z32, tensor([0]))
     assert lse.item() == pytest.approx(1e4 + math.log(3), rel=1e-7)
 
 
@@ -494,7 +499,7 @@ def _linear_torch(hidden, weight, ids, dout, dneg, temperature):
 
 
 def _run_linear(case, name, compiled=False):
-    hidden, weight, w0, ids, dout_all, dneg_all = case.build()
+    hidden, weight, w0, ids, dout_all, dneg_all = on_device(case.build())
     k = LINEAR_PATHS[name][2]
     ids = ids[:, :k]
     args = (name, hidden, weight, ids, dout_all[:, :k], dneg_all, case.chunk, case.temperature, compiled)
@@ -576,10 +581,10 @@ def test_fused_linear_gradients_with_a_common_offset(name, offset, temperature):
     weight = torch.randn(v, hs, generator=gen, dtype=F64) * 0.5
     hidden[:, 0] = 1
     weight[:, 0] += offset
-    hidden, weight = hidden.float(), weight.float()
-    ids = torch.randint(0, v, (n, 3), generator=gen)
+    hidden, weight = hidden.float().to(DEVICE), weight.float().to(DEVICE)
+    ids = torch.randint(0, v, (n, 3), generator=gen).to(DEVICE)
     dout, dneg = _linear_upstream(
-        name, torch.randn(n, 3, generator=gen, dtype=F64), torch.randn(n, generator=gen, dtype=F64)
+        name, *on_device((torch.randn(n, 3, generator=gen, dtype=F64), torch.randn(n, generator=gen, dtype=F64)))
     )
     k = LINEAR_PATHS[name][2]
     _, _, dh, dw, _ = _linear_rank_fn(
@@ -635,11 +640,11 @@ def _run_projected(kind, teacher, log2_student, scale, compiled=False):
     `tol` a few roundings of each term of `g·p_v·(w_v − Σ p w)` (`w = log p_s − log p_t`, or
     `−log p_t`) in the size of the log-probs that form it."""
     t = LinearCase(**{**teacher.__dict__, "temperature": 1.0})
-    hidden, weight, w0, _, _, _ = t.build()
+    hidden, weight, w0, _, _, _ = on_device(t.build())
     log2_student = min(log2_student, math.log2(torch.finfo(t.dtype).max) - 8)
     student_case = OffsetCase(t.dtype, t.world, t.rows, t.local_vocab, 1, log2_student, t.negative, scale, None, t.seed)
-    x, y, _, _ = student_case.build()
-    dout = torch.randn(t.rows, generator=torch.Generator().manual_seed(t.seed), dtype=F64)
+    x, y, _, _ = on_device(student_case.build())
+    dout = torch.randn(t.rows, generator=torch.Generator().manual_seed(t.seed), dtype=F64).to(DEVICE)
     results = run_ranks(t.world, _projected_rank_fn, kind, x, hidden, weight, dout, teacher.chunk, compiled)
     grad = torch.cat([r[1] for r in results], dim=-1)
     ref = reference.reverse_kl_to_fixed if kind == "reverse_kl" else reference.cross_entropy_to_fixed
@@ -949,7 +954,7 @@ def _packed_ids(aux):
 
 
 def _packed_call(x, xt, aux, group, rank, chunk):
-    data = {"input_ids": _packed_ids(aux), "cu_seqlens": torch.tensor(aux["cu"])}
+    data = {"input_ids": _packed_ids(aux), "cu_seqlens": torch.tensor(aux["cu"], device=x.device)}
     out, _ = lossfx.prepare_packed_loss_input(
         x[None], data, LOGPROB_LOSS, aux["cu"], aux["cu"], vocab_parallel_group=group,
         vocab_parallel_rank=None if group is None else rank, chunk_size=chunk,
@@ -965,7 +970,7 @@ def _packed_torch(xc, xtc, aux):
     target = torch.cat([aux["target"][1:], aux["target"][:1]])
     lp = xc.log_softmax(-1).gather(-1, target[:, None])[:, 0]
     last = torch.zeros_like(lp, dtype=torch.bool)
-    last[torch.tensor(aux["cu"][1:]) - 1] = True  # each sequence's last slot has no next token: 0
+    last[torch.tensor(aux["cu"][1:], device=lp.device) - 1] = True  # each sequence's last slot has no next token: 0
     return (torch.where(last, 0, lp)[:-1],)
 
 
@@ -1017,8 +1022,8 @@ def _paths_rank_fn(rank, world, group, name, x, xt, aux, douts, chunk, compiled)
 
 def _run_path(name, case, teacher_case=None, top_p_u=0.5, compiled=False):
     path = LOGITS_PATHS[name]
-    x, y, _, _ = case.build()
-    aux = _aux(case, top_p_u)
+    x, y, _, _ = on_device(case.build())
+    aux = on_device(_aux(case, top_p_u))
     xt = yt = None
     if path.teacher is not None:
         t_case = teacher_case or case
@@ -1027,13 +1032,13 @@ def _run_path(name, case, teacher_case=None, top_p_u=0.5, compiled=False):
         t_case = OffsetCase(**{**t_case.__dict__, "dtype": case.dtype, "world": 1, "rows": case.rows})
         t_case = OffsetCase(**{**t_case.__dict__, "log2_offset": log2_offset})
         t_case = OffsetCase(**{**t_case.__dict__, "local_vocab": case.vocab if path.teacher == "vocab" else width})
-        xt, yt, _, _ = t_case.build()
+        xt, yt, _, _ = on_device(t_case.build())
     log_v = math.log(case.vocab) + 1
     t_sizes = path.sizes(y, yt, aux, log_v)
     gen = torch.Generator().manual_seed(case.seed + 3)
     t_outs_shapes = [o.shape for o in path.truth(y, yt, aux)]
     douts = [
-        None if grad_size is None else torch.randn(shape, generator=gen, dtype=F64).clamp(-3, 3)
+        None if grad_size is None else torch.randn(shape, generator=gen, dtype=F64).clamp(-3, 3).to(DEVICE)
         for shape, (_, grad_size) in zip(t_outs_shapes, t_sizes, strict=True)
     ]
     results = run_ranks(case.world, _paths_rank_fn, name, x, xt, aux, douts, case.chunk, compiled)
@@ -1095,12 +1100,12 @@ def test_tiny_gradient_entries_next_to_large_ones(kind):
     levels are 2**28 apart, so the gradient row is `[8.5e6, −8.5e6, 1.4e-34]`: a normal entry made
     of a subnormal factor. Each entry is within `_row_floor` of the truth (a few fp32 roundings of
     the row's largest entry: the rule of the magnitude properties) and within the rule against torch."""
-    y = torch.tensor([[0.0, -3.0, -97.0]], dtype=F64)
+    y = torch.tensor([[0.0, -3.0, -97.0]], dtype=F64, device=DEVICE)
     offset, level = 2.0**50, 2.0**28
-    yt = torch.tensor([[-level, 0.0, -2 * level]], dtype=F64)
+    yt = torch.tensor([[-level, 0.0, -2 * level]], dtype=F64, device=DEVICE)
     x, xt = y.float(), (offset + yt).float()
     assert torch.equal(xt.double() - offset, yt), "test construction: the teacher's levels must be exact"
-    g = torch.tensor([0.7], dtype=F64)
+    g = torch.tensor([0.7], dtype=F64, device=DEVICE)
     truth_x = y.clone().requires_grad_(True)
     (getattr(reference, kind)(truth_x, yt) * g).sum().backward()
     truth = truth_x.grad

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from devices import on_device
 from harness import run_ranks
 
 import lossfx
@@ -34,7 +35,7 @@ def _case(seed=0):
     ids = torch.randint(0, V, (B, S, K), generator=g)
     ids[0, 0, 1] = ids[0, 0, 0]  # a duplicated id
     upstream = [torch.randn(B, S - 1, K, generator=g, dtype=F64), torch.randn(B, S - 1, generator=g, dtype=F64)]
-    return z, values, ids.to(torch.int32), upstream
+    return on_device((z, values, ids.to(torch.int32), upstream))
 
 
 def _loss(student, neg_entropy, upstream):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import DEVICE, on_device
 from harness import compiled_for_rank, run_ranks
 
 import lossfx
@@ -32,7 +33,7 @@ def _data(seed: int, rows: tuple[int, ...] = (3, 4), vocab: int = 11) -> tuple[t
     teacher = torch.randn(*rows, vocab, generator=gen, dtype=F64) * 3
     student[0, 0, :4] = float("-inf")  # p_s = 0 columns: 0 · log 0 = 0
     dout = torch.randn(rows, generator=gen, dtype=F64)
-    return student, teacher, dout
+    return on_device((student, teacher, dout))
 
 
 def _pure(kind: str, student, teacher, group, chunk_rows=None):
@@ -85,10 +86,10 @@ def test_pure_kernel_no_grad_and_low_precision(kind):
 def test_pure_projected_teacher_matches_the_reference(kind):
     gen = torch.Generator().manual_seed(3)
     n, v, h = 7, 11, 4
-    student = torch.randn(n, v, generator=gen, dtype=F64).requires_grad_()
-    hidden = torch.randn(n, h, generator=gen, dtype=F64)
-    heads = [torch.randn(v, h, generator=gen, dtype=F64) for _ in range(2)]
-    head = torch.randint(0, 2, (n,), generator=gen)
+    student = torch.randn(n, v, generator=gen, dtype=F64).to(DEVICE).requires_grad_()
+    hidden = torch.randn(n, h, generator=gen, dtype=F64).to(DEVICE)
+    heads = [torch.randn(v, h, generator=gen, dtype=F64).to(DEVICE) for _ in range(2)]
+    head = torch.randint(0, 2, (n,), generator=gen).to(DEVICE)
     teacher = torch.stack([hidden[i] @ heads[int(head[i])].T for i in range(n)])  # [n, v]
     out = kernel.divergence_to_projected_teacher(
         kind, student, hidden, heads, head, None, chunk_rows=3, logits_dtype=F64
@@ -96,7 +97,7 @@ def test_pure_projected_teacher_matches_the_reference(kind):
     dense = student.detach().clone().requires_grad_()
     want = getattr(reference, f"{kind}_to_fixed")(dense, teacher)
     torch.testing.assert_close(out, want, **TIGHT)
-    dout = torch.randn(n, generator=gen, dtype=F64)
+    dout = torch.randn(n, generator=gen, dtype=F64).to(DEVICE)
     torch.testing.assert_close(
         torch.autograd.grad(out, student, dout)[0], torch.autograd.grad(want, dense, dout)[0], **TIGHT
     )
@@ -123,7 +124,7 @@ def test_pure_kernel_compiles_without_graph_break():
     dense = student.clone().requires_grad_()
     want = torch.stack([_reference(kind, dense, teacher) for kind in KINDS])
     torch.testing.assert_close(got, want, **TIGHT)
-    g = torch.randn(got.shape, generator=torch.Generator().manual_seed(0), dtype=F64)
+    g = torch.randn(got.shape, generator=torch.Generator().manual_seed(0), dtype=F64).to(DEVICE)
     torch.testing.assert_close(torch.autograd.grad(got, s, g)[0], torch.autograd.grad(want, dense, g)[0], **TIGHT)
     compiled(student.clone().requires_grad_(), teacher)  # same shapes: no recompile
     assert counter.frame_count == 1

@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
+from devices import DEVICE, on_device
 from harness import run_ranks
 
 import lossfx
@@ -40,7 +41,7 @@ def _logits(rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
     steps = torch.randn(rows, vocab, generator=gen).round()
     z = torch.randint(0, 5, (rows, vocab), generator=gen).to(F64) + 0.3 * steps
     z[0, 2] = float("-inf")
-    return z, torch.randint(0, vocab, (rows,), generator=gen)
+    return on_device((z, torch.randint(0, vocab, (rows,), generator=gen)))
 
 
 def _splits(world: int, vocab: int, uneven: bool) -> list[tuple[int, int]]:
@@ -67,7 +68,7 @@ def _rank_pure(rank, world, group, z, target, dout, splits, top_k, top_p, strate
 def test_pure_kernels_match_the_reference(world, uneven, top_k, top_p, strategy, ties):
     """Values and gradients of the three pure kernels, float64, 1 and 2 ranks, uneven shards."""
     z, target = _logits(6, 13, seed=world + 10 * uneven + (top_k or 0))
-    dout = torch.randn(target.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+    dout = torch.randn(target.shape, generator=torch.Generator().manual_seed(3), dtype=F64).to(DEVICE)
     z_ref = z.clone().requires_grad_(True)
     want = reference.filtered_token_logprobs(z_ref, target, top_k, top_p, ties)
     (want_grad,) = torch.autograd.grad(want, z_ref, dout)
@@ -82,7 +83,7 @@ def test_pure_kernels_match_the_reference(world, uneven, top_k, top_p, strategy,
         assert torch.equal(filtered, want_filtered[:, start:end])
         assert torch.equal(grad_filtered, keep.to(F64))  # grad · keep
         tau, cut = (found, None) if ties == "together" else found
-        ids = torch.arange(start, end)
+        ids = torch.arange(start, end, device=DEVICE)
         kept = (z[:, start:end] >= tau[:, None]) if cut is None else (z[:, start:end] > tau[:, None])
         if cut is not None:
             kept |= (z[:, start:end] == tau[:, None]) & (ids >= cut[:, None])

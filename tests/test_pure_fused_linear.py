@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from devices import on_device
 from harness import compiled_for_rank, run_ranks
 
 import lossfx
@@ -36,7 +37,7 @@ def _case(n=7, h=5, v=11, k=3, seed=0):
     ids[4] = -100
     a = torch.randn(n, generator=gen, dtype=F64)
     b = torch.randn(n, generator=gen, dtype=F64)
-    return hidden, weight, bias, ids, a, b
+    return on_device((hidden, weight, bias, ids, a, b))
 
 
 def _leaves(*tensors):
@@ -53,8 +54,8 @@ def _reference_gather(hidden, weight, bias, ids, zero_outside_topk):
 
 def _backward(lp, ne):
     gen = torch.Generator().manual_seed(99)
-    g = torch.randn(lp.shape, generator=gen, dtype=F64)
-    gn = torch.randn(ne.shape, generator=gen, dtype=F64)
+    g = torch.randn(lp.shape, generator=gen, dtype=F64).to(lp.device)
+    gn = torch.randn(ne.shape, generator=gen, dtype=F64).to(ne.device)
     ((lp * g).sum() + (ne * gn).sum()).backward()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import DEVICE
 from harness import run_ranks
 from test_pure_logprobs import _counting
 
@@ -22,11 +23,11 @@ from lossfx._kernels import gather as kernel
 F64 = torch.float64
 V = 11
 GEN = torch.Generator().manual_seed(16)
-Z = torch.randn(2, 3, V, generator=GEN, dtype=F64) * 3
-IDS = torch.randint(0, V, (2, 3, 4), generator=GEN)
+Z = (torch.randn(2, 3, V, generator=GEN, dtype=F64) * 3).to(DEVICE)
+IDS = torch.randint(0, V, (2, 3, 4), generator=GEN).to(DEVICE)
 IDS[0, 0, 1] = IDS[0, 0, 0]  # a duplicate id: its gradients add
-G = torch.randn(2, 3, 4, generator=GEN, dtype=F64)
-H = torch.randn(2, 3, generator=GEN, dtype=F64)
+G = torch.randn(2, 3, 4, generator=GEN, dtype=F64).to(DEVICE)
+H = torch.randn(2, 3, generator=GEN, dtype=F64).to(DEVICE)
 
 
 def _reference(z: torch.Tensor, what: str):

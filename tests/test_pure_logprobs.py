@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import DEVICE
 from harness import run_ranks
 
 import lossfx
@@ -20,9 +21,9 @@ from lossfx._kernels import logprobs as kernel
 F64 = torch.float64
 V = 11
 GEN = torch.Generator().manual_seed(15)
-Z = torch.randn(2, 3, V, generator=GEN, dtype=F64) * 3
-T = torch.randint(0, V, (2, 3), generator=GEN)
-DOUT = torch.randn(2, 3, generator=GEN, dtype=F64)
+Z = (torch.randn(2, 3, V, generator=GEN, dtype=F64) * 3).to(DEVICE)
+T = torch.randint(0, V, (2, 3), generator=GEN).to(DEVICE)
+DOUT = torch.randn(2, 3, generator=GEN, dtype=F64).to(DEVICE)
 
 
 def _reference(z: torch.Tensor, target: torch.Tensor, ignore_index: int | None = None):

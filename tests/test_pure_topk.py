@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import DEVICE
 from harness import run_ranks
 from test_pure_logprobs import _counting
 
@@ -19,7 +20,7 @@ from lossfx._kernels import topk as kernel
 F64 = torch.float64
 V = 12
 GEN = torch.Generator().manual_seed(17)
-Z = torch.randint(-3, 4, (2, 3, V), generator=GEN).to(F64)  # small integers: many ties
+Z = torch.randint(-3, 4, (2, 3, V), generator=GEN).to(DEVICE, F64)  # small integers: many ties
 
 
 def _check(got, k):
