@@ -42,7 +42,6 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cpu_only(reason): cannot run on another --device (skipped there)")
     try:
         devices.DEVICE = devices.select(config.getoption("--device"))
     except ValueError as exc:

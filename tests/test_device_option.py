@@ -58,3 +58,24 @@ def test_cpu_only_tests_are_skipped_on_another_device(pytestconfig):
     assert [m.kwargs.get("reason") for m in (getattr(m, "mark", m) for m in item.markers)] == [
         "--device meta: needs gloo"
     ]
+
+
+def _collect(marker: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    files = ["tests/test_magnitudes.py", *(str(p.relative_to(ROOT)) for p in sorted(ROOT.glob("tests/test_pure_*.py")))]
+    command = [sys.executable, "-m", "pytest", "--co", "-q", "-m", marker, *files]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_gpu_check_subset_is_the_equivalence_tests_and_nothing_slow():
+    """`-m gpu_check` (the GPU check) selects the pure kernels and the magnitude properties, compiled
+    ones included, and no test of the slow tier (so the check keeps its 10-minute budget). The files
+    that carry the marker only: collecting the whole suite twice would cost a minute here."""
+    run = _collect("gpu_check")
+    assert run.returncode == 0, run.stdout + run.stderr
+    ids = [line for line in run.stdout.splitlines() if "::" in line]
+    files = {i.split("::")[0] for i in ids}
+    assert {"tests/test_magnitudes.py", "tests/test_pure_logprobs.py", "tests/test_pure_fused_linear.py"} <= files
+    assert any("compiled" in i for i in ids) and len(ids) > 100, ids
+    slow = _collect("gpu_check and slow")
+    assert slow.returncode == pytest.ExitCode.NO_TESTS_COLLECTED, slow.stdout

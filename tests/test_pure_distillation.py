@@ -23,6 +23,8 @@ from lossfx._core.vocab import VocabRange
 from lossfx._layouts import distillation as pure
 from lossfx._layouts.sequence_layout import LoadBalancedLayout, PlainLayout
 
+pytestmark = pytest.mark.gpu_check  # the GPU check's subset: `pytest --device cuda -m gpu_check`
+
 F64 = torch.float64
 TIGHT = {"rtol": 0, "atol": 1e-12}
 B, S, V, K = 2, 8, 8, 3

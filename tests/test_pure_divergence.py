@@ -20,6 +20,8 @@ from lossfx import reference
 from lossfx._boundary import validation
 from lossfx._kernels import divergence as kernel
 
+pytestmark = pytest.mark.gpu_check  # the GPU check's subset: `pytest --device cuda -m gpu_check`
+
 F64 = torch.float64
 TIGHT = {"rtol": 1e-12, "atol": 1e-12}
 KINDS = ("neg_entropy", "cross_entropy_to_fixed", "reverse_kl_to_fixed")

@@ -22,6 +22,8 @@ from lossfx import filtering, reference
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import filtering as kernel
 
+pytestmark = pytest.mark.gpu_check  # the GPU check's subset: `pytest --device cuda -m gpu_check`
+
 F64 = torch.float64
 TOL = {"atol": 1e-10, "rtol": 1e-10}
 # (top_k, top_p, strategy, ties): top-k alone, top-p alone, both, both tie rules, both strategies

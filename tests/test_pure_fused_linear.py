@@ -21,6 +21,8 @@ from lossfx._core.vocab import VocabRange
 from lossfx._kernels import fused_linear as kfused
 from lossfx._kernels import linear_objective as kobjective
 
+pytestmark = pytest.mark.gpu_check  # the GPU check's subset: `pytest --device cuda -m gpu_check`
+
 F64 = torch.float64
 TIGHT = {"rtol": 1e-10, "atol": 1e-11}
 HEAD = LogitHead(0.8, 1.3, 4.0)  # temperature, logit_scale, softcap: every option of the head at once

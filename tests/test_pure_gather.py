@@ -20,6 +20,8 @@ from lossfx import reference
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import gather as kernel
 
+pytestmark = pytest.mark.gpu_check  # the GPU check's subset: `pytest --device cuda -m gpu_check`
+
 F64 = torch.float64
 V = 11
 GEN = torch.Generator().manual_seed(16)
