@@ -14,7 +14,7 @@ gradients, where `torch` is `torch.log_softmax` on the logits upcast to lossfx's
 (`torch.log_softmax` in bf16 itself would be a far weaker baseline), and `tol` a few ulps of the
 compute dtype relative to the size of the result (plus one rounding of the gradient's dtype; the
 gradient rules of the later sections also allow a few roundings at the size of the row's largest
-entry, `_row_floor`).
+entry, `row_floor`).
 Eager on 1 and 2 ranks with chunking, compiled (`fullgraph=True`, inductor) on 1 and 2 ranks.
 
 Issue 16, item 1 extends this to the fused LM-head paths (`linear_token_logprobs` with and without
@@ -35,10 +35,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import pytest
 import torch
+from call_table import (
+    LINEAR_PATHS,
+    LOGITS_PATHS,
+    assert_not_less_accurate,
+    linear_torch,
+    path_loss,
+    row_floor,
+)
 from devices import DEVICE, on_device
 from harness import compiled_for_rank, run_ranks
 from hypothesis import assume, example, given, settings
@@ -148,19 +155,6 @@ def _torch_baseline(x, ids, dout, dneg_h):
     return lp.detach(), neg_h.detach(), x.grad
 
 
-def _assert_not_less_accurate(actual, baseline, truth, *, tol, what):
-    a, b, t = (v.detach().to(F64) for v in (actual, baseline, truth))
-    assert not torch.isnan(a).any(), f"{what}: NaN"
-    err_a, err_b = (a - t).abs(), (b - t).abs()
-    bad = err_a > 2 * err_b + tol
-    if bad.any():
-        i = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(
-            f"{what}: less accurate than torch.log_softmax at {i}: lossfx {a[i].item()!r}, "
-            f"torch {b[i].item()!r}, truth {t[i].item()!r} ({int(bad.sum())} entries)"
-        )
-
-
 def _check(case, outs, x, y, ids, dout, dneg_h):
     """outs: (log-probs `[N, K]`, Σ p log p `[N]` or None, dlogits `[N, V]` in x's dtype)."""
     lp, neg_h, grad = outs
@@ -169,14 +163,14 @@ def _check(case, outs, x, y, ids, dout, dneg_h):
     eps = torch.finfo(compute_dtype(case.dtype)).eps
     log_v = math.log(case.vocab) + 1
     tag = f"{case}"
-    _assert_not_less_accurate(lp, b_lp, t_lp, tol=8 * eps * (log_v + t_lp.abs()), what=f"log-probs {tag}")
+    assert_not_less_accurate(lp, b_lp, t_lp, tol=8 * eps * (log_v + t_lp.abs()), what=f"log-probs {tag}")
     if neg_h is not None:
-        _assert_not_less_accurate(neg_h, b_neg_h, t_neg_h, tol=8 * eps * log_v, what=f"Σ p log p {tag}")
+        assert_not_less_accurate(neg_h, b_neg_h, t_neg_h, tol=8 * eps * log_v, what=f"Σ p log p {tag}")
     assert grad.dtype == case.dtype
     # a few compute ulps of the upstream size, plus one rounding to the gradient's dtype
     upstream = dout.abs().sum(-1, keepdim=True) + dneg_h.abs()[:, None] * log_v
     tol = 8 * eps * upstream + torch.finfo(case.dtype).eps * t_grad.abs()
-    _assert_not_less_accurate(grad, b_grad, t_grad, tol=tol, what=f"gradient {tag}")
+    assert_not_less_accurate(grad, b_grad, t_grad, tol=tol, what=f"gradient {tag}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,49 +403,6 @@ def linear_cases(draw, dtypes=tuple(MANTISSA_BITS), worlds=(1, 2), max_log2=None
 # Each path: (call, uses the entropy, number of ids). A call maps this rank's (h, W shard, ids,
 # dout, dneg) to (log-probs `[N, K]`, Σ p log p `[N]` or None, the scalar to backpropagate); the
 # next-token path scores rows 0..N−2 (row N−1 has no next token: its upstream gradient is 0).
-def _lin_token(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
-    out = lossfx.linear_token_logprobs(
-        h, w, ids[:, 0], group=group, chunk_size=chunk, temperature=temperature, return_neg_entropy=entropy
-    )
-    lp, neg_h = out if entropy else (out, None)
-    loss = (lp * dout[:, 0].to(lp.dtype)).sum()
-    return lp[:, None], neg_h, loss + (0 if neg_h is None else (neg_h * dneg.to(lp.dtype)).sum())
-
-
-def _lin_gather(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
-    lp, neg_h = lossfx.linear_gather_logprobs(
-        h, w, ids, with_neg_entropy=True, group=group, chunk_size=chunk, temperature=temperature
-    )
-    return lp, neg_h, (lp * dout.to(lp.dtype)).sum() + (neg_h * dneg.to(lp.dtype)).sum()
-
-
-def _lin_next_token(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
-    input_ids = torch.cat([ids[:1, 0], ids[:-1, 0]])[None]  # [1, N]: position t scores ids[t, 0]
-    lp, neg_h = lossfx.linear_next_token_logprobs(
-        h[None], w, input_ids, group=group, chunk_size=chunk, temperature=temperature, return_neg_entropy=True
-    )
-    lp, neg_h = lp[0], neg_h[0]  # [N − 1]
-    loss = (lp * dout[:-1, 0].to(lp.dtype)).sum() + (neg_h * dneg[:-1].to(lp.dtype)).sum()
-    return lp[:, None], neg_h, loss
-
-
-def _lin_objective(h, w, ids, dout, dneg, group, chunk, temperature, entropy):
-    objective, lp, neg_h = lossfx.linear_logprob_objective(
-        h, w, ids[:, 0], dout[:, 0].to(h.dtype), neg_entropy_weight=dneg.to(h.dtype), group=group,
-        chunk_size=chunk, temperature=temperature,
-    )  # fmt: skip
-    return lp[:, None], neg_h, objective
-
-
-LINEAR_PATHS = {
-    "token": (_lin_token, False, 1),
-    "token_entropy": (_lin_token, True, 1),
-    "gather": (_lin_gather, True, 3),
-    "next_token": (_lin_next_token, True, 1),
-    "objective": (_lin_objective, True, 1),
-}
-
-
 def _linear_rank_fn(rank, world, group, name, hidden, weight, ids, dout, dneg, chunk, temperature, compiled):
     call, entropy, _ = LINEAR_PATHS[name]
     vl = weight.shape[0] // world
@@ -492,16 +443,6 @@ def _linear_truth(hidden, w0, ids, dout, dneg, temperature):
     return lp.detach(), neg_h.detach(), dz @ w0 / temperature, dz.T @ h / temperature, dz, logp
 
 
-def _linear_torch(hidden, weight, ids, dout, dneg, temperature):
-    """The unfused path in the inputs' dtype: logits materialised, `log_softmax` in the compute dtype."""
-    h, w = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
-    cdtype = compute_dtype(h.dtype)
-    lp_all = torch.log_softmax((h @ w.T).to(cdtype) / temperature, dim=-1)
-    lp, neg_h = lp_all.gather(-1, ids), (lp_all.exp() * lp_all).sum(-1)
-    ((lp * dout.to(cdtype)).sum() + (neg_h * dneg.to(cdtype)).sum()).backward()
-    return lp.detach(), neg_h.detach(), h.grad, w.grad
-
-
 def _run_linear(case, name, compiled=False):
     hidden, weight, w0, ids, dout_all, dneg_all = on_device(case.build())
     k = LINEAR_PATHS[name][2]
@@ -515,17 +456,17 @@ def _run_linear(case, name, compiled=False):
     dw = torch.cat([r[3] for r in results])
     dout, dneg = _linear_upstream(name, dout_all, dneg_all)
     t_lp, t_neg_h, t_dh, t_dw, t_dz, t_logp = _linear_truth(hidden, w0, ids, dout, dneg, case.temperature)
-    b_lp, b_neg_h, b_dh, b_dw = _linear_torch(hidden, weight, ids, dout, dneg, case.temperature)
+    b_lp, b_neg_h, b_dh, b_dw = linear_torch(hidden, weight, ids, dout, dneg, case.temperature)
     scored = lp.shape[0]  # next-token: the last row has no value
     eps = torch.finfo(compute_dtype(case.dtype)).eps
     eps_in = torch.finfo(case.dtype).eps
     log_v = math.log(case.vocab) + 1
     tag = f"{name} {case}"
-    _assert_not_less_accurate(
+    assert_not_less_accurate(
         lp, b_lp[:scored], t_lp[:scored], tol=8 * eps * (log_v + t_lp[:scored].abs()), what=f"log-probs {tag}"
     )
     if neg_h is not None:
-        _assert_not_less_accurate(
+        assert_not_less_accurate(
             neg_h, b_neg_h[:scored], t_neg_h[:scored], tol=8 * eps * log_v, what=f"Σ p log p {tag}"
         )
     assert dh.dtype == case.dtype and dw.dtype == case.dtype
@@ -541,11 +482,11 @@ def _run_linear(case, name, compiled=False):
     tol_dh = 8 * (eps + eps_in) * carried @ w_abs / case.temperature + eps_in * t_dh.abs()
     tol_dw = 8 * (eps + eps_in) * carried.T @ h_abs / case.temperature + eps_in * t_dw.abs()
     # a vocabulary row of dW sums entries dz_nv that may all be tiny (a subnormal factor p_v, see
-    # `_row_floor`): each carries the floor of its token's row of dz, in the dtype dz is cast to
-    dz_floor = _row_floor(t_dz, case.dtype) + 4 * eps * t_dz.abs().amax(-1, keepdim=True)
+    # `row_floor`): each carries the floor of its token's row of dz, in the dtype dz is cast to
+    dz_floor = row_floor(t_dz, case.dtype) + 4 * eps * t_dz.abs().amax(-1, keepdim=True)
     tol_dw = tol_dw + dz_floor.T @ h_abs / case.temperature
-    _assert_not_less_accurate(dh, b_dh, t_dh, tol=tol_dh, what=f"hidden gradient {tag}")
-    _assert_not_less_accurate(dw, b_dw, t_dw, tol=tol_dw, what=f"weight gradient {tag}")
+    assert_not_less_accurate(dh, b_dh, t_dh, tol=tol_dh, what=f"hidden gradient {tag}")
+    assert_not_less_accurate(dw, b_dw, t_dw, tol=tol_dw, what=f"weight gradient {tag}")
     if case.dtype == F64 and case.log2_offset <= 14:
         # float64 at |c| <= 16384: within 1e-10 of the float64 truth
         for name_, a, t in (
@@ -597,7 +538,7 @@ def test_fused_linear_gradients_with_a_common_offset(name, offset, temperature):
     _, _, dh, dw, _ = _linear_rank_fn(
         0, 1, None, name, hidden, weight, ids[:, :k], dout, dneg, None, temperature, False
     )
-    _, _, b_dh, b_dw = _linear_torch(hidden, weight, ids[:, :k], dout, dneg, temperature)
+    _, _, b_dh, b_dw = linear_torch(hidden, weight, ids[:, :k], dout, dneg, temperature)
     h64, w64 = hidden.to(F64).requires_grad_(True), weight.to(F64).requires_grad_(True)
     lp, neg_h = reference.linear_gather_logprobs(h64, w64, ids[:, :k], True, temperature)
     ((lp * dout).sum() + (neg_h * dneg).sum()).backward()
@@ -670,12 +611,12 @@ def _run_projected(kind, teacher, log2_student, scale, compiled=False):
     w = lps64 - lpt64 if kind == "reverse_kl" else -lpt64
     sizes = 1 + w.abs() + (p * w.abs()).sum(-1, keepdim=True) + lps64.abs() + lpt64.abs()
     tol = 8 * eps * dout.abs()[:, None] * p * sizes * (1 + lps64.abs()) + eps_in * yy.grad.abs()
-    tol = tol + _row_floor(yy.grad, cdtype)  # a subnormal p_v times a large weight w_v (see there)
+    tol = tol + row_floor(yy.grad, cdtype)  # a subnormal p_v times a large weight w_v (see there)
     tag = f"{kind} {t} student offset 2**{log2_student}, scale {scale}"
-    _assert_not_less_accurate(
+    assert_not_less_accurate(
         results[0][0], b_out.detach(), t_out.detach(), tol=8 * eps * sizes.amax(-1), what=f"value {tag}"
     )
-    _assert_not_less_accurate(grad, xx.grad, yy.grad, tol=tol, what=f"student gradient {tag}")
+    assert_not_less_accurate(grad, xx.grad, yy.grad, tol=tol, what=f"student gradient {tag}")
     return max(r[2] for r in results)
 
 
@@ -752,45 +693,8 @@ def test_compiled_fused_linear_never_less_accurate_than_unfused_more(name, world
 # terms and `8ε|g| p_v (1 + |log p_v|)·(1 + |w_v| + Σ p|w| + |log p_v| + |log p_t(v)|)` on the
 # gradient, as for the projected teacher; plus one rounding of the gradient's dtype, and a floor
 # for the row: a few roundings of the compute dtype at the size of the row's largest gradient
-# entry, plus its smallest normal number (`_row_floor`: an entry may be formed from a subnormal
+# entry, plus its smallest normal number (`row_floor`: an entry may be formed from a subnormal
 # factor, a probability of 1e-42 times a teacher weight of 3e8, and keeps that factor's few bits).
-
-
-def _finite_or_zero(o):
-    return torch.where(torch.isfinite(o), o, torch.zeros_like(o))
-
-
-def _loss(outs, douts):
-    """`Σ g·o` over the finite entries of every differentiable output (`-inf` log-probs carry no gradient)."""
-    return sum((_finite_or_zero(o) * g.to(o.dtype)).sum() for o, g in zip(outs, douts, strict=True) if g is not None)
-
-
-def _lp_sizes(lp, log_v):
-    return log_v + _finite_or_zero(lp).abs()
-
-
-def _div_sizes(lps, lpt, w):
-    """(value size `[N]`, gradient size per unit upstream `[N, V]`) of `Σ_v p_v w_v` (the section comment)."""
-    p = lps.exp()
-    lps, lpt, w = (_finite_or_zero(v) for v in (lps, lpt, w))
-    sizes = 1 + w.abs() + (p * w.abs()).sum(-1, keepdim=True) + lps.abs() + lpt.abs()
-    return 1 + (p * (1 + lps.abs()) * sizes).sum(-1), p * (1 + lps.abs()) * sizes
-
-
-def _row_floor(truth_grad, cdtype):
-    """`[N, 1]`: the absolute error every gradient entry of a row may carry, whatever its own size.
-
-    An entry is a product of factors (`g·p_v·(w_v − Σ p w)` for a reduction) that an implementation
-    forms in some order in the compute dtype; a partial product can be subnormal although the entry
-    is not (`p_v ≈ 1e-42` times a teacher weight `w_v ≈ 3e8` gives an entry of 3e-34 with the 3 bits
-    `p_v` had left). So the rule allows a few roundings at the scale of the row's largest entry
-    (`4ε·max_v |dz_v|`, what `torch.testing`'s `atol` for the row would be), plus the smallest normal
-    number of the compute dtype for rows whose every entry is subnormal. `torch.log_softmax` carries
-    the same error where it forms the same subnormal, but not always where lossfx does
-    (tests/test_magnitudes.py::test_tiny_gradient_entries_next_to_large_ones).
-    """
-    finfo = torch.finfo(cdtype)
-    return 4 * finfo.eps * truth_grad.detach().abs().amax(-1, keepdim=True) + finfo.tiny
 
 
 def _assert_within_1e10(actual, truth, size, *, what):
@@ -801,25 +705,6 @@ def _assert_within_1e10(actual, truth, size, *, what):
     err = torch.where(finite, a - t, 0).abs()
     bad = err > 1e-10 * (1 + torch.where(finite, t, 0).abs() + size)
     assert not bad.any(), f"{what}: off the float64 truth by {err[bad].max().item():.3g} (> 1e-10 of its size)"
-
-
-@dataclass(frozen=True)
-class LogitsPath:
-    """One logits path.
-
-    `call(x, xt, aux, group, rank, chunk)` -> outputs (this rank's shard `x`, the teacher `xt`: its
-    shard when `teacher == "vocab"`, whole when `"topk"`, `None` otherwise); `truth(y, yt, aux)`
-    -> the float64 outputs from `lossfx.reference`; `torch(xc, xtc, aux)` -> the same outputs in
-    torch ops on the compute-dtype inputs; `sizes(y, yt, aux, log_v)` -> per output `(value size,
-    gradient size per unit upstream [N, V] or [N, 1])`, `None` for an output without gradient.
-    """
-
-    call: object
-    truth: object
-    torch: object
-    sizes: object
-    teacher: str | None = None  # None, "vocab" (`[N, V]` sharded like the student) or "topk" (`[N, K]`)
-    filtered: bool = False
 
 
 def _aux(case, top_p_u):
@@ -855,158 +740,6 @@ def _masses_above(y):
     return torch.sort(torch.cat(masses)).values
 
 
-def _filtered(kind):
-    def filter_args(aux):
-        return {"top_k": aux["top_k"]} if kind == "top_k" else {"top_p": aux["top_p"]}
-
-    def call(x, xt, aux, group, rank, chunk):
-        return (lossfx.filtered_token_logprobs(x, aux["target"], **filter_args(aux), group=group, chunk_size=chunk),)
-
-    def truth(y, yt, aux):
-        return (reference.filtered_token_logprobs(y, aux["target"], **filter_args(aux)),)
-
-    def baseline(xc, xtc, aux):
-        _, keep = reference.apply_top_k_top_p(xc.detach(), **filter_args(aux))  # the truth's set (see above)
-        lp_all = xc.masked_fill(~keep, -math.inf).log_softmax(-1)
-        return (lp_all.gather(-1, aux["target"][:, None])[:, 0],)
-
-    def sizes(y, yt, aux, log_v):
-        return [(_lp_sizes(truth(y, yt, aux)[0], log_v), torch.ones_like(y[:, :1]))]
-
-    return LogitsPath(call, truth, baseline, sizes, filtered=True)
-
-
-def _reduction(kind):
-    ref = {"entropy": reference.entropy, "cross_entropy": reference.cross_entropy_to_fixed}
-    ref["reverse_kl"] = reference.reverse_kl_to_fixed
-    fn = {"entropy": lossfx.entropy, "cross_entropy": lossfx.cross_entropy_to_fixed}
-    fn["reverse_kl"] = lossfx.reverse_kl_to_fixed
-
-    def weights(lps, lpt):
-        return {"entropy": lps, "cross_entropy": -lpt, "reverse_kl": lps - lpt}[kind]
-
-    def call(x, xt, aux, group, rank, chunk):
-        args = (x,) if kind == "entropy" else (x, xt)
-        return (fn[kind](*args, group=group, chunk_size=chunk),)
-
-    def truth(y, yt, aux):
-        return (ref[kind](y) if kind == "entropy" else ref[kind](y, yt),)
-
-    def baseline(xc, xtc, aux):
-        lps = xc.log_softmax(-1)
-        lpt = torch.zeros_like(lps) if xtc is None else xtc.log_softmax(-1)
-        w = weights(lps, lpt)
-        return (torch.where(lps.exp() > 0, lps.exp() * _finite_or_zero(w), 0).sum(-1),)
-
-    def sizes(y, yt, aux, log_v):
-        lps = reference.log_softmax(y)
-        lpt = torch.zeros_like(lps) if yt is None else reference.log_softmax(yt)
-        return [_div_sizes(lps, lpt, weights(lps, lpt))]
-
-    return LogitsPath(call, truth, baseline, sizes, teacher=None if kind == "entropy" else "vocab")
-
-
-def _distillation(zero_outside_topk):
-    def call(x, xt, aux, group, rank, chunk):
-        s, t, h = lossfx.distillation_topk_logprobs(
-            x[None], xt[None], aux["topk_ids"][None], zero_outside_topk=zero_outside_topk,
-            calculate_entropy=True, vocab_parallel_group=group, chunk_size=chunk,
-        )  # fmt: skip
-        return (s[0], t[0]) + (() if h is None else (h[0],))
-
-    def truth(y, yt, aux):
-        s, t, h = reference.distillation_topk_logprobs(
-            y[None], yt[None], aux["topk_ids"][None], zero_outside_topk, True
-        )
-        return (s[0], t[0]) + (() if h is None else (h[0],))
-
-    def baseline(xc, xtc, aux):
-        ids = aux["topk_ids"]
-        lp = xc.log_softmax(-1)
-        s = lp.gather(-1, ids) if zero_outside_topk else xc.gather(-1, ids).log_softmax(-1)
-        outs = (s[:-1], xtc.log_softmax(-1)[:-1])
-        return (*outs, (lp.exp() * lp).sum(-1)[:-1]) if zero_outside_topk else outs
-
-    def sizes(y, yt, aux, log_v):
-        outs = truth(y, yt, aux)
-        lp_size = (_lp_sizes(outs[0], log_v), torch.ones_like(y[:-1, :1]))
-        teacher = (_lp_sizes(outs[1], log_v), None)
-        if not zero_outside_topk:
-            return [lp_size, teacher]
-        lps = reference.log_softmax(y[:-1])
-        return [lp_size, teacher, _div_sizes(lps, torch.zeros_like(lps), lps)]
-
-    return LogitsPath(call, truth, baseline, sizes, teacher="topk")
-
-
-LOGPROB_LOSS = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
-
-
-def _next_token_ids(aux):
-    return aux["target"][None]  # [1, N]: position t scores target[t + 1]
-
-
-def _next_token_call(x, xt, aux, group, rank, chunk):
-    out, _ = lossfx.prepare_loss_input(
-        x[None], {"input_ids": _next_token_ids(aux)}, LOGPROB_LOSS, vocab_parallel_group=group,
-        vocab_parallel_rank=None if group is None else rank, chunk_size=chunk,
-    )  # fmt: skip
-    return (out["next_token_logprobs"][0],)
-
-
-def _next_token_truth(y, yt, aux):
-    return (reference.next_token_logprobs(y[None], _next_token_ids(aux))[0],)
-
-
-def _next_token_torch(xc, xtc, aux):
-    return (xc[:-1].log_softmax(-1).gather(-1, aux["target"][1:, None])[:, 0],)
-
-
-def _packed_ids(aux):
-    return aux["target"][None]  # [1, T]: packed, each sequence scores its own next token
-
-
-def _packed_call(x, xt, aux, group, rank, chunk):
-    data = {"input_ids": _packed_ids(aux), "cu_seqlens": torch.tensor(aux["cu"], device=x.device)}
-    out, _ = lossfx.prepare_packed_loss_input(
-        x[None], data, LOGPROB_LOSS, aux["cu"], aux["cu"], vocab_parallel_group=group,
-        vocab_parallel_rank=None if group is None else rank, chunk_size=chunk,
-    )  # fmt: skip
-    return (out["next_token_logprobs"][0],)
-
-
-def _packed_truth(y, yt, aux):
-    return (reference.packed_next_token_logprobs(y[None], _packed_ids(aux), aux["cu"], aux["cu"], prepacked=True)[0],)
-
-
-def _packed_torch(xc, xtc, aux):
-    target = torch.cat([aux["target"][1:], aux["target"][:1]])
-    lp = xc.log_softmax(-1).gather(-1, target[:, None])[:, 0]
-    last = torch.zeros_like(lp, dtype=torch.bool)
-    last[torch.tensor(aux["cu"][1:], device=lp.device) - 1] = True  # each sequence's last slot has no next token: 0
-    return (torch.where(last, 0, lp)[:-1],)
-
-
-def _lp_path_sizes(truth):
-    def sizes(y, yt, aux, log_v):
-        return [(_lp_sizes(truth(y, yt, aux)[0], log_v), torch.ones_like(y[:-1, :1]))]
-
-    return sizes
-
-
-LOGITS_PATHS = {
-    "filtered_top_k": _filtered("top_k"),
-    "filtered_top_p": _filtered("top_p"),
-    "entropy": _reduction("entropy"),
-    "cross_entropy": _reduction("cross_entropy"),
-    "reverse_kl": _reduction("reverse_kl"),
-    "distillation": _distillation(zero_outside_topk=True),
-    "distillation_in_topk": _distillation(zero_outside_topk=False),
-    "next_token": LogitsPath(_next_token_call, _next_token_truth, _next_token_torch, _lp_path_sizes(_next_token_truth)),
-    "packed": LogitsPath(_packed_call, _packed_truth, _packed_torch, _lp_path_sizes(_packed_truth)),
-}
-
-
 def _paths_rank_fn(rank, world, group, name, x, xt, aux, douts, chunk, compiled):
     path = LOGITS_PATHS[name]
     vl = x.shape[-1] // world
@@ -1020,7 +753,7 @@ def _paths_rank_fn(rank, world, group, name, x, xt, aux, douts, chunk, compiled)
 
         def step(shard, teacher, tensors, douts):
             outs = path.call(shard, teacher, {**consts, **tensors}, group, rank, None)
-            return outs, _loss(outs, douts)
+            return outs, path_loss(outs, douts)
 
         key = ("magnitudes paths", name, world, x.dtype, repr(consts))
         counter, step = compiled_for_rank(rank, key, step)
@@ -1028,7 +761,7 @@ def _paths_rank_fn(rank, world, group, name, x, xt, aux, douts, chunk, compiled)
         frames = counter.frame_count
     else:
         outs = path.call(shard, teacher, aux, group, rank, chunk)
-        loss = _loss(outs, douts)
+        loss = path_loss(outs, douts)
     loss.backward()
     return [o.detach() for o in outs], shard.grad, frames
 
@@ -1063,18 +796,18 @@ def _run_path(name, case, teacher_case=None, top_p_u=0.5, compiled=False):
     # truth and baseline
     yy = y.clone().requires_grad_(True)
     t_outs = path.truth(yy, yt, aux)
-    _loss(t_outs, douts).backward()
+    path_loss(t_outs, douts).backward()
     cdtype = compute_dtype(case.dtype)
     xx = x.detach().clone().requires_grad_(True)
     b_outs = path.torch(xx.to(cdtype), None if xt is None else xt.to(cdtype), aux)
-    _loss(b_outs, douts).backward()
+    path_loss(b_outs, douts).backward()
     eps, eps_in = torch.finfo(cdtype).eps, torch.finfo(case.dtype).eps
     tag = f"{name} {case} teacher {teacher_case} top_p {aux['top_p']}"
-    grad_tol = eps_in * yy.grad.abs() + _row_floor(yy.grad, cdtype)
+    grad_tol = eps_in * yy.grad.abs() + row_floor(yy.grad, cdtype)
     for i, (a, b, t, (size, grad_size)) in enumerate(zip(outs, b_outs, t_outs, t_sizes, strict=True)):
         assert a.shape == t.shape and a.dtype == compute_dtype(case.dtype), f"output {i} {tag}: {a.shape} {a.dtype}"
         assert torch.equal(a.isneginf(), t.isneginf()), f"output {i} {tag}: -inf where the truth is not, or back"
-        _assert_not_less_accurate(a, b, t, tol=8 * eps * size, what=f"output {i} {tag}")
+        assert_not_less_accurate(a, b, t, tol=8 * eps * size, what=f"output {i} {tag}")
         if case.dtype == F64:
             _assert_within_1e10(a, t, size, what=f"output {i} {tag}")
         if grad_size is not None:
@@ -1082,7 +815,7 @@ def _run_path(name, case, teacher_case=None, top_p_u=0.5, compiled=False):
             g = g[:, None]
             grad_tol[: g.shape[0]] += 8 * eps * g * grad_size
     assert grad.dtype == case.dtype
-    _assert_not_less_accurate(grad, xx.grad, yy.grad, tol=grad_tol, what=f"gradient {tag}")
+    assert_not_less_accurate(grad, xx.grad, yy.grad, tol=grad_tol, what=f"gradient {tag}")
     if case.dtype == F64:
         _assert_within_1e10(grad, yy.grad, grad_tol / (8 * eps), what=f"gradient {tag}")
     return max(r[2] for r in results)
@@ -1091,7 +824,7 @@ def _run_path(name, case, teacher_case=None, top_p_u=0.5, compiled=False):
 # A subnormal student probability times a teacher log-prob of size ~3e8 (an fp32 teacher at offset
 # 2**50: a few exact levels 2**28 apart): lossfx's gradient entry 2.9566e-34 against torch's
 # 2.9589e-34 and the truth 2.9608e-34 (found with --hypothesis-seed under the random profile; it
-# failed the per-entry rule before the row floor, `_row_floor`).
+# failed the per-entry rule before the row floor, `row_floor`).
 TINY_NEXT_TO_LARGE = (
     OffsetCase(torch.float32, 1, 1, 3, 1, -math.inf, False, 30.0, None, 1230),
     OffsetCase(F64, 1, 1, 1, 1, 50.0, False, 1e-3, None, 0),
@@ -1113,7 +846,7 @@ def test_tiny_gradient_entries_next_to_large_ones(kind):
     """The class of `TINY_NEXT_TO_LARGE`, built by hand: fp32 student log-probs `[0, −3, −97]` (the
     last probability, 7e-43, is subnormal in fp32) against an fp32 teacher at offset 2**50 whose
     levels are 2**28 apart, so the gradient row is `[8.5e6, −8.5e6, 1.4e-34]`: a normal entry made
-    of a subnormal factor. Each entry is within `_row_floor` of the truth (a few fp32 roundings of
+    of a subnormal factor. Each entry is within `row_floor` of the truth (a few fp32 roundings of
     the row's largest entry: the rule of the magnitude properties) and within the rule against torch."""
     y = torch.tensor([[0.0, -3.0, -97.0]], dtype=F64, device=DEVICE)
     offset, level = 2.0**50, 2.0**28
@@ -1132,12 +865,12 @@ def test_tiny_gradient_entries_next_to_large_ones(kind):
     lps, lpt = base.log_softmax(-1), xt.log_softmax(-1)
     w = -lpt if kind == "cross_entropy_to_fixed" else lps - lpt
     ((lps.exp() * w).sum(-1) * g.float()).sum().backward()
-    floor = _row_floor(truth, torch.float32)
+    floor = row_floor(truth, torch.float32)
     assert (floor < 1e-6 * truth.abs().amax()).all(), "the floor must stay far below the row's scale"
     err = (ours.grad.double() - truth).abs()
     assert (err <= floor).all(), f"{kind}: gradient off the float64 truth by {err.tolist()} (> {floor.item():.3g})"
     eps_in = torch.finfo(torch.float32).eps
-    _assert_not_less_accurate(ours.grad, base.grad, truth, tol=eps_in * truth.abs() + floor, what=kind)
+    assert_not_less_accurate(ours.grad, base.grad, truth, tol=eps_in * truth.abs() + floor, what=kind)
 
 
 # Compiled (fullgraph, inductor): fixed shapes and filter (`top_k = 2`, `top_p = 1/2`, the cases
