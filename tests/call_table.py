@@ -3,6 +3,7 @@
 One place for both users: tests/test_magnitudes.py checks every path against the float64
 reference with it (on any `pytest --device`), and benchmarks/gpu.py times the same calls.
 
+`TOKEN_PATHS[name]`: `token_logprobs` and `gather_logprobs` (with `token_torch` their baseline).
 `LOGITS_PATHS[name]`: a `LogitsPath` (lossfx's call on logits, the float64 truth from
 `lossfx.reference`, the dense formula in torch ops, and the sizes the tolerance scales with).
 `LINEAR_PATHS[name]`: `(call, uses the entropy, number of ids)` of a fused LM-head path, with
@@ -41,6 +42,32 @@ def assert_not_less_accurate(actual, baseline, truth, *, tol, what):
             f"{what}: less accurate than torch.log_softmax at {i}: lossfx {a[i].item()!r}, "
             f"torch {b[i].item()!r}, truth {t[i].item()!r} ({int(bad.sum())} entries)"
         )
+
+
+# The token and gather paths: `call(x, ids, dout, dneg_h, group, chunk)` -> (log-probs `[N, K]`, Σ p log p
+# `[N]` or None, the scalar to backpropagate); `token_torch` their baseline, backpropagated.
+def _token_call(x, ids, dout, dneg_h, group, chunk):
+    """-> (log-probs `[N, 1]`, None, the scalar loss to backpropagate)."""
+    out = lossfx.token_logprobs(x, ids[:, 0], group=group, chunk_size=chunk)
+    return out[:, None], None, (out * dout[:, 0].to(out.dtype)).sum()
+
+
+def _gather_call(x, ids, dout, dneg_h, group, chunk):
+    lp, neg_h = lossfx.gather_logprobs(x, ids, with_neg_entropy=True, group=group, chunk_size=chunk)
+    return lp, neg_h, (lp * dout.to(lp.dtype)).sum() + (neg_h * dneg_h.to(lp.dtype)).sum()
+
+
+TOKEN_PATHS = {"token": _token_call, "gather": _gather_call}
+
+
+def token_torch(x, ids, dout, dneg_h):
+    """`torch.log_softmax` on `x` upcast to lossfx's compute dtype; gradient in `x`'s dtype."""
+    x = x.detach().clone().requires_grad_(True)
+    lp_all = torch.log_softmax(x.to(compute_dtype(x.dtype)), dim=-1)
+    lp = lp_all.gather(-1, ids)
+    neg_h = torch.where(torch.isneginf(lp_all), 0.0, lp_all.exp() * lp_all).sum(-1)
+    ((lp * dout.to(lp.dtype)).sum() + (neg_h * dneg_h.to(lp.dtype)).sum()).backward()
+    return lp.detach(), neg_h.detach(), x.grad
 
 
 def _lin_token(h, w, ids, dout, dneg, group, chunk, temperature, entropy):

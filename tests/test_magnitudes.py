@@ -33,6 +33,7 @@ offset, `distillation_topk_logprobs` with and without `zero_outside_topk`, `prep
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -41,10 +42,12 @@ import torch
 from call_table import (
     LINEAR_PATHS,
     LOGITS_PATHS,
+    TOKEN_PATHS,
     assert_not_less_accurate,
     linear_torch,
     path_loss,
     row_floor,
+    token_torch,
 )
 from devices import DEVICE, on_device
 from harness import compiled_for_rank, run_ranks
@@ -145,21 +148,11 @@ def _truth(y, ids, dout, dneg_h):
     return lp.detach(), neg_h.detach(), y.grad
 
 
-def _torch_baseline(x, ids, dout, dneg_h):
-    """`torch.log_softmax` on `x` upcast to lossfx's compute dtype; gradient in `x`'s dtype."""
-    x = x.detach().clone().requires_grad_(True)
-    lp_all = torch.log_softmax(x.to(compute_dtype(x.dtype)), dim=-1)
-    lp = lp_all.gather(-1, ids)
-    neg_h = torch.where(torch.isneginf(lp_all), 0.0, lp_all.exp() * lp_all).sum(-1)
-    ((lp * dout.to(lp.dtype)).sum() + (neg_h * dneg_h.to(lp.dtype)).sum()).backward()
-    return lp.detach(), neg_h.detach(), x.grad
-
-
 def _check(case, outs, x, y, ids, dout, dneg_h):
     """outs: (log-probs `[N, K]`, Σ p log p `[N]` or None, dlogits `[N, V]` in x's dtype)."""
     lp, neg_h, grad = outs
     t_lp, t_neg_h, t_grad = _truth(y, ids, dout, dneg_h)
-    b_lp, b_neg_h, b_grad = _torch_baseline(x, ids, dout, dneg_h)
+    b_lp, b_neg_h, b_grad = token_torch(x, ids, dout, dneg_h)
     eps = torch.finfo(compute_dtype(case.dtype)).eps
     log_v = math.log(case.vocab) + 1
     tag = f"{case}"
@@ -178,24 +171,10 @@ def _check(case, outs, x, y, ids, dout, dneg_h):
 # ---------------------------------------------------------------------------------------------
 
 
-def _token_call(x, ids, dout, dneg_h, group, chunk):
-    """-> (log-probs `[N, 1]`, None, the scalar loss to backpropagate)."""
-    out = lossfx.token_logprobs(x, ids[:, 0], group=group, chunk_size=chunk)
-    return out[:, None], None, (out * dout[:, 0].to(out.dtype)).sum()
-
-
-def _gather_call(x, ids, dout, dneg_h, group, chunk):
-    lp, neg_h = lossfx.gather_logprobs(x, ids, with_neg_entropy=True, group=group, chunk_size=chunk)
-    return lp, neg_h, (lp * dout.to(lp.dtype)).sum() + (neg_h * dneg_h.to(lp.dtype)).sum()
-
-
-CALLS = {"token": _token_call, "gather": _gather_call}
-
-
 def _rank_fn(rank, world, group, name, x, ids, dout, dneg_h, chunk, compiled):
     vl = x.shape[-1] // world
     shard = x[:, rank * vl : (rank + 1) * vl].detach().clone().requires_grad_(True)
-    call = CALLS[name]
+    call = TOKEN_PATHS[name]
     frames = 0
     if compiled:
 
@@ -871,6 +850,39 @@ def test_tiny_gradient_entries_next_to_large_ones(kind):
     assert (err <= floor).all(), f"{kind}: gradient off the float64 truth by {err.tolist()} (> {floor.item():.3g})"
     eps_in = torch.finfo(torch.float32).eps
     assert_not_less_accurate(ours.grad, base.grad, truth, tol=eps_in * truth.abs() + floor, what=kind)
+
+
+def _planted(fn, index=None):
+    """`fn` with its outputs (or output `index`) scaled by 1 + 1e-2: a wrong kernel the rule must catch."""
+
+    def wrong(*args):
+        outs = fn(*args)
+        return tuple(o * 1.01 if index in (None, i) else o for i, o in enumerate(outs))
+
+    return wrong
+
+
+@pytest.mark.gpu_check
+@pytest.mark.parametrize("name", ["token", "objective", "reverse_kl", "filtered_top_p", "packed"])
+def test_the_rule_catches_a_planted_error(monkeypatch, name):
+    """The checks cannot be vacuous: a path of each table whose outputs (and so its gradient) are off
+    by 1e-2 fails the rule, at a small offset in fp32."""
+    case = OffsetCase(torch.float32, 2, 3, 4, 1, 3.0, False, 1.0, None, 5)
+    if name == "token":
+        monkeypatch.setitem(TOKEN_PATHS, name, _planted(TOKEN_PATHS[name], index=0))
+        run = lambda: _run(case, name)  # noqa: E731
+    elif name == "objective":
+        call, entropy, k = LINEAR_PATHS[name]
+        monkeypatch.setitem(LINEAR_PATHS, name, (_planted(call, index=0), entropy, k))
+        linear = LinearCase(torch.float32, 2, 3, 4, 3, 3.0, False, 1.0, 1.0, None, 5)
+        run = lambda: _run_linear(linear, name)  # noqa: E731
+    else:
+        path = LOGITS_PATHS[name]
+        monkeypatch.setitem(LOGITS_PATHS, name, dataclasses.replace(path, call=_planted(path.call)))
+        teacher = OffsetCase(torch.float32, 1, 3, 8, 1, 2.0, True, 1.0, None, 7)  # a KL away from 0
+        run = lambda: _run_path(name, case, teacher)  # noqa: E731
+    with pytest.raises(AssertionError, match="less accurate than torch"):
+        run()
 
 
 # Compiled (fullgraph, inductor): fixed shapes and filter (`top_k = 2`, `top_p = 1/2`, the cases
