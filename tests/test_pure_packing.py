@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from devices import DEVICE, on_device
 from harness import mesh_groups, run_ranks
 
 import lossfx
@@ -36,21 +37,23 @@ CU_Q, CU_P = [0, 5, 8, 12], [0, 8, 12, 16]  # lengths 5, 3, 4 padded to 8, 4, 4 
 V = 11
 
 
-def _case(seed: int, prepacked: bool = False):
+def _case(seed: int, prepacked: bool = False, device: torch.device | str | None = None):
+    """(packed logits `[1, T, V]`, ids) on `device` (default: the suite's `--device`)."""
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(1, CU_P[-1], V, generator=g, dtype=F64) * 2
     if prepacked:
         ids = torch.randint(0, V, (1, CU_P[-1]), generator=g)
     else:
         ids = torch.randint(0, V, (len(CU_Q) - 1, 7), generator=g)  # rows wider than every length
-    return z, ids
+    device = DEVICE if device is None else device
+    return z.to(device), ids.to(device)
 
 
 def _local_slots(cp_rank: int, cp: int) -> torch.Tensor:
     out: list[int] = []
     for i in range(len(CU_P) - 1):
         out += [CU_P[i] + p for p in cp_positions(CU_P[i + 1] - CU_P[i], cp_rank, cp)]
-    return torch.tensor(out)
+    return torch.tensor(out, device=DEVICE)
 
 
 def _pure_packed_rank(rank, world, group, tp, widths, z, ids, prepacked, kw, cu_tensor):
@@ -58,15 +61,16 @@ def _pure_packed_rank(rank, world, group, tp, widths, z, ids, prepacked, kw, cu_
     cp = world // tp
     start = sum(widths[:tp_rank])
     local = z[:, _local_slots(cp_rank, cp), start : start + widths[tp_rank]].clone().requires_grad_()
-    cu_q, cu_p = (torch.tensor(CU_Q), torch.tensor(CU_P)) if cu_tensor else (CU_Q, CU_P)
+    cu_q, cu_p = on_device((torch.tensor(CU_Q), torch.tensor(CU_P))) if cu_tensor else (CU_Q, CU_P)
     layout = pure_packing.PackedLayout(cu_q, cu_p, cp_group, prepacked)
     vocab = VocabRange(tp_group, start, sum(widths))
     out = pure_packing.packed_next_token_logprobs(local, ids, layout, vocab, **kw)
-    weights = torch.linspace(0.5, 1.5, out.numel(), dtype=F64).view(out.shape)
+    weights = torch.linspace(0.5, 1.5, out.numel(), dtype=F64, device=DEVICE).view(out.shape)
     (torch.where(torch.isfinite(out), out, 0.0) * weights).sum().div(cp).backward()
     return out.detach(), local.grad, _local_slots(cp_rank, cp), start, widths[tp_rank]
 
 
+@pytest.mark.gpu_check
 @pytest.mark.parametrize("prepacked", [False, True], ids=["unpacked", "prepacked"])
 @pytest.mark.parametrize("kw", [{}, {"top_k": 4}, {"top_p": 0.7}, {"chunk_rows": 3}], ids=["plain", "k", "p", "chunk"])
 @pytest.mark.parametrize(
@@ -79,7 +83,7 @@ def test_pure_packed_against_reference(world, tp, widths, kw, prepacked):
     z.requires_grad_()
     filt = {k: v for k, v in kw.items() if k in ("top_k", "top_p")}
     want = reference.packed_next_token_logprobs(z, ids, CU_Q, CU_P, prepacked=prepacked, **filt)
-    weights = torch.linspace(0.5, 1.5, want.numel(), dtype=F64).view(want.shape)
+    weights = torch.linspace(0.5, 1.5, want.numel(), dtype=F64, device=DEVICE).view(want.shape)
     (torch.where(torch.isfinite(want), want, 0.0) * weights).sum().backward()
     results = run_ranks(world, _pure_packed_rank, tp, widths, z.detach(), ids, prepacked, kw, world == 2)
     for out, grad, slots, start, width in results:
@@ -109,15 +113,16 @@ def _pure_linear_rank(rank, world, group, widths, hidden, weight, ids, position_
     return [o.detach() for o in outs], h.grad, w.grad
 
 
+@pytest.mark.gpu_check
 @pytest.mark.parametrize("with_neg_entropy", [False, True])
 @pytest.mark.parametrize(("world", "widths"), [(1, [V]), (2, [7, 4])], ids=["one", "tp2-uneven"])
 def test_pure_linear_next_token_against_reference(world, widths, with_neg_entropy):
     g = torch.Generator().manual_seed(7)
-    hidden = torch.randn(2, 6, 5, generator=g, dtype=F64, requires_grad=True)
-    weight = torch.randn(V, 5, generator=g, dtype=F64, requires_grad=True)
-    ids = torch.randint(0, V, (2, 6), generator=g)
+    hidden = torch.randn(2, 6, 5, generator=g, dtype=F64).to(DEVICE).requires_grad_()
+    weight = torch.randn(V, 5, generator=g, dtype=F64).to(DEVICE).requires_grad_()
+    ids = torch.randint(0, V, (2, 6), generator=g).to(DEVICE)
     ids[0, 3] = -100  # ignored: 0 and no gradient
-    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]])  # a sequence ends at t = 2
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]], device=DEVICE)  # a sequence ends at t = 2
     logits = hidden @ weight.T / 0.7
     lp = logits.log_softmax(-1)
     target = ids[:, 1:].clamp_min(0)
@@ -184,7 +189,7 @@ class _Fn(SimpleNamespace):
 def _public_calls(rank: int, group):
     """`name -> (call, expected counts)` on this rank's shards (`group` of 1 or 2 ranks)."""
     world = 1 if group is None else group.size()
-    z, ids = _case(3)
+    z, ids = _case(3, device="cpu")  # counts of the boundary's calls: on the CPU whatever --device
     local = z[..., rank * 6 : (rank + 1) * 6] if world == 2 else z  # [1, 16, 6|5]: uneven under TP
     logprob = _Fn(input_type=lossfx.LossInputType.LOGPROB, reference_policy_kl_penalty=0.1)
     draft = _Fn(input_type=lossfx.LossInputType.DRAFT)
@@ -316,6 +321,6 @@ def test_pure_packed_compiles_without_graph_breaks():
     compiled = torch.compile(fn, backend=counter, fullgraph=True)
     z, ids = _case(9)
     for cu_q, cu_p in ((CU_Q, CU_P), ([0, 4, 8, 10], [0, 4, 12, 16])):
-        got = compiled(z, ids, torch.tensor(cu_q), torch.tensor(cu_p))
+        got = compiled(z, ids, torch.tensor(cu_q, device=z.device), torch.tensor(cu_p, device=z.device))
         torch.testing.assert_close(got, reference.packed_next_token_logprobs(z, ids, cu_q, cu_p, top_k=5), **TIGHT)
     assert counter.frame_count == 1
