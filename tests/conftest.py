@@ -9,27 +9,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "lossfx", "inductor"))
 
 import devices
+import profiles  # noqa: F401  (registers and loads the hypothesis profiles)
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 
 torch.set_num_threads(1)
-
-# The default ("dev") and CI ("ci", when CI is set) profiles are derandomised: every run draws the
-# same examples, so `python -m pytest` passes or fails the same way on every checkout. Random
-# exploration is the "nightly" profile (LOSSFX_HYPOTHESIS_PROFILE=nightly; `--hypothesis-seed=N`
-# replays a run): new draws every run, 2000 examples where a test does not set its own count.
-settings.register_profile(
-    "dev",
-    max_examples=25,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.register_profile("ci", settings.get_profile("dev"), max_examples=60)
-settings.register_profile("nightly", settings.get_profile("dev"), max_examples=2000, derandomize=False)
-settings.load_profile(os.getenv("LOSSFX_HYPOTHESIS_PROFILE", "ci" if os.getenv("CI") else "dev"))
 
 
 def pytest_addoption(parser):

@@ -14,6 +14,7 @@ import torch
 from harness import compiled_for_rank, run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 import lossfx
 from lossfx import reference as ref
@@ -499,7 +500,7 @@ def test_large_magnitude_issue_example():
 # 2 ranks with -m slow: the compiled collectives are checked by test_compiled_aot_eager_matches_reference[2]
 @pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 @given(kind=st.sampled_from(("entropy", "reverse_kl")), case=magnitude_cases((torch.float32, torch.bfloat16)))
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 def test_large_magnitudes_compiled(world, kind, case):
     student, teacher = _magnitude_inputs(case)
     check_no_worse_than_torch(kind, world, student, teacher, backend="aot_eager")

@@ -19,6 +19,7 @@ import torch
 from harness import compiled_for_rank, gloo_pool, shard_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 import lossfx
 from lossfx import reference
@@ -165,7 +166,7 @@ def test_low_precision_block_stays_finite(kind):
             assert not leaf.grad.isnan().any(), f"{kind}/{mask} fp32: NaN gradient"
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     kind=st.sampled_from(KINDS),
     mask=st.sampled_from(MASKS),

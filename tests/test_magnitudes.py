@@ -53,6 +53,7 @@ from devices import DEVICE, on_device
 from harness import compiled_for_rank, run_ranks
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 import lossfx
 from lossfx import reference
@@ -210,7 +211,7 @@ def _run(case, name, compiled=False):
 
 
 @pytest.mark.gpu_check
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(case=offset_cases())
 @_with_issue_examples
 def test_token_logprobs_never_less_accurate_than_log_softmax(case):
@@ -218,7 +219,7 @@ def test_token_logprobs_never_less_accurate_than_log_softmax(case):
 
 
 @pytest.mark.gpu_check
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(case=offset_cases())
 @_with_issue_examples
 def test_gather_logprobs_never_less_accurate_than_log_softmax(case):
@@ -253,7 +254,7 @@ def test_issue_examples_exactly():
 
 
 def _compiled_property(name, dtype, world):
-    @settings(max_examples=8)
+    @settings(max_examples=examples(8))
     @given(case=offset_cases(dtypes=(dtype,), worlds=(world,), chunked=False, fixed_shape=True))
     def prop(case):
         frames = _run(case, name, compiled=True)
@@ -478,7 +479,7 @@ def _run_linear(case, name, compiled=False):
 
 
 @pytest.mark.gpu_check
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(case=linear_cases())
 @pytest.mark.parametrize("name", list(LINEAR_PATHS))
 def test_fused_linear_never_less_accurate_than_unfused(name, case):
@@ -486,7 +487,7 @@ def test_fused_linear_never_less_accurate_than_unfused(name, case):
 
 
 @pytest.mark.gpu_check
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(case=linear_cases(dtypes=(F64,), max_log2=14.0))
 @pytest.mark.parametrize("name", ["token_entropy", "gather", "next_token"])
 def test_fused_linear_float64_within_1e10_up_to_offset_16384(name, case):
@@ -555,7 +556,7 @@ def _projected_rank_fn(rank, world, group, kind, student, hidden, weight, dout, 
 
 
 @pytest.mark.gpu_check
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(teacher=linear_cases(), log2_student=st.one_of(st.just(-math.inf), st.floats(0, 60)), data=st.data())
 @pytest.mark.parametrize("kind", ["reverse_kl", "cross_entropy"])
 def test_projected_teacher_never_less_accurate_than_unfused(kind, teacher, log2_student, data):
@@ -608,7 +609,7 @@ def _run_projected(kind, teacher, log2_student, scale, compiled=False):
     ],
 )
 def test_compiled_projected_teacher_never_less_accurate_than_unfused(kind, world):
-    @settings(max_examples=6)
+    @settings(max_examples=examples(6))
     @given(
         teacher=linear_cases(dtypes=(torch.float32,), worlds=(world,), fixed=1.0),
         log2_student=st.one_of(st.just(-math.inf), st.floats(0, 60)),
@@ -624,7 +625,7 @@ def test_compiled_projected_teacher_never_less_accurate_than_unfused(kind, world
 # Compiled (fullgraph, inductor): fused paths on 1 and 2 ranks, fixed shapes and temperature so
 # each compiles once.
 def _compiled_linear_property(name, world):
-    @settings(max_examples=6)
+    @settings(max_examples=examples(6))
     @given(case=linear_cases(dtypes=(torch.float32,), worlds=(world,), fixed=0.5))
     def prop(case):
         frames = _run_linear(case, name, compiled=True)
@@ -811,7 +812,7 @@ TINY_NEXT_TO_LARGE = (
 
 
 @pytest.mark.gpu_check
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(case=offset_cases(), teacher=offset_cases(worlds=(1,)), top_p_u=st.floats(0.05, 0.95))
 @example(case=TINY_NEXT_TO_LARGE[0], teacher=TINY_NEXT_TO_LARGE[1], top_p_u=0.5)
 @pytest.mark.parametrize("name", list(LOGITS_PATHS))
@@ -888,7 +889,7 @@ def test_the_rule_catches_a_planted_error(monkeypatch, name):
 # Compiled (fullgraph, inductor): fixed shapes and filter (`top_k = 2`, `top_p = 1/2`, the cases
 # whose masses come within `TOP_P_MARGIN` of 1/2 skipped) so that each path compiles once.
 def _compiled_paths_property(name, dtype, world):
-    @settings(max_examples=6)
+    @settings(max_examples=examples(6))
     @given(
         case=offset_cases(dtypes=(dtype,), worlds=(world,), chunked=False, fixed_shape=True),
         teacher=offset_cases(dtypes=(dtype,), worlds=(1,), chunked=False, fixed_shape=True),

@@ -18,6 +18,7 @@ import torch
 from harness import assert_every_rank_raises, gloo_pool
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 import lossfx
 from lossfx import reference
@@ -452,7 +453,7 @@ def _differ(x: torch.Tensor, y: torch.Tensor) -> None:
     assert not torch.equal(fingerprint(x), fingerprint(y)), (x.tolist(), y.tolist())
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(
     n=st.integers(2, 64),
     values=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=2, max_size=4),
@@ -477,7 +478,7 @@ def test_fingerprint_pair_swaps_never_collide(n, values, i, j, d, dtype):
             _differ(x, z)
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(
     seed=st.integers(0, 2**16),
     n=st.integers(2, 48),
@@ -494,7 +495,7 @@ def test_fingerprint_rotations_never_collide(seed, n, shift, kinds, dtype):
         _differ(x, y)
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(
     rows=st.integers(1, 4),
     n=st.integers(2, 32),
@@ -523,7 +524,7 @@ def test_fingerprint_mask_shifts_never_collide(rows, n, starts, lengths, moves, 
 
 
 @pytest.mark.compile
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(seed=st.integers(0, 2**16), n=st.sampled_from([1, 7, 64, 1000]))
 def test_fingerprint_inductor_equals_eager_on_structured_values(seed, n):
     """Inductor computes the eager fingerprint of masks, small ids and extreme integers alike."""

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from harness import run_ranks
 from hypothesis import given, settings
+from profiles import examples
 
 import lossfx
 import lossfx.testing as lt
@@ -350,7 +351,7 @@ def test_bad_arguments_raise_value_and_type_errors():
 # ---------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(z=lt.logits(max_rows=4, max_vocab=16, dtype=torch.float32, scales=(1e-4, 1.0), ties=True, neg_inf=True))
 def test_drawn_logits_check_lossfx_kernels(z):
     """Scales up to 1 here: larger logits hit issue 10 item 1 in float32 (found at 1e4; at 30 the
@@ -368,7 +369,7 @@ def _sharded_rank(rank, world, group, sharded, target):
     return out.detach(), shard.grad
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(sharded=lt.sharded_logits(world_sizes=(1, 2), uneven=True, max_vocab=12, scales=(1.0,), neg_inf=False))
 def test_sharded_logits_drive_a_sharded_kernel(sharded):
     z = sharded.logits
@@ -400,7 +401,7 @@ def test_uneven_and_even_splits_are_both_drawn():
     assert seen == {(2, True), (2, False), (4, True), (4, False)}, seen
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(lt.sharded_logits(world_sizes=(4,), uneven=False))
 def test_even_splits_when_uneven_is_off(sharded):
     assert sharded.logits.shape[-1] % 4 == 0

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 from benchmarks.bench_launches import _paths, count
 from lossfx._core import tiles as _tiles
@@ -17,7 +18,7 @@ from lossfx._core.chunking import CPU_POLICY, GPU_POLICY
 F64 = torch.float64
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(parts=st.integers(1, 5), seed=st.integers(0, 2**16), scale=st.sampled_from([1.0, 30.0, 1e4]))
 def test_merge_stats_of_any_column_partition_is_the_whole_rows(parts, seed, scale):
     """`merge_stats` of per-part `(m, s, u)` gives the whole rows' max, `Σ exp(z − M)` and
@@ -39,7 +40,7 @@ def test_merge_stats_of_any_column_partition_is_the_whole_rows(parts, seed, scal
     torch.testing.assert_close(moment / total - total.log(), (p * torch.log_softmax(z, 1)).sum(1), rtol=0, atol=1e-9)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(parts=st.integers(2, 5), dead=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_merge_stats_with_neg_inf_parts(parts, dead, seed):
     """proofs/fused_linear.md §10: parts whose columns are all `-inf` (`(-inf, 0, 0)`) add nothing,
