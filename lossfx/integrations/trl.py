@@ -370,17 +370,17 @@ def _check_ranks_agree(
     input_ids: Any,
     attention_mask: Any,
     *,
-    logits_to_keep: object,
-    temperature: object,
-    compute_entropy: object,
-    labels: Any,
-    position_ids: Any,
-    chunk_size: object,
-    sharded_head: object,
-    sampling_params: Any,
-    bias: Any,
-    logit_scale: object,
-    softcap: object,
+    logits_to_keep: object = None,
+    temperature: object = 1.0,
+    compute_entropy: object = False,
+    labels: Any = None,
+    position_ids: Any = None,
+    chunk_size: object = None,
+    sharded_head: object = "raise",
+    sampling_params: Any = None,
+    bias: Any = None,
+    logit_scale: object = 1.0,
+    softcap: object = None,
 ) -> None:
     """With a DTensor head (a process group exists): before any collective of the call (the
     `"gather"` head's `full_tensor()`, lossfx's own check), every rank of the head's mesh learns
@@ -661,7 +661,7 @@ class LossfxGRPOMixin:
                 **head,
             }
             if fn is not per_token_logps_and_entropies:  # compiled: the ranks' check runs here, eagerly
-                _check_ranks_agree(*args, labels=None, position_ids=None, **options)
+                _check_ranks_agree(*args, **options)
             lp, ent = fn(*args, **options)
             logps.append(lp)
             if ent is not None:
