@@ -23,6 +23,7 @@ import inspect
 import logging
 import numbers
 import struct
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -537,6 +538,23 @@ def _check_trainer_class(cls: type) -> None:
         )
 
 
+_DEFAULTS = {"lossfx_sharded_head": "raise", "lossfx_filtered_logprobs": False, "lossfx_chunk_size": None}
+
+
+def _warn_shared_class_options() -> None:
+    """FutureWarning when an option was set on `LossfxGRPOMixin` or `LossfxGRPOTrainer` themselves
+    (the old, process-wide way): it still applies, as every trainer's default."""
+    for cls in (LossfxGRPOMixin, _trainer_class):
+        for name in _OPTIONS:
+            if cls is not None and name in vars(cls) and vars(cls)[name] != _DEFAULTS.get(name, False):
+                warnings.warn(
+                    f"{cls.__name__}.{name} set on the class applies to every trainer in the process; pass "
+                    f"{name}= to the trainer instead (or set it on a subclass of your own)",
+                    FutureWarning,
+                    stacklevel=4,
+                )
+
+
 class LossfxGRPOMixin:
     """Put before `trl.GRPOTrainer` in the bases: its per-token log-probs come from lossfx.
 
@@ -592,6 +610,7 @@ class LossfxGRPOMixin:
         **kwargs: Any,
     ) -> None:
         _check_trainer_class(type(self))
+        _warn_shared_class_options()
         given = (lossfx_sharded_head, lossfx_filtered_logprobs, lossfx_chunk_size, lossfx_compile)
         for name, value in zip(_OPTIONS, given, strict=True):
             setattr(self, name, _check_option(name, getattr(type(self), name) if value is _UNSET else value))
