@@ -9,7 +9,10 @@ returns for one micro-batch (TRL 1.16: its fused LM head, `trl.trainer.utils.add
 computed by `lossfx.linear_next_token_logprobs` on the last `K + 1` positions only: the logits are
 never materialised and the prompt is never projected. `LossfxGRPOMixin` plugs it into a
 `GRPOTrainer`; `LossfxGRPOTrainer` is the ready subclass (built on first access, so importing this
-module imports neither TRL nor transformers). Docs: docs/huggingface.md.
+module imports neither TRL nor transformers). With a DTensor head the ranks of its mesh first
+check, by one small all-gather, that they call with the same options (`_check_ranks_agree`): a rank
+that differs gets a `ValueError` on every rank, not a hang in the head's gather. Docs:
+docs/huggingface.md.
 
 An integration is a user of lossfx's public API: it calls the public entry points
 (`lossfx.linear_next_token_logprobs`, `lossfx.next_token_logprobs`), each of which does its
@@ -195,7 +198,10 @@ def per_token_logps_and_entropies(
             a `temperature`, `logit_scale` or `softcap` that is not a real number.
         ValueError: shape mismatches, `logits_to_keep` outside `[1, S−1]`, a sharded DTensor
             head with `sharded_head="raise"`, label ids outside `[0, V)` other than `-100`, a
-            `temperature`, `logit_scale` or `softcap` that is not finite and > 0.
+            `temperature`, `logit_scale` or `softcap` that is not finite and > 0. With a DTensor
+            head, before any collective: ranks of its mesh that disagree on an option (every rank
+            raises, naming the option and each rank's value), or a peer that rejected its arguments
+            (eager; a compiled call is checked by the caller, as the mixin does).
     """
     if not torch.compiler.is_compiling():  # compiled (the mixin's lossfx_compile): it checks before, eagerly
         _check_ranks_agree(
@@ -551,7 +557,7 @@ def _warn_shared_class_options() -> None:
                     f"{cls.__name__}.{name} set on the class applies to every trainer in the process; pass "
                     f"{name}= to the trainer instead (or set it on a subclass of your own)",
                     FutureWarning,
-                    stacklevel=4,
+                    stacklevel=3,
                 )
 
 
