@@ -174,3 +174,48 @@ def test_plain_heads_add_no_collective(monkeypatch):
     hidden, weight, input_ids, mask = make_case()
     lossfx_trl.per_token_logps_and_entropies(hidden, weight, input_ids, mask, logits_to_keep=4)
     assert calls == []
+
+
+def _case_2d(rank, world, group, odd_rank):
+    """An HSDP-like 2 × 2 mesh (`Replicate()` over dim 0, `Shard(0)` over dim 1), `"gather"`;
+    `odd_rank` alone scores at another temperature (`-1`: none does)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    _, weight, input_ids, mask = make_case(seed=5, vocab=20)
+    hidden = make_case(seed=10 + rank, vocab=20)[0]
+    head = distribute_tensor(weight, mesh, [Replicate(), Shard(0)], src_data_rank=None)
+    temperature = 1.0 if rank == odd_rank else 0.9
+    out: dict = {"error": None}
+    try:
+        lp, _ = lossfx_trl.per_token_logps_and_entropies(
+            hidden, head, input_ids, mask, logits_to_keep=4, temperature=temperature, sharded_head="gather"
+        )
+        out["lp"], out["ref"] = lp.detach(), dense(hidden, weight, input_ids, mask, 4, temperature)[0]
+    except ValueError as e:
+        out["error"] = str(e)
+    probe = torch.ones(())
+    dist.all_reduce(probe, group=group)
+    out["probe"] = probe
+    return out
+
+
+@pytest.mark.distributed
+def test_a_2d_mesh_every_rank_raises_when_one_differs(monkeypatch):
+    """A rank that differs only from its neighbours along one mesh dim still stops every rank:
+    the check gathers the whole mesh (one all-gather per dim, of what the previous one gathered).
+    Judged per dim, rank 0 would see both its groups agree and go on into the gather."""
+    monkeypatch.setattr(harness, "_TIMEOUT_S", DEADLINE_S)  # a hang fails in a minute
+    pool = harness.gloo_pool(4)
+    for odd_rank in (3, -1):
+        answers = pool.run(_case_2d, odd_rank)
+        assert [float(a["probe"]) for a in answers] == [4.0] * 4
+        if odd_rank == -1:
+            for answer in answers:
+                assert answer["error"] is None, answer["error"]
+                torch.testing.assert_close(answer["lp"], answer["ref"], **TIGHT)
+            continue
+        want = "disagree on temperature (rank 0: 0.9, rank 1: 0.9, rank 2: 0.9, rank 3: 1.0)"
+        for answer in answers:
+            assert answer["error"] is not None and want in answer["error"], answer["error"]
