@@ -86,10 +86,12 @@ def _case(rank, world, group, case):
     return out
 
 
-def _run(case: str) -> list[dict]:
-    """Every rank's `_case` result; fails on a hang (no answer by `DEADLINE_S`) or a dead rank."""
-    pool = harness.gloo_pool(2)
-    job = (_case.__module__, _case.__qualname__, harness.to_wire((case,)), {})
+def _run(case: str, fn=None, world: int = 2) -> list[dict]:
+    """Every rank's `fn(case)` result (default `_case`); fails on a hang (no answer by
+    `DEADLINE_S`) or a dead rank, and checks the probe: the group is still in step."""
+    fn = fn or _case
+    pool = harness.gloo_pool(world)
+    job = (fn.__module__, fn.__qualname__, harness.to_wire((case,)), {})
     for conn in pool._conns:
         conn.send(job)
     deadline = time.monotonic() + DEADLINE_S
@@ -110,7 +112,7 @@ def _run(case: str) -> list[dict]:
     if problems:
         pool.close()
         pytest.fail(f"case {case!r}: {problems}")
-    assert [float(a["probe"]) for a in answers] == [2.0, 2.0], "the group is out of step"
+    assert [float(a["probe"]) for a in answers] == [float(world)] * world, "the group is out of step"
     return answers
 
 
@@ -219,3 +221,108 @@ def test_a_2d_mesh_every_rank_raises_when_one_differs(monkeypatch):
         want = "disagree on temperature (rank 0: 0.9, rank 1: 0.9, rank 2: 0.9, rank 3: 1.0)"
         for answer in answers:
             assert answer["error"] is not None and want in answer["error"], answer["error"]
+
+
+def _fsdp2(rank, world, group, case):
+    """A tiny Qwen2 under FSDP2 (`fully_shard` on each layer and the model: the LM head is a
+    `Shard(0)` DTensor outside the forward), scored by the mixin with `lossfx_sharded_head` from
+    `case`, and by stock TRL's method on an identical FSDP2 copy with TRL's fused head."""
+    import contextlib
+    import copy
+    from types import SimpleNamespace
+
+    from test_integrations_trl import tiny_qwen2
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from trl import GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    class Trainer(lossfx_trl.LossfxGRPOMixin):  # what the method reads of a trainer
+        def __init__(self, sharded_head):
+            self.accelerator = SimpleNamespace(
+                unwrap_model=lambda m: m, autocast=contextlib.nullcontext, is_main_process=True
+            )
+            self.temperature, self.lossfx_sharded_head = 0.8, sharded_head
+
+    mesh = init_device_mesh("cpu", (world,))
+    ours = tiny_qwen2()
+    stock = copy.deepcopy(ours)
+    add_fused_lm_head(stock, temperature=0.8, outputs=("log_probs", "entropy"))
+    for model in (ours, stock):  # the head its own FSDP unit, resharded after its forward: a DTensor at the call
+        for module in (*model.model.layers, model.lm_head, model):
+            fully_shard(module, mesh=mesh)
+    input_ids = torch.randint(0, 96, (3, 10), generator=torch.Generator().manual_seed(20 + rank))  # own data
+    mask = torch.ones_like(input_ids)
+    mask[0, :2] = 0
+    sharded_head = "raise" if case == "fsdp2_disagree" and rank == 1 else "gather"
+    out: dict = {"error": None}
+    heads = []
+    real = lossfx_trl.per_token_logps_and_entropies
+
+    def spy(hidden, weight, *args, **kwargs):
+        heads.append(type(weight).__name__)
+        return real(hidden, weight, *args, **kwargs)
+
+    lossfx_trl.per_token_logps_and_entropies = spy
+    try:
+        results = []
+        for method, model, trainer in (
+            (lossfx_trl.LossfxGRPOMixin._get_per_token_logps_and_entropies, ours, Trainer(sharded_head)),
+            (GRPOTrainer._get_per_token_logps_and_entropies, stock, Trainer("gather")),
+        ):
+            lp, ent, _ = method(trainer, model, input_ids, mask, 6, batch_size=2, compute_entropy=True)
+            (lp.sum() + 0.1 * ent.sum()).backward()
+            grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+            results.append((lp.detach(), ent.detach(), grads))
+        out["ours"], out["stock"] = results
+    except ValueError as e:
+        out["error"] = str(e)
+    finally:
+        lossfx_trl.per_token_logps_and_entropies = real
+    out["heads"] = heads
+    if case == "fsdp2_agree":  # the head's gradient FSDP2 must give: the mean over the ranks' data
+        want = 0
+        for r in range(world):
+            plain = tiny_qwen2()
+            ids = torch.randint(0, 96, (3, 10), generator=torch.Generator().manual_seed(20 + r))
+            lp, ent, _ = lossfx_trl.LossfxGRPOMixin._get_per_token_logps_and_entropies(
+                Trainer("raise"), plain, ids, mask, 6, compute_entropy=True
+            )
+            (lp.sum() + 0.1 * ent.sum()).backward()
+            want = want + plain.lm_head.weight.grad / world
+        rows = want.shape[0] // world
+        out["want_head"] = want[rank * rows : (rank + 1) * rows]
+    probe = torch.ones(())
+    dist.all_reduce(probe, group=group)
+    out["probe"] = probe
+    return out
+
+
+@pytest.mark.distributed
+def test_fsdp2_mixin_with_gather_matches_stock_trl():
+    """The mixin under FSDP2 with `lossfx_sharded_head="gather"` (the head resharded after its
+    forward: a `Shard(0)` DTensor at the lossfx call): stock TRL's log-probs, entropies and backbone
+    gradient shards, and the head's gradient shard equal to the mean over the ranks' data of the
+    unsharded model's (FSDP2's reduction), fp32. (Stock TRL's own head gradient is not the
+    reference here: its fused head reads `lm_head.weight` without running the head's FSDP2 unit,
+    and in this setup its head gradient differs from that mean.)"""
+    pytest.importorskip("trl")
+    for answer in _run("fsdp2_agree", _fsdp2):
+        assert answer["error"] is None, answer["error"]
+        assert answer["heads"] == ["DTensor"] * 2  # two micro-batches, each with the sharded head
+        (lp, ent, grads), (lp_t, ent_t, grads_t) = answer["ours"], answer["stock"]
+        torch.testing.assert_close(lp, lp_t, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent, ent_t, rtol=1e-5, atol=1e-5)
+        assert grads.keys() == grads_t.keys() and "lm_head.weight" in grads
+        torch.testing.assert_close(grads.pop("lm_head.weight"), answer["want_head"], rtol=1e-4, atol=1e-6)
+        for name in grads:
+            torch.testing.assert_close(grads[name], grads_t[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.distributed
+def test_fsdp2_trainers_whose_sharded_head_differs_all_raise():
+    """Issue 25's case through the mixin: rank 0's trainer gathers, rank 1's says "raise"."""
+    pytest.importorskip("trl")
+    answers = _run("fsdp2_disagree", _fsdp2)
+    for answer in answers:
+        assert "disagree on sharded_head (rank 0: 'gather', rank 1: 'raise')" in (answer["error"] or ""), answer
