@@ -249,7 +249,8 @@ def _fsdp2(rank, world, group, case):
     stock = copy.deepcopy(ours)
     add_fused_lm_head(stock, temperature=0.8, outputs=("log_probs", "entropy"))
     for model in (ours, stock):  # the head its own FSDP unit, resharded after its forward: a DTensor at the call
-        for module in (*model.model.layers, model.lm_head, model):
+        own_unit = (model.lm_head,) if case != "fsdp2_root" else ()  # else in the root unit: unsharded at the call
+        for module in (*model.model.layers, *own_unit, model):
             fully_shard(module, mesh=mesh)
     input_ids = torch.randint(0, 96, (3, 10), generator=torch.Generator().manual_seed(20 + rank))  # own data
     mask = torch.ones_like(input_ids)
@@ -280,7 +281,7 @@ def _fsdp2(rank, world, group, case):
     finally:
         lossfx_trl.per_token_logps_and_entropies = real
     out["heads"] = heads
-    if case == "fsdp2_agree":  # the head's gradient FSDP2 must give: the mean over the ranks' data
+    if case in ("fsdp2_agree", "fsdp2_root"):  # the head's gradient FSDP2 must give: the mean over the ranks' data
         want = 0
         for r in range(world):
             plain = tiny_qwen2()
@@ -299,17 +300,20 @@ def _fsdp2(rank, world, group, case):
 
 
 @pytest.mark.distributed
-def test_fsdp2_mixin_with_gather_matches_stock_trl():
-    """The mixin under FSDP2 with `lossfx_sharded_head="gather"` (the head resharded after its
-    forward: a `Shard(0)` DTensor at the lossfx call): stock TRL's log-probs, entropies and backbone
+@pytest.mark.parametrize("case", ["fsdp2_agree", "fsdp2_root"])
+def test_fsdp2_mixin_with_gather_matches_stock_trl(case):
+    """The mixin under FSDP2 with `lossfx_sharded_head="gather"`, the head its own unit (resharded
+    after its forward: a `Shard(0)` DTensor at the lossfx call) or in the root unit (a plain tensor
+    there; FSDP2 reduce-scatters its gradient): stock TRL's log-probs, entropies and backbone
     gradient shards, and the head's gradient shard equal to the mean over the ranks' data of the
     unsharded model's (FSDP2's reduction), fp32. (Stock TRL's own head gradient is not the
     reference here: its fused head reads `lm_head.weight` without running the head's FSDP2 unit,
     and in this setup its head gradient differs from that mean.)"""
     pytest.importorskip("trl")
-    for answer in _run("fsdp2_agree", _fsdp2):
+    for answer in _run(case, _fsdp2):
         assert answer["error"] is None, answer["error"]
-        assert answer["heads"] == ["DTensor"] * 2  # two micro-batches, each with the sharded head
+        # two micro-batches; a head in the root unit is still gathered when the forward returns
+        assert answer["heads"] == ["Parameter" if case == "fsdp2_root" else "DTensor"] * 2
         (lp, ent, grads), (lp_t, ent_t, grads_t) = answer["ours"], answer["stock"]
         torch.testing.assert_close(lp, lp_t, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ent, ent_t, rtol=1e-5, atol=1e-5)
