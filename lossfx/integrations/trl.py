@@ -9,7 +9,10 @@ returns for one micro-batch (TRL 1.16: its fused LM head, `trl.trainer.utils.add
 computed by `lossfx.linear_next_token_logprobs` on the last `K + 1` positions only: the logits are
 never materialised and the prompt is never projected. `LossfxGRPOMixin` plugs it into a
 `GRPOTrainer`; `LossfxGRPOTrainer` is the ready subclass (built on first access, so importing this
-module imports neither TRL nor transformers). Docs: docs/huggingface.md.
+module imports neither TRL nor transformers). With a DTensor head the ranks of its mesh first
+check, by one small all-gather, that they call with the same options (`_check_ranks_agree`): a rank
+that differs gets a `ValueError` on every rank, not a hang in the head's gather. Docs:
+docs/huggingface.md.
 
 An integration is a user of lossfx's public API: it calls the public entry points
 (`lossfx.linear_next_token_logprobs`, `lossfx.next_token_logprobs`), each of which does its
@@ -20,14 +23,22 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import numbers
+import struct
+import warnings
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from lossfx._boundary.dtensor import is_dtensor
-from lossfx._boundary.validation import check_floating, check_integer_ids, check_positive_float
+from lossfx._boundary.validation import (
+    check_floating,
+    check_integer_ids,
+    check_positive_float,
+    check_positive_int,
+)
 from lossfx.fused_linear import linear_next_token_logprobs
 from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.loss_input import next_token_logprobs
@@ -41,6 +52,7 @@ __all__ = [
     "per_token_logps_and_entropies",
 ]
 
+logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100  # Hugging Face's label for "not scored"
 ShardedHead = Literal["raise", "gather", "tensor_parallel"]
 # config attributes of a multiplier of the logits before soft-capping, in the order TRL's fused head reads them
@@ -69,12 +81,27 @@ def lm_head_weight(weight: Any, sharded_head: ShardedHead = "raise") -> Tensor:
     return _head_tensor("lm_head weight", weight, sharded_head)
 
 
-def _head_tensor(name: str, weight: Any, sharded_head: ShardedHead) -> Any:
-    """`lm_head_weight` for the weight or the bias (`name` names it in errors)."""
+def _check_head(name: str, weight: Any, sharded_head: object) -> None:
+    """The checks of `_head_tensor`, no collective: `sharded_head`'s value, a floating plain head, and
+    a sharded DTensor head under `"raise"`."""
     if sharded_head not in ("raise", "gather", "tensor_parallel"):
         raise ValueError(f"sharded_head must be 'raise', 'gather' or 'tensor_parallel', got {sharded_head!r}")
     if not is_dtensor(weight):
-        return check_floating(name, weight)
+        check_floating(name, weight)
+    elif sharded_head == "raise" and not all(p.is_replicate() for p in weight.placements):
+        raise ValueError(
+            f"the {name} is a DTensor with placements {tuple(weight.placements)} (FSDP2 or tensor "
+            "parallel); lossfx will not guess which: pass sharded_head='gather' to all-gather it with "
+            "full_tensor() (FSDP2, DDP-like data parallelism), or sharded_head='tensor_parallel' for a "
+            "vocabulary-sharded head whose ranks all hold the same hidden states"
+        )
+
+
+def _head_tensor(name: str, weight: Any, sharded_head: ShardedHead) -> Any:
+    """`lm_head_weight` for the weight or the bias (`name` names it in errors)."""
+    _check_head(name, weight, sharded_head)
+    if not is_dtensor(weight):
+        return weight
     if all(p.is_replicate() for p in weight.placements):
         return weight.to_local()
     if sharded_head == "gather":
@@ -83,14 +110,7 @@ def _head_tensor(name: str, weight: Any, sharded_head: ShardedHead) -> Any:
         # every mesh dim is data parallel: the head's gradient is averaged over all ranks' data,
         # FSDP2's default reduction (a plain full_tensor() would give each shard its own rank's part)
         return weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
-    if sharded_head == "tensor_parallel":
-        return weight
-    raise ValueError(
-        f"the {name} is a DTensor with placements {tuple(weight.placements)} (FSDP2 or tensor "
-        "parallel); lossfx will not guess which: pass sharded_head='gather' to all-gather it with "
-        "full_tensor() (FSDP2, DDP-like data parallelism), or sharded_head='tensor_parallel' for a "
-        "vocabulary-sharded head whose ranks all hold the same hidden states"
-    )
+    return weight  # "tensor_parallel"
 
 
 def _check_logits_to_keep(logits_to_keep: object, seq: int) -> int:
@@ -178,31 +198,25 @@ def per_token_logps_and_entropies(
             a `temperature`, `logit_scale` or `softcap` that is not a real number.
         ValueError: shape mismatches, `logits_to_keep` outside `[1, S−1]`, a sharded DTensor
             head with `sharded_head="raise"`, label ids outside `[0, V)` other than `-100`, a
-            `temperature`, `logit_scale` or `softcap` that is not finite and > 0.
+            `temperature`, `logit_scale` or `softcap` that is not finite and > 0. With a DTensor
+            head, before any collective: ranks of its mesh that disagree on an option (every rank
+            raises, naming the option and each rank's value), or a peer that rejected its arguments
+            (eager; a compiled call is checked by the caller, as the mixin does).
     """
-    check_floating("hidden_states", hidden_states)
-    check_integer_ids("input_ids", input_ids)
-    # checked here as well as in the fused kernel: the filtered path below divides by them itself
-    temperature = check_positive_float("temperature", temperature)
-    logit_scale = check_positive_float("logit_scale", logit_scale)
-    softcap = check_positive_float("softcap", softcap, allow_none=True)
-    weight = lm_head_weight(weight, sharded_head)
+    if not torch.compiler.is_compiling():  # compiled (the mixin's lossfx_compile): it checks before, eagerly
+        _check_ranks_agree(
+            hidden_states, weight, input_ids, attention_mask, logits_to_keep=logits_to_keep, temperature=temperature,
+            compute_entropy=compute_entropy, labels=labels, position_ids=position_ids, chunk_size=chunk_size,
+            sharded_head=sharded_head, sampling_params=sampling_params, bias=bias, logit_scale=logit_scale,
+            softcap=softcap,
+        )  # fmt: skip
+    temperature, logit_scale, softcap, keep = _check_arguments(
+        hidden_states, weight, input_ids, attention_mask, logits_to_keep, temperature, labels, position_ids,
+        chunk_size, sharded_head, bias, logit_scale, softcap,
+    )  # fmt: skip
+    weight = _head_tensor("lm_head weight", weight, sharded_head)
     if bias is not None:
         bias = _head_tensor("lm_head bias", bias, sharded_head)
-    if input_ids.dim() != 2 or hidden_states.dim() != 3 or tuple(hidden_states.shape[:2]) != tuple(input_ids.shape):
-        raise ValueError(
-            f"hidden_states must be [B, S, H] and input_ids [B, S]; got hidden_states.shape="
-            f"{tuple(hidden_states.shape)} and input_ids.shape={tuple(input_ids.shape)}"
-        )
-    for name, x in (("attention_mask", attention_mask), ("labels", labels), ("position_ids", position_ids)):
-        if x is not None:
-            if not (name == "attention_mask" and x.dtype == torch.bool):
-                check_integer_ids(name, x)
-            if tuple(x.shape) != tuple(input_ids.shape):
-                raise ValueError(
-                    f"{name} must have input_ids' shape {tuple(input_ids.shape)}, got {name}.shape={tuple(x.shape)}"
-                )
-    keep = _check_logits_to_keep(logits_to_keep, input_ids.shape[1])
     start = input_ids.shape[1] - keep - 1  # hidden position scoring the first kept token
     targets = (input_ids if labels is None else labels)[:, start:]  # [B, K+1]; column 0 never scored
     scored = targets[:, 1:] != IGNORE_INDEX  # [B, K]
@@ -233,6 +247,200 @@ def per_token_logps_and_entropies(
         )
     logps, neg_entropy = result if isinstance(result, tuple) else (result, None)
     return logps, None if neg_entropy is None else -neg_entropy
+
+
+def _check_arguments(
+    hidden_states: Any,
+    weight: Any,
+    input_ids: Any,
+    attention_mask: Any,
+    logits_to_keep: object,
+    temperature: object,
+    labels: Any,
+    position_ids: Any,
+    chunk_size: object,
+    sharded_head: object,
+    bias: Any,
+    logit_scale: object,
+    softcap: object,
+) -> tuple[float, float, float | None, int]:
+    """Every check of `per_token_logps_and_entropies`'s arguments, local (no collective): raises
+    what it documents, else returns `(temperature, logit_scale, softcap, logits_to_keep)` as numbers."""
+    check_floating("hidden_states", hidden_states)
+    check_integer_ids("input_ids", input_ids)
+    # checked here as well as in the fused kernel: the filtered path divides by them itself
+    temp = check_positive_float("temperature", temperature)
+    scale = check_positive_float("logit_scale", logit_scale)
+    cap = check_positive_float("softcap", softcap, allow_none=True)
+    _check_head("lm_head weight", weight, sharded_head)
+    if bias is not None:
+        _check_head("lm_head bias", bias, sharded_head)
+    check_positive_int("chunk_size", chunk_size)
+    if input_ids.dim() != 2 or hidden_states.dim() != 3 or tuple(hidden_states.shape[:2]) != tuple(input_ids.shape):
+        raise ValueError(
+            f"hidden_states must be [B, S, H] and input_ids [B, S]; got hidden_states.shape="
+            f"{tuple(hidden_states.shape)} and input_ids.shape={tuple(input_ids.shape)}"
+        )
+    for name, x in (("attention_mask", attention_mask), ("labels", labels), ("position_ids", position_ids)):
+        if x is not None:
+            if not (name == "attention_mask" and isinstance(x, Tensor) and x.dtype == torch.bool):
+                check_integer_ids(name, x)
+            if tuple(x.shape) != tuple(input_ids.shape):
+                raise ValueError(
+                    f"{name} must have input_ids' shape {tuple(input_ids.shape)}, got {name}.shape={tuple(x.shape)}"
+                )
+    return temp, scale, cap, _check_logits_to_keep(logits_to_keep, input_ids.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Every rank of a DTensor head's mesh scores with the same options, checked before any collective
+# ---------------------------------------------------------------------------------------------
+
+_SHARDED_HEADS = ("raise", "gather", "tensor_parallel")
+# int64 codes no option encodes otherwise (NaN payloads that `float()` never yields): None, a bad type
+_NONE, _INVALID = 0x7FF8_0000_0000_0A11, 0x7FF8_0000_0000_0BAD
+
+
+def _code(value: object, kind: str) -> int:
+    """`value` as one int64: an index of `_SHARDED_HEADS`, a bool, an int, or a float's bits."""
+    if value is None:
+        return _NONE
+    if kind == "choice":
+        return next((i for i, v in enumerate(_SHARDED_HEADS) if value == v), _INVALID)
+    if kind == "bool" or isinstance(value, bool):
+        return int(value) if isinstance(value, bool) and kind == "bool" else _INVALID
+    if kind == "int":
+        return int(value) if isinstance(value, numbers.Integral) and abs(int(value)) < 2**62 else _INVALID
+    if isinstance(value, numbers.Real):
+        return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+    return _INVALID
+
+
+def _shown(code: int, kind: str) -> str:
+    if code == _NONE:
+        return "None"
+    if code == _INVALID:
+        return "<invalid>"
+    if kind == "choice":
+        return repr(_SHARDED_HEADS[code])
+    if kind == "bool":
+        return repr(bool(code))
+    return repr(code) if kind == "int" else repr(struct.unpack("<d", struct.pack("<q", code))[0])
+
+
+def _option_fields(
+    sharded_head: object,
+    logits_to_keep: object,
+    temperature: object,
+    compute_entropy: object,
+    chunk_size: object,
+    sampling_params: Any,
+    bias: Any,
+    logit_scale: object,
+    softcap: object,
+) -> list[tuple[str, object, str]]:
+    """`(name, value, kind)` of every option the ranks of a head's mesh must agree on."""
+    filtered = need_top_k_or_top_p_filtering(sampling_params)
+    return [
+        ("sharded_head", sharded_head, "choice"),
+        ("temperature", temperature, "float"),
+        ("logit_scale", logit_scale, "float"),
+        ("softcap", softcap, "float"),
+        ("bias given", bias is not None, "bool"),
+        ("compute_entropy", bool(compute_entropy), "bool"),
+        ("chunk_size", chunk_size, "int"),
+        ("sampling_params.top_k (a filter)", sampling_params.top_k if filtered else None, "int"),
+        ("sampling_params.top_p (a filter)", sampling_params.top_p if filtered else None, "float"),
+        ("logits_to_keep", logits_to_keep, "int"),  # compared under "tensor_parallel" only
+    ]
+
+
+def _gather_over_mesh(sig: Tensor, mesh: Any) -> list[list[int]]:
+    """Every rank's `sig [L]`, in the order of `mesh.mesh.flatten()`: one all-gather per mesh dim
+    (the last dim first, so the result is laid out as the mesh), each of what the previous one
+    gathered, so every rank ends with the whole mesh's; then one host read."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the older name warns in 2.13
+    x = sig
+    for dim in reversed(range(mesh.ndim)):
+        group = mesh.get_group(dim)
+        out = x.new_empty(group.size() * x.numel())
+        gather(out, x.reshape(-1), group=group)
+        x = out.view(group.size(), *x.shape)
+    return x.reshape(-1, sig.numel()).tolist()
+
+
+def _check_ranks_agree(
+    hidden_states: Any,
+    weight: Any,
+    input_ids: Any,
+    attention_mask: Any,
+    *,
+    logits_to_keep: object = None,
+    temperature: object = 1.0,
+    compute_entropy: object = False,
+    labels: Any = None,
+    position_ids: Any = None,
+    chunk_size: object = None,
+    sharded_head: object = "raise",
+    sampling_params: Any = None,
+    bias: Any = None,
+    logit_scale: object = 1.0,
+    softcap: object = None,
+) -> None:
+    """With a DTensor head (a process group exists): before any collective of the call (the
+    `"gather"` head's `full_tensor()`, lossfx's own check), every rank of the head's mesh learns
+    every rank's options and whether its arguments pass `_check_arguments`, by one all-gather of a
+    few int64 per mesh dim; then every rank raises the same `ValueError` naming each option the
+    ranks disagree on with each rank's value, or, when a rank rejected its arguments, that rank
+    its own error and every other one a `ValueError` naming it. Nothing is left waiting in a
+    collective. `logits_to_keep` may differ over data-parallel ranks (each pads its own
+    completions): compared under `"tensor_parallel"` only, where every rank holds the same batch.
+    Plain heads: nothing (no group, no collective)."""
+    head = weight if is_dtensor(weight) else bias if is_dtensor(bias) else None
+    if head is None:
+        return
+    error: Exception | None = None
+    try:
+        _check_arguments(
+            hidden_states, weight, input_ids, attention_mask, logits_to_keep, temperature, labels, position_ids,
+            chunk_size, sharded_head, bias, logit_scale, softcap,
+        )  # fmt: skip
+    except (TypeError, ValueError) as e:
+        error = e
+    fields = _option_fields(
+        sharded_head, logits_to_keep, temperature, compute_entropy, chunk_size, sampling_params, bias, logit_scale,
+        softcap,
+    )  # fmt: skip
+    codes = [int(error is None)] + [_code(value, kind) for _, value, kind in fields]
+    mesh = head.device_mesh
+    rows = _gather_over_mesh(torch.tensor(codes, dtype=torch.int64, device=head.device), mesh)
+    ranks = mesh.mesh.flatten().tolist()
+    tensor_parallel = _code("tensor_parallel", "choice")
+    differ = []
+    for i, (name, _, kind) in enumerate(fields, start=1):
+        column = [row[i] for row in rows]
+        if name == "logits_to_keep" and any(row[1] != tensor_parallel for row in rows):
+            continue
+        if len(set(column)) > 1:
+            values = ", ".join(f"rank {r}: {_shown(c, kind)}" for r, c in zip(ranks, column, strict=True))
+            differ.append(f"{name} ({values})")
+    if differ:
+        raise ValueError(
+            "lossfx.integrations.trl: the ranks of the LM head's device mesh disagree on " + "; ".join(differ)
+            + ". Every rank must score with the same options (LossfxGRPOTrainer: lossfx_sharded_head, "
+            "lossfx_filtered_logprobs, lossfx_chunk_size, GRPOConfig's temperature, top_k, top_p; the model's "
+            "head). Checked before any collective: every rank raises this error"
+        )  # fmt: skip
+    if error is not None:
+        raise error
+    rejected = [r for r, row in zip(ranks, rows, strict=True) if not row[0]]
+    if rejected:
+        raise ValueError(
+            f"lossfx.integrations.trl: rank(s) {rejected} of the LM head's device mesh rejected their arguments "
+            "(each raised its own error); this rank stops too, before any collective"
+        )
 
 
 def _filtered(
@@ -287,23 +495,145 @@ def head_options(model: Any) -> dict[str, Any]:
     }
 
 
+_UNSET: Any = object()  # an option not passed to the trainer: its class attribute applies
+# the arguments the mixin's method takes and hands to the stock one, in TRL 1.16's order
+_STOCK_PARAMETERS = (
+    "self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+    "compute_aux_loss",
+)  # fmt: skip
+_OPTIONS = ("lossfx_sharded_head", "lossfx_filtered_logprobs", "lossfx_chunk_size", "lossfx_compile")
+
+
+def _check_option(name: str, value: Any) -> Any:
+    """`value` of the trainer option `name`, checked: `ValueError` / `TypeError` naming it."""
+    if name == "lossfx_sharded_head":
+        if value not in _SHARDED_HEADS:
+            raise ValueError(f"lossfx_sharded_head must be 'raise', 'gather' or 'tensor_parallel', got {value!r}")
+    elif name == "lossfx_filtered_logprobs":
+        if not isinstance(value, bool):
+            raise TypeError(f"lossfx_filtered_logprobs must be a bool, got {value!r}")
+    elif name == "lossfx_chunk_size":
+        check_positive_int("lossfx_chunk_size", value)
+    elif not isinstance(value, (bool, dict)):
+        raise TypeError(f"lossfx_compile must be a bool or a dict of torch.compile keyword arguments, got {value!r}")
+    return value
+
+
+def _check_trainer_class(cls: type) -> None:
+    """`TypeError` unless `cls` is a `trl.GRPOTrainer` whose per-token log-prob method the mixin
+    overrides and can hand to (TRL 1.16's name and leading parameters)."""
+    import trl
+    from trl import GRPOTrainer
+
+    if not issubclass(cls, GRPOTrainer):
+        raise TypeError(
+            f"LossfxGRPOMixin replaces trl.GRPOTrainer's per-token log-probs; {cls.__qualname__} is not a "
+            f"GRPOTrainer (its bases: {[b.__qualname__ for b in cls.__mro__[1:-1]]}): put LossfxGRPOMixin first "
+            "in the bases of a GRPOTrainer subclass"
+        )
+    after = cls.__mro__[cls.__mro__.index(LossfxGRPOMixin) + 1 :]
+    name = "_get_per_token_logps_and_entropies"
+    stock = next((vars(k)[name] for k in after if name in vars(k)), None)
+    found = None if stock is None else tuple(inspect.signature(stock).parameters)
+    if found is None or found[: len(_STOCK_PARAMETERS)] != _STOCK_PARAMETERS:
+        raise TypeError(
+            f"LossfxGRPOMixin overrides GRPOTrainer._get_per_token_logps_and_entropies{_STOCK_PARAMETERS[1:]} "
+            f"(TRL 1.16); the GRPOTrainer of TRL {trl.__version__} under {cls.__qualname__} "
+            + ("has no such method" if found is None else f"takes {found}")
+            + ": the override would do nothing or break; use a TRL version it supports (1.16)"
+        )
+
+
+_DEFAULTS = {"lossfx_sharded_head": "raise", "lossfx_filtered_logprobs": False, "lossfx_chunk_size": None}
+
+
+def _warn_shared_class_options() -> None:
+    """FutureWarning when an option was set on `LossfxGRPOMixin` or `LossfxGRPOTrainer` themselves
+    (the old, process-wide way): it still applies, as every trainer's default."""
+    for cls in (LossfxGRPOMixin, _trainer_class):
+        for name in _OPTIONS:
+            if cls is not None and name in vars(cls) and vars(cls)[name] != _DEFAULTS.get(name, False):
+                warnings.warn(
+                    f"{cls.__name__}.{name} set on the class applies to every trainer in the process; pass "
+                    f"{name}= to the trainer instead (or set it on a subclass of your own)",
+                    FutureWarning,
+                    stacklevel=3,
+                )
+
+
 class LossfxGRPOMixin:
     """Put before `trl.GRPOTrainer` in the bases: its per-token log-probs come from lossfx.
 
-    Overrides `_get_per_token_logps_and_entropies`: the model runs through its (possibly DDP- or
-    FSDP-wrapped) forward with `output_hidden_states=True` and `logits_to_keep=1` (one logit row
-    per sequence instead of `S`), then `per_token_logps_and_entropies` scores the completion from
-    the last hidden states and the LM head. Multimodal batches and MoE auxiliary losses go to
-    the stock method. The head's bias, logit scale and soft-cap come from `head_options`.
-    `lossfx_sharded_head` (class attribute, default `"raise"`) is passed as
-    `sharded_head`: set it to `"gather"` under FSDP2. `lossfx_filtered_logprobs = True` scores
-    the completions under the trainer's `top_k` / `top_p` (the sampler's filtered distribution,
-    on the logits path) instead of the full distribution stock TRL scores.
+    Overrides `_get_per_token_logps_and_entropies`, which TRL calls for the policy's log-probs in
+    the loss, the old policy's (when the rollouts are reused off-step) and the reference model's
+    (`beta > 0`): the model runs through its (possibly DDP- or FSDP-wrapped) forward with
+    `output_hidden_states=True` and `logits_to_keep=1` (one logit row per sequence instead of
+    `S`), then `per_token_logps_and_entropies` scores the completion from the last hidden states
+    and the LM head. Multimodal batches and MoE auxiliary losses go to the stock method. The
+    head's bias, logit scale and soft-cap come from `head_options`. Logs once per trainer (logger
+    `lossfx.integrations.trl`, INFO) when it first computes log-probs.
+
+    Options, keyword arguments of the trainer's `__init__`, stored on the instance (a class
+    attribute of the same name, e.g. on a subclass, is the default):
+
+    - `lossfx_sharded_head`: `"raise"` (default), `"gather"` (FSDP2) or `"tensor_parallel"`,
+      passed as `sharded_head`;
+    - `lossfx_filtered_logprobs`: `True` scores the completions under the trainer's `top_k` /
+      `top_p` (the sampler's filtered distribution, on the logits path) instead of the full
+      distribution stock TRL scores (default `False`);
+    - `lossfx_chunk_size`: rows per logits chunk of the fused kernel (`None`: its default);
+    - `lossfx_compile`: `True` runs `per_token_logps_and_entropies` under
+      `torch.compile(fullgraph=True)` (compiled once per trainer), a dict adds keyword arguments
+      of `torch.compile` (e.g. `{"backend": "aot_eager"}`); TRL's `torch_compile=True` compiles
+      the model's forward only (default `False`).
+
+    Raises `TypeError` at `__init__` on a class that is not a `GRPOTrainer`, or whose TRL lacks
+    the method it overrides (or takes other leading parameters), and at class creation when a
+    base before it in the MRO defines that method (the override would never run).
     """
 
     lossfx_sharded_head: ShardedHead = "raise"
-    lossfx_chunk_size: int | None = None
     lossfx_filtered_logprobs: bool = False
+    lossfx_chunk_size: int | None = None
+    lossfx_compile: bool | dict[str, Any] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        owner = next((k for k in cls.__mro__ if "_get_per_token_logps_and_entropies" in vars(k)), None)
+        if owner is not None and not issubclass(owner, LossfxGRPOMixin):
+            raise TypeError(
+                f"{cls.__qualname__}: {owner.__qualname__}._get_per_token_logps_and_entropies comes before "
+                "LossfxGRPOMixin's in the MRO, so lossfx would never run: put LossfxGRPOMixin first in the bases"
+            )
+
+    def __init__(
+        self,
+        *args: Any,
+        lossfx_sharded_head: ShardedHead = _UNSET,
+        lossfx_filtered_logprobs: bool = _UNSET,
+        lossfx_chunk_size: int | None = _UNSET,
+        lossfx_compile: bool | dict[str, Any] = _UNSET,
+        **kwargs: Any,
+    ) -> None:
+        _check_trainer_class(type(self))
+        _warn_shared_class_options()
+        given = (lossfx_sharded_head, lossfx_filtered_logprobs, lossfx_chunk_size, lossfx_compile)
+        for name, value in zip(_OPTIONS, given, strict=True):
+            setattr(self, name, _check_option(name, getattr(type(self), name) if value is _UNSET else value))
+        self._lossfx_compiled: Any = None
+        self._lossfx_logged = False
+        super().__init__(*args, **kwargs)
+
+    def _lossfx_function(self) -> Any:
+        """`per_token_logps_and_entropies`, compiled once per trainer under `lossfx_compile`."""
+        options = getattr(self, "lossfx_compile", False)
+        if options is False:
+            return per_token_logps_and_entropies
+        if getattr(self, "_lossfx_compiled", None) is None:
+            self._lossfx_compiled = torch.compile(
+                per_token_logps_and_entropies, **{"fullgraph": True, **(options if isinstance(options, dict) else {})}
+            )
+        return self._lossfx_compiled
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -328,6 +658,15 @@ class LossfxGRPOMixin:
         if self.lossfx_filtered_logprobs:
             top_k = getattr(self, "top_k", None)
             sampling = TrainingSamplingParams(top_k=top_k or None, top_p=float(getattr(self, "top_p", 1.0) or 1.0))
+        fn = self._lossfx_function()
+        if not getattr(self, "_lossfx_logged", False):
+            self._lossfx_logged = True
+            logger.info(
+                "lossfx computes %s's per-token log-probs and entropies (lossfx.integrations.trl: sharded_head=%r, "
+                "filtered_logprobs=%r, chunk_size=%r, compile=%r)",
+                type(self).__name__, self.lossfx_sharded_head, self.lossfx_filtered_logprobs,
+                self.lossfx_chunk_size, getattr(self, "lossfx_compile", False),
+            )  # fmt: skip
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
@@ -336,19 +675,19 @@ class LossfxGRPOMixin:
             autocast = getattr(self.accelerator, "autocast", contextlib.nullcontext)  # type: ignore[attr-defined]
             with autocast():
                 out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False, **kwargs)
-            lp, ent = per_token_logps_and_entropies(
-                out.hidden_states[-1],
-                unwrapped.get_output_embeddings().weight,
-                ids,
-                mask,
-                logits_to_keep=logits_to_keep,
-                temperature=self.temperature,  # type: ignore[attr-defined]
-                compute_entropy=compute_entropy,
-                chunk_size=self.lossfx_chunk_size,
-                sharded_head=self.lossfx_sharded_head,
-                sampling_params=sampling,
+            args = (out.hidden_states[-1], unwrapped.get_output_embeddings().weight, ids, mask)
+            options = {
+                "logits_to_keep": logits_to_keep,
+                "temperature": self.temperature,  # type: ignore[attr-defined]
+                "compute_entropy": compute_entropy,
+                "chunk_size": self.lossfx_chunk_size,
+                "sharded_head": self.lossfx_sharded_head,
+                "sampling_params": sampling,
                 **head,
-            )
+            }
+            if fn is not per_token_logps_and_entropies:  # compiled: the ranks' check runs here, eagerly
+                _check_ranks_agree(*args, **options)
+            lp, ent = fn(*args, **options)
             logps.append(lp)
             if ent is not None:
                 entropies.append(ent)
