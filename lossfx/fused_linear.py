@@ -312,7 +312,7 @@ def linear_gather_logprobs(
         TypeError: non-float hidden/weight/bias, non-integer ids, bad temperature/logit_scale/softcap/
             ignore_index type.
         ValueError: shape mismatches, `K = 0`, `temperature <= 0`, `chunk_size <= 0`, ids outside
-            `[0, V)` (eager only).
+            `[0, V)` (compiled: an in-graph `RuntimeError`).
 
     Example:
         >>> import torch, lossfx
@@ -494,7 +494,7 @@ def linear_token_logprobs(
     Raises:
         TypeError: non-float `hidden`/`weight`/`bias`, non-integer `target`, a non-int `ignore_index`.
         ValueError: shape mismatches, `temperature <= 0`, `chunk_size <= 0`, target ids outside
-            `[0, V)` (eager only: the check reads values and is skipped while compiling).
+            `[0, V)` (compiled: an in-graph `RuntimeError`).
 
     Example:
         >>> import torch, lossfx

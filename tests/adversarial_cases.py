@@ -416,13 +416,13 @@ _NEMO_COLUMNS = [f"column_{i:02d}" for i in range(20)]
 
 def _t_prepare_loss_input_nemo(cfg, rank, group):
     """`prepare_loss_input(LOGPROB)` with a NeMo-sized call: 20 extra `[B, S]` columns in `data`
-    (never read: not compared), float sampling parameters, and a loss function with 130 float
+    (never read: not compared), float sampling parameters, and a loss function with 100 float
     options, so the sampling parameters come after the first 122 fields of the signature."""
     full = _logits(cfg)
     z, _ = _local(cfg, full, rank)
     ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
     g = _grp(cfg, group)
-    loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB, **{f"option_{i:03d}": 0.5 for i in range(130)})
+    loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB, **{f"option_{i:03d}": 0.5 for i in range(100)})
     sp = lossfx.TrainingSamplingParams(top_k=cfg["top_k"], top_p=cfg["top_p"], temperature=0.7)
     data: dict[str, Any] = {"input_ids": ids, "token_mask": torch.ones(cfg["B"], cfg["S"])}
     data["sample_mask"] = torch.ones(cfg["B"])
