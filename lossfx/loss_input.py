@@ -472,7 +472,12 @@ def _prepare_logprob_input(
     return {"next_token_logprobs": logprobs}
 
 
-@boundary(roles=_ROLES_ALL, vocab="equal", local=opd_check_view)
+def _opd_read(arguments: Mapping[str, Any]) -> tuple[str, ...]:
+    """The `data` columns `prepare_opd_full_loss_input` reads (whatever `loss_fn.input_type` says)."""
+    return ("input_ids", *_OPD_COLUMNS)
+
+
+@boundary(roles=dataclasses.replace(_ROLES_ALL, reads=("data", _opd_read)), vocab="equal", local=opd_check_view)
 def prepare_opd_full_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],

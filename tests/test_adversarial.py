@@ -204,7 +204,7 @@ APPLICABLE: dict[str, list[str]] = {
         *["B", "S", "V", "dtype", "chunk_size", "requires_grad", "no_grad_both", "ids_value", "top_k", "top_p"],
         *["cu_value", "cu_p_value", "cu_tensor_one_rank", "cu_tensor_both", "uneven_both", "dtensor_both"],
         *["prepacked_both", "prepacked_one_rank", "prepacked_ids_value"],
-        *["dtensor_one_rank", "checks_off_one_rank"],
+        *["dtensor_one_rank", "checks_off_one_rank", "ids_out_of_range"],
     ],
     "prepare_packed_loss_input[cp]": [
         *["B", "S", "V", "dtype", "chunk_size", "requires_grad", "no_grad_both", "ids_value", "top_k"],
@@ -274,6 +274,7 @@ COMPILED = [
     ("token_logprobs", "overlap_both"),
     ("linear_token_logprobs", "ids_out_of_range"),  # in-graph id check: was finite garbage
     ("token_logprobs", "ids_out_of_range"),
+    ("prepare_packed_loss_input", "ids_out_of_range"),  # the scored ids, in the graph
 ]
 # (linear_token_logprobs, temperature) runs with -m slow: by default the fused path's compiled
 # temperature mismatch is test_rank_agreement.py::test_compiled_disagreement_raises_on_every_rank
@@ -346,6 +347,7 @@ DEFAULT_SLICE = [
     ("linear_token_logprobs", "hidden_signed_zero"),  # was rejected
     ("linear_token_logprobs", "overlap_both"),
     ("token_logprobs", "ids_out_of_range"),
+    ("prepare_packed_loss_input", "ids_out_of_range"),  # the scored ids, in the graph
 ]
 
 # DTensor inputs on every rank and one disagreement (the logits paths unwrap DTensors themselves)
