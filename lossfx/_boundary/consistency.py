@@ -10,22 +10,25 @@ Before the function runs, every rank encodes its call into a fixed-length int64 
 (`[SIGNATURE_LEN]`: the function called, grad mode, every tensor argument's shape, dtype and
 `requires_grad` (they decide the backward's collectives), the policy `lossfx.chunk_policy` forces
 (process state that sizes the eager loops, or none), a `fingerprint` of the values of every
-tensor that must be replicated over the group, every scalar argument, the fields of
-`sampling_params`, `loss_fn` and `data`, this rank's vocabulary shard width and `vocab_start`;
+tensor that must be replicated over the group (floats as values: `-0.0` is `+0.0`), every scalar
+argument, the fields of `sampling_params`, `loss_fn` and the `data` columns the call reads
+(`Roles.reads`: the others are not encoded), this rank's vocabulary shard width and `vocab_start`;
 the rows of a fused LM-head `weight [Vl, H]`), and one all-gather of it runs per process group
 (tensor parallel first, then context parallel). The length is fixed, so ranks that disagree
-about everything else still agree on the size of this one collective. Every rank then compares
+about everything else still agree on the size of this one collective; the fields past its body
+are compared through digests of all of them (computed on the device, or in a compiled graph). Every rank then compares
 the same gathered matrix with the same rules, so every rank raises the same error (naming the
 field and each rank's value) or none does; after an error the group is still in step.
 
 Rules across the tensor-parallel group: every field must agree except the shard's own layout
 (`vocab_start`, `vocab_parallel_rank`, the vocabulary width of the logits), which must tile
 `[0, V)` as the kernels will read it (`vocab` policy of the wrapped function, see
-`boundary`). Tensors sharded per rank (vocabulary shards, sequence-parallel rows) are not
-fingerprinted; a vocabulary-wide payload column (`Roles.columns`) is fingerprinted over `[0, V)`.
-Across the context-parallel group every field must agree but the fingerprints of the tensors that
-are this rank's sequence part (`Roles.cp_shards`); canonical ids, masks and teacher payloads are
-compared, and so is the logits' `requires_grad` (their backward all-reduces over CP).
+`boundary`; traced, judged in the graph too). Tensors sharded per rank (vocabulary shards, `data`
+shard columns, sequence-parallel rows) are not fingerprinted; a vocabulary-wide payload column
+(`Roles.columns`) is fingerprinted over `[0, V)`. Across the context-parallel group every field must
+agree but the fingerprints of the tensors that are this rank's sequence part (`Roles.cp_shards`);
+canonical ids, masks and teacher payloads are compared, and so is the logits' `requires_grad` (their
+backward all-reduces over CP).
 
 Nested public calls are checked once: the outermost wrapped call checks, the calls it makes
 inside its scope do not. There is no switch. Under `torch.compile` the check is traced into the
