@@ -284,7 +284,7 @@ COMPILED_DEFAULT += [("prepare_loss_input[LOGPROB]", "uneven_both")]
 # issue 25: one compiled case of each defect
 COMPILED_DEFAULT += [("prepare_loss_input[DRAFT]", "none"), ("prepare_loss_input[nemo]", "none")]
 COMPILED_DEFAULT += [("prepare_loss_input[nemo]", "top_p"), ("linear_token_logprobs", "hidden_signed_zero")]
-COMPILED_DEFAULT += [("linear_token_logprobs", "overlap_both"), ("token_logprobs", "ids_out_of_range")]
+COMPILED_DEFAULT += [("token_logprobs", "overlap_both"), ("token_logprobs", "ids_out_of_range")]
 
 # the default suite's slice: every target, every kind of perturbation
 DEFAULT_SLICE = [
