@@ -135,7 +135,7 @@ def map_to_draft_vocab(
         vocab_parallel_rank, vocab_parallel_group: tensor parallelism over the vocabularies.
 
     Raises:
-        ValueError: a target id outside `[0, V)` (eager only), `D` not divisible by TP.
+        ValueError: a target id outside `[0, V)` (compiled: an in-graph `RuntimeError`), `D` not divisible by TP.
     """
     check_group("vocab_parallel_group", vocab_parallel_group)
     shard = VocabShard(teacher_logits, vocab_parallel_group, vocab_parallel_rank, None, None)

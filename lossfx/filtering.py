@@ -277,7 +277,8 @@ def filtered_token_logprobs(
         rank's shard, in the logits' dtype (no derivative through the thresholds).
 
     Raises:
-        ValueError: bad `top_k`/`top_p`, shape mismatch, ids outside `[0, V)` (eager only).
+        ValueError: bad `top_k`/`top_p`, shape mismatch, ids outside `[0, V)`
+            (compiled: an in-graph `RuntimeError`).
         TypeError: non-float logits, non-integer target.
 
     Note:

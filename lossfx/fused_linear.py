@@ -52,7 +52,6 @@ from lossfx._boundary.validation import (
     check_integer_ids,
     check_positive_float,
     check_positive_int,
-    values_checkable,
 )
 from lossfx._core.distributed import ProcessGroup, group_rank, group_size
 from lossfx._core.tiles import LogitHead
@@ -230,8 +229,7 @@ def check_rows(
             f"hidden's leading dims must equal the target's; got hidden.shape={tuple(hidden.shape)} and "
             f"target/ids leading shape {tuple(ids.shape[:-1])}"
         )
-    if values_checkable(ids):  # ignore_index is never out of range
-        check_ids_in_range(name, ids.masked_fill(ids == ignore_index, 0), call.vocab.size)
+    check_ids_in_range(name, ids.masked_fill(ids == ignore_index, 0), call.vocab.size)  # ignore_index is in range
 
 
 # the cross-rank check's view of the parameters (`_boundary.consistency.Roles`)
@@ -314,7 +312,7 @@ def linear_gather_logprobs(
         TypeError: non-float hidden/weight/bias, non-integer ids, bad temperature/logit_scale/softcap/
             ignore_index type.
         ValueError: shape mismatches, `K = 0`, `temperature <= 0`, `chunk_size <= 0`, ids outside
-            `[0, V)` (eager only).
+            `[0, V)` (compiled: an in-graph `RuntimeError`).
 
     Example:
         >>> import torch, lossfx
@@ -496,7 +494,7 @@ def linear_token_logprobs(
     Raises:
         TypeError: non-float `hidden`/`weight`/`bias`, non-integer `target`, a non-int `ignore_index`.
         ValueError: shape mismatches, `temperature <= 0`, `chunk_size <= 0`, target ids outside
-            `[0, V)` (eager only: the check reads values and is skipped while compiling).
+            `[0, V)` (compiled: an in-graph `RuntimeError`).
 
     Example:
         >>> import torch, lossfx

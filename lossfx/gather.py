@@ -104,7 +104,8 @@ def gather_logprobs(
 
     Raises:
         TypeError: non-float logits, non-integer ids.
-        ValueError: shape mismatch, `K = 0`, ids outside `[0, V)` (eager only), `chunk_rows <= 0`.
+        ValueError: shape mismatch, `K = 0`, ids outside `[0, V)` (compiled: an in-graph `RuntimeError`),
+            `chunk_rows <= 0`.
 
     Note:
         `−∞` logits contribute `0 · log 0 = 0` to the entropy; an all-`−∞` row gives `−∞`

@@ -139,7 +139,7 @@ def linear_logprob_objective(
         TypeError: non-float `hidden`/`weight`/`bias`/coefficients, non-integer `target`,
             a non-bool `allow_repeated_backward`.
         ValueError: shape mismatches, `temperature <= 0`, `chunk_size <= 0`, target ids outside
-            `[0, V)` (eager only).
+            `[0, V)` (compiled: an in-graph `RuntimeError`).
 
     Example:
         >>> import torch, lossfx

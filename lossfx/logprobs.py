@@ -136,8 +136,8 @@ def token_logprobs(
 
     Raises:
         TypeError: non-float `logits`, non-integer `target`, non-int `chunk_rows`.
-        ValueError: shape mismatch, `chunk_rows <= 0`, ids outside `[0, V)` (eager mode only:
-            that check reads values and is skipped while compiling).
+        ValueError: shape mismatch, `chunk_rows <= 0`, ids outside `[0, V)`
+            (compiled: an in-graph `RuntimeError`).
 
     Note:
         `-inf` logits are allowed: a `-inf` target logit gives `-inf`; a row that is `-inf`

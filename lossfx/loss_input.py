@@ -62,8 +62,8 @@ from lossfx.next_token import (
     resolve_filter,
     validated_next_token_call,
 )
+from lossfx.opd_full import _PAYLOAD_COLUMNS, TEACHER_INDEX_FIELD, opd_full_input
 from lossfx.opd_full import check_view as opd_check_view
-from lossfx.opd_full import opd_full_input
 from lossfx.packing import _validated_packed
 from lossfx.sequence_layout import SequenceLayout, sequence_layout
 
@@ -108,12 +108,36 @@ def _vocab_parallel(
     ), vocab_parallel_group
 
 
+_OPD_COLUMNS = (*_PAYLOAD_COLUMNS.values(), TEACHER_INDEX_FIELD)  # the payload read, by the config
+
+
+def _input_name(arguments: Mapping[str, Any]) -> str:
+    """The name of the call's input type (`"LOGPROB"`; a string type as given, upper-cased)."""
+    input_type = getattr(arguments.get("loss_fn"), "input_type", None)
+    return getattr(input_type, "name", str(input_type)).upper()
+
+
 def _vocab_policy(arguments: Mapping[str, Any]) -> str:
     """The `vocab` policy of `prepare_loss_input`: uneven shards (`"auto"`) for the log-prob and
     logits branches, equal shards for the others."""
-    input_type = getattr(arguments.get("loss_fn"), "input_type", None)
-    name = getattr(input_type, "name", str(input_type)).upper()
-    return "auto" if name.endswith(("LOGPROB", "LOGIT")) else "equal"
+    return "auto" if _input_name(arguments).endswith(("LOGPROB", "LOGIT")) else "equal"
+
+
+def _data_read(arguments: Mapping[str, Any]) -> tuple[str, ...]:
+    """The `data` columns a call reads: the cross-rank check compares these and no others (a
+    training microbatch carries many columns a branch never reads; they may differ per rank)."""
+    name = _input_name(arguments)
+    if name.endswith("DISTILLATION"):
+        return ("teacher_topk_logits", "teacher_topk_indices")
+    if name.endswith("DRAFT"):
+        return ("token_mask", "student_logits")
+    if name.endswith("OPD_FULL"):
+        return ("input_ids", *_OPD_COLUMNS)
+    if name.endswith("LOGIT"):
+        return ()
+    sampling = arguments.get("sampling_params")  # LOGPROB: the masks only under a filter
+    filtered = not isinstance(sampling, TrainingSamplingParams) or need_top_k_or_top_p_filtering(sampling)
+    return ("input_ids", "cu_seqlens") + ("token_mask", "sample_mask") * (sampling is not None and filtered)
 
 
 # the cross-rank check's view of the parameters (`_boundary.consistency.Roles`)
@@ -122,7 +146,8 @@ _ROLES = Roles(
     cp="context_parallel_group",
     shards=("logits",),
     rank="vocab_parallel_rank",
-    cp_shards=("student_logits",),  # DRAFT's data column: this CP rank's sequence part
+    reads=("data", _data_read),
+    shard_columns=("student_logits",),  # DRAFT's: this rank's shard of the draft vocabulary (and of the sequence)
 )
 _ROLES_SHARDER = dataclasses.replace(_ROLES, cp_from="cp_sharder")
 _ROLES_DATA = dataclasses.replace(_ROLES, columns=("teacher_full_logits",))
@@ -447,7 +472,12 @@ def _prepare_logprob_input(
     return {"next_token_logprobs": logprobs}
 
 
-@boundary(roles=_ROLES_ALL, vocab="equal", local=opd_check_view)
+def _opd_read(arguments: Mapping[str, Any]) -> tuple[str, ...]:
+    """The `data` columns `prepare_opd_full_loss_input` reads (whatever `loss_fn.input_type` says)."""
+    return ("input_ids", *_OPD_COLUMNS)
+
+
+@boundary(roles=dataclasses.replace(_ROLES_ALL, reads=("data", _opd_read)), vocab="equal", local=opd_check_view)
 def prepare_opd_full_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],

@@ -251,7 +251,8 @@ def sharded_next_token_logprobs(
         ValueError: shape mismatches (`position_ids` must be `input_ids`' shape); with CP, `C·S_l < S`
             or an odd local length (the
             load-balanced layout needs a multiple of `2C`); an id of `input_ids[:, 1:]` outside
-            `[0, V)` (eager only; the message gives its `(b, t)` in `input_ids` and its value).
+            `[0, V)` (the message gives its `(b, t)` in `input_ids` and its value; compiled: an
+            in-graph `RuntimeError`).
     """
     call = validated_next_token_call(
         logits,

@@ -40,7 +40,13 @@ import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary, vocab_shard_range, vocab_size_when_read
-from lossfx._boundary.validation import check_floating, check_integer_ids, check_positive_int, values_checkable
+from lossfx._boundary.validation import (
+    check_floating,
+    check_ids_in_range,
+    check_integer_ids,
+    check_positive_int,
+    values_checkable,
+)
 from lossfx._core import host_reads as _host_reads
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.vocab import VocabRange
@@ -146,12 +152,14 @@ def check_packed_input_ids(
     The scored ids are each sequence's tokens after its first: `input_ids[b, 1:len_b]` (unpacked,
     `len_b` the real length, clipped to the row and to the padded length), or
     `input_ids[0, cu_p[i] + 1 : cu_p[i+1]]` (pre-packed). Other entries (first tokens, padding) are
-    never read and may hold anything. Eager only; call after `check_cu_seqlens`. The scored ids'
+    never read and may hold anything (compiled: an in-graph assertion, `check_ids_in_range`). Call
+    after `check_cu_seqlens`. The scored ids'
     min and max are read with the call's other host reads; `vocab` may be a function called then
     (the size the call's cross-rank check reports, `vocab_size_when_read`). Skipped when the
     same check already ran in this call.
     """
-    if not values_checkable(input_ids, cu_seqlens_q, cu_seqlens_q_padded) or input_ids.numel() == 0:
+    traced = _host_reads.tracing() and not input_ids.is_meta  # an in-graph assertion (`check_ids_in_range`)
+    if not (traced or values_checkable(input_ids, cu_seqlens_q, cu_seqlens_q_padded)) or input_ids.numel() == 0:
         return
     ids_key = (input_ids.data_ptr(), input_ids.dtype, tuple(input_ids.shape), input_ids.stride())
     key = ("packed ids", ids_key, _cu_key(cu_seqlens_q), _cu_key(cu_seqlens_q_padded), prepacked)
@@ -167,6 +175,8 @@ def check_packed_input_ids(
         length = torch.minimum(cu_q[1:] - cu_q[:-1], cu_p[1:] - cu_p[:-1])  # [B]
         scored = (position >= 1) & (position < length[:, None])  # [B, S]
     values = torch.where(scored, input_ids, torch.zeros_like(input_ids))  # 0: in range for any V >= 1
+    if traced:
+        return check_ids_in_range(f"{name} (at the scored positions)", values, vocab)
 
     def raise_if_bad(extremes: list[int]) -> None:  # read with the call's other host reads
         top = vocab() if callable(vocab) else vocab
@@ -244,7 +254,8 @@ def packed_next_token_logprobs(
     Raises:
         TypeError: `cu_seqlens_*` neither a sequence of ints nor a 1-D integer tensor.
         ValueError: bad shapes; malformed `cu_seqlens` (`check_cu_seqlens`); a scored id outside
-            `[0, V)` (`check_packed_input_ids`: first tokens and padding are never read). Eager only.
+            `[0, V)` (`check_packed_input_ids`: first tokens and padding are never read; compiled: an
+            in-graph `RuntimeError`). The `cu_seqlens` values are checked eagerly only.
     """
     logits, input_ids, layout, vocab, options = _validated_packed(
         logits,

@@ -41,12 +41,13 @@ DEFAULT: dict[str, Any] = {
     "zero_outside_topk": False,
     "entropy": False,
     "requires_grad": True,  # the differentiable inputs (logits, hidden, weight rows) are leaves
-    "ids": False,  # True: one entry of the replicated ids differs
-    "hidden": False,  # True: one entry of the replicated hidden states differs
+    "ids": False,  # True: one entry of the replicated ids differs; "oob": one id is V (out of range)
+    "hidden": False,  # True: one entry of the replicated hidden states differs; "zero"/"negzero": it is +0.0/-0.0
     "coef": False,  # True: one coefficient of the objective differs
     "mask": False,  # True: one entry of a replicated mask differs
     "teacher": False,  # True: one entry of the replicated teacher payload differs
-    "layout": "even",  # "uneven": widths V/2 + 1 and V/2 - 1 with explicit vocab_start / vocab_size
+    "layout": "even",  # "uneven": widths V/2 + 1 and V/2 - 1 with explicit vocab_start / vocab_size;
+    # "overlap": every rank claims [0, V/2) (vocab_start=0 on every rank: shards that do not tile)
     "dtensor": False,  # True: the sharded input is a DTensor on the 2-rank mesh
     "fsdp2": False,  # True: the weight is a Shard(0) DTensor and hidden differs per rank
     "checks": True,  # False: set_consistency_checks(False) on this rank
@@ -75,6 +76,7 @@ DEFAULT: dict[str, Any] = {
     "ignore_index": -100,  # some targets are ignored (equal to it)
     "position_ids": "packed",  # "packed": padding-free rows (two sequences in row 0); "moved": another
     # boundary; None: not given
+    "extra": False,  # True: one value of a data column the call never reads differs (prepare_loss_input[nemo])
 }
 
 _mesh: Any = None
@@ -89,6 +91,9 @@ _LEAVES: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
 # Each rank weights its part with its own weights, and the reference gradient is that of the
 # sum over ranks (what a loss summed over the ranks' parts differentiates).
 _PER_RANK_REF: list[tuple[int, Any]] = []
+
+# ids whose entry `flat[1]` becomes out of range (`high`) after the reference was computed; reset by `run_case`
+_OUT_OF_RANGE: list[tuple[torch.Tensor, int]] = []
 
 
 def _leaf(local: torch.Tensor, full: torch.Tensor, expected: Any) -> None:
@@ -118,6 +123,8 @@ def _shard(cfg: dict, rank: int) -> tuple[int, int]:
     half = -(-cfg["V"] // 2)  # torch.chunk's split (DTensor's Shard): 8 + 8 of 16, 8 + 7 of 15
     if cfg["layout"] == "uneven":
         return (0, half + 1) if rank == 0 else (half + 1, cfg["V"] - half - 1)
+    if cfg["layout"] == "overlap":
+        return 0, half
     return rank * half, min(half, cfg["V"] - rank * half)
 
 
@@ -127,7 +134,9 @@ def _ids(cfg: dict, shape: tuple[int, ...], high: int, seed: int, row: tuple[int
     largest logit, or the second largest if it was the largest: a changed id that no top-k / top-p
     filter removes, so the answer must change."""
     ids = torch.randint(0, high, shape, generator=_gen(seed))
-    if cfg["ids"]:
+    if cfg["ids"] == "oob":  # set to `high` once the reference is built (`run_case`)
+        _OUT_OF_RANGE.append((ids, high))
+    elif cfg["ids"]:
         flat = ids.view(-1)
         order = _logits(cfg)[row].argsort(descending=True)
         flat[1] = order[1] if order[0] == flat[1] else order[0]
@@ -144,7 +153,7 @@ def _local(cfg: dict, full: torch.Tensor, rank: int) -> tuple[torch.Tensor, dict
     local = full.detach()[..., start : start + width].to(cfg["dtype"]).clone()
     if cfg["requires_grad"]:
         _leaf(local, full, lambda g: g[..., start : start + width])
-    extra = {"vocab_start": start, "vocab_size": cfg["V"]} if cfg["layout"] == "uneven" else {}
+    extra = {"vocab_start": start, "vocab_size": cfg["V"]} if cfg["layout"] in ("uneven", "overlap") else {}
     if cfg["dtensor"]:
         from torch.distributed.tensor import DTensor, Shard
 
@@ -257,7 +266,7 @@ def _teacher_topk(cfg):
         vals[0, 0, 0] += 1.5
     idx = torch.stack([torch.randperm(cfg["V"], generator=_gen(4 + i))[: cfg["K"]] for i in range(cfg["B"] * cfg["S"])])
     idx = idx.view(cfg["B"], cfg["S"], cfg["K"])
-    if cfg["ids"]:
+    if cfg["ids"] is True:
         idx[0, 0, 0] = (idx[0, 0, 0] + cfg["V"] // 2 + 1) % cfg["V"]
         if (idx[0, 0, 0] == idx[0, 0, 1:]).any():
             idx[0, 0, 0] = (idx[0, 0, 0] + 1) % cfg["V"]
@@ -376,6 +385,68 @@ def _t_prepare_loss_input_distillation(cfg, rank, group):
     return call, [lp]
 
 
+def _t_prepare_loss_input_draft(cfg, rank, group):
+    """`prepare_loss_input(DRAFT)` under tensor parallelism, as NeMo RL's draft loss calls it:
+    `data["student_logits"]` is this rank's shard of the draft vocabulary `[B, S, D/2]` (its values
+    differ per rank by design), passed through; the teacher comes back as this rank's draft shard."""
+    full = _logits(cfg)
+    z, _ = _local(cfg, full, rank)
+    mask = _mask(cfg).to(cfg["dtype"])
+    d2t = None if cfg["d2t"] is None else _draft_ids(cfg)
+    width = cfg["D"] // 2 if d2t is not None else _shard(cfg, rank)[1]
+    start = rank * width
+    student = torch.randn(cfg["B"], cfg["S"], 2 * width, generator=_gen(21), dtype=F64)[..., start : start + width]
+    g = _grp(cfg, group)
+    loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.DRAFT)
+
+    def call():
+        data = {"token_mask": mask, "student_logits": student}
+        out, _ = lossfx.prepare_loss_input(
+            z, data, loss_fn, vocab_parallel_rank=None if g is None else rank, vocab_parallel_group=g, d2t=d2t
+        )
+        return [out["teacher_logits"], out["token_mask"], out["student_logits"]]
+
+    teacher, shifted_mask = reference.draft_targets(full, mask, d2t)
+    return call, [teacher[..., start : start + width], shifted_mask, student]
+
+
+# 20 per-sample columns of a NeMo RL training microbatch that the LOGPROB branch never reads
+_NEMO_COLUMNS = [f"column_{i:02d}" for i in range(20)]
+
+
+def _t_prepare_loss_input_nemo(cfg, rank, group):
+    """`prepare_loss_input(LOGPROB)` with a NeMo-sized call: 20 extra `[B, S]` columns in `data`
+    (never read: not compared), float sampling parameters, and a loss function with 100 float
+    options, so the sampling parameters come after the first 122 fields of the signature."""
+    full = _logits(cfg)
+    z, _ = _local(cfg, full, rank)
+    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
+    g = _grp(cfg, group)
+    loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB, **{f"option_{i:03d}": 0.5 for i in range(100)})
+    sp = lossfx.TrainingSamplingParams(top_k=cfg["top_k"], top_p=cfg["top_p"], temperature=0.7)
+    data: dict[str, Any] = {"input_ids": ids, "token_mask": torch.ones(cfg["B"], cfg["S"])}
+    data["sample_mask"] = torch.ones(cfg["B"])
+    for i, key in enumerate(_NEMO_COLUMNS):
+        data[key] = torch.randn(cfg["B"], cfg["S"], generator=_gen(40 + i))
+    if cfg["extra"]:
+        data[_NEMO_COLUMNS[3]][0, 0] += 1.0
+
+    def call():
+        out, _ = lossfx.prepare_loss_input(
+            z,
+            dict(data),
+            loss_fn,
+            vocab_parallel_rank=None if g is None else rank,
+            vocab_parallel_group=g,
+            sampling_params=sp,
+            chunk_size=cfg["chunk_size"],
+        )
+        return out["next_token_logprobs"]
+
+    ref = reference.next_token_filtered_logprobs(full, ids, top_k=cfg["top_k"], top_p=cfg["top_p"])
+    return call, [reference.mask_out_neg_inf_logprobs(ref, torch.ones_like(ref))]
+
+
 # ---------------------------------------------------------------------------------------------
 # Fused LM-head paths: hidden [B, S, H] replicated, weight rows [Vl, H] of this rank
 # ---------------------------------------------------------------------------------------------
@@ -383,7 +454,9 @@ def _t_prepare_loss_input_distillation(cfg, rank, group):
 
 def _fused_inputs(cfg, rank):
     hidden = torch.randn(cfg["B"], cfg["S"], cfg["H"], generator=_gen(10), dtype=F64)
-    if cfg["hidden"]:
+    if cfg["hidden"] in ("zero", "negzero"):  # equal values, other bits
+        hidden[0, 0, 0] = 0.0 if cfg["hidden"] == "zero" else -0.0
+    elif cfg["hidden"]:
         hidden[0, 0, 0] += 1.0
     if cfg["fsdp2"]:
         hidden = hidden + rank  # data parallel: a different batch on each rank
@@ -395,7 +468,7 @@ def _fused_inputs(cfg, rank):
         # replicated hidden: every rank's gradient is the full one; weight: this rank's rows
         _leaf(h, hidden, lambda g: g)
         _leaf(rows, weight, lambda g: g[start : start + width])
-    extra = {"vocab_start": start, "vocab_size": cfg["V"]} if cfg["layout"] == "uneven" else {}
+    extra = {"vocab_start": start, "vocab_size": cfg["V"]} if cfg["layout"] in ("uneven", "overlap") else {}
     group_kw = True
     if cfg["dtensor"] or cfg["fsdp2"]:
         from torch.distributed.tensor import DTensor, Shard
@@ -771,6 +844,8 @@ TARGETS = {
     "next_token_logprobs": _t_next_token_logprobs,
     "prepare_loss_input[LOGPROB]": _t_prepare_loss_input_logprob,
     "prepare_loss_input[DISTILLATION]": _t_prepare_loss_input_distillation,
+    "prepare_loss_input[DRAFT]": _t_prepare_loss_input_draft,
+    "prepare_loss_input[nemo]": _t_prepare_loss_input_nemo,
     "linear_token_logprobs": _fused("linear_token_logprobs"),
     "linear_next_token_logprobs": _fused("linear_next_token_logprobs"),
     "linear_gather_logprobs": _fused("linear_gather_logprobs"),
@@ -827,6 +902,7 @@ NO_GRAD_OUTPUTS: dict[str, set[int]] = {
     "token_logprobs_with_lse": {1},  # the log-sum-exp is documented as not differentiable
     "vocab_topk": {0, 1},  # a selection
     "draft_targets": {0, 1},
+    "prepare_loss_input[DRAFT]": {0, 1, 2},  # detached targets, the mask, the student passed through
     "map_to_draft_vocab": {0},
     "linear_logprob_objective": {1},
 }
@@ -911,12 +987,15 @@ def run_case(rank: int, world: int, group: Any, target: str, both: dict, rank1: 
     previous = None
     _LEAVES.clear()
     _PER_RANK_REF.clear()
+    _OUT_OF_RANGE.clear()
     try:
         if not cfg["checks"]:
             switch = getattr(lossfx, "set_consistency_checks", None)  # a branch may remove the switch
             previous = switch(False) if switch is not None else None
         try:
             call, ref = TARGETS[target](cfg, rank, group)
+            for ids, high in _OUT_OF_RANGE:  # the call sees them, the reference (built) did not
+                ids.view(-1)[1] = high
             built = torch.tensor([1.0])
         except Exception:
             built, setup_error = torch.tensor([0.0]), traceback.format_exc()[-2000:]

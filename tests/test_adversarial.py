@@ -122,6 +122,11 @@ PERTURBATIONS: dict[str, tuple[dict, dict]] = {
     "ignore_index": ({}, {"ignore_index": -1}),
     "position_ids_value": ({}, {"position_ids": "moved"}),
     "position_ids_none_one_rank": ({}, {"position_ids": None}),
+    # issue 25: valid inputs that were rejected (must be exact), and what compiled code missed
+    "hidden_signed_zero": ({"hidden": "zero"}, {"hidden": "negzero"}),  # +0.0 == -0.0: the same values
+    "extra_column_value": ({}, {"extra": True}),  # a column the call never reads
+    "overlap_both": ({"layout": "overlap"}, {}),  # both ranks claim [0, V/2): shards that do not tile
+    "ids_out_of_range": ({"ids": "oob"}, {}),  # the same out-of-range id on every rank
 }
 
 COMMON = ["B", "S", "V", "dtype", "chunk_size", "chunk_size_none", "requires_grad", "no_grad_both", "dtensor_one_rank"]
@@ -134,7 +139,7 @@ FUSED += ["dtensor_both", "dtensor_temperature", "dtensor_B", "dtensor_requires_
 FUSED += ["no_grad_mode_one_rank", "eager_one_rank"]
 
 APPLICABLE: dict[str, list[str]] = {
-    "token_logprobs": [*COMMON, "ids_value"],
+    "token_logprobs": [*COMMON, "ids_value", "overlap_both", "ids_out_of_range"],
     "token_logprobs_with_lse": [*COMMON, "ids_value"],
     "gather_logits": [*COMMON, "ids_value", "K"],
     "gather_logprobs": [*COMMON, "ids_value", "K", "entropy"],
@@ -163,6 +168,8 @@ APPLICABLE: dict[str, list[str]] = {
         *[p for p in COMMON if "uneven" not in p],
         *["ids_value", *FILTER[:2], "uneven_both"],
     ],
+    "prepare_loss_input[DRAFT]": ["none", "B", "S", "D", "dtype", "mask_value", "d2t_value", "d2t_none_both"],
+    "prepare_loss_input[nemo]": ["none", "top_k", "top_p", "ids_value", "extra_column_value", "ids_out_of_range"],
     "prepare_loss_input[DISTILLATION]": [
         *[p for p in COMMON if "uneven" not in p],
         "ids_value",
@@ -170,7 +177,7 @@ APPLICABLE: dict[str, list[str]] = {
         "teacher_value",
         "zero_outside_topk",
     ],
-    "linear_token_logprobs": [*FUSED, "entropy"],
+    "linear_token_logprobs": [*FUSED, "entropy", "hidden_signed_zero", "overlap_both", "ids_out_of_range"],
     "linear_next_token_logprobs": FUSED,
     "linear_gather_logprobs": [*FUSED, "K", "zero_outside_topk", "entropy"],
     "linear_logprob_objective": [*FUSED, "coef_value"],
@@ -197,7 +204,7 @@ APPLICABLE: dict[str, list[str]] = {
         *["B", "S", "V", "dtype", "chunk_size", "requires_grad", "no_grad_both", "ids_value", "top_k", "top_p"],
         *["cu_value", "cu_p_value", "cu_tensor_one_rank", "cu_tensor_both", "uneven_both", "dtensor_both"],
         *["prepacked_both", "prepacked_one_rank", "prepacked_ids_value"],
-        *["dtensor_one_rank", "checks_off_one_rank"],
+        *["dtensor_one_rank", "checks_off_one_rank", "ids_out_of_range"],
     ],
     "prepare_packed_loss_input[cp]": [
         *["B", "S", "V", "dtype", "chunk_size", "requires_grad", "no_grad_both", "ids_value", "top_k"],
@@ -255,12 +262,29 @@ COMPILED = [
     ("next_token_logprobs", "uneven_both"),
     ("prepare_packed_loss_input", "uneven_both"),
     ("token_logprobs", "uneven_both"),  # explicit vocab_start / vocab_size: exact
+    # issue 25
+    ("prepare_loss_input[DRAFT]", "none"),  # student_logits a draft-vocabulary shard: was rejected
+    ("prepare_loss_input[nemo]", "none"),  # 20 unread columns, float sampling parameters: did not compile
+    ("prepare_loss_input[nemo]", "top_p"),  # a field past the first 122: was not compared (1.24 nats off)
+    ("prepare_loss_input[nemo]", "top_k"),  # was SIGABRT
+    ("prepare_loss_input[nemo]", "extra_column_value"),
+    ("prepare_loss_input[nemo]", "ids_out_of_range"),
+    ("linear_token_logprobs", "hidden_signed_zero"),  # was rejected
+    ("linear_token_logprobs", "overlap_both"),  # the shard layout in the graph: was 9.75 nats off
+    ("token_logprobs", "overlap_both"),
+    ("linear_token_logprobs", "ids_out_of_range"),  # in-graph id check: was finite garbage
+    ("token_logprobs", "ids_out_of_range"),
+    ("prepare_packed_loss_input", "ids_out_of_range"),  # the scored ids, in the graph
 ]
 # (linear_token_logprobs, temperature) runs with -m slow: by default the fused path's compiled
 # temperature mismatch is test_rank_agreement.py::test_compiled_disagreement_raises_on_every_rank
 COMPILED_DEFAULT = [COMPILED[i] for i in (0, 1, 2)]
 COMPILED_DEFAULT += [("prepare_packed_loss_input[cp]", "ids_value"), ("token_logprobs", "eager_one_rank")]
 COMPILED_DEFAULT += [("prepare_loss_input[LOGPROB]", "uneven_both")]
+# issue 25: one compiled case of each defect
+COMPILED_DEFAULT += [("prepare_loss_input[DRAFT]", "none"), ("prepare_loss_input[nemo]", "none")]
+COMPILED_DEFAULT += [("prepare_loss_input[nemo]", "top_p"), ("linear_token_logprobs", "hidden_signed_zero")]
+COMPILED_DEFAULT += [("token_logprobs", "overlap_both"), ("token_logprobs", "ids_out_of_range")]
 
 # the default suite's slice: every target, every kind of perturbation
 DEFAULT_SLICE = [
@@ -317,6 +341,13 @@ DEFAULT_SLICE = [
     ("prepare_opd_full_loss_input", "head_dtype"),
     ("prepare_opd_full_loss_input[logits]", "payload_width"),
     ("prepare_loss_input[OPD_FULL]", "teacher_value"),
+    # issue 25
+    ("prepare_loss_input[DRAFT]", "mask_value"),
+    ("prepare_loss_input[nemo]", "extra_column_value"),  # an unread column: not compared (was rejected)
+    ("linear_token_logprobs", "hidden_signed_zero"),  # was rejected
+    ("linear_token_logprobs", "overlap_both"),
+    ("token_logprobs", "ids_out_of_range"),
+    ("prepare_packed_loss_input", "ids_out_of_range"),  # the scored ids, in the graph
 ]
 
 # DTensor inputs on every rank and one disagreement (the logits paths unwrap DTensors themselves)
@@ -401,7 +432,9 @@ def _classify(answers: list, mode: str) -> tuple[str, str]:
             return "clear error (in-graph RuntimeError)", detail[:600]
         return "unclear error", detail
     if kinds == {"error"}:
-        if len({o[1] for o in outcomes}) == 1 and all(o[2].startswith("lossfx") for o in outcomes):
+        # a lossfx message, or an argument check's own message (an out-of-range id), the same on every rank
+        lossfx_or_same = all(o[2].startswith("lossfx") for o in outcomes) or len({o[2] for o in outcomes}) == 1
+        if len({o[1] for o in outcomes}) == 1 and lossfx_or_same:
             # the same type everywhere; the wording may name the rank's own view (its group's name)
             same = len({o[2] for o in outcomes}) == 1
             return "clear error", outcomes[0][2][:300] if same else f"messages differ: {detail}"

@@ -332,6 +332,35 @@ def test_fingerprint_compiled_equals_eager():
     assert torch.equal(compiled(y), fingerprint(y))
 
 
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16, torch.float16])
+def test_fingerprint_compares_values_not_bits(dtype):
+    """Issue 25: `+0.0` and `-0.0` are one value, and every NaN is one NaN (sign and payload vary
+    with the device and the op that made it): their fingerprints agree, eager and under Inductor.
+    A NaN still differs from every number and a zero from every other number; positions still count."""
+    bits = {torch.float64: torch.int64, torch.float32: torch.int32}.get(dtype, torch.int16)
+    x = torch.randn(4, 6, generator=_gen(8), dtype=F64).to(dtype)
+    plus, minus = x.clone(), x.clone()
+    plus[1, 2], minus[1, 2] = 0.0, -0.0
+    assert not torch.equal(plus.view(bits), minus.view(bits))  # other bits...
+    nan = plus.clone()
+    nan[0, 0] = float("nan")
+    other_nan = nan.clone()
+    other_nan.view(bits)[0, 0] |= 1  # another payload: still a NaN
+    negative_nan = nan.clone()
+    negative_nan[0, 0] = -negative_nan[0, 0]
+    assert other_nan[0, 0].isnan() and not torch.equal(nan.view(bits), other_nan.view(bits))
+    compiled = torch.compile(fingerprint, fullgraph=True, backend="inductor")
+    for fp in (fingerprint, compiled):
+        assert torch.equal(fp(plus), fp(minus))  # ...the same values
+        assert torch.equal(fp(nan), fp(other_nan)) and torch.equal(fp(nan), fp(negative_nan))
+        assert not torch.equal(fp(nan), fp(plus))  # a NaN is not the number it replaced
+        moved = nan.clone()
+        moved[0, 0], moved[0, 1] = moved[0, 1], float("nan")
+        assert not torch.equal(fp(nan), fp(moved))  # the NaN at another place
+        assert not torch.equal(fp(plus), fp(torch.where(plus == 0, torch.ones((), dtype=dtype), plus)))
+    assert torch.equal(compiled(nan), fingerprint(nan)) and torch.equal(compiled(minus), fingerprint(plus))
+
+
 class _SlotsBase:
     __slots__ = ("kl_type",)
 

@@ -10,22 +10,25 @@ Before the function runs, every rank encodes its call into a fixed-length int64 
 (`[SIGNATURE_LEN]`: the function called, grad mode, every tensor argument's shape, dtype and
 `requires_grad` (they decide the backward's collectives), the policy `lossfx.chunk_policy` forces
 (process state that sizes the eager loops, or none), a `fingerprint` of the values of every
-tensor that must be replicated over the group, every scalar argument, the fields of
-`sampling_params`, `loss_fn` and `data`, this rank's vocabulary shard width and `vocab_start`;
+tensor that must be replicated over the group (floats as values: `-0.0` is `+0.0`), every scalar
+argument, the fields of `sampling_params`, `loss_fn` and the `data` columns the call reads
+(`Roles.reads`: the others are not encoded), this rank's vocabulary shard width and `vocab_start`;
 the rows of a fused LM-head `weight [Vl, H]`), and one all-gather of it runs per process group
 (tensor parallel first, then context parallel). The length is fixed, so ranks that disagree
-about everything else still agree on the size of this one collective. Every rank then compares
+about everything else still agree on the size of this one collective; the fields past its body
+are compared through digests of all of them (computed on the device, or in a compiled graph). Every rank then compares
 the same gathered matrix with the same rules, so every rank raises the same error (naming the
 field and each rank's value) or none does; after an error the group is still in step.
 
 Rules across the tensor-parallel group: every field must agree except the shard's own layout
 (`vocab_start`, `vocab_parallel_rank`, the vocabulary width of the logits), which must tile
 `[0, V)` as the kernels will read it (`vocab` policy of the wrapped function, see
-`boundary`). Tensors sharded per rank (vocabulary shards, sequence-parallel rows) are not
-fingerprinted; a vocabulary-wide payload column (`Roles.columns`) is fingerprinted over `[0, V)`.
-Across the context-parallel group every field must agree but the fingerprints of the tensors that
-are this rank's sequence part (`Roles.cp_shards`); canonical ids, masks and teacher payloads are
-compared, and so is the logits' `requires_grad` (their backward all-reduces over CP).
+`boundary`; traced, judged in the graph too). Tensors sharded per rank (vocabulary shards, `data`
+shard columns, sequence-parallel rows) are not fingerprinted; a vocabulary-wide payload column
+(`Roles.columns`) is fingerprinted over `[0, V)`. Across the context-parallel group every field must
+agree but the fingerprints of the tensors that are this rank's sequence part (`Roles.cp_shards`);
+canonical ids, masks and teacher payloads are compared, and so is the logits' `requires_grad` (their
+backward all-reduces over CP).
 
 Nested public calls are checked once: the outermost wrapped call checks, the calls it makes
 inside its scope do not. There is no switch. Under `torch.compile` the check is traced into the
@@ -84,7 +87,8 @@ def _shift_right(h: Tensor, bits: int) -> Tensor:
 def fingerprint(x: Tensor) -> Tensor:
     """A 0-d int64 fingerprint of `x`'s bits, computed on `x`'s device (no host read).
 
-    With `x` bit-cast to integers and flattened (`v [N]`), each element and its position are
+    With `x` bit-cast to integers and flattened (`v [N]`; a float compares as a value: `-0.0` is
+    read as `+0.0` and every NaN as one NaN, whatever its sign and payload), each element and its position are
     mixed by splitmix64's finaliser `m` (xor-shifts and odd multiplies: a bijection of int64),
     and `fingerprint = Σ_i m(v_i + i) · (2i + 1) mod 2^64`. For a fixed position both steps are
     bijections (an odd weight is invertible mod 2^64), so changing any one element always changes
@@ -100,8 +104,8 @@ def fingerprint(x: Tensor) -> Tensor:
         t = torch.view_as_real(t)
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
-    elif t.is_floating_point():
-        t = t.contiguous().view(_INT_OF_SIZE[t.element_size()])
+    elif t.is_floating_point():  # values, not bits: -0.0 is +0.0, every NaN is one NaN (-1: NaN bits)
+        t = torch.where(t == 0, 0, torch.where(t.isnan(), -1, t.contiguous().view(_INT_OF_SIZE[t.element_size()])))
     position = torch.arange(t.numel(), device=t.device, dtype=torch.int64)
     h = t.reshape(-1).to(torch.int64) + position
     h = (h ^ _shift_right(h, 30)) * _MIX1
@@ -156,11 +160,18 @@ class Roles:
             and the vocabulary size `V`.
         heads: a mapping `{key: [rows, H]}` of LM heads beside the shards: its rows are checked
             against this rank's shard, not across ranks.
+        reads: `(argument, keys)`: the mapping `argument` (`data`, where the function has it) is compared on the keys
+            `keys(bound arguments)` that the call reads, and only those (present or not; a
+            column the call never reads may differ per rank).
         columns: keys, in a mapping argument, of vocabulary-wide columns (the last dim is padded
             per rank: not compared; the values are fingerprinted over `[0, V)`, the part every rank reads).
-        cp_shards: arguments, or keys in a mapping argument, holding this rank's part of the
-            sequence under context parallelism: their values are compared across the
-            tensor-parallel group only (every other tensor is canonical on every CP rank).
+        shard_columns: keys, in a mapping argument, of this rank's shard of a vocabulary (`DRAFT`'s
+            `student_logits`, a shard of the draft vocabulary under tensor parallelism and this
+            rank's part of the sequence under context parallelism): neither their last dim nor
+            their values are compared.
+        cp_shards: arguments holding this rank's part of the sequence under context parallelism:
+            their values are compared across the tensor-parallel group only (every other tensor is
+            canonical on every CP rank).
         rows: `(tensor, flag)`: `tensor` holds this rank's rows (not replicated) when the `flag`
             argument is true.
         hint: appended to a disagreement on `rows`' tensor (`local` may replace it).
@@ -175,7 +186,9 @@ class Roles:
     rank: str | None = None
     size: str | None = None
     heads: str | None = None
+    reads: tuple[str, Callable[[Mapping[str, Any]], tuple[str, ...]]] | None = None
     columns: tuple[str, ...] = ()
+    shard_columns: tuple[str, ...] = ()
     cp_shards: tuple[str, ...] = ()
     rows: tuple[str, str] | None = None
 
@@ -308,8 +321,7 @@ class _Fields:
         vocab_dim: bool = False,
         replicated: bool = True,
         logits: bool = False,
-        columns: tuple[str, ...] = (),
-        cp_shards: tuple[str, ...] = (),
+        roles: Roles | None = None,
         cp_shard: bool = False,
     ) -> None:
         """Fields of `value`; its first field is always labelled `label` (its kind or value), so
@@ -318,7 +330,7 @@ class _Fields:
         `requires_grad` of `logits` (a vocabulary shard of logits) is not compared without a
         context-parallel group: the logits-path backwards then run no collective, and a sharded
         gradcheck differentiates one rank's shard. `cp_shard`: `value` is this rank's sequence
-        part (a key of a mapping is when it is in `cp_shards`)."""
+        part. The keys of a mapping play the parts `roles` gives them (`columns`, `shard_columns`)."""
         if isinstance(value, Tensor):
             dims = value.shape[:-1] if vocab_dim and value.dim() else value.shape
             grad_flag = not logits or self.logits_grad
@@ -334,15 +346,17 @@ class _Fields:
         elif isinstance(value, Mapping):
             keys = sorted(value.keys(), key=str)
             self.add(label, _Kind(f"mapping with keys {[str(k) for k in keys]}"))
-            for key in keys:  # a vocabulary-wide column's last dim may differ (padded per rank)
+            for key in keys:  # a vocabulary-wide column's last dim may differ (padded per rank), a shard's values too
+                shard = roles is not None and key in roles.shard_columns
+                vocab = shard or (roles is not None and key in roles.columns)
                 self.walk(
                     f"{label}[{key!r}]",
                     value[key],
                     depth + 1,
-                    key in columns,
-                    replicated,
-                    columns=columns,
-                    cp_shard=cp_shard or key in cp_shards,
+                    vocab,
+                    replicated and not shard,
+                    roles=roles,
+                    cp_shard=cp_shard,
                 )
         elif isinstance(value, (list, tuple)):
             self.add(label, _Kind(f"sequence of length {len(value)}"))
@@ -477,14 +491,10 @@ def _signature(
             if arg == roles.size:
                 header[_H_SIZE] = _NONE if value is None else int(value)
             per_rank = arg in (own_rows, roles.heads)
-            fields.walk(
-                arg,
-                value,
-                replicated=not per_rank,
-                columns=roles.columns,
-                cp_shards=roles.cp_shards,
-                cp_shard=arg in roles.cp_shards,
-            )
+            if roles.reads and arg == roles.reads[0] and isinstance(value, Mapping):  # what the call reads, no more
+                read = roles.reads[1](arguments)
+                value = {k: v for k, v in value.items() if k in read}
+            fields.walk(arg, value, replicated=not per_rank, roles=roles, cp_shard=arg in roles.cp_shards)
     for arg, value in heads:
         fields.owner = arg
         _head_fields(fields, arg, value, header)
@@ -498,28 +508,23 @@ def _signature(
     if owners is not None:
         owners.extend(fields.owners)
     flat = [x for code in fields.codes for x in code]
-    header[_H_COUNT] = len(fields.codes)
+    header[_H_COUNT], header[_H_TRACED] = len(fields.codes), int(_host_reads.tracing())
     if tp_only is not None:
         codes = fields.codes[:_MAX_FIELDS]
         tp_only.extend(_HEADER + 2 * i + 1 for i, (kind, _) in enumerate(codes) if kind == _K_VALUES_TP)
-    if not _host_reads.tracing():  # traced, shapes may be symbolic: no digest of the fields past the body
-        header[_H_DIGEST] = zlib.crc32(struct.pack(f"<{len(flat)}q", *flat))
-    else:
-        header[_H_TRACED] = 1
-    body = flat[: 2 * _MAX_FIELDS]
-    body += [0] * (SIGNATURE_LEN - _HEADER - len(body))
     device = fields.values[0][1].device if fields.values else None
-    sig = torch.tensor(header + body, dtype=torch.int64, device=device)
-    if fields.floats:
-        slots = [_HEADER + 2 * i + 1 for i, _ in fields.floats if i < _MAX_FIELDS]
-        bits = torch.stack([b for _, b in fields.floats][: len(slots)]).to(sig.device)
-        sig = sig.index_put((torch.tensor(slots, device=device),), bits)
-    if fields.values:
-        prints = torch.stack([v for _, v in fields.values])
-        slots = [_HEADER + 2 * i + 1 for i, _ in fields.values if i < _MAX_FIELDS]
-        if slots:
-            sig = sig.index_put((torch.tensor(slots, device=device),), prints[: len(slots)])
-        sig = sig.index_put((torch.tensor([_H_VALUES], device=device),), fingerprint(prints).reshape(1))
+    length = max(SIGNATURE_LEN, _HEADER + len(flat))  # every field, then the ones past the body are digested
+    sig = torch.tensor(header + flat + [0] * (length - _HEADER - len(flat)), dtype=torch.int64, device=device)
+    for found in (fields.floats, fields.values):  # values known on the device (or in the graph) only
+        if found:
+            slots = torch.tensor([_HEADER + 2 * i + 1 for i, _ in found], device=device)
+            sig = sig.index_put((slots,), torch.stack([v for _, v in found]).to(sig.device))
+    if length > SIGNATURE_LEN:  # the fields past the body, all of them, eager or compiled: two digests
+        rest, sig = sig[SIGNATURE_LEN:], sig[:SIGNATURE_LEN]
+        tp_only_slots = [2 * i + 1 for i, (kind, _) in enumerate(fields.codes[_MAX_FIELDS:]) if kind == _K_VALUES_TP]
+        canonical = rest.index_fill(0, torch.tensor(tp_only_slots, device=device), 0) if tp_only_slots else rest
+        digests = torch.stack([fingerprint(canonical), fingerprint(rest)])  # across both groups; across TP
+        sig = sig.index_put((torch.tensor([_H_DIGEST, _H_VALUES], device=device),), digests)
     return sig, fields.labels
 
 
@@ -622,11 +627,12 @@ def _first_disagreement(
         return "how many argument fields the call has (a DTensor or a column on some ranks only?)", (
             f"{own[_H_COUNT]} fields{extra}"
         )
-    traced = any(s[_H_TRACED] for s in sigs)  # a compiled rank has no digest
-    if differs(_H_COUNT) or (differs(_H_DIGEST) and not traced):
-        return f"an argument field past the first {_MAX_FIELDS}", f"digest {own[_H_DIGEST]:x}"
+    if differs(_H_COUNT) or differs(_H_DIGEST):
+        return f"an argument field past the first {_MAX_FIELDS}", f"digest {own[_H_DIGEST] & (2**64 - 1):016x}"
     if differs(_H_VALUES):
-        return f"the values of a replicated tensor past the first {_MAX_FIELDS} fields", f"{own[_H_VALUES]:x}"
+        return f"the values of a replicated tensor past the first {_MAX_FIELDS} fields", (
+            f"digest {own[_H_VALUES] & (2**64 - 1):016x}"
+        )
     return None
 
 
@@ -801,9 +807,14 @@ def _verdict_on_device(g: Tensor, policy: str) -> Tensor:
     (`_tiling_error`): exactly when `judge_tp` raises. Dense equivalent: those two functions."""
     keep = torch.ones(g.shape[1], dtype=torch.bool, device=g.device)
     keep[[_H_VERDICT, _H_WIDTH, _H_START, _H_SIZE, _H_RANK]] = False  # the layout is judged below
-    bad = ((g != g[0]) & keep).any()
+    return ((g != g[0]) & keep).any() | _layout_bad(g, policy)
+
+
+def _layout_bad(g: Tensor, policy: str) -> Tensor:
+    """0-d bool, on the device (or in a graph): whether the shards of the gathered tensor-parallel
+    signatures `g [R, L]` fail to tile as `policy` needs (`_tiling_error`, as tensor ops)."""
     if policy in ("free", "auto"):
-        return bad
+        return torch.zeros((), dtype=torch.bool, device=g.device)
     world = g.shape[0]
     w, given_start, given_size = g[:, _H_WIDTH], g[:, _H_START], g[:, _H_SIZE]
     if policy == "equal":
@@ -827,18 +838,16 @@ def _verdict_on_device(g: Tensor, policy: str) -> Tensor:
             starts = start[order]
             tiles = (starts[0] == 0) & (starts[1:] == ends[:-1]).all() & (ends[-1] == sizes[0])
             layout_bad = layout_bad | ~tiles
-    return bad | (layout_bad & ~(w == _NONE).any())  # a width not given: no layout rule (as on the host)
+    return layout_bad & ~(w == _NONE).any()  # a width not given: no layout rule (as on the host)
 
 
-def _compiled_groups(
-    owners: list[str], across_tp: bool, roles: Roles = _NO_ROLES, equal_widths: bool = False
-) -> list[tuple[str, list[int]]]:
+def _compiled_groups(owners: list[str], across_tp: bool, roles: Roles = _NO_ROLES) -> list[tuple[str, list[int]]]:
     """`(what, slots)` of the compiled check's assertions, in the order of the eager check: the
     function called, whether it runs compiled, (across the context-parallel group) the vocabulary
-    shard layout or (across the tensor-parallel group with `equal_widths`) the shard width, then
-    each run of consecutive fields of one argument (a replicated tensor's values a run of their
-    own), then the fields past the body. The runs before the first disagreeing field are the same
-    on every rank (labels depend only on earlier fields), so every rank fails the same assertion."""
+    shard layout, then each run of consecutive fields of one argument (a replicated tensor's values
+    a run of their own), then the fields past the body. The runs before the first disagreeing
+    field are the same on every rank (labels depend only on earlier fields), so every rank fails
+    the same assertion. (Across the tensor-parallel group the layout is judged by `_layout_bad`.)"""
     groups: list[tuple[str, list[int]]] = [
         ("the function called", [_H_MAGIC, _H_PATH]),
         (_REJECTED_WHAT, [_H_REJECTED]),
@@ -848,8 +857,6 @@ def _compiled_groups(
         groups.append(
             ("the vocabulary shard layout (this rank's width, first id and rank)", [_H_WIDTH, _H_START, _H_RANK])
         )
-    elif equal_widths:  # traced, the kernels take uniform shards: uneven plain shards gave wrong log-probs
-        groups.append(("the vocabulary shard width (compiled, this function needs equal shards)", [_H_WIDTH]))
     for i, owner in enumerate(owners[:_MAX_FIELDS]):
         slots = [_HEADER + 2 * i, _HEADER + 2 * i + 1]
         if owner == roles.size:
@@ -858,7 +865,11 @@ def _compiled_groups(
             groups[-1][1].extend(slots)
         else:
             groups.append((owner, slots))
-    rest = [_H_COUNT] + ([_H_VALUES] if across_tp else []) + ([] if roles.size in owners[:_MAX_FIELDS] else [_H_SIZE])
+    rest = (
+        [_H_COUNT, _H_DIGEST]
+        + ([_H_VALUES] if across_tp else [])
+        + ([] if roles.size in owners[:_MAX_FIELDS] else [_H_SIZE])
+    )
     groups.append((f"an argument past the first {_MAX_FIELDS} fields (or the values of a replicated tensor)", rest))
     return groups
 
@@ -872,12 +883,11 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
     inside `lossfx::assert_agreement`, whose token every collective of the call reads (so they
     run after them in any compiled order): no graph break, no host read. A mismatch raises
     `RuntimeError` naming the argument, the same on every rank (they all see the same gathered
-    matrix); each rank's value is not shown (that would be a host read). Not compared here: the
-    shard layout across the tensor-parallel group (offsets: the kernels' uniform default is
-    assumed; with the `"auto"` and `"equal"` policies the widths must be equal, as traced
-    `vocab_shard_range` has no gathered widths) and, across the context-parallel group, the
-    fingerprints of sequence shards (`Roles.cp_shards`). The digest of the fields past the body
-    is an eager rank's only (a compiled one has none)."""
+    matrix); each rank's value is not shown (that would be a host read). Across the
+    tensor-parallel group the shards must tile as `policy` needs (`_layout_bad` on the gathered
+    matrix; `"auto"` needs equal widths: traced `vocab_shard_range` has no gathered widths);
+    across the context-parallel group the fingerprints of sequence shards (`Roles.cp_shards`) are
+    not compared."""
     c10d = torch.ops._c10d_functional
     tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
     with_cp = _is_distributed(cp)
@@ -889,7 +899,12 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
         owners: list[str] = []
         tp_only: list[int] = []
         sig, _ = _signature(name, arguments, owners=owners, roles=roles, cp=with_cp, world=world, tp_only=tp_only)
-        groups = _compiled_groups(owners, across_tp, roles, equal_widths=policy in ("auto", "equal"))
+        groups = _compiled_groups(owners, across_tp, roles)
+        layout = ("equal" if policy == "auto" else policy) if across_tp else "free"
+        if layout != "free":  # judged on the gathered matrix (`_layout_bad`), before the fields
+            groups.insert(
+                3, (_LAYOUT_WHAT + ("; compiled, this function needs equal widths" * (layout == "equal")), [])
+            )
         skip = set() if across_tp else set(tp_only)  # across CP: not the sequence shards' fingerprints
         member = [[False] * SIGNATURE_LEN for _ in groups]
         for g, (_, slots) in enumerate(groups):
@@ -899,14 +914,17 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
         # call while tracing (`_exchange_rejection`) sends to each group in turn, then stops. Issued
         # only: the wait is the assertions' (below), so the round trip flies while the kernel computes
         in_flight = c10d.all_gather_into_tensor(sig, group.size(), group.group_name)
-        checks.append((in_flight, sig, member, groups, group_name))
+        checks.append((in_flight, sig, member, groups, group_name, layout))
 
     def assert_agreement(before: Tensor | None) -> Tensor | None:  # before the kernel's first collective
         token = None
-        for in_flight, sig, member, groups, group_name in checks:
+        for in_flight, sig, member, groups, group_name, layout in checks:
             gathered = c10d.wait_tensor(in_flight).view(-1, SIGNATURE_LEN)  # [R, SIGNATURE_LEN]
             differs = (gathered != gathered[0]).any(0)  # [SIGNATURE_LEN]
             failed = (differs & torch.tensor(member, device=sig.device)).any(1)  # [groups]
+            if layout != "free":
+                at_layout = torch.arange(len(groups), device=sig.device) == 3
+                failed = failed | (at_layout & _layout_bad(gathered, layout))
             messages = [
                 f"lossfx.{name}: the ranks of {group_name} disagree on {what}. Every rank of a group must make the "
                 "same call (compiled: each rank's value is not shown; the same call run eagerly shows it)"
@@ -923,6 +941,7 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
     _host_reads.defer_traced(assert_agreement)
 
 
+_LAYOUT_WHAT = "the vocabulary shard layout (each rank's width, first id and V: the shards must tile [0, V))"
 _SEPARATOR = "\x1f"  # between the messages of `_assert_agreement` (a custom op takes one string)
 
 

@@ -1,8 +1,8 @@
 """Argument checks shared by every public function.
 
 Static properties (types, shapes, dtypes, plain arguments) are checked always. Checks that read
-tensor values (ids in range) run in eager mode only and are skipped while `torch.compile` traces,
-so they never cause a graph break; the docs say which checks those are. They are also skipped for
+tensor values run in eager mode; while `torch.compile` traces, the id range check becomes an
+in-graph assertion (no graph break, no host read); the docs say which checks those are. They are also skipped for
 tensors on the `meta` device, which have shapes but no values: shape-only tracing on `meta` runs
 every static check and returns `meta` results of the right shapes.
 """
@@ -99,7 +99,7 @@ def _range_key(ids: Tensor, low: int, high: object) -> tuple[object, ...]:
 def check_ids_in_range(
     name: str, ids: Tensor, high: int | Callable[[], int], *, low: int = 0, column_offset: int = 0
 ) -> None:
-    """Raise `ValueError` listing (up to 5) entries of `ids` outside `[low, high)`. Eager only.
+    """Raise `ValueError` listing (up to 5) entries of `ids` outside `[low, high)`.
 
     Positions are reported in the caller's coordinates: `column_offset` is added to the last index
     (for a check of `x[..., 1:]` pass 1, so the positions name entries of `x`). The count of bad
@@ -107,8 +107,18 @@ def check_ids_in_range(
     the error path. A check of the same ids and range earlier in the call is not repeated.
     `high` may be a function, called when the values are read (a vocabulary size that the
     call's cross-rank check reports, `_boundary.consistency.vocab_size_when_read`): the ids' min and max
-    are read, not a count.
+    are read, not a count. Traced: an in-graph assertion (`RuntimeError`, no positions shown: that
+    would be a host read) with the cross-rank check's, before the call's first collective.
     """
+    if tracing() and not ids.is_meta:
+        top = high() if callable(high) else high
+        ok = ((ids >= low) & (ids < top)).all()
+        message = (
+            f"lossfx: {name} must lie in [{low}, {top}); some entries do not (compiled: the positions and values "
+            "are not shown; the same call run eagerly shows them)"
+        )
+        _host_reads.defer_traced(lambda before: assert_in_graph(ok, message, before))
+        return
     if not values_checkable(ids) or ids.numel() == 0:
         return
     if _host_reads.seen(_range_key(ids, low, "V of the call" if callable(high) else high)):
@@ -132,6 +142,16 @@ def check_ids_in_range(
 
     flat = ids.reshape(-1)
     _host_reads.defer(torch.stack([flat.min(), flat.max()]).to(torch.int64), raise_if_bad)
+
+
+def assert_in_graph(ok: Tensor, message: str, before: Tensor | None) -> Tensor | None:
+    """Traced: assert the 0-d bool `ok` in the graph, in `lossfx::assert_agreement` (whose token
+    the collective that sends `before` reads, `_core.host_reads.settle_before`), or plainly
+    when no collective follows (`before` is None)."""
+    if before is None:
+        torch._assert_async(ok, message)
+        return None
+    return torch.ops.lossfx.assert_agreement(before.detach(), ok.reshape(1), message)
 
 
 def check_group(name: str, group: object) -> None:

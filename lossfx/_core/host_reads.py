@@ -198,8 +198,8 @@ def settle_before(x: Tensor) -> Tensor:
     if not tracing():
         settle()
         return x
-    while _traced_pending:
-        done = _traced_pending.pop(0)(x)
+    while _traced_pending:  # each reads the token of those before it: the cross-rank check's assertions first
+        done = _traced_pending.pop(0)(torch.where(_traced_token[0], x.new_zeros(()), x) if _traced_token else x)
         if done is not None:
             _traced_token[:] = [done if not _traced_token else _traced_token[0] | done]
     return torch.where(_traced_token[0], x.new_zeros(()), x) if _traced_token else x

@@ -147,7 +147,7 @@ def _merge(stats: Tensor, alpha: int, beta: int) -> tuple[Tensor, Tensor]:
     # The teacher needs only `(M_t, log T)`: `merge_max_logsum`. The student's merge is spelled out
     # because the merge of `u` reuses its per-rank weights and the linear sum `S`.
     # (`lossfx._core.tiles.merge_stats` does not serve: its moment shift is `(m_r − M) s_r` with no
-    # teacher term `−β Δt_r s_r`, and an all `-inf` shard gives `−inf · 0 = NaN` there.)
+    # teacher term `−β Δt_r s_r`. It handles an all `-inf` shard exactly, as this merge does: weight 0.)
     big_m_s = finite_or_zero(m_s.amax(dim=0))  # [N], the global shift
     scale = torch.exp(m_s - big_m_s)  # [R, N], 0 for an all -inf student shard
     total_s = (s_s * scale).sum(dim=0)  # [N], = exp(lse_s − M_s)
