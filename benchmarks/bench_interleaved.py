@@ -65,6 +65,53 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         steps[provider]()  # warm-up: compiles
         print(f"built and warmed {provider} ({time.perf_counter() - start:.1f} s)", flush=True)
+
+    def save(done: int) -> None:
+        base = names[0]
+        rows: list[dict[str, Any]] = []
+        for p in names:
+            rows.append(
+                {
+                    "provider": p,
+                    "tokens": args.tokens,
+                    "hidden": args.hidden,
+                    "vocab": args.vocab,
+                    "dtype": args.dtype or "fp32",
+                    "wall_median_ms": round(1e3 * statistics.median(wall[p]), 1),
+                    "cpu_median_ms": round(1e3 * statistics.median(cpu[p]), 1),
+                    "wall_vs_base": round(statistics.median(a / b for a, b in zip(wall[p], wall[base])), 3),
+                    "wall_vs_base_min": round(min(a / b for a, b in zip(wall[p], wall[base])), 3),
+                    "wall_vs_base_max": round(max(a / b for a, b in zip(wall[p], wall[base])), 3),
+                    "cpu_vs_base": round(statistics.median(a / b for a, b in zip(cpu[p], cpu[base])), 3),
+                    "cpu_vs_base_min": round(min(a / b for a, b in zip(cpu[p], cpu[base])), 3),
+                    "cpu_vs_base_max": round(max(a / b for a, b in zip(cpu[p], cpu[base])), 3),
+                    "wall_s": [round(x, 3) for x in wall[p]],
+                    "cpu_s": [round(x, 3) for x in cpu[p]],
+                }
+            )
+        env = {**measure.environment(), "module": args.module, "rounds": done, "load_average": loads}
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.name}.json").write_text(json.dumps({"environment": env, "results": rows}, indent=1) + "\n")
+        lines = [
+            f"Measured {env['date']} on {env['machine']} (CPU {env.get('cpu_model') or 'unknown'}), torch "
+            f"{env['torch']}; {args.module} steps, N = {args.tokens}, H = {args.hidden}, V = {args.vocab}, "
+            f"{done} interleaved rounds; load average (1, 5, 15 min) at start {loads[0][1]}, at end {loads[-1][1]}.",
+            "",
+            f"| provider | wall median ms | ÷ {base} (median [min, max] of rounds) | thread CPU median ms "
+            f"| ÷ {base} (median [min, max]) |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['provider']} | {r['wall_median_ms']:.0f} | {r['wall_vs_base']:.3f} "
+                f"[{r['wall_vs_base_min']:.3f}, {r['wall_vs_base_max']:.3f}] | {r['cpu_median_ms']:.0f} "
+                f"| {r['cpu_vs_base']:.3f} [{r['cpu_vs_base_min']:.3f}, {r['cpu_vs_base_max']:.3f}] |"
+            )
+        (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+        if done == args.rounds:
+            print("\n".join(lines))
+
     wall: dict[str, list[float]] = {p: [] for p in steps}
     cpu: dict[str, list[float]] = {p: [] for p in steps}
     names = list(steps)
@@ -82,49 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             + f"  (wall/cpu; load {loads[-1][1]})",
             flush=True,
         )
-    base = names[0]
-    rows: list[dict[str, Any]] = []
-    for p in names:
-        rows.append(
-            {
-                "provider": p,
-                "tokens": args.tokens,
-                "hidden": args.hidden,
-                "vocab": args.vocab,
-                "dtype": args.dtype or "fp32",
-                "wall_median_ms": round(1e3 * statistics.median(wall[p]), 1),
-                "cpu_median_ms": round(1e3 * statistics.median(cpu[p]), 1),
-                "wall_vs_base": round(statistics.median(a / b for a, b in zip(wall[p], wall[base])), 3),
-                "wall_vs_base_min": round(min(a / b for a, b in zip(wall[p], wall[base])), 3),
-                "wall_vs_base_max": round(max(a / b for a, b in zip(wall[p], wall[base])), 3),
-                "cpu_vs_base": round(statistics.median(a / b for a, b in zip(cpu[p], cpu[base])), 3),
-                "cpu_vs_base_min": round(min(a / b for a, b in zip(cpu[p], cpu[base])), 3),
-                "cpu_vs_base_max": round(max(a / b for a, b in zip(cpu[p], cpu[base])), 3),
-                "wall_s": [round(x, 3) for x in wall[p]],
-                "cpu_s": [round(x, 3) for x in cpu[p]],
-            }
-        )
-    env = {**measure.environment(), "module": args.module, "rounds": args.rounds, "load_average": loads}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps({"environment": env, "results": rows}, indent=1) + "\n")
-    lines = [
-        f"Measured {env['date']} on {env['machine']} (CPU {env.get('cpu_model') or 'unknown'}), torch "
-        f"{env['torch']}; {args.module} steps, N = {args.tokens}, H = {args.hidden}, V = {args.vocab}, "
-        f"{args.rounds} interleaved rounds; load average (1, 5, 15 min) at start {loads[0][1]}, at end {loads[-1][1]}.",
-        "",
-        f"| provider | wall median ms | ÷ {base} (median [min, max] of rounds) | thread CPU median ms "
-        f"| ÷ {base} (median [min, max]) |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['provider']} | {r['wall_median_ms']:.0f} | {r['wall_vs_base']:.3f} "
-            f"[{r['wall_vs_base_min']:.3f}, {r['wall_vs_base_max']:.3f}] | {r['cpu_median_ms']:.0f} "
-            f"| {r['cpu_vs_base']:.3f} [{r['cpu_vs_base_min']:.3f}, {r['cpu_vs_base_max']:.3f}] |"
-        )
-    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        save(r + 1)  # after every round: a run cut short keeps its rounds
     return 0
 
 

@@ -12,8 +12,8 @@ is a function of committed data: re-running a benchmark rewrites its CSV, and `r
     fused_head.png    time against peak memory per provider, fused LM head (bench_linear), V = 32k and 152k
     grpo_step.png     one GRPO loss step per provider (bench_grpo): time ÷ the naive compiled step, memory
     trainer_step.png  the trainer-step sweep (trainer_step.csv: H, N, provider, time, peak memory, ops)
-    branches.png      lossfx against the dense computation NeMo RL does, per branch (LOGPROB, filtered,
-                      reverse KL, distillation, packed), forward + backward at [1, 2048, 151936] fp32
+    branches.png      lossfx against the dense baseline per branch (LOGPROB, filtered: NeMo RL's sort-based
+                      top-k/top-p, reverse KL, distillation, packed), fwd + bwd at [1, 2048, 151936] fp32
     logprob.png       the LOGPROB benchmark's own plot (`benchmarks.run.plot`, from logprob.json)
 """
 
@@ -392,8 +392,8 @@ ROLES = {
 
 def branches(results: Path, out: Path) -> bool:
     """`branches.png`: per branch, time (s) and peak extra memory (× the logits) of lossfx eager and
-    compiled against the dense computation NeMo RL does (full-vocabulary log_softmax; for top-k/top-p
-    its sort-based `apply_top_k_top_p`; for packing, unpack then the unpacked path)."""
+    compiled against the dense baseline (full-vocabulary log_softmax; for top-k/top-p NeMo RL's
+    sort-based `apply_top_k_top_p`; for packing, unpack then the unpacked path)."""
     table: dict[str, dict[str, tuple[float, float]]] = {}
     stems = []
     for branch, (stem, keep, tcol, unit, mcol, roles) in BRANCHES.items():
@@ -428,8 +428,8 @@ def branches(results: Path, out: Path) -> bool:
     axes[0].legend(fontsize=8, loc="upper left")
     axes[1].legend(fontsize=8, loc="upper left")
     fig.suptitle(
-        "lossfx against the computation NeMo RL does (baseline: dense log_softmax; top-k/top-p: its sort-based\n"
-        "apply_top_k_top_p; packed: unpack, then the unpacked path), [1, 2048, 151936] fp32, forward + backward\n"
+        "lossfx against the dense baseline per branch (top-k/top-p: NeMo RL's sort-based apply_top_k_top_p;\n"
+        "packed: unpack, then the unpacked path), [1, 2048, 151936] fp32, forward + backward\n"
         f"CPU: {machine}, torch 2.13.0+cpu; measured {run_date(results, *dict.fromkeys(stems))}",
         fontsize=10,
     )
