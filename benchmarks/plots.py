@@ -77,7 +77,7 @@ def run_date(results: Path, *stems: str) -> str:
     return ", ".join(sorted(days)) or "date not recorded"
 
 
-def cpu_of(results: Path, *stems: str) -> str:
+def cpu_of(results: Path, *stems: str, default: str = "2-core VM") -> str:
     """The CPU model(s) the JSONs of `stems` record (`environment.cpu_model`), else the 2-core VM."""
     models = set()
     for stem in stems:
@@ -86,7 +86,7 @@ def cpu_of(results: Path, *stems: str) -> str:
             env = json.loads(jpath.read_text()).get("environment", {})
             if env.get("cpu_model"):
                 models.add(f"2-core {env['cpu_model']} VM".replace("(R)", "").replace(" Processor", ""))
-    return " / ".join(sorted(models)) or "2-core VM"
+    return " / ".join(sorted(models)) or default
 
 
 def pick(row: dict[str, str], field: str) -> float | str | None:
@@ -209,12 +209,10 @@ def plot_sweep(
         ax.set_xticks(ticks, [f"{int(t):,}" for t in ticks])
         ax.minorticks_off()
         ax.set_xlabel({"N": "N (tokens per step)", "H": "H (hidden size)", "V": "V (vocabulary)"}[axis or "V"])
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(_plain())
-        low, high = ax.get_ylim()
-        if high < 10 * low:  # less than a decade: label the minor ticks too
-            ax.yaxis.set_minor_formatter(_plain())
-            ax.tick_params(axis="y", which="minor", labelsize=7)
+        values = [p[key] for p in rows if isinstance(p.get(key), float) and p[key] > 0]
+        if values and max(values) > 5 * min(values):  # a wide range: log axis
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(_plain())
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
     if not swept:
@@ -310,11 +308,14 @@ def grpo_step(results: Path, out: Path) -> bool:
         return False
     stems = [s for s in ("grpo", "grpo_151936") if (results / f"{s}.csv").is_file()]
     n, h = rows[0]["tokens"], rows[0]["hidden"]
+    # rows may say which clock their ratio is on (`time_clock`: wall, or thread CPU under load)
+    clocks = sorted({f"{r['time_clock']} at V = {int(r['vocab']):,}" for r in rows if r.get("time_clock")})
+    clock_note = "\ntime ratios: wall, except " + "; ".join(c for c in clocks if "wall" not in c) if clocks else ""
     return plot_sweep(
         sweep_rows(rows),
         out / "grpo_step.png",
         f"One GRPO loss step (bench_grpo), N = {int(n):,}, H = {h}, fp32, forward + backward\n"
-        f"CPU: {MACHINE}, torch 2.13.0+cpu; measured {run_date(results, *stems)}",
+        f"CPU: {MACHINE}, torch 2.13.0+cpu; measured {run_date(results, *stems)}{clock_note}",
         metrics=(
             ("time_vs_naive", "time ÷ naive compiled step (same run)"),
             ("beyond_grads_x_logits", "peak beyond dhidden + dweight (× fp32 logits)"),
@@ -328,7 +329,7 @@ def trainer_step(results: Path, out: Path) -> bool:
     return plot_sweep(
         rows,
         out / "trainer_step.png",
-        f"Trainer step sweep (trainer_step.csv)\nCPU: {MACHINE}, torch 2.13.0+cpu; measured "
+        f"Trainer step sweep (trainer_step.csv)\nCPU: {cpu_of(results, 'trainer_step', default=MACHINE)}; measured "
         f"{run_date(results, 'trainer_step')}",
     )
 
