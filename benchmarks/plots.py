@@ -309,8 +309,12 @@ def grpo_step(results: Path, out: Path) -> bool:
     stems = [s for s in ("grpo", "grpo_151936") if (results / f"{s}.csv").is_file()]
     n, h = rows[0]["tokens"], rows[0]["hidden"]
     # rows may say which clock their ratio is on (`time_clock`: wall, or thread CPU under load)
-    clocks = sorted({f"{r['time_clock']} at V = {int(r['vocab']):,}" for r in rows if r.get("time_clock")})
-    clock_note = "\ntime ratios: wall, except " + "; ".join(c for c in clocks if "wall" not in c) if clocks else ""
+    other = [r for r in rows if r.get("time_clock") and "wall" not in r["time_clock"]]
+    clock_note = ""
+    if other:
+        clock = other[0]["time_clock"]
+        names = ", ".join(dict.fromkeys(r["provider"] for r in other))
+        clock_note = f"\ntime ratios on the wall clock, except {clock}: {names} at V = {int(other[0]['vocab']):,}"
     return plot_sweep(
         sweep_rows(rows),
         out / "grpo_step.png",
