@@ -23,7 +23,9 @@ import argparse
 import csv
 import json
 import math
+import re
 import sys
+import textwrap
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,25 @@ def cpu_of(results: Path, *stems: str, default: str = "2-core VM") -> str:
             if env.get("cpu_model"):
                 models.add(f"2-core {env['cpu_model']} VM".replace("(R)", "").replace(" Processor", ""))
     return " / ".join(sorted(models)) or default
+
+
+def provenance(results: Path, stems: Iterable[str]) -> str:
+    """`"2026-11-29 Intel Xeon: logprob; 2026-12-02 AMD EPYC: divergence, ..."`: the day and CPU of
+    each stem's run (JSON `environment`, else the CSV's `date` / `cpu_model` columns)."""
+    groups: dict[str, list[str]] = {}
+    for stem in stems:
+        env: dict[str, Any] = {}
+        jpath = results / f"{stem}.json"
+        if jpath.is_file():
+            env = json.loads(jpath.read_text()).get("environment", {}) or {}
+        row = next(iter(read_csv(results / f"{stem}.csv")), {})
+        date = str(env.get("date") or row.get("date") or "date not recorded")[:10]
+        cpu = str(env.get("cpu_model") or row.get("cpu_model") or "CPU not recorded")
+        cpu = cpu.replace("(R)", "").replace(" Processor", "")
+        threads = re.search(r"(\d+) threads?", str(env.get("machine") or row.get("machine") or ""))
+        cpu += f", {threads.group(1)} thread{'s' if threads.group(1) != '1' else ''}" if threads else ""
+        groups.setdefault(f"{date} {cpu}", []).append(stem)
+    return "; ".join(f"{key}: {', '.join(names)}" for key, names in groups.items())
 
 
 def pick(row: dict[str, str], field: str) -> float | str | None:
@@ -409,9 +430,8 @@ def branches(results: Path, out: Path) -> bool:
                 stems.append(stem)
     if not table:
         return False
-    machine = cpu_of(results, *dict.fromkeys(stems))
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.4))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.8))
     width = 0.8 / len(ROLES)
     for ax, which, ylabel in (
         (axes[0], 0, "median time, forward + backward (s)"),
@@ -435,7 +455,7 @@ def branches(results: Path, out: Path) -> bool:
     fig.suptitle(
         "lossfx against the dense baseline per branch (top-k/top-p: NeMo RL's sort-based apply_top_k_top_p;\n"
         "packed: unpack, then the unpacked path), [1, 2048, 151936] fp32, forward + backward\n"
-        f"CPU: {machine}, torch 2.13.0+cpu; measured {run_date(results, *dict.fromkeys(stems))}",
+        + textwrap.fill(f"2-core VM, torch 2.13.0+cpu; measured {provenance(results, dict.fromkeys(stems))}", 140),
         fontsize=10,
     )
     fig.tight_layout()
