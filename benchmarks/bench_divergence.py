@@ -37,7 +37,7 @@ if __name__ == "__main__":
 import torch
 
 import lossfx
-from benchmarks import measure
+from benchmarks import measure, plots
 
 DEFAULT_SHAPE = (1, 2048, 151_936)  # Qwen 2/3 vocabulary (benchmarks/cases.py "1x2048x151936")
 QUICK_SHAPE = (2, 16, 257)
@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(f"{stem}.json", "w") as f:
         json.dump({"logits_bytes": logits_bytes, "results": rows}, f, indent=2)
     print(f"wrote {stem}.csv and {stem}.json")
+    plots.redraw_for(stem)
     return 0
 
 

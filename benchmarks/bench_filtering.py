@@ -37,7 +37,7 @@ if __name__ == "__main__":
 import torch
 
 import lossfx
-from benchmarks import measure
+from benchmarks import measure, plots
 from benchmarks.cases import Case, get_case
 
 DEFAULT_CASE = "1x2048x151936"
@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             f,
             indent=2,
         )
+    plots.redraw_for(out / "filtering")
     return 0
 
 

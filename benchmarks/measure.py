@@ -19,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils import benchmark as tbench
 
+from benchmarks import plots
 from benchmarks.rss import peak_rss_extra_bytes
 
 MEMORY_METHOD = (
@@ -216,3 +217,4 @@ def write_results(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any], 
         json.dump({**meta, "results": rows}, f, indent=2)
     if not quiet:
         print(f"wrote {stem}.csv and {stem}.json")
+    plots.redraw_for(stem)  # the plots that read this file, beside it (only with matplotlib installed)

@@ -58,7 +58,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import lossfx  # noqa: E402
-from benchmarks import measure  # noqa: E402
+from benchmarks import measure, plots  # noqa: E402
 from benchmarks.cases import DEFAULT_CASES, QUICK_CASES, Case, get_case  # noqa: E402
 
 READ_PASS = ("read-pass", "read-pass-compiled")
@@ -261,8 +261,9 @@ def markdown_table(rows: list[dict[str, Any]], targets: list[dict[str, Any]], en
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> bool:
-    """Bar charts of median time and peak extra memory per (case, dtype); False without matplotlib."""
+def plot(rows: list[dict[str, Any]], path: Path, env: dict[str, Any] | None = None) -> bool:
+    """Bar charts of median time and peak extra memory per (case, dtype), the run's date and machine
+    (`env`, the JSON's `environment`) in the title; False without matplotlib."""
     try:
         import matplotlib
 
@@ -291,7 +292,13 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
             ax.set_title(f"{case} {dtype}", fontsize=9)
             ax.set_ylabel(label)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("LOGPROB: lossfx vs naive log_softmax+gather (CPU, side by side in one run)", fontsize=10)
+    title = "LOGPROB: lossfx vs naive log_softmax+gather (CPU, side by side in one run)"
+    if env:
+        title += (
+            f"\nmeasured {str(env.get('date', '?'))[:10]} on {env.get('cpu_model', env.get('machine', '?'))}, "
+            f"{env.get('machine', '')}, torch {env.get('torch', '?')}"
+        )
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -310,7 +317,7 @@ def write_results(rows: list[dict[str, Any]], env: dict[str, Any], config: dict[
     (out / "logprob.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out / "logprob.md").write_text(markdown_table(rows, targets, env))
     if config.get("plot", True):
-        plot(rows, out / "logprob.png")
+        plots.redraw_for(out / "logprob")  # logprob.png (`plot`) and the per-branch plot
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -345,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = json.loads((args.out / "logprob.json").read_text())
         (args.out / "logprob.md").write_text(markdown_table(doc["rows"], doc["targets"], doc["environment"]))
         if not args.no_plot:
-            plot(doc["rows"], args.out / "logprob.png")
+            plot(doc["rows"], args.out / "logprob.png", doc.get("environment"))
         return 0
     torch.set_num_threads(args.threads)
     cases = [get_case(name) for name in args.cases]
