@@ -22,6 +22,7 @@ same across vocabulary blocks and across ranks). Dense equivalent of one tile:
 
 from __future__ import annotations
 
+import math
 import typing
 from collections.abc import Iterator, Sequence
 
@@ -129,19 +130,22 @@ def merge_stats(m: Tensor, s: Tensor, u: Tensor | None = None) -> tuple[Tensor, 
 
     `-inf` parts (a block or shard whose logits are all `-inf`, e.g. masked padded head rows) are
     `m_r = -inf, s_r = u_r = 0`: their weight is 0 and they add nothing. `S` and `U` are taken
-    about the finite shift `finite(M)` (0 where `M = -inf`); `M` itself is returned unchanged, so
-    an all `-inf` row stays the part `(-inf, 0, 0)` and merges again exactly (proofs/fused_linear.md §5, §10).
+    about the shift `M` (0 where `M = -inf`); `M` itself is returned unchanged, so an all `-inf`
+    row stays the part `(-inf, 0, 0)` and merges again exactly (proofs/fused_linear.md §5, §10).
+    A row with a NaN or `+inf` logit has `M` NaN or `+inf` (`amax` propagates both): its shift is
+    NaN, so its `S` and `U` are NaN (`torch.log_softmax` makes such a row NaN throughout).
     """
     big = m.amax(dim=0)  # [N]
-    # the shift, 0 where no part is finite: no `-inf − -inf` (one op: see numerics.finite_or_zero)
-    shift = torch.nan_to_num(big, nan=0.0, posinf=0.0, neginf=0.0)
-    delta = m - shift  # [R, N], <= 0, -inf for an all -inf part
+    # the shift: 0 where no part is finite (no `-inf − -inf`), NaN where M is NaN or +inf (one op:
+    # see numerics.shift_or_nan)
+    shift = torch.nan_to_num(big, nan=math.nan, posinf=math.nan, neginf=0.0)
+    delta = m - shift  # [R, N], <= 0, -inf for an all -inf part, NaN throughout a NaN / +inf row
     weight = torch.exp(delta)
     total = (weight * s).sum(dim=0)
     if u is None:
         return big, total, None
     # w_r = 0 exactly where delta_r = -inf (and s_r = 0 there): the term is 0, never -inf · 0
-    delta = torch.nan_to_num(delta, nan=0.0, posinf=0.0, neginf=0.0)
+    delta = torch.nan_to_num(delta, nan=math.nan, posinf=math.inf, neginf=0.0)
     return big, total, (weight * (u + delta * s)).sum(dim=0)
 
 

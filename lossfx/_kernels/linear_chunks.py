@@ -47,16 +47,19 @@ import torch
 from torch import Tensor
 
 from lossfx._core.chunking import policy_for
-from lossfx._core.numerics import finite_or_zero, log_s_for_softmax
+from lossfx._core.numerics import EXP_ZERO_BELOW, finite_or_zero, log_s_for_softmax, shift_or_nan
 from lossfx._core.tiles import LogitHead, Tiles, add_rows_, compute_dtype, matmul_dtype, merge_stats, tile_shape
 
-__all__ = ["linear_local_grads", "linear_local_stats", "merge_row_stats", "nan_to_zero_"]
+__all__ = ["clamp_log_", "linear_local_grads", "linear_local_stats", "merge_row_stats"]
 
 
-def nan_to_zero_(x: Tensor) -> Tensor:
-    """`x` with its NaNs set to 0 in place (infinities kept): the `0·(±inf)` terms of a gradient
-    tile where `p = 0` (a `-inf` logit) are 0. Dense: ``torch.where(x.isnan(), 0, x)``."""
-    return x.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
+def clamp_log_(x: Tensor) -> Tensor:
+    """`x` (a tile of `z − shift` or `log p`, `-inf` where `p = 0`) clamped up to `EXP_ZERO_BELOW`
+    in place: `exp(x)` is unchanged (0 below it), and a factor `(x − c)·h` formed from it stays
+    finite where `p = 0`, so `p·(…)` is 0 there instead of `0·inf = NaN`. A NaN stays NaN (a NaN
+    or `+inf` row, a NaN upstream gradient): the exact `0·log 0 = 0` guard, which never makes a
+    NaN finite. Dense: ``torch.where(p == 0 & finite factors, 0, p·(…))``."""
+    return x.clamp_(min=EXP_ZERO_BELOW)
 
 
 def _tiles(hidden: Tensor, weight: Tensor, bias: Tensor | None, head: LogitHead, active, chunk_rows: int, scratch: int):
@@ -106,8 +109,9 @@ def _grad_body(
     `h/S`, `Σ p (z − shift)`, `Σ_k g_k / S`; `cap_factor` `T/c` (0-d) with a soft-cap."""
     x = z - shift[:, None]
     e = torch.exp(x)
-    if with_entropy:  # where p = 0 (z = −inf) the term is 0, not 0·(±inf)
-        dz = torch.where(e > 0, e * ((x - centre[:, None]) * entropy_factor[:, None] - total_factor[:, None]), 0.0)
+    if with_entropy:  # where p = 0 (z = −inf) the term is 0, not 0·(±inf); a NaN stays NaN (`clamp_log_`)
+        x = x.clamp(min=EXP_ZERO_BELOW)
+        dz = e * ((x - centre[:, None]) * entropy_factor[:, None] - total_factor[:, None])
     else:
         dz = e * -total_factor[:, None]
     dz = dz.scatter_add(1, block_idx, block_grad)
@@ -130,11 +134,13 @@ def _fold_block(stats: Tensor, rows: slice | Tensor, m_b: Tensor, s_b: Tensor, u
 def merge_row_stats(stats: Tensor, n_ids: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Every rank's `[R, 3 + K, N]` -> (logprobs `[N, K]`, neg_entropy `[N]`, shift `[N]`, log_s `[N]`).
 
-    `shift` is finite; a row whose logits are all `-inf` has `log_s = -inf`, log-probs `-inf` and
-    `Σ p log p = 0` (the reference's; its gradient is 0: `linear_local_grads`)."""
+    A row whose logits are all `-inf` has `shift = 0`, `log_s = -inf`, log-probs `-inf` and
+    `Σ p log p = 0` (the reference's; its gradient is 0: `linear_local_grads`). A row with a NaN
+    or `+inf` logit has `shift`, `log_s`, log-probs and `Σ p log p` NaN (as `torch.log_softmax`
+    makes it), and so a NaN gradient; every other row's `shift` and `log_s` are finite."""
     big, total, moment = merge_stats(stats[:, 0], stats[:, 1], stats[:, 2])  # [N] each
     assert moment is not None
-    shift = finite_or_zero(big)  # lse = shift + log_s
+    shift = shift_or_nan(big)  # lse = shift + log_s
     log_s = torch.log(total)
     dead = torch.isneginf(log_s)  # [N]: every logit of the row is -inf
     picked = stats[:, 3 : 3 + n_ids].sum(dim=0)  # [K, N]; exactly one rank owns each id
@@ -264,7 +270,8 @@ def linear_local_grads(
     # An all -inf row (log_s = -inf) is constant: 1/S := 0 makes its p and its gradient 0 (the
     # caller zeroes its `grad_ids`); its centre is 0, so every per-row factor stays finite.
     inv_s = torch.exp(-log_s_for_softmax(log_s))  # [N], 1/S with S >= 1, 0 for an all -inf row
-    centre = finite_or_zero(log_s + neg_entropy)  # [N], Σ p (z − shift): log p − H = (z − shift) − centre
+    # [N], Σ p (z − shift): log p − H = (z − shift) − centre; 0 for an all -inf row, NaN stays NaN
+    centre = (log_s + neg_entropy).nan_to_num_(nan=math.nan, posinf=math.inf, neginf=0.0)
     scale = head.scale  # dz/dr = s/T (· (1 − tanh²)): s/T folded into the two matmuls (alpha)
     entropy_factor, total_factor = grad_entropy * inv_s, grad_total * inv_s  # [N]: h/S, Σ_k g_k/S
     cap_factor = None
@@ -298,9 +305,9 @@ def linear_local_grads(
                 if with_entropy:
                     # dz = p ⊙ (h·(log p − H) − Σ_k g_k) = exp(x) ⊙ ((x − centre)·h/S − Σ_k g_k/S)
                     e = torch.exp(x, out=tiles.scratch(0, z))  # [C, Cv]
-                    bracket = x.sub_(centre[rows, None]).mul_(entropy_factor[rows, None])
-                    # where z = −inf, e = 0 and the bracket is ±inf: 0·inf = NaN, which is 0
-                    dz = nan_to_zero_(e.mul_(bracket.sub_(total_factor[rows, None])))
+                    # clamped where z = −inf (e = 0): a finite bracket there, so the term is 0, not 0·inf
+                    bracket = clamp_log_(x).sub_(centre[rows, None]).mul_(entropy_factor[rows, None])
+                    dz = e.mul_(bracket.sub_(total_factor[rows, None]))
                 else:
                     dz = x.exp_().mul_(-total_factor[rows, None])  # −p·Σ_k g_k, in the same buffer
                 dz.scatter_add_(1, block_idx[rows], block_grad[rows])  # + g at each id in this block
