@@ -223,14 +223,13 @@ def linear_local_grads(
     active: Tensor | None,
     grad_ids: Tensor,
     grad_total: Tensor,
-    grad_entropy: Tensor,
+    grad_entropy: Tensor | None,
     shift: Tensor,
     log_s: Tensor,
     neg_entropy: Tensor,
     temperature: float,
     logit_scale: float,
     softcap: float | None,
-    with_entropy: bool,
     chunk_rows: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (dhidden `[N, H]` in the compute dtype, dweight `[Vl, H]` in weight's dtype, dbias `[Vl]`
@@ -248,15 +247,17 @@ def linear_local_grads(
         active: `[N]` the rows to compute (the others get zero gradient), or None: all.
         grad_ids: `[N, K]` upstream gradient of the log-probs at the ids this rank owns (0 elsewhere).
         grad_total: `[N]` `Σ_k` of the upstream gradient over all `K` ids (owned or not).
-        grad_entropy: `[N]` upstream gradient of `Σ p log p` (ignored unless `with_entropy`).
+        grad_entropy: `[N]` upstream gradient of `Σ p log p`, or None: no entropy term (the
+            entropy's branch of every tile is skipped).
         shift, log_s: `[N]` the merged row statistics, `p = exp(z − shift) / exp(log_s)`.
-        neg_entropy: `[N]` the merged `Σ p log p` (used only `with_entropy`).
+        neg_entropy: `[N]` the merged `Σ p log p` (read only with `grad_entropy`).
         temperature, logit_scale, softcap: the `LogitHead`; `dz/dr = (s/T)·(1 − tanh²)` with a
             soft-cap, `s/T` without (proofs/fused_linear.md §9).
         chunk_rows: rows per tile; 0 for the default (a `[C, Cv]` tile near 4 MiB).
     """
     n_rows, hidden_size = hidden.shape
     head = LogitHead(temperature, logit_scale, softcap)
+    with_entropy = grad_entropy is not None
     scratch = int(with_entropy) + int(softcap is not None)
     tiles = _tiles(hidden, weight, bias, head, active, chunk_rows, scratch)
     cdtype, exact = tiles.cdtype, tiles.exact
@@ -270,10 +271,13 @@ def linear_local_grads(
     # An all -inf row (log_s = -inf) is constant: 1/S := 0 makes its p and its gradient 0 (the
     # caller zeroes its `grad_ids`); its centre is 0, so every per-row factor stays finite.
     inv_s = torch.exp(-log_s_for_softmax(log_s))  # [N], 1/S with S >= 1, 0 for an all -inf row
-    # [N], Σ p (z − shift): log p − H = (z − shift) − centre; 0 for an all -inf row, NaN stays NaN
-    centre = (log_s + neg_entropy).nan_to_num_(nan=math.nan, posinf=math.inf, neginf=0.0)
     scale = head.scale  # dz/dr = s/T (· (1 − tanh²)): s/T folded into the two matmuls (alpha)
-    entropy_factor, total_factor = grad_entropy * inv_s, grad_total * inv_s  # [N]: h/S, Σ_k g_k/S
+    total_factor = grad_total * inv_s  # [N]: Σ_k g_k/S
+    centre = entropy_factor = total_factor  # (read only with the entropy)
+    if grad_entropy is not None:
+        # [N], Σ p (z − shift): log p − H = (z − shift) − centre; 0 for an all -inf row, NaN stays NaN
+        centre = (log_s + neg_entropy).nan_to_num_(nan=math.nan, posinf=math.inf, neginf=0.0)
+        entropy_factor = grad_entropy * inv_s  # [N]: h/S
     cap_factor = None
     if softcap is not None and tiles.compile_tiles:  # a tensor: the compiled body does not specialise on it
         cap_factor = torch.tensor(temperature / softcap, dtype=cdtype, device=hidden.device)
