@@ -242,6 +242,7 @@ class Tiles:
         self.block_slices = [slice(c, min(local_vocab, c + self.block)) for c in range(0, local_vocab, self.block)]
         device, size = hidden.device, self.rows * self.block
         self._tile: Tensor | None = None  # made on first use: the rows-outside walks never need it
+        self._full_tile: Tensor | None = None
         self._low = None if self.exact else torch.empty(size, dtype=self.mm_dtype, device=device)
         self._scratch = [torch.empty(size, dtype=self.cdtype, device=device) for _ in range(scratch)]
         self._chunk = torch.empty(self.rows * chunk_width, dtype=self.cdtype, device=device) if chunk_width else None
@@ -271,6 +272,18 @@ class Tiles:
         assert self._low is not None
         return self.view(self._low, like.shape[0], like.shape[1])
 
+    def compact(self) -> tuple[Tensor | None, list[slice]]:
+        """The visited rows as `(index, slices)`: `index` the int64 index of the active rows (None:
+        every row, in order) and each row chunk's positions among them, slices of `[0, N_active)`.
+        A loop gathers its per-row quantities once by `index` and slices them per chunk: no
+        per-tile index op, and in-place writes into slices."""
+        if not self.chunks or isinstance(self.chunks[0], slice):
+            return None, typing.cast(list[slice], self.chunks)
+        chunks = typing.cast(list[Tensor], self.chunks)
+        index = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        starts = [i * self.rows for i in range(len(chunks))]
+        return index, [slice(s, s + c.shape[0]) for s, c in zip(starts, chunks, strict=True)]
+
     def hidden_rows(self, rows: slice | Tensor) -> Tensor:
         return self.hidden[rows].to(self.mm_dtype)  # [C, H]
 
@@ -292,7 +305,18 @@ class Tiles:
         (or `out`); the buffer is reused by the next tile."""
         if out is None and self._tile is None:
             self._tile = torch.empty(self.rows * self.block, dtype=self.cdtype, device=self.hidden.device)
-        z = self.view(self._tile, h.shape[0], w.shape[0]) if out is None else out  # type: ignore[arg-type]
+            self._full_tile = self.view(self._tile, self.rows, self.block)  # the common shape: one view
+        if out is not None:
+            z = out
+        elif (h.shape[0], w.shape[0]) == (self.rows, self.block) and self._full_tile is not None:
+            z = self._full_tile
+        else:
+            z = self.view(self._tile, h.shape[0], w.shape[0])  # type: ignore[arg-type]
+        if self.exact and self.round_to is None and self.head.softcap is None:
+            # z = (s/T)·(h wᵀ + b) in the one BLAS call (beta = 0: the buffer's contents are not read)
+            scale = self.head.scale
+            torch.addmm(z if b is None else b, h, w.T, beta=0.0 if b is None else scale, alpha=scale, out=z)
+            return z
         self._product(h, w, z)
         if b is not None:
             z.add_(b)
