@@ -92,7 +92,7 @@ class ChunkPolicy:
 # ops, which dominate a step with a few hundred rows, and with two threads and a busy core every op
 # waits for a descheduled thread. [N, 10240] fp32 tiles up to 96 MiB: 15 vocabulary blocks at
 # V = 151936, one row chunk up to N = 2457, at most ~0.1x the peak of TRL's [N, 32768] tiles
-# (benchmarks/bench_trainer_step.py: 1035 leaf ops per GRPO loss step against 575, at any N <= 2457).
+# (benchmarks/bench_trainer_step.py: 1095 leaf ops per GRPO loss step against 575, at any N <= 2457).
 CPU_POLICY = ChunkPolicy(row_bytes=2 << 20, min_rows=1, tile_bytes=96 << 20, max_block=10240)
 # ... and the tile engine (lossfx/_core/tiles.py): one vocabulary block of up to 2^18 rows (V = 151936 in one
 # block), 1 GiB row chunks, Inductor-compiled tile bodies (docs/design.md, "One tile engine").

@@ -312,11 +312,8 @@ class Tiles:
             z = self._full_tile
         else:
             z = self.view(self._tile, h.shape[0], w.shape[0])  # type: ignore[arg-type]
-        if self.exact and self.round_to is None and self.head.softcap is None:
-            # z = (s/T)·(h wᵀ + b) in the one BLAS call (beta = 0: the buffer's contents are not read)
-            scale = self.head.scale
-            torch.addmm(z if b is None else b, h, w.T, beta=0.0 if b is None else scale, alpha=scale, out=z)
-            return z
+        # (not folded into one `addmm(b, h, wᵀ, alpha=s/T, beta=s/T)`: that rounds `s/T` and sums
+        # `b` inside the BLAS, so its logits differ from `(h @ wᵀ + b)·s/T` by an ulp)
         self._product(h, w, z)
         if b is not None:
             z.add_(b)
