@@ -88,7 +88,12 @@ class ChunkPolicy:
 # CPU: 2 MiB per temporary (the L2 of a core), no row minimum: a multi-pass loop then re-reads its
 # chunk from cache (3 rows at V = 151936 fp32); measured no slower than the former 8 MiB / 16-row
 # default of the log-prob loops and ~1.8x faster on the 5-pass gather + entropy (benchmarks/README.md).
-CPU_POLICY = ChunkPolicy(row_bytes=2 << 20, min_rows=1, tile_bytes=4 << 20, max_block=2048)
+# The hidden x LM-head tiles are large instead (issue 27): each tile costs a fixed ~70 dispatched
+# ops, which dominate a step with a few hundred rows, and with two threads and a busy core every op
+# waits for a descheduled thread. [N, 10240] fp32 tiles up to 96 MiB: 15 vocabulary blocks at
+# V = 151936, one row chunk up to N = 2457, at most ~0.1x the peak of TRL's [N, 32768] tiles
+# (benchmarks/bench_trainer_step.py: 1095 leaf ops per GRPO loss step against 575, at any N <= 2457).
+CPU_POLICY = ChunkPolicy(row_bytes=2 << 20, min_rows=1, tile_bytes=96 << 20, max_block=10240)
 # ... and the tile engine (lossfx/_core/tiles.py): one vocabulary block of up to 2^18 rows (V = 151936 in one
 # block), 1 GiB row chunks, Inductor-compiled tile bodies (docs/design.md, "One tile engine").
 # GPU: 2 GiB per temporary, at least 1024 rows: a [16384, 151936] fp32 row loop runs 5 chunks

@@ -12,6 +12,8 @@ used where the max is not finite, so no `inf − inf` is ever formed.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -27,6 +29,19 @@ def finite_or_zero(x: Tensor) -> Tensor:
     """`x` where finite, else 0: a safe shift for `exp(z − shift)`. (One op: `isfinite` + `where`
     would be six kernel launches on a GPU, in every chunk of every row loop.)"""
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+# exp(x) is exactly 0 for every x <= this in float64 (below -745.2), float32 and bf16 (below -103.9):
+# clamping x up to it changes no exp(x), and keeps a factor x·c finite where exp(x) = 0
+EXP_ZERO_BELOW = -1000.0
+
+
+def shift_or_nan(m: Tensor) -> Tensor:
+    """The softmax shift of a row from its max `m`: `m` where finite, 0 where `-inf` (a row whose
+    logits are all `-inf`), NaN where `m` is NaN or `+inf`. A row with a NaN or `+inf` logit is NaN
+    throughout, as `torch.log_softmax` makes it; a NaN shift carries that into every quantity of the
+    row formed from it (log-probs, `Σ p log p`, every entry of its gradient). One op."""
+    return torch.nan_to_num(m, nan=math.nan, posinf=math.nan, neginf=0.0)
 
 
 def compiled_row_sum(x: Tensor) -> Tensor:

@@ -22,6 +22,7 @@ same across vocabulary blocks and across ranks). Dense equivalent of one tile:
 
 from __future__ import annotations
 
+import math
 import typing
 from collections.abc import Iterator, Sequence
 
@@ -129,19 +130,22 @@ def merge_stats(m: Tensor, s: Tensor, u: Tensor | None = None) -> tuple[Tensor, 
 
     `-inf` parts (a block or shard whose logits are all `-inf`, e.g. masked padded head rows) are
     `m_r = -inf, s_r = u_r = 0`: their weight is 0 and they add nothing. `S` and `U` are taken
-    about the finite shift `finite(M)` (0 where `M = -inf`); `M` itself is returned unchanged, so
-    an all `-inf` row stays the part `(-inf, 0, 0)` and merges again exactly (proofs/fused_linear.md §5, §10).
+    about the shift `M` (0 where `M = -inf`); `M` itself is returned unchanged, so an all `-inf`
+    row stays the part `(-inf, 0, 0)` and merges again exactly (proofs/fused_linear.md §5, §10).
+    A row with a NaN or `+inf` logit has `M` NaN or `+inf` (`amax` propagates both): its shift is
+    NaN, so its `S` and `U` are NaN (`torch.log_softmax` makes such a row NaN throughout).
     """
     big = m.amax(dim=0)  # [N]
-    # the shift, 0 where no part is finite: no `-inf − -inf` (one op: see numerics.finite_or_zero)
-    shift = torch.nan_to_num(big, nan=0.0, posinf=0.0, neginf=0.0)
-    delta = m - shift  # [R, N], <= 0, -inf for an all -inf part
+    # the shift: 0 where no part is finite (no `-inf − -inf`), NaN where M is NaN or +inf (one op:
+    # see numerics.shift_or_nan)
+    shift = torch.nan_to_num(big, nan=math.nan, posinf=math.nan, neginf=0.0)
+    delta = m - shift  # [R, N], <= 0, -inf for an all -inf part, NaN throughout a NaN / +inf row
     weight = torch.exp(delta)
     total = (weight * s).sum(dim=0)
     if u is None:
         return big, total, None
     # w_r = 0 exactly where delta_r = -inf (and s_r = 0 there): the term is 0, never -inf · 0
-    delta = torch.nan_to_num(delta, nan=0.0, posinf=0.0, neginf=0.0)
+    delta = torch.nan_to_num(delta, nan=math.nan, posinf=math.inf, neginf=0.0)
     return big, total, (weight * (u + delta * s)).sum(dim=0)
 
 
@@ -238,6 +242,7 @@ class Tiles:
         self.block_slices = [slice(c, min(local_vocab, c + self.block)) for c in range(0, local_vocab, self.block)]
         device, size = hidden.device, self.rows * self.block
         self._tile: Tensor | None = None  # made on first use: the rows-outside walks never need it
+        self._full_tile: Tensor | None = None
         self._low = None if self.exact else torch.empty(size, dtype=self.mm_dtype, device=device)
         self._scratch = [torch.empty(size, dtype=self.cdtype, device=device) for _ in range(scratch)]
         self._chunk = torch.empty(self.rows * chunk_width, dtype=self.cdtype, device=device) if chunk_width else None
@@ -267,6 +272,18 @@ class Tiles:
         assert self._low is not None
         return self.view(self._low, like.shape[0], like.shape[1])
 
+    def compact(self) -> tuple[Tensor | None, list[slice]]:
+        """The visited rows as `(index, slices)`: `index` the int64 index of the active rows (None:
+        every row, in order) and each row chunk's positions among them, slices of `[0, N_active)`.
+        A loop gathers its per-row quantities once by `index` and slices them per chunk: no
+        per-tile index op, and in-place writes into slices."""
+        if not self.chunks or isinstance(self.chunks[0], slice):
+            return None, typing.cast(list[slice], self.chunks)
+        chunks = typing.cast(list[Tensor], self.chunks)
+        index = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        starts = [i * self.rows for i in range(len(chunks))]
+        return index, [slice(s, s + c.shape[0]) for s, c in zip(starts, chunks, strict=True)]
+
     def hidden_rows(self, rows: slice | Tensor) -> Tensor:
         return self.hidden[rows].to(self.mm_dtype)  # [C, H]
 
@@ -288,7 +305,15 @@ class Tiles:
         (or `out`); the buffer is reused by the next tile."""
         if out is None and self._tile is None:
             self._tile = torch.empty(self.rows * self.block, dtype=self.cdtype, device=self.hidden.device)
-        z = self.view(self._tile, h.shape[0], w.shape[0]) if out is None else out  # type: ignore[arg-type]
+            self._full_tile = self.view(self._tile, self.rows, self.block)  # the common shape: one view
+        if out is not None:
+            z = out
+        elif (h.shape[0], w.shape[0]) == (self.rows, self.block) and self._full_tile is not None:
+            z = self._full_tile
+        else:
+            z = self.view(self._tile, h.shape[0], w.shape[0])  # type: ignore[arg-type]
+        # (not folded into one `addmm(b, h, wᵀ, alpha=s/T, beta=s/T)`: that rounds `s/T` and sums
+        # `b` inside the BLAS, so its logits differ from `(h @ wᵀ + b)·s/T` by an ulp)
         self._product(h, w, z)
         if b is not None:
             z.add_(b)

@@ -49,6 +49,9 @@ class _FusedLinearFn(torch.autograd.Function):
         neg_entropy = torch.where(active, neg_entropy, torch.zeros_like(neg_entropy))  # ignored rows: 0
         ctx.save_for_backward(full_hidden, weight, bias, local_idx, owned, valid, rows, shift, log_s, neg_entropy)
         ctx.head, ctx.with_entropy, ctx.chunk_rows = head, with_entropy, chunk_rows
+        # an output that reaches no loss (the entropy as a metric) gets None, not a zero tensor:
+        # the backward then skips its branch in every tile
+        ctx.set_materialize_grads(False)
         ctx.group, ctx.seq_par = group, seq_par
         ctx.hidden_dtype = hidden.dtype
         return logprobs, neg_entropy
@@ -57,10 +60,16 @@ class _FusedLinearFn(torch.autograd.Function):
     def backward(ctx, dlogprobs, dneg_entropy):
         full_hidden, weight, bias, local_idx, owned, valid, rows, shift, log_s, neg_entropy = ctx.saved_tensors
         cdtype = shift.dtype
-        # ignored ids, and the rows whose logits are all -inf (constant: -inf log-probs), get no gradient
-        live = valid & ~torch.isneginf(log_s)[:, None]  # [N, K]
-        g = torch.where(live, dlogprobs.to(cdtype), torch.zeros((), dtype=cdtype, device=shift.device))  # [N, K]
+        if dlogprobs is None:  # only the entropy reaches the loss
+            g = torch.zeros(local_idx.shape, dtype=cdtype, device=shift.device)
+        else:
+            # ignored ids, and the rows whose logits are all -inf (constant: -inf log-probs), get no gradient
+            live = valid & ~torch.isneginf(log_s)[:, None]  # [N, K]
+            g = torch.where(live, dlogprobs.to(cdtype), torch.zeros((), dtype=cdtype, device=shift.device))  # [N, K]
         grad_ids = torch.where(owned, g, torch.zeros_like(g))
+        # the entropy's branch of every tile runs only when its gradient reaches a loss (not for a
+        # metric: then it arrives as None); with ctx.with_entropy False it is None too
+        grad_entropy = None if dneg_entropy is None or not ctx.with_entropy else dneg_entropy.to(cdtype)
         dhidden, dweight, dbias = linear_local_grads(
             full_hidden,
             weight,
@@ -69,12 +78,11 @@ class _FusedLinearFn(torch.autograd.Function):
             rows,
             grad_ids,
             g.sum(dim=1),
-            dneg_entropy.to(cdtype),
+            grad_entropy,
             shift,
             log_s,
             neg_entropy,
             *ctx.head,
-            ctx.with_entropy,
             ctx.chunk_rows,
         )
         dbias = None if bias is None else dbias.to(bias.dtype)

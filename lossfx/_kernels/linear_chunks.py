@@ -47,16 +47,24 @@ import torch
 from torch import Tensor
 
 from lossfx._core.chunking import policy_for
-from lossfx._core.numerics import finite_or_zero, log_s_for_softmax
-from lossfx._core.tiles import LogitHead, Tiles, add_rows_, compute_dtype, matmul_dtype, merge_stats, tile_shape
+from lossfx._core.numerics import EXP_ZERO_BELOW, finite_or_zero, log_s_for_softmax, shift_or_nan
+from lossfx._core.tiles import LogitHead, Tiles, compute_dtype, matmul_dtype, merge_stats, tile_shape
 
-__all__ = ["linear_local_grads", "linear_local_stats", "merge_row_stats", "nan_to_zero_"]
+__all__ = ["clamp_log_", "linear_local_grads", "linear_local_stats", "merge_row_stats"]
 
 
-def nan_to_zero_(x: Tensor) -> Tensor:
-    """`x` with its NaNs set to 0 in place (infinities kept): the `0·(±inf)` terms of a gradient
-    tile where `p = 0` (a `-inf` logit) are 0. Dense: ``torch.where(x.isnan(), 0, x)``."""
-    return x.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
+def clamp_log_(x: Tensor) -> Tensor:
+    """`x` (a tile of `z − shift` or `log p`, `-inf` where `p = 0`) clamped up to `EXP_ZERO_BELOW`
+    in place: `exp(x)` is unchanged (0 below it), and a factor `(x − c)·h` formed from it stays
+    finite where `p = 0`, so `p·(…)` is 0 there instead of `0·inf = NaN`. A NaN stays NaN (a NaN
+    or `+inf` row, a NaN upstream gradient): the exact `0·log 0 = 0` guard, which never makes a
+    NaN finite. Dense: ``torch.where(p == 0 & finite factors, 0, p·(…))``."""
+    return x.clamp_(min=EXP_ZERO_BELOW)
+
+
+def _part(x: Tensor, rows: slice) -> Tensor:
+    """`x[rows]`, or `x` itself when `rows` covers it (one view op fewer per tile)."""
+    return x if rows.start == 0 and rows.stop >= x.shape[0] else x[rows]
 
 
 def _tiles(hidden: Tensor, weight: Tensor, bias: Tensor | None, head: LogitHead, active, chunk_rows: int, scratch: int):
@@ -106,8 +114,9 @@ def _grad_body(
     `h/S`, `Σ p (z − shift)`, `Σ_k g_k / S`; `cap_factor` `T/c` (0-d) with a soft-cap."""
     x = z - shift[:, None]
     e = torch.exp(x)
-    if with_entropy:  # where p = 0 (z = −inf) the term is 0, not 0·(±inf)
-        dz = torch.where(e > 0, e * ((x - centre[:, None]) * entropy_factor[:, None] - total_factor[:, None]), 0.0)
+    if with_entropy:  # where p = 0 (z = −inf) the term is 0, not 0·(±inf); a NaN stays NaN (`clamp_log_`)
+        x = x.clamp(min=EXP_ZERO_BELOW)
+        dz = e * ((x - centre[:, None]) * entropy_factor[:, None] - total_factor[:, None])
     else:
         dz = e * -total_factor[:, None]
     dz = dz.scatter_add(1, block_idx, block_grad)
@@ -116,25 +125,16 @@ def _grad_body(
     return dz
 
 
-def _fold_block(stats: Tensor, rows: slice | Tensor, m_b: Tensor, s_b: Tensor, u_b: Tensor | None) -> None:
-    """Merge one vocabulary block's `(m_b, s_b, u_b)` `[C]` into the running rows of `stats` in place
-    (`merge_stats`: the same merge as across ranks, proofs/fused_linear.md §5)."""
-    k = 2 if u_b is None else 3
-    old = stats[:k, rows]  # [k, C]
-    new = torch.stack([m_b, s_b] if u_b is None else [m_b, s_b, u_b])  # [k, C]
-    pair = torch.stack([old, new], dim=1)  # [k, 2, C]
-    m, s, u = merge_stats(pair[0], pair[1], None if u_b is None else pair[2])
-    stats[:k, rows] = torch.stack([m, s] if u is None else [m, s, u])
-
-
 def merge_row_stats(stats: Tensor, n_ids: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Every rank's `[R, 3 + K, N]` -> (logprobs `[N, K]`, neg_entropy `[N]`, shift `[N]`, log_s `[N]`).
 
-    `shift` is finite; a row whose logits are all `-inf` has `log_s = -inf`, log-probs `-inf` and
-    `Σ p log p = 0` (the reference's; its gradient is 0: `linear_local_grads`)."""
+    A row whose logits are all `-inf` has `shift = 0`, `log_s = -inf`, log-probs `-inf` and
+    `Σ p log p = 0` (the reference's; its gradient is 0: `linear_local_grads`). A row with a NaN
+    or `+inf` logit has `shift`, `log_s`, log-probs and `Σ p log p` NaN (as `torch.log_softmax`
+    makes it), and so a NaN gradient; every other row's `shift` and `log_s` are finite."""
     big, total, moment = merge_stats(stats[:, 0], stats[:, 1], stats[:, 2])  # [N] each
     assert moment is not None
-    shift = finite_or_zero(big)  # lse = shift + log_s
+    shift = shift_or_nan(big)  # lse = shift + log_s
     log_s = torch.log(total)
     dead = torch.isneginf(log_s)  # [N]: every logit of the row is -inf
     picked = stats[:, 3 : 3 + n_ids].sum(dim=0)  # [K, N]; exactly one rank owns each id
@@ -164,42 +164,63 @@ def linear_local_stats(
     `s = Σ exp(z − m)`, `u = Σ exp(z − m)·(z − m)` (0 unless `with_entropy`), then
     `z[n, local_idx[n, k]]` where `owned`, else 0; an inactive row keeps `(0, 1, 0, 0…)` and is never
     computed; a row whose shard is all `-inf` is `(-inf, 0, 0, …)` (proofs/fused_linear.md §10).
-    Tiles: vocabulary blocks outside, row chunks of `chunk_rows` inside (0: the default), each
-    block's statistics folded into the running ones exactly.
+    Tiles: vocabulary blocks outside, row chunks of `chunk_rows` inside (0: the default); each
+    block's statistics are kept per row (`[blocks, 3, N_active]`, a few floats per row and block)
+    and merged exactly once at the end.
     """
     n_rows, n_ids = local_idx.shape
     head = LogitHead(temperature, logit_scale, softcap)
     tiles = _tiles(hidden, weight, bias, head, active, chunk_rows, scratch=1 if with_entropy else 0)
-    stats = torch.zeros(3 + n_ids, n_rows, dtype=tiles.cdtype, device=hidden.device)
-    stats[1] = 1.0  # an inactive row: s = 1, so its merged log-sum stays finite
-    for cols, w_block, b_block in tiles.blocks():
-        in_block = owned & (local_idx >= cols.start) & (local_idx < cols.stop)  # [N, K]
-        block_idx = torch.where(in_block, local_idx - cols.start, torch.zeros_like(local_idx))
-        for rows, _, z in tiles.tiles(w_block, b_block):  # z [C, Cv]
+    cdtype, device, width = tiles.cdtype, hidden.device, tiles.block
+    index, slices = tiles.compact()  # the active rows; each chunk's positions among them
+    n_active = n_rows if index is None else index.shape[0]
+    # each id's vocabulary block (-1 where this shard does not own it) and column inside it: two ops for all blocks
+    id_block = torch.where(owned, local_idx.div(width, rounding_mode="floor"), -1)
+    id_col = local_idx.remainder(width)
+    h_all = tiles.hidden if index is None else tiles.hidden.index_select(0, index)
+    if index is not None:
+        id_block, id_col = id_block.index_select(0, index), id_col.index_select(0, index)
+    h_all = h_all.to(tiles.mm_dtype)
+    picked = torch.zeros(n_active, n_ids, dtype=cdtype, device=device)  # the logits at the owned ids
+    chunks = [(rows, *(_part(x, rows) for x in (h_all, id_block, id_col, picked))) for rows in slices]
+    # per vocabulary block b, each active row's (m, s, u) over the block's columns in parts[k·b : k·b + k],
+    # merged once at the end
+    k = 3 if with_entropy else 2
+    n_blocks = len(tiles.block_slices)
+    parts = torch.empty(n_blocks * k, n_active, dtype=cdtype, device=device)
+    zero = torch.zeros((), dtype=cdtype, device=device)
+    for b, (cols, w_block, b_block) in enumerate(tiles.blocks()):
+        last_col = cols.stop - cols.start - 1  # a ragged last block: clamp the other blocks' columns
+        for rows, h, blk, col, picked_c in chunks:
+            z = tiles.logits(h, w_block, b_block)  # [C, Cv]
+            col = col if last_col == width - 1 else col.clamp(max=last_col)
+            here = blk == b  # [C, K]
             body = tiles.body(_stats_body, z)
             if body is not None:
-                m_b, s_b, u_b, picked = body(z, block_idx[rows], in_block[rows], with_entropy)
-                stats[3:, rows] += picked.T
+                m_b, s_b, u_b, got = body(z, col, here, with_entropy)
+                picked_c.add_(got)
+                parts[k * b : k * b + k, rows] = torch.stack([m_b, s_b] if u_b is None else [m_b, s_b, u_b])
+                continue
+            # each owned id lies in exactly one block: adding 0 elsewhere is exact
+            picked_c.add_(torch.where(here, z.gather(1, col), zero))
+            m_b = torch.amax(z, dim=1, out=_part(parts[k * b], rows))  # [C], -inf for a row whose block is all -inf
+            z.sub_(finite_or_zero(m_b)[:, None])  # z − m_b in place (−inf stays −inf: e = 0)
+            if with_entropy:
+                e = torch.exp(z, out=tiles.scratch(0, z))  # [C, Cv]
+                torch.sum(e, dim=1, out=_part(parts[k * b + 1], rows))
+                # 0·(−inf) = NaN only where e = 0: dropped (0·log 0 = 0); a NaN row is NaN through m
+                torch.nansum(e.mul_(z), dim=1, out=_part(parts[k * b + 2], rows))
             else:
-                picked = z.gather(1, block_idx[rows])  # [C, K]
-                # each owned id lies in exactly one block: adding 0 elsewhere is exact
-                stats[3:, rows] += torch.where(in_block[rows], picked, torch.zeros_like(picked)).T
-                m_b = z.amax(dim=1)  # [C], -inf for a row whose block is all -inf
-                z.sub_(finite_or_zero(m_b)[:, None])  # z − m_b in place (−inf stays −inf: e = 0)
-                u_b = None
-                if with_entropy:
-                    e = torch.exp(z, out=tiles.scratch(0, z))  # [C, Cv]
-                    s_b = e.sum(dim=1)
-                    u_b = e.mul_(z).nansum(dim=1)  # 0·(−inf) = NaN only where e = 0: dropped (0·log 0 = 0)
-                else:
-                    s_b = z.exp_().sum(dim=1)
-            if cols.start == 0:
-                stats[0, rows], stats[1, rows] = m_b, s_b
-                if u_b is not None:
-                    stats[2, rows] = u_b
-            else:
-                _fold_block(stats, rows, m_b, s_b, u_b)
-    return stats
+                torch.sum(z.exp_(), dim=1, out=_part(parts[k * b + 1], rows))
+    # the blocks merged exactly (the merge across ranks, proofs/fused_linear.md §5)
+    parts = parts.view(n_blocks, k, n_active)
+    m, s, u = merge_stats(parts[:, 0], parts[:, 1], parts[:, 2] if with_entropy else None)
+    computed = torch.cat([torch.stack([m, s, s.new_zeros(()).expand_as(s) if u is None else u]), picked.T])
+    if index is None:
+        return computed
+    stats = torch.zeros(3 + n_ids, n_rows, dtype=cdtype, device=device)
+    stats[1] = 1.0  # an inactive row: s = 1, so its merged log-sum stays finite
+    return stats.index_copy_(1, index, computed)
 
 
 @linear_local_stats.register_fake
@@ -217,14 +238,13 @@ def linear_local_grads(
     active: Tensor | None,
     grad_ids: Tensor,
     grad_total: Tensor,
-    grad_entropy: Tensor,
+    grad_entropy: Tensor | None,
     shift: Tensor,
     log_s: Tensor,
     neg_entropy: Tensor,
     temperature: float,
     logit_scale: float,
     softcap: float | None,
-    with_entropy: bool,
     chunk_rows: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (dhidden `[N, H]` in the compute dtype, dweight `[Vl, H]` in weight's dtype, dbias `[Vl]`
@@ -242,19 +262,20 @@ def linear_local_grads(
         active: `[N]` the rows to compute (the others get zero gradient), or None: all.
         grad_ids: `[N, K]` upstream gradient of the log-probs at the ids this rank owns (0 elsewhere).
         grad_total: `[N]` `Σ_k` of the upstream gradient over all `K` ids (owned or not).
-        grad_entropy: `[N]` upstream gradient of `Σ p log p` (ignored unless `with_entropy`).
+        grad_entropy: `[N]` upstream gradient of `Σ p log p`, or None: no entropy term (the
+            entropy's branch of every tile is skipped).
         shift, log_s: `[N]` the merged row statistics, `p = exp(z − shift) / exp(log_s)`.
-        neg_entropy: `[N]` the merged `Σ p log p` (used only `with_entropy`).
+        neg_entropy: `[N]` the merged `Σ p log p` (read only with `grad_entropy`).
         temperature, logit_scale, softcap: the `LogitHead`; `dz/dr = (s/T)·(1 − tanh²)` with a
             soft-cap, `s/T` without (proofs/fused_linear.md §9).
-        chunk_rows: rows per tile; 0 for the default (a `[C, Cv]` tile near 4 MiB).
+        chunk_rows: rows per tile; 0 for the default (a `[C, Cv]` tile near the policy's `tile_bytes`).
     """
     n_rows, hidden_size = hidden.shape
     head = LogitHead(temperature, logit_scale, softcap)
+    with_entropy = grad_entropy is not None
     scratch = int(with_entropy) + int(softcap is not None)
     tiles = _tiles(hidden, weight, bias, head, active, chunk_rows, scratch)
     cdtype, exact = tiles.cdtype, tiles.exact
-    dhidden = torch.zeros(n_rows, hidden_size, dtype=cdtype, device=hidden.device)
     dweight = torch.empty_like(weight)
     dbias = torch.zeros(0 if bias is None else weight.shape[0], dtype=cdtype, device=hidden.device)
     # p = exp(z − shift) · exp(−log_s), never exp(z − (shift + log_s)): the rounding of
@@ -264,65 +285,75 @@ def linear_local_grads(
     # An all -inf row (log_s = -inf) is constant: 1/S := 0 makes its p and its gradient 0 (the
     # caller zeroes its `grad_ids`); its centre is 0, so every per-row factor stays finite.
     inv_s = torch.exp(-log_s_for_softmax(log_s))  # [N], 1/S with S >= 1, 0 for an all -inf row
-    centre = finite_or_zero(log_s + neg_entropy)  # [N], Σ p (z − shift): log p − H = (z − shift) − centre
     scale = head.scale  # dz/dr = s/T (· (1 − tanh²)): s/T folded into the two matmuls (alpha)
-    entropy_factor, total_factor = grad_entropy * inv_s, grad_total * inv_s  # [N]: h/S, Σ_k g_k/S
+    total_factor = grad_total * inv_s  # [N]: Σ_k g_k/S
+    centre = entropy_factor = total_factor  # (read only with the entropy)
+    if grad_entropy is not None:
+        # [N], Σ p (z − shift): log p − H = (z − shift) − centre; 0 for an all -inf row, NaN stays NaN
+        centre = (log_s + neg_entropy).nan_to_num_(nan=math.nan, posinf=math.inf, neginf=0.0)
+        entropy_factor = grad_entropy * inv_s  # [N]: h/S
     cap_factor = None
     if softcap is not None and tiles.compile_tiles:  # a tensor: the compiled body does not specialise on it
         cap_factor = torch.tensor(temperature / softcap, dtype=cdtype, device=hidden.device)
     in_place = exact and weight.dtype == cdtype
-    for cols, w_block, b_block in tiles.blocks():
+    width = tiles.block
+    index, slices = tiles.compact()  # the active rows; each chunk's positions among them
+    # every per-row quantity gathered once for the active rows, then sliced per chunk (views)
+    per_row = [shift, total_factor, entropy_factor, centre, grad_ids, local_idx.div(width, rounding_mode="floor")]
+    per_row += [local_idx.remainder(width), tiles.hidden]
+    if index is not None:
+        per_row = [x.index_select(0, index) for x in per_row]
+    per_row[-1] = per_row[-1].to(tiles.mm_dtype)
+    # the hidden gradient of the active rows, summed over the blocks in place; scattered once at the end
+    dh = torch.zeros(per_row[0].shape[0], hidden_size, dtype=cdtype, device=hidden.device)
+    chunks = [[_part(x, rows) for x in (*per_row, dh)] for rows in slices]
+    for c in chunks:  # the per-row factors as [C, 1] columns, made once per chunk
+        c[:4] = [c[0][:, None], c[1].neg()[:, None], c[2][:, None], c[3][:, None]]
+    zero = torch.zeros((), dtype=cdtype, device=hidden.device)
+    for b, (cols, w_block, b_block) in enumerate(tiles.blocks()):
         acc = dweight[cols].zero_() if in_place else torch.zeros(w_block.shape, dtype=cdtype, device=weight.device)
-        in_block = (local_idx >= cols.start) & (local_idx < cols.stop)  # [N, K]
-        block_idx = torch.where(in_block, local_idx - cols.start, torch.zeros_like(local_idx))
-        block_grad = torch.where(in_block, grad_ids, torch.zeros_like(grad_ids))
-        for rows, h_rows, z in tiles.tiles(w_block, b_block):  # z [C, Cv]
+        last_col = cols.stop - cols.start - 1  # a ragged last block: clamp the other blocks' columns
+        for shift_c, neg_total_c, entropy_c, centre_c, g, blk, col, h_rows, dh_c in chunks:
+            z = tiles.logits(h_rows, w_block, b_block)  # [C, Cv]
+            col = col if last_col == width - 1 else col.clamp(max=last_col)
+            g = torch.where(blk == b, g, zero)  # the upstream gradient of the ids in this block
             body = tiles.body(_grad_body, z)
             if body is not None:
-                dz = body(
-                    z,
-                    shift[rows],
-                    entropy_factor[rows],
-                    centre[rows],
-                    total_factor[rows],
-                    block_idx[rows],
-                    block_grad[rows],
-                    cap_factor,
-                    with_entropy,
-                )
+                factors = (shift_c[:, 0], entropy_c[:, 0], centre_c[:, 0], -neg_total_c[:, 0])
+                dz = body(z, *factors, col, g, cap_factor, with_entropy)
             else:
                 cap = None
                 if softcap is not None:  # 1 − tanh², from the logits before they are overwritten
                     cap = head.cap_derivative(z, tiles.scratch(int(with_entropy), z))
-                x = z.sub_(shift[rows, None])  # z − shift, in place
+                x = z.sub_(shift_c)  # z − shift, in place
                 if with_entropy:
                     # dz = p ⊙ (h·(log p − H) − Σ_k g_k) = exp(x) ⊙ ((x − centre)·h/S − Σ_k g_k/S)
                     e = torch.exp(x, out=tiles.scratch(0, z))  # [C, Cv]
-                    bracket = x.sub_(centre[rows, None]).mul_(entropy_factor[rows, None])
-                    # where z = −inf, e = 0 and the bracket is ±inf: 0·inf = NaN, which is 0
-                    dz = nan_to_zero_(e.mul_(bracket.sub_(total_factor[rows, None])))
+                    # clamped where z = −inf (e = 0): a finite bracket there, so the term is 0, not 0·inf
+                    bracket = clamp_log_(x).sub_(centre_c).mul_(entropy_c)
+                    dz = e.mul_(bracket.add_(neg_total_c))
                 else:
-                    dz = x.exp_().mul_(-total_factor[rows, None])  # −p·Σ_k g_k, in the same buffer
-                dz.scatter_add_(1, block_idx[rows], block_grad[rows])  # + g at each id in this block
+                    dz = x.exp_().mul_(neg_total_c)  # −p·Σ_k g_k, in the same buffer
+                dz.scatter_add_(1, col, g)  # + g at each id in this block (0 at the clamped others)
                 if cap is not None:
                     dz.mul_(cap)  # dz/dr up to the factor s/T
             if bias is not None:
                 dbias[cols].add_(dz.sum(dim=0), alpha=scale)
             if exact:
-                if isinstance(rows, slice):
-                    dhidden[rows].addmm_(dz, w_block, alpha=scale)  # [C, H], summed over the blocks
-                else:
-                    dhidden.index_add_(0, rows, dz @ w_block, alpha=scale)
+                dh_c.addmm_(dz, w_block, alpha=scale)  # [C, H], summed over the blocks
                 acc.addmm_(dz.T, h_rows, alpha=scale)  # [Cv, H], summed over the row chunks
             else:
                 # input-dtype matmuls (as the unfused path multiplies its bf16 dlogits), each tile's
                 # product rounded once, summed across tiles in the compute dtype
                 dz_low = tiles.low(dz).copy_(dz)
-                add_rows_(dhidden, rows, dz_low @ w_block, alpha=scale)
+                dh_c.add_(dz_low @ w_block, alpha=scale)
                 acc.add_(dz_low.T @ h_rows, alpha=scale)
         if not in_place:
             dweight[cols] = acc  # rounded once to weight's dtype
-    return dhidden, dweight, dbias
+    if index is None:
+        return dh, dweight, dbias
+    dhidden = torch.zeros(n_rows, hidden_size, dtype=cdtype, device=hidden.device)
+    return dhidden.index_copy_(0, index, dh), dweight, dbias
 
 
 @linear_local_grads.register_fake

@@ -25,7 +25,7 @@ from lossfx._core.numerics import finite_or_zero, log_s_for_softmax
 from lossfx._core.tiles import LogitHead, Tiles, add_rows_, chunk_rows_for, compute_dtype, matmul_dtype
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels.fused_linear import linear_rows
-from lossfx._kernels.linear_chunks import merge_row_stats, nan_to_zero_
+from lossfx._kernels.linear_chunks import clamp_log_, merge_row_stats
 
 __all__ = ["default_objective_chunk_rows", "linear_logprob_objective", "linear_objective_rows"]
 
@@ -171,8 +171,8 @@ def linear_objective_rows(
             logp = zc.sub_(shift[:, None]).sub_(log_s[:, None])  # log p, in place
             if with_entropy:
                 p = torch.exp(logp, out=tiles.scratch(0, zc))
-                # where z = −inf: p = 0 and the bracket ±inf; 0·inf = NaN, which is 0
-                nan_to_zero_(logp.sub_(neg_entropy[:, None]).mul_(b).sub_(a).mul_(p))
+                # clamped where z = −inf (p = 0): a finite bracket there, so the term is 0, not 0·inf
+                clamp_log_(logp).sub_(neg_entropy[:, None]).mul_(b).sub_(a).mul_(p)
             else:
                 logp.exp_().mul_(-a)
             if cap is not None:
