@@ -348,9 +348,28 @@ def grpo_step(results: Path, out: Path) -> bool:
     )
 
 
+def long_rows(rows: Iterable[dict[str, str]], providers: tuple[str, ...]) -> list[dict[str, str]]:
+    """A wide row (`{p}_ops`, `{p}_s_1t`, `{p}_mib_beyond_grads` per provider `p`, as
+    benchmarks/bench_trainer_step.py writes) as one row per provider; long rows pass unchanged."""
+    out = []
+    for row in rows:
+        if "provider" in row:
+            out.append(row)
+            continue
+        shared = {k: v for k, v in row.items() if not k.startswith(tuple(f"{p}_" for p in providers))}
+        for p in providers:
+            fields = {
+                "ops": row.get(f"{p}_ops"),
+                "time_s": row.get(f"{p}_s_1t"),
+                "peak_mib": row.get(f"{p}_mib_beyond_grads"),
+            }
+            out.append({**shared, "provider": p, **{k: v for k, v in fields.items() if v is not None}})
+    return out
+
+
 def trainer_step(results: Path, out: Path) -> bool:
     """`trainer_step.png` from `trainer_step.csv` (any of `ALIASES`' column names; absent ones skipped)."""
-    rows = sweep_rows(read_csv(results / "trainer_step.csv"))
+    rows = sweep_rows(long_rows(read_csv(results / "trainer_step.csv"), ("lossfx", "stock")))
     return plot_sweep(
         rows,
         out / "trainer_step.png",
