@@ -340,6 +340,9 @@ def test_property_sorted_ties_match_reference(case, params, strategy):
     check_logprobs(z, target, top_k, top_p, case.world, chunk=case.chunk, strategy=strategy, ties="sorted")
 
 
+# slow: by default the sorted tie cut compiles on 2 ranks in test_exact_boundary_compiled_aot_eager_world_2
+# (candidates, aot_eager) and test_sorted_ties.py::test_sorted_ties_compiled (bisection)
+@pytest.mark.slow
 def test_sorted_ties_compiled_aot_eager_world_2():
     z = torch.randint(0, 3, (3, 3, 16), generator=torch.Generator().manual_seed(4)).to(F64)
     target = torch.randint(0, 16, (3, 3), generator=torch.Generator().manual_seed(5))
@@ -659,7 +662,11 @@ def test_property_permutation_and_shift_invariance(vocab, seed, params, ties):
 
 # 1 rank (no collective in the graph) and 4 ranks with -m slow: 2 ranks compile here by default,
 # 1 rank in test_compiled_graph_has_no_breaks / test_prepare_loss_input_compiled_aot_eager, 4 ranks run eagerly
-@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)])
+# all slow: by default the candidates strategy compiles on 2 ranks under Inductor
+# (test_compiled_inductor_world_2) and under aot_eager with the sorted tie rule
+# (test_exact_boundary_compiled_aot_eager_world_2)
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_compiled_aot_eager_candidates(world):
     z, target = make_logits(3, 3, 6 * world, seed=world, ties=True)  # B·S = 9
     assert margin_ok(z, 4, 0.8)
@@ -983,8 +990,19 @@ def _radix_cases():
     yield torch.round(torch.randn(n, v, generator=gen, dtype=F64) * 4) / 4 + 3e4  # large offset, ties
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow)])  # 2 ranks: uneven (19 + 18)
+# 2 ranks: uneven (19 + 18); bf16 on 2 ranks and 3 ranks with -m slow (bf16 keys by default on 1 rank,
+# the uneven shards by default in fp32)
+@pytest.mark.parametrize(
+    ("dtype", "world"),
+    [
+        (torch.float32, 1),
+        (torch.bfloat16, 1),
+        (torch.float32, 2),
+        pytest.param(torch.bfloat16, 2, marks=pytest.mark.slow),
+        pytest.param(torch.float32, 3, marks=pytest.mark.slow),
+        pytest.param(torch.bfloat16, 3, marks=pytest.mark.slow),
+    ],
+)
 def test_radix_top_p_decides_as_the_bisection(monkeypatch, dtype, world):
     """proofs/filtering.md §3.2: the 256-ary top-p search over fp32 keys (4 passes) returns the
     32-step bisection's threshold and id cut bit for bit: uneven TP shards, both tie rules, top-p

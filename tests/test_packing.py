@@ -380,7 +380,8 @@ def test_prepare_loss_input_logprob_with_context_parallelism(world, tp):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize(("world", "tp"), [(2, 1), (4, 2)], ids=["cp2", "tp2xcp2"])
+# cp2 is slow: tp2xcp2 compiles the same CP layout (2 CP ranks) with TP beside it
+@pytest.mark.parametrize(("world", "tp"), [pytest.param(2, 1, marks=pytest.mark.slow), (4, 2)], ids=["cp2", "tp2xcp2"])
 def test_prepare_loss_input_logprob_cp_compiles(world, tp):
     """LOGPROB with context parallelism under fullgraph=True (aot_eager): two sequence lengths on
     CP 2 (a recompile at most), one on TP 2 x CP 2 (4 ranks compiling on 2 cores: its second

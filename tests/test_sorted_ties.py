@@ -180,8 +180,15 @@ def test_sorted_ties_nan_rows_and_uniform_rows():
             assert cut[1] == 0 and cut[0] == 12 - -(-12 * top_p // 1)  # ⌈p·12⌉ largest ids kept
 
 
+# (2, candidates) is slow: by default the candidates' sorted cut compiles on 2 ranks in
+# test_filtering.py::test_exact_boundary_compiled_aot_eager_world_2
 @pytest.mark.parametrize(
-    "world,strategy,dtype", [(1, "candidates", F64), (2, "candidates", F64), (2, "bisection", torch.float32)]
+    "world,strategy,dtype",
+    [
+        (1, "candidates", F64),
+        pytest.param(2, "candidates", F64, marks=pytest.mark.slow),
+        (2, "bisection", torch.float32),
+    ],
 )
 def test_sorted_ties_compiled(world, strategy, dtype):
     """fullgraph=True (aot_eager): one graph per function and rank, reused for new values. The
