@@ -343,13 +343,18 @@ def _t_prepare_loss_input_logprob(cfg, rank, group):
     ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
     g = _grp(cfg, group)
     loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
-    sp = _sampling(cfg)
-    mask = torch.ones(cfg["B"], cfg["S"])
+    data = {"input_ids": ids, "token_mask": torch.ones(cfg["B"], cfg["S"]), "sample_mask": torch.ones(cfg["B"])}
+    return _logprob_call(cfg, rank, g, full, z, data, loss_fn, _sampling(cfg))
+
+
+def _logprob_call(cfg, rank, g, full, z, data, loss_fn, sp):
+    """`(call, [reference])` of `prepare_loss_input(LOGPROB)` on this rank's `z`, with `data`'s
+    `input_ids` scored against the filtered float64 reference of the `full` logits."""
 
     def call():
         out, _ = lossfx.prepare_loss_input(
             z,
-            {"input_ids": ids, "token_mask": mask, "sample_mask": torch.ones(cfg["B"])},
+            dict(data),
             loss_fn,
             vocab_parallel_rank=None if g is None else rank,
             vocab_parallel_group=g,
@@ -358,6 +363,7 @@ def _t_prepare_loss_input_logprob(cfg, rank, group):
         )
         return out["next_token_logprobs"]
 
+    ids = data["input_ids"]
     ref = reference.next_token_filtered_logprobs(full, ids, top_k=cfg["top_k"], top_p=cfg["top_p"])
     return call, [reference.mask_out_neg_inf_logprobs(ref, torch.ones_like(ref))]
 
@@ -430,21 +436,7 @@ def _t_prepare_loss_input_nemo(cfg, rank, group):
         data[key] = torch.randn(cfg["B"], cfg["S"], generator=_gen(40 + i))
     if cfg["extra"]:
         data[_NEMO_COLUMNS[3]][0, 0] += 1.0
-
-    def call():
-        out, _ = lossfx.prepare_loss_input(
-            z,
-            dict(data),
-            loss_fn,
-            vocab_parallel_rank=None if g is None else rank,
-            vocab_parallel_group=g,
-            sampling_params=sp,
-            chunk_size=cfg["chunk_size"],
-        )
-        return out["next_token_logprobs"]
-
-    ref = reference.next_token_filtered_logprobs(full, ids, top_k=cfg["top_k"], top_p=cfg["top_p"])
-    return call, [reference.mask_out_neg_inf_logprobs(ref, torch.ones_like(ref))]
+    return _logprob_call(cfg, rank, g, full, z, data, loss_fn, sp)
 
 
 # ---------------------------------------------------------------------------------------------

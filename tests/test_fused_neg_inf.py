@@ -111,13 +111,20 @@ def make_case(kind, mask, *, seed, batch=2, seq=5, hidden_size=6, vocab=16, bloc
     shape = (batch, seq, k) if kind.startswith("gather") else (batch, seq)
     ids = pool[torch.randint(0, pool.numel(), shape, generator=gen)]
     ids.view(-1)[1] = -100  # an ignored id
+    return hidden, weight, bias, ids, *coefficients_and_grads(kind, shape, gen)
+
+
+def coefficients_and_grads(kind, shape, gen):
+    """`((a, e), upstream grads)` in float64 for ids of `shape` `[B, S]` or `[B, S, K]`: the
+    objective's log-prob and entropy coefficients, and the gradients reaching each output."""
+    batch, seq = shape[:2]
     a = torch.rand(batch, seq, generator=gen, dtype=F64) + 0.1
     e = torch.randn(batch, seq, generator=gen, dtype=F64)
     rows = (batch, seq - 1) if kind == "next_token" else (batch, seq)
     grads = [torch.randn(*rows, *shape[2:], generator=gen, dtype=F64), torch.randn(rows, generator=gen, dtype=F64)]
     if kind == "objective":
         grads = [torch.tensor(1.7, dtype=F64), None, None]
-    return hidden, weight, bias, ids, (a, e), grads
+    return (a, e), grads
 
 
 def check_single_process(kind, mask, entropy, *, seed=0, policy=None, chunk=3, head=None, **shape):

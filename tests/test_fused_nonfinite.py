@@ -23,7 +23,7 @@ import math
 
 import pytest
 import torch
-from test_fused_neg_inf import backward, call, call_reference
+from test_fused_neg_inf import backward, call, call_reference, coefficients_and_grads
 
 from lossfx._core.chunking import CPU_POLICY, chunk_policy
 
@@ -50,13 +50,7 @@ def make_case(kind, where, value, *, seed=0, batch=2, seq=5, hidden_size=6, voca
         bias[7] = value
     shape = (batch, seq, k) if kind.startswith("gather") else (batch, seq)
     ids = torch.randint(0, vocab, shape, generator=gen)
-    a = torch.rand(batch, seq, generator=gen, dtype=F64) + 0.1
-    e = torch.randn(batch, seq, generator=gen, dtype=F64)
-    rows = (batch, seq - 1) if kind == "next_token" else (batch, seq)
-    grads = [torch.randn(*rows, *shape[2:], generator=gen, dtype=F64), torch.randn(rows, generator=gen, dtype=F64)]
-    if kind == "objective":
-        grads = [torch.tensor(1.7, dtype=F64), None, None]
-    return hidden, weight, bias, ids, (a, e), grads
+    return hidden, weight, bias, ids, *coefficients_and_grads(kind, shape, gen)
 
 
 def assert_same_pattern(got, want, what, atol=1e-10):
