@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lossfx._boundary import debug as _debug
 from lossfx._boundary.compile_errors import raise_while_tracing, reraise_while_tracing
 from lossfx._core import chunking as _chunking
 from lossfx._core import host_reads as _host_reads
@@ -1125,6 +1126,7 @@ def boundary(
                 _exchange_rejection(name, tuple(n for n, _ in to), told, device, kind, str(err))
                 raise
 
+        checked = _debug.handshaken(checked, name, sig, checked_roles)  # opt-in: LOSSFX_DISTRIBUTED_DEBUG
         checked._lossfx_roles = roles  # type: ignore[attr-defined]  # (tests and benchmarks read it)
         return checked  # type: ignore[return-value]
 
