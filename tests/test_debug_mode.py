@@ -84,6 +84,9 @@ def _call(case: str, rank: int, group):
     if case == "replicate_vs_shard_logits":
         x = _dtensor(logits, "replicate" if rank == 0 else "shard_last")
         return (lambda: lossfx.token_logprobs(x, target)), lp
+    if case == "plain_vs_shard_logits":  # rank 0: full plain logits, no group; rank 1: a Shard(-1) DTensor
+        x = logits if rank == 0 else _dtensor(logits, "shard_last")
+        return (lambda: lossfx.token_logprobs(x, target)), lp
     if case == "replicate_vs_shard_head":
         w = _dtensor(weight, "replicate" if rank == 0 else "shard_rows")
         return (lambda: lossfx.linear_token_logprobs(hidden, w, target.reshape(-1))), fused
@@ -180,6 +183,10 @@ HANGS = {  # case: what every rank's error must say
         "rank 0: a DTensor (Replicate()) of shape [2, 3, 8]",
         "rank 1: a DTensor (Shard(2)) of shape [2, 3, 8]",
     ],
+    "plain_vs_shard_logits": [
+        "the ranks tied by logits describe it differently",
+        "rank 0: a plain tensor, rank 1: a DTensor (Shard(2))",
+    ],
     "replicate_vs_shard_head": [
         "the ranks tied by weight describe it differently",
         "rank 0: a DTensor (Replicate()) of shape [8, 4]",
@@ -205,6 +212,24 @@ def test_each_hang_is_one_clear_error_on_every_rank(case):
     )  # one message on every rank
 
 
+def _hangs_when_off(case: str, seconds: float = 10.0) -> bool:
+    """Whether `case` with the mode off leaves every rank without an answer for `seconds` (the pool is then closed)."""
+    pool = harness.gloo_pool(2)
+    for conn in pool._conns:
+        conn.send((_case.__module__, _case.__qualname__, harness.to_wire((case, False)), {}))
+    deadline = time.monotonic() + seconds
+    answered = [conn.poll(max(0.0, deadline - time.monotonic())) for conn in pool._conns]
+    pool.close()
+    return not any(answered)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(HANGS))
+def test_without_the_mode_each_case_hangs(case):
+    """Why the mode exists: off, the same calls hang (if one starts to raise, docs/dtensor.md's list is stale)."""
+    assert _hangs_when_off(case)
+
+
 VALID = ["agree_group", "agree_no_group", "agree_shard_logits", "agree_shard_head", "agree_replicate_vs_plain"]
 
 
@@ -223,11 +248,15 @@ _COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "all_gather", "al
 
 def _counted(rank, world, group, case, on, hooked):
     """Store keys added, store look-ups, handshakes and collectives of one call of `case`
-    (`hooked=False`: the boundary without the debug hook, `fn.__wrapped__`)."""
+    (`hooked=False`: the boundary without the debug hook)."""
     call, _ = _call(case, rank, group)
     counts = {"store look-ups": 0, "handshakes": 0, **dict.fromkeys(_COLLECTIVES, 0)}
     saved = {c: getattr(dist, c) for c in _COLLECTIVES if hasattr(dist, c)}
-    saved_store, saved_handshake = dist.distributed_c10d._get_default_store, debug._handshake
+    saved_store, saved_handshake, saved_hook = (
+        dist.distributed_c10d._get_default_store,
+        debug._handshake,
+        debug.before_call,
+    )
 
     def counting(name, original):
         def wrapper(*args, **kwargs):
@@ -244,33 +273,17 @@ def _counted(rank, world, group, case, on, hooked):
     keys_before = store.num_keys()
     try:
         with _Mode(on):
-            if hooked:
-                call()
-            else:  # the same call through the boundary the hook wraps
-                with _unhooked():
-                    call()
+            if not hooked:  # the same call through the boundary without the hook
+                debug.before_call = lambda *args: None
+            call()
     finally:
+        debug.before_call = saved_hook
         for c, f in saved.items():
             setattr(dist, c, f)
         dist.distributed_c10d._get_default_store, debug._handshake = saved_store, saved_handshake
     counts["store keys added"] = store.num_keys() - keys_before
     dist.barrier(group=group)  # the next run's key count starts after every rank's call
     return counts
-
-
-class _unhooked:
-    """`lossfx.token_logprobs` and `lossfx.linear_token_logprobs` without the debug wrapper."""
-
-    names = ("token_logprobs", "linear_token_logprobs")
-
-    def __enter__(self):
-        self.saved = {n: getattr(lossfx, n) for n in self.names}
-        for n, f in self.saved.items():
-            setattr(lossfx, n, f.__wrapped__)
-
-    def __exit__(self, *exc):
-        for n, f in self.saved.items():
-            setattr(lossfx, n, f)
 
 
 @pytest.mark.parametrize("case", ["agree_group", "agree_no_group", "agree_shard_head"])

@@ -1067,6 +1067,7 @@ def boundary(
 
         @functools.wraps(fn)
         def checked(*args: Any, **kwargs: Any) -> Any:
+            _debug.before_call(name, sig, checked_roles, args, kwargs)  # opt-in: LOSSFX_DISTRIBUTED_DEBUG
             if _host_reads.tracing():
                 try:
                     return _traced(*args, **kwargs)
@@ -1126,7 +1127,6 @@ def boundary(
                 _exchange_rejection(name, tuple(n for n, _ in to), told, device, kind, str(err))
                 raise
 
-        checked = _debug.handshaken(checked, name, sig, checked_roles)  # opt-in: LOSSFX_DISTRIBUTED_DEBUG
         checked._lossfx_roles = roles  # type: ignore[attr-defined]  # (tests and benchmarks read it)
         return checked  # type: ignore[return-value]
 

@@ -37,23 +37,19 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import inspect
 import json
 import os
-import threading
 import warnings
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
 
 from lossfx._core import host_reads as _host_reads
 
-__all__ = ["ENV", "ENV_TIMEOUT", "enabled", "handshaken"]
-
-F = TypeVar("F", bound=Callable[..., Any])
+__all__ = ["ENV", "ENV_TIMEOUT", "before_call", "enabled"]
 
 ENV = "LOSSFX_DISTRIBUTED_DEBUG"
 ENV_TIMEOUT = "LOSSFX_DISTRIBUTED_DEBUG_TIMEOUT"
@@ -61,7 +57,6 @@ DEFAULT_TIMEOUT_S = 300.0
 _ON = {"1", "true", "on", "yes"}
 _OFF = {"", "0", "false", "off", "no"}
 _KEY = "lossfx/debug"  # the store keys' prefix
-_state = threading.local()  # .depth: handshaken calls this thread is inside
 
 
 def enabled() -> bool:
@@ -102,27 +97,19 @@ def _warn_if_compiled_and_on() -> None:
 _warn_if_compiled_and_on._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def handshaken(fn: F, name: str, sig: inspect.Signature, roles: Any) -> F:
-    """`fn` (a public function's boundary) behind the debug handshake; `fn` itself when the function
-    runs no collective (`roles` declares no group: nothing of it can hang)."""
-    if not (roles.tp or roles.cp or roles.cp_from):
-        return fn
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if _host_reads.tracing():
-            _warn_if_compiled_and_on()
-            return fn(*args, **kwargs)
-        if getattr(_state, "depth", 0) or not enabled() or not _world_of_many():
-            return fn(*args, **kwargs)  # nested (checked by the outer call), off, or nobody to wait for
-        _handshake(name, _describe(name, sig, roles, args, kwargs))
-        _state.depth = 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _state.depth = 0
-
-    return call  # type: ignore[return-value]
+def before_call(name: str, sig: inspect.Signature, roles: Any, args: tuple, kwargs: dict) -> None:
+    """The hook at the top of a public function's boundary (`consistency.boundary`): the handshake
+    when the mode is on, the call eager and outermost, the function one that runs collectives
+    (`roles` declares a group) and the default group of several ranks. A call, not a wrapper: no
+    frame is added (the boundary's warnings count their `stacklevel` past it)."""
+    if _host_reads.tracing():
+        _warn_if_compiled_and_on()
+        return
+    if not (roles.tp or roles.cp or roles.cp_from) or not enabled():
+        return  # no collective to hang in, or off: nothing else is read
+    if _host_reads.depth() or not _world_of_many():
+        return  # nested (the outer call was handshaken), or nobody to wait for
+    _handshake(name, _describe(name, sig, roles, args, kwargs))
 
 
 def _world_of_many() -> bool:
