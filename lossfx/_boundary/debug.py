@@ -145,7 +145,7 @@ def _dtensor_text(x: Any) -> tuple[str, list[int]]:
 
 def _placement_text(placement: Any, ndim: int) -> str:
     dim = getattr(placement, "dim", None)
-    if placement.is_shard() and isinstance(dim, int):  # Shard(-1) and Shard(ndim - 1) are one placement
+    if type(placement).__name__ == "Shard" and isinstance(dim, int):  # Shard(-1) is Shard(ndim - 1)
         return f"Shard({dim % max(ndim, 1)})"
     return repr(placement)
 
@@ -179,11 +179,22 @@ def _describe(name: str, sig: inspect.Signature, roles: Any, args: tuple, kwargs
         if entry is not None:
             entries.append([arg, *entry])
         elif isinstance(value, Mapping):  # a `data` dict: its DTensor columns (a plain column has no placement)
-            read = roles.reads[1](bound.arguments) if roles.reads and roles.reads[0] == arg else None
+            read = _read_keys(roles, arg, bound.arguments)
             for key, item in value.items():
                 if type(item).__name__ == "DTensor" and (read is None or key in read):
                     entries.append([f"{arg}[{key!r}]", *_dtensor_text(item)])
     return {"call": name, "args": entries}
+
+
+def _read_keys(roles: Any, arg: str, arguments: Mapping[str, Any]) -> Any:
+    """The keys of mapping `arg` the call reads (`Roles.reads`), or None (all of them: also when the
+    function that names them raises on this call, which the boundary reports after the handshake)."""
+    if not roles.reads or roles.reads[0] != arg:
+        return None
+    try:
+        return roles.reads[1](arguments)
+    except Exception:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
