@@ -375,3 +375,24 @@ def test_single_process_calls_never_handshake(monkeypatch):
     d = _data()
     lp = lossfx.token_logprobs(d["logits"], d["target"])
     torch.testing.assert_close(lp, reference.token_logprobs(d["logits"], d["target"]), **TIGHT)
+
+
+def test_compiled_call_in_one_process_warns_once_in_one_graph(monkeypatch):
+    """On, a traced call runs the hook at trace time only: the warning, one graph (fullgraph), no handshake."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    monkeypatch.setenv(debug.ENV, "1")
+    monkeypatch.setattr(debug, "_handshake", lambda *a: pytest.fail("a handshake while compiled"))
+    d = _data()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x, t: lossfx.token_logprobs(x, t), backend=counter, fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = compiled(d["logits"], d["target"])
+        second = compiled(d["logits"] * 2, d["target"])
+    warned = [
+        w for w in caught if "LOSSFX_DISTRIBUTED_DEBUG is on, but a lossfx call is being compiled" in str(w.message)
+    ]
+    assert len(warned) == 1 and counter.frame_count == 1
+    torch.testing.assert_close(first, reference.token_logprobs(d["logits"], d["target"]), **TIGHT)
+    torch.testing.assert_close(second, reference.token_logprobs(d["logits"] * 2, d["target"]), **TIGHT)
