@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lossfx._boundary import debug as _debug
 from lossfx._boundary.compile_errors import raise_while_tracing, reraise_while_tracing
 from lossfx._core import chunking as _chunking
 from lossfx._core import host_reads as _host_reads
@@ -1066,6 +1067,7 @@ def boundary(
 
         @functools.wraps(fn)
         def checked(*args: Any, **kwargs: Any) -> Any:
+            _debug.before_call(name, sig, checked_roles, args, kwargs)  # opt-in: LOSSFX_DISTRIBUTED_DEBUG
             if _host_reads.tracing():
                 try:
                     return _traced(*args, **kwargs)

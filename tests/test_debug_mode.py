@@ -1,0 +1,398 @@
+"""The opt-in debug mode (`LOSSFX_DISTRIBUTED_DEBUG`, lossfx/_boundary/debug.py) on 2 real gloo processes.
+
+The hangs the cross-rank check cannot catch (it is a collective over the call's group, so ranks
+that disagree on the group never meet in it): a group on one rank only, two distinct group
+objects with the same ranks, a `Replicate()` DTensor on one rank and a sharded one on the other
+(logits `Shard(-1)`, a fused head `Shard(0)`). With the mode on, each raises one clear
+`ValueError` on every rank, under a deadline (a hang fails the test), and the group is still in
+step after it (a probe all-reduce). A rank that never makes the call: `RuntimeError` at the
+timeout. Valid calls give the float64 reference's values with the mode on and off; off, a call
+touches the store not once and runs the same collectives as the boundary without the hook.
+Compiled: the handshake is skipped with a warning, in one `fullgraph=True` graph.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import harness
+import pytest
+import torch
+import torch.distributed as dist
+
+import lossfx
+from lossfx import reference
+from lossfx._boundary import debug
+
+pytestmark = pytest.mark.distributed
+
+F64 = torch.float64
+TIGHT = {"rtol": 0, "atol": 1e-10}
+B, S, V, H = 2, 3, 8, 4
+DEADLINE_S = 90.0  # eager, tiny shapes: about a second; a hang runs into this
+TIMEOUT_S = "20"  # the handshake's own timeout in these tests (only the missing-rank case waits for it)
+
+
+def _data():
+    gen = torch.Generator().manual_seed(7)
+    return {
+        "logits": torch.randn(B, S, V, generator=gen, dtype=F64),
+        "target": torch.randint(0, V, (B, S), generator=gen),
+        "hidden": torch.randn(B * S, H, generator=gen, dtype=F64),
+        "weight": torch.randn(V, H, generator=gen, dtype=F64),
+    }
+
+
+_groups: dict[str, object] = {}
+
+
+def _two_groups():
+    """Two distinct group objects of the same ranks [0, 1], created once per process (collectively)."""
+    if "a" not in _groups:
+        _groups["a"], _groups["b"] = dist.new_group([0, 1]), dist.new_group([0, 1])
+    return _groups["a"], _groups["b"]
+
+
+def _dtensor(x, placement):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if placement == "replicate":
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    dim = -1 if placement == "shard_last" else 0
+    local = x.chunk(dist.get_world_size(), dim=dim)[dist.get_rank()]
+    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
+
+
+def _call(case: str, rank: int, group):
+    """`(lossfx call, dense float64 answer)` of `case` on `rank` (rank 1 differs in the hang cases)."""
+    d = _data()
+    logits, target, hidden, weight = d["logits"], d["target"], d["hidden"], d["weight"]
+    shard = logits.chunk(2, dim=-1)[rank]
+    lp = reference.token_logprobs(logits, target)
+    fused = reference.linear_token_logprobs(hidden, weight, target.reshape(-1))[0]
+    if case == "group_on_one_rank":  # rank 0: its shard with the group; rank 1: full logits, no group
+        if rank == 0:
+            return (lambda: lossfx.token_logprobs(shard, target, group=group)), lp
+        return (lambda: lossfx.token_logprobs(logits, target)), lp
+    if case == "distinct_groups":
+        g = _two_groups()[rank]
+        return (lambda: lossfx.token_logprobs(shard, target, group=g)), lp
+    if case == "replicate_vs_shard_logits":
+        x = _dtensor(logits, "replicate" if rank == 0 else "shard_last")
+        return (lambda: lossfx.token_logprobs(x, target)), lp
+    if case == "plain_vs_shard_logits":  # rank 0: full plain logits, no group; rank 1: a Shard(-1) DTensor
+        x = logits if rank == 0 else _dtensor(logits, "shard_last")
+        return (lambda: lossfx.token_logprobs(x, target)), lp
+    if case == "replicate_vs_shard_head":
+        w = _dtensor(weight, "replicate" if rank == 0 else "shard_rows")
+        return (lambda: lossfx.linear_token_logprobs(hidden, w, target.reshape(-1))), fused
+    # valid calls
+    if case == "agree_group":
+        return (lambda: lossfx.token_logprobs(shard, target, group=group)), lp
+    if case == "agree_no_group":  # data parallel: each rank alone, no collective
+        return (lambda: lossfx.token_logprobs(logits, target)), lp
+    if case == "agree_shard_logits":
+        x = _dtensor(logits, "shard_last")
+        return (lambda: lossfx.token_logprobs(x, target)), lp
+    if case == "agree_shard_head":
+        w = _dtensor(weight, "shard_rows")
+        return (lambda: lossfx.linear_token_logprobs(hidden, w, target.reshape(-1))), fused
+    if case == "agree_replicate_vs_plain":  # all-Replicate() runs no collective: no tie, both exact
+        x = _dtensor(logits, "replicate") if rank == 0 else logits
+        return (lambda: lossfx.token_logprobs(x, target)), lp
+    raise AssertionError(case)
+
+
+class _Mode:
+    """`LOSSFX_DISTRIBUTED_DEBUG` (and its timeout) set for a block, restored after."""
+
+    def __init__(self, on: bool, timeout: str = TIMEOUT_S):
+        self.values = {debug.ENV: "1" if on else None, debug.ENV_TIMEOUT: timeout if on else None}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.values}
+        for k, v in self.values.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def _case(rank, world, group, case, on):
+    """One call of `case` with the mode `on` or off: its outcome, then a probe all-reduce."""
+    call, expected = _call(case, rank, group)
+    out: dict = {"error": None}
+    started = time.monotonic()
+    with _Mode(on):
+        try:
+            out["lp"] = call().detach()
+            out["expected"] = expected
+        except (ValueError, RuntimeError) as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - started
+    probe = torch.ones(())
+    dist.all_reduce(probe, group=group)  # the group is still in step after the call
+    out["probe"] = probe
+    return out
+
+
+def _run(fn, *args, world: int = 2) -> list:
+    """Every rank's `fn(*args)`; fails on a hang (no answer by `DEADLINE_S`) or a dead rank."""
+    pool = harness.gloo_pool(world)
+    job = (fn.__module__, fn.__qualname__, harness.to_wire(args), {})
+    for conn in pool._conns:
+        conn.send(job)
+    deadline = time.monotonic() + DEADLINE_S
+    answers, problems = [], {}
+    for rank, conn in enumerate(pool._conns):
+        try:
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                problems[rank] = f"hang: no answer within {DEADLINE_S:.0f} s"
+                continue
+            ok, payload = conn.recv()
+        except (EOFError, OSError):
+            problems[rank] = "died (abort)"
+            continue
+        if ok:
+            answers.append(harness.from_wire(payload))
+        else:
+            problems[rank] = payload
+    if problems:
+        pool.close()
+        pytest.fail(f"{fn.__name__}{args}: {problems}")
+    return answers
+
+
+HANGS = {  # case: what every rank's error must say
+    "group_on_one_rank": [
+        "the ranks tied by group describe it differently",
+        "rank 0: process group '0' of ranks [0, 1], rank 1: None",
+        "pass the same group (or none)",
+    ],
+    "distinct_groups": [
+        "the ranks tied by group describe it differently",
+        "two distinct process group objects with the same ranks",
+    ],
+    "replicate_vs_shard_logits": [
+        "the ranks tied by logits describe it differently",
+        "rank 0: a DTensor (Replicate()) of shape [2, 3, 8]",
+        "rank 1: a DTensor (Shard(2)) of shape [2, 3, 8]",
+    ],
+    "plain_vs_shard_logits": [
+        "the ranks tied by logits describe it differently",
+        "rank 0: a plain tensor, rank 1: a DTensor (Shard(2))",
+    ],
+    "replicate_vs_shard_head": [
+        "the ranks tied by weight describe it differently",
+        "rank 0: a DTensor (Replicate()) of shape [8, 4]",
+        "rank 1: a DTensor (Shard(0)) of shape [8, 4]",
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(HANGS))
+def test_each_hang_is_one_clear_error_on_every_rank(case):
+    answers = _run(_case, case, True)
+    for rank, answer in enumerate(answers):
+        error = answer["error"]
+        assert error is not None and error.startswith("ValueError: lossfx."), (rank, error)
+        assert "LOSSFX_DISTRIBUTED_DEBUG" in error and "call #" in error, (rank, error)
+        for part in HANGS[case]:
+            assert part in error, (rank, part, error)
+        assert answer["seconds"] < 10, (rank, answer["seconds"])  # a disagreement waits for nobody
+        assert float(answer["probe"]) == 2.0, "the group is out of step"
+    call_number = [a["error"].split("call #")[1].split(")")[0] for a in answers]
+    assert answers[0]["error"].replace(f"#{call_number[0]}", "") == answers[1]["error"].replace(
+        f"#{call_number[1]}", ""
+    )  # one message on every rank
+
+
+def _hangs_when_off(case: str, seconds: float = 10.0) -> bool:
+    """Whether `case` with the mode off leaves every rank without an answer for `seconds` (the pool is then closed)."""
+    pool = harness.gloo_pool(2)
+    for conn in pool._conns:
+        conn.send((_case.__module__, _case.__qualname__, harness.to_wire((case, False)), {}))
+    deadline = time.monotonic() + seconds
+    answered = [conn.poll(max(0.0, deadline - time.monotonic())) for conn in pool._conns]
+    pool.close()
+    return not any(answered)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(HANGS))
+def test_without_the_mode_each_case_hangs(case):
+    """Why the mode exists: off, the same calls hang (if one starts to raise, docs/dtensor.md's list is stale)."""
+    assert _hangs_when_off(case)
+
+
+VALID = ["agree_group", "agree_no_group", "agree_shard_logits", "agree_shard_head", "agree_replicate_vs_plain"]
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
+@pytest.mark.parametrize("case", VALID)
+def test_valid_calls_are_exact_with_the_mode_on_and_off(case, on):
+    for rank, answer in enumerate(_run(_case, case, on)):
+        assert answer["error"] is None, (rank, answer["error"])
+        torch.testing.assert_close(answer["lp"].reshape(-1), answer["expected"].reshape(-1), **TIGHT)
+        assert float(answer["probe"]) == 2.0
+
+
+_COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "all_gather", "all_reduce", "broadcast", "barrier",
+                "monitored_barrier", "all_gather_object", "reduce_scatter_tensor", "all_to_all_single")  # fmt: skip
+
+
+def _counted(rank, world, group, case, on, hooked):
+    """Store keys added, store look-ups, handshakes and collectives of one call of `case`
+    (`hooked=False`: the boundary without the debug hook)."""
+    call, _ = _call(case, rank, group)
+    counts = {"store look-ups": 0, "handshakes": 0, **dict.fromkeys(_COLLECTIVES, 0)}
+    saved = {c: getattr(dist, c) for c in _COLLECTIVES if hasattr(dist, c)}
+    saved_store, saved_handshake, saved_hook = (
+        dist.distributed_c10d._get_default_store,
+        debug._handshake,
+        debug.before_call,
+    )
+
+    def counting(name, original):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for c, f in saved.items():
+        setattr(dist, c, counting(c, f))
+    dist.distributed_c10d._get_default_store = counting("store look-ups", saved_store)
+    debug._handshake = counting("handshakes", saved_handshake)
+    store = saved_store()
+    keys_before = store.num_keys()
+    try:
+        with _Mode(on):
+            if not hooked:  # the same call through the boundary without the hook
+                debug.before_call = lambda *args: None
+            call()
+    finally:
+        debug.before_call = saved_hook
+        for c, f in saved.items():
+            setattr(dist, c, f)
+        dist.distributed_c10d._get_default_store, debug._handshake = saved_store, saved_handshake
+    counts["store keys added"] = store.num_keys() - keys_before
+    dist.barrier(group=group)  # the next run's key count starts after every rank's call
+    return counts
+
+
+@pytest.mark.parametrize("case", ["agree_group", "agree_no_group", "agree_shard_head"])
+def test_off_the_mode_adds_no_store_access_and_no_collective(case):
+    off = _run(_counted, case, False, True)
+    bare = _run(_counted, case, False, False)
+    on = _run(_counted, case, True, True)
+    for rank in range(2):
+        assert off[rank] == bare[rank], (rank, off[rank], bare[rank])  # the hook, off, does nothing
+        assert off[rank]["store look-ups"] == off[rank]["handshakes"] == off[rank]["store keys added"] == 0
+        assert on[rank]["handshakes"] == 1 and on[rank]["store look-ups"] == 1, on[rank]  # one, nested calls none
+        collectives = {c: on[rank][c] for c in _COLLECTIVES}
+        assert collectives == {c: off[rank][c] for c in _COLLECTIVES}, (rank, on[rank], off[rank])  # store only
+
+
+def _missing_rank(rank, world, group):
+    """Rank 1 never makes the call: rank 0 waits for it up to the (short) timeout."""
+    call, _ = _call("agree_group", rank, group)
+    out = {"error": None}
+    with _Mode(True, timeout="1.5"):
+        started = time.monotonic()
+        if rank == 0:
+            try:
+                call()
+            except RuntimeError as e:
+                out["error"] = str(e)
+        out["seconds"] = time.monotonic() - started
+    return out
+
+
+def test_a_rank_that_never_arrives_is_named_at_the_timeout():
+    try:
+        answers = _run(_missing_rank)
+    finally:
+        harness.gloo_pool(2).close()  # the ranks' call numbers in the store are out of step now
+    error = answers[0]["error"]
+    assert error is not None and "rank(s) [1] of the 2 ranks did not reach lossfx call #" in error, error
+    assert "within 1.5 s (rank 0 did)" in error, error
+    assert 1.5 <= answers[0]["seconds"] < 30, answers[0]["seconds"]
+
+
+def _compiled(rank, world, group):
+    """A compiled call with the mode on: no handshake, a warning at trace time, exact values."""
+    call, expected = _call("agree_group", rank, group)
+    counter, compiled = harness.compiled_for_rank(rank, "debug_mode", lambda: call(), backend="aot_eager")
+    handshake, calls = debug._handshake, []
+    debug._handshake = lambda *a: calls.append(a)
+    try:
+        with _Mode(True), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lp = compiled()
+    finally:
+        debug._handshake = handshake
+    warned = [
+        w for w in caught if "LOSSFX_DISTRIBUTED_DEBUG is on, but a lossfx call is being compiled" in str(w.message)
+    ]
+    return {
+        "lp": lp.detach(),
+        "expected": expected,
+        "handshakes": len(calls),
+        "frames": counter.frame_count,
+        "warned": bool(warned),
+    }
+
+
+@pytest.mark.slow
+def test_compiled_calls_skip_the_handshake_with_a_warning():
+    for answer in _run(_compiled):
+        assert answer["handshakes"] == 0 and answer["frames"] == 1 and answer["warned"], answer
+        torch.testing.assert_close(answer["lp"].reshape(-1), answer["expected"].reshape(-1), **TIGHT)
+
+
+def test_switch_values(monkeypatch):
+    for value, on in [("1", True), ("on", True), ("TRUE", True), ("", False), ("0", False), ("off", False)]:
+        monkeypatch.setenv(debug.ENV, value)
+        assert debug.enabled() is on
+    monkeypatch.setenv(debug.ENV, "2")
+    with pytest.raises(ValueError, match="LOSSFX_DISTRIBUTED_DEBUG='2'"):
+        debug.enabled()
+    monkeypatch.setenv(debug.ENV_TIMEOUT, "-1")
+    with pytest.raises(ValueError, match="LOSSFX_DISTRIBUTED_DEBUG_TIMEOUT='-1'"):
+        debug._timeout()
+
+
+def test_single_process_calls_never_handshake(monkeypatch):
+    """On, without an initialised default group of several ranks, a call runs as it would off."""
+    monkeypatch.setenv(debug.ENV, "1")
+    monkeypatch.setattr(debug, "_handshake", lambda *a: pytest.fail("handshake without a world"))
+    d = _data()
+    lp = lossfx.token_logprobs(d["logits"], d["target"])
+    torch.testing.assert_close(lp, reference.token_logprobs(d["logits"], d["target"]), **TIGHT)
+
+
+def test_compiled_call_in_one_process_warns_once_in_one_graph(monkeypatch):
+    """On, a traced call runs the hook at trace time only: the warning, one graph (fullgraph), no handshake."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    monkeypatch.setenv(debug.ENV, "1")
+    monkeypatch.setattr(debug, "_handshake", lambda *a: pytest.fail("a handshake while compiled"))
+    d = _data()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x, t: lossfx.token_logprobs(x, t), backend=counter, fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = compiled(d["logits"], d["target"])
+        second = compiled(d["logits"] * 2, d["target"])
+    warned = [
+        w for w in caught if "LOSSFX_DISTRIBUTED_DEBUG is on, but a lossfx call is being compiled" in str(w.message)
+    ]
+    assert len(warned) == 1 and counter.frame_count == 1
+    torch.testing.assert_close(first, reference.token_logprobs(d["logits"], d["target"]), **TIGHT)
+    torch.testing.assert_close(second, reference.token_logprobs(d["logits"] * 2, d["target"]), **TIGHT)
