@@ -90,6 +90,15 @@ def _call(case: str, rank: int, group):
     if case == "replicate_vs_shard_head":
         w = _dtensor(weight, "replicate" if rank == 0 else "shard_rows")
         return (lambda: lossfx.linear_token_logprobs(hidden, w, target.reshape(-1))), fused
+    if case == "trl_plain_vs_shard_head":  # TRL's own option all-gather runs before lossfx's boundary
+        from lossfx.integrations.trl import per_token_logps_and_entropies
+
+        w = weight if rank == 0 else _dtensor(weight, "shard_rows")
+        ids = target.reshape(B, S)
+        h = hidden.reshape(B, S, H)
+        dense = reference.linear_token_logprobs(h[:, :-1].reshape(-1, H), weight, ids[:, 1:].reshape(-1))[0]
+        call = lambda: per_token_logps_and_entropies(h, w, ids, sharded_head="gather")[0]  # noqa: E731
+        return call, dense.reshape(B, S - 1)
     # valid calls
     if case == "agree_group":
         return (lambda: lossfx.token_logprobs(shard, target, group=group)), lp
@@ -186,6 +195,11 @@ HANGS = {  # case: what every rank's error must say
     "plain_vs_shard_logits": [
         "the ranks tied by logits describe it differently",
         "rank 0: a plain tensor, rank 1: a DTensor (Shard(2))",
+    ],
+    "trl_plain_vs_shard_head": [
+        "lossfx.integrations.trl.per_token_logps",
+        "the ranks tied by weight describe it differently",
+        "rank 0: a plain tensor, rank 1: a DTensor (Shard(0))",
     ],
     "replicate_vs_shard_head": [
         "the ranks tied by weight describe it differently",

@@ -112,6 +112,17 @@ def before_call(name: str, sig: inspect.Signature, roles: Any, args: tuple, kwar
     _handshake(name, _describe(name, sig, roles, args, kwargs))
 
 
+def before_integration_call(name: str, arguments: Mapping[str, Any]) -> None:
+    """The same handshake for an integration's call that runs collectives of its own before lossfx's
+    boundary (TRL's option all-gather, its head's `full_tensor()`): `arguments` are the ones whose
+    kind (group, DTensor placement, plain tensor) every tied rank must share. Off, compiled, or a
+    world of one rank: nothing is read."""
+    if _host_reads.tracing() or not enabled() or not _world_of_many():
+        return
+    entries = [[arg, *entry] for arg, value in arguments.items() if (entry := _entry(value)) is not None]
+    _handshake(name, {"call": name, "args": entries})
+
+
 def _world_of_many() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 

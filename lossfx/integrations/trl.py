@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lossfx._boundary import debug as _debug
 from lossfx._boundary.dtensor import is_dtensor
 from lossfx._boundary.validation import (
     check_floating,
@@ -397,7 +398,10 @@ def _check_ranks_agree(
     its own error and every other one a `ValueError` naming it. Nothing is left waiting in a
     collective. `logits_to_keep` may differ over data-parallel ranks (each pads its own
     completions): compared under `"tensor_parallel"` only, where every rank holds the same batch.
-    Plain heads: nothing (no group, no collective)."""
+    Plain heads: nothing (no group, no collective). With `LOSSFX_DISTRIBUTED_DEBUG` on, a timed
+    handshake first turns a plain head on one rank and a DTensor head on its peer into an error on
+    both (docs/dtensor.md)."""
+    _debug.before_integration_call("integrations.trl.per_token_logps", {"weight": weight, "bias": bias})
     head = weight if is_dtensor(weight) else bias if is_dtensor(bias) else None
     if head is None:
         return
