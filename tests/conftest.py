@@ -78,10 +78,17 @@ def device():
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
+_seen = {"count": -1, "modules": []}
+
+
 def _test_modules():
-    """The modules of this directory (test files and their helpers) imported so far, but this one and devices."""
-    modules = [m for m in list(sys.modules.values()) if os.path.dirname(getattr(m, "__file__", None) or "") == TESTS]
-    return [m for m in modules if m not in (devices, sys.modules[__name__])]
+    """The modules of this directory (test files and their helpers) imported so far, but this one and
+    devices (recomputed only when a module was imported since: a scan costs a few ms)."""
+    if len(sys.modules) != _seen["count"]:
+        here = [m for m in list(sys.modules.values()) if os.path.dirname(getattr(m, "__file__", None) or "") == TESTS]
+        _seen["modules"] = [m for m in here if m not in (devices, sys.modules[__name__])]
+        _seen["count"] = len(sys.modules)
+    return _seen["modules"]
 
 
 @pytest.fixture(autouse=True)

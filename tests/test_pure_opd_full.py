@@ -86,7 +86,7 @@ def test_pure_teacher_logits_against_reference(payload, widths):
         if payload == "hidden_states":
             kwargs = {"heads": [c["heads"][k][start : start + width] for k in (3, 7)], "position": POSITION}
         got = pure.teacher_logits(
-            c[payload.split("_")[0]], PlainLayout(), S, torch.device("cpu"), **kwargs
+            c[payload.split("_")[0]], PlainLayout(), S, DEVICE, **kwargs
         )  # fmt: skip
         torch.testing.assert_close(got, want[..., start : start + width], **TIGHT)
 
