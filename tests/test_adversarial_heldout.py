@@ -28,6 +28,7 @@ import pytest
 import test_adversarial
 import torch
 import torch.distributed as dist
+from devices import DEVICE
 
 import lossfx
 from lossfx import reference
@@ -505,7 +506,7 @@ CASES = {
     "top_p_1_vs_0.999999": _keyword("filtered_token_logprobs", {"top_p": 1.0}, {"top_p": 0.999999}),
     "temperature_int_vs_float": _keyword("linear_token_logprobs", {"temperature": 1}, {"temperature": 1.0}),
     "temperature_tensor_vs_float": _keyword(
-        "linear_token_logprobs", {"temperature": torch.tensor(0.7, dtype=F64)}, {"temperature": 0.7}
+        "linear_token_logprobs", {"temperature": torch.tensor(0.7, dtype=F64).to(DEVICE)}, {"temperature": 0.7}
     ),
     "ignore_index_omitted_vs_default": _keyword("linear_token_logprobs", {}, {"ignore_index": -100}),
     "noncontiguous_both": _noncontiguous((0, 1)),

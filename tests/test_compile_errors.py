@@ -12,16 +12,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from devices import DEVICE
 from torch._dynamo.testing import CompileCounter
 
 import lossfx
 
 F64 = torch.float64
 GEN = torch.Generator().manual_seed(9)
-Z = torch.randn(2, 5, 12, generator=GEN, dtype=F64)
-IDS = torch.randint(0, 12, (2, 5), generator=GEN)
-HID = torch.randn(2, 5, 4, generator=GEN, dtype=F64)
-W = torch.randn(12, 4, generator=GEN, dtype=F64)
+Z = torch.randn(2, 5, 12, generator=GEN, dtype=F64).to(DEVICE)
+IDS = torch.randint(0, 12, (2, 5), generator=GEN).to(DEVICE)
+HID = torch.randn(2, 5, 4, generator=GEN, dtype=F64).to(DEVICE)
+W = torch.randn(12, 4, generator=GEN, dtype=F64).to(DEVICE)
 pytestmark = pytest.mark.compile
 
 LOGPROB = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)

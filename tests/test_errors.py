@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from devices import DEVICE
 from harness import run_ranks
 
 import lossfx
@@ -280,7 +281,7 @@ def test_temperature_that_is_not_finite_and_positive_is_one_value_error(taker, v
         TEMPERATURE_TAKERS[taker](*_head_case(), value)
 
 
-@pytest.mark.parametrize("value", ["0.7", True, None, torch.tensor(0.7), 1j], ids=repr)
+@pytest.mark.parametrize("value", ["0.7", True, None, torch.tensor(0.7).to(DEVICE), 1j], ids=repr)
 @pytest.mark.parametrize("taker", sorted(TEMPERATURE_TAKERS))
 def test_temperature_that_is_not_a_real_number_is_one_type_error(taker, value):
     with pytest.raises(TypeError, match="^" + re.escape(f"temperature must be a real number, got {value!r}")):

@@ -21,6 +21,7 @@ import warnings
 
 import pytest
 import torch
+from devices import DEVICE
 from harness import compiled_for_rank, gloo_pool, run_ranks, shard_rows
 
 import lossfx
@@ -397,8 +398,8 @@ def test_mixed_dtypes_equal_the_promoted_path(name, h_dtype, w_dtype):
 @pytest.mark.parametrize(
     ("change", "error", "match"),
     [
-        ({"bias": torch.zeros(5)}, ValueError, r"bias must be \[V_local\] = \[7\].*\(5,\)"),
-        ({"bias": torch.zeros(7, dtype=torch.int64)}, TypeError, "bias"),
+        ({"bias": torch.zeros(5).to(DEVICE)}, ValueError, r"bias must be \[V_local\] = \[7\].*\(5,\)"),
+        ({"bias": torch.zeros(7, dtype=torch.int64).to(DEVICE)}, TypeError, "bias"),
         ({"logit_scale": 0.0}, ValueError, "logit_scale must be a finite number > 0, got 0.0"),
         ({"logit_scale": "2"}, TypeError, "logit_scale"),
         ({"softcap": -1.0}, ValueError, "softcap must be a finite number > 0, got -1.0"),

@@ -32,6 +32,7 @@ def _public_functions_taking_tensors():
     return names
 
 
+@pytest.mark.cpu_only("its calls come from benchmarks.bench_syncs.entry_points, which builds its inputs on the CPU")
 def test_every_public_entry_point_reads_at_most_once():
     calls = entry_points(0, 1, None, every=True)
     calls["shard_for_cp_rank"] = lambda: lossfx.shard_for_cp_rank(torch.randn(2, 8, 3), 0, 1)
@@ -85,6 +86,9 @@ def _sorted_ties_reads(rank, world, group):
 
 
 @pytest.mark.compile
+@pytest.mark.cpu_only(
+    "gloo ranks; its calls come from benchmarks.bench_syncs.entry_points, which builds its inputs on the CPU"
+)
 def test_sorted_ties_read_once_eager_and_never_compiled(monkeypatch):
     """Top-p with `ties="sorted"` on 2 gloo ranks: the id cut needs no host value (it read whether
     a tie is cut, a second read after the filter's collectives, and then ran an id bisection):
@@ -98,6 +102,7 @@ def test_sorted_ties_read_once_eager_and_never_compiled(monkeypatch):
 
 
 @pytest.mark.compile
+@pytest.mark.cpu_only("its calls come from benchmarks.bench_syncs.entry_points, which builds its inputs on the CPU")
 def test_compiled_graphs_read_nothing():
     calls = entry_points(0, 1, None)
     for name in ("token_logprobs", "linear_token_logprobs, ignored targets"):

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from devices import DEVICE
 from harness import gloo_pool
 
 import lossfx
@@ -169,8 +170,8 @@ def test_mixed_dtypes_need_no_cast(hidden_dtype, head_dtype):
         ({"logits_to_keep": 0}, ValueError, r"logits_to_keep must lie in \[1, S-1\] = \[1, 9\].*got 0"),
         ({"logits_to_keep": 10}, ValueError, r"logits_to_keep must lie in .* got 10"),
         ({"logits_to_keep": 2.0}, TypeError, "logits_to_keep must be an int"),
-        ({"labels": torch.full((3, 9), 1)}, ValueError, r"labels must have input_ids' shape \(3, 10\)"),
-        ({"labels": torch.full((3, 10), -5)}, ValueError, r"input_ids must lie in \[0, 20\).*-5"),
+        ({"labels": torch.full((3, 9), 1).to(DEVICE)}, ValueError, r"labels must have input_ids' shape \(3, 10\)"),
+        ({"labels": torch.full((3, 10), -5).to(DEVICE)}, ValueError, r"input_ids must lie in \[0, 20\).*-5"),
         ({"sharded_head": "shard"}, ValueError, "sharded_head must be"),
     ],
 )

@@ -20,6 +20,7 @@ import math
 import pytest
 import torch
 import torch._dynamo.testing
+from devices import DEVICE
 from harness import compiled_for_rank, gloo_pool, run_ranks, shard_rows
 from hypothesis import given
 from hypothesis import strategies as st
@@ -473,13 +474,17 @@ def test_saved_state_is_the_gradients_and_row_values():
 @pytest.mark.parametrize(
     ("change", "error", "match"),
     [
-        ({"logprob_weight": torch.ones(5)}, ValueError, "logprob_weight must have the target's shape"),
-        ({"neg_entropy_weight": torch.ones(2, 3)}, ValueError, "neg_entropy_weight must have the target's shape"),
-        ({"logprob_weight": torch.ones(6, dtype=torch.int64)}, TypeError, "logprob_weight"),
+        ({"logprob_weight": torch.ones(5).to(DEVICE)}, ValueError, "logprob_weight must have the target's shape"),
+        (
+            {"neg_entropy_weight": torch.ones(2, 3).to(DEVICE)},
+            ValueError,
+            "neg_entropy_weight must have the target's shape",
+        ),
+        ({"logprob_weight": torch.ones(6, dtype=torch.int64).to(DEVICE)}, TypeError, "logprob_weight"),
         ({"temperature": 0.0}, ValueError, "temperature"),
         ({"chunk_size": 0}, ValueError, "chunk_size"),
-        ({"target": torch.full((6,), 10)}, ValueError, "target"),
-        ({"weight": torch.ones(10, 3, dtype=F64)}, ValueError, "same H"),
+        ({"target": torch.full((6,), 10).to(DEVICE)}, ValueError, "target"),
+        ({"weight": torch.ones(10, 3, dtype=F64).to(DEVICE)}, ValueError, "same H"),
     ],
 )
 def test_bad_arguments(change, error, match):

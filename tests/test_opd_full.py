@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from devices import on_device
 from harness import compiled_for_rank, run_ranks
 
 import lossfx
@@ -373,108 +374,110 @@ HS = "hidden_states"
 
 @pytest.mark.parametrize(
     ("mode", "payload_shape", "student_shape", "kw", "match"),
-    [
-        (
-            HS,
-            (2, 6, 3),
-            (2, 6, 5),
-            {"teacher_output_layer_weight_by_index": None},
-            "requires a loaded teacher output-layer weight shard",
-        ),
-        (
-            HS,
-            (2, 6, 3),
-            (2, 6, 5),
-            {"teacher_output_layer_weight_by_index": {}},
-            "requires a loaded teacher output-layer weight shard",
-        ),
-        (
-            HS,
-            (2, 6, 3),
-            (2, 6, 4),
-            {"teacher_output_layer_weight_by_index": {0: torch.randn(4, 7)}},
-            "do not match the loaded teacher LM head for teacher_index=0: payload width 3 vs LM-head input width 7",
-        ),
-        (
-            HS,
-            (2, 6, 3),
-            (2, 6, 4),
-            {"teacher_output_layer_weight_by_index": {0: torch.randn(9, 3)}},
-            "must match the student vocabulary shard width; got 9 vs 4",
-        ),
-        (
-            HS,
-            (2, 6, 3),
-            (2, 6, 4),
-            {"teacher_output_layer_weight_by_index": {0: torch.randn(4, 3), 1: torch.randn(4, 3)}},
-            ">1 shards",
-        ),
-        (
-            HS,
-            (2, 6, 3),
-            (2, 6, 4),
-            {
-                "teacher_output_layer_weight_by_index": {0: torch.randn(4, 3), 1: torch.randn(4, 5)},
-                "teacher_index": torch.tensor([0, 0]),
-            },
-            "teacher_index=1: payload width 3 vs LM-head input width 5",
-        ),
-        (
-            HS,
-            (2, 6, 3),
-            (2, 6, 4),
-            {
-                "teacher_output_layer_weight_by_index": {0: torch.randn(4, 3)},
-                "teacher_index": torch.tensor([0, 2]),
-            },
-            r"row tagged teacher_index=2, but no teacher LM head is loaded for that index \(loaded: \[0\]\)",
-        ),
-        (
-            HS,
-            (2, 6, 3),
-            (2, 6, 4),
-            {
-                "teacher_output_layer_weight_by_index": {0: torch.randn(4, 3)},
-                "teacher_index": torch.tensor([0, 0, 0]),
-            },
-            "one entry per payload row",
-        ),
-        (
-            HS,
-            (2, 6, 3),
-            (2, 6, 4),
-            {
-                "teacher_output_layer_weight_by_index": {
-                    0: torch.randn(4, 3),
-                    1: torch.randn(4, 3, dtype=F64),
+    on_device(
+        [
+            (
+                HS,
+                (2, 6, 3),
+                (2, 6, 5),
+                {"teacher_output_layer_weight_by_index": None},
+                "requires a loaded teacher output-layer weight shard",
+            ),
+            (
+                HS,
+                (2, 6, 3),
+                (2, 6, 5),
+                {"teacher_output_layer_weight_by_index": {}},
+                "requires a loaded teacher output-layer weight shard",
+            ),
+            (
+                HS,
+                (2, 6, 3),
+                (2, 6, 4),
+                {"teacher_output_layer_weight_by_index": {0: torch.randn(4, 7)}},
+                "do not match the loaded teacher LM head for teacher_index=0: payload width 3 vs LM-head input width 7",
+            ),
+            (
+                HS,
+                (2, 6, 3),
+                (2, 6, 4),
+                {"teacher_output_layer_weight_by_index": {0: torch.randn(9, 3)}},
+                "must match the student vocabulary shard width; got 9 vs 4",
+            ),
+            (
+                HS,
+                (2, 6, 3),
+                (2, 6, 4),
+                {"teacher_output_layer_weight_by_index": {0: torch.randn(4, 3), 1: torch.randn(4, 3)}},
+                ">1 shards",
+            ),
+            (
+                HS,
+                (2, 6, 3),
+                (2, 6, 4),
+                {
+                    "teacher_output_layer_weight_by_index": {0: torch.randn(4, 3), 1: torch.randn(4, 5)},
+                    "teacher_index": torch.tensor([0, 0]),
                 },
-                "teacher_index": torch.tensor([0, 1]),
-            },
-            "share one vocabulary shard and dtype",
-        ),
-        (
-            HS,
-            (2, 6, 3),
-            (2, 6, 4),
-            {
-                "teacher_output_layer_weight_by_index": {0: torch.randn(4, 3), 1: torch.randn(5, 3)},
-                "teacher_index": torch.tensor([1, 0]),
-            },
-            "share one vocabulary shard and dtype",
-        ),
-        (
-            "logits",
-            (2, 3, 6),
-            (2, 3, 4),
-            {"rank": 1},
-            "narrower than this rank's vocabulary window: payload width 6 vs required end 8",
-        ),
-        ("logits", (2, 9, 4), (2, 3, 4), {}, "longer than the student forward window: 9 vs 3"),
-        ("logits", (2, 3, 4), (2, 3, 4), {"rank": None}, "vocab_parallel_rank is required"),
-        ("logits", (3, 3, 4), (2, 3, 4), {}, "student's batch size"),
-        ("bogus", (2, 3, 4), (2, 3, 4), {}, "teacher_payload"),
-        ("logits", (2, 3, 4), (3, 4), {}, "rank 3"),
-    ],
+                "teacher_index=1: payload width 3 vs LM-head input width 5",
+            ),
+            (
+                HS,
+                (2, 6, 3),
+                (2, 6, 4),
+                {
+                    "teacher_output_layer_weight_by_index": {0: torch.randn(4, 3)},
+                    "teacher_index": torch.tensor([0, 2]),
+                },
+                r"row tagged teacher_index=2, but no teacher LM head is loaded for that index \(loaded: \[0\]\)",
+            ),
+            (
+                HS,
+                (2, 6, 3),
+                (2, 6, 4),
+                {
+                    "teacher_output_layer_weight_by_index": {0: torch.randn(4, 3)},
+                    "teacher_index": torch.tensor([0, 0, 0]),
+                },
+                "one entry per payload row",
+            ),
+            (
+                HS,
+                (2, 6, 3),
+                (2, 6, 4),
+                {
+                    "teacher_output_layer_weight_by_index": {
+                        0: torch.randn(4, 3),
+                        1: torch.randn(4, 3, dtype=F64),
+                    },
+                    "teacher_index": torch.tensor([0, 1]),
+                },
+                "share one vocabulary shard and dtype",
+            ),
+            (
+                HS,
+                (2, 6, 3),
+                (2, 6, 4),
+                {
+                    "teacher_output_layer_weight_by_index": {0: torch.randn(4, 3), 1: torch.randn(5, 3)},
+                    "teacher_index": torch.tensor([1, 0]),
+                },
+                "share one vocabulary shard and dtype",
+            ),
+            (
+                "logits",
+                (2, 3, 6),
+                (2, 3, 4),
+                {"rank": 1},
+                "narrower than this rank's vocabulary window: payload width 6 vs required end 8",
+            ),
+            ("logits", (2, 9, 4), (2, 3, 4), {}, "longer than the student forward window: 9 vs 3"),
+            ("logits", (2, 3, 4), (2, 3, 4), {"rank": None}, "vocab_parallel_rank is required"),
+            ("logits", (3, 3, 4), (2, 3, 4), {}, "student's batch size"),
+            ("bogus", (2, 3, 4), (2, 3, 4), {}, "teacher_payload"),
+            ("logits", (2, 3, 4), (3, 4), {}, "rank 3"),
+        ]
+    ),
 )
 def test_reconstruct_errors(mode, payload_shape, student_shape, kw, match):
     kw = dict(kw)

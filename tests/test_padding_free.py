@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from devices import DEVICE
 from harness import compiled_for_rank, run_ranks
 
 import lossfx
@@ -187,8 +188,12 @@ def test_filtered_logits_path_gives_no_nan_at_boundaries():
 @pytest.mark.parametrize(
     ("pos", "error", "match"),
     [
-        (torch.zeros(2, 12), TypeError, "position_ids must hold integer"),
-        (torch.zeros(1, 12, dtype=torch.long), ValueError, r"position_ids must have input_ids' shape.*\(1, 12\)"),
+        (torch.zeros(2, 12).to(DEVICE), TypeError, "position_ids must hold integer"),
+        (
+            torch.zeros(1, 12, dtype=torch.long).to(DEVICE),
+            ValueError,
+            r"position_ids must have input_ids' shape.*\(1, 12\)",
+        ),
         ([0, 1, 2], TypeError, "position_ids must be a torch.Tensor"),
     ],
 )

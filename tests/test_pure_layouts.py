@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import DEVICE
 from harness import mesh_groups, run_ranks
 
 import lossfx
@@ -99,7 +100,7 @@ def test_plain_shift_gradient():
 # ---------------------------------------------------------------------------------------------
 
 B, S, V, D = 2, 8, 8, 4
-D2T = torch.tensor([0, 2, 3, 3])  # draft id i -> target id i + d2t[i]: 0, 3, 5, 6
+D2T = torch.tensor([0, 2, 3, 3]).to(DEVICE)  # draft id i -> target id i + d2t[i]: 0, 3, 5, 6
 
 
 def _draft_rank(rank, world, group, tp, z, mask, d2t):

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from devices import DEVICE
 from harness import run_ranks
 from test_pure_distillation import install_counters
 
@@ -29,8 +30,8 @@ TIGHT = {"rtol": 0, "atol": 1e-10}
 B, S, S_P, H, V = 3, 6, 5, 4, 8
 PENALTY = 0.5
 KEYS = ("opd_full_divergence", "opd_full_entropy", "opd_full_cross_entropy", "next_token_logprobs")
-INDEX = torch.tensor([7, 3, 7])  # each row's teacher; position in [W3, W7]: 1, 0, 1
-POSITION = torch.tensor([1, 0, 1])
+INDEX = torch.tensor([7, 3, 7]).to(DEVICE)  # each row's teacher; position in [W3, W7]: 1, 0, 1
+POSITION = torch.tensor([1, 0, 1]).to(DEVICE)
 
 
 def _case(vocab=V, window=S, seed=0):
@@ -85,7 +86,7 @@ def test_pure_teacher_logits_against_reference(payload, widths):
         if payload == "hidden_states":
             kwargs = {"heads": [c["heads"][k][start : start + width] for k in (3, 7)], "position": POSITION}
         got = pure.teacher_logits(
-            c[payload.split("_")[0]], PlainLayout(), S, torch.device("cpu"), **kwargs
+            c[payload.split("_")[0]], PlainLayout(), S, DEVICE, **kwargs
         )  # fmt: skip
         torch.testing.assert_close(got, want[..., start : start + width], **TIGHT)
 

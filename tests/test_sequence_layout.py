@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from devices import DEVICE
 from harness import compiled_for_rank, mesh_groups, run_ranks
 
 import lossfx
@@ -97,7 +98,7 @@ def _cp_kwargs(kind, cp_group):
 
 
 B, S, V, K, H, D = 2, 11, 8, 3, 4, 4  # S = 11: no layout splits it evenly, every one pads
-D2T = torch.tensor([0, 2, 3, 4])  # draft id i -> target id i + d2t[i]
+D2T = torch.tensor([0, 2, 3, 4]).to(DEVICE)  # draft id i -> target id i + d2t[i]
 
 
 def _case(seed):

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from devices import DEVICE
 from harness import run_ranks
 from hypothesis import given, settings
 from profiles import examples
@@ -212,7 +213,7 @@ CORRECT = [
 
 @pytest.mark.parametrize(("check", "fn", "kwargs"), CORRECT, ids=[f"{c[1].__name__}-{c[2]}" for c in CORRECT])
 def test_lossfx_kernels_and_plain_torch_pass_every_case_and_dtype(check, fn, kwargs):
-    check(fn, cases=lt.CASES, dtypes=(F64, torch.float32, torch.bfloat16), device="cpu", **kwargs)
+    check(fn, cases=lt.CASES, dtypes=(F64, torch.float32, torch.bfloat16), device=DEVICE, **kwargs)
 
 
 def test_the_wide_and_long_cases_hold_what_their_notes_promise():

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from devices import DEVICE
 from harness import run_ranks
 
 import lossfx
@@ -20,11 +21,11 @@ from lossfx import reference
 F64 = torch.float64
 V = 10
 GEN = torch.Generator().manual_seed(8)
-Z = torch.randn(2, 3, V, generator=GEN, dtype=F64)
-T = torch.randint(0, V, (2, 3), generator=GEN)
-IDS = torch.randint(0, V, (2, 3, 2), generator=GEN)
-HID = torch.randn(2, 3, 4, generator=GEN, dtype=F64)
-W = torch.randn(V, 4, generator=GEN, dtype=F64)
+Z = torch.randn(2, 3, V, generator=GEN, dtype=F64).to(DEVICE)
+T = torch.randint(0, V, (2, 3), generator=GEN).to(DEVICE)
+IDS = torch.randint(0, V, (2, 3, 2), generator=GEN).to(DEVICE)
+HID = torch.randn(2, 3, 4, generator=GEN, dtype=F64).to(DEVICE)
+W = torch.randn(V, 4, generator=GEN, dtype=F64).to(DEVICE)
 
 CALLS = {
     "token_logprobs": lambda z, w, **kw: lossfx.token_logprobs(z, T, **kw),
