@@ -381,3 +381,116 @@ def test_compiled_fullgraph_matches_eager(branch):
             for got_g, want_g in zip(grads(out, cot, (h, w, b)), grads(want, cot, (h2, w2, b2))):
                 torch.testing.assert_close(got_g, want_g, **TOL[F64])
     assert counter.frame_count == 1, counter.frame_count
+
+
+_meshes: dict = {}
+
+
+def dtensor_case(rank, world, group, branch):
+    """A `Shard(0)` DTensor head and bias (V = 13 over 2 ranks: 7 and 6 rows), no group arguments."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if world not in _meshes:
+        _meshes[world] = init_device_mesh("cpu", (world,))
+    mesh = _meshes[world]
+    hidden, weight, bias, data, loss_fn, kwargs = make_case(branch, seed=7)
+    h = hidden.clone().requires_grad_(True)
+    w = distribute_tensor(weight, mesh, [Shard(0)], src_data_rank=None).requires_grad_(True)
+    b = distribute_tensor(bias, mesh, [Shard(0)], src_data_rank=None).requires_grad_(True)
+    out, _ = lossfx.prepare_linear_loss_input(h, w, data, loss_fn, bias=b, chunk_size=3, **HEAD, **kwargs)
+    cot = cotangents({k: v for k, v in out.items() if v is not None})
+    grads_ = (None, None, None)
+    if cot:
+        loss = sum((out[k].to(F64) * g).sum() for k, g in cot.items())
+        loss.backward()
+        grads_ = (h.grad, w.grad.full_tensor(), b.grad.full_tensor())
+    return {k: None if v is None else v.detach() for k, v in out.items()}, grads_
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("branch", ["logprob", "distill_full", "draft"])
+def test_dtensor_head_two_gloo_ranks(branch):
+    results = harness.gloo_pool(2).run(dtensor_case, branch)
+    # the DTensor's rows are torch's chunks (7, 6): the uneven "tp" split of _widths
+    hidden, weight, bias, data, loss_fn, kwargs = make_case(branch, seed=7)
+    hr, wr, br = _leaves(F64, hidden, weight, bias)
+    ref = reference.prepare_linear_loss_input(hr, wr, data, loss_fn, bias=br, **HEAD, **kwargs)
+    for rank, (values, _) in enumerate(results):
+        for k, want in ref.items():
+            if want is None:
+                assert values[k] is None
+                continue
+            if k == "teacher_logits":
+                want = _local_draft(want, rank, 2)
+            torch.testing.assert_close(values[k].to(F64), want.to(F64), **TOL[F64])
+    cot = cotangents({k: v for k, v in results[0][0].items() if v is not None})
+    if cot:
+        for rank, (_, got) in enumerate(results):
+            for name, g, want in zip("hwb", got, grads(ref, cot, (hr, wr, br))):
+                torch.testing.assert_close(g.to(F64), want, **TOL[F64], msg=lambda m, n=name, r=rank: f"r{r} d{n}: {m}")
+
+
+def packed_ranked_case(rank, world, group, mode):
+    gen = torch.Generator().manual_seed(5)
+    cu, cu_p = [0, 3, 7, 12], [0, 4, 8, 16]  # padded lengths multiples of 2C = 4
+    hidden = torch.randn(1, 16, H, generator=gen, dtype=F64)
+    weight = torch.randn(V, H, generator=gen, dtype=F64)
+    input_ids = torch.randint(0, V, (3, 5), generator=gen)
+    kw: dict = {}
+    if mode == "tp":
+        widths = _widths(world)
+        start = sum(widths[:rank])
+        weight = weight[start : start + widths[rank]]
+        kw.update(vocab_parallel_group=group, vocab_parallel_rank=rank)
+    else:
+        hidden = reference.packed_cp_shard(hidden, cu_p, rank, world)
+        kw.update(context_parallel_group=group)
+    h = hidden.clone().requires_grad_(True)
+    out, _ = lossfx.prepare_linear_packed_loss_input(
+        h, weight, {"input_ids": input_ids}, SimpleNamespace(input_type=LossInputType.LOGPROB), cu, cu_p, **HEAD, **kw
+    )
+    lp = out["next_token_logprobs"]
+    (dh,) = torch.autograd.grad((lp * torch.arange(lp.numel(), dtype=F64).view_as(lp)).sum(), (h,))
+    return lp.detach(), dh
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["tp", "cp"])
+def test_packed_two_gloo_ranks(mode):
+    results = harness.gloo_pool(2).run(packed_ranked_case, mode)
+    gen = torch.Generator().manual_seed(5)
+    cu, cu_p = [0, 3, 7, 12], [0, 4, 8, 16]
+    hidden = torch.randn(1, 16, H, generator=gen, dtype=F64).requires_grad_(True)
+    weight = torch.randn(V, H, generator=gen, dtype=F64)
+    input_ids = torch.randint(0, V, (3, 5), generator=gen)
+    ref = reference.prepare_linear_packed_loss_input(hidden, weight, input_ids, cu, cu_p, **HEAD)
+    (dh,) = torch.autograd.grad((ref * torch.arange(ref.numel(), dtype=F64).view_as(ref)).sum(), (hidden,))
+    for rank, (lp, got_dh) in enumerate(results):
+        torch.testing.assert_close(lp, ref, **TOL[F64])
+        want = dh if mode == "tp" else 2 * reference.packed_cp_shard(dh, cu_p, rank, 2)  # summed over CP ranks
+        torch.testing.assert_close(got_dh, want, **TOL[F64])
+
+
+@pytest.mark.compile
+def test_compiled_inductor_logprob_pinned_recompiles():
+    """Inductor, fullgraph: one compile, a new sequence length at most one recompile, a third none."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    loss_fn = _loss_fn("logprob")
+
+    def step(h, w, b, ids):
+        out, _ = lossfx.prepare_linear_loss_input(h, w, {"input_ids": ids}, loss_fn, bias=b, **HEAD)
+        return out["next_token_logprobs"]
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    counts = []
+    for seq in (6, 8, 10):
+        hidden, weight, bias, data, _, _ = make_case("logprob", seed=seq, seq=seq)
+        h, w, b = _leaves(F64, hidden, weight, bias)
+        out = compiled(h, w, b, data["input_ids"])
+        ref = reference.prepare_linear_loss_input(*_leaves(F64, hidden, weight), data, loss_fn, bias=bias, **HEAD)
+        torch.testing.assert_close(out, ref["next_token_logprobs"], **TOL[F64])
+        counts.append(counter.frame_count)
+    assert counts[0] == 1 and counts[1] <= 2 and counts[2] == counts[1], counts
