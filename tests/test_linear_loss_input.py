@@ -494,3 +494,15 @@ def test_compiled_inductor_logprob_pinned_recompiles():
         torch.testing.assert_close(out, ref["next_token_logprobs"], **TOL[F64])
         counts.append(counter.frame_count)
     assert counts[0] == 1 and counts[1] <= 2 and counts[2] == counts[1], counts
+
+
+@pytest.mark.parametrize("branch", ["logprob", "distill_full", "distill_topk"])
+def test_gradcheck(branch):
+    hidden, weight, bias, data, loss_fn, kwargs = make_case(branch, seed=2, seq=4)
+    hidden, weight, bias = hidden[:, :, :3], weight[:, :3], bias  # small: gradcheck is O(inputs)
+
+    def fn(h, w, b):
+        out, _ = lossfx.prepare_linear_loss_input(h, w, data, loss_fn, bias=b, chunk_size=1, **HEAD, **kwargs)
+        return tuple(v for k, v in sorted(out.items()) if v is not None and v.requires_grad)
+
+    assert torch.autograd.gradcheck(fn, tuple(_leaves(F64, hidden, weight, bias)))
