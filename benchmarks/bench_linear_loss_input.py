@@ -81,13 +81,15 @@ def build(
     n: int = 2048,
     hidden_size: int = 512,
     vocab: int = 32000,
+    chunk_size: int | None = None,
 ) -> Callable[[], Any]:
     """A `benchmarks.rss` builder: one forward + backward of `provider` on `branch`; returns what
     the call hands back (the gradients, or DRAFT's teacher logits)."""
     h, w, data, loss_fn, kwargs = _inputs(branch, n, hidden_size, vocab)
+    linear_kwargs = {**kwargs, "chunk_size": chunk_size}
 
     def linear(h: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
-        return _outputs(lossfx.prepare_linear_loss_input(h, w, data, loss_fn, **kwargs)[0], branch)
+        return _outputs(lossfx.prepare_linear_loss_input(h, w, data, loss_fn, **linear_kwargs)[0], branch)
 
     def logits(h: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
         return _outputs(lossfx.prepare_loss_input(h @ w.T, data, loss_fn, **kwargs)[0], branch)

@@ -319,6 +319,7 @@ def test_two_gloo_ranks(branch, mode):
         _check_ranked(results, branch, mode, dtype)
 
 
+@pytest.mark.slow  # a 4-process gloo pool (~30 s to start on the loaded 2-core VM); 2 ranks cover TP by default
 @pytest.mark.distributed
 @pytest.mark.parametrize("branch", ["logprob", "distill_full", "draft"])
 def test_four_gloo_ranks_uneven_heads(branch):
@@ -472,6 +473,7 @@ def test_packed_two_gloo_ranks(mode):
         torch.testing.assert_close(got_dh, want, **TOL[F64])
 
 
+@pytest.mark.slow  # Inductor compiles (~30 s); the aot_eager cases above pin one compile per branch by default
 @pytest.mark.compile
 def test_compiled_inductor_logprob_pinned_recompiles():
     """Inductor, fullgraph: one compile, a new sequence length at most one recompile, a third none."""
