@@ -126,6 +126,14 @@ def entry_points(rank: int, world: int, group, every: bool = False):
     }
     if every:
         calls.update(_every_other(logits, ids, hidden, weight, ignored))
+        # one rank only: on 2 ranks these read twice (the check's widths for an uneven plain head,
+        # then the fused kernel's count of active rows), a known gap of the hidden-state front door
+        calls["prepare_linear_loss_input LOGPROB"] = lambda: lossfx.prepare_linear_loss_input(
+            hidden.view(b, s, -1), weight, data, logprob
+        )
+        calls["prepare_linear_packed_loss_input, tensor cu_seqlens"] = lambda: lossfx.prepare_linear_packed_loss_input(
+            hidden.view(b, s, -1)[:1], weight, {"input_ids": ids[:, :5]}, logprob, cu, cu
+        )
     return calls
 
 

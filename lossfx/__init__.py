@@ -20,6 +20,7 @@ from lossfx.interfaces import (
     TrainingSamplingParams,
     need_top_k_or_top_p_filtering,
 )
+from lossfx.linear_loss_input import prepare_linear_loss_input, prepare_linear_packed_loss_input
 from lossfx.linear_objective import linear_logprob_objective
 from lossfx.logprobs import token_logprobs, token_logprobs_with_lse
 from lossfx.loss_input import (
@@ -64,6 +65,8 @@ __all__ = [
     "neg_entropy",
     "next_token_filtered_logprobs",
     "next_token_logprobs",
+    "prepare_linear_loss_input",
+    "prepare_linear_packed_loss_input",
     "prepare_loss_input",
     "prepare_opd_full_loss_input",
     "prepare_packed_loss_input",

@@ -41,6 +41,7 @@ from lossfx.reference._linear import (
     linear_next_token_logprobs,
     linear_token_logprobs,
 )
+from lossfx.reference._linear_loss_input import prepare_linear_loss_input, prepare_linear_packed_loss_input
 from lossfx.reference._logprobs import (
     log_softmax,
     next_token_logprobs,
@@ -75,6 +76,8 @@ __all__ = [
     "prepare_distillation_input",
     "prepare_draft_input",
     "prepare_filtered_logprob_input",
+    "prepare_linear_loss_input",
+    "prepare_linear_packed_loss_input",
     "prepare_loss_input",
     "reverse_kl_to_fixed",
     "token_logprobs",

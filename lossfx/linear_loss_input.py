@@ -1,0 +1,595 @@
+"""Loss inputs from hidden states: `prepare_loss_input` with the LM head fused in.
+
+    prepare_linear_loss_input(hidden, W, data, loss_fn, ...)
+        == prepare_loss_input(head(hidden @ W.T + bias), data, loss_fn, ...)
+
+(`head`: `lossfx.fused_linear`'s options, `z = c · tanh(s · r / c) / T`) with the same keys,
+dtypes and gradients (to `hidden`, `W`, `bias`), and the logits never held: every branch runs on
+`[C, Cv]` tiles of them. Per input type:
+
+1. `LOGPROB` unfiltered: the fused next-token pipeline (`lossfx._layouts.linear_next_token`);
+   top-k/top-p filtered: `_linear_filtered_next_token_logprobs`, the plug-in point of a fused
+   filtered kernel (issue 26 item 2), which today raises a `ValueError` naming the logits path;
+2. `DISTILLATION`: the student's log-probs at the teacher's top-k ids and `H_all` from one fused
+   pass (`lossfx._layouts.linear_distillation`);
+3. `DRAFT`: the `D` head rows of the draft vocabulary only, projected from the shifted hidden
+   states (`lossfx._layouts.linear_draft`): `[N, D]`, never `[N, V]`;
+4. `OPD_FULL`: `_linear_opd_full_input`, the plug-in point of a fused divergence kernel
+   (issue 26 item 4), which today raises a `ValueError` naming the logits path;
+5. `LOGIT`: a `ValueError` (the loss wants the logits: call `prepare_loss_input` with them).
+
+The sequence layout (`context_parallel_group` / `cp_sharder`) and the tensor-parallel head shard
+(`vocab_parallel_group`: `lm_head_weight` holds this rank's rows, widths may differ in eager mode;
+or a `Shard(0)` DTensor head) are resolved once here, as in `lossfx.loss_input`.
+`prepare_linear_packed_loss_input` is the twin of `prepare_packed_loss_input` (`LOGPROB`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lossfx._boundary.consistency import Roles, boundary, vocab_shard_range, vocab_size_when_read
+from lossfx._boundary.dtensor import _replicated_columns, is_dtensor, rejections_compared, replicated, vocab_shard
+from lossfx._boundary.validation import (
+    check_floating,
+    check_group,
+    check_ids_in_range,
+    check_integer_ids,
+    check_tensor,
+)
+from lossfx._core.distributed import ProcessGroup, group_size
+from lossfx._core.vocab import VocabRange
+from lossfx._kernels import fused_linear as _kernel
+from lossfx._layouts import linear_distillation as _distillation
+from lossfx._layouts import linear_draft as _draft
+from lossfx._layouts import linear_next_token as _next_token
+from lossfx._layouts.sequence_layout import SequenceLayout, score_next_tokens
+from lossfx.fused_linear import LinearCall, validated_head
+from lossfx.interfaces import LossInputType, TrainingSamplingParams
+from lossfx.loss_input import _column, _data_read, _input_type, _vocab_parallel
+from lossfx.loss_masks import loss_mask_from_data, masked_out_neg_inf
+from lossfx.next_token import TopKTopP, resolve_filter
+from lossfx.packing import _validated_packed
+from lossfx.sequence_layout import check_covers, sequence_layout
+
+__all__ = ["prepare_linear_loss_input", "prepare_linear_packed_loss_input"]
+
+# the cross-rank check's view of the parameters (`_boundary.consistency.Roles`)
+_ROLES = Roles(
+    tp="vocab_parallel_group",
+    cp="context_parallel_group",
+    cp_from="cp_sharder",
+    head="lm_head_weight",
+    shards=("bias",),
+    rank="vocab_parallel_rank",
+    reads=("data", _data_read),
+    shard_columns=("student_logits",),
+    cp_shards=("hidden",),
+)
+_ROLES_PACKED = dataclasses.replace(_ROLES, cp_from=None)
+
+
+def _unwrapped(arguments: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """`arguments` with local tensors: a `Shard(0)` DTensor head (and bias) as this rank's rows, its
+    group and rank filled in; a `Replicate()` hidden and `data` columns as their local tensors.
+    Returns them and the head's `VocabShard` (its `vocab_start`/`vocab_size` are set for a DTensor)."""
+    shard = vocab_shard(
+        arguments["lm_head_weight"],
+        dim=0,
+        name="lm_head_weight",
+        roles=_ROLES,
+        group=arguments["vocab_parallel_group"],
+        rank=arguments["vocab_parallel_rank"],
+    )
+    bias = arguments["bias"]
+    if is_dtensor(bias):
+        bias = vocab_shard(bias, dim=0, name="bias").local
+    data = arguments["data"]
+    arguments.update(
+        hidden=replicated(arguments["hidden"], "hidden"),
+        lm_head_weight=shard.local,
+        bias=bias,
+        data=_replicated_columns(data) if isinstance(data, Mapping) else data,
+        vocab_parallel_group=shard.group,
+        vocab_parallel_rank=shard.rank,
+    )
+    return arguments, shard
+
+
+def _view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The cross-rank check's view of a call with DTensors: the local tensors the body computes on."""
+    local, _ = _unwrapped(arguments)
+    return local, ""
+
+
+_local_view = rejections_compared(_view, "vocab_parallel_group")
+
+
+def _resolved_call(
+    hidden: Tensor,
+    weight: Tensor,
+    shard: Any,
+    *,
+    group: ProcessGroup | None,
+    bias: Tensor | None,
+    temperature: float,
+    logit_scale: float,
+    softcap: float | None,
+    ignore_index: int,
+    chunk_size: int | None,
+    rows_per_position: int,
+) -> tuple[LinearCall, int | Any]:
+    """The head checked and resolved (`fused_linear.validated_head`), `chunk_size` positions as
+    rows, and `V` as the range check of the ids must read it: an int, or (uneven plain shards in
+    eager mode) the function of the cross-rank check's widths (`vocab_size_when_read`)."""
+    call = validated_head(
+        hidden,
+        weight,
+        bias=bias,
+        group=group,
+        vocab_start=shard.vocab_start,
+        vocab_size=shard.vocab_size,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        ignore_index=ignore_index,
+        sequence_parallel=False,
+        chunk_size=chunk_size,
+    )
+    call = call._replace(chunk_rows=call.chunk_rows * rows_per_position)
+    uneven = shard.dtensor is None and group is not None
+    return call, vocab_size_when_read(weight.shape[0], group) if uneven else call.vocab.size
+
+
+def _uneven_vocab(call: LinearCall, shard: Any, local_vocab: int) -> LinearCall:
+    """The call with this rank's range from the widths the cross-rank check reported (uneven plain
+    shards, eager); unchanged for a DTensor head, without a group, or traced (equal widths)."""
+    group = call.vocab.group
+    if shard.dtensor is not None or group is None:
+        return call
+    start, size = vocab_shard_range(local_vocab, group)
+    return call if start is None or size is None else call._replace(vocab=VocabRange(group, start, size))
+
+
+_LOGITS_PATH = (
+    "call lossfx.prepare_loss_input(logits, data, loss_fn, ...) with the logits "
+    "(logits = hidden @ lm_head_weight.T, bias and head options applied)"
+)
+
+
+def _linear_filtered_next_token_logprobs(
+    hidden: Tensor, weight: Tensor, input_ids: Tensor, layout: SequenceLayout, call: LinearCall, top: TopKTopP
+) -> Tensor:
+    """PLUG-IN POINT (issue 26 item 2): top-k/top-p filtered next-token log-probs `[B, S-1]` from
+    hidden `[B, S_l, H]` and this rank's head rows, over `layout` (`_next_token` shows the
+    pipeline: `score_next_tokens` around a `[B, S_l]` target kernel, `fill=ignore_index`). Today
+    a `ValueError` naming the logits path: the fused filtered kernel replaces the body."""
+    raise ValueError(
+        f"prepare_linear_loss_input: top-k/top-p filtered LOGPROB (top_k={top.top_k}, top_p={top.top_p}) from "
+        f"hidden states is not available yet; {_LOGITS_PATH}"
+    )
+
+
+def _linear_opd_full_input(
+    hidden: Tensor, weight: Tensor, data: Mapping[str, Any], loss_fn: Any, call: LinearCall, **kwargs: Any
+) -> dict[str, Any]:
+    """PLUG-IN POINT (issue 26 item 4): OPD_FULL from student hidden × head against the teacher
+    (logits or hidden × teacher head). Today a `ValueError` naming the logits path: the fused
+    divergence kernel replaces the body."""
+    raise ValueError(f"prepare_linear_loss_input: OPD_FULL from hidden states is not available yet; {_LOGITS_PATH}")
+
+
+@boundary(roles=_ROLES, vocab="auto", local=_local_view)
+def prepare_linear_loss_input(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    data: MutableMapping[str, Any],
+    loss_fn: Any,
+    *,
+    vocab_parallel_rank: int | None = None,
+    vocab_parallel_group: ProcessGroup | None = None,
+    context_parallel_group: ProcessGroup | None = None,
+    cp_sharder: Any = None,
+    sampling_params: TrainingSamplingParams | None = None,
+    d2t: Tensor | None = None,
+    chunk_size: int | None = None,
+    teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
+    teacher_logits_dtype: torch.dtype | None = None,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
+    """Build the loss-function input dict from last hidden states and the LM head, fused.
+
+    Equivalent to ``lossfx.prepare_loss_input(z, data, loss_fn, ...)`` with
+    ``z = c · tanh(s · (hidden @ lm_head_weight.T + bias) / c) / T`` (no tanh without `softcap`)
+    for `LOGPROB` (unfiltered), `DISTILLATION` and `DRAFT`: same keys, dtypes and gradients
+    (to `hidden`, `lm_head_weight`, `bias`) to fp32 rounding, holding one `[C, Cv]` tile of `z` at
+    most (`DRAFT`: its `[N, D/R]` result). Dense twin: ``lossfx.reference.prepare_linear_loss_input``.
+
+    Args:
+        hidden: `[B, S_l, H]` last hidden states, this rank's part of the sequence (the
+            load-balanced part under `context_parallel_group`, the sharder's with `cp_sharder`),
+            replicated over the TP group (plain or a `Replicate()` DTensor).
+        lm_head_weight: `[Vl, H]` this rank's rows of the LM head (the whole head without TP; in
+            eager mode ranks may hold different widths, in rank order), or a `Shard(0)` DTensor.
+        data: as `prepare_loss_input` (`LOGPROB`: `input_ids`; `DISTILLATION`:
+            `teacher_topk_logits`, `teacher_topk_indices`; `DRAFT`: `token_mask`,
+            `student_logits`). Not modified (but for `curr_logprobs_unfiltered`, as there).
+        loss_fn: has `input_type` (a `LossInputType`); `use_fused_linear_logprobs` is ignored
+            (this is the fused path).
+        vocab_parallel_rank: rank in `vocab_parallel_group`; required with it.
+        vocab_parallel_group: tensor-parallel group over the vocabulary (the head's rows), or `None`.
+        context_parallel_group: context-parallel group (load-balanced layout of `hidden`), or
+            `None`; outputs are canonical and their gradient is summed over CP ranks (divide the
+            loss by the CP size), as in `prepare_loss_input`.
+        cp_sharder: an external context-parallel layout, as in `prepare_loss_input`.
+        sampling_params: top-k/top-p filter (`LOGPROB`); a filter raises today (see Raises).
+        d2t: draft-to-target vocabulary map (`DRAFT` only).
+        chunk_size: sequence positions per eager chunk (a memory bound; results do not depend on it).
+        teacher_output_layer_weight_by_index: teacher LM-head shards (`OPD_FULL` only).
+        teacher_logits_dtype: dtype of teacher logits projected from hidden states (`OPD_FULL`).
+        bias: `[Vl]` this rank's rows of the head's bias (or a `Shard(0)` DTensor), or `None`.
+        temperature, logit_scale, softcap: the head's options (`lossfx.linear_token_logprobs`).
+        ignore_index: `LOGPROB` only: a position whose next id equals it scores 0 with a zero
+            gradient (its row is never computed). Without such ids, the `prepare_loss_input` result.
+
+    Returns:
+        `(loss_input, data)` as `prepare_loss_input`.
+
+    Raises:
+        ValueError: `LOGIT` (it wants the logits: call `prepare_loss_input` with them); filtered
+            `LOGPROB` and `OPD_FULL`, which have no fused kernel here (the message names the
+            logits path); every error of `prepare_loss_input`'s branches and of the fused head's options.
+        TypeError: wrong argument types.
+
+    Example:
+        >>> import torch, lossfx
+        >>> from types import SimpleNamespace
+        >>> loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
+        >>> data = {"input_ids": torch.tensor([[0, 2, 1]])}
+        >>> out, _ = lossfx.prepare_linear_loss_input(torch.zeros(1, 3, 2), torch.ones(4, 2), data, loss_fn)
+        >>> out["next_token_logprobs"]
+        tensor([[-1.3863, -1.3863]])
+    """
+    input_type = _input_type(loss_fn)
+    if input_type is LossInputType.LOGIT:
+        raise ValueError(
+            "prepare_linear_loss_input has no LOGIT branch: a LOGIT loss consumes the full logits, which this "
+            f"function never forms; {_LOGITS_PATH}"
+        )
+    check_group("vocab_parallel_group", vocab_parallel_group)
+    check_group("context_parallel_group", context_parallel_group)
+    local, shard = _unwrapped(
+        {
+            "hidden": hidden,
+            "lm_head_weight": lm_head_weight,
+            "bias": bias,
+            "data": data,
+            "vocab_parallel_group": vocab_parallel_group,
+            "vocab_parallel_rank": vocab_parallel_rank,
+        }
+    )
+    hidden, weight, columns = local["hidden"], local["lm_head_weight"], local["data"]
+    group = local["vocab_parallel_group"]
+    if shard.dtensor is None:
+        _vocab_parallel(vocab_parallel_rank, group)
+    check_tensor("hidden", hidden)
+    check_floating("hidden", hidden)
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [B, S_local, H], got shape {tuple(hidden.shape)}")
+    layout = sequence_layout(context_parallel_group, cp_sharder)
+    call, size = _resolved_call(
+        hidden,
+        weight,
+        shard,
+        group=group,
+        bias=local["bias"],
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        rows_per_position=hidden.shape[0],
+    )
+    if input_type is LossInputType.OPD_FULL:
+        return _linear_opd_full_input(
+            hidden,
+            weight,
+            columns,
+            loss_fn,
+            call,
+            layout=layout,
+            teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+            teacher_logits_dtype=teacher_logits_dtype,
+        ), data
+    if input_type is LossInputType.DISTILLATION:
+        return _distillation_input(hidden, weight, columns, loss_fn, call, size, shard, layout), data
+    if input_type is LossInputType.DRAFT:
+        return _draft_input(hidden, weight, data, columns, d2t, call, size, shard, layout), data
+    return _logprob_input(
+        hidden, weight, data, columns, loss_fn, call, size, shard, layout, sampling_params, ignore_index
+    ), data
+
+
+def _canonical(columns: Mapping[str, Any], key: str, hidden: Tensor, dims: int, layout: SequenceLayout) -> Tensor:
+    """`data[key]`, a canonical `[B, S, ...]` tensor (`dims` dims) that `hidden [B, S_l, H]` covers."""
+    x = check_tensor(f"data[{key!r}]", _column(columns, key))  # type: ignore[arg-type]
+    if x.dim() != dims or x.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"data[{key!r}] must have {dims} dims with hidden's batch {hidden.shape[0]}; got shape {tuple(x.shape)}"
+        )
+    got = f"hidden.shape={tuple(hidden.shape)} and data[{key!r}].shape={tuple(x.shape)}"
+    check_covers(layout, "hidden", hidden.shape[1], x.shape[1], got, canonical=f"data[{key!r}]")
+    return x
+
+
+def _logprob_input(
+    hidden: Tensor,
+    weight: Tensor,
+    data: MutableMapping[str, Any],
+    columns: Mapping[str, Any],
+    loss_fn: Any,
+    call: LinearCall,
+    size: int | Any,
+    shard: Any,
+    layout: SequenceLayout,
+    sampling_params: TrainingSamplingParams | None,
+    ignore_index: int,
+) -> dict[str, Tensor]:
+    """`LOGPROB`: next-token log-probs `[B, S-1]`, unfiltered through the fused pipeline."""
+    if sampling_params is not None and not isinstance(sampling_params, TrainingSamplingParams):
+        raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
+    input_ids = _canonical(columns, "input_ids", hidden, 2, layout)
+    check_integer_ids("data['input_ids']", input_ids)
+    scored = input_ids[:, 1:]
+    check_ids_in_range("data['input_ids']", scored.masked_fill(scored == ignore_index, 0), size, column_offset=1)
+    call = _uneven_vocab(call, shard, weight.shape[0])
+    top = resolve_filter(sampling_params)
+    mask = None if top is None else loss_mask_from_data(columns, input_ids)  # before anything is computed
+
+    def unfiltered() -> Tensor:
+        (out,) = _next_token.linear_next_token_logprobs(
+            hidden,
+            weight,
+            input_ids,
+            layout,
+            call.vocab,
+            head=call.head,
+            bias=call.bias,
+            ignore_index=ignore_index,
+            chunk_rows=call.chunk_rows,
+        )
+        return out
+
+    if top is None or mask is None:
+        return {"next_token_logprobs": unfiltered()}
+    logprobs = _linear_filtered_next_token_logprobs(hidden, weight, input_ids, layout, call, top)
+    logprobs = masked_out_neg_inf(logprobs, mask[:, 1:], "curr_logprobs")
+    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
+        data["curr_logprobs_unfiltered"] = unfiltered()
+    return {"next_token_logprobs": logprobs}
+
+
+def _distillation_input(
+    hidden: Tensor,
+    weight: Tensor,
+    columns: Mapping[str, Any],
+    loss_fn: Any,
+    call: LinearCall,
+    size: int | Any,
+    shard: Any,
+    layout: SequenceLayout,
+) -> dict[str, Any]:
+    """`DISTILLATION`: student/teacher log-probs at the teacher's top-k ids and `H_all`."""
+    zero_outside_topk = bool(getattr(loss_fn, "zero_outside_topk", False))
+    calculate_entropy = zero_outside_topk and getattr(loss_fn, "kl_type", "mixed") != "forward"
+    ids = _canonical(columns, "teacher_topk_indices", hidden, 3, layout)
+    values = check_tensor("data['teacher_topk_logits']", _column(columns, "teacher_topk_logits"))  # type: ignore[arg-type]
+    check_integer_ids("data['teacher_topk_indices']", ids)
+    check_floating("data['teacher_topk_logits']", values)
+    if ids.shape[-1] < 1 or tuple(values.shape) != tuple(ids.shape):
+        raise ValueError(
+            "data['teacher_topk_logits'] and data['teacher_topk_indices'] must share one [B, S, K] shape with K >= 1; "
+            f"got {tuple(values.shape)} and {tuple(ids.shape)}"
+        )
+    check_ids_in_range("data['teacher_topk_indices']", ids, size)
+    call = _uneven_vocab(call, shard, weight.shape[0])
+    student, teacher, neg_entropy = _distillation.linear_distillation_topk_logprobs(
+        hidden,
+        weight,
+        values,
+        ids,
+        call.vocab,
+        layout,
+        head=call.head,
+        bias=call.bias,
+        zero_outside_topk=zero_outside_topk,
+        calculate_entropy=calculate_entropy,
+        chunk_rows=call.chunk_rows,
+    )
+    return {"student_topk_logprobs": student, "teacher_topk_logprobs": teacher, "H_all": neg_entropy}
+
+
+def _draft_input(
+    hidden: Tensor,
+    weight: Tensor,
+    data: Mapping[str, Any],
+    columns: Mapping[str, Any],
+    d2t: Tensor | None,
+    call: LinearCall,
+    size: int | Any,
+    shard: Any,
+    layout: SequenceLayout,
+) -> dict[str, Any]:
+    """`DRAFT`: shifted teacher logits in the draft vocabulary (this rank's `D/R` shard) and the
+    shifted mask, from the head's `D` draft rows only."""
+    student_logits = _column(data, "student_logits")  # type: ignore[arg-type]
+    token_mask = _canonical(columns, "token_mask", hidden, 2, layout)
+    target_ids = None
+    d2t = replicated(d2t, "d2t")
+    if d2t is not None:
+        check_integer_ids("d2t", d2t)
+        world = group_size(call.vocab.group)
+        if d2t.dim() != 1 or d2t.shape[0] % world:
+            raise ValueError(
+                f"d2t must be 1-D [D] with D divisible by the tensor-parallel size {world}, "
+                f"got shape {tuple(d2t.shape)}"
+            )
+        target_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t.to(torch.int64)
+        check_ids_in_range("d2t targets (i + d2t[i])", target_ids, size)
+    call = _uneven_vocab(call, shard, weight.shape[0])
+    teacher, mask = _draft.linear_draft_targets(
+        hidden, weight, token_mask, target_ids, call.vocab, layout, head=call.head, bias=call.bias
+    )
+    return {"teacher_logits": teacher, "student_logits": student_logits, "token_mask": mask}
+
+
+def _packed_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    local, _ = _unwrapped(arguments)
+    return local, ""
+
+
+@boundary(roles=_ROLES_PACKED, vocab="auto", local=rejections_compared(_packed_view, "vocab_parallel_group"))
+def prepare_linear_packed_loss_input(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    data: MutableMapping[str, Any],
+    loss_fn: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_q_padded: Any,
+    *,
+    vocab_parallel_rank: int | None = None,
+    vocab_parallel_group: ProcessGroup | None = None,
+    context_parallel_group: ProcessGroup | None = None,
+    sampling_params: TrainingSamplingParams | None = None,
+    chunk_size: int | None = None,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
+    """Loss inputs (`LOGPROB`) from packed hidden states: `prepare_packed_loss_input` fused.
+
+    Equivalent to ``lossfx.prepare_packed_loss_input(z, data, loss_fn, cu_seqlens_q,
+    cu_seqlens_q_padded, ...)`` with ``z = head(hidden @ lm_head_weight.T + bias)``, one
+    `[C, Cv]` tile of `z` at a time.
+
+    Args:
+        hidden: `[1, T/C, H]` packed hidden states (this rank's load-balanced part of every
+            sequence under context parallelism of size `C`).
+        lm_head_weight, bias, temperature, logit_scale, softcap, ignore_index: as
+            `prepare_linear_loss_input`.
+        data: `input_ids` `[B, S]`, or the packed `[1, T]` row with `cu_seqlens` (pre-packed),
+            as in `prepare_packed_loss_input`.
+        loss_fn: must have `input_type == LossInputType.LOGPROB`.
+        cu_seqlens_q: `[B+1]` cumulative real lengths (ints, or an int tensor).
+        cu_seqlens_q_padded: `[B+1]` cumulative padded lengths (`T` in total; multiples of `2C`).
+        vocab_parallel_rank: rank in `vocab_parallel_group`; required with it.
+        vocab_parallel_group: tensor-parallel group over the vocabulary, or `None`.
+        context_parallel_group: CP group, or `None`; gradients are summed over CP ranks.
+        sampling_params: top-k/top-p filter; a filter raises today (see Raises).
+        chunk_size: packed positions per eager chunk (memory bound only).
+
+    Returns:
+        `({"next_token_logprobs": [B, S-1]}, data)` (`[1, T-1]` for pre-packed data).
+
+    Raises:
+        ValueError: an input type other than `LOGPROB`; a filter (the message names the logits
+            path); every error of `prepare_packed_loss_input`
+            (the checks name the packed `[1, T/C, Vl]` logits that `hidden` stands for).
+    """
+    input_type = _input_type(loss_fn)
+    if input_type is not LossInputType.LOGPROB:
+        raise ValueError(
+            f"prepare_linear_packed_loss_input only supports LossInputType.LOGPROB, got {input_type}; "
+            "use prepare_linear_loss_input per sequence for other types"
+        )
+    check_group("vocab_parallel_group", vocab_parallel_group)
+    local, shard = _unwrapped(
+        {
+            "hidden": hidden,
+            "lm_head_weight": lm_head_weight,
+            "bias": bias,
+            "data": data,
+            "vocab_parallel_group": vocab_parallel_group,
+            "vocab_parallel_rank": vocab_parallel_rank,
+        }
+    )
+    hidden, weight, columns = local["hidden"], local["lm_head_weight"], local["data"]
+    group = local["vocab_parallel_group"]
+    if shard.dtensor is None:
+        _vocab_parallel(vocab_parallel_rank, group)
+    check_tensor("hidden", hidden)
+    check_floating("hidden", hidden)
+    if hidden.dim() != 3 or hidden.shape[0] != 1:
+        raise ValueError(f"packed hidden must be [1, T/C, H], got shape {tuple(hidden.shape)}")
+    call, _ = _resolved_call(
+        hidden,
+        weight,
+        shard,
+        group=group,
+        bias=local["bias"],
+        temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        rows_per_position=1,
+    )
+    input_ids = check_tensor("data['input_ids']", _column(columns, "input_ids"))  # type: ignore[arg-type]
+    # the packed checks read shapes only: a zero-stride stand-in for the [1, T/C, Vl] logits
+    stand_in = hidden.new_zeros(()).expand(1, hidden.shape[1], weight.shape[0])
+    _, input_ids, layout, vocab, options = _validated_packed(
+        stand_in,
+        input_ids,
+        cu_seqlens_q,
+        cu_seqlens_q_padded,
+        prepacked="cu_seqlens" in columns,
+        vocab_parallel_group=group,
+        context_parallel_group=context_parallel_group,
+        sampling_params=sampling_params,
+        chunk_size=chunk_size,
+        vocab_start=shard.vocab_start,
+        vocab_size=shard.vocab_size,
+        ids_name="data['input_ids']",
+        uneven_shards=shard.dtensor is None and group is not None,
+    )
+    call = call._replace(vocab=vocab)
+    top = resolve_filter(sampling_params)
+    mask = None if top is None else loss_mask_from_data(columns, input_ids)
+
+    def kernel(target: Tensor) -> list[Tensor]:  # [1, T/C] -> [1, T/C]
+        out, _ = _kernel.linear_token_logprobs(
+            hidden,
+            weight,
+            target,
+            call.vocab,
+            bias=call.bias,
+            head=call.head,
+            ignore_index=ignore_index,
+            chunk_rows=options["chunk_rows"] or 0,
+        )
+        return [out]
+
+    def unfiltered() -> Tensor:
+        # fill 0, as the logits path: a padded slot scores the zero-padded token id 0 (kept, the
+        # reference's rule), and a slot without any next token is dropped by the layout
+        (out,) = score_next_tokens(layout, input_ids.to(hidden.device), hidden.shape[1], kernel)
+        return out
+
+    if top is None or mask is None:
+        return {"next_token_logprobs": unfiltered()}, data
+    logprobs = _linear_filtered_next_token_logprobs(hidden, weight, input_ids, layout, call, top)
+    logprobs = masked_out_neg_inf(logprobs, mask[:, 1:], "curr_logprobs")
+    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
+        data["curr_logprobs_unfiltered"] = unfiltered()
+    return {"next_token_logprobs": logprobs}, data
