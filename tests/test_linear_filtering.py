@@ -393,3 +393,20 @@ def test_two_passes_over_the_vocabulary():
             assert len(calls) == 2 * 4, (filt, len(calls))  # 4 chunks, forward + backward
     finally:
         kernel.Tiles.chunk_logits = real  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(20, 0.9), (None, 0.9), (None, 0.5), (8, 0.6)])
+def test_streamed_candidates_are_exact_where_the_proof_says(top_k, top_p):
+    """Claim 3 (§3, the alternative design, measured by benchmarks/bench_linear_filtering.py
+    --coverage): where the running top-C candidates cover the rule (`exact`), the threshold from
+    them alone is the logits path's; the rows it flags as needing an extra pass do occur."""
+    from benchmarks.bench_linear_filtering import candidate_coverage, peaked_bf16_logits
+
+    logits = peaked_bf16_logits(64, 3000, seed=1)
+    found = candidate_coverage(logits, top_k, top_p, 64)
+    tau = lossfx.top_k_top_p_threshold(logits.float(), top_k=top_k, top_p=top_p).double()
+    exact = found["exact"]
+    assert exact.any()
+    assert torch.equal(found["tau"][exact], tau[exact])
+    if top_k is None and top_p > 0.8:
+        assert not exact.all(), "the generator must produce rows whose candidates do not cover top_p"
