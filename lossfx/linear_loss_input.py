@@ -8,8 +8,8 @@ dtypes and gradients (to `hidden`, `W`, `bias`), and the logits never held: ever
 `[C, Cv]` tiles of them. Per input type:
 
 1. `LOGPROB` unfiltered: the fused next-token pipeline (`lossfx._layouts.linear_next_token`);
-   top-k/top-p filtered: `_linear_filtered_next_token_logprobs`, the plug-in point of a fused
-   filtered kernel (issue 26 item 2), which today raises a `ValueError` naming the logits path;
+   top-k/top-p filtered: the same pipeline around the fused filtered kernel
+   (`lossfx._kernels.linear_filtering`: `[C, Vl]` row chunks, two passes over the vocabulary);
 2. `DISTILLATION`: the student's log-probs at the teacher's top-k ids and `H_all` from one fused
    pass (`lossfx._layouts.linear_distillation`);
 3. `DRAFT`: the `D` head rows of the draft vocabulary only, projected from the shifted hidden
@@ -45,6 +45,7 @@ from lossfx._boundary.validation import (
 from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import fused_linear as _kernel
+from lossfx._kernels import linear_filtering as _filtered
 from lossfx._layouts import linear_distillation as _distillation
 from lossfx._layouts import linear_draft as _draft
 from lossfx._layouts import linear_next_token as _next_token
@@ -160,19 +161,6 @@ _LOGITS_PATH = (
     "call lossfx.prepare_loss_input(logits, data, loss_fn, ...) with the logits "
     "(logits = hidden @ lm_head_weight.T, bias and head options applied)"
 )
-
-
-def _linear_filtered_next_token_logprobs(
-    hidden: Tensor, weight: Tensor, input_ids: Tensor, layout: SequenceLayout, call: LinearCall, top: TopKTopP
-) -> Tensor:
-    """PLUG-IN POINT (issue 26 item 2): top-k/top-p filtered next-token log-probs `[B, S-1]` from
-    hidden `[B, S_l, H]` and this rank's head rows, over `layout` (`_next_token` shows the
-    pipeline: `score_next_tokens` around a `[B, S_l]` target kernel, `fill=ignore_index`). Today
-    a `ValueError` naming the logits path: the fused filtered kernel replaces the body."""
-    raise ValueError(
-        f"prepare_linear_loss_input: top-k/top-p filtered LOGPROB (top_k={top.top_k}, top_p={top.top_p}) from "
-        f"hidden states is not available yet; {_LOGITS_PATH}"
-    )
 
 
 def _linear_opd_full_input(
@@ -344,7 +332,9 @@ def _logprob_input(
     sampling_params: TrainingSamplingParams | None,
     ignore_index: int,
 ) -> dict[str, Tensor]:
-    """`LOGPROB`: next-token log-probs `[B, S-1]`, unfiltered through the fused pipeline."""
+    """`LOGPROB`: next-token log-probs `[B, S-1]` through the fused pipeline; with a top-k/top-p
+    `sampling_params`, under the filtered softmax (`lossfx._kernels.linear_filtering`: one
+    `[C, Vl]` row chunk at a time, two passes over the vocabulary), `-inf` masked as on the logits path."""
     if sampling_params is not None and not isinstance(sampling_params, TrainingSamplingParams):
         raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
     input_ids = _canonical(columns, "input_ids", hidden, 2, layout)
@@ -355,7 +345,7 @@ def _logprob_input(
     top = resolve_filter(sampling_params)
     mask = None if top is None else loss_mask_from_data(columns, input_ids)  # before anything is computed
 
-    def unfiltered() -> Tensor:
+    def next_token(filter_: TopKTopP | None) -> Tensor:
         (out,) = _next_token.linear_next_token_logprobs(
             hidden,
             weight,
@@ -366,15 +356,15 @@ def _logprob_input(
             bias=call.bias,
             ignore_index=ignore_index,
             chunk_rows=call.chunk_rows,
+            top=filter_,
         )
         return out
 
     if top is None or mask is None:
-        return {"next_token_logprobs": unfiltered()}
-    logprobs = _linear_filtered_next_token_logprobs(hidden, weight, input_ids, layout, call, top)
-    logprobs = masked_out_neg_inf(logprobs, mask[:, 1:], "curr_logprobs")
+        return {"next_token_logprobs": next_token(None)}
+    logprobs = masked_out_neg_inf(next_token(top), mask[:, 1:], "curr_logprobs")
     if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
-        data["curr_logprobs_unfiltered"] = unfiltered()
+        data["curr_logprobs_unfiltered"] = next_token(None)
     return {"next_token_logprobs": logprobs}
 
 
@@ -568,6 +558,21 @@ def prepare_linear_packed_loss_input(
     mask = None if top is None else loss_mask_from_data(columns, input_ids)
 
     def kernel(target: Tensor) -> list[Tensor]:  # [1, T/C] -> [1, T/C]
+        if filter_ is not None:
+            return [
+                _filtered.linear_filtered_token_logprobs(
+                    hidden,
+                    weight,
+                    target,
+                    call.vocab,
+                    top_k=filter_.top_k,
+                    top_p=filter_.top_p,
+                    ties=filter_.ties,
+                    bias=call.bias,
+                    head=call.head,
+                    ignore_index=ignore_index,
+                )
+            ]
         out, _ = _kernel.linear_token_logprobs(
             hidden,
             weight,
@@ -580,16 +585,19 @@ def prepare_linear_packed_loss_input(
         )
         return [out]
 
-    def unfiltered() -> Tensor:
+    filter_: TopKTopP | None = None
+
+    def next_token() -> Tensor:
         # fill 0, as the logits path: a padded slot scores the zero-padded token id 0 (kept, the
         # reference's rule), and a slot without any next token is dropped by the layout
         (out,) = score_next_tokens(layout, input_ids.to(hidden.device), hidden.shape[1], kernel)
         return out
 
     if top is None or mask is None:
-        return {"next_token_logprobs": unfiltered()}, data
-    logprobs = _linear_filtered_next_token_logprobs(hidden, weight, input_ids, layout, call, top)
-    logprobs = masked_out_neg_inf(logprobs, mask[:, 1:], "curr_logprobs")
-    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
-        data["curr_logprobs_unfiltered"] = unfiltered()
+        return {"next_token_logprobs": next_token()}, data
+    unfiltered = next_token() if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0 else None
+    filter_ = top
+    logprobs = masked_out_neg_inf(next_token(), mask[:, 1:], "curr_logprobs")
+    if unfiltered is not None:
+        data["curr_logprobs_unfiltered"] = unfiltered
     return {"next_token_logprobs": logprobs}, data

@@ -2,7 +2,8 @@
 gradients (hidden, weight, bias) against `prepare_loss_input(head(hidden @ W.T + b))` and against
 the dense float64 reference, per branch, float64 tight and fp32, 1/2/4 gloo ranks (tensor-parallel
 heads of uneven widths, load-balanced context parallelism), and compiled (fullgraph, pinned
-recompiles). Branches without their fused kernel yet (filtered LOGPROB, OPD_FULL) and `LOGIT` raise
+recompiles). Top-k/top-p filtered LOGPROB against the logits path and the reference
+(`test_filtered_*`). Branches without their fused kernel yet (OPD_FULL) and `LOGIT` raise
 a `ValueError` naming the logits path.
 """
 
@@ -190,20 +191,83 @@ def test_logit_and_unfused_branches_raise_naming_the_logits_path():
                 teacher_logits_dtype=torch.float32,
             )
         assert ("LOGIT" if input_type is LossInputType.LOGIT else "OPD_FULL") in str(err.value)
-    before = dict(data)
-    with pytest.raises(ValueError, match=r"top_k=5.*prepare_loss_input"):
-        lossfx.prepare_linear_loss_input(
-            hidden,
-            weight,
-            data,
-            SimpleNamespace(input_type=LossInputType.LOGPROB, reference_policy_kl_penalty=0.1),
-            sampling_params=lossfx.TrainingSamplingParams(top_k=5),
-        )
-    assert data == before  # a call that raises leaves data untouched
     with pytest.raises(ValueError, match=r"only supports LossInputType\.LOGPROB"):
         lossfx.prepare_linear_packed_loss_input(
             hidden[:1], weight, data, SimpleNamespace(input_type=LossInputType.DRAFT), [0, 8], [0, 8]
         )
+
+
+FILTERS = {  # sampling params: the rows keep 1..V ids; V = 13, so top_k = 5 drops most of each row
+    "top_k": {"top_k": 5},
+    "top_p": {"top_p": 0.8},
+    "both_sorted": {"top_k": 6, "top_p": 0.9, "ties": "sorted"},
+}
+
+
+def _filtered_case(name: str, seed: int = 0):
+    hidden, weight, bias, data, _, _ = make_case("logprob", seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    data["token_mask"] = (torch.rand(B, S, generator=gen) > 0.25).to(F32)
+    loss_fn = SimpleNamespace(input_type=LossInputType.LOGPROB, reference_policy_kl_penalty=0.1)
+    return hidden, weight, bias, data, loss_fn, FILTERS[name]
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("name", sorted(FILTERS))
+def test_filtered_logprob_matches_logits_path_and_reference(name, dtype):
+    """Filtered LOGPROB from hidden states equals the logits path: the filtered log-probs (a dropped
+    target's -inf masked to 0 with a warning, as there), `data['curr_logprobs_unfiltered']`, values
+    and gradients; the kept log-probs equal the float64 reference's."""
+    hidden, weight, bias, data, loss_fn, params = _filtered_case(name)
+    sampling = lossfx.TrainingSamplingParams(**params)
+    h, w, b = _leaves(dtype, hidden, weight, bias)
+    data_fused = dict(data)
+    out, _ = lossfx.prepare_linear_loss_input(h, w, data_fused, loss_fn, bias=b, sampling_params=sampling, **HEAD)
+    h2, w2, b2 = _leaves(dtype, hidden, weight, bias)
+    data_logits = dict(data)
+    want, _ = lossfx.prepare_loss_input(head_logits(h2, w2, b2), data_logits, loss_fn, sampling_params=sampling)
+    _assert_dicts(out, want, TOL[dtype], f"filtered {name}")
+    got_u, want_u = data_fused["curr_logprobs_unfiltered"], data_logits["curr_logprobs_unfiltered"]
+    torch.testing.assert_close(got_u.to(F64), want_u.to(F64), **TOL[dtype])
+    lp, lp_want = out["next_token_logprobs"], want["next_token_logprobs"]
+    # the filter drops some targets (masked to 0 by the -inf rule) and keeps others (renormalised)
+    assert ((lp == 0) & (got_u != 0)).any() and ((lp != 0) & (lp != got_u)).any()
+    gen = torch.Generator().manual_seed(5)
+    cot = torch.randn(lp.shape, generator=gen, dtype=F64)
+    loss = lambda x, u: (x.to(F64) * cot).sum() + (u.to(F64) * cot.flip(0)).sum()  # noqa: E731
+    got_g = torch.autograd.grad(loss(lp, got_u), (h, w, b))
+    want_g = torch.autograd.grad(loss(lp_want, want_u), (h2, w2, b2))
+    for n, g, wg in zip("hwb", got_g, want_g):
+        torch.testing.assert_close(g, wg, **TOL[dtype], msg=lambda m, n=n: f"filtered {name} d{n}: {m}")
+    hr, wr, br = _leaves(F64, hidden, weight, bias)
+    ref = reference.prepare_linear_loss_input(hr, wr, data, loss_fn, bias=br, **HEAD, **params)
+    kept = lp != 0
+    torch.testing.assert_close(lp[kept].to(F64), ref["next_token_logprobs"][kept], **TOL[dtype])
+
+
+def test_filtered_packed_matches_logits_path():
+    gen = torch.Generator().manual_seed(3)
+    cu, cu_p = [0, 3, 7, 12], [0, 4, 8, 13]
+    hidden = torch.randn(1, 13, H, generator=gen, dtype=F64)
+    weight = torch.randn(V, H, generator=gen, dtype=F64)
+    bias = torch.randn(V, generator=gen, dtype=F64)
+    data = {"input_ids": torch.randint(0, V, (3, 5), generator=gen), "token_mask": torch.ones(3, 5)}
+    loss_fn = SimpleNamespace(input_type=LossInputType.LOGPROB)
+    sampling = lossfx.TrainingSamplingParams(top_k=4, top_p=0.9)
+    h, w, b = _leaves(F64, hidden, weight, bias)
+    out, _ = lossfx.prepare_linear_packed_loss_input(
+        h, w, dict(data), loss_fn, cu, cu_p, bias=b, sampling_params=sampling, **HEAD
+    )
+    h2, w2, b2 = _leaves(F64, hidden, weight, bias)
+    want, _ = lossfx.prepare_packed_loss_input(
+        head_logits(h2, w2, b2), dict(data), loss_fn, cu, cu_p, sampling_params=sampling
+    )
+    _assert_dicts(out, want, TOL[F64], "packed filtered")
+    lp, lp_want = out["next_token_logprobs"], want["next_token_logprobs"]
+    assert (lp == 0).any() and (lp != 0).any()  # some targets dropped (masked to 0), some kept
+    got = torch.autograd.grad(lp.sum(), (h, w, b))
+    for g, wg in zip(got, torch.autograd.grad(lp_want.sum(), (h2, w2, b2))):
+        torch.testing.assert_close(g, wg, **TOL[F64])
 
 
 def test_bad_arguments_raise_naming_them():
@@ -317,6 +381,43 @@ def test_two_gloo_ranks(branch, mode):
     for dtype in (F64, F32):
         results = harness.gloo_pool(2).run(ranked_case, branch, mode, str(dtype).split(".")[-1])
         _check_ranked(results, branch, mode, dtype)
+
+
+def ranked_filtered(rank, world, group, name):
+    """One TP rank's filtered call (uneven head rows) and its gradients (hidden full, head rows local)."""
+    hidden, weight, bias, data, loss_fn, params = _filtered_case(name, seed=7)
+    widths = _widths(world)
+    start = sum(widths[:rank])
+    h, w, b = _leaves(F64, hidden, weight[start : start + widths[rank]], bias[start : start + widths[rank]])
+    out, _ = lossfx.prepare_linear_loss_input(
+        h, w, dict(data), loss_fn, bias=b, chunk_size=3, vocab_parallel_group=group, vocab_parallel_rank=rank,
+        sampling_params=lossfx.TrainingSamplingParams(**params), **HEAD,
+    )  # fmt: skip
+    lp = out["next_token_logprobs"]
+    return lp.detach(), torch.autograd.grad(lp.sum(), (h, w, b))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["top_k", "both_sorted"])
+def test_filtered_two_gloo_ranks_uneven_heads(name):
+    results = harness.gloo_pool(2).run(ranked_filtered, name)
+    hidden, weight, bias, data, loss_fn, params = _filtered_case(name, seed=7)
+    hr, wr, br = _leaves(F64, hidden, weight, bias)
+    # the one-process fused call is the twin the test above proves against the logits path
+    h1, w1, b1 = _leaves(F64, hidden, weight, bias)
+    one, _ = lossfx.prepare_linear_loss_input(
+        h1, w1, dict(data), loss_fn, bias=b1, sampling_params=lossfx.TrainingSamplingParams(**params), **HEAD
+    )
+    ref = reference.prepare_linear_loss_input(hr, wr, data, loss_fn, bias=br, **HEAD, **params)["next_token_logprobs"]
+    want = one["next_token_logprobs"]
+    kept = want != 0
+    torch.testing.assert_close(want[kept], ref[kept], **TOL[F64])
+    dh, dw, db = torch.autograd.grad(want.sum(), (h1, w1, b1))
+    for lp, (gh, _, _) in results:
+        torch.testing.assert_close(lp, want.detach(), **TOL[F64])
+        torch.testing.assert_close(gh, dh, **TOL[F64])
+    torch.testing.assert_close(torch.cat([r[1][1] for r in results]), dw, **TOL[F64])
+    torch.testing.assert_close(torch.cat([r[1][2] for r in results]), db, **TOL[F64])
 
 
 @pytest.mark.slow  # a 4-process gloo pool (~30 s to start on the loaded 2-core VM); 2 ranks cover TP by default

@@ -18,6 +18,8 @@ from lossfx._core.distributed import group_size
 from lossfx._core.tiles import LogitHead
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import fused_linear as _kernel
+from lossfx._kernels import linear_filtering as _filtered
+from lossfx._layouts.next_token import TopKTopP
 from lossfx._layouts.sequence_layout import SequenceLayout, score_next_tokens
 
 __all__ = ["linear_next_token_logprobs"]
@@ -37,10 +39,13 @@ def linear_next_token_logprobs(
     chunk_rows: int = 0,
     sequence_parallel: bool = False,
     position_ids: Tensor | None = None,
+    top: TopKTopP | None = None,
 ) -> list[Tensor]:
     """hidden `[B, S_l, H]` (`[B, S_l/R, H]` under sequence parallelism over `vocab.group`, `R`
     ranks), weight `[Vl, H]`, input_ids `[B, S]` canonical -> `[logprobs [B, S−1]]`, and
-    `Σ p log p [B, S−1]` after it when `with_neg_entropy`.
+    `Σ p log p [B, S−1]` after it when `with_neg_entropy`. With `top` (a top-k/top-p filter, no
+    entropy), the log-probs under the filtered, renormalised softmax
+    (`lossfx._kernels.linear_filtering`).
 
     Dense equivalent (no parallelism): ``linear_token_logprobs(hidden[:, :-1], weight,
     input_ids[:, 1:])``, 0 where `input_ids[:, t+1] == ignore_index` or `position_ids[:, t+1] == 0`.
@@ -53,6 +58,21 @@ def linear_next_token_logprobs(
 
     def score(target: Tensor) -> list[Tensor]:  # [B, S_l] -> [B, S_l] each
         target = target.transpose(0, 1) if seq_major else target  # [S_l, B]
+        if top is not None:
+            filtered = _filtered.linear_filtered_token_logprobs(
+                rows,
+                weight,
+                target,
+                vocab,
+                top_k=top.top_k,
+                top_p=top.top_p,
+                ties=top.ties,
+                bias=bias,
+                head=head,
+                ignore_index=ignore_index,
+                sequence_parallel=sequence_parallel,
+            )
+            return [filtered.transpose(0, 1) if seq_major else filtered]
         logprobs, neg_entropy = _kernel.linear_token_logprobs(
             rows,
             weight,
