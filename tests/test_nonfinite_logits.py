@@ -295,8 +295,16 @@ def test_projected_teacher(kind, where, value):
 # Compiled: the traced forward and backward (one fused expression each)
 # ---------------------------------------------------------------------------------------------
 
-COMPILED = ["token_logprobs", "gather_logprobs+H", "neg_entropy", "cross_entropy_to_fixed", "reverse_kl_to_fixed"]
-COMPILED += ["filtered top-k top-p"]
+# the divergences by default (their traced backward is its own expression); the rest under `slow`
+# (their traced paths share the merge with the eager ones, checked above)
+COMPILED = [
+    pytest.param("neg_entropy"),
+    pytest.param("cross_entropy_to_fixed"),
+    pytest.param("reverse_kl_to_fixed"),
+    pytest.param("token_logprobs", marks=pytest.mark.slow),
+    pytest.param("gather_logprobs+H", marks=pytest.mark.slow),
+    pytest.param("filtered top-k top-p", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.compile
