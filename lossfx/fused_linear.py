@@ -284,7 +284,9 @@ def linear_gather_logprobs(
             allowed (their gradients add).
         zero_outside_topk: `True`: normalise over the full vocabulary (`log_softmax(z)[ids]`);
             `False`: renormalise over the `K` ids (`log_softmax(z[ids])`, a duplicated id counts
-            twice), the two conventions of `prepare_loss_input(DISTILLATION)`.
+            twice), the two conventions of `prepare_loss_input(DISTILLATION)`. With `False`, a
+            NaN or `+inf` logit outside a row's ids makes that row NaN (values and gradients)
+            where the dense formula is finite: the renormalisation starts from the full softmax.
         with_neg_entropy: also return `Σ_v p log p` `[...]` (the negative entropy over the full
             vocabulary), from the same pass; else `None`.
         with_entropy: deprecated name of `with_neg_entropy` (same value; a FutureWarning).

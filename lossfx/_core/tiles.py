@@ -15,19 +15,20 @@ This module owns what those loops share: the tile sizes (from a device's `ChunkP
 per `[C, Cv]` tile, `max_block` columns, `chunk_bytes` per rows-outside chunk), the walk over the
 active rows only (ignored rows are never computed), the reused tile buffers (`torch.mm(out=)`
 into a view), the logits of a tile (`LogitHead`: bias, logit scale, soft-cap, temperature;
-rounding of low-precision products) and the online merge of row statistics (`merge_stats`, the
-same across vocabulary blocks and across ranks). Dense equivalent of one tile:
-``head(hidden[rows] @ weight[cols].T + bias[cols])``.
+rounding of low-precision products). The online merge of row statistics, the same across
+vocabulary blocks and across ranks, is `lossfx._core.numerics.merge_stats` (re-exported here).
+Dense equivalent of one tile: ``head(hidden[rows] @ weight[cols].T + bias[cols])``.
 """
 
 from __future__ import annotations
 
-import math
 import typing
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
+
+from lossfx._core.numerics import compute_dtype, merge_stats
 
 __all__ = [
     "LogitHead",
@@ -63,11 +64,6 @@ class TileSizes(typing.Protocol):
 
 def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """`promote_types(dtype, float32)`: the softmax arithmetic's dtype."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def matmul_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
@@ -118,35 +114,6 @@ def compiled_body(fn: typing.Callable[..., typing.Any]) -> typing.Callable[..., 
 
         _COMPILED[fn] = run
     return _COMPILED[fn]
-
-
-def merge_stats(m: Tensor, s: Tensor, u: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The online softmax merge over dim 0 (vocabulary blocks or ranks), exact up to rounding.
-
-    Parts `r` over disjoint columns, each `m_r = max z`, `s_r = Σ exp(z − m_r)` and optionally the
-    entropy moment `u_r = Σ exp(z − m_r)(z − m_r)`, `[R, N]` -> `(M, S, U)` `[N]` over all columns:
-
-        M = max_r m_r,  S = Σ_r w_r s_r,  U = Σ_r w_r (u_r + (m_r − M) s_r),  w_r = exp(m_r − M)
-
-    `-inf` parts (a block or shard whose logits are all `-inf`, e.g. masked padded head rows) are
-    `m_r = -inf, s_r = u_r = 0`: their weight is 0 and they add nothing. `S` and `U` are taken
-    about the shift `M` (0 where `M = -inf`); `M` itself is returned unchanged, so an all `-inf`
-    row stays the part `(-inf, 0, 0)` and merges again exactly (proofs/fused_linear.md §5, §10).
-    A row with a NaN or `+inf` logit has `M` NaN or `+inf` (`amax` propagates both): its shift is
-    NaN, so its `S` and `U` are NaN (`torch.log_softmax` makes such a row NaN throughout).
-    """
-    big = m.amax(dim=0)  # [N]
-    # the shift: 0 where no part is finite (no `-inf − -inf`), NaN where M is NaN or +inf (one op:
-    # see numerics.shift_or_nan)
-    shift = torch.nan_to_num(big, nan=math.nan, posinf=math.nan, neginf=0.0)
-    delta = m - shift  # [R, N], <= 0, -inf for an all -inf part, NaN throughout a NaN / +inf row
-    weight = torch.exp(delta)
-    total = (weight * s).sum(dim=0)
-    if u is None:
-        return big, total, None
-    # w_r = 0 exactly where delta_r = -inf (and s_r = 0 there): the term is 0, never -inf · 0
-    delta = torch.nan_to_num(delta, nan=math.nan, posinf=math.inf, neginf=0.0)
-    return big, total, (weight * (u + delta * s)).sum(dim=0)
 
 
 def row_chunks(active: Tensor | None, n_rows: int, chunk_rows: int) -> list[slice] | list[Tensor]:

@@ -49,7 +49,16 @@ from torch.autograd.function import once_differentiable
 
 from lossfx._core.chunking import cat_chunks, policy_for, row_chunks
 from lossfx._core.distributed import ProcessGroup, all_gather_stack
-from lossfx._core.numerics import compiled_row_sum, finite_or_zero, log_s_for_softmax, merge_max_logsum, tracing
+from lossfx._core.numerics import (
+    compiled_row_sum,
+    finite_or_nan,
+    finite_or_nan_,
+    finite_or_zero,
+    log_s_for_softmax,
+    merge,
+    merge_moment,
+    tracing,
+)
 from lossfx._core.tiles import LogitHead, Tiles, chunk_rows_for
 
 __all__ = [
@@ -68,11 +77,6 @@ def _compute_dtype(student: Tensor, teacher: Tensor | None) -> torch.dtype:
     """`promote_types(student, teacher, float32)`: fp32 for low precision, float64 stays float64."""
     dtype = torch.promote_types(student.dtype, torch.float32)
     return dtype if teacher is None else torch.promote_types(dtype, teacher.dtype)
-
-
-def _safe_mul(e: Tensor, x: Tensor) -> Tensor:
-    """`e · x` with `0 · anything = 0` (the `0 · log 0 = 0` convention; `e ≥ 0`)."""
-    return torch.where(e > 0, e * x, torch.zeros_like(e))
 
 
 def _sub_rows(z: Tensor, shift: Tensor, out: Tensor | None = None) -> Tensor:
@@ -144,19 +148,15 @@ def _merge(stats: Tensor, alpha: int, beta: int) -> tuple[Tensor, Tensor]:
     `row_stats` = `(M_s, log S, M_t, log T)`: `lse(z) = M_s + log S`, `lse(y) = M_t + log T`.
     """
     m_s, s_s, m_t, s_t, u = stats.unbind(1)  # each [R, N]
-    # The teacher needs only `(M_t, log T)`: `merge_max_logsum`. The student's merge is spelled out
-    # because the merge of `u` reuses its per-rank weights and the linear sum `S`.
-    # (`lossfx._core.tiles.merge_stats` does not serve: its moment shift is `(m_r − M) s_r` with no
-    # teacher term `−β Δt_r s_r`. It handles an all `-inf` shard exactly, as this merge does: weight 0.)
-    big_m_s = finite_or_zero(m_s.amax(dim=0))  # [N], the global shift
-    scale = torch.exp(m_s - big_m_s)  # [R, N], 0 for an all -inf student shard
-    total_s = (s_s * scale).sum(dim=0)  # [N], = exp(lse_s − M_s)
-    log_s = torch.log(total_s)  # [N], −inf for an all −inf student row
-    big_m_t, log_t = merge_max_logsum(m_t, s_t)  # [N] each; log T = −inf for an all −inf teacher row
-    # Shifting each rank's local shift to the global one: Σ_r e_r (u_r + s_r (α Δs_r − β Δt_r)).
-    shift = alpha * (finite_or_zero(m_s) - big_m_s) - beta * (finite_or_zero(m_t) - big_m_t)  # [R, N]
-    per_rank = _safe_mul(scale, u + s_s * shift)  # [R, N]
-    r = per_rank.sum(dim=0) / total_s - alpha * log_s  # [N]
+    # The one merge (`lossfx._core.numerics.merge`), for the student and the teacher. An all -inf
+    # shard has weight exactly 0 and adds nothing; a row with a NaN or +inf logit has a NaN shift,
+    # so everything merged from it is NaN (proofs/divergence.md §4).
+    student, teacher = merge(m_s, s_s), merge(m_t, s_t)
+    log_s = torch.log(student.total)  # [N], −inf for an all −inf student row
+    log_t = torch.log(teacher.total)  # [N], −inf for an all −inf teacher row
+    # Each rank's `u` is about its local shifts; moved to the global ones: Σ_r w_r (u_r + s_r (α Δs_r − β Δt_r)).
+    moment = merge_moment(student, s_s, u, alpha * student.offset - beta * teacher.offset)  # [N]
+    r = moment / student.total - alpha * log_s  # [N]
     if beta:
         # An all -inf teacher row has log p_t = -inf everywhere: R = +inf wherever p_s has mass.
         r = torch.where(torch.isneginf(log_t), torch.full_like(r, float("inf")), r + beta * log_t)
@@ -164,7 +164,7 @@ def _merge(stats: Tensor, alpha: int, beta: int) -> tuple[Tensor, Tensor]:
     r = torch.where(torch.isneginf(log_s), torch.zeros_like(r), r)
     # The shifts and log-sums stay apart (lse = shift + log_sum would round log_sum away at large
     # |shift|: proofs/divergence.md §8); stacked `[4, N]` for the backward.
-    return torch.stack([big_m_s, log_s, big_m_t, log_t]), r
+    return torch.stack([student.shift, log_s, teacher.shift, log_t]), r
 
 
 # The teacher's rows `[start, end)` as a `[C, Vl]` tensor: a slice of given logits, or a projection
@@ -229,33 +229,39 @@ def _divergence_bwd(
     """-> dstudent `[N, Vl]` in the student's dtype; no collective."""
     alpha, beta = _WEIGHTS[kind]
     cdtype = _compute_dtype(student, teacher)
-    terms = _backward_terms(row_stats, r, dout, cdtype)
+    terms = _backward_terms(row_stats, r, dout, cdtype, join=bool(alpha and beta) and not tracing())
     shift_s, log_s_safe, shift_t, log_t_safe, grad, r_safe = terms
     if tracing():
         # One expression over the whole tensor: Inductor fuses it into a single loop that reads the
         # logits once and writes dstudent once, in the student's dtype, with no [N, Vl] temporary.
         # (z − M) − log S: the large shift leaves first, exactly (proofs/divergence.md §8).
         logp_s = (student.to(cdtype) - shift_s[:, None]) - log_s_safe[:, None]  # [N, Vl]
-        if beta and teacher is not None:  # beta != 0 exactly when a teacher is given
-            logp_t = (teacher.to(cdtype) - shift_t[:, None]) - log_t_safe[:, None]  # [N, Vl]
-            w = logp_s - logp_t if alpha else -logp_t  # [N, Vl]
-        else:
-            w = logp_s  # [N, Vl]
-        # A NaN here is 0·(±inf) (p_s = 0 under w = −inf, or a zeroed row whose R is +inf): it is 0.
-        # Where p_s > 0 on a live row, w and R are finite (proofs/divergence.md §4).
+        # Each factor finite (`finite_or_nan`: ±inf -> ±max, NaN kept), so 0 · factor is 0 where
+        # p_s = 0 or on a zeroed row, and a NaN row stays NaN (proofs/divergence.md §4).
+        w = finite_or_nan(logp_s)
+        if beta and teacher is not None:
+            logp_t = finite_or_nan((teacher.to(cdtype) - shift_t[:, None]) - log_t_safe[:, None])  # [N, Vl]
+            w = w - logp_t if alpha else -logp_t  # [N, Vl]
         dchunk = torch.exp(logp_s) * (w - r_safe[:, None]) * grad[:, None]
-        return torch.nan_to_num(dchunk, nan=0.0).to(student.dtype)
+        return dchunk.to(student.dtype)
     return _grad_eager(student, _row_slicer(teacher), terms, alpha, beta, chunk_rows, cdtype)
 
 
-def _backward_terms(row_stats: Tensor, r: Tensor, dout: Tensor, cdtype: torch.dtype) -> tuple[Tensor, ...]:
-    """Per-row constants of the backward, each `[N]`: `(M_s, log S, M_t, log T, g, R)` made safe."""
+def _backward_terms(
+    row_stats: Tensor, r: Tensor, dout: Tensor, cdtype: torch.dtype, join: bool = False
+) -> tuple[Tensor, ...]:
+    """Per-row constants of the backward, each `[N]`: `(M_s, log S, M_t, log T, g, R)` made safe.
+
+    `join` (the eager reverse KL): `R + log S − log T` in place of `R`, the constant of
+    `w − R = ((z_s − M_s) − (z_t − M_t)) − (R + log S − log T)`: all three of moderate size, and
+    identical student and teacher give exactly 0 (the columns' differences and the constant both)."""
     shift_s, log_s, shift_t, log_t = row_stats.unbind(0)  # each [N]
     log_s_safe = log_s_for_softmax(log_s)  # +inf for an empty row: p_s = 0
     # A row with R = ±inf (teacher -inf under student mass) or an empty student row: gradient 0.
-    row_ok = torch.isfinite(r) & torch.isfinite(log_s)
-    grad = torch.where(row_ok, dout.to(cdtype), torch.zeros_like(r))
-    r_safe = torch.where(row_ok, r, torch.zeros_like(r))
+    # A row with a NaN or +inf logit (NaN shift, log-sums and R) keeps its NaN: its gradient is NaN.
+    dead = torch.isinf(r) | torch.isneginf(log_s)
+    grad = torch.where(dead, 0.0, dout.to(cdtype))
+    r_safe = torch.where(dead, 0.0, r + (log_s - log_t) if join else r)
     log_t_safe = finite_or_zero(log_t)  # only read on rows whose gradient is nonzero
     return shift_s, log_s_safe, shift_t, log_t_safe, grad, r_safe
 
@@ -279,18 +285,24 @@ def _grad_eager(
     for start, end in row_chunks(n_rows, chunk_rows, local_vocab, cdtype, student.device):
         rows = slice(start, end)
         out = dstudent[rows] if direct else None
-        if alpha or teacher_rows is None:  # d := log p_s (in the output rows when direct), p := exp(d)
+        # g · p · (w − R) with every factor finite where the inputs are (`finite_or_nan_`: ±inf ->
+        # ±max, NaN kept): 0 · factor is 0 where p_s = 0 or on a zeroed row, and a NaN stays NaN
+        # (proofs/divergence.md §4)
+        if teacher_rows is None:  # entropy: d := log p_s (in the output rows when direct), p := exp(d)
             d = _sub_rows(student[rows], shift_s[rows], out).sub_(log_s_safe[rows, None])
             p = torch.exp(d)  # [C, Vl]
-            if beta and teacher_rows is not None:  # reverse KL: d := log p_s − log p_t
-                logp_t = _sub_rows(teacher_rows(start, end), shift_t[rows])  # [C, Vl]
-                d.sub_(logp_t.sub_(log_t_safe[rows, None]))
-                del logp_t
+            finite_or_nan_(d).sub_(r_safe[rows, None])
+        elif alpha:  # reverse KL: d := z_s − M_s, p := exp(d − log S), then d − (z_t − M_t)
+            d = _sub_rows(student[rows], shift_s[rows], out)
+            p = torch.sub(d, log_s_safe[rows, None]).exp_()  # [C, Vl]
+            x_t = finite_or_nan_(_sub_rows(teacher_rows(start, end), shift_t[rows]))  # [C, Vl]
+            finite_or_nan_(d).sub_(x_t).sub_(r_safe[rows, None])
+            del x_t
         else:  # cross-entropy: p := exp(log p_s), d := −log p_t
             p = _sub_rows(student[rows], shift_s[rows]).sub_(log_s_safe[rows, None]).exp_()
             d = _sub_rows(teacher_rows(start, end), shift_t[rows], out).sub_(log_t_safe[rows, None]).neg_()
-        # g · p · (w − R); a NaN is 0·(±inf) from p = 0 (or a zeroed row): it is 0 (proofs §4)
-        d.sub_(r_safe[rows, None]).mul_(p.mul_(grad[rows, None])).nan_to_num_(nan=0.0)
+            finite_or_nan_(d).sub_(r_safe[rows, None])
+        d.mul_(p.mul_(grad[rows, None]))
         if not direct:
             dstudent[rows] = d  # rounds once to the student's dtype
     return dstudent
@@ -466,7 +478,7 @@ def _projected_teacher_grad(
     """dstudent `[N, Vl]`, each teacher chunk projected again (nothing `[N, Vl]` was saved)."""
     alpha, beta = _WEIGHTS[kind]
     cdtype = r.dtype
-    terms = _backward_terms(row_stats, r, dout, cdtype)
+    terms = _backward_terms(row_stats, r, dout, cdtype, join=bool(alpha and beta))
     teacher_rows, rows = _projected_rows(hidden, weights, head, chunk_rows, logits_dtype)
     return _grad_eager(student, teacher_rows, terms, alpha, beta, rows, cdtype)
 

@@ -53,10 +53,10 @@ from lossfx._core.chunking import cat_chunks, row_chunks
 from lossfx._core.distributed import ProcessGroup, all_gather_stack, all_reduce, group_rank, group_size, local_columns
 from lossfx._core.numerics import (
     compute_dtype,
-    finite_or_zero,
     log_s_for_softmax,
     merge_max_logsum,
     row_max_sumexp,
+    shift_or_nan,
 )
 from lossfx._core.vocab import VocabRange
 
@@ -322,7 +322,7 @@ def _from_candidates(
     c = cand.to(_F64)  # [N, k]
     tau_k = c[:, -1]  # [N]
     above = c > tau_k[:, None]  # [N, k]
-    shift = finite_or_zero(c[:, 0])  # [N]: the row max, 0 if not finite
+    shift = shift_or_nan(c[:, 0])  # [N]: the row max; 0 if -inf, NaN if +inf (the row is NaN)
     w = torch.where(above, torch.exp(c - shift[:, None]), 0.0)  # [N, k]
     log_s_k = torch.log(w.sum(dim=-1) + tie_count.to(_F64) * torch.exp(tau_k - shift))  # [N]
     if top_p >= 1.0:
@@ -693,7 +693,8 @@ def _filtered_logprobs_fwd(
     target_logit = stats[:, 0].sum(dim=0)  # [N]: exactly one rank contributes
     target_kept = stats[:, 1].sum(dim=0) > 0  # [N]
     dead = torch.isneginf(log_s) | ~target_kept
-    out = torch.where(dead, torch.full_like(log_s, float("-inf")), (target_logit - shift) - log_s)
+    # a dropped target's -inf, but NaN on a row with a +inf logit (NaN shift): log_softmax is NaN there
+    out = torch.where(dead, shift - math.inf, (target_logit - shift) - log_s)
     out = torch.where(torch.isnan(tau), tau, out)  # a row holding NaN: NaN (it keeps nothing)
     cut_out = torch.zeros_like(target) if cut is None else cut
     return out, shift, log_s, tau, cut_out

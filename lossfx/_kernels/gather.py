@@ -33,7 +33,7 @@ from torch.autograd.function import once_differentiable
 
 from lossfx._core.chunking import cat_chunks, row_chunks
 from lossfx._core.distributed import all_gather_stack, all_reduce, local_columns
-from lossfx._core.numerics import compute_dtype, finite_or_zero, log_s_for_softmax, merge_max_logsum, tracing
+from lossfx._core.numerics import compute_dtype, finite_or_zero, log_s_for_softmax, merge, merge_moment, tracing
 from lossfx._core.vocab import VocabRange
 
 __all__ = ["gather_logits", "gather_logprobs"]
@@ -68,19 +68,6 @@ def _chunk_stats(z: Tensor, cdtype: torch.dtype, with_entropy: bool) -> tuple[Te
     return m, s, e.mul_(d).sum(dim=-1)
 
 
-def _merge_neg_entropy(m: Tensor, s: Tensor, u: Tensor, shift: Tensor, log_s: Tensor) -> Tensor:
-    """`Σ p log p` `[N]` from per-shard `m, s, u [R, N]`, `u_r = Σ exp(z − m_r)·(z − m_r)`.
-
-    With `w_r = exp(m_r − shift)`: `Σ_v p_v (z_v − shift) = Σ_r w_r (u_r + (m_r − shift) s_r) / Σ_r w_r s_r`
-    and `Σ p log p = Σ p (z − shift) − log_s`. Every term is relative to the row max, so nothing
-    of size `|shift|` is ever subtracted (proofs/gather.md §4).
-    """
-    offset = m - shift.unsqueeze(0)  # [R, N], −inf for an all −inf shard
-    weight = torch.exp(offset)  # [R, N]
-    shifted = torch.where(weight > 0, weight * (u + offset * s), torch.zeros_like(u))  # no 0·(−∞)
-    return (shifted.sum(dim=0) / (weight * s).sum(dim=0)) - log_s
-
-
 def _gather_logprobs_fwd(logits, ids, vocab_start, with_entropy, chunk_rows, group):
     """logits `[N, Vl]`, ids `[N, K]` -> (logprobs `[N, K]`, neg_entropy `[N]`, shift `[N]`, log_s `[N]`)."""
     n_rows, local_vocab = logits.shape
@@ -102,7 +89,8 @@ def _gather_logprobs_fwd(logits, ids, vocab_start, with_entropy, chunk_rows, gro
     # 2. merge across ranks: one all-gather of per-row scalars
     stats = all_gather_stack(torch.cat(rows), group)  # [R, 2 + K (+1), N]
     n_ids = ids.shape[-1]
-    shift, log_s = merge_max_logsum(stats[:, 0], stats[:, 1])  # [N], [N]; lse = shift + log_s
+    merged = merge(stats[:, 0], stats[:, 1])  # the one (max, Σexp) merge, `_core.numerics`
+    shift, log_s = merged.shift, torch.log(merged.total)  # [N], [N]; lse = shift + log_s
     gathered = stats[:, 2 : 2 + n_ids].sum(dim=0).transpose(0, 1)  # [N, K], one owner per id
     finite_row = ~torch.isneginf(log_s)
     # the large part first: (z − shift) − log_s, exact at any magnitude (proofs/logprobs.md §4.1)
@@ -110,7 +98,8 @@ def _gather_logprobs_fwd(logits, ids, vocab_start, with_entropy, chunk_rows, gro
     logprobs = torch.where(finite_row.unsqueeze(-1), logprobs, float("-inf"))
     if not with_entropy:
         return logprobs, torch.zeros_like(log_s), shift, log_s
-    neg_entropy = _merge_neg_entropy(stats[:, 0], stats[:, 1], stats[:, -1], shift, log_s)  # Σ p log p
+    # Σ p log p = Σ p (z − shift) − log_s, every term relative to the row max (proofs/gather.md §4)
+    neg_entropy = merge_moment(merged, stats[:, 1], stats[:, -1]) / merged.total - log_s
     neg_entropy = torch.where(finite_row, neg_entropy, torch.zeros_like(neg_entropy))
     return logprobs, neg_entropy, shift, log_s
 
@@ -258,5 +247,7 @@ def gather_logits(logits: Tensor, ids: Tensor, vocab: VocabRange) -> Tensor:
     local = _GatherColumnsFn.apply(logits, local_idx)  # [..., K] in the compute dtype
     local = torch.where(owned, local, torch.zeros_like(local))
     total = all_reduce(local.detach(), "sum", vocab.group)
-    # value: the sum over ranks; gradient: the identity onto this rank's own contribution
-    return local + (total - local.detach())
+    # value: the sum over ranks, which on the owner rank is its own logit exactly (the others add
+    # 0); gradient: the identity onto the owner's contribution. (Not `local + (total − local)`:
+    # that is NaN at a `-inf` or `+inf` logit, where the reference is not.)
+    return torch.where(owned, local, total)

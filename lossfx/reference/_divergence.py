@@ -25,9 +25,10 @@ _F64 = torch.float64
 
 
 def _expect(student: Tensor, w: Tensor) -> Tensor:
-    """`Σ_v p_s w` with `0 · w = 0` where `p_s = 0`."""
+    """`Σ_v p_s w` with `0 · w = 0` where `p_s = 0` (a NaN `p_s` or `w` stays NaN)."""
     p = log_softmax(student).exp()
-    return torch.where(p > 0, p * torch.where(p > 0, w, torch.zeros_like(w)), torch.zeros_like(p)).sum(-1)
+    live = p != 0  # True where p is NaN: a row with a NaN or +inf logit is NaN, as torch makes it
+    return torch.where(live, p * torch.where(live, w, torch.zeros_like(w)), torch.zeros_like(p)).sum(-1)
 
 
 def neg_entropy(student: Tensor) -> Tensor:
