@@ -33,6 +33,7 @@ from torch import Tensor
 from lossfx._boundary import dtensor as _dtensor
 from lossfx._boundary.consistency import (
     Roles,
+    ShardWidths,
     boundary,
 )
 from lossfx._boundary.dtensor import (
@@ -173,6 +174,7 @@ def next_token_logprobs(
     chunk_size: int | None = None,
     position_ids: Tensor | None = None,
     ignore_index: int | None = None,
+    _widths: ShardWidths | None = None,
 ) -> Tensor:
     """Next-token log-probs: position `t` scores token `input_ids[:, t+1]`.
 
@@ -221,6 +223,7 @@ def next_token_logprobs(
         chunk_size,
         position_ids=position_ids,
         ignore_index=ignore_index,
+        widths=_widths,
     )
     return next_token_logprobs_of(call, resolve_filter(sampling_params))
 
@@ -236,11 +239,12 @@ def _validated_logprob_call(
     position_ids: Tensor | None = None,
     ignore_index: int | None = None,
     ids_name: str = "input_ids",
+    widths: ShardWidths | None = None,
 ) -> NextTokenCall:
     """The boundary work of `next_token_logprobs` and of `prepare_loss_input(LOGPROB)` on local
     tensors, once: the tensor-parallel arguments, then `validated_next_token_call` (shapes, ONE
-    range check of the scored ids, this rank's `VocabRange` from the widths the ranks reported:
-    uneven shards in eager mode)."""
+    range check of the scored ids, this rank's `VocabRange` from the `widths` the ranks reported
+    to the call's check: uneven shards in eager mode)."""
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
     return validated_next_token_call(
         logits,
@@ -249,7 +253,7 @@ def _validated_logprob_call(
         layout=layout,
         chunk_size=chunk_size,
         position_ids=position_ids,
-        uneven=True,
+        widths=ShardWidths() if widths is None else widths,
         ids_name=ids_name,
         ignore_index=ignore_index,
     )
@@ -305,6 +309,7 @@ def prepare_loss_input(
     cp_sharder: Any = None,
     teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
     teacher_logits_dtype: torch.dtype | None = None,
+    _widths: ShardWidths | None = None,
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
     """Build the loss-function input dict from model logits.
 
@@ -391,6 +396,7 @@ def prepare_loss_input(
         "cp_sharder": cp_sharder,
     }
     options: dict[str, Any] = {"sampling_params": sampling_params, "d2t": d2t, "chunk_size": chunk_size}
+    options["widths"] = _widths
     if dtensors:  # DTensor boundary: lossfx/_boundary/dtensor.py (unwrapped once, no re-entry)
         return entry_point_on_local(
             _prepare_on_local, logits, data, loss_fn, keys=_DTENSOR_KEYS, roles=_ROLES, **parallel, **options
@@ -410,6 +416,7 @@ def _prepare_on_local(
     sampling_params: TrainingSamplingParams | None,
     d2t: Tensor | None,
     chunk_size: int | None,
+    widths: ShardWidths | None,
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
     """`prepare_loss_input`'s `LOGIT`, `DRAFT` and `LOGPROB` branches on local tensors (DTensors
     unwrapped by `entry_point_on_local`, checked by the boundary's `_loss_input_view`)."""
@@ -421,7 +428,7 @@ def _prepare_on_local(
         return _prepare_draft_input(logits, data, d2t, vocab_parallel_rank, vocab_parallel_group, layout), data
     # the last of LossInputType's five members (`_input_type` rejects anything else)
     return _prepare_logprob_input(
-        logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, layout, sampling_params, chunk_size
+        logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, layout, sampling_params, chunk_size, widths
     ), data
 
 
@@ -434,6 +441,7 @@ def _prepare_logprob_input(
     layout: SequenceLayout,
     sampling_params: TrainingSamplingParams | None,
     chunk_size: int | None,
+    widths: ShardWidths | None,
 ) -> dict[str, Tensor]:
     input_ids = check_tensor("data['input_ids']", _column(data, "input_ids"))
     if sampling_params is not None and not isinstance(sampling_params, TrainingSamplingParams):
@@ -455,7 +463,14 @@ def _prepare_logprob_input(
         return {"next_token_logprobs": logits.to(compute_dtype(logits.dtype))[:, :width]}
     top = resolve_filter(sampling_params)
     call = _validated_logprob_call(
-        logits, input_ids, vocab_parallel_rank, vocab_parallel_group, layout, chunk_size, ids_name="data['input_ids']"
+        logits,
+        input_ids,
+        vocab_parallel_rank,
+        vocab_parallel_group,
+        layout,
+        chunk_size,
+        ids_name="data['input_ids']",
+        widths=widths,
     )
     logprobs = next_token_logprobs_of(call, top)  # [B, S-1]
     if not filtering:
@@ -570,6 +585,7 @@ def prepare_packed_loss_input(
     context_parallel_group: ProcessGroup | None = None,
     sampling_params: TrainingSamplingParams | None = None,
     chunk_size: int | None = None,
+    _widths: ShardWidths | None = None,
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
     """Loss inputs (`LOGPROB`) from packed logits, every sequence shifted within itself.
 
@@ -619,6 +635,7 @@ def prepare_packed_loss_input(
             context_parallel_group=context_parallel_group,
             sampling_params=sampling_params,
             chunk_size=chunk_size,
+            widths=_widths,
         )
     return _prepare_packed_on_local(
         logits,
@@ -631,6 +648,7 @@ def prepare_packed_loss_input(
         context_parallel_group=context_parallel_group,
         sampling_params=sampling_params,
         chunk_size=chunk_size,
+        widths=_widths,
     )
 
 
@@ -646,6 +664,7 @@ def _prepare_packed_on_local(
     context_parallel_group: ProcessGroup | None,
     sampling_params: TrainingSamplingParams | None,
     chunk_size: int | None,
+    widths: ShardWidths | None,
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
     """`prepare_packed_loss_input` on local tensors: validate once (`_validated_packed`: the
     `cu_seqlens` and the scored ids read in one host read), then the pure packed pipeline
@@ -674,7 +693,7 @@ def _prepare_packed_on_local(
         sampling_params=sampling_params,
         chunk_size=chunk_size,
         ids_name="data['input_ids']",
-        uneven_shards=True,  # the shard range is read with the packed checks (one host read)
+        widths=ShardWidths() if widths is None else widths,  # read with the packed checks (one host read)
     )
     filtering = need_top_k_or_top_p_filtering(sampling_params)
     mask = loss_mask_from_data(data, input_ids) if filtering else None  # [B, S] ([1, T] pre-packed)

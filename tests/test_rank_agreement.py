@@ -684,7 +684,6 @@ def _host_reads(rank, world, group):
     calls = entry_points(rank, world, group)
     hidden, weight, target = _fused(0)
     arguments = {"hidden": hidden, "weight": weight[rank * 6 : (rank + 1) * 6], "target": target, "group": group}
-    _consistency._scope.widths = {}
     roles = lossfx.linear_token_logprobs._lossfx_roles
     check = count_host_reads(lambda: _consistency._check("linear_token_logprobs", arguments, "free", roles))
     names = ("prepare_loss_input LOGPROB top-k + KL", "linear_logprob_objective")
