@@ -121,7 +121,7 @@ _ROLES = Roles(
 )  # the cross-rank check's view of the parameters
 
 
-@boundary(roles=_ROLES, vocab="sized", local=check_view(_ROLES))
+@boundary(roles=_ROLES, vocab="sized", local=check_view(_ROLES), unwrapped=True)
 def top_k_top_p_threshold(
     logits: Tensor,
     *,
@@ -236,7 +236,7 @@ def apply_top_k_top_p(
     return shard.wrap(filtered), shard.wrap(keep)
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES), unwrapped=True)
 def filtered_token_logprobs(
     logits: Tensor,
     target: Tensor,

@@ -1036,6 +1036,7 @@ def boundary(
     roles: Roles = _NO_ROLES,
     local: Local | None = None,
     collectives: bool = True,
+    unwrapped: bool = False,
 ) -> Callable[[F], F]:
     """The boundary of a public function, once per outermost call: the cross-rank consistency
     check (eager, or traced into the graph), the read-once scope of its host reads
@@ -1057,6 +1058,11 @@ def boundary(
             Without it, a call with DTensors is checked when it re-enters with local tensors.
         collectives: False for a function that runs no collective of its own (no cross-rank
             check; the rest of the boundary applies).
+        unwrapped: the body runs on the arguments of the `local` view (plain local tensors, the
+            group and offsets of their placements), computed once per call: the view the check
+            compared, or else the view run for the body alone (a plain call, a nested one). The
+            body never unwraps again. A view that rejected its DTensors (`REJECTED`) runs the
+            body on the caller's arguments, where its own checks raise the error.
     """
 
     def wrap(fn: F) -> F:
@@ -1073,8 +1079,20 @@ def boundary(
         # a body that reads the shard widths takes the call's `ShardWidths` as `_widths` (not public)
         takes_widths = _WIDTHS in sig.parameters
         public = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != _WIDTHS])
+        if unwrapped and local is None:
+            raise TypeError(f"boundary of {fn.__name__}: unwrapped=True needs its local view")
 
-        def body(*args: Any, widths: ShardWidths | None = None, **kwargs: Any) -> Any:
+        def body(
+            *args: Any, widths: ShardWidths | None = None, view: dict[str, Any] | None = None, **kwargs: Any
+        ) -> Any:
+            if unwrapped and local is not None:  # the body runs on the view's local arguments
+                if view is None:
+                    bound = public.bind(*args, **kwargs)
+                    bound.apply_defaults()
+                    view = local(dict(bound.arguments))[0]
+                if not view.get(REJECTED):
+                    call = inspect.BoundArguments(public, {k: v for k, v in view.items() if k in public.parameters})
+                    args, kwargs = call.args, call.kwargs
             if takes_widths:
                 kwargs[_WIDTHS] = ShardWidths() if widths is None else widths
             return fn(*args, **kwargs)
@@ -1109,7 +1127,7 @@ def boundary(
                 arguments, hint = local(dict(bound.arguments)) if dtensors and local else (bound.arguments, "")
                 policy = vocab(arguments) if callable(vocab) else vocab
                 _check(name, arguments, policy, checked_roles, hint, widths)
-                return body(*args, widths=widths, **kwargs)
+                return body(*args, widths=widths, view=dict(arguments) if dtensors else None, **kwargs)
 
         def _traced(*args: Any, **kwargs: Any) -> Any:
             """Under `torch.compile`: the in-graph check at the outermost checked call."""
@@ -1123,7 +1141,7 @@ def boundary(
                 _check_in_graph(name, arguments, checked_roles, policy)
                 _traced_depth[0] += 1
                 try:
-                    out = body(*args, **kwargs)
+                    out = body(*args, view=dict(arguments) if local is not None else None, **kwargs)
                     _host_reads.end_traced()  # the check's assertions, if the call ran no collective
                     return out
                 finally:
@@ -1147,6 +1165,7 @@ def boundary(
 
 
 _WIDTHS = "_widths"
+REJECTED = "DTensor arguments rejected"  # the field of a `local` view that rejected a DTensor (its error)
 
 
 @dataclasses.dataclass

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lossfx._boundary.consistency import Roles
+from lossfx._boundary.consistency import REJECTED, Roles
 from lossfx._core.host_reads import tracing
 
 ProcessGroup = dist.ProcessGroup
@@ -354,7 +354,7 @@ def replicated(x: Any, name: str) -> Any:
     return x.to_local()
 
 
-_REJECTED = "DTensor arguments rejected"
+_REJECTED = REJECTED
 
 
 def _mesh_group(x: Any) -> ProcessGroup | None:
