@@ -24,22 +24,22 @@ raises leaves it untouched.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lossfx._boundary import dtensor as _dtensor
 from lossfx._boundary.consistency import (
     Roles,
     ShardWidths,
     boundary,
 )
 from lossfx._boundary.dtensor import (
+    SHARD,
     EntryKeys,
-    _all_replicate,
     check_view,
+    entry_point_local,
     entry_point_on_local,
     has_dtensor,
     is_dtensor,
@@ -161,6 +161,7 @@ _ROLES_ALL = dataclasses.replace(_ROLES_OPD, cp_from="cp_sharder")
     roles=_ROLES_SHARDER,
     vocab="auto",
     local=check_view(_ROLES_SHARDER, even=True),
+    unwrapped=True,
 )
 def next_token_logprobs(
     logits: Tensor,
@@ -259,38 +260,37 @@ def _validated_logprob_call(
     )
 
 
+def _entry_view(roles: Roles) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
+    """The one unwrap of an entry point's DTensor logits and columns (`entry_point_local`): the
+    arguments with the logits' even local shard, its group and rank, and the local columns, which
+    the cross-rank check compares and `entry_point_on_local` runs the branch on (its `SHARD`),
+    and which arguments were DTensors."""
+
+    def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        logits, data = arguments["logits"], arguments["data"]
+        if not isinstance(data, Mapping) or not has_dtensor(logits, data):
+            return arguments, ""
+        group, rank = arguments["vocab_parallel_group"], arguments["vocab_parallel_rank"]
+        shard, local = entry_point_local(logits, data, keys=_DTENSOR_KEYS, roles=roles, group=group, rank=rank)
+        given = ("logits",) * is_dtensor(logits) + ("data",) * any(is_dtensor(v) for v in data.values())
+        arguments.update(logits=shard.local, data=local, vocab_parallel_group=shard.group)
+        arguments.update({"vocab_parallel_rank": shard.rank, "DTensor arguments": given, SHARD: shard})
+        return arguments, ""
+
+    return view
+
+
 def _local_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The cross-rank check's view of a `prepare_loss_input` call with DTensors: OPD_FULL's
-    (`lossfx.opd_full.check_view`), or the local tensors `entry_point_on_local` hands the branch
-    (the logits' even shard, its group and rank, the replicated columns, the payload padded like
-    the logits) and which arguments were DTensors."""
+    (`lossfx.opd_full.check_view`), or the entry points' one unwrap (`_entry_view`)."""
     try:
         opd = LossInputType(getattr(arguments.get("loss_fn"), "input_type", None)) is LossInputType.OPD_FULL
     except ValueError:
         opd = False  # the body raises on the input type
-    if opd:
-        return opd_check_view(arguments)
-    logits, data = arguments["logits"], arguments["data"]
-    if not isinstance(data, Mapping) or not has_dtensor(logits, data):
-        return arguments, ""
-    shard = vocab_shard(
-        logits,
-        name="logits",
-        roles=_ROLES,
-        group=arguments["vocab_parallel_group"],
-        rank=arguments["vocab_parallel_rank"],
-        even=True,
-    )
-    local = {k: replicated(v, f"data[{k!r}]") if is_dtensor(v) and _all_replicate(v) else v for k, v in data.items()}
-    for key in _DTENSOR_KEYS.full_columns:
-        if key in local:
-            local[key] = shard.pad_full(local[key])
-    given = ("logits",) * is_dtensor(logits) + ("data",) * any(is_dtensor(v) for v in data.values())
-    arguments.update(logits=shard.local, data=local, vocab_parallel_group=shard.group, vocab_parallel_rank=shard.rank)
-    arguments["DTensor arguments"] = given
-    return arguments, ""
+    return opd_check_view(arguments) if opd else _ENTRY_VIEW(arguments)
 
 
+_ENTRY_VIEW = _entry_view(_ROLES)
 # a DTensor rejected on some rank is a compared field, not an error before the check's collective
 _loss_input_view = rejections_compared(_local_view, "vocab_parallel_group")
 
@@ -310,6 +310,7 @@ def prepare_loss_input(
     teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
     teacher_logits_dtype: torch.dtype | None = None,
     _widths: ShardWidths | None = None,
+    _view: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
     """Build the loss-function input dict from model logits.
 
@@ -384,11 +385,6 @@ def prepare_loss_input(
             teacher_logits_dtype=teacher_logits_dtype,
             cp_sharder=cp_sharder,
         ), data
-    if input_type is LossInputType.DISTILLATION:  # its boundary also maps DTensor logits and columns
-        if not is_dtensor(logits):
-            _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
-        layout = sequence_layout(context_parallel_group, cp_sharder)
-        return _prepare_distillation_input(logits, data, loss_fn, vocab_parallel_group, layout, chunk_size), data
     parallel: dict[str, Any] = {
         "vocab_parallel_rank": vocab_parallel_rank,
         "vocab_parallel_group": vocab_parallel_group,
@@ -397,9 +393,17 @@ def prepare_loss_input(
     }
     options: dict[str, Any] = {"sampling_params": sampling_params, "d2t": d2t, "chunk_size": chunk_size}
     options["widths"] = _widths
-    if dtensors:  # DTensor boundary: lossfx/_boundary/dtensor.py (unwrapped once, no re-entry)
+    if dtensors:  # DTensor boundary: the check's view, unwrapped once (lossfx/_boundary/dtensor.py)
         return entry_point_on_local(
-            _prepare_on_local, logits, data, loss_fn, keys=_DTENSOR_KEYS, roles=_ROLES, **parallel, **options
+            _prepare_on_local,
+            logits,
+            data,
+            loss_fn,
+            keys=_DTENSOR_KEYS,
+            roles=_ROLES,
+            view=_view,
+            **parallel,
+            **options,
         )
     return _prepare_on_local(logits, data, loss_fn, **parallel, **options)
 
@@ -418,12 +422,15 @@ def _prepare_on_local(
     chunk_size: int | None,
     widths: ShardWidths | None,
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
-    """`prepare_loss_input`'s `LOGIT`, `DRAFT` and `LOGPROB` branches on local tensors (DTensors
-    unwrapped by `entry_point_on_local`, checked by the boundary's `_loss_input_view`)."""
+    """`prepare_loss_input`'s branches but `OPD_FULL` on local tensors (DTensors unwrapped once,
+    by the boundary's `_loss_input_view`, handed over by `entry_point_on_local`)."""
     input_type = _input_type(loss_fn)
     if input_type is LossInputType.LOGIT:
         return {"logits": logits}, data
     layout = sequence_layout(context_parallel_group, cp_sharder)  # built once, handed to the branch
+    if input_type is LossInputType.DISTILLATION:
+        _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+        return _prepare_distillation_input(logits, data, loss_fn, vocab_parallel_group, layout, chunk_size), data
     if input_type is LossInputType.DRAFT:
         return _prepare_draft_input(logits, data, d2t, vocab_parallel_rank, vocab_parallel_group, layout), data
     # the last of LossInputType's five members (`_input_type` rejects anything else)
@@ -562,15 +569,8 @@ def prepare_opd_full_loss_input(
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
 
 
-def _packed_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The cross-rank check's view of a `prepare_packed_loss_input` call with DTensors: the local
-    logits (and their group and rank) and the local `data` columns, as its body unwraps them."""
-    arguments, hint = _LOGITS_VIEW(arguments)
-    arguments["data"] = _dtensor._replicated_columns(arguments["data"])
-    return arguments, hint
-
-
-_LOGITS_VIEW = check_view(_ROLES_DATA, even=True)
+# the one unwrap of a packed call (`_entry_view`); a rejected DTensor is a compared field
+_packed_view = rejections_compared(_entry_view(_ROLES_DATA), "vocab_parallel_group")
 
 
 @boundary(roles=_ROLES_DATA, vocab="auto", local=_packed_view)
@@ -586,6 +586,7 @@ def prepare_packed_loss_input(
     sampling_params: TrainingSamplingParams | None = None,
     chunk_size: int | None = None,
     _widths: ShardWidths | None = None,
+    _view: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
     """Loss inputs (`LOGPROB`) from packed logits, every sequence shifted within itself.
 
@@ -630,6 +631,7 @@ def prepare_packed_loss_input(
             cu_seqlens_q_padded,
             keys=_DTENSOR_KEYS,
             roles=_ROLES_DATA,
+            view=_view,
             vocab_parallel_rank=vocab_parallel_rank,
             vocab_parallel_group=vocab_parallel_group,
             context_parallel_group=context_parallel_group,

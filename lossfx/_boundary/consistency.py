@@ -467,6 +467,8 @@ def _signature(
     tp_group = arguments.get(roles.tp) if roles.tp else None
     for arg, value in arguments.items():
         fields.owner = arg
+        if arg.startswith("_"):  # a view's own state (its `VocabShard`), not an argument
+            continue
         if arg == roles.heads and isinstance(value, Mapping) and value:
             heads.append((arg, value))  # after the loop, when this rank's shard is known
         elif arg in (roles.start, roles.rank):
@@ -1076,9 +1078,10 @@ def boundary(
             raise TypeError(f"boundary of {fn.__name__}: declare its groups (roles=Roles(tp=..., cp=...))")
         checked_roles = roles if collectives else _NO_ROLES
         name = fn.__name__
-        # a body that reads the shard widths takes the call's `ShardWidths` as `_widths` (not public)
-        takes_widths = _WIDTHS in sig.parameters
-        public = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != _WIDTHS])
+        # a body that reads the shard widths takes the call's `ShardWidths` as `_widths`, one that
+        # unwraps from the check's view takes it as `_view` (the view, or None): neither is public
+        takes_widths, takes_view = _WIDTHS in sig.parameters, _VIEW in sig.parameters
+        public = sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in (_WIDTHS, _VIEW)])
         if unwrapped and local is None:
             raise TypeError(f"boundary of {fn.__name__}: unwrapped=True needs its local view")
 
@@ -1095,6 +1098,8 @@ def boundary(
                     args, kwargs = call.args, call.kwargs
             if takes_widths:
                 kwargs[_WIDTHS] = ShardWidths() if widths is None else widths
+            if takes_view:
+                kwargs[_VIEW] = None if view is None or view.get(REJECTED) else view
             return fn(*args, **kwargs)
 
         _functions[zlib.crc32(name.encode())] = name  # (the same code as _crc(name))
@@ -1164,7 +1169,7 @@ def boundary(
     return wrap
 
 
-_WIDTHS = "_widths"
+_WIDTHS, _VIEW = "_widths", "_view"
 REJECTED = "DTensor arguments rejected"  # the field of a `local` view that rejected a DTensor (its error)
 
 
