@@ -110,6 +110,17 @@ def _vocab_parallel(
 
 
 _OPD_COLUMNS = (*_PAYLOAD_COLUMNS.values(), TEACHER_INDEX_FIELD)  # the payload read, by the config
+# the attributes of `loss_fn` the entry points read (`getattr`; `interfaces.LossFunction`, `opd_full`'s config)
+_LOSS_FN_READS = (
+    "input_type",
+    "use_fused_linear_logprobs",
+    "reference_policy_kl_penalty",
+    "zero_outside_topk",
+    "kl_type",
+    "opd_full.teacher_payload",
+    "opd_full.chunk_size",
+    "opd_full.validate_decomposition",
+)
 
 
 def _input_name(arguments: Mapping[str, Any]) -> str:
@@ -149,6 +160,7 @@ _ROLES = Roles(
     rank="vocab_parallel_rank",
     reads=("data", _data_read),
     shard_columns=("student_logits",),  # DRAFT's: this rank's shard of the draft vocabulary (and of the sequence)
+    attrs=("loss_fn", _LOSS_FN_READS),  # what the entry points read of `loss_fn`, all of it
 )
 _ROLES_SHARDER = dataclasses.replace(_ROLES, cp_from="cp_sharder")
 _ROLES_DATA = dataclasses.replace(_ROLES, columns=("teacher_full_logits",))

@@ -43,7 +43,6 @@ import enum
 import functools
 import inspect
 import struct
-import weakref
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -162,6 +161,8 @@ class Roles:
             column the call never reads may differ per rank).
         columns: keys, in a mapping argument, of vocabulary-wide columns (the last dim is padded
             per rank: not compared; the values are fingerprinted over `[0, V)`, the part every rank reads).
+        attrs: `(argument, attribute paths)`: the object `argument` (`loss_fn`) is compared on the
+            dotted attribute paths the call reads (`"opd_full.chunk_size"`), and only those.
         shard_columns: keys, in a mapping argument, of this rank's shard of a vocabulary (`DRAFT`'s
             `student_logits`, a shard of the draft vocabulary under tensor parallelism and this
             rank's part of the sequence under context parallelism): neither their last dim nor
@@ -184,6 +185,7 @@ class Roles:
     size: str | None = None
     heads: str | None = None
     reads: tuple[str, Callable[[Mapping[str, Any]], tuple[str, ...]]] | None = None
+    attrs: tuple[str, tuple[str, ...]] | None = None
     columns: tuple[str, ...] = ()
     shard_columns: tuple[str, ...] = ()
     cp_shards: tuple[str, ...] = ()
@@ -362,72 +364,35 @@ class _Fields:
             self.add(label, _Kind(f"sequence of length {len(value)}"))
             for i, item in enumerate(value[:32]):
                 self.walk(f"{label}[{i}]", item, depth + 1, replicated=replicated, cp_shard=cp_shard)
-        elif inspect.isroutine(value) or isinstance(value, (type, functools.partial)):
+        else:  # an object: its type, and a dataclass's fields (another object's attributes: `attributes`)
             self.add(label, value)
-        else:  # a config object (dataclass, SimpleNamespace, a loss function, callable or not): its public attributes
-            self.add(label, value)
-            slots, properties = _class_attributes(type(value))
-            attrs = (
-                [f.name for f in dataclasses.fields(value)]
-                if dataclasses.is_dataclass(value)
-                else sorted({*(k for k in getattr(value, "__dict__", {}) if not k.startswith("_")), *slots})
-            )
-            for attr in attrs:
-                item = getattr(value, attr, None)
-                if "rank" not in attr and not isinstance(item, dist.ProcessGroup):
-                    self.walk(f"{label}.{attr}", item, depth + 1, replicated=replicated, cp_shard=cp_shard)
-            for attr in (p for p in properties if "rank" not in p):  # a getter is read; a simple value compared
-                try:
-                    item = getattr(value, attr)
-                except Exception as err:  # recorded as such: ranks whose getters differ disagree
-                    item = _Kind(f"a property that raises {type(err).__name__}")
-                if not isinstance(item, _SIMPLE):
-                    item = _Kind(f"a {type(item).__qualname__}")
-                self.add(f"{label}.{attr}", item)
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                for field in dataclasses.fields(value):
+                    item = getattr(value, field.name, None)
+                    self.walk(f"{label}.{field.name}", item, depth + 1, replicated=replicated, cp_shard=cp_shard)
+
+    def attributes(self, label: str, value: Any, paths: tuple[str, ...]) -> None:
+        """Fields of the object `value` as the call reads it: its type, then each dotted attribute
+        path of `paths` (`Roles.attrs`) as `getattr` reads it (`__dict__`, slots, a property alike;
+        an absent one, or one whose getter raises, is recorded as such). Nothing else of `value`."""
+        self.add(label, _Kind(f"a {type(value).__qualname__}"))
+        for path in paths:
+            item: Any = value
+            try:
+                for name in path.split("."):
+                    item = getattr(item, name, _ABSENT)
+                    if item is _ABSENT:
+                        break
+            except Exception as err:  # recorded as such: ranks whose getters differ disagree
+                item = _Kind(f"an attribute that raises {type(err).__name__}")
+            self.walk(f"{label}.{path}", _Kind("absent") if item is _ABSENT else item, 1)
 
 
 class _Kind(str):
     """A description encoded as itself (a string field shown without quotes)."""
 
 
-_SIMPLE = (type(None), bool, int, float, str, enum.Enum)
-
-
-_walked: weakref.WeakKeyDictionary[type, tuple[tuple[str, ...], tuple[str, ...]]] = weakref.WeakKeyDictionary()
-
-
-def _class_attributes(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """`(slots, properties)` of `cls` (`_walk_class`), walked once per class.
-
-    The cache lives inside this function, which Dynamo runs for real (a constant of the graph, see
-    below), so traced code never sees it. Like a compiled graph, which keeps the walk as a
-    constant, it assumes a class does not gain slots or properties after its first call."""
-    found = _walked.get(cls)
-    if found is None:
-        found = _walked[cls] = _walk_class(cls)
-    return found
-
-
-def _walk_class(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """`(slots, properties)`: the public `__slots__` names over `cls`'s MRO, and the public
-    properties of a plain config class (not a dataclass, whose fields are its configuration, nor
-    a torch or builtin class; `functools.cached_property` is not one: reading it writes). Read
-    from the class only, without calling anything."""
-    slots: set[str] = set()
-    for klass in cls.__mro__:
-        names = klass.__dict__.get("__slots__", ())
-        slots.update((names,) if isinstance(names, str) else names)
-    slots = {n for n in slots if not n.startswith("_")}
-    plain = not dataclasses.is_dataclass(cls) and cls.__module__.partition(".")[0] not in ("torch", "builtins")
-    properties: set[str] = set()
-    if plain:
-        for klass in cls.__mro__[:-1]:  # not `object`
-            properties.update(k for k, v in klass.__dict__.items() if isinstance(v, property) and not k.startswith("_"))
-    return tuple(sorted(slots)), tuple(sorted(properties - slots))
-
-
-# Under torch.compile: run at trace time on the (constant) class, a constant in the graph
-_class_attributes._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_ABSENT = object()
 
 
 def _is_fake(t: Tensor) -> bool:
@@ -469,7 +434,9 @@ def _signature(
         fields.owner = arg
         if arg.startswith("_"):  # a view's own state (its `VocabShard`), not an argument
             continue
-        if arg == roles.heads and isinstance(value, Mapping) and value:
+        if roles.attrs and arg == roles.attrs[0] and value is not None:  # what the call reads of it, no more
+            fields.attributes(arg, value, roles.attrs[1])
+        elif arg == roles.heads and isinstance(value, Mapping) and value:
             heads.append((arg, value))  # after the loop, when this rank's shard is known
         elif arg in (roles.start, roles.rank):
             slot = _H_START if arg == roles.start else _H_RANK
