@@ -38,6 +38,7 @@ from lossfx._boundary.consistency import (
 from lossfx._boundary.dtensor import (
     SHARD,
     EntryKeys,
+    VocabShard,
     check_view,
     entry_point_local,
     entry_point_on_local,
@@ -302,6 +303,11 @@ def _local_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return opd_check_view(arguments) if opd else _ENTRY_VIEW(arguments)
 
 
+def _unwrapped(view: Mapping[str, Any] | None) -> tuple[VocabShard, Mapping[str, Any]] | None:
+    """`(shard, local columns)` that the check's view (`_entry_view`) unwrapped, or `None`."""
+    return None if view is None or view.get(SHARD) is None else (view[SHARD], view["data"])
+
+
 _ENTRY_VIEW = _entry_view(_ROLES)
 # a DTensor rejected on some rank is a compared field, not an error before the check's collective
 _loss_input_view = rejections_compared(_local_view, "vocab_parallel_group")
@@ -396,6 +402,7 @@ def prepare_loss_input(
             teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
             teacher_logits_dtype=teacher_logits_dtype,
             cp_sharder=cp_sharder,
+            view=_view,
         ), data
     parallel: dict[str, Any] = {
         "vocab_parallel_rank": vocab_parallel_rank,
@@ -413,7 +420,7 @@ def prepare_loss_input(
             loss_fn,
             keys=_DTENSOR_KEYS,
             roles=_ROLES,
-            view=_view,
+            unwrapped=_unwrapped(_view),
             **parallel,
             **options,
         )
@@ -525,6 +532,7 @@ def prepare_opd_full_loss_input(
     teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
     teacher_logits_dtype: torch.dtype | None = None,
     cp_sharder: Any = None,
+    _view: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Full-vocabulary on-policy distillation inputs: reverse KL to fixed teacher logits.
 
@@ -574,6 +582,7 @@ def prepare_opd_full_loss_input(
         teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
         teacher_logits_dtype=teacher_logits_dtype,
         cp_sharder=cp_sharder,
+        view=_view,
     )
 
 
@@ -643,7 +652,7 @@ def prepare_packed_loss_input(
             cu_seqlens_q_padded,
             keys=_DTENSOR_KEYS,
             roles=_ROLES_DATA,
-            view=_view,
+            unwrapped=_unwrapped(_view),
             vocab_parallel_rank=vocab_parallel_rank,
             vocab_parallel_group=vocab_parallel_group,
             context_parallel_group=context_parallel_group,

@@ -31,18 +31,8 @@ from lossfx._core import host_reads
 pytestmark = pytest.mark.distributed
 
 VARIANTS = {"plain": {}, "uneven": {"layout": "uneven"}, "dtensor": {"dtensor": True}}
-# public functions whose body still unwraps its DTensors again after the check's view (issue 25):
-# their results are re-wrapped as DTensors from the body's own `VocabShard`, or their view is their own
-UNWRAPPED_TWICE = {
-    "apply_top_k_top_p",
-    "draft_targets",
-    "draft_targets[d2t]",
-    "map_to_draft_vocab",
-    "vocab_topk",
-    "prepare_opd_full_loss_input",
-    "prepare_opd_full_loss_input[logits]",
-    "prepare_loss_input[OPD_FULL]",
-}
+# public functions whose body still unwraps its DTensors again after the check's view (issue 25): none
+UNWRAPPED_TWICE: set[str] = set()
 
 
 def _counted_call(rank: int, world: int, group, target: str, variant: dict) -> dict[str, int] | None:

@@ -43,6 +43,7 @@ __all__ = [
     "has_dtensor",
     "is_dtensor",
     "replicated",
+    "resolved_shard",
     "vocab_shard",
 ]
 
@@ -364,6 +365,13 @@ def replicated(x: Any, name: str) -> Any:
 
 
 _REJECTED = REJECTED
+SHARD = "_shard"  # the key of a view's `VocabShard` (a leading `_`: the cross-rank check skips it)
+
+
+def resolved_shard(view: Mapping[str, Any] | None) -> VocabShard | None:
+    """The `VocabShard` of the DTensor a function's view unwrapped (`boundary(unwrapped=True)`
+    hands the body its view as `_view`), or `None` (plain tensors: nothing to wrap back)."""
+    return None if view is None else view.get(SHARD)
 
 
 def _mesh_group(x: Any) -> ProcessGroup | None:
@@ -431,6 +439,7 @@ def check_view(roles: Roles, *, even: bool = False) -> Callable[[dict[str, Any]]
             else:
                 arguments[name] = shard.like(x, name)
         if shard is not None:
+            arguments[SHARD] = shard  # the body's, to wrap its results back (`resolved_shard`)
             arguments[group_arg] = shard.group
             spans = ((roles.start, shard.vocab_start), (roles.size, shard.vocab_size), (roles.rank, shard.rank))
             arguments.update({k: v for k, v in spans if k in arguments})
@@ -506,9 +515,6 @@ class EntryKeys(NamedTuple):
     other_vocab: str | None = None
 
 
-SHARD = "_shard"  # the key of a view's `VocabShard` (a leading `_`: the cross-rank check skips it)
-
-
 def entry_point_local(
     logits: Any, data: Mapping[str, Any], *, keys: EntryKeys, roles: Roles, group: Any, rank: Any
 ) -> tuple[VocabShard, dict[str, Any]]:
@@ -532,15 +538,15 @@ def entry_point_on_local(
     *args: Any,
     keys: EntryKeys,
     roles: Roles,
-    view: Mapping[str, Any] | None = None,
+    unwrapped: tuple[VocabShard, Mapping[str, Any]] | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run the entry point `fn(logits, data, *args, **kwargs)` on plain local tensors and map its
     result back, as its `keys` say; `roles` (the entry point's) names the logits (`shards[0]`) and
     the keyword arguments `kwargs[roles.tp]`, `kwargs[roles.rank]` that hold the group and rank.
 
-    The logits and columns are unwrapped by `entry_point_local`, once: the cross-rank check's
-    `view` of the call (its `SHARD` and `data`) when given, else here. Columns the entry point
+    The logits and columns are unwrapped by `entry_point_local`, once: by the cross-rank check's
+    view of the call, whose `(shard, local columns)` are given as `unwrapped`, else here. Columns the entry point
     writes land in the caller's `data`, which is what a `(loss_input, data)` result returns.
     Results in `keys.as_input` that are the local logits become the caller's DTensor; results in
     `keys.sharded` DTensors sharded like the logits (on another vocabulary of
@@ -549,8 +555,8 @@ def entry_point_on_local(
     group_arg, rank_arg = roles.tp, roles.rank
     if group_arg is None or rank_arg is None:
         raise TypeError(f"entry_point_on_local: the roles of {fn.__name__} must name its group and rank ({roles})")
-    if view is not None and view.get(SHARD) is not None:
-        shard, local_data = view[SHARD], dict(view["data"])
+    if unwrapped is not None:
+        shard, local_data = unwrapped[0], dict(unwrapped[1])
     else:
         shard, local_data = entry_point_local(
             logits, data, keys=keys, roles=roles, group=kwargs[group_arg], rank=kwargs[rank_arg]
