@@ -158,7 +158,6 @@ def _worker(rank: int, world: int, port: int, iters: int, queue, compiled_only: 
         arguments = {"logits": logits, "data": data, "loss_fn": loss_fn, **kwargs}
 
         def check(arguments=arguments):
-            _consistency._scope.widths = {}
             _consistency._check("prepare_loss_input", arguments, "auto", roles)
 
         def call(logits=logits, data=data, kwargs=kwargs):

@@ -39,7 +39,7 @@ _ROLES = Roles(  # the parameters' parts (`Roles`)
 )
 
 
-@boundary(roles=_ROLES, vocab="equal", local=check_view(_ROLES, even=True))
+@boundary(roles=_ROLES, vocab="equal", local=check_view(_ROLES, even=True), unwrapped=True)
 def distillation_topk_logprobs(
     student_logits: Tensor,
     teacher_topk_logits: Tensor,

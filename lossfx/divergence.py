@@ -86,7 +86,7 @@ _ROLES_STUDENT = Roles(tp="group", shards=("student",))  # the parameters' parts
 _ROLES_PAIR = Roles(tp="group", shards=("student", "teacher"))
 
 
-@boundary(roles=_ROLES_STUDENT, vocab="free", local=check_view(_ROLES_STUDENT))
+@boundary(roles=_ROLES_STUDENT, vocab="free", local=check_view(_ROLES_STUDENT), unwrapped=True)
 def neg_entropy(
     student: Tensor,
     *,
@@ -108,7 +108,7 @@ def neg_entropy(
     return _kernel.neg_entropy(student, group, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES_STUDENT, vocab="free", local=check_view(_ROLES_STUDENT))
+@boundary(roles=_ROLES_STUDENT, vocab="free", local=check_view(_ROLES_STUDENT), unwrapped=True)
 def entropy(
     student: Tensor,
     *,
@@ -129,7 +129,7 @@ def entropy(
     return _kernel.neg_entropy(student, group, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES_PAIR, vocab="free", local=check_view(_ROLES_PAIR))
+@boundary(roles=_ROLES_PAIR, vocab="free", local=check_view(_ROLES_PAIR), unwrapped=True)
 def cross_entropy_to_fixed(
     student: Tensor,
     teacher: Tensor,
@@ -152,7 +152,7 @@ def cross_entropy_to_fixed(
     return _kernel.cross_entropy_to_fixed(student, teacher, group, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES_PAIR, vocab="free", local=check_view(_ROLES_PAIR))
+@boundary(roles=_ROLES_PAIR, vocab="free", local=check_view(_ROLES_PAIR), unwrapped=True)
 def reverse_kl_to_fixed(
     student: Tensor,
     teacher: Tensor,

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import renamed_keywords
-from lossfx._boundary.dtensor import VocabShard, check_view, is_dtensor, replicated, vocab_shard
+from lossfx._boundary.dtensor import VocabShard, check_view, is_dtensor, resolved_shard, vocab_shard
 from lossfx._boundary.validation import check_floating, check_group, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.vocab import VocabRange
@@ -115,13 +115,14 @@ def _wrap_draft(shard: VocabShard, out: Tensor, d2t: Tensor | None) -> Tensor:
 _ROLES_MAP = Roles(tp="vocab_parallel_group", shards=("teacher_logits",), rank="vocab_parallel_rank")
 
 
-@boundary(roles=_ROLES_MAP, vocab="equal", local=check_view(_ROLES_MAP, even=True))
+@boundary(roles=_ROLES_MAP, vocab="equal", local=check_view(_ROLES_MAP, even=True), unwrapped=True)
 def map_to_draft_vocab(
     teacher_logits: Tensor,
     d2t: Tensor | None,
     *,
     vocab_parallel_rank: int | None = None,
     vocab_parallel_group: ProcessGroup | None = None,
+    _view: dict[str, Any] | None = None,
 ) -> Tensor:
     """Columns of the target-vocabulary logits in draft-vocabulary order.
 
@@ -138,17 +139,8 @@ def map_to_draft_vocab(
         ValueError: a target id outside `[0, V)` (compiled: an in-graph `RuntimeError`), `D` not divisible by TP.
     """
     check_group("vocab_parallel_group", vocab_parallel_group)
-    shard = VocabShard(teacher_logits, vocab_parallel_group, vocab_parallel_rank, None, None)
-    if is_dtensor(teacher_logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_boundary/dtensor.py)
-        shard = vocab_shard(
-            teacher_logits,
-            name="teacher_logits",
-            roles=_ROLES_MAP,
-            group=vocab_parallel_group,
-            rank=vocab_parallel_rank,
-            even=True,
-        )
-    d2t = replicated(d2t, "d2t")
+    # the DTensor the boundary unwrapped once (its draft-vocabulary shard comes back as one), or a plain shard
+    shard = resolved_shard(_view) or VocabShard(teacher_logits, vocab_parallel_group, vocab_parallel_rank, None, None)
     if d2t is None:
         return teacher_logits
     local_vocab = shard.local.shape[-1]
@@ -166,7 +158,7 @@ _ROLES_TARGETS = Roles(
 )
 
 
-@boundary(roles=_ROLES_TARGETS, vocab="equal", local=check_view(_ROLES_TARGETS, even=True))
+@boundary(roles=_ROLES_TARGETS, vocab="equal", local=check_view(_ROLES_TARGETS, even=True), unwrapped=True)
 def draft_targets(
     logits: Tensor,
     token_mask: Tensor,
@@ -176,6 +168,7 @@ def draft_targets(
     vocab_parallel_group: ProcessGroup | None = None,
     context_parallel_group: ProcessGroup | None = None,
     cp_sharder: ContextParallelSharder | None = None,
+    _view: dict[str, Any] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Shifted, draft-vocabulary teacher logits and the shifted token mask.
 
@@ -199,12 +192,8 @@ def draft_targets(
     """
     check_group("vocab_parallel_group", vocab_parallel_group)
     check_group("context_parallel_group", context_parallel_group)
-    shard = VocabShard(logits, vocab_parallel_group, vocab_parallel_rank, None, None)
-    if is_dtensor(logits):  # the draft-vocabulary shard comes back as a DTensor (lossfx/_boundary/dtensor.py)
-        shard = vocab_shard(
-            logits, name="logits", roles=_ROLES_TARGETS, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True
-        )
-    token_mask, d2t = replicated(token_mask, "token_mask"), replicated(d2t, "d2t")
+    # the DTensor the boundary unwrapped once (its draft-vocabulary shard comes back as one), or a plain shard
+    shard = resolved_shard(_view) or VocabShard(logits, vocab_parallel_group, vocab_parallel_rank, None, None)
     layout = sequence_layout(context_parallel_group, cp_sharder)
     target_ids, vocab = validated_draft(shard.local, token_mask, d2t, shard.group, shard.rank, layout)
     teacher, mask = _pure.draft_targets(shard.local, token_mask, target_ids, vocab, layout)

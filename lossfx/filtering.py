@@ -32,7 +32,7 @@ from typing import Any
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import check_view, replicated, vocab_shard
+from lossfx._boundary.dtensor import check_view, replicated, resolved_shard, vocab_shard
 from lossfx._boundary.validation import (
     check_floating,
     check_ids_in_range,
@@ -121,7 +121,7 @@ _ROLES = Roles(
 )  # the cross-rank check's view of the parameters
 
 
-@boundary(roles=_ROLES, vocab="sized", local=check_view(_ROLES))
+@boundary(roles=_ROLES, vocab="sized", local=check_view(_ROLES), unwrapped=True)
 def top_k_top_p_threshold(
     logits: Tensor,
     *,
@@ -198,7 +198,7 @@ def top_k_top_p_threshold(
     )
 
 
-@boundary(roles=_ROLES, vocab="sized", local=check_view(_ROLES))
+@boundary(roles=_ROLES, vocab="sized", local=check_view(_ROLES), unwrapped=True)
 def apply_top_k_top_p(
     logits: Tensor,
     *,
@@ -210,6 +210,7 @@ def apply_top_k_top_p(
     ties: str = "together",
     vocab_start: int | None = None,
     chunk_size: int | None = None,
+    _view: dict[str, Any] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`(filtered, keep)`: this shard with filtered-out entries set to `-inf`, and the keep mask.
 
@@ -225,7 +226,7 @@ def apply_top_k_top_p(
         >>> lossfx.apply_top_k_top_p(torch.tensor([[3.0, 1.0, 2.0]]), top_k=2)[0]
         tensor([[3., -inf, 2.]])
     """
-    shard = vocab_shard(
+    shard = resolved_shard(_view) or vocab_shard(  # the DTensor the boundary unwrapped once, or a plain shard
         logits, name="logits", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
     )
     local = shard.local
@@ -236,7 +237,7 @@ def apply_top_k_top_p(
     return shard.wrap(filtered), shard.wrap(keep)
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES), unwrapped=True)
 def filtered_token_logprobs(
     logits: Tensor,
     target: Tensor,

@@ -114,13 +114,14 @@ _FSDP_HINT = (
     "Gather it with weight.full_tensor() and call without a group, or pass the tensor-parallel shard "
     "(docs/dtensor.md, FSDP2)"
 )
-_REPLICATED = ("ids", "target", "token_ids", "input_ids", "logprob_weight", "entropy_weight")
+_REPLICATED = ("ids", "target", "token_ids", "input_ids", "logprob_weight", "entropy_weight", "neg_entropy_weight")
 
 
 def local_view(seq_dim: int) -> Any:
-    """The consistency check's view of a fused call with DTensors (`boundary(local=...)`):
-    the arguments with local tensors and the group and offsets of the weight's placement, and the
-    FSDP2 remedy to append when the ranks' hidden states differ under a DTensor weight."""
+    """The one unwrap of a fused call (`boundary(local=..., unwrapped=True)`): the arguments with
+    local tensors and the group and offsets of the weight's placement, which the cross-rank check
+    compares and the body runs on, and the FSDP2 remedy to append when the ranks' hidden states
+    differ under a DTensor weight."""
 
     def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
         dtensor_weight = is_dtensor(arguments["weight"])
@@ -244,7 +245,7 @@ _ROLES = Roles(
 _ROLES_CP = dataclasses.replace(_ROLES, cp="context_parallel_group", cp_from="cp_sharder", cp_shards=("hidden",))
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0), unwrapped=True)
 def linear_gather_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -325,10 +326,7 @@ def linear_gather_logprobs(
 
     See also: proofs/fused_linear.md, lossfx.reference.linear_gather_logprobs.
     """
-    hidden, weight, group, vocab_start, vocab_size = _local_arguments(
-        hidden, weight, group, vocab_start, vocab_size, sequence_parallel, seq_dim=0
-    )
-    ids = replicated(ids, "ids")
+    # hidden, weight, ids: local tensors (the boundary's one unwrap, `local_view`)
     with_neg_entropy = bool(renamed_keyword("with_neg_entropy", with_neg_entropy, "with_entropy", with_entropy))
     call = validated_head(
         hidden,
@@ -417,7 +415,7 @@ def linear_token_logprobs(
     return_neg_entropy: bool = ...,
     return_entropy: bool | None = ...,
 ) -> Tensor | tuple[Tensor, Tensor]: ...
-@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0), unwrapped=True)
 def linear_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -506,10 +504,7 @@ def linear_token_logprobs(
 
     See also: docs/fused_linear.md, proofs/fused_linear.md, lossfx.reference.linear_token_logprobs.
     """
-    hidden, weight, group, vocab_start, vocab_size = _local_arguments(
-        hidden, weight, group, vocab_start, vocab_size, sequence_parallel, seq_dim=0
-    )
-    target = replicated(target, "target")
+    # hidden, weight, target: local tensors (the boundary's one unwrap, `local_view`)
     check_integer_ids("target", target)
     return_neg_entropy = bool(
         renamed_keyword("return_neg_entropy", return_neg_entropy, "return_entropy", return_entropy)
@@ -551,7 +546,7 @@ def linear_token_logprobs(
     return (logprobs, neg_entropy) if neg_entropy is not None else logprobs
 
 
-@boundary(roles=_ROLES_CP, vocab="tiled", local=local_view(seq_dim=1))
+@boundary(roles=_ROLES_CP, vocab="tiled", local=local_view(seq_dim=1), unwrapped=True)
 def linear_next_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -629,10 +624,7 @@ def linear_next_token_logprobs(
     return_neg_entropy = bool(
         renamed_keyword("return_neg_entropy", return_neg_entropy, "return_entropy", return_entropy)
     )
-    hidden, weight, group, vocab_start, vocab_size = _local_arguments(
-        hidden, weight, group, vocab_start, vocab_size, sequence_parallel, seq_dim=1
-    )
-    input_ids = replicated(input_ids, "input_ids")
+    # hidden, weight, input_ids: local tensors (the boundary's one unwrap, `local_view`)
     check_floating("hidden", hidden)
     check_integer_ids("input_ids", input_ids)
     position_ids = check_position_ids(position_ids, input_ids)

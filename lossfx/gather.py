@@ -63,7 +63,7 @@ _ROLES = Roles(
 )  # the cross-rank check's view of the parameters
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES), unwrapped=True)
 def gather_logprobs(
     logits: Tensor,
     ids: Tensor,
@@ -126,7 +126,7 @@ def gather_logprobs(
     return _kernel.gather_logprobs(logits, ids, vocab, with_neg_entropy=with_entropy, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES), unwrapped=True)
 def gather_logits(
     logits: Tensor,
     ids: Tensor,

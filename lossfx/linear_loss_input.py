@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._boundary.consistency import Roles, boundary, vocab_shard_range, vocab_size_when_read
+from lossfx._boundary.consistency import Roles, ShardWidths, boundary
 from lossfx._boundary.dtensor import _replicated_columns, is_dtensor, rejections_compared, replicated, vocab_shard
 from lossfx._boundary.validation import (
     check_floating,
@@ -124,10 +124,11 @@ def _resolved_call(
     ignore_index: int,
     chunk_size: int | None,
     rows_per_position: int,
+    widths: ShardWidths,
 ) -> tuple[LinearCall, int | Any]:
     """The head checked and resolved (`fused_linear.validated_head`), `chunk_size` positions as
     rows, and `V` as the range check of the ids must read it: an int, or (uneven plain shards in
-    eager mode) the function of the cross-rank check's widths (`vocab_size_when_read`)."""
+    eager mode) the function of the cross-rank check's widths (`ShardWidths.size_when_read`)."""
     call = validated_head(
         hidden,
         weight,
@@ -144,16 +145,16 @@ def _resolved_call(
     )
     call = call._replace(chunk_rows=call.chunk_rows * rows_per_position)
     uneven = shard.dtensor is None and group is not None
-    return call, vocab_size_when_read(weight.shape[0], group) if uneven else call.vocab.size
+    return call, widths.size_when_read(weight.shape[0], group) if uneven else call.vocab.size
 
 
-def _uneven_vocab(call: LinearCall, shard: Any, local_vocab: int) -> LinearCall:
+def _uneven_vocab(call: LinearCall, shard: Any, local_vocab: int, widths: ShardWidths) -> LinearCall:
     """The call with this rank's range from the widths the cross-rank check reported (uneven plain
     shards, eager); unchanged for a DTensor head, without a group, or traced (equal widths)."""
     group = call.vocab.group
     if shard.dtensor is not None or group is None:
         return call
-    start, size = vocab_shard_range(local_vocab, group)
+    start, size = widths.range(local_vocab, group)
     return call if start is None or size is None else call._replace(vocab=VocabRange(group, start, size))
 
 
@@ -193,6 +194,7 @@ def prepare_linear_loss_input(
     logit_scale: float = 1.0,
     softcap: float | None = None,
     ignore_index: int = -100,
+    _widths: ShardWidths | None = None,
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
     """Build the loss-function input dict from last hidden states and the LM head, fused.
 
@@ -255,6 +257,7 @@ def prepare_linear_loss_input(
         )
     check_group("vocab_parallel_group", vocab_parallel_group)
     check_group("context_parallel_group", context_parallel_group)
+    widths = ShardWidths() if _widths is None else _widths
     local, shard = _unwrapped(
         {
             "hidden": hidden,
@@ -286,6 +289,7 @@ def prepare_linear_loss_input(
         ignore_index=ignore_index,
         chunk_size=chunk_size,
         rows_per_position=hidden.shape[0],
+        widths=widths,
     )
     if input_type is LossInputType.OPD_FULL:
         return _linear_opd_full_input(
@@ -299,11 +303,11 @@ def prepare_linear_loss_input(
             teacher_logits_dtype=teacher_logits_dtype,
         ), data
     if input_type is LossInputType.DISTILLATION:
-        return _distillation_input(hidden, weight, columns, loss_fn, call, size, shard, layout), data
+        return _distillation_input(hidden, weight, columns, loss_fn, call, size, shard, layout, widths), data
     if input_type is LossInputType.DRAFT:
-        return _draft_input(hidden, weight, data, columns, d2t, call, size, shard, layout), data
+        return _draft_input(hidden, weight, data, columns, d2t, call, size, shard, layout, widths), data
     return _logprob_input(
-        hidden, weight, data, columns, loss_fn, call, size, shard, layout, sampling_params, ignore_index
+        hidden, weight, data, columns, loss_fn, call, size, shard, layout, sampling_params, ignore_index, widths
     ), data
 
 
@@ -331,6 +335,7 @@ def _logprob_input(
     layout: SequenceLayout,
     sampling_params: TrainingSamplingParams | None,
     ignore_index: int,
+    widths: ShardWidths,
 ) -> dict[str, Tensor]:
     """`LOGPROB`: next-token log-probs `[B, S-1]` through the fused pipeline; with a top-k/top-p
     `sampling_params`, under the filtered softmax (`lossfx._kernels.linear_filtering`: one
@@ -341,7 +346,7 @@ def _logprob_input(
     check_integer_ids("data['input_ids']", input_ids)
     scored = input_ids[:, 1:]
     check_ids_in_range("data['input_ids']", scored.masked_fill(scored == ignore_index, 0), size, column_offset=1)
-    call = _uneven_vocab(call, shard, weight.shape[0])
+    call = _uneven_vocab(call, shard, weight.shape[0], widths)
     top = resolve_filter(sampling_params)
     mask = None if top is None else loss_mask_from_data(columns, input_ids)  # before anything is computed
 
@@ -377,6 +382,7 @@ def _distillation_input(
     size: int | Any,
     shard: Any,
     layout: SequenceLayout,
+    widths: ShardWidths,
 ) -> dict[str, Any]:
     """`DISTILLATION`: student/teacher log-probs at the teacher's top-k ids and `H_all`."""
     zero_outside_topk = bool(getattr(loss_fn, "zero_outside_topk", False))
@@ -391,7 +397,7 @@ def _distillation_input(
             f"got {tuple(values.shape)} and {tuple(ids.shape)}"
         )
     check_ids_in_range("data['teacher_topk_indices']", ids, size)
-    call = _uneven_vocab(call, shard, weight.shape[0])
+    call = _uneven_vocab(call, shard, weight.shape[0], widths)
     student, teacher, neg_entropy = _distillation.linear_distillation_topk_logprobs(
         hidden,
         weight,
@@ -418,6 +424,7 @@ def _draft_input(
     size: int | Any,
     shard: Any,
     layout: SequenceLayout,
+    widths: ShardWidths,
 ) -> dict[str, Any]:
     """`DRAFT`: shifted teacher logits in the draft vocabulary (this rank's `D/R` shard) and the
     shifted mask, from the head's `D` draft rows only."""
@@ -435,7 +442,7 @@ def _draft_input(
             )
         target_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t.to(torch.int64)
         check_ids_in_range("d2t targets (i + d2t[i])", target_ids, size)
-    call = _uneven_vocab(call, shard, weight.shape[0])
+    call = _uneven_vocab(call, shard, weight.shape[0], widths)
     teacher, mask = _draft.linear_draft_targets(
         hidden, weight, token_mask, target_ids, call.vocab, layout, head=call.head, bias=call.bias
     )
@@ -466,6 +473,7 @@ def prepare_linear_packed_loss_input(
     logit_scale: float = 1.0,
     softcap: float | None = None,
     ignore_index: int = -100,
+    _widths: ShardWidths | None = None,
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
     """Loss inputs (`LOGPROB`) from packed hidden states: `prepare_packed_loss_input` fused.
 
@@ -504,6 +512,7 @@ def prepare_linear_packed_loss_input(
             "use prepare_linear_loss_input per sequence for other types"
         )
     check_group("vocab_parallel_group", vocab_parallel_group)
+    widths = ShardWidths() if _widths is None else _widths
     local, shard = _unwrapped(
         {
             "hidden": hidden,
@@ -534,6 +543,7 @@ def prepare_linear_packed_loss_input(
         ignore_index=ignore_index,
         chunk_size=chunk_size,
         rows_per_position=1,
+        widths=widths,
     )
     input_ids = check_tensor("data['input_ids']", _column(columns, "input_ids"))  # type: ignore[arg-type]
     # the packed checks read shapes only: a zero-stride stand-in for the [1, T/C, Vl] logits
@@ -551,7 +561,7 @@ def prepare_linear_packed_loss_input(
         vocab_start=shard.vocab_start,
         vocab_size=shard.vocab_size,
         ids_name="data['input_ids']",
-        uneven_shards=shard.dtensor is None and group is not None,
+        widths=widths if shard.dtensor is None and group is not None else None,
     )
     call = call._replace(vocab=vocab)
     top = resolve_filter(sampling_params)

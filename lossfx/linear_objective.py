@@ -32,14 +32,12 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import boundary
 from lossfx._boundary.deprecation import renamed_keyword
-from lossfx._boundary.dtensor import replicated
 from lossfx._boundary.validation import check_floating, check_integer_ids
 from lossfx._core.distributed import ProcessGroup
 from lossfx._kernels import linear_objective as kernel
 from lossfx._kernels.linear_objective import default_objective_chunk_rows as default_objective_chunk_rows
 from lossfx.fused_linear import (  # _ROLES: the cross-rank check's view of the LM-head parameters, shared
     _ROLES,
-    _local_arguments,
     check_rows,
     local_view,
     validated_head,
@@ -48,7 +46,7 @@ from lossfx.fused_linear import (  # _ROLES: the cross-rank check's view of the 
 __all__ = ["linear_logprob_objective"]
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0), unwrapped=True)
 def linear_logprob_objective(
     hidden: Tensor,
     weight: Tensor,
@@ -150,16 +148,13 @@ def linear_logprob_objective(
 
     See also: docs/fused_linear.md, proofs/linear_objective.md, lossfx.reference.linear_logprob_objective.
     """
-    hidden, weight, group, vocab_start, vocab_size = _local_arguments(
-        hidden, weight, group, vocab_start, vocab_size, sequence_parallel, seq_dim=0
-    )
-    target = replicated(target, "target")
+    # hidden, weight, target and the coefficients: local tensors (the boundary's one unwrap, `local_view`)
     check_integer_ids("target", target)
-    coefficients = {"logprob_weight": replicated(logprob_weight, "logprob_weight")}
+    coefficients = {"logprob_weight": logprob_weight}
     b_name = "neg_entropy_weight" if entropy_weight is None else "entropy_weight"  # as the caller named it
     b = renamed_keyword("neg_entropy_weight", neg_entropy_weight, "entropy_weight", entropy_weight)
     if b is not None:
-        coefficients[b_name] = replicated(b, b_name)
+        coefficients[b_name] = b
     for name, value in coefficients.items():
         check_floating(name, value)
         if tuple(value.shape) != tuple(target.shape):

@@ -67,7 +67,7 @@ def _validated(
     return logits, target, vocab, chunk_rows
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES), unwrapped=True)
 def token_logprobs_with_lse(
     logits: Tensor,
     target: Tensor,
@@ -90,7 +90,7 @@ def token_logprobs_with_lse(
     return _kernel.token_logprobs_with_lse(logits, target, vocab, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES))
+@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES), unwrapped=True)
 def token_logprobs(
     logits: Tensor,
     target: Tensor,

@@ -24,21 +24,23 @@ raises leaves it untouched.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lossfx._boundary import dtensor as _dtensor
 from lossfx._boundary.consistency import (
     Roles,
+    ShardWidths,
     boundary,
 )
 from lossfx._boundary.dtensor import (
+    SHARD,
     EntryKeys,
-    _all_replicate,
+    VocabShard,
     check_view,
+    entry_point_local,
     entry_point_on_local,
     has_dtensor,
     is_dtensor,
@@ -109,6 +111,17 @@ def _vocab_parallel(
 
 
 _OPD_COLUMNS = (*_PAYLOAD_COLUMNS.values(), TEACHER_INDEX_FIELD)  # the payload read, by the config
+# the attributes of `loss_fn` the entry points read (`getattr`; `interfaces.LossFunction`, `opd_full`'s config)
+_LOSS_FN_READS = (
+    "input_type",
+    "use_fused_linear_logprobs",
+    "reference_policy_kl_penalty",
+    "zero_outside_topk",
+    "kl_type",
+    "opd_full.teacher_payload",
+    "opd_full.chunk_size",
+    "opd_full.validate_decomposition",
+)
 
 
 def _input_name(arguments: Mapping[str, Any]) -> str:
@@ -148,6 +161,7 @@ _ROLES = Roles(
     rank="vocab_parallel_rank",
     reads=("data", _data_read),
     shard_columns=("student_logits",),  # DRAFT's: this rank's shard of the draft vocabulary (and of the sequence)
+    attrs=("loss_fn", _LOSS_FN_READS),  # what the entry points read of `loss_fn`, all of it
 )
 _ROLES_SHARDER = dataclasses.replace(_ROLES, cp_from="cp_sharder")
 _ROLES_DATA = dataclasses.replace(_ROLES, columns=("teacher_full_logits",))
@@ -160,6 +174,7 @@ _ROLES_ALL = dataclasses.replace(_ROLES_OPD, cp_from="cp_sharder")
     roles=_ROLES_SHARDER,
     vocab="auto",
     local=check_view(_ROLES_SHARDER, even=True),
+    unwrapped=True,
 )
 def next_token_logprobs(
     logits: Tensor,
@@ -173,6 +188,7 @@ def next_token_logprobs(
     chunk_size: int | None = None,
     position_ids: Tensor | None = None,
     ignore_index: int | None = None,
+    _widths: ShardWidths | None = None,
 ) -> Tensor:
     """Next-token log-probs: position `t` scores token `input_ids[:, t+1]`.
 
@@ -221,6 +237,7 @@ def next_token_logprobs(
         chunk_size,
         position_ids=position_ids,
         ignore_index=ignore_index,
+        widths=_widths,
     )
     return next_token_logprobs_of(call, resolve_filter(sampling_params))
 
@@ -236,11 +253,12 @@ def _validated_logprob_call(
     position_ids: Tensor | None = None,
     ignore_index: int | None = None,
     ids_name: str = "input_ids",
+    widths: ShardWidths | None = None,
 ) -> NextTokenCall:
     """The boundary work of `next_token_logprobs` and of `prepare_loss_input(LOGPROB)` on local
     tensors, once: the tensor-parallel arguments, then `validated_next_token_call` (shapes, ONE
-    range check of the scored ids, this rank's `VocabRange` from the widths the ranks reported:
-    uneven shards in eager mode)."""
+    range check of the scored ids, this rank's `VocabRange` from the `widths` the ranks reported
+    to the call's check: uneven shards in eager mode)."""
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
     return validated_next_token_call(
         logits,
@@ -249,44 +267,48 @@ def _validated_logprob_call(
         layout=layout,
         chunk_size=chunk_size,
         position_ids=position_ids,
-        uneven=True,
+        widths=ShardWidths() if widths is None else widths,
         ids_name=ids_name,
         ignore_index=ignore_index,
     )
 
 
+def _entry_view(roles: Roles) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
+    """The one unwrap of an entry point's DTensor logits and columns (`entry_point_local`): the
+    arguments with the logits' even local shard, its group and rank, and the local columns, which
+    the cross-rank check compares and `entry_point_on_local` runs the branch on (its `SHARD`),
+    and which arguments were DTensors."""
+
+    def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        logits, data = arguments["logits"], arguments["data"]
+        if not isinstance(data, Mapping) or not has_dtensor(logits, data):
+            return arguments, ""
+        group, rank = arguments["vocab_parallel_group"], arguments["vocab_parallel_rank"]
+        shard, local = entry_point_local(logits, data, keys=_DTENSOR_KEYS, roles=roles, group=group, rank=rank)
+        given = ("logits",) * is_dtensor(logits) + ("data",) * any(is_dtensor(v) for v in data.values())
+        arguments.update(logits=shard.local, data=local, vocab_parallel_group=shard.group)
+        arguments.update({"vocab_parallel_rank": shard.rank, "DTensor arguments": given, SHARD: shard})
+        return arguments, ""
+
+    return view
+
+
 def _local_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The cross-rank check's view of a `prepare_loss_input` call with DTensors: OPD_FULL's
-    (`lossfx.opd_full.check_view`), or the local tensors `entry_point_on_local` hands the branch
-    (the logits' even shard, its group and rank, the replicated columns, the payload padded like
-    the logits) and which arguments were DTensors."""
+    (`lossfx.opd_full.check_view`), or the entry points' one unwrap (`_entry_view`)."""
     try:
         opd = LossInputType(getattr(arguments.get("loss_fn"), "input_type", None)) is LossInputType.OPD_FULL
     except ValueError:
         opd = False  # the body raises on the input type
-    if opd:
-        return opd_check_view(arguments)
-    logits, data = arguments["logits"], arguments["data"]
-    if not isinstance(data, Mapping) or not has_dtensor(logits, data):
-        return arguments, ""
-    shard = vocab_shard(
-        logits,
-        name="logits",
-        roles=_ROLES,
-        group=arguments["vocab_parallel_group"],
-        rank=arguments["vocab_parallel_rank"],
-        even=True,
-    )
-    local = {k: replicated(v, f"data[{k!r}]") if is_dtensor(v) and _all_replicate(v) else v for k, v in data.items()}
-    for key in _DTENSOR_KEYS.full_columns:
-        if key in local:
-            local[key] = shard.pad_full(local[key])
-    given = ("logits",) * is_dtensor(logits) + ("data",) * any(is_dtensor(v) for v in data.values())
-    arguments.update(logits=shard.local, data=local, vocab_parallel_group=shard.group, vocab_parallel_rank=shard.rank)
-    arguments["DTensor arguments"] = given
-    return arguments, ""
+    return opd_check_view(arguments) if opd else _ENTRY_VIEW(arguments)
 
 
+def _unwrapped(view: Mapping[str, Any] | None) -> tuple[VocabShard, Mapping[str, Any]] | None:
+    """`(shard, local columns)` that the check's view (`_entry_view`) unwrapped, or `None`."""
+    return None if view is None or view.get(SHARD) is None else (view[SHARD], view["data"])
+
+
+_ENTRY_VIEW = _entry_view(_ROLES)
 # a DTensor rejected on some rank is a compared field, not an error before the check's collective
 _loss_input_view = rejections_compared(_local_view, "vocab_parallel_group")
 
@@ -305,6 +327,8 @@ def prepare_loss_input(
     cp_sharder: Any = None,
     teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
     teacher_logits_dtype: torch.dtype | None = None,
+    _widths: ShardWidths | None = None,
+    _view: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
     """Build the loss-function input dict from model logits.
 
@@ -378,12 +402,8 @@ def prepare_loss_input(
             teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
             teacher_logits_dtype=teacher_logits_dtype,
             cp_sharder=cp_sharder,
+            view=_view,
         ), data
-    if input_type is LossInputType.DISTILLATION:  # its boundary also maps DTensor logits and columns
-        if not is_dtensor(logits):
-            _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
-        layout = sequence_layout(context_parallel_group, cp_sharder)
-        return _prepare_distillation_input(logits, data, loss_fn, vocab_parallel_group, layout, chunk_size), data
     parallel: dict[str, Any] = {
         "vocab_parallel_rank": vocab_parallel_rank,
         "vocab_parallel_group": vocab_parallel_group,
@@ -391,9 +411,18 @@ def prepare_loss_input(
         "cp_sharder": cp_sharder,
     }
     options: dict[str, Any] = {"sampling_params": sampling_params, "d2t": d2t, "chunk_size": chunk_size}
-    if dtensors:  # DTensor boundary: lossfx/_boundary/dtensor.py (unwrapped once, no re-entry)
+    options["widths"] = _widths
+    if dtensors:  # DTensor boundary: the check's view, unwrapped once (lossfx/_boundary/dtensor.py)
         return entry_point_on_local(
-            _prepare_on_local, logits, data, loss_fn, keys=_DTENSOR_KEYS, roles=_ROLES, **parallel, **options
+            _prepare_on_local,
+            logits,
+            data,
+            loss_fn,
+            keys=_DTENSOR_KEYS,
+            roles=_ROLES,
+            unwrapped=_unwrapped(_view),
+            **parallel,
+            **options,
         )
     return _prepare_on_local(logits, data, loss_fn, **parallel, **options)
 
@@ -410,18 +439,22 @@ def _prepare_on_local(
     sampling_params: TrainingSamplingParams | None,
     d2t: Tensor | None,
     chunk_size: int | None,
+    widths: ShardWidths | None,
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
-    """`prepare_loss_input`'s `LOGIT`, `DRAFT` and `LOGPROB` branches on local tensors (DTensors
-    unwrapped by `entry_point_on_local`, checked by the boundary's `_loss_input_view`)."""
+    """`prepare_loss_input`'s branches but `OPD_FULL` on local tensors (DTensors unwrapped once,
+    by the boundary's `_loss_input_view`, handed over by `entry_point_on_local`)."""
     input_type = _input_type(loss_fn)
     if input_type is LossInputType.LOGIT:
         return {"logits": logits}, data
     layout = sequence_layout(context_parallel_group, cp_sharder)  # built once, handed to the branch
+    if input_type is LossInputType.DISTILLATION:
+        _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+        return _prepare_distillation_input(logits, data, loss_fn, vocab_parallel_group, layout, chunk_size), data
     if input_type is LossInputType.DRAFT:
         return _prepare_draft_input(logits, data, d2t, vocab_parallel_rank, vocab_parallel_group, layout), data
     # the last of LossInputType's five members (`_input_type` rejects anything else)
     return _prepare_logprob_input(
-        logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, layout, sampling_params, chunk_size
+        logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, layout, sampling_params, chunk_size, widths
     ), data
 
 
@@ -434,6 +467,7 @@ def _prepare_logprob_input(
     layout: SequenceLayout,
     sampling_params: TrainingSamplingParams | None,
     chunk_size: int | None,
+    widths: ShardWidths | None,
 ) -> dict[str, Tensor]:
     input_ids = check_tensor("data['input_ids']", _column(data, "input_ids"))
     if sampling_params is not None and not isinstance(sampling_params, TrainingSamplingParams):
@@ -455,7 +489,14 @@ def _prepare_logprob_input(
         return {"next_token_logprobs": logits.to(compute_dtype(logits.dtype))[:, :width]}
     top = resolve_filter(sampling_params)
     call = _validated_logprob_call(
-        logits, input_ids, vocab_parallel_rank, vocab_parallel_group, layout, chunk_size, ids_name="data['input_ids']"
+        logits,
+        input_ids,
+        vocab_parallel_rank,
+        vocab_parallel_group,
+        layout,
+        chunk_size,
+        ids_name="data['input_ids']",
+        widths=widths,
     )
     logprobs = next_token_logprobs_of(call, top)  # [B, S-1]
     if not filtering:
@@ -491,6 +532,7 @@ def prepare_opd_full_loss_input(
     teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
     teacher_logits_dtype: torch.dtype | None = None,
     cp_sharder: Any = None,
+    _view: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Full-vocabulary on-policy distillation inputs: reverse KL to fixed teacher logits.
 
@@ -540,6 +582,7 @@ def prepare_opd_full_loss_input(
         teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
         teacher_logits_dtype=teacher_logits_dtype,
         cp_sharder=cp_sharder,
+        view=_view,
     )
 
 
@@ -547,15 +590,8 @@ def prepare_opd_full_loss_input(
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
 
 
-def _packed_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The cross-rank check's view of a `prepare_packed_loss_input` call with DTensors: the local
-    logits (and their group and rank) and the local `data` columns, as its body unwraps them."""
-    arguments, hint = _LOGITS_VIEW(arguments)
-    arguments["data"] = _dtensor._replicated_columns(arguments["data"])
-    return arguments, hint
-
-
-_LOGITS_VIEW = check_view(_ROLES_DATA, even=True)
+# the one unwrap of a packed call (`_entry_view`); a rejected DTensor is a compared field
+_packed_view = rejections_compared(_entry_view(_ROLES_DATA), "vocab_parallel_group")
 
 
 @boundary(roles=_ROLES_DATA, vocab="auto", local=_packed_view)
@@ -570,6 +606,8 @@ def prepare_packed_loss_input(
     context_parallel_group: ProcessGroup | None = None,
     sampling_params: TrainingSamplingParams | None = None,
     chunk_size: int | None = None,
+    _widths: ShardWidths | None = None,
+    _view: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
     """Loss inputs (`LOGPROB`) from packed logits, every sequence shifted within itself.
 
@@ -614,11 +652,13 @@ def prepare_packed_loss_input(
             cu_seqlens_q_padded,
             keys=_DTENSOR_KEYS,
             roles=_ROLES_DATA,
+            unwrapped=_unwrapped(_view),
             vocab_parallel_rank=vocab_parallel_rank,
             vocab_parallel_group=vocab_parallel_group,
             context_parallel_group=context_parallel_group,
             sampling_params=sampling_params,
             chunk_size=chunk_size,
+            widths=_widths,
         )
     return _prepare_packed_on_local(
         logits,
@@ -631,6 +671,7 @@ def prepare_packed_loss_input(
         context_parallel_group=context_parallel_group,
         sampling_params=sampling_params,
         chunk_size=chunk_size,
+        widths=_widths,
     )
 
 
@@ -646,6 +687,7 @@ def _prepare_packed_on_local(
     context_parallel_group: ProcessGroup | None,
     sampling_params: TrainingSamplingParams | None,
     chunk_size: int | None,
+    widths: ShardWidths | None,
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
     """`prepare_packed_loss_input` on local tensors: validate once (`_validated_packed`: the
     `cu_seqlens` and the scored ids read in one host read), then the pure packed pipeline
@@ -674,7 +716,7 @@ def _prepare_packed_on_local(
         sampling_params=sampling_params,
         chunk_size=chunk_size,
         ids_name="data['input_ids']",
-        uneven_shards=True,  # the shard range is read with the packed checks (one host read)
+        widths=ShardWidths() if widths is None else widths,  # read with the packed checks (one host read)
     )
     filtering = need_top_k_or_top_p_filtering(sampling_params)
     mask = loss_mask_from_data(data, input_ids) if filtering else None  # [B, S] ([1, T] pre-packed)

@@ -24,7 +24,7 @@ from typing import Literal, NamedTuple
 
 from torch import Tensor
 
-from lossfx._boundary.consistency import Roles, boundary, vocab_shard_range, vocab_size_when_read
+from lossfx._boundary.consistency import Roles, ShardWidths, boundary
 from lossfx._boundary.dtensor import check_view, replicated, vocab_shard
 from lossfx._boundary.validation import (
     check_floating,
@@ -105,7 +105,7 @@ def validated_next_token_call(
     position_ids: object = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
-    uneven: bool = False,
+    widths: ShardWidths | None = None,
     ids_name: str = "input_ids",
     ignore_index: int | None = None,
 ) -> NextTokenCall:
@@ -114,8 +114,8 @@ def validated_next_token_call(
     Checks the types and shapes (`logits [B, S_l, Vl]`, `input_ids [B, S]`, `position_ids`), that
     `layout` covers `S` with `S_l` positions, and range-checks the scored ids `input_ids[:, 1:]`
     once (those equal to `ignore_index` excepted). This rank's `VocabRange`: `vocab_start` /
-    `vocab_size` when given, the widths the ranks reported to the cross-rank check when `uneven`
-    (eager; read with the range check), else uniform shards.
+    `vocab_size` when given, the widths the ranks reported to the cross-rank check when given
+    `widths` (the call's `ShardWidths`; eager, read with the range check), else uniform shards.
     """
     check_floating("logits", logits)
     check_integer_ids(ids_name, input_ids)
@@ -133,10 +133,10 @@ def validated_next_token_call(
     scored = input_ids[:, 1:]
     if ignore_index is not None:
         scored = scored.masked_fill(scored == ignore_index, 0)
-    if uneven and vocab_start is None and vocab_size is None:
+    if widths is not None and vocab_start is None and vocab_size is None:
         # the size the ranks' widths sum to, read with the cross-rank check's own read
-        check_ids_in_range(ids_name, scored, vocab_size_when_read(width, group), column_offset=1)
-        vocab_start, vocab_size = vocab_shard_range(width, group)
+        check_ids_in_range(ids_name, scored, widths.size_when_read(width, group), column_offset=1)
+        vocab_start, vocab_size = widths.range(width, group)
     else:
         size = group_size(group) * width if vocab_size is None else vocab_size
         check_ids_in_range(ids_name, scored, size, column_offset=1)
@@ -168,7 +168,7 @@ LoadBalancedSharder = LoadBalancedLayout  # the load-balanced layout is itself a
 _ROLES_TARGET = Roles(tp="group", shards=("logits",), start="vocab_start", size="vocab_size")
 
 
-@boundary(roles=_ROLES_TARGET, vocab="tiled", local=check_view(_ROLES_TARGET))
+@boundary(roles=_ROLES_TARGET, vocab="tiled", local=check_view(_ROLES_TARGET), unwrapped=True)
 def target_logprobs(
     logits: Tensor,
     target: Tensor,
@@ -270,7 +270,7 @@ def sharded_next_token_logprobs(
 _ROLES_FILTERED = Roles(tp="group", shards=("logits",))
 
 
-@boundary(roles=_ROLES_FILTERED, vocab="equal", local=check_view(_ROLES_FILTERED, even=True))
+@boundary(roles=_ROLES_FILTERED, vocab="equal", local=check_view(_ROLES_FILTERED, even=True), unwrapped=True)
 def next_token_filtered_logprobs(
     logits: Tensor,
     input_ids: Tensor,

@@ -485,8 +485,11 @@ def _view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
         vocab_size=call.vocab_size,
     )
     arguments[heads_arg] = call.heads
-    arguments["DTensor arguments"] = given
+    arguments.update({"DTensor arguments": given, _CALL: call})  # `_CALL`: the body's (not compared)
     return arguments, ""
+
+
+_CALL = "_opd_call"  # the key of the view's `_LocalCall`: the one unwrap, which the body runs on
 
 
 # a DTensor that `local_call` rejects on some rank is a compared field, not an error before the check
@@ -506,12 +509,14 @@ def opd_full_input(
     teacher_logits_dtype: torch.dtype | None = None,
     vocab_size: int | None = None,
     cp_sharder: Any = None,
+    view: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The boundary work of an OPD_FULL call, once (DTensors, config, columns, heads, ids), then the
     pure `lossfx._layouts.opd_full.opd_full_loss_input` once. Shared by
     `lossfx.prepare_opd_full_loss_input` and `prepare_loss_input`'s OPD_FULL branch (which do not
-    call each other); no cross-rank check here (their `boundary` runs it)."""
-    call = local_call(
+    call each other); no cross-rank check here (their `boundary` runs it). The DTensors are the
+    ones the check's `view` unwrapped (`local_call`, once), else unwrapped here."""
+    call = (view or {}).get(_CALL) or local_call(
         logits, data, teacher_output_layer_weight_by_index, vocab_parallel_group, vocab_parallel_rank, vocab_size
     )
     logits, data, heads, group, vocab_size = call.logits, call.data, call.heads, call.group, call.vocab_size

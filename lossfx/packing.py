@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._boundary.consistency import Roles, boundary, vocab_shard_range, vocab_size_when_read
+from lossfx._boundary.consistency import Roles, ShardWidths, boundary
 from lossfx._boundary.validation import (
     check_floating,
     check_ids_in_range,
@@ -155,7 +155,7 @@ def check_packed_input_ids(
     never read and may hold anything (compiled: an in-graph assertion, `check_ids_in_range`). Call
     after `check_cu_seqlens`. The scored ids'
     min and max are read with the call's other host reads; `vocab` may be a function called then
-    (the size the call's cross-rank check reports, `vocab_size_when_read`). Skipped when the
+    (the size the call's cross-rank check reports, `ShardWidths.size_when_read`). Skipped when the
     same check already ran in this call.
     """
     traced = _host_reads.tracing() and not input_ids.is_meta  # an in-graph assertion (`check_ids_in_range`)
@@ -287,15 +287,15 @@ def _validated_packed(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     ids_name: str = "input_ids",
-    uneven_shards: bool = False,
+    widths: ShardWidths | None = None,
 ) -> tuple[Tensor, Tensor, PackedLayout, VocabRange, dict[str, Any]]:
     """The boundary work of a packed call, once: `(logits, input_ids, layout, vocab, options)` as
     `lossfx._layouts.packing.packed_next_token_logprobs(logits, input_ids, layout, vocab, **options)`
     takes them (`options`: the resolved filter and `chunk_rows`). `cu_seqlens` and the scored
     ids are checked here (read with the call's other host reads); errors about the ids name them
-    `ids_name` (the entry point passes `data['input_ids']`). `uneven_shards`: `vocab_start` and
-    `vocab_size` are the shard widths the call's cross-rank check reported
-    (`vocab_shard_range`), asked for once the checks are deferred, so that they are read together."""
+    `ids_name` (the entry point passes `data['input_ids']`). `widths` (the call's `ShardWidths`): `vocab_start` and
+    `vocab_size` come from the shard widths the call's cross-rank check reported
+    (`ShardWidths.range`), asked for once the checks are deferred, so that they are read together."""
     check_floating("logits", logits)
     check_integer_ids(ids_name, input_ids)
     if logits.dim() != 3 or logits.shape[0] != 1:
@@ -320,15 +320,15 @@ def _validated_packed(
     layout.check_covers("packed logits", local_len, input_ids.shape[0], f"logits.shape={tuple(logits.shape)}")
     uniform = VocabRange.uniform(vocab_parallel_group, local_vocab)
     vocab: int | Callable[[], int] = (
-        vocab_size_when_read(local_vocab, vocab_parallel_group)
-        if uneven_shards
+        widths.size_when_read(local_vocab, vocab_parallel_group)
+        if widths is not None
         else vocab_size
         if vocab_size is not None
         else uniform.size
     )
     check_packed_input_ids(ids_name, input_ids, cu_seqlens_q, cu_seqlens_q_padded, vocab, prepacked)
-    if uneven_shards:  # settles: the checks above are read with the cross-rank check's verdict
-        vocab_start, vocab_size = vocab_shard_range(local_vocab, vocab_parallel_group)
+    if widths is not None:  # settles: the checks above are read with the cross-rank check's verdict
+        vocab_start, vocab_size = widths.range(local_vocab, vocab_parallel_group)
     resolved = VocabRange(
         vocab_parallel_group,
         uniform.start if vocab_start is None else vocab_start,

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import check_view, vocab_shard
+from lossfx._boundary.dtensor import check_view, resolved_shard, vocab_shard
 from lossfx._boundary.validation import check_floating, check_positive_int
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.vocab import VocabRange
@@ -34,7 +34,7 @@ def _vocab_policy(arguments: Mapping[str, Any]) -> str:
 _ROLES = Roles(tp="group", shards=("logits",), start="vocab_start")  # the parameters' parts (`Roles`)
 
 
-@boundary(roles=_ROLES, vocab=_vocab_policy, local=check_view(_ROLES, even=True))
+@boundary(roles=_ROLES, vocab=_vocab_policy, local=check_view(_ROLES, even=True), unwrapped=True)
 @torch.no_grad()
 def vocab_topk(
     logits: Tensor,
@@ -42,6 +42,7 @@ def vocab_topk(
     *,
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
+    _view: dict[str, Any] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The `k` largest logits per row of a (possibly sharded) vocabulary and their global ids.
 
@@ -69,7 +70,9 @@ def vocab_topk(
         (tensor([[2., 2.]]), tensor([[1, 2]]))
     """
     # DTensor boundary: lossfx/_boundary/dtensor.py
-    s = vocab_shard(logits, name="logits", roles=_ROLES, group=group, vocab_start=vocab_start, even=True)
+    s = resolved_shard(_view) or vocab_shard(  # the DTensor the boundary unwrapped once, or a plain shard
+        logits, name="logits", roles=_ROLES, group=group, vocab_start=vocab_start, even=True
+    )
     logits, group, vocab_start, k = s.local, s.group, None if s.padded else s.vocab_start, s.at_most_vocab(k)
     check_floating("logits", logits)
     k = check_positive_int("k", k, allow_none=False)

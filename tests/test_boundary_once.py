@@ -9,13 +9,17 @@ DTensors, while the boundary's steps are counted:
   local tensors of a DTensor argument;
 - **checks**: cross-rank checks run (`consistency._check`): one;
 - **repeated range checks**: range checks of ids this call had already checked (or marked as
-  checked), skipped by `_host_reads.seen`: none — each id tensor is checked once.
+  checked), skipped by `_host_reads.seen`: none — each id tensor is checked once;
+- **repeated unwraps**: `to_local()` calls on a DTensor argument this call had already unwrapped
+  (the check's view and the body are one unwrap, handed from the boundary to the body): none.
 
 A variant the function rejects (uneven shards where it needs equal ones) must raise on every rank,
 after one boundary.
 """
 
 from __future__ import annotations
+
+import sys
 
 import adversarial_cases
 import harness
@@ -27,6 +31,8 @@ from lossfx._core import host_reads
 pytestmark = pytest.mark.distributed
 
 VARIANTS = {"plain": {}, "uneven": {"layout": "uneven"}, "dtensor": {"dtensor": True}}
+# public functions whose body still unwraps its DTensors again after the check's view (issue 25): none
+UNWRAPPED_TWICE: set[str] = set()
 
 
 def _counted_call(rank: int, world: int, group, target: str, variant: dict) -> dict[str, int] | None:
@@ -36,8 +42,10 @@ def _counted_call(rank: int, world: int, group, target: str, variant: dict) -> d
         call, _ = adversarial_cases.TARGETS[target](cfg, rank, group)
     except Exception:
         return None
-    counts = {"entries": 0, "checks": 0, "repeated range checks": 0, "raised": 0}
+    counts = {"entries": 0, "checks": 0, "repeated range checks": 0, "repeated unwraps": 0, "raised": 0}
     depth, check, seen = host_reads.depth, consistency._check, host_reads.seen
+    dtensor_class = _dtensor_class()
+    to_local, unwrapped = dtensor_class.to_local if dtensor_class else None, set()
 
     def counting_depth() -> int:
         counts["entries"] += 1
@@ -53,14 +61,29 @@ def _counted_call(rank: int, world: int, group, target: str, variant: dict) -> d
             counts["repeated range checks"] += 1
         return repeated
 
+    def counting_to_local(self, *args, **kwargs):
+        counts["repeated unwraps"] += id(self) in unwrapped
+        unwrapped.add(id(self))
+        return to_local(self, *args, **kwargs)
+
     host_reads.depth, consistency._check, host_reads.seen = counting_depth, counting_check, counting_seen
+    if dtensor_class:
+        dtensor_class.to_local = counting_to_local
     try:
         call()
     except ValueError:  # a variant the function rejects (e.g. uneven shards where equal ones are needed)
         counts["raised"] = 1
     finally:
         host_reads.depth, consistency._check, host_reads.seen = depth, check, seen
+        if dtensor_class:
+            dtensor_class.to_local = to_local
     return counts
+
+
+def _dtensor_class():
+    """`DTensor`, when some input built one (the module is imported then), else `None`."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -71,4 +94,9 @@ def test_one_boundary_per_public_call(target, variant):
         pytest.skip(f"{target} takes no {variant} input in the adversarial suite")
     assert len({counts.pop("raised") for counts in results}) == 1, "the ranks must raise together"
     for rank, counts in enumerate(results):
+        unwraps = counts.pop("repeated unwraps")
         assert counts == {"entries": 1, "checks": 1, "repeated range checks": 0}, f"rank {rank}: {counts}"
+        if target in UNWRAPPED_TWICE and variant == "dtensor":  # the list shrinks as they move to one unwrap
+            assert unwraps > 0, f"{target} now unwraps once: remove it from UNWRAPPED_TWICE"
+        else:
+            assert unwraps == 0, f"rank {rank}: {unwraps} repeated DTensor unwraps"

@@ -392,30 +392,33 @@ class _PropertyConfig:
         return torch.ones(2)
 
 
-def _walked(value):
+def _walked(value, paths=("kl_type", "top_k", "zero_outside_topk", "broken", "weights", "missing")):
+    """`{label: code}` of `value` as the check reads a `loss_fn` whose call reads `paths` (`Roles.attrs`)."""
     from lossfx._boundary.consistency import _Fields
 
     fields = _Fields(fingerprints=False)
-    fields.walk("loss_fn", value)
+    fields.attributes("loss_fn", value, paths)
     return dict(zip(fields.labels, fields.codes, strict=True))
 
 
-def test_config_walk_reads_slots_and_properties():
-    """`loss_fn` / `sampling_params` settings held in `__slots__` (over the MRO) or in public
-    properties are compared (held-out cases `loss_fn_slots_*`, `loss_fn_property_*` hung)."""
+def test_config_read_through_slots_and_properties():
+    """The attributes of `loss_fn` a call reads (`Roles.attrs`) are compared as `getattr` reads
+    them: held in `__slots__` (over the MRO) or in a property alike (held-out cases
+    `loss_fn_slots_*`, `loss_fn_property_*` hung); a getter that raises and an absent attribute
+    are recorded, not raised."""
     slots = _walked(_SlotsConfig(5))
     assert {"loss_fn.kl_type", "loss_fn.top_k"} <= set(slots) and "loss_fn._private" not in slots
     assert _walked(_SlotsConfig(7))["loss_fn.top_k"] != slots["loss_fn.top_k"]
     on, off = _walked(_PropertyConfig(True)), _walked(_PropertyConfig(False))
     assert on["loss_fn.zero_outside_topk"] != off["loss_fn.zero_outside_topk"]
     assert on["loss_fn.broken"] == off["loss_fn.broken"]  # a getter that raises: recorded, not raised
-    assert "loss_fn.weights" in on  # not a simple value: its type only
-    assert on.keys() == off.keys()
+    assert on["loss_fn.missing"] == off["loss_fn.missing"] != on["loss_fn.zero_outside_topk"]
+    assert "loss_fn.weights" in on and on.keys() == off.keys()
 
 
-def test_config_walk_does_not_read_dataclass_properties():
-    """A dataclass's fields are its configuration; its properties (e.g. a trainer config's
-    `device`, which sets up state) are never called."""
+def test_config_compares_only_what_the_call_reads():
+    """An attribute the call does not read may differ per rank (a NeMo loss function carries many):
+    only the declared paths are compared, and a dataclass's properties are never called."""
     import dataclasses
 
     calls = []
@@ -423,57 +426,17 @@ def test_config_walk_does_not_read_dataclass_properties():
     @dataclasses.dataclass
     class Config:
         top_k: int = 3
+        unread: float = 0.0
 
         @property
         def device(self):
             calls.append(1)
             return "cpu"
 
-    assert "loss_fn.top_k" in _walked(Config()) and not calls
-
-
-def test_config_walk_walks_each_class_once(monkeypatch):
-    """The eager check walks a config's class (`__slots__`, properties) once per class, not on
-    every call; the cached walk is the walk, and a compiled function that takes the walk as a
-    constant (`fullgraph=True`) traces once for every instance of the class."""
-    from torch._dynamo.testing import CompileCounter
-
-    from lossfx._boundary import consistency
-
-    walked = []
-    real = consistency._walk_class
-    monkeypatch.setattr(consistency, "_walk_class", lambda cls: walked.append(cls) or real(cls))
-
-    class Slots(_SlotsConfig):  # fresh classes: no earlier test has walked them
-        __slots__ = ("top_p",)
-
-        def __init__(self, top_k):
-            super().__init__(top_k)
-            self.top_p = 0.5
-
-    class Property(_PropertyConfig):
-        pass
-
-    first, second = _walked(Slots(5)), _walked(Slots(7))
-    assert {"loss_fn.top_p", "loss_fn.top_k", "loss_fn.kl_type"} <= set(first) and first.keys() == second.keys()
-    assert first["loss_fn.top_k"] != second["loss_fn.top_k"]  # the values are read on every call
-    _walked(Property(True))
-    assert walked == [Slots, Property]
-    assert consistency._class_attributes(Slots) == real(Slots) == (("kl_type", "top_k", "top_p"), ())
-
-    class Traced(_PropertyConfig):
-        pass
-
-    def count_attributes(x, config):
-        slots, properties = consistency._class_attributes(type(config))
-        return x + len(slots) + len(properties)
-
-    counter = CompileCounter()
-    compiled = torch.compile(count_attributes, backend=counter, fullgraph=True)
-    x = torch.zeros(2)
-    for config in (Traced(True), Traced(False), Traced(True)):
-        torch.testing.assert_close(compiled(x, config), count_attributes(x, config), rtol=0, atol=0)
-    assert counter.frame_count == 1 and walked.count(Traced) == 1
+    read = ("top_k",)
+    assert _walked(Config(unread=1.0), read) == _walked(Config(unread=2.0), read)
+    assert _walked(Config(top_k=4), read) != _walked(Config(top_k=5), read)
+    assert not calls
 
 
 def _differ(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -684,7 +647,6 @@ def _host_reads(rank, world, group):
     calls = entry_points(rank, world, group)
     hidden, weight, target = _fused(0)
     arguments = {"hidden": hidden, "weight": weight[rank * 6 : (rank + 1) * 6], "target": target, "group": group}
-    _consistency._scope.widths = {}
     roles = lossfx.linear_token_logprobs._lossfx_roles
     check = count_host_reads(lambda: _consistency._check("linear_token_logprobs", arguments, "free", roles))
     names = ("prepare_loss_input LOGPROB top-k + KL", "linear_logprob_objective")

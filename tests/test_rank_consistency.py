@@ -7,8 +7,8 @@ same group: the check leaves the collectives in step, so the pool is never resta
 """
 
 import ast
+import dataclasses
 import time
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -317,7 +317,7 @@ def test_signature_is_by_value_and_fixed_length():
     """An enum and its value agree; shapes and scalars are encoded; the length never changes."""
     as_enum = {"loss_fn": SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB), "logits": torch.zeros(2, 3, 5)}
     as_str = {"loss_fn": SimpleNamespace(input_type="logprob"), "logits": torch.zeros(2, 3, 7)}
-    roles = _consistency.Roles(shards=("logits",))  # as declared with prepare_loss_input
+    roles = _consistency.Roles(shards=("logits",), attrs=("loss_fn", ("input_type",)))  # as prepare_loss_input
     sig_enum, labels = _consistency._signature("prepare_loss_input", as_enum, roles=roles)
     sig_str, _ = _consistency._signature("prepare_loss_input", as_str, roles=roles)
     assert sig_enum.shape == sig_str.shape == (_consistency.SIGNATURE_LEN,)
@@ -488,6 +488,11 @@ def test_compiled_check_precedes_an_opaque_ops_collectives():
     assert_every_rank_raises(messages, ["lossfx.linear_logprob_objective", "disagree on chunk_size"])
 
 
+# a config of 300 fields (a dataclass: the check compares its fields; of another object only the attributes
+# the call reads, `Roles.attrs`)
+_Config300 = dataclasses.make_dataclass("_Config300", [f"option_{i:03d}" for i in range(300)])
+
+
 @pytest.mark.slow  # ~45 s (a 300-field config traced twice); the default run has the adversarial nemo cases
 @pytest.mark.compile
 def test_every_field_past_the_body_is_compared_eager_and_compiled():
@@ -507,7 +512,7 @@ def test_every_field_past_the_body_is_compared_eager_and_compiled():
     for fn in (signature, compiled):
 
         def sig(options, x, ids, fn=fn):
-            return fn(types.SimpleNamespace(**{f"option_{i:03d}": v for i, v in enumerate(options)}), x, ids)
+            return fn(_Config300(*options), x, ids)
 
         base = sig(options, x, ids)
         for i in (130, 299) if fn is signature else (299,):  # a float far past the body (each a recompile)
@@ -517,7 +522,7 @@ def test_every_field_past_the_body_is_compared_eager_and_compiled():
         assert changed[C._H_DIGEST] != base[C._H_DIGEST] and changed[C._H_VALUES] != base[C._H_VALUES]
         changed = sig(options, x + 1, ids)  # a sequence shard's values: across TP only
         assert changed[C._H_DIGEST] == base[C._H_DIGEST] and changed[C._H_VALUES] != base[C._H_VALUES]
-    cfg = types.SimpleNamespace(**{f"option_{i:03d}": v for i, v in enumerate(options)})
+    cfg = _Config300(*options)
     eager, traced = signature(cfg, x, ids), compiled(cfg, x, ids)
     assert traced[C._H_TRACED] == 1 and eager[C._H_TRACED] == 0
     traced[C._H_TRACED] = 0

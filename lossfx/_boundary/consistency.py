@@ -43,8 +43,6 @@ import enum
 import functools
 import inspect
 import struct
-import threading
-import weakref
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -60,14 +58,12 @@ from lossfx._core import host_reads as _host_reads
 
 __all__ = [
     "SIGNATURE_LEN",
+    "ShardWidths",
     "boundary",
     "fingerprint",
-    "vocab_shard_range",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-_scope = threading.local()  # .widths: {id(group): [w_0, ..., w_R-1]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,6 +162,8 @@ class Roles:
             column the call never reads may differ per rank).
         columns: keys, in a mapping argument, of vocabulary-wide columns (the last dim is padded
             per rank: not compared; the values are fingerprinted over `[0, V)`, the part every rank reads).
+        attrs: `(argument, attribute paths)`: the object `argument` (`loss_fn`) is compared on the
+            dotted attribute paths the call reads (`"opd_full.chunk_size"`), and only those.
         shard_columns: keys, in a mapping argument, of this rank's shard of a vocabulary (`DRAFT`'s
             `student_logits`, a shard of the draft vocabulary under tensor parallelism and this
             rank's part of the sequence under context parallelism): neither their last dim nor
@@ -188,6 +186,7 @@ class Roles:
     size: str | None = None
     heads: str | None = None
     reads: tuple[str, Callable[[Mapping[str, Any]], tuple[str, ...]]] | None = None
+    attrs: tuple[str, tuple[str, ...]] | None = None
     columns: tuple[str, ...] = ()
     shard_columns: tuple[str, ...] = ()
     cp_shards: tuple[str, ...] = ()
@@ -203,10 +202,8 @@ _NO_ROLES = Roles()
 
 
 def _crc(text: str) -> int:
-    """A 32-bit code of `text`, remembered for this thread's messages until the next signature."""
-    code = zlib.crc32(text.encode())
-    _names()[code] = text
-    return code
+    """A 32-bit code of `text` (the text itself is kept by the call's `_Fields`, for its messages)."""
+    return zlib.crc32(text.encode())
 
 
 # Under torch.compile: run at trace time, a constant in the graph. This is what
@@ -223,35 +220,36 @@ def _crc_repr(value: str) -> int:
 _crc_repr._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def _names() -> dict[int, str]:
-    names = getattr(_scope, "names", None)
-    if names is None:
-        names = _scope.names = {}
-    return names
+class _Labels(list[str]):
+    """The labels of a signature's fields, with `names`: the text of each string code of this call
+    (`{code: text}`), which its messages show (a rank shows its own values: it encoded them)."""
+
+    names: dict[int, str]
 
 
-def _encode(value: Any) -> tuple[int, int]:
-    """`(kind, int64)` of a scalar-like value."""
+def _encode(value: Any) -> tuple[int, int, str | None]:
+    """`(kind, int64, its text or None)` of a scalar-like value (the text of a string code)."""
     if value is None:
-        return _K_NONE, 0
+        return _K_NONE, 0, None
     if isinstance(value, bool):
-        return _K_BOOL, int(value)
+        return _K_BOOL, int(value), None
     if isinstance(value, enum.Enum):  # by value: `LossInputType.LOGPROB` and `"logprob"` agree
         value = value.value
     if isinstance(value, int):
-        return _K_INT, max(min(value, 2**63 - 1), -(2**63))
+        return _K_INT, max(min(value, 2**63 - 1), -(2**63)), None
     if isinstance(value, float):
-        return _K_FLOAT, struct.unpack("<q", struct.pack("<d", value))[0]
+        return _K_FLOAT, struct.unpack("<q", struct.pack("<d", value))[0], None
     if isinstance(value, _Kind):
-        return _K_TYPE, _crc(str(value))
+        return _K_TYPE, _crc(str(value)), str(value)
     if isinstance(value, str):
-        return _K_STR, _crc_repr(value)
+        return _K_STR, _crc_repr(value), repr(value)
     if isinstance(value, torch.dtype):
-        return _K_DTYPE, _DTYPES.index(value) if value in _DTYPES else _crc(str(value))
-    return _K_TYPE, _crc(f"a {type(value).__qualname__}")
+        return (_K_DTYPE, _DTYPES.index(value), None) if value in _DTYPES else (_K_DTYPE, _crc(str(value)), str(value))
+    text = f"a {type(value).__qualname__}"
+    return _K_TYPE, _crc(text), text
 
 
-def _decode(kind: int, value: int) -> str:
+def _decode(kind: int, value: int, names: Mapping[int, str]) -> str:
     if kind == _K_NONE:
         return "None"
     if kind == _K_BOOL:
@@ -261,12 +259,12 @@ def _decode(kind: int, value: int) -> str:
     if kind == _K_FLOAT:
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     if kind == _K_DTYPE:
-        return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else _names().get(value, f"dtype#{value}")
+        return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else names.get(value, f"dtype#{value}")
     if kind == _K_TYPE:
-        return _names().get(value, f"an object #{value:x}")
+        return names.get(value, f"an object #{value:x}")
     if kind in (_K_VALUES, _K_VALUES_TP):
         return f"fingerprint {value & (2**64 - 1):016x}"
-    return _names().get(value, f"value#{value:x}")
+    return names.get(value, f"value#{value:x}")
 
 
 class _Fields:
@@ -280,7 +278,8 @@ class _Fields:
         self.columns: list[tuple[str, str, Tensor]] = []  # (owner, label, tensor): vocabulary-wide, last
         self.owner = ""  # the argument whose fields are being added
         self.owners: list[str] = []  # per field: its argument, or its tensor's values (the compiled messages)
-        self.labels: list[str] = []
+        self.labels = _Labels()
+        self.labels.names = {}  # {string code: its text}
         self.codes: list[tuple[int, int]] = []
         self.values: list[tuple[int, Tensor]] = []  # (field index, fingerprint of a replicated tensor)
         self.floats: list[tuple[int, Tensor]] = []  # (field index, bits of a float) when traced
@@ -292,7 +291,10 @@ class _Fields:
             self.floats.append((len(self.codes), torch.tensor(value, dtype=torch.float64).view(torch.int64)))
             self.codes.append((_K_FLOAT, 0))
         else:
-            self.codes.append(_encode(value))
+            kind, code, text = _encode(value)
+            self.codes.append((kind, code))
+            if text is not None:
+                self.labels.names[code] = text
 
     def tensor(
         self, label: str, value: Tensor, dims: Any, replicated: bool, grad_flag: bool = True, cp_shard: bool = False
@@ -363,72 +365,35 @@ class _Fields:
             self.add(label, _Kind(f"sequence of length {len(value)}"))
             for i, item in enumerate(value[:32]):
                 self.walk(f"{label}[{i}]", item, depth + 1, replicated=replicated, cp_shard=cp_shard)
-        elif inspect.isroutine(value) or isinstance(value, (type, functools.partial)):
+        else:  # an object: its type, and a dataclass's fields (another object's attributes: `attributes`)
             self.add(label, value)
-        else:  # a config object (dataclass, SimpleNamespace, a loss function, callable or not): its public attributes
-            self.add(label, value)
-            slots, properties = _class_attributes(type(value))
-            attrs = (
-                [f.name for f in dataclasses.fields(value)]
-                if dataclasses.is_dataclass(value)
-                else sorted({*(k for k in getattr(value, "__dict__", {}) if not k.startswith("_")), *slots})
-            )
-            for attr in attrs:
-                item = getattr(value, attr, None)
-                if "rank" not in attr and not isinstance(item, dist.ProcessGroup):
-                    self.walk(f"{label}.{attr}", item, depth + 1, replicated=replicated, cp_shard=cp_shard)
-            for attr in (p for p in properties if "rank" not in p):  # a getter is read; a simple value compared
-                try:
-                    item = getattr(value, attr)
-                except Exception as err:  # recorded as such: ranks whose getters differ disagree
-                    item = _Kind(f"a property that raises {type(err).__name__}")
-                if not isinstance(item, _SIMPLE):
-                    item = _Kind(f"a {type(item).__qualname__}")
-                self.add(f"{label}.{attr}", item)
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                for field in dataclasses.fields(value):
+                    item = getattr(value, field.name, None)
+                    self.walk(f"{label}.{field.name}", item, depth + 1, replicated=replicated, cp_shard=cp_shard)
+
+    def attributes(self, label: str, value: Any, paths: tuple[str, ...]) -> None:
+        """Fields of the object `value` as the call reads it: its type, then each dotted attribute
+        path of `paths` (`Roles.attrs`) as `getattr` reads it (`__dict__`, slots, a property alike;
+        an absent one, or one whose getter raises, is recorded as such). Nothing else of `value`."""
+        self.add(label, _Kind(f"a {type(value).__qualname__}"))
+        for path in paths:
+            item: Any = value
+            try:
+                for name in path.split("."):
+                    item = getattr(item, name, _ABSENT)
+                    if item is _ABSENT:
+                        break
+            except Exception as err:  # recorded as such: ranks whose getters differ disagree
+                item = _Kind(f"an attribute that raises {type(err).__name__}")
+            self.walk(f"{label}.{path}", _Kind("absent") if item is _ABSENT else item, 1)
 
 
 class _Kind(str):
     """A description encoded as itself (a string field shown without quotes)."""
 
 
-_SIMPLE = (type(None), bool, int, float, str, enum.Enum)
-
-
-_walked: weakref.WeakKeyDictionary[type, tuple[tuple[str, ...], tuple[str, ...]]] = weakref.WeakKeyDictionary()
-
-
-def _class_attributes(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """`(slots, properties)` of `cls` (`_walk_class`), walked once per class.
-
-    The cache lives inside this function, which Dynamo runs for real (a constant of the graph, see
-    below), so traced code never sees it. Like a compiled graph, which keeps the walk as a
-    constant, it assumes a class does not gain slots or properties after its first call."""
-    found = _walked.get(cls)
-    if found is None:
-        found = _walked[cls] = _walk_class(cls)
-    return found
-
-
-def _walk_class(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """`(slots, properties)`: the public `__slots__` names over `cls`'s MRO, and the public
-    properties of a plain config class (not a dataclass, whose fields are its configuration, nor
-    a torch or builtin class; `functools.cached_property` is not one: reading it writes). Read
-    from the class only, without calling anything."""
-    slots: set[str] = set()
-    for klass in cls.__mro__:
-        names = klass.__dict__.get("__slots__", ())
-        slots.update((names,) if isinstance(names, str) else names)
-    slots = {n for n in slots if not n.startswith("_")}
-    plain = not dataclasses.is_dataclass(cls) and cls.__module__.partition(".")[0] not in ("torch", "builtins")
-    properties: set[str] = set()
-    if plain:
-        for klass in cls.__mro__[:-1]:  # not `object`
-            properties.update(k for k, v in klass.__dict__.items() if isinstance(v, property) and not k.startswith("_"))
-    return tuple(sorted(slots)), tuple(sorted(properties - slots))
-
-
-# Under torch.compile: run at trace time on the (constant) class, a constant in the graph
-_class_attributes._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_ABSENT = object()
 
 
 def _is_fake(t: Tensor) -> bool:
@@ -457,7 +422,6 @@ def _signature(
     `tp_only` receives the slots of fingerprints compared across the tensor-parallel group only."""
     fields = _Fields(values, logits_grad=cp)
     header = [0] * _HEADER
-    _scope.names = {}  # the strings of this call only: bounded memory over a long run
     header[_H_MAGIC], header[_H_PATH] = _MAGIC, _crc(name)
     header[_H_WIDTH] = header[_H_START] = header[_H_SIZE] = header[_H_RANK] = _NONE
     heads = []
@@ -469,7 +433,11 @@ def _signature(
     tp_group = arguments.get(roles.tp) if roles.tp else None
     for arg, value in arguments.items():
         fields.owner = arg
-        if arg == roles.heads and isinstance(value, Mapping) and value:
+        if arg.startswith("_"):  # a view's own state (its `VocabShard`), not an argument
+            continue
+        if roles.attrs and arg == roles.attrs[0] and value is not None:  # what the call reads of it, no more
+            fields.attributes(arg, value, roles.attrs[1])
+        elif arg == roles.heads and isinstance(value, Mapping) and value:
             heads.append((arg, value))  # after the loop, when this rank's shard is known
         elif arg in (roles.start, roles.rank):
             slot = _H_START if arg == roles.start else _H_RANK
@@ -622,7 +590,7 @@ def _first_disagreement(
     for i in range(min(count, _MAX_FIELDS)):
         kind_slot, value_slot = _HEADER + 2 * i, _HEADER + 2 * i + 1
         if differs(kind_slot) or differs(value_slot):
-            return labels[i], _decode(own[kind_slot], own[value_slot])
+            return labels[i], _decode(own[kind_slot], own[value_slot], getattr(labels, "names", {}))
     if differs(_H_COUNT) and count < _MAX_FIELDS:  # the fields agree as far as every rank has them
         extra = f", the next: {labels[count]}" if len(labels) > count else ""
         return "how many argument fields the call has (a DTensor or a column on some ranks only?)", (
@@ -734,13 +702,21 @@ def _groups(arguments: Mapping[str, Any], roles: Roles) -> tuple[Any, str | None
     return tp, tp_arg, cp, cp_arg
 
 
-def _check(name: str, arguments: Mapping[str, Any], policy: str, roles: Roles, hint: str = "") -> None:
+def _check(
+    name: str,
+    arguments: Mapping[str, Any],
+    policy: str,
+    roles: Roles,
+    hint: str = "",
+    widths: ShardWidths | None = None,
+) -> None:
     """All-gather this call's signature over its groups; raise on any disagreement once it is read.
 
     Every rank runs the same collectives whatever it finds (the tensor-parallel gather, then the
     context-parallel one carrying the TP verdict, computed on the device by `_verdict_on_device`),
     so no rank is left waiting; then it raises. Both gathered matrices are read with the call's
     other host reads (`_core.host_reads.defer`, settled before the call's first collective): one read.
+    The tensor-parallel widths the ranks report are written into `widths` (the call's `ShardWidths`).
     """
     tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
     tp = tp if _is_distributed(tp) else None
@@ -767,7 +743,8 @@ def _check(name: str, arguments: Mapping[str, Any], policy: str, roles: Roles, h
             found = None  # a column is read over [0, V) of this rank's layout: a bad layout is the cause
         problem = _describe(found, tp, sigs) if found else tiling
         if problem is None:
-            _scope.widths[id(tp)] = [s[_H_WIDTH] for s in sigs]
+            if widths is not None:
+                widths.by_group[id(tp)] = [s[_H_WIDTH] for s in sigs]
         else:
             rows = roles.rows[0] if roles.rows else None
             if hint and rows and found and found[0].startswith((rows, f"the values of {rows}")):
@@ -886,7 +863,7 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
     `RuntimeError` naming the argument, the same on every rank (they all see the same gathered
     matrix); each rank's value is not shown (that would be a host read). Across the
     tensor-parallel group the shards must tile as `policy` needs (`_layout_bad` on the gathered
-    matrix; `"auto"` needs equal widths: traced `vocab_shard_range` has no gathered widths);
+    matrix; `"auto"` needs equal widths: traced `ShardWidths.range` has no gathered widths);
     across the context-parallel group the fingerprints of sequence shards (`Roles.cp_shards`) are
     not compared."""
     c10d = torch.ops._c10d_functional
@@ -1029,6 +1006,7 @@ def boundary(
     roles: Roles = _NO_ROLES,
     local: Local | None = None,
     collectives: bool = True,
+    unwrapped: bool = False,
 ) -> Callable[[F], F]:
     """The boundary of a public function, once per outermost call: the cross-rank consistency
     check (eager, or traced into the graph), the read-once scope of its host reads
@@ -1041,7 +1019,7 @@ def boundary(
             (equal widths), `"tiled"` (the kernels' first id and size, defaults `rank · Vl` and
             `R · Vl`, must tile `[0, V)`), `"sized"` (widths sum to the size), `"topk:<k>"` (tiled,
             and `min(k, R·Vl)` equal on every rank) or `"auto"` (any widths: the function reads
-            its layout from `vocab_shard_range`).
+            its layout from the call's `ShardWidths`, its `_widths` argument).
         roles: which parameters are the groups, the vocabulary shards and their layout
             (`Roles`), declared with the function; each must be one of its parameters.
         local: for a function that takes DTensors and does not re-enter itself with local
@@ -1050,6 +1028,11 @@ def boundary(
             Without it, a call with DTensors is checked when it re-enters with local tensors.
         collectives: False for a function that runs no collective of its own (no cross-rank
             check; the rest of the boundary applies).
+        unwrapped: the body runs on the arguments of the `local` view (plain local tensors, the
+            group and offsets of their placements), computed once per call: the view the check
+            compared, or else the view run for the body alone (a plain call, a nested one). The
+            body never unwraps again. A view that rejected its DTensors (`REJECTED`) runs the
+            body on the caller's arguments, where its own checks raise the error.
     """
 
     def wrap(fn: F) -> F:
@@ -1063,6 +1046,30 @@ def boundary(
             raise TypeError(f"boundary of {fn.__name__}: declare its groups (roles=Roles(tp=..., cp=...))")
         checked_roles = roles if collectives else _NO_ROLES
         name = fn.__name__
+        # a body that reads the shard widths takes the call's `ShardWidths` as `_widths`, one that
+        # unwraps from the check's view takes it as `_view` (the view, or None): neither is public
+        takes_widths, takes_view = _WIDTHS in sig.parameters, _VIEW in sig.parameters
+        public = sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in (_WIDTHS, _VIEW)])
+        if unwrapped and local is None:
+            raise TypeError(f"boundary of {fn.__name__}: unwrapped=True needs its local view")
+
+        def body(
+            *args: Any, widths: ShardWidths | None = None, view: dict[str, Any] | None = None, **kwargs: Any
+        ) -> Any:
+            if unwrapped and local is not None:  # the body runs on the view's local arguments
+                if view is None:
+                    bound = public.bind(*args, **kwargs)
+                    bound.apply_defaults()
+                    view = local(dict(bound.arguments))[0]
+                if not view.get(REJECTED):
+                    call = inspect.BoundArguments(public, {k: v for k, v in view.items() if k in public.parameters})
+                    args, kwargs = call.args, call.kwargs
+            if takes_widths:
+                kwargs[_WIDTHS] = ShardWidths() if widths is None else widths
+            if takes_view:
+                kwargs[_VIEW] = None if view is None or view.get(REJECTED) else view
+            return fn(*args, **kwargs)
+
         _functions[zlib.crc32(name.encode())] = name  # (the same code as _crc(name))
 
         @functools.wraps(fn)
@@ -1075,35 +1082,32 @@ def boundary(
                     reraise_while_tracing(err)
             if _host_reads.depth():
                 with _host_reads.nested():  # checked by the outermost call
-                    return fn(*args, **kwargs)
+                    return body(*args, **kwargs)
             values = (*args, *kwargs.values())
             dtensors = any(map(_has_dtensor, values))
             if dtensors and local is None:
                 # the function's DTensor boundary re-enters it with local tensors (checked then)
-                return fn(*args, **kwargs)
+                return body(*args, **kwargs)
             if not dtensors and not any(map(_is_group_or_sharder, values)):
                 with _host_reads.outermost():  # no group, no collective: its range checks read once
-                    return fn(*args, **kwargs)
+                    return body(*args, **kwargs)
             try:
-                bound = sig.bind(*args, **kwargs)
+                bound = public.bind(*args, **kwargs)
             except TypeError:
-                return fn(*args, **kwargs)  # raises the call's own TypeError
+                return body(*args, **kwargs)  # raises the call's own TypeError
             bound.apply_defaults()
-            _scope.widths = {}
-            try:
-                with _host_reads.outermost():
-                    arguments, hint = local(dict(bound.arguments)) if dtensors and local else (bound.arguments, "")
-                    policy = vocab(arguments) if callable(vocab) else vocab
-                    _check(name, arguments, policy, checked_roles, hint)
-                    return fn(*args, **kwargs)
-            finally:
-                _scope.widths = {}
+            widths = ShardWidths()  # filled by the check, read by the body
+            with _host_reads.outermost():
+                arguments, hint = local(dict(bound.arguments)) if dtensors and local else (bound.arguments, "")
+                policy = vocab(arguments) if callable(vocab) else vocab
+                _check(name, arguments, policy, checked_roles, hint, widths)
+                return body(*args, widths=widths, view=dict(arguments) if dtensors else None, **kwargs)
 
         def _traced(*args: Any, **kwargs: Any) -> Any:
             """Under `torch.compile`: the in-graph check at the outermost checked call."""
             if _traced_depth[0] or (any(map(_has_dtensor, (*args, *kwargs.values()))) and local is None):
-                return fn(*args, **kwargs)
-            bound = sig.bind(*args, **kwargs)
+                return body(*args, **kwargs)
+            bound = public.bind(*args, **kwargs)
             bound.apply_defaults()
             arguments = local(dict(bound.arguments))[0] if local is not None else bound.arguments
             try:
@@ -1111,7 +1115,7 @@ def boundary(
                 _check_in_graph(name, arguments, checked_roles, policy)
                 _traced_depth[0] += 1
                 try:
-                    out = fn(*args, **kwargs)
+                    out = body(*args, view=dict(arguments) if local is not None else None, **kwargs)
                     _host_reads.end_traced()  # the check's assertions, if the call ran no collective
                     return out
                 finally:
@@ -1128,38 +1132,51 @@ def boundary(
                 raise
 
         checked._lossfx_roles = roles  # type: ignore[attr-defined]  # (tests and benchmarks read it)
+        checked.__signature__ = public  # type: ignore[attr-defined]
         return checked  # type: ignore[return-value]
 
     return wrap
 
 
-def vocab_shard_range(local_vocab: int, group: dist.ProcessGroup | None) -> tuple[int | None, int | None]:
-    """`(vocab_start, vocab_size)` of this rank's shard when shards may have uneven widths.
-
-    Eager: the widths every rank reported to the consistency check of the enclosing call (or one
-    all-gather of the widths outside a checked call); this rank's shard starts after the lower
-    ranks' shards (rank order) and `V` is their sum. Under `torch.compile` and without a group:
-    `(None, None)`, which the kernels read as uniform shards (`rank · Vl`, `R · Vl`).
-    """
-    if _host_reads.tracing() or not _is_distributed(group):
-        return None, None
-    assert group is not None
-    _host_reads.settle()  # the check of the enclosing call reports the widths
-    widths = getattr(_scope, "widths", {}).get(id(group))
-    if widths is None:
-        widths = [w for (w,) in _gather(torch.tensor([local_vocab], dtype=torch.int64), group)]
-    rank = group.rank()
-    return sum(widths[:rank]), sum(widths)
+_WIDTHS, _VIEW = "_widths", "_view"
+REJECTED = "DTensor arguments rejected"  # the field of a `local` view that rejected a DTensor (its error)
 
 
-def vocab_size_when_read(local_vocab: int, group: dist.ProcessGroup | None) -> Callable[[], int]:
-    """The vocabulary size `V` (`vocab_shard_range`'s, else `R · Vl`) as a function to call once
-    the enclosing call's host reads are settled: a range check of ids can then be read with the
-    cross-rank check instead of after it."""
+@dataclasses.dataclass
+class ShardWidths:
+    """The vocabulary shard widths every rank reported to one call's cross-rank check,
+    `{id(group): [w_0, ..., w_R-1]}`: part of the resolved call, written by the check when its
+    gathered signatures are read (`_core.host_reads.settle`) and handed to the body by `boundary`
+    (the keyword `_widths` of a function that declares it; not in its public signature)."""
 
-    def size() -> int:
-        vocab_size = vocab_shard_range(local_vocab, group)[1]
-        world = group.size() if isinstance(group, dist.ProcessGroup) else 1
-        return vocab_size if vocab_size is not None else world * local_vocab
+    by_group: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
-    return size
+    def range(self, local_vocab: int, group: dist.ProcessGroup | None) -> tuple[int | None, int | None]:
+        """`(vocab_start, vocab_size)` of this rank's shard when shards may have uneven widths.
+
+        Eager: the widths the ranks reported to the check (or, outside a checked call, one
+        all-gather of the widths); this rank's shard starts after the lower ranks' shards (rank
+        order) and `V` is their sum. Under `torch.compile` and without a group: `(None, None)`,
+        which the kernels read as uniform shards (`rank · Vl`, `R · Vl`).
+        """
+        if _host_reads.tracing() or not _is_distributed(group):
+            return None, None
+        assert group is not None
+        _host_reads.settle()  # the check of the enclosing call reports the widths
+        widths = self.by_group.get(id(group))
+        if widths is None:
+            widths = [w for (w,) in _gather(torch.tensor([local_vocab], dtype=torch.int64), group)]
+        rank = group.rank()
+        return sum(widths[:rank]), sum(widths)
+
+    def size_when_read(self, local_vocab: int, group: dist.ProcessGroup | None) -> Callable[[], int]:
+        """The vocabulary size `V` (`range`'s, else `R · Vl`) as a function to call once the
+        call's host reads are settled: a range check of ids is then read with the cross-rank
+        check instead of after it."""
+
+        def size() -> int:
+            vocab_size = self.range(local_vocab, group)[1]
+            world = group.size() if isinstance(group, dist.ProcessGroup) else 1
+            return vocab_size if vocab_size is not None else world * local_vocab
+
+        return size

@@ -30,12 +30,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lossfx._boundary.consistency import Roles
+from lossfx._boundary.consistency import REJECTED, Roles
 from lossfx._core.host_reads import tracing
 
 ProcessGroup = dist.ProcessGroup
 
-__all__ = ["EntryKeys", "VocabShard", "entry_point_on_local", "has_dtensor", "is_dtensor", "replicated", "vocab_shard"]
+__all__ = [
+    "EntryKeys",
+    "VocabShard",
+    "entry_point_local",
+    "entry_point_on_local",
+    "has_dtensor",
+    "is_dtensor",
+    "replicated",
+    "resolved_shard",
+    "vocab_shard",
+]
 
 # `torch.distributed.tensor` is never imported here: it costs ~0.5 s, more than the rest of
 # lossfx. A DTensor can only exist once its module was imported by whoever built it, so the
@@ -354,7 +364,14 @@ def replicated(x: Any, name: str) -> Any:
     return x.to_local()
 
 
-_REJECTED = "DTensor arguments rejected"
+_REJECTED = REJECTED
+SHARD = "_shard"  # the key of a view's `VocabShard` (a leading `_`: the cross-rank check skips it)
+
+
+def resolved_shard(view: Mapping[str, Any] | None) -> VocabShard | None:
+    """The `VocabShard` of the DTensor a function's view unwrapped (`boundary(unwrapped=True)`
+    hands the body its view as `_view`), or `None` (plain tensors: nothing to wrap back)."""
+    return None if view is None else view.get(SHARD)
 
 
 def _mesh_group(x: Any) -> ProcessGroup | None:
@@ -422,6 +439,7 @@ def check_view(roles: Roles, *, even: bool = False) -> Callable[[dict[str, Any]]
             else:
                 arguments[name] = shard.like(x, name)
         if shard is not None:
+            arguments[SHARD] = shard  # the body's, to wrap its results back (`resolved_shard`)
             arguments[group_arg] = shard.group
             spans = ((roles.start, shard.vocab_start), (roles.size, shard.vocab_size), (roles.rank, shard.rank))
             arguments.update({k: v for k, v in spans if k in arguments})
@@ -497,6 +515,22 @@ class EntryKeys(NamedTuple):
     other_vocab: str | None = None
 
 
+def entry_point_local(
+    logits: Any, data: Mapping[str, Any], *, keys: EntryKeys, roles: Roles, group: Any, rank: Any
+) -> tuple[VocabShard, dict[str, Any]]:
+    """The one unwrap of an entry point's DTensors: `(shard, local columns)`, the logits' even
+    local shard (padded when uneven, `vocab_shard`) with the group and rank of their placement, and
+    a new dict of `data`'s columns with `Replicate()` DTensors as their local tensors and the
+    full-vocabulary columns (`keys.full_columns`) padded like the logits. The cross-rank check's
+    view computes it; `entry_point_on_local` runs the entry point on it."""
+    shard = vocab_shard(logits, name=roles.shards[0], roles=roles, group=group, rank=rank, even=True)
+    local_data = _replicated_columns(data)
+    for key in keys.full_columns:
+        if key in local_data:
+            local_data[key] = shard.pad_full(local_data[key])
+    return shard, local_data
+
+
 def entry_point_on_local(
     fn: Callable[..., Any],
     logits: Tensor,
@@ -504,31 +538,29 @@ def entry_point_on_local(
     *args: Any,
     keys: EntryKeys,
     roles: Roles,
+    unwrapped: tuple[VocabShard, Mapping[str, Any]] | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run the entry point `fn(logits, data, *args, **kwargs)` on plain local tensors and map its
     result back, as its `keys` say; `roles` (the entry point's) names the logits (`shards[0]`) and
     the keyword arguments `kwargs[roles.tp]`, `kwargs[roles.rank]` that hold the group and rank.
 
-    The logits become their local shard (padded to the even width when uneven, see
-    `vocab_shard`) with the group and rank of their placement; `Replicate()` DTensor columns of
-    `data` their local tensors, full-vocabulary columns (`keys.full_columns`) padded like the
-    logits. Columns the entry point writes land in the caller's `data`, which is what a
-    `(loss_input, data)` result returns. Results in `keys.as_input` that are the local logits
-    become the caller's DTensor; results in `keys.sharded` DTensors sharded like the logits
-    (on another vocabulary of `kwargs[keys.other_vocab].shape[0]` ids when given); every other
-    result is a plain tensor.
+    The logits and columns are unwrapped by `entry_point_local`, once: by the cross-rank check's
+    view of the call, whose `(shard, local columns)` are given as `unwrapped`, else here. Columns the entry point
+    writes land in the caller's `data`, which is what a `(loss_input, data)` result returns.
+    Results in `keys.as_input` that are the local logits become the caller's DTensor; results in
+    `keys.sharded` DTensors sharded like the logits (on another vocabulary of
+    `kwargs[keys.other_vocab].shape[0]` ids when given); every other result is a plain tensor.
     """
     group_arg, rank_arg = roles.tp, roles.rank
     if group_arg is None or rank_arg is None:
         raise TypeError(f"entry_point_on_local: the roles of {fn.__name__} must name its group and rank ({roles})")
-    shard = vocab_shard(
-        logits, name=roles.shards[0], roles=roles, group=kwargs[group_arg], rank=kwargs[rank_arg], even=True
-    )
-    local_data = _replicated_columns(data)
-    for key in keys.full_columns:
-        if key in local_data:
-            local_data[key] = shard.pad_full(local_data[key])
+    if unwrapped is not None:
+        shard, local_data = unwrapped[0], dict(unwrapped[1])
+    else:
+        shard, local_data = entry_point_local(
+            logits, data, keys=keys, roles=roles, group=kwargs[group_arg], rank=kwargs[rank_arg]
+        )
     before = dict(local_data)
     result = fn(shard.local, local_data, *args, **{**kwargs, group_arg: shard.group, rank_arg: shard.rank})
     for key, value in local_data.items():

@@ -106,7 +106,7 @@ def check_ids_in_range(
     entries is read with the call's other host reads (`_core.host_reads.defer`); the details only on
     the error path. A check of the same ids and range earlier in the call is not repeated.
     `high` may be a function, called when the values are read (a vocabulary size that the
-    call's cross-rank check reports, `_boundary.consistency.vocab_size_when_read`): the ids' min and max
+    call's cross-rank check reports, `_boundary.consistency.ShardWidths.size_when_read`): the ids' min and max
     are read, not a count. Traced: an in-graph assertion (`RuntimeError`, no positions shown: that
     would be a host read) with the cross-rank check's, before the call's first collective.
     """
