@@ -213,6 +213,9 @@ def _every_other(logits, ids, hidden, weight, ignored):
             teacher_index=torch.tensor([7, 3]),
         ),
         "linear_next_token_logprobs": lambda: lossfx.linear_next_token_logprobs(hidden.view(b, s, -1), weight, ids),
+        "linear_filtered_token_logprobs": lambda: lossfx.linear_filtered_token_logprobs(
+            hidden, weight, ids.reshape(-1), top_k=3, top_p=0.9
+        ),
         "linear_gather_logprobs": lambda: lossfx.linear_gather_logprobs(
             hidden, weight, torch.where(topk_ids.reshape(-1, 3) % 2 == 0, -100, topk_ids.reshape(-1, 3))
         ),
