@@ -25,6 +25,7 @@ import warnings
 
 import pytest
 import torch
+from devices import DEVICE
 from harness import gloo_pool
 from test_fused_nonfinite import assert_same_pattern
 
@@ -35,8 +36,8 @@ from lossfx import reference
 F64 = torch.float64
 N, V, K = 5, 12, 3
 ROW = 2  # the row made non-finite
-TARGET = torch.tensor([1, 4, 6, 9, 11])
-IDS = torch.tensor([[1, 2, 3], [4, 0, 4], [6, 7, 2], [9, 10, 11], [11, 0, 5]])
+TARGET = torch.tensor([1, 4, 6, 9, 11]).to(DEVICE)  # import-time tensors follow --device by hand
+IDS = torch.tensor([[1, 2, 3], [4, 0, 4], [6, 7, 2], [9, 10, 11], [11, 0, 5]]).to(DEVICE)
 VALUES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
