@@ -20,6 +20,7 @@ from lossfx.interfaces import (
     TrainingSamplingParams,
     need_top_k_or_top_p_filtering,
 )
+from lossfx.linear_divergence import LinearDivergence, linear_divergence_to_teacher
 from lossfx.linear_objective import linear_logprob_objective
 from lossfx.logprobs import token_logprobs, token_logprobs_with_lse
 from lossfx.loss_input import (
@@ -39,6 +40,7 @@ __all__ = [
     "CPU_POLICY",
     "GPU_POLICY",
     "ChunkPolicy",
+    "LinearDivergence",
     "LossFunction",
     "LossInputType",
     "OnPolicyDistillationFullConfig",
@@ -54,6 +56,7 @@ __all__ = [
     "filtered_token_logprobs",
     "gather_logits",
     "gather_logprobs",
+    "linear_divergence_to_teacher",
     "linear_gather_logprobs",
     "linear_logprob_objective",
     "linear_next_token_logprobs",

@@ -41,6 +41,7 @@ from lossfx.reference._linear import (
     linear_next_token_logprobs,
     linear_token_logprobs,
 )
+from lossfx.reference._linear_divergence import linear_divergence_to_teacher
 from lossfx.reference._logprobs import (
     log_softmax,
     next_token_logprobs,
@@ -58,6 +59,7 @@ __all__ = [
     "entropy",
     "filtered_token_logprobs",
     "gather_logprobs",
+    "linear_divergence_to_teacher",
     "linear_gather_logprobs",
     "linear_logits",
     "linear_logprob_objective",
