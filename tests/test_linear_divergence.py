@@ -283,6 +283,36 @@ def test_proof_backward_formula():
     torch.testing.assert_close(shifted, dz, **TIGHT)
 
 
+@pytest.mark.parametrize("parts", [1, 2, 3, 5])
+def test_merge_parts_identity(parts):
+    """proofs/linear_divergence.md §1: the parts of any column partition (with `-inf` columns, a dead
+    part and a teacher `-inf` under student mass) merge to the whole row's part."""
+    from lossfx._kernels.linear_divergence import merge_parts
+
+    gen = torch.Generator().manual_seed(12 + parts)
+    z = torch.randn(5, 11, generator=gen, dtype=F64) * 4
+    t = torch.randn(5, 11, generator=gen, dtype=F64) * 3
+    z[0, :4] = -math.inf  # a dead part for the first block(s)
+    z[1, 5] = -math.inf
+    t[2, 6] = -math.inf  # under student mass: B = U = -inf
+    t[3, 5] = -math.inf
+
+    def part(zs, zt):
+        m_s, m_t = zs.amax(-1), zt.amax(-1)
+        xs = zs - torch.nan_to_num(m_s, neginf=0.0)[:, None]
+        xt = zt - torch.nan_to_num(m_t, neginf=0.0)[:, None]
+        e = xs.exp()
+        terms = [torch.where(e > 0, e * x, 0.0).sum(-1) for x in (xs, xt, xs - xt)]
+        return torch.stack([m_s, e.sum(-1), m_t, xt.exp().sum(-1), *terms])
+
+    bounds = torch.linspace(0, 11, parts + 1).round().long().tolist()
+    pieces = torch.stack([part(z[:, a:b], t[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])])
+    merged, whole = merge_parts(pieces), part(z, t)
+    assert torch.equal(torch.isinf(merged), torch.isinf(whole)) and not torch.isnan(merged).any()
+    finite = torch.isfinite(whole)
+    torch.testing.assert_close(merged[finite], whole[finite], rtol=1e-12, atol=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. Tensor parallelism on 2 gloo processes, uneven shards
 # ---------------------------------------------------------------------------------------------
