@@ -16,12 +16,14 @@ arguments), then calls the pure kernel once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.dtensor import is_dtensor
-from lossfx._boundary.validation import check_floating
+from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids
 from lossfx._core.distributed import ProcessGroup
 from lossfx._kernels import linear_divergence as _kernel
 from lossfx._kernels.linear_divergence import LinearDivergence
@@ -39,11 +41,12 @@ def _check_teacher(
     weight: Tensor,
     teacher_logits: Tensor | None,
     teacher_hidden: Tensor | None,
-    teacher_weight: Tensor | None,
+    teacher_weight: Tensor | Sequence[Tensor] | None,
+    teacher_head: Tensor | None,
     teacher_logits_dtype: torch.dtype | None,
-) -> torch.dtype:
+) -> tuple[list[Tensor], torch.dtype]:
     """Check the teacher's arguments against `hidden [..., H]` and `weight [Vl, H]`; returns the
-    teacher logits' dtype."""
+    teacher heads (a list, empty for `teacher_logits`) and the teacher logits' dtype."""
     lead, local_vocab = tuple(hidden.shape[:-1]), weight.shape[0]
     if (teacher_logits is None) == (teacher_hidden is None and teacher_weight is None):
         raise ValueError(
@@ -56,33 +59,49 @@ def _check_teacher(
                 f"teacher_logits must be [..., V_local] = {(*lead, local_vocab)} (hidden's leading dims, weight's "
                 f"rows); got shape {tuple(teacher_logits.shape)}"
             )
-        if teacher_logits_dtype is not None:
-            raise ValueError("teacher_logits_dtype applies to a projected teacher only (teacher_hidden)")
+        if teacher_logits_dtype is not None or teacher_head is not None:
+            raise ValueError("teacher_logits_dtype and teacher_head apply to a projected teacher only (teacher_hidden)")
         if teacher_logits.device != hidden.device:
             raise ValueError(f"teacher_logits must be on hidden's device {hidden.device}, got {teacher_logits.device}")
-        return teacher_logits.dtype
+        return [], teacher_logits.dtype
     if teacher_hidden is None or teacher_weight is None:
         raise ValueError("teacher_hidden and teacher_weight go together: pass both")
     check_floating("teacher_hidden", teacher_hidden)
-    check_floating("teacher_weight", teacher_weight)
+    heads = [teacher_weight] if isinstance(teacher_weight, Tensor) else list(teacher_weight)
+    if not heads:
+        raise ValueError("teacher_weight must hold at least one [V_local, H_t] LM-head shard")
+    for i, w in enumerate(heads):
+        check_floating(f"teacher_weight[{i}]", w)
+        if w.dtype != heads[0].dtype:
+            raise ValueError(f"the teacher heads must share one dtype; got {w.dtype} and {heads[0].dtype}")
     if tuple(teacher_hidden.shape[:-1]) != lead or teacher_hidden.dim() < 1:
         raise ValueError(
             f"teacher_hidden must be [..., H_t] with hidden's leading dims {lead}; "
             f"got shape {tuple(teacher_hidden.shape)}"
         )
-    if teacher_weight.dim() != 2 or tuple(teacher_weight.shape) != (local_vocab, teacher_hidden.shape[-1]):
-        raise ValueError(
-            f"teacher_weight must be [V_local, H_t] = [{local_vocab}, {teacher_hidden.shape[-1]}] (weight's rows, "
-            f"teacher_hidden's width); got shape {tuple(teacher_weight.shape)}"
-        )
-    for name, t in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
+    for w in heads:
+        if w.dim() != 2 or tuple(w.shape) != (local_vocab, teacher_hidden.shape[-1]):
+            raise ValueError(
+                f"teacher_weight must be [V_local, H_t] = [{local_vocab}, {teacher_hidden.shape[-1]}] (weight's "
+                f"rows, teacher_hidden's width); got shape {tuple(w.shape)}"
+            )
+    for name, t in (("teacher_hidden", teacher_hidden), *(("teacher_weight", w) for w in heads)):
         if t.device != hidden.device:
             raise ValueError(f"{name} must be on hidden's device {hidden.device}, got {t.device}")
+    if len(heads) > 1:
+        if teacher_head is None:
+            raise ValueError(f"teacher_head (each row's head) is required with {len(heads)} teacher heads")
+        check_integer_ids("teacher_head", teacher_head)
+        if tuple(teacher_head.shape) != lead:
+            raise ValueError(
+                f"teacher_head must be [...] = {lead} (hidden's leading dims); got shape {tuple(teacher_head.shape)}"
+            )
+        check_ids_in_range("teacher_head", teacher_head, len(heads))
     if teacher_logits_dtype is None:
-        return teacher_weight.dtype
+        return heads, heads[0].dtype
     if not isinstance(teacher_logits_dtype, torch.dtype) or not teacher_logits_dtype.is_floating_point:
         raise TypeError(f"teacher_logits_dtype must be a floating torch.dtype or None, got {teacher_logits_dtype!r}")
-    return teacher_logits_dtype
+    return heads, teacher_logits_dtype
 
 
 @boundary(roles=_ROLES, vocab="free")
@@ -92,7 +111,8 @@ def linear_divergence_to_teacher(
     *,
     teacher_logits: Tensor | None = None,
     teacher_hidden: Tensor | None = None,
-    teacher_weight: Tensor | None = None,
+    teacher_weight: Tensor | Sequence[Tensor] | None = None,
+    teacher_head: Tensor | None = None,
     teacher_logits_dtype: torch.dtype | None = None,
     group: ProcessGroup | None = None,
     temperature: float = 1.0,
@@ -123,7 +143,10 @@ def linear_divergence_to_teacher(
         teacher_logits: `[..., Vl]` the teacher's logits, the same columns as `weight`'s rows; or
         teacher_hidden: `[..., H_t]` the teacher's hidden states (replicated), with
         teacher_weight: `[Vl, H_t]` this rank's rows of the teacher's LM head (the same vocabulary
-            rows as `weight`). The teacher is fixed: it never receives a gradient.
+            rows as `weight`), or a list of such heads (one shape and dtype) with
+        teacher_head: `[...]` integer position in `teacher_weight` of each row's head (required
+            with several heads; OPD_FULL's `opd_full_teacher_index`, mapped to positions). The
+            teacher is fixed: it never receives a gradient.
         teacher_logits_dtype: dtype of the projected teacher logits (`None`: `teacher_weight`'s), as
             `prepare_loss_input`'s: the hidden states are rounded to the head's dtype, each product to this.
         group: tensor-parallel group over the vocabulary, or `None`.
@@ -139,7 +162,8 @@ def linear_divergence_to_teacher(
 
     Raises:
         TypeError: non-float tensors, a non-float `teacher_logits_dtype`, DTensor arguments.
-        ValueError: both or neither teacher form, shape or device mismatches, bad head options.
+        ValueError: both or neither teacher form, shape or device mismatches, bad head options,
+            `teacher_head` outside `[0, len(teacher_weight))` (compiled: an in-graph check).
 
     Example:
         >>> import torch, lossfx
@@ -155,7 +179,11 @@ def linear_divergence_to_teacher(
         ("weight", weight),
         ("teacher_logits", teacher_logits),
         ("teacher_hidden", teacher_hidden),
-        ("teacher_weight", teacher_weight),
+        *(
+            ("teacher_weight", w)
+            for w in ([teacher_weight] if isinstance(teacher_weight, Tensor) else teacher_weight or ())
+        ),
+        ("teacher_head", teacher_head),
         ("bias", bias),
     ):
         if is_dtensor(value):
@@ -176,14 +204,17 @@ def linear_divergence_to_teacher(
         sequence_parallel=False,
         chunk_size=chunk_size,
     )
-    dtype = _check_teacher(hidden, weight, teacher_logits, teacher_hidden, teacher_weight, teacher_logits_dtype)
+    heads, dtype = _check_teacher(
+        hidden, weight, teacher_logits, teacher_hidden, teacher_weight, teacher_head, teacher_logits_dtype
+    )
     return _kernel.linear_divergence_to_teacher(
         hidden,
         weight,
         group,
         teacher_logits=teacher_logits,
         teacher_hidden=teacher_hidden,
-        teacher_weight=teacher_weight,
+        teacher_weights=heads,
+        teacher_head=teacher_head,
         logits_dtype=dtype,
         bias=call.bias,
         head=call.head,

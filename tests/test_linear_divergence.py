@@ -132,6 +132,35 @@ def test_only_the_used_outputs_reach_the_gradient():
     assert_close((h.grad, w.grad), expected[1][:2], TIGHT)
 
 
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_several_teacher_heads_chosen_per_row(chunk):
+    """OPD_FULL's per-row teacher heads (`opd_full_teacher_index`): row `n` through
+    `teacher_weight[teacher_head[n]]`; rows of one head and of several heads in a tile."""
+    case = make_case(11, 4, 17, seed=13)
+    gen = torch.Generator().manual_seed(13)
+    heads = [
+        case["teacher_weight"],
+        torch.randn(17, 5, generator=gen, dtype=F64),
+        torch.randn(17, 5, generator=gen, dtype=F64),
+    ]
+    which = torch.tensor([0, 2, 2, 1, 0, 0, 2, 1, 1, 2, 0])
+    h, w = case["hidden"].clone().requires_grad_(), case["weight"].clone().requires_grad_()
+    th = case["teacher_hidden"]
+    out = lossfx.linear_divergence_to_teacher(
+        h, w, teacher_hidden=th, teacher_weight=heads, teacher_head=which, chunk_size=chunk
+    )
+    torch.autograd.backward(list(out), list(case["grads"]))
+    rh, rw = case["hidden"].clone().requires_grad_(), case["weight"].clone().requires_grad_()
+    ref = reference.linear_divergence_to_teacher(rh, rw, teacher_hidden=th, teacher_weight=heads, teacher_head=which)
+    torch.autograd.backward(list(ref), list(case["grads"]))
+    assert_close(out, ref, TIGHT, "values")
+    assert_close((h.grad, w.grad), (rh.grad, rw.grad), TIGHT, "grads")
+    with pytest.raises(ValueError, match="teacher_head"):
+        lossfx.linear_divergence_to_teacher(h, w, teacher_hidden=th, teacher_weight=heads)
+    with pytest.raises(ValueError, match="teacher_head"):
+        lossfx.linear_divergence_to_teacher(h, w, teacher_hidden=th, teacher_weight=heads, teacher_head=which + 1)
+
+
 def test_identical_teacher_gives_zero_kl_and_inputs_not_mutated():
     case = make_case(8, 4, 10, seed=4)
     h, w = case["hidden"], case["weight"]

@@ -158,7 +158,7 @@ class Roles:
         head: an LM-head shard `[Vl, H]`: its rows are this rank's width.
         start, rank, size: this rank's first vocabulary id and index in `tp` (per rank: may differ),
             and the vocabulary size `V`.
-        heads: a mapping `{key: [rows, H]}` of LM heads (or one `[rows, H]` head) beside the shards:
+        heads: a mapping `{key: [rows, H]}` of LM heads (or one head, or a list) beside the shards:
             its rows are checked against this rank's shard, not across ranks.
         reads: `(argument, keys)`: the mapping `argument` (`data`, where the function has it) is compared on the keys
             `keys(bound arguments)` that the call reads, and only those (present or not; a
@@ -468,8 +468,8 @@ def _signature(
     tp_group = arguments.get(roles.tp) if roles.tp else None
     for arg, value in arguments.items():
         fields.owner = arg
-        if arg == roles.heads and isinstance(value, Tensor) and value.dim():
-            value = {0: value}  # one LM-head shard: checked as a mapping of one
+        if arg == roles.heads and (isinstance(value, (list, tuple)) or (isinstance(value, Tensor) and value.dim())):
+            value = dict(enumerate([value] if isinstance(value, Tensor) else value))  # checked as a mapping
         if arg == roles.heads and isinstance(value, Mapping) and value:
             heads.append((arg, value))  # after the loop, when this rank's shard is known
         elif arg in (roles.start, roles.rank):

@@ -81,7 +81,8 @@ class _Loop:
         head: LogitHead,
         teacher_logits: Tensor | None,
         teacher_hidden: Tensor | None,
-        teacher_weight: Tensor | None,
+        teacher_weights: list[Tensor],
+        teacher_head: Tensor | None,
         logits_dtype: torch.dtype,
         chunk_rows: int,
         scratch: int,
@@ -93,13 +94,14 @@ class _Loop:
         self.teacher_logits = teacher_logits
         self.teacher: Tiles | None = None
         if teacher_logits is None:
-            assert teacher_hidden is not None and teacher_weight is not None
-            # `project_onto_lm_head`: hidden rounded to the head's dtype, products in
+            assert teacher_hidden is not None and teacher_weights
+            # `project_onto_lm_head`: hidden rounded to the heads' dtype, products in
             # promote(head, logits_dtype), each rounded to logits_dtype
-            gemm = torch.promote_types(teacher_weight.dtype, logits_dtype)
+            head_dtype = teacher_weights[0].dtype
+            gemm = torch.promote_types(head_dtype, logits_dtype)
             self.teacher = Tiles(
-                teacher_hidden.to(teacher_weight.dtype).to(gemm),
-                teacher_weight.to(gemm),
+                teacher_hidden.to(head_dtype).to(gemm),
+                [w.to(gemm) for w in teacher_weights],
                 None,
                 LogitHead(),
                 active=None,
@@ -107,9 +109,11 @@ class _Loop:
                 block=block,
                 round_to=logits_dtype,
             )
-            self.teacher_weights = self.teacher.mm_weights()[0]
+            self.teacher_weights = self.teacher.mm_weights()
+        self.teacher_head = teacher_head if len(teacher_weights) > 1 else None
         size, device = self.student.rows * self.student.block, hidden.device
-        self._buffers = [torch.empty(size, dtype=self.cdtype, device=device) for _ in range(scratch + 1)]
+        n_buffers = scratch + 1 + int(self.teacher_head is not None)  # + the tile of several heads
+        self._buffers = [torch.empty(size, dtype=self.cdtype, device=device) for _ in range(n_buffers)]
 
     def buffer(self, i: int, like: Tensor) -> Tensor:
         return Tiles.view(self._buffers[i], like.shape[0], like.shape[1])
@@ -120,7 +124,6 @@ class _Loop:
         (a view of the given logits, or the teacher's tile buffer: read-only here)."""
         tiles = self.student
         for b, (cols, w_block, b_block) in enumerate(tiles.blocks()):
-            wt_block = None if self.teacher is None else self.teacher_weights[cols]
             for rows in typing.cast(list[slice], tiles.chunks):
                 h = tiles.hidden_rows(rows)
                 z = tiles.logits(h, w_block, b_block)  # [C, Cv]
@@ -128,8 +131,25 @@ class _Loop:
                     assert self.teacher_logits is not None
                     zt = self.teacher_logits[rows, cols]
                 else:
-                    zt = self.teacher.logits(self.teacher.hidden_rows(rows), wt_block, None)  # type: ignore[arg-type]
+                    zt = self._teacher_tile(rows, cols, z)
                 yield b, cols, rows, h, w_block, z, zt
+
+    def _teacher_tile(self, rows: slice, cols: slice, like: Tensor) -> Tensor:
+        """The projected teacher's `[C, Cv]` tile: each row through its own head (`teacher_head`;
+        value-dependent row picks, eager only: inside the opaque op)."""
+        teacher = self.teacher
+        assert teacher is not None
+        h = teacher.hidden_rows(rows)
+        if self.teacher_head is None:
+            return teacher.logits(h, self.teacher_weights[0][cols], None)
+        out = self.buffer(len(self._buffers) - 1, like)
+        chosen = self.teacher_head[rows]
+        for k, weight in enumerate(self.teacher_weights):
+            picked = (chosen == k).nonzero()[:, 0]
+            if picked.numel():
+                part = teacher.logits(h.index_select(0, picked), weight[cols], None)
+                out.index_copy_(0, picked, part.to(out.dtype))
+        return out
 
     def teacher_shifted(self, zt: Tensor, shift: Tensor) -> Tensor:
         """`z_t − shift[:, None]` in the compute dtype, in the teacher buffer (never in the given logits)."""
@@ -187,12 +207,8 @@ def _tile_part(loop: _Loop, z: Tensor, zt: Tensor, out: Tensor) -> None:
     torch.sum(xt.exp_(), dim=1, out=out[3])
 
 
-def _loop(
-    hidden, weight, bias, teacher_logits, teacher_hidden, teacher_weight, head, logits_dtype, chunk_rows, scratch
-):
-    return _Loop(
-        hidden, weight, bias, head, teacher_logits, teacher_hidden, teacher_weight, logits_dtype, chunk_rows, scratch
-    )
+def _loop(hidden, weight, bias, teacher, head, logits_dtype, chunk_rows, scratch):
+    return _Loop(hidden, weight, bias, head, *teacher, logits_dtype, chunk_rows, scratch)
 
 
 @torch.library.custom_op("lossfx::linear_divergence_stats", mutates_args=())
@@ -202,7 +218,8 @@ def linear_divergence_stats(
     bias: Tensor | None,
     teacher_logits: Tensor | None,
     teacher_hidden: Tensor | None,
-    teacher_weight: Tensor | None,
+    teacher_weights: list[Tensor],
+    teacher_head: Tensor | None,
     temperature: float,
     logit_scale: float,
     softcap: float | None,
@@ -212,12 +229,12 @@ def linear_divergence_stats(
     """-> this rank's part `[7, N]` (`merge_parts`' rows) in the compute dtype.
 
     hidden `[N, H]`, weight `[Vl, H]`, bias `[Vl]` or None; the teacher as `teacher_logits [N, Vl]`
-    or `teacher_hidden [N, H']` through `teacher_weight [Vl, H']` (products rounded to
-    `logits_dtype`); `chunk_rows = 0`: the default tile rows."""
+    (`teacher_weights` empty), or `teacher_hidden [N, H']` through `teacher_weights` `[Vl, H']`
+    (row `n` through `teacher_weights[teacher_head[n]]`; `teacher_head` None with one head;
+    products rounded to `logits_dtype`); `chunk_rows = 0`: the default tile rows."""
     head = LogitHead(temperature, logit_scale, softcap)
-    loop = _loop(
-        hidden, weight, bias, teacher_logits, teacher_hidden, teacher_weight, head, logits_dtype, chunk_rows, 2
-    )
+    teacher = (teacher_logits, teacher_hidden, teacher_weights, teacher_head)
+    loop = _loop(hidden, weight, bias, teacher, head, logits_dtype, chunk_rows, 2)
     n_blocks = len(loop.student.block_slices)
     parts = torch.empty(n_blocks, 7, hidden.shape[0], dtype=loop.cdtype, device=hidden.device)
     for b, _cols, rows, _h, _w, z, zt in loop.walk():
@@ -234,7 +251,8 @@ def _(
     bias,
     teacher_logits,
     teacher_hidden,
-    teacher_weight,
+    teacher_weights,
+    teacher_head,
     temperature,
     logit_scale,
     softcap,
@@ -252,7 +270,8 @@ def linear_divergence_grads(
     bias: Tensor | None,
     teacher_logits: Tensor | None,
     teacher_hidden: Tensor | None,
-    teacher_weight: Tensor | None,
+    teacher_weights: list[Tensor],
+    teacher_head: Tensor | None,
     row_stats: Tensor,
     factors: Tensor,
     temperature: float,
@@ -269,9 +288,8 @@ def linear_divergence_grads(
     forms them). The tiles are recomputed: vocabulary blocks outside, row chunks inside."""
     n_rows, hidden_size = hidden.shape
     head = LogitHead(temperature, logit_scale, softcap)
-    loop = _loop(
-        hidden, weight, bias, teacher_logits, teacher_hidden, teacher_weight, head, logits_dtype, chunk_rows, 2
-    )
+    teacher = (teacher_logits, teacher_hidden, teacher_weights, teacher_head)
+    loop = _loop(hidden, weight, bias, teacher, head, logits_dtype, chunk_rows, 2)
     tiles = loop.student
     sdtype, exact = tiles.cdtype, tiles.exact  # the student's compute dtype: its gradients' sums
     dhidden = torch.zeros(n_rows, hidden_size, dtype=sdtype, device=hidden.device)
@@ -347,39 +365,28 @@ def _finalize(merged: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 class _LinearDivergenceFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, teacher_logits, teacher_hidden, teacher_weight, head, logits_dtype, chunk_rows, group
+        ctx, hidden, weight, bias, t_logits, t_hidden, t_head, head, logits_dtype, chunk_rows, group, *t_weights
     ):
-        local = linear_divergence_stats(
-            hidden, weight, bias, teacher_logits, teacher_hidden, teacher_weight, *head, logits_dtype, chunk_rows
-        )
-        kl, ce, ne, row_stats = _finalize(all_gather_stack(local, group))
-        ctx.save_for_backward(
-            hidden, weight, bias, teacher_logits, teacher_hidden, teacher_weight, row_stats, kl, ce, ne
-        )
+        teacher = (t_logits, t_hidden, list(t_weights), t_head)
+        local = linear_divergence_stats(hidden, weight, bias, *teacher, *head, logits_dtype, chunk_rows)
+        outputs = _finalize(all_gather_stack(local, group))  # kl, ce, ne, row_stats
+        ctx.save_for_backward(hidden, weight, bias, t_logits, t_hidden, t_head, *outputs, *t_weights)
         ctx.head, ctx.logits_dtype, ctx.chunk_rows, ctx.group = head, logits_dtype, chunk_rows, group
         ctx.hidden_dtype = hidden.dtype
         ctx.set_materialize_grads(False)  # an output that reaches no loss: None, its terms skipped
-        return kl, ce, ne
+        ctx.mark_non_differentiable(outputs[3])
+        return outputs
 
     @staticmethod
-    def backward(ctx, dkl, dce, dne):
-        hidden, weight, bias, teacher_logits, teacher_hidden, teacher_weight, row_stats, kl, ce, ne = ctx.saved_tensors
+    def backward(ctx, dkl, dce, dne, _drow_stats):
+        hidden, weight, bias, t_logits, t_hidden, t_head, kl, ce, ne, row_stats, *t_weights = ctx.saved_tensors
         factors = _factors(row_stats, (kl, ce, ne), (dkl, dce, dne))
+        teacher = (t_logits, t_hidden, t_weights, t_head)
         dhidden, dweight, dbias = linear_divergence_grads(
-            hidden,
-            weight,
-            bias,
-            teacher_logits,
-            teacher_hidden,
-            teacher_weight,
-            row_stats,
-            factors,
-            *ctx.head,
-            ctx.logits_dtype,
-            ctx.chunk_rows,
+            hidden, weight, bias, *teacher, row_stats, factors, *ctx.head, ctx.logits_dtype, ctx.chunk_rows
         )
         dbias = None if bias is None else dbias.to(bias.dtype)
-        nones = (None,) * 7
+        nones = (None,) * (7 + len(t_weights))
         if not ctx.needs_input_grad[0]:  # the same on every rank, so the collective is skipped by all
             return None, dweight, dbias, *nones
         dhidden = all_reduce(dhidden, "sum", ctx.group)  # [N, H]: the full gradient on every rank
@@ -414,18 +421,21 @@ def linear_divergence_to_teacher(
     *,
     teacher_logits: Tensor | None = None,
     teacher_hidden: Tensor | None = None,
-    teacher_weight: Tensor | None = None,
+    teacher_weights: typing.Sequence[Tensor] = (),
+    teacher_head: Tensor | None = None,
     logits_dtype: torch.dtype,
     bias: Tensor | None = None,
     head: LogitHead,
     chunk_rows: int = 0,
 ) -> LinearDivergence:
     """hidden `[..., H]`, this rank's head rows `weight [Vl, H]`, and the teacher `teacher_logits
-    [..., Vl]` or `teacher_hidden [..., H']` with `teacher_weight [Vl, H']` -> `LinearDivergence`,
-    each `[...]` in `out_dtype`. Autograd reaches hidden, weight, bias; the teacher is detached.
+    [..., Vl]` or `teacher_hidden [..., H']` through `teacher_weights` `[Vl, H']` (row `n` through
+    `teacher_weights[teacher_head[n]]`, `teacher_head [...]`; None with one head) ->
+    `LinearDivergence`, each `[...]` in `out_dtype`. Autograd reaches hidden, weight, bias; the
+    teacher is detached.
 
     Dense equivalent: with `z_s = head(hidden @ W.T + b)`, `z_t = teacher_logits` or
-    ``project_onto_lm_head(teacher_hidden, teacher_weight, logits_dtype)``,
+    ``project_onto_lm_head(teacher_hidden[n], teacher_weights[teacher_head[n]], logits_dtype)``,
     ``(reverse_kl_to_fixed(z_s, z_t), cross_entropy_to_fixed(z_s, z_t), neg_entropy(z_s))``.
     """
     lead = hidden.shape[:-1]
@@ -433,8 +443,9 @@ def linear_divergence_to_teacher(
     local_vocab = weight.shape[0]
     tl = None if teacher_logits is None else teacher_logits.detach().reshape(-1, local_vocab)
     th = None if teacher_hidden is None else teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
-    tw = None if teacher_weight is None else teacher_weight.detach()
-    kl, ce, ne = _LinearDivergenceFn.apply(
-        flat_hidden, weight, bias, tl, th, tw, tuple(head), logits_dtype, chunk_rows, group
+    tk = None if teacher_head is None or len(teacher_weights) < 2 else teacher_head.reshape(-1).to(torch.int64)
+    tw = [w.detach() for w in teacher_weights]
+    kl, ce, ne, _ = _LinearDivergenceFn.apply(
+        flat_hidden, weight, bias, tl, th, tk, tuple(head), logits_dtype, chunk_rows, group, *tw
     )
     return LinearDivergence(kl.view(lead), ce.view(lead), ne.view(lead))
