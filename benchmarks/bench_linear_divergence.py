@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=HIDDEN)
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS))
     parser.add_argument("--min-run-time", type=float, default=2.0)
+    parser.add_argument("--min-runs", type=int, default=3)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         returned = (args.tokens + vocab) * args.hidden * 4  # dhidden + dweight, fp32
         for provider in args.providers:
             fn = build(provider, args.tokens, args.hidden, vocab)
-            timing = measure.time_call(fn, min_run_time=args.min_run_time, min_runs=3)
+            timing = measure.time_call(fn, min_run_time=args.min_run_time, min_runs=args.min_runs)
             row: dict[str, Any] = {"vocab": vocab, "provider": provider, **timing}
             if not args.no_memory:
                 kwargs = {"provider": provider, "tokens": args.tokens, "hidden": args.hidden, "vocab": vocab}
