@@ -469,3 +469,16 @@ def test_bad_teacher_head():
         lossfx.linear_divergence_to_teacher(
             h, w, teacher_hidden=case["teacher_hidden"], teacher_weight=case["teacher_weight"], teacher_logits_dtype=1
         )
+
+
+def test_benchmark_script_quick_run(tmp_path):
+    """benchmarks/bench_linear_divergence.py runs (eager provider, tiny shapes) and writes its table."""
+    import json
+
+    from benchmarks import bench_linear_divergence
+
+    args = ["--quick", "--no-memory", "--min-run-time", "0", "--min-runs", "1", "--providers", "fused-eager"]
+    bench_linear_divergence.main([*args, "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "linear_divergence.json").read_text())["rows"]
+    assert [r["provider"] for r in rows] == ["fused-eager"] and rows[0]["median_s"] > 0
+    assert "fused-eager" in (tmp_path / "linear_divergence.md").read_text()
