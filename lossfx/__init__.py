@@ -20,6 +20,7 @@ from lossfx.interfaces import (
     TrainingSamplingParams,
     need_top_k_or_top_p_filtering,
 )
+from lossfx.linear_divergence import LinearDivergence, linear_divergence_to_teacher
 from lossfx.linear_filtering import linear_filtered_token_logprobs
 from lossfx.linear_loss_input import prepare_linear_loss_input, prepare_linear_packed_loss_input
 from lossfx.linear_objective import linear_logprob_objective
@@ -41,6 +42,7 @@ __all__ = [
     "CPU_POLICY",
     "GPU_POLICY",
     "ChunkPolicy",
+    "LinearDivergence",
     "LossFunction",
     "LossInputType",
     "OnPolicyDistillationFullConfig",
@@ -56,6 +58,7 @@ __all__ = [
     "filtered_token_logprobs",
     "gather_logits",
     "gather_logprobs",
+    "linear_divergence_to_teacher",
     "linear_filtered_token_logprobs",
     "linear_gather_logprobs",
     "linear_logprob_objective",

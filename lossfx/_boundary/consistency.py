@@ -155,8 +155,8 @@ class Roles:
         head: an LM-head shard `[Vl, H]`: its rows are this rank's width.
         start, rank, size: this rank's first vocabulary id and index in `tp` (per rank: may differ),
             and the vocabulary size `V`.
-        heads: a mapping `{key: [rows, H]}` of LM heads beside the shards: its rows are checked
-            against this rank's shard, not across ranks.
+        heads: a mapping `{key: [rows, H]}` of LM heads (or one head, or a list) beside the shards:
+            its rows are checked against this rank's shard, not across ranks.
         reads: `(argument, keys)`: the mapping `argument` (`data`, where the function has it) is compared on the keys
             `keys(bound arguments)` that the call reads, and only those (present or not; a
             column the call never reads may differ per rank).
@@ -435,6 +435,8 @@ def _signature(
         fields.owner = arg
         if arg.startswith("_"):  # a view's own state (its `VocabShard`), not an argument
             continue
+        if arg == roles.heads and (isinstance(value, (list, tuple)) or (isinstance(value, Tensor) and value.dim())):
+            value = dict(enumerate([value] if isinstance(value, Tensor) else value))  # checked as a mapping
         if roles.attrs and arg == roles.attrs[0] and value is not None:  # what the call reads of it, no more
             fields.attributes(arg, value, roles.attrs[1])
         elif arg == roles.heads and isinstance(value, Mapping) and value:

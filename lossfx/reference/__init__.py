@@ -41,6 +41,7 @@ from lossfx.reference._linear import (
     linear_next_token_logprobs,
     linear_token_logprobs,
 )
+from lossfx.reference._linear_divergence import linear_divergence_to_teacher
 from lossfx.reference._linear_filtering import linear_filtered_token_logprobs
 from lossfx.reference._linear_loss_input import prepare_linear_loss_input, prepare_linear_packed_loss_input
 from lossfx.reference._logprobs import (
@@ -60,6 +61,7 @@ __all__ = [
     "entropy",
     "filtered_token_logprobs",
     "gather_logprobs",
+    "linear_divergence_to_teacher",
     "linear_filtered_token_logprobs",
     "linear_gather_logprobs",
     "linear_logits",
