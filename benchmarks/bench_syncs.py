@@ -213,6 +213,9 @@ def _every_other(logits, ids, hidden, weight, ignored):
             teacher_index=torch.tensor([7, 3]),
         ),
         "linear_next_token_logprobs": lambda: lossfx.linear_next_token_logprobs(hidden.view(b, s, -1), weight, ids),
+        "linear_divergence_to_teacher": lambda: lossfx.linear_divergence_to_teacher(
+            hidden, weight, teacher_logits=torch.randn(hidden.shape[0], weight.shape[0], generator=gen)
+        ),
         "linear_filtered_token_logprobs": lambda: lossfx.linear_filtered_token_logprobs(
             hidden, weight, ids.reshape(-1), top_k=3, top_p=0.9
         ),

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch._dynamo.testing
+from devices import DEVICE
 from harness import gloo_pool
 
 import lossfx
@@ -442,8 +443,8 @@ def test_compiled_fullgraph_matches_reference_and_recompiles_once():
     [
         ({"teacher_logits": None}, ValueError, "exactly one form"),
         ({"teacher_hidden": "h"}, ValueError, "exactly one form"),
-        ({"teacher_logits": torch.zeros(4, 6, dtype=F64)}, ValueError, "teacher_logits must be"),
-        ({"teacher_logits": torch.zeros(4, 7, dtype=torch.int64)}, TypeError, "teacher_logits"),
+        ({"teacher_logits": torch.zeros(4, 6, dtype=F64).to(DEVICE)}, ValueError, "teacher_logits must be"),
+        ({"teacher_logits": torch.zeros(4, 7, dtype=torch.int64).to(DEVICE)}, TypeError, "teacher_logits"),
         ({"teacher_logits_dtype": torch.float32}, ValueError, "teacher_logits_dtype"),
         ({"temperature": 0.0}, ValueError, "temperature"),
         ({"chunk_size": 0}, ValueError, "chunk_size"),
