@@ -14,8 +14,8 @@ dtypes and gradients (to `hidden`, `W`, `bias`), and the logits never held: ever
    pass (`lossfx._layouts.linear_distillation`);
 3. `DRAFT`: the `D` head rows of the draft vocabulary only, projected from the shifted hidden
    states (`lossfx._layouts.linear_draft`): `[N, D]`, never `[N, V]`;
-4. `OPD_FULL`: `_linear_opd_full_input`, the plug-in point of a fused divergence kernel
-   (issue 26 item 4), which today raises a `ValueError` naming the logits path;
+4. `OPD_FULL`: `_linear_opd_full_input`, where the fused divergence kernel
+   (`lossfx._kernels.linear_divergence`) is to be wired; today a `ValueError` naming the logits path;
 5. `LOGIT`: a `ValueError` (the loss wants the logits: call `prepare_loss_input` with them).
 
 The sequence layout (`context_parallel_group` / `cp_sharder`) and the tensor-parallel head shard
