@@ -157,9 +157,10 @@ def _merge(stats: Tensor, alpha: int, beta: int) -> tuple[Tensor, Tensor]:
     # Each rank's `u` is about its local shifts; moved to the global ones: Σ_r w_r (u_r + s_r (α Δs_r − β Δt_r)).
     # (a side whose coefficient is 0 is left out, not multiplied by 0: an all -inf row's offset may be
     # NaN, and 0·NaN would reach merge_moment's nansum, which drops the whole term)
-    offset = student.offset * alpha if alpha else torch.zeros_like(student.offset)
-    if beta:
-        offset = offset - beta * teacher.offset
+    if alpha and beta:
+        offset = alpha * student.offset - beta * teacher.offset
+    else:
+        offset = alpha * student.offset if alpha else -beta * teacher.offset
     moment = merge_moment(student, s_s, u, offset)  # [N]
     r = moment / student.total - alpha * log_s  # [N]
     if beta:
