@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lossfx"
 # the public faces: the public functions and the entry points (docs/design.md, "Layers")
 PUBLIC = (
-    "logprobs gather filtering divergence topk fused_linear linear_objective context_parallel sequence_layout "
-    "next_token packing draft distillation opd_full loss_masks interfaces loss_input"
+    "logprobs gather filtering divergence topk fused_linear linear_filtering linear_objective linear_divergence "
+    "context_parallel sequence_layout next_token packing draft distillation opd_full loss_masks interfaces "
+    "loss_input linear_loss_input"
 ).split()
 BOUNDARY = ["_boundary/*.py", *(f"{m}.py" for m in PUBLIC)]
 MATHS = ["_core/*.py", "_kernels/*.py", "_layouts/*.py"]
