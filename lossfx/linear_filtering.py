@@ -16,17 +16,16 @@ from __future__ import annotations
 from torch import Tensor
 
 from lossfx._boundary.consistency import boundary
-from lossfx._boundary.dtensor import replicated
 from lossfx._boundary.validation import check_integer_ids
 from lossfx._core.distributed import ProcessGroup
 from lossfx._kernels import linear_filtering as kernel
 from lossfx.filtering import TIES, check_filter_params, check_ties
-from lossfx.fused_linear import _ROLES, _local_arguments, check_rows, local_view, validated_head
+from lossfx.fused_linear import _ROLES, check_rows, local_view, validated_head
 
 __all__ = ["TIES", "linear_filtered_token_logprobs"]
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0), unwrapped=True)
 def linear_filtered_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -97,10 +96,7 @@ def linear_filtered_token_logprobs(
 
     See also: proofs/linear_filtering.md, lossfx.reference.linear_filtered_token_logprobs.
     """
-    hidden, weight, group, vocab_start, vocab_size = _local_arguments(
-        hidden, weight, group, vocab_start, vocab_size, sequence_parallel, seq_dim=0
-    )
-    token_ids = replicated(token_ids, "token_ids")
+    # hidden, weight, token_ids: local tensors (the boundary's one unwrap, `local_view`)
     check_integer_ids("token_ids", token_ids)
     k, p = check_filter_params(top_k, 1.0 if top_p is None else top_p)
     check_ties(ties)
