@@ -38,8 +38,9 @@ gather).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import typing
-from typing import Any
+from typing import Any, Unpack
 
 from torch import Tensor
 
@@ -54,7 +55,7 @@ from lossfx._boundary.validation import (
     check_positive_int,
 )
 from lossfx._core.distributed import ProcessGroup, group_rank, group_size
-from lossfx._core.tiles import LogitHead
+from lossfx._core.tiles import HeadOptions
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import fused_linear as kernel
 from lossfx._layouts import linear_next_token as _pure_next_token
@@ -134,7 +135,14 @@ def local_view(seq_dim: int) -> Any:
             arguments["sequence_parallel"],
             seq_dim,
         )
-        arguments.update(hidden=hidden, weight=weight, group=group, vocab_start=vocab_start, vocab_size=vocab_size)
+        bias = arguments["bias"]
+        if is_dtensor(bias):  # a Shard(0) DTensor bias: its placement must match the weight's
+            bias = vocab_shard(
+                bias, dim=0, name="bias", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
+            ).local
+        arguments.update(
+            hidden=hidden, weight=weight, bias=bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size
+        )
         for name in _REPLICATED:
             if name in arguments:
                 arguments[name] = replicated(arguments[name], name)
@@ -143,41 +151,86 @@ def local_view(seq_dim: int) -> Any:
     return view
 
 
+class HeadKeywords(typing.TypedDict, total=False):
+    """The head options of every fused public function, written once: each takes them as
+    `**head: Unpack[HeadKeywords]` (`head_keywords` spells them in its signature), checks them once
+    (`resolved_head`) into the kernels' one value `HeadOptions`, whose defaults are theirs.
+    Documented in `linear_token_logprobs` and docs/fused_linear.md ("Options")."""
+
+    bias: Tensor | None
+    temperature: float
+    logit_scale: float
+    softcap: float | None
+    ignore_index: int
+
+
+F = typing.TypeVar("F", bound=typing.Callable[..., Any])
+
+
+def head_keywords(fn: F) -> F:
+    """`fn(..., **head: Unpack[HeadKeywords])` with a signature that spells the head keywords and
+    their defaults (`HeadOptions`) as keyword-only parameters: what `inspect`, docs/api.md, the
+    boundary's binding and its roles (`bias` is a vocabulary shard) read. The body gets them in `head`."""
+    sig = inspect.signature(fn)
+    hints = {k: getattr(v, "__forward_arg__", v) for k, v in HeadKeywords.__annotations__.items()}
+    options = [
+        inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=hints[k])
+        for k, d in HeadOptions._field_defaults.items()
+    ]
+    rest = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    fn.__signature__ = sig.replace(parameters=[*rest, *options])  # type: ignore[attr-defined]
+    return fn
+
+
+def resolved_head(head: typing.Mapping[str, Any], local_vocab: int) -> HeadOptions:
+    """The head keywords checked (TypeError/ValueError naming the argument; an unknown keyword:
+    TypeError naming it) and resolved into `HeadOptions`; `bias` must be `[local_vocab]`, local."""
+    unknown = sorted(set(head) - set(HeadOptions._fields))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r} (the head options: {HeadOptions._fields})")
+    options = HeadOptions(**head)
+    bias, ignore_index = options.bias, options.ignore_index
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if bias is not None:
+        check_floating("bias", bias)
+        if tuple(bias.shape) != (local_vocab,):
+            raise ValueError(
+                f"bias must be [V_local] = [{local_vocab}] (this rank's rows of the head's bias, like weight's), "
+                f"got shape {tuple(bias.shape)}"
+            )
+    return options._replace(
+        temperature=check_positive_float("temperature", options.temperature),
+        logit_scale=check_positive_float("logit_scale", options.logit_scale),
+        softcap=check_positive_float("softcap", options.softcap, allow_none=True),
+    )
+
+
 class LinearCall(typing.NamedTuple):
     """The resolved arguments of one fused call, as the pure kernels take them (`validated_head`)."""
 
     vocab: VocabRange  # this rank's rows of the head: group, first id, global V
-    bias: Tensor | None  # [Vl] local (a DTensor bias unwrapped)
-    head: LogitHead  # temperature, logit_scale, softcap
+    head: HeadOptions  # bias [Vl] (local), temperature, logit_scale, softcap, ignore_index
     chunk_rows: int  # 0: the loop picks its default
 
 
 def validated_head(
     hidden: Tensor,
     weight: Tensor,
+    head: typing.Mapping[str, Any],
     *,
-    bias: Tensor | None,
     group: ProcessGroup | None,
-    vocab_start: int | None,
-    vocab_size: int | None,
-    temperature: float,
-    logit_scale: float,
-    softcap: float | None,
-    ignore_index: int,
-    sequence_parallel: bool,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    sequence_parallel: bool = False,
     chunk_size: int | None,
 ) -> LinearCall:
-    """Check hidden `[..., H]`, weight `[Vl, H]`, bias `[Vl]` (a `Shard(0)` DTensor bias must agree
-    with the weight's group and offsets) and the options (TypeError/ValueError naming the argument),
-    and resolve them into the kernels' `LinearCall`."""
+    """Check hidden `[..., H]`, weight `[Vl, H]` (local tensors), the head keywords (`resolved_head`)
+    and the options (TypeError/ValueError naming the argument), and resolve them into the kernels'
+    `LinearCall`."""
     check_floating("hidden", hidden)
     check_floating("weight", weight)
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    temperature = check_positive_float("temperature", temperature)
-    logit_scale = check_positive_float("logit_scale", logit_scale)
-    softcap = check_positive_float("softcap", softcap, allow_none=True)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
     if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
@@ -188,30 +241,16 @@ def validated_head(
     local_vocab = weight.shape[0]
     if local_vocab < 1:
         raise ValueError(f"weight must hold at least one vocabulary row, got shape {tuple(weight.shape)}")
-    if bias is not None and is_dtensor(bias):
-        bias = vocab_shard(
-            bias, dim=0, name="bias", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
-        ).local
-    if bias is not None:
-        check_floating("bias", bias)
-        if tuple(bias.shape) != (local_vocab,):
-            raise ValueError(
-                f"bias must be [V_local] = [{local_vocab}] (this rank's rows of the head's bias, like weight's), "
-                f"got shape {tuple(bias.shape)}"
-            )
+    options = resolved_head(head, local_vocab)
     start = group_rank(group) * local_vocab if vocab_start is None else vocab_start
     size = group_size(group) * local_vocab if vocab_size is None else vocab_size
-    chunk_rows = 0 if chunk_size is None else chunk_size  # 0: each loop picks its default
-    return LinearCall(VocabRange(group, start, size), bias, LogitHead(temperature, logit_scale, softcap), chunk_rows)
+    return LinearCall(VocabRange(group, start, size), options, 0 if chunk_size is None else chunk_size)
 
 
-def check_rows(
-    hidden: Tensor, ids: Tensor, call: LinearCall, *, ignore_index: int, sequence_parallel: bool, name: str
-) -> None:
+def check_rows(hidden: Tensor, ids: Tensor, call: LinearCall, *, sequence_parallel: bool, name: str) -> None:
     """Check ids `[..., K]` (integer, `K >= 1`, in `[0, V)` but for `ignore_index`; `name` in the
     messages) against hidden `[..., H]` (the same leading dims; under sequence parallelism this
     rank's `N/R` rows)."""
-    check_integer_ids(name, ids)
     if ids.dim() < 1 or ids.shape[-1] < 1:
         raise ValueError(f"ids must be [..., K] with K >= 1, got shape {tuple(ids.shape)}")
     world = group_size(call.vocab.group)
@@ -230,7 +269,40 @@ def check_rows(
             f"hidden's leading dims must equal the target's; got hidden.shape={tuple(hidden.shape)} and "
             f"target/ids leading shape {tuple(ids.shape[:-1])}"
         )
-    check_ids_in_range(name, ids.masked_fill(ids == ignore_index, 0), call.vocab.size)  # ignore_index is in range
+    ignored = ids == call.head.ignore_index
+    check_ids_in_range(name, ids.masked_fill(ignored, 0), call.vocab.size)  # ignore_index is in range
+
+
+def resolved_call(
+    hidden: Tensor,
+    weight: Tensor,
+    ids: Tensor,
+    name: str,
+    head: typing.Mapping[str, Any],
+    group: ProcessGroup | None,
+    vocab_start: int | None,
+    vocab_size: int | None,
+    sequence_parallel: bool,
+    chunk_size: int | None,
+    *,
+    per_row: bool = False,
+) -> LinearCall:
+    """The resolve of a token function's call: `validated_head`, then `check_rows` of its ids
+    (named `name`: `[...]`, one per row, or `[..., K]` with `per_row`); the other arguments are
+    the function's own, in its order."""
+    check_integer_ids(name, ids)
+    call = validated_head(
+        hidden,
+        weight,
+        head,
+        group=group,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        sequence_parallel=sequence_parallel,
+        chunk_size=chunk_size,
+    )
+    check_rows(hidden, ids if per_row else ids[..., None], call, sequence_parallel=sequence_parallel, name=name)
+    return call
 
 
 # the cross-rank check's view of the parameters (`_boundary.consistency.Roles`)
@@ -246,6 +318,7 @@ _ROLES_CP = dataclasses.replace(_ROLES, cp="context_parallel_group", cp_from="cp
 
 
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0), unwrapped=True)
+@head_keywords
 def linear_gather_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -257,13 +330,9 @@ def linear_gather_logprobs(
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
-    temperature: float = 1.0,
-    bias: Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    ignore_index: int = -100,
     sequence_parallel: bool = False,
     chunk_size: int | None = None,
+    **head: Unpack[HeadKeywords],
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs at `K` global ids per row from hidden states and an LM head (shard), fused.
 
@@ -328,29 +397,15 @@ def linear_gather_logprobs(
     """
     # hidden, weight, ids: local tensors (the boundary's one unwrap, `local_view`)
     with_neg_entropy = bool(renamed_keyword("with_neg_entropy", with_neg_entropy, "with_entropy", with_entropy))
-    call = validated_head(
-        hidden,
-        weight,
-        bias=bias,
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        ignore_index=ignore_index,
-        sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size,
+    call = resolved_call(
+        hidden, weight, ids, "ids", head, group, vocab_start, vocab_size, sequence_parallel, chunk_size, per_row=True
     )
-    check_rows(hidden, ids, call, ignore_index=ignore_index, sequence_parallel=sequence_parallel, name="ids")
     return kernel.linear_gather_logprobs(
         hidden,
         weight,
         ids,
         call.vocab,
-        bias=call.bias,
         head=call.head,
-        ignore_index=ignore_index,
         with_neg_entropy=with_neg_entropy,
         zero_outside_topk=zero_outside_topk,
         chunk_rows=call.chunk_rows,
@@ -367,15 +422,11 @@ def linear_token_logprobs(
     group: ProcessGroup | None = ...,
     vocab_start: int | None = ...,
     vocab_size: int | None = ...,
-    temperature: float = ...,
-    bias: Tensor | None = ...,
-    logit_scale: float = ...,
-    softcap: float | None = ...,
-    ignore_index: int = ...,
     sequence_parallel: bool = ...,
     chunk_size: int | None = ...,
     return_neg_entropy: typing.Literal[False] = ...,
     return_entropy: typing.Literal[False] | None = ...,
+    **head: Unpack[HeadKeywords],
 ) -> Tensor: ...
 @typing.overload
 def linear_token_logprobs(
@@ -386,15 +437,11 @@ def linear_token_logprobs(
     group: ProcessGroup | None = ...,
     vocab_start: int | None = ...,
     vocab_size: int | None = ...,
-    temperature: float = ...,
-    bias: Tensor | None = ...,
-    logit_scale: float = ...,
-    softcap: float | None = ...,
-    ignore_index: int = ...,
     sequence_parallel: bool = ...,
     chunk_size: int | None = ...,
     return_neg_entropy: typing.Literal[True],
     return_entropy: bool | None = ...,
+    **head: Unpack[HeadKeywords],
 ) -> tuple[Tensor, Tensor]: ...
 @typing.overload
 def linear_token_logprobs(
@@ -405,17 +452,14 @@ def linear_token_logprobs(
     group: ProcessGroup | None = ...,
     vocab_start: int | None = ...,
     vocab_size: int | None = ...,
-    temperature: float = ...,
-    bias: Tensor | None = ...,
-    logit_scale: float = ...,
-    softcap: float | None = ...,
-    ignore_index: int = ...,
     sequence_parallel: bool = ...,
     chunk_size: int | None = ...,
     return_neg_entropy: bool = ...,
     return_entropy: bool | None = ...,
+    **head: Unpack[HeadKeywords],
 ) -> Tensor | tuple[Tensor, Tensor]: ...
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0), unwrapped=True)
+@head_keywords
 def linear_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -424,15 +468,11 @@ def linear_token_logprobs(
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
-    temperature: float = 1.0,
-    bias: Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    ignore_index: int = -100,
     sequence_parallel: bool = False,
     chunk_size: int | None = None,
     return_neg_entropy: bool = False,
     return_entropy: bool | None = None,
+    **head: Unpack[HeadKeywords],
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Token log-probs of `softmax(hidden @ weight.T / temperature)`, logits never materialised.
 
@@ -505,40 +545,18 @@ def linear_token_logprobs(
     See also: docs/fused_linear.md, proofs/fused_linear.md, lossfx.reference.linear_token_logprobs.
     """
     # hidden, weight, target: local tensors (the boundary's one unwrap, `local_view`)
-    check_integer_ids("target", target)
     return_neg_entropy = bool(
         renamed_keyword("return_neg_entropy", return_neg_entropy, "return_entropy", return_entropy)
     )
-    call = validated_head(
-        hidden,
-        weight,
-        bias=bias,
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        ignore_index=ignore_index,
-        sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size,
-    )
-    check_rows(
-        hidden,
-        target.unsqueeze(-1),
-        call,
-        ignore_index=ignore_index,
-        sequence_parallel=sequence_parallel,
-        name="target",
+    call = resolved_call(
+        hidden, weight, target, "target", head, group, vocab_start, vocab_size, sequence_parallel, chunk_size
     )
     logprobs, neg_entropy = kernel.linear_token_logprobs(
         hidden,
         weight,
         target,
         call.vocab,
-        bias=call.bias,
         head=call.head,
-        ignore_index=ignore_index,
         with_neg_entropy=return_neg_entropy,
         chunk_rows=call.chunk_rows,
         sequence_parallel=sequence_parallel,
@@ -547,6 +565,7 @@ def linear_token_logprobs(
 
 
 @boundary(roles=_ROLES_CP, vocab="tiled", local=local_view(seq_dim=1), unwrapped=True)
+@head_keywords
 def linear_next_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -555,11 +574,6 @@ def linear_next_token_logprobs(
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
-    temperature: float = 1.0,
-    bias: Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    ignore_index: int = -100,
     sequence_parallel: bool = False,
     context_parallel_group: ProcessGroup | None = None,
     cp_sharder: Any = None,
@@ -567,6 +581,7 @@ def linear_next_token_logprobs(
     return_neg_entropy: bool = False,
     return_entropy: bool | None = None,
     position_ids: Tensor | None = None,
+    **head: Unpack[HeadKeywords],
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Next-token log-probs `[B, S−1]` from hidden states: position `t` scores `input_ids[:, t+1]`.
 
@@ -641,14 +656,10 @@ def linear_next_token_logprobs(
     call = validated_head(
         hidden,
         weight,
-        bias=bias,
+        head,
         group=group,
         vocab_start=vocab_start,
         vocab_size=vocab_size,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        ignore_index=ignore_index,
         sequence_parallel=sequence_parallel,
         chunk_size=chunk_size,
     )
@@ -660,7 +671,8 @@ def linear_next_token_logprobs(
     check_covers(layout, "hidden states", local_len, input_ids.shape[1], shapes)
     # the scored ids input_ids[:, 1:], once (ignore_index is never out of range); positions are input_ids'
     scored = input_ids[:, 1:]
-    check_ids_in_range("input_ids", scored.masked_fill(scored == ignore_index, 0), call.vocab.size, column_offset=1)
+    ignored = scored == call.head.ignore_index
+    check_ids_in_range("input_ids", scored.masked_fill(ignored, 0), call.vocab.size, column_offset=1)
     outputs = _pure_next_token.linear_next_token_logprobs(
         hidden,
         weight,
@@ -668,8 +680,6 @@ def linear_next_token_logprobs(
         layout,
         call.vocab,
         head=call.head,
-        bias=call.bias,
-        ignore_index=ignore_index,
         with_neg_entropy=return_neg_entropy,
         chunk_rows=call.chunk_rows,
         sequence_parallel=sequence_parallel,

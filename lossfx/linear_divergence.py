@@ -190,20 +190,8 @@ def linear_divergence_to_teacher(
             raise TypeError(
                 f"linear_divergence_to_teacher takes plain tensors: {name} is a DTensor (pass its local shard)"
             )
-    call = validated_head(
-        hidden,
-        weight,
-        bias=bias,
-        group=group,
-        vocab_start=None,
-        vocab_size=None,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        ignore_index=-100,
-        sequence_parallel=False,
-        chunk_size=chunk_size,
-    )
+    head = {"bias": bias, "temperature": temperature, "logit_scale": logit_scale, "softcap": softcap}
+    call = validated_head(hidden, weight, head, group=group, chunk_size=chunk_size)
     heads, dtype = _check_teacher(
         hidden, weight, teacher_logits, teacher_hidden, teacher_weight, teacher_head, teacher_logits_dtype
     )
@@ -216,7 +204,6 @@ def linear_divergence_to_teacher(
         teacher_weights=heads,
         teacher_head=teacher_head,
         logits_dtype=dtype,
-        bias=call.bias,
         head=call.head,
         chunk_rows=call.chunk_rows,
     )

@@ -7,25 +7,27 @@ over the vocabulary in all (one forward, one recomputing backward). How: the ker
 `lossfx._kernels.linear_filtering`; why it is exact: proofs/linear_filtering.md.
 
 The boundary is the fused path's (`lossfx.fused_linear`): the DTensor unwrap of `weight`/`bias`/
-`hidden`, `validated_head`, `check_rows` and the cross-rank check's roles, reused as they are;
-this module adds only the filter's options (`lossfx.filtering`'s checks).
+`hidden`, the head keywords (`HeadKeywords`), `resolved_call` and the cross-rank check's roles,
+reused as they are; this module adds only the filter's options (`lossfx.filtering`'s checks).
 """
 
 from __future__ import annotations
 
+from typing import Unpack
+
 from torch import Tensor
 
 from lossfx._boundary.consistency import boundary
-from lossfx._boundary.validation import check_integer_ids
 from lossfx._core.distributed import ProcessGroup
 from lossfx._kernels import linear_filtering as kernel
 from lossfx.filtering import TIES, check_filter_params, check_ties
-from lossfx.fused_linear import _ROLES, check_rows, local_view, validated_head
+from lossfx.fused_linear import _ROLES, HeadKeywords, head_keywords, local_view, resolved_call
 
 __all__ = ["TIES", "linear_filtered_token_logprobs"]
 
 
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0), unwrapped=True)
+@head_keywords
 def linear_filtered_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -37,13 +39,9 @@ def linear_filtered_token_logprobs(
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
-    temperature: float = 1.0,
-    bias: Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    ignore_index: int = -100,
     sequence_parallel: bool = False,
     chunk_size: int | None = None,
+    **head: Unpack[HeadKeywords],
 ) -> Tensor:
     """Log-prob of each token under the top-k/top-p filtered softmax of `hidden @ weight.T`, fused.
 
@@ -97,30 +95,10 @@ def linear_filtered_token_logprobs(
     See also: proofs/linear_filtering.md, lossfx.reference.linear_filtered_token_logprobs.
     """
     # hidden, weight, token_ids: local tensors (the boundary's one unwrap, `local_view`)
-    check_integer_ids("token_ids", token_ids)
     k, p = check_filter_params(top_k, 1.0 if top_p is None else top_p)
     check_ties(ties)
-    call = validated_head(
-        hidden,
-        weight,
-        bias=bias,
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        ignore_index=ignore_index,
-        sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size,
-    )
-    check_rows(
-        hidden,
-        token_ids.unsqueeze(-1),
-        call,
-        ignore_index=ignore_index,
-        sequence_parallel=sequence_parallel,
-        name="token_ids",
+    call = resolved_call(
+        hidden, weight, token_ids, "token_ids", head, group, vocab_start, vocab_size, sequence_parallel, chunk_size
     )
     return kernel.linear_filtered_token_logprobs(
         hidden,
@@ -130,9 +108,7 @@ def linear_filtered_token_logprobs(
         top_k=k,
         top_p=p,
         ties=ties,
-        bias=call.bias,
         head=call.head,
-        ignore_index=ignore_index,
         chunk_rows=call.chunk_rows,
         sequence_parallel=sequence_parallel,
     )

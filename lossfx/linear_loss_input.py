@@ -28,13 +28,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import Any, NamedTuple, Unpack
 
 import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, ShardWidths, boundary
-from lossfx._boundary.dtensor import _replicated_columns, is_dtensor, rejections_compared, replicated, vocab_shard
+from lossfx._boundary.dtensor import (
+    SHARD,
+    VocabShard,
+    _replicated_columns,
+    is_dtensor,
+    rejections_compared,
+    replicated,
+    vocab_shard,
+)
 from lossfx._boundary.validation import (
     check_floating,
     check_group,
@@ -43,6 +51,7 @@ from lossfx._boundary.validation import (
     check_tensor,
 )
 from lossfx._core.distributed import ProcessGroup, group_size
+from lossfx._core.tiles import HeadOptions
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import fused_linear as _kernel
 from lossfx._kernels import linear_filtering as _filtered
@@ -50,7 +59,7 @@ from lossfx._layouts import linear_distillation as _distillation
 from lossfx._layouts import linear_draft as _draft
 from lossfx._layouts import linear_next_token as _next_token
 from lossfx._layouts.sequence_layout import SequenceLayout, score_next_tokens
-from lossfx.fused_linear import LinearCall, validated_head
+from lossfx.fused_linear import HeadKeywords, LinearCall, head_keywords, validated_head
 from lossfx.interfaces import LossInputType, TrainingSamplingParams
 from lossfx.loss_input import _column, _data_read, _input_type, _vocab_parallel
 from lossfx.loss_masks import loss_mask_from_data, masked_out_neg_inf
@@ -75,10 +84,25 @@ _ROLES = Roles(
 _ROLES_PACKED = dataclasses.replace(_ROLES, cp_from=None)
 
 
-def _unwrapped(arguments: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """`arguments` with local tensors: a `Shard(0)` DTensor head (and bias) as this rank's rows, its
-    group and rank filled in; a `Replicate()` hidden and `data` columns as their local tensors.
-    Returns them and the head's `VocabShard` (its `vocab_start`/`vocab_size` are set for a DTensor)."""
+class FrontDoor(NamedTuple):
+    """A front-door call resolved once: the local tensors, the head's `LinearCall`, and what the
+    branches read of the shard (`size`: `V` as the range checks read it)."""
+
+    hidden: Tensor  # [B, S_l, H]
+    weight: Tensor  # [Vl, H]
+    columns: Mapping[str, Any]  # data with local tensors
+    shard: VocabShard  # the head's shard (a DTensor head's placement, or the plain arguments)
+    call: LinearCall
+    size: int | Any
+    widths: ShardWidths
+    data: MutableMapping[str, Any]  # the caller's data (returned, and written to)
+
+
+def _unwrap(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The one unwrap of a front-door call (`boundary(local=..., unwrapped=True)`): `arguments` with
+    local tensors (a `Shard(0)` DTensor head and bias as this rank's rows, its group and rank filled
+    in; a `Replicate()` hidden and `data` columns as their local tensors), the head's `VocabShard`
+    (`SHARD`) and the caller's `data` mapping (`_data`: the one returned and written to)."""
     shard = vocab_shard(
         arguments["lm_head_weight"],
         dim=0,
@@ -87,74 +111,68 @@ def _unwrapped(arguments: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         group=arguments["vocab_parallel_group"],
         rank=arguments["vocab_parallel_rank"],
     )
-    bias = arguments["bias"]
-    if is_dtensor(bias):
-        bias = vocab_shard(bias, dim=0, name="bias").local
-    data = arguments["data"]
+    bias, data = arguments["bias"], arguments["data"]
     arguments.update(
         hidden=replicated(arguments["hidden"], "hidden"),
         lm_head_weight=shard.local,
-        bias=bias,
+        bias=vocab_shard(bias, dim=0, name="bias").local if is_dtensor(bias) else bias,
         data=_replicated_columns(data) if isinstance(data, Mapping) else data,
         vocab_parallel_group=shard.group,
         vocab_parallel_rank=shard.rank,
     )
-    return arguments, shard
+    arguments.update({SHARD: shard, "_data": data})
+    return arguments, ""
 
 
-def _view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The cross-rank check's view of a call with DTensors: the local tensors the body computes on."""
-    local, _ = _unwrapped(arguments)
-    return local, ""
+_local_view = rejections_compared(_unwrap, "vocab_parallel_group")
 
 
-_local_view = rejections_compared(_view, "vocab_parallel_group")
-
-
-def _resolved_call(
-    hidden: Tensor,
-    weight: Tensor,
-    shard: Any,
-    *,
-    group: ProcessGroup | None,
-    bias: Tensor | None,
-    temperature: float,
-    logit_scale: float,
-    softcap: float | None,
-    ignore_index: int,
-    chunk_size: int | None,
-    rows_per_position: int,
-    widths: ShardWidths,
-) -> tuple[LinearCall, int | Any]:
-    """The head checked and resolved (`fused_linear.validated_head`), `chunk_size` positions as
-    rows, and `V` as the range check of the ids must read it: an int, or (uneven plain shards in
-    eager mode) the function of the cross-rank check's widths (`ShardWidths.size_when_read`)."""
+def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed: bool, *caller: Any) -> FrontDoor:
+    """The resolve of a front-door call, once, on its boundary's `view` (`_unwrap`; `None`: the view
+    rejected a DTensor, so the caller's arguments `(hidden, lm_head_weight, data,
+    vocab_parallel_group, vocab_parallel_rank, head)` are unwrapped again here, which raises that
+    error): the groups, `hidden` `[B, S_l, H]` (packed: `[1, T/C, H]`), the head (`validated_head`)
+    with `chunk_size` positions as rows, and `V` as the range checks of the ids read it: an int,
+    or (uneven plain shards in eager mode) the function of the cross-rank check's widths."""
+    if view is None:
+        *tensors, head = caller
+        names = ("hidden", "lm_head_weight", "data", "vocab_parallel_group", "vocab_parallel_rank")
+        view = _unwrap({**dict(zip(names, tensors, strict=True)), "bias": head.get("bias")})[0]
+    check_group("vocab_parallel_group", view["vocab_parallel_group"])
+    if not packed:  # (the packed checks check it)
+        check_group("context_parallel_group", view["context_parallel_group"])
+    hidden, weight, shard = view["hidden"], view["lm_head_weight"], view[SHARD]
+    group = shard.group
+    if shard.dtensor is None:
+        _vocab_parallel(view["vocab_parallel_rank"], group)
+    check_tensor("hidden", hidden)
+    check_floating("hidden", hidden)
+    if hidden.dim() != 3 or (packed and hidden.shape[0] != 1):
+        want = "packed hidden must be [1, T/C, H]" if packed else "hidden must be [B, S_local, H]"
+        raise ValueError(f"{want}, got shape {tuple(hidden.shape)}")
     call = validated_head(
         hidden,
         weight,
-        bias=bias,
+        {k: view[k] for k in HeadOptions._fields},
         group=group,
         vocab_start=shard.vocab_start,
         vocab_size=shard.vocab_size,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        ignore_index=ignore_index,
-        sequence_parallel=False,
-        chunk_size=chunk_size,
+        chunk_size=view["chunk_size"],
     )
-    call = call._replace(chunk_rows=call.chunk_rows * rows_per_position)
+    call = call._replace(chunk_rows=call.chunk_rows * hidden.shape[0])
+    widths = ShardWidths() if widths is None else widths
     uneven = shard.dtensor is None and group is not None
-    return call, widths.size_when_read(weight.shape[0], group) if uneven else call.vocab.size
+    size = widths.size_when_read(weight.shape[0], group) if uneven else call.vocab.size
+    return FrontDoor(hidden, weight, view["data"], shard, call, size, widths, view["_data"])
 
 
-def _uneven_vocab(call: LinearCall, shard: Any, local_vocab: int, widths: ShardWidths) -> LinearCall:
+def _uneven_vocab(door: FrontDoor) -> LinearCall:
     """The call with this rank's range from the widths the cross-rank check reported (uneven plain
     shards, eager); unchanged for a DTensor head, without a group, or traced (equal widths)."""
-    group = call.vocab.group
-    if shard.dtensor is not None or group is None:
+    call, group = door.call, door.call.vocab.group
+    if door.shard.dtensor is not None or group is None:
         return call
-    start, size = widths.range(local_vocab, group)
+    start, size = door.widths.range(door.weight.shape[0], group)
     return call if start is None or size is None else call._replace(vocab=VocabRange(group, start, size))
 
 
@@ -173,7 +191,8 @@ def _linear_opd_full_input(
     raise ValueError(f"prepare_linear_loss_input: OPD_FULL from hidden states is not available yet; {_LOGITS_PATH}")
 
 
-@boundary(roles=_ROLES, vocab="auto", local=_local_view)
+@boundary(roles=_ROLES, vocab="auto", local=_local_view, unwrapped=True)
+@head_keywords
 def prepare_linear_loss_input(
     hidden: Tensor,
     lm_head_weight: Tensor,
@@ -189,12 +208,9 @@ def prepare_linear_loss_input(
     chunk_size: int | None = None,
     teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
     teacher_logits_dtype: torch.dtype | None = None,
-    bias: Tensor | None = None,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    ignore_index: int = -100,
     _widths: ShardWidths | None = None,
+    _view: dict[str, Any] | None = None,
+    **head: Unpack[HeadKeywords],
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
     """Build the loss-function input dict from last hidden states and the LM head, fused.
 
@@ -255,60 +271,27 @@ def prepare_linear_loss_input(
             "prepare_linear_loss_input has no LOGIT branch: a LOGIT loss consumes the full logits, which this "
             f"function never forms; {_LOGITS_PATH}"
         )
-    check_group("vocab_parallel_group", vocab_parallel_group)
-    check_group("context_parallel_group", context_parallel_group)
-    widths = ShardWidths() if _widths is None else _widths
-    local, shard = _unwrapped(
-        {
-            "hidden": hidden,
-            "lm_head_weight": lm_head_weight,
-            "bias": bias,
-            "data": data,
-            "vocab_parallel_group": vocab_parallel_group,
-            "vocab_parallel_rank": vocab_parallel_rank,
-        }
+    # hidden, lm_head_weight, bias, data: local (the boundary's one unwrap, `_unwrap`); data: the caller's
+    door = _front_door(
+        _view, _widths, False, hidden, lm_head_weight, data, vocab_parallel_group, vocab_parallel_rank, head
     )
-    hidden, weight, columns = local["hidden"], local["lm_head_weight"], local["data"]
-    group = local["vocab_parallel_group"]
-    if shard.dtensor is None:
-        _vocab_parallel(vocab_parallel_rank, group)
-    check_tensor("hidden", hidden)
-    check_floating("hidden", hidden)
-    if hidden.dim() != 3:
-        raise ValueError(f"hidden must be [B, S_local, H], got shape {tuple(hidden.shape)}")
     layout = sequence_layout(context_parallel_group, cp_sharder)
-    call, size = _resolved_call(
-        hidden,
-        weight,
-        shard,
-        group=group,
-        bias=local["bias"],
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        ignore_index=ignore_index,
-        chunk_size=chunk_size,
-        rows_per_position=hidden.shape[0],
-        widths=widths,
-    )
     if input_type is LossInputType.OPD_FULL:
         return _linear_opd_full_input(
-            hidden,
-            weight,
-            columns,
+            door.hidden,
+            door.weight,
+            door.columns,
             loss_fn,
-            call,
+            door.call,
             layout=layout,
             teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
             teacher_logits_dtype=teacher_logits_dtype,
-        ), data
+        ), door.data
     if input_type is LossInputType.DISTILLATION:
-        return _distillation_input(hidden, weight, columns, loss_fn, call, size, shard, layout, widths), data
+        return _distillation_input(door, loss_fn, layout), door.data
     if input_type is LossInputType.DRAFT:
-        return _draft_input(hidden, weight, data, columns, d2t, call, size, shard, layout, widths), data
-    return _logprob_input(
-        hidden, weight, data, columns, loss_fn, call, size, shard, layout, sampling_params, ignore_index, widths
-    ), data
+        return _draft_input(door, d2t, layout), door.data
+    return _logprob_input(door, loss_fn, layout, sampling_params), door.data
 
 
 def _canonical(columns: Mapping[str, Any], key: str, hidden: Tensor, dims: int, layout: SequenceLayout) -> Tensor:
@@ -324,42 +307,30 @@ def _canonical(columns: Mapping[str, Any], key: str, hidden: Tensor, dims: int, 
 
 
 def _logprob_input(
-    hidden: Tensor,
-    weight: Tensor,
-    data: MutableMapping[str, Any],
-    columns: Mapping[str, Any],
-    loss_fn: Any,
-    call: LinearCall,
-    size: int | Any,
-    shard: Any,
-    layout: SequenceLayout,
-    sampling_params: TrainingSamplingParams | None,
-    ignore_index: int,
-    widths: ShardWidths,
+    door: FrontDoor, loss_fn: Any, layout: SequenceLayout, sampling_params: TrainingSamplingParams | None
 ) -> dict[str, Tensor]:
     """`LOGPROB`: next-token log-probs `[B, S-1]` through the fused pipeline; with a top-k/top-p
     `sampling_params`, under the filtered softmax (`lossfx._kernels.linear_filtering`: one
     `[C, Vl]` row chunk at a time, two passes over the vocabulary), `-inf` masked as on the logits path."""
     if sampling_params is not None and not isinstance(sampling_params, TrainingSamplingParams):
         raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
-    input_ids = _canonical(columns, "input_ids", hidden, 2, layout)
+    input_ids = _canonical(door.columns, "input_ids", door.hidden, 2, layout)
     check_integer_ids("data['input_ids']", input_ids)
     scored = input_ids[:, 1:]
-    check_ids_in_range("data['input_ids']", scored.masked_fill(scored == ignore_index, 0), size, column_offset=1)
-    call = _uneven_vocab(call, shard, weight.shape[0], widths)
+    ignored = scored == door.call.head.ignore_index
+    check_ids_in_range("data['input_ids']", scored.masked_fill(ignored, 0), door.size, column_offset=1)
+    call = _uneven_vocab(door)
     top = resolve_filter(sampling_params)
-    mask = None if top is None else loss_mask_from_data(columns, input_ids)  # before anything is computed
+    mask = None if top is None else loss_mask_from_data(door.columns, input_ids)  # before anything is computed
 
     def next_token(filter_: TopKTopP | None) -> Tensor:
         (out,) = _next_token.linear_next_token_logprobs(
-            hidden,
-            weight,
+            door.hidden,
+            door.weight,
             input_ids,
             layout,
             call.vocab,
             head=call.head,
-            bias=call.bias,
-            ignore_index=ignore_index,
             chunk_rows=call.chunk_rows,
             top=filter_,
         )
@@ -369,26 +340,16 @@ def _logprob_input(
         return {"next_token_logprobs": next_token(None)}
     logprobs = masked_out_neg_inf(next_token(top), mask[:, 1:], "curr_logprobs")
     if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
-        data["curr_logprobs_unfiltered"] = next_token(None)
+        door.data["curr_logprobs_unfiltered"] = next_token(None)
     return {"next_token_logprobs": logprobs}
 
 
-def _distillation_input(
-    hidden: Tensor,
-    weight: Tensor,
-    columns: Mapping[str, Any],
-    loss_fn: Any,
-    call: LinearCall,
-    size: int | Any,
-    shard: Any,
-    layout: SequenceLayout,
-    widths: ShardWidths,
-) -> dict[str, Any]:
+def _distillation_input(door: FrontDoor, loss_fn: Any, layout: SequenceLayout) -> dict[str, Any]:
     """`DISTILLATION`: student/teacher log-probs at the teacher's top-k ids and `H_all`."""
     zero_outside_topk = bool(getattr(loss_fn, "zero_outside_topk", False))
     calculate_entropy = zero_outside_topk and getattr(loss_fn, "kl_type", "mixed") != "forward"
-    ids = _canonical(columns, "teacher_topk_indices", hidden, 3, layout)
-    values = check_tensor("data['teacher_topk_logits']", _column(columns, "teacher_topk_logits"))  # type: ignore[arg-type]
+    ids = _canonical(door.columns, "teacher_topk_indices", door.hidden, 3, layout)
+    values = check_tensor("data['teacher_topk_logits']", _column(door.columns, "teacher_topk_logits"))  # type: ignore[arg-type]
     check_integer_ids("data['teacher_topk_indices']", ids)
     check_floating("data['teacher_topk_logits']", values)
     if ids.shape[-1] < 1 or tuple(values.shape) != tuple(ids.shape):
@@ -396,17 +357,16 @@ def _distillation_input(
             "data['teacher_topk_logits'] and data['teacher_topk_indices'] must share one [B, S, K] shape with K >= 1; "
             f"got {tuple(values.shape)} and {tuple(ids.shape)}"
         )
-    check_ids_in_range("data['teacher_topk_indices']", ids, size)
-    call = _uneven_vocab(call, shard, weight.shape[0], widths)
+    check_ids_in_range("data['teacher_topk_indices']", ids, door.size)
+    call = _uneven_vocab(door)
     student, teacher, neg_entropy = _distillation.linear_distillation_topk_logprobs(
-        hidden,
-        weight,
+        door.hidden,
+        door.weight,
         values,
         ids,
         call.vocab,
         layout,
         head=call.head,
-        bias=call.bias,
         zero_outside_topk=zero_outside_topk,
         calculate_entropy=calculate_entropy,
         chunk_rows=call.chunk_rows,
@@ -414,47 +374,32 @@ def _distillation_input(
     return {"student_topk_logprobs": student, "teacher_topk_logprobs": teacher, "H_all": neg_entropy}
 
 
-def _draft_input(
-    hidden: Tensor,
-    weight: Tensor,
-    data: Mapping[str, Any],
-    columns: Mapping[str, Any],
-    d2t: Tensor | None,
-    call: LinearCall,
-    size: int | Any,
-    shard: Any,
-    layout: SequenceLayout,
-    widths: ShardWidths,
-) -> dict[str, Any]:
+def _draft_input(door: FrontDoor, d2t: Tensor | None, layout: SequenceLayout) -> dict[str, Any]:
     """`DRAFT`: shifted teacher logits in the draft vocabulary (this rank's `D/R` shard) and the
     shifted mask, from the head's `D` draft rows only."""
-    student_logits = _column(data, "student_logits")  # type: ignore[arg-type]
-    token_mask = _canonical(columns, "token_mask", hidden, 2, layout)
+    student_logits = _column(door.data, "student_logits")  # type: ignore[arg-type]  # (passed through)
+    token_mask = _canonical(door.columns, "token_mask", door.hidden, 2, layout)
     target_ids = None
     d2t = replicated(d2t, "d2t")
     if d2t is not None:
         check_integer_ids("d2t", d2t)
-        world = group_size(call.vocab.group)
+        world = group_size(door.call.vocab.group)
         if d2t.dim() != 1 or d2t.shape[0] % world:
             raise ValueError(
                 f"d2t must be 1-D [D] with D divisible by the tensor-parallel size {world}, "
                 f"got shape {tuple(d2t.shape)}"
             )
         target_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t.to(torch.int64)
-        check_ids_in_range("d2t targets (i + d2t[i])", target_ids, size)
-    call = _uneven_vocab(call, shard, weight.shape[0], widths)
+        check_ids_in_range("d2t targets (i + d2t[i])", target_ids, door.size)
+    call = _uneven_vocab(door)
     teacher, mask = _draft.linear_draft_targets(
-        hidden, weight, token_mask, target_ids, call.vocab, layout, head=call.head, bias=call.bias
+        door.hidden, door.weight, token_mask, target_ids, call.vocab, layout, head=call.head
     )
     return {"teacher_logits": teacher, "student_logits": student_logits, "token_mask": mask}
 
 
-def _packed_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    local, _ = _unwrapped(arguments)
-    return local, ""
-
-
-@boundary(roles=_ROLES_PACKED, vocab="auto", local=rejections_compared(_packed_view, "vocab_parallel_group"))
+@boundary(roles=_ROLES_PACKED, vocab="auto", local=_local_view, unwrapped=True)
+@head_keywords
 def prepare_linear_packed_loss_input(
     hidden: Tensor,
     lm_head_weight: Tensor,
@@ -468,12 +413,9 @@ def prepare_linear_packed_loss_input(
     context_parallel_group: ProcessGroup | None = None,
     sampling_params: TrainingSamplingParams | None = None,
     chunk_size: int | None = None,
-    bias: Tensor | None = None,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    ignore_index: int = -100,
     _widths: ShardWidths | None = None,
+    _view: dict[str, Any] | None = None,
+    **head: Unpack[HeadKeywords],
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
     """Loss inputs (`LOGPROB`) from packed hidden states: `prepare_packed_loss_input` fused.
 
@@ -511,40 +453,11 @@ def prepare_linear_packed_loss_input(
             f"prepare_linear_packed_loss_input only supports LossInputType.LOGPROB, got {input_type}; "
             "use prepare_linear_loss_input per sequence for other types"
         )
-    check_group("vocab_parallel_group", vocab_parallel_group)
-    widths = ShardWidths() if _widths is None else _widths
-    local, shard = _unwrapped(
-        {
-            "hidden": hidden,
-            "lm_head_weight": lm_head_weight,
-            "bias": bias,
-            "data": data,
-            "vocab_parallel_group": vocab_parallel_group,
-            "vocab_parallel_rank": vocab_parallel_rank,
-        }
+    # hidden, lm_head_weight, bias, data: local (the boundary's one unwrap, `_unwrap`); data: the caller's
+    door = _front_door(
+        _view, _widths, True, hidden, lm_head_weight, data, vocab_parallel_group, vocab_parallel_rank, head
     )
-    hidden, weight, columns = local["hidden"], local["lm_head_weight"], local["data"]
-    group = local["vocab_parallel_group"]
-    if shard.dtensor is None:
-        _vocab_parallel(vocab_parallel_rank, group)
-    check_tensor("hidden", hidden)
-    check_floating("hidden", hidden)
-    if hidden.dim() != 3 or hidden.shape[0] != 1:
-        raise ValueError(f"packed hidden must be [1, T/C, H], got shape {tuple(hidden.shape)}")
-    call, _ = _resolved_call(
-        hidden,
-        weight,
-        shard,
-        group=group,
-        bias=local["bias"],
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        ignore_index=ignore_index,
-        chunk_size=chunk_size,
-        rows_per_position=1,
-        widths=widths,
-    )
+    hidden, weight, columns, shard, call = door.hidden, door.weight, door.columns, door.shard, door.call
     input_ids = check_tensor("data['input_ids']", _column(columns, "input_ids"))  # type: ignore[arg-type]
     # the packed checks read shapes only: a zero-stride stand-in for the [1, T/C, Vl] logits
     stand_in = hidden.new_zeros(()).expand(1, hidden.shape[1], weight.shape[0])
@@ -554,14 +467,14 @@ def prepare_linear_packed_loss_input(
         cu_seqlens_q,
         cu_seqlens_q_padded,
         prepacked="cu_seqlens" in columns,
-        vocab_parallel_group=group,
+        vocab_parallel_group=shard.group,
         context_parallel_group=context_parallel_group,
         sampling_params=sampling_params,
         chunk_size=chunk_size,
         vocab_start=shard.vocab_start,
         vocab_size=shard.vocab_size,
         ids_name="data['input_ids']",
-        widths=widths if shard.dtensor is None and group is not None else None,
+        widths=door.widths if shard.dtensor is None and shard.group is not None else None,
     )
     call = call._replace(vocab=vocab)
     top = resolve_filter(sampling_params)
@@ -578,9 +491,7 @@ def prepare_linear_packed_loss_input(
                     top_k=filter_.top_k,
                     top_p=filter_.top_p,
                     ties=filter_.ties,
-                    bias=call.bias,
                     head=call.head,
-                    ignore_index=ignore_index,
                 )
             ]
         out, _ = _kernel.linear_token_logprobs(
@@ -588,9 +499,7 @@ def prepare_linear_packed_loss_input(
             weight,
             target,
             call.vocab,
-            bias=call.bias,
             head=call.head,
-            ignore_index=ignore_index,
             chunk_rows=options["chunk_rows"] or 0,
         )
         return [out]
@@ -604,10 +513,10 @@ def prepare_linear_packed_loss_input(
         return out
 
     if top is None or mask is None:
-        return {"next_token_logprobs": next_token()}, data
+        return {"next_token_logprobs": next_token()}, door.data
     unfiltered = next_token() if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0 else None
     filter_ = top
     logprobs = masked_out_neg_inf(next_token(), mask[:, 1:], "curr_logprobs")
     if unfiltered is not None:
-        data["curr_logprobs_unfiltered"] = unfiltered
-    return {"next_token_logprobs": logprobs}, data
+        door.data["curr_logprobs_unfiltered"] = unfiltered
+    return {"next_token_logprobs": logprobs}, door.data

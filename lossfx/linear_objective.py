@@ -28,25 +28,23 @@ the target, the `VocabRange`), then calls the pure kernel `lossfx._kernels.linea
 
 from __future__ import annotations
 
+from typing import Unpack
+
 from torch import Tensor
 
 from lossfx._boundary.consistency import boundary
 from lossfx._boundary.deprecation import renamed_keyword
-from lossfx._boundary.validation import check_floating, check_integer_ids
+from lossfx._boundary.validation import check_floating
 from lossfx._core.distributed import ProcessGroup
 from lossfx._kernels import linear_objective as kernel
 from lossfx._kernels.linear_objective import default_objective_chunk_rows as default_objective_chunk_rows
-from lossfx.fused_linear import (  # _ROLES: the cross-rank check's view of the LM-head parameters, shared
-    _ROLES,
-    check_rows,
-    local_view,
-    validated_head,
-)
+from lossfx.fused_linear import _ROLES, HeadKeywords, head_keywords, local_view, resolved_call
 
 __all__ = ["linear_logprob_objective"]
 
 
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0), unwrapped=True)
+@head_keywords
 def linear_logprob_objective(
     hidden: Tensor,
     weight: Tensor,
@@ -58,14 +56,10 @@ def linear_logprob_objective(
     group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
-    temperature: float = 1.0,
-    bias: Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    ignore_index: int = -100,
     sequence_parallel: bool = False,
     chunk_size: int | None = None,
     allow_repeated_backward: bool = False,
+    **head: Unpack[HeadKeywords],
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """`Σ a·log p(target) (+ Σ b·Σ p log p)` from hidden states, gradients formed in the forward.
 
@@ -149,7 +143,6 @@ def linear_logprob_objective(
     See also: docs/fused_linear.md, proofs/linear_objective.md, lossfx.reference.linear_logprob_objective.
     """
     # hidden, weight, target and the coefficients: local tensors (the boundary's one unwrap, `local_view`)
-    check_integer_ids("target", target)
     coefficients = {"logprob_weight": logprob_weight}
     b_name = "neg_entropy_weight" if entropy_weight is None else "entropy_weight"  # as the caller named it
     b = renamed_keyword("neg_entropy_weight", neg_entropy_weight, "entropy_weight", entropy_weight)
@@ -161,22 +154,8 @@ def linear_logprob_objective(
             raise ValueError(f"{name} must have the target's shape {tuple(target.shape)}, got {tuple(value.shape)}")
     if not isinstance(allow_repeated_backward, bool):
         raise TypeError(f"allow_repeated_backward must be a bool, got {allow_repeated_backward!r}")
-    call = validated_head(
-        hidden,
-        weight,
-        bias=bias,
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        ignore_index=ignore_index,
-        sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size,
-    )
-    check_rows(
-        hidden, target[..., None], call, ignore_index=ignore_index, sequence_parallel=sequence_parallel, name="target"
+    call = resolved_call(
+        hidden, weight, target, "target", head, group, vocab_start, vocab_size, sequence_parallel, chunk_size
     )
     return kernel.linear_logprob_objective(
         hidden,
@@ -185,9 +164,7 @@ def linear_logprob_objective(
         coefficients["logprob_weight"],
         coefficients[b_name] if b is not None else None,
         call.vocab,
-        bias=call.bias,
         head=call.head,
-        ignore_index=ignore_index,
         chunk_rows=call.chunk_rows,
         sequence_parallel=sequence_parallel,
         allow_repeated_backward=allow_repeated_backward,

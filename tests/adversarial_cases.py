@@ -444,8 +444,9 @@ def _t_prepare_loss_input_nemo(cfg, rank, group):
 # ---------------------------------------------------------------------------------------------
 
 
-def _fused_inputs(cfg, rank):
-    hidden = torch.randn(cfg["B"], cfg["S"], cfg["H"], generator=_gen(10), dtype=F64)
+def _fused_inputs(cfg, rank, rows_shape=None):
+    shape = (cfg["B"], cfg["S"]) if rows_shape is None else rows_shape
+    hidden = torch.randn(*shape, cfg["H"], generator=_gen(10), dtype=F64)
     if cfg["hidden"] in ("zero", "negzero"):  # equal values, other bits
         hidden[0, 0, 0] = 0.0 if cfg["hidden"] == "zero" else -0.0
     elif cfg["hidden"]:
@@ -547,6 +548,51 @@ def _t_linear_next_token_options(cfg, rank, group):
     )
     call = lambda: lossfx.linear_next_token_logprobs(h, rows, ids, bias=bias, position_ids=pos, **options, **kw)
     return call, [lp]
+
+
+def _linear_front_door(packed: bool):
+    def build(cfg, rank, group):
+        """`prepare_linear_loss_input` (LOGPROB; `packed`: `prepare_linear_packed_loss_input`) with
+        the head options: bias (a Shard(0) DTensor next to a DTensor head), logit scale, soft-cap,
+        temperature. Uneven widths are read from the ranks (no vocab_start argument)."""
+        cu_q, cu_p = _packing(cfg)
+        shape = (1, cu_p[-1]) if packed else None
+        hidden, weight, h, rows, _, group_kw = _fused_inputs(cfg, rank, shape)
+        ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
+        bias_full = torch.randn(cfg["V"], generator=_gen(13), dtype=F64)
+        bias = None
+        if cfg["bias"]:
+            start, width = _shard(cfg, rank)
+            bias = bias_full.detach()[start : start + width].to(cfg["dtype"]).clone()
+            if cfg["requires_grad"]:
+                _leaf(bias, bias_full, lambda g: g[start : start + width])
+            if not group_kw:  # a DTensor head: its bias a Shard(0) DTensor on the same mesh
+                from torch.distributed.tensor import DTensor, Shard
+
+                sizes = [_shard(cfg, r)[1] for r in range(2)]
+                bias = DTensor.from_local(
+                    bias, _device_mesh(), [Shard(0)], run_check=False, shape=(sum(sizes),), stride=(1,)
+                )
+        options = {"temperature": cfg["temperature"], "logit_scale": cfg["logit_scale"], "softcap": cfg["softcap"]}
+        kw = dict(options, bias=bias, chunk_size=cfg["chunk_size"])
+        if group_kw:
+            kw.update(vocab_parallel_group=group, vocab_parallel_rank=rank)
+        loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
+        data = {"input_ids": ids}
+        full_bias = bias_full if cfg["bias"] else None
+        if packed:
+            z = hidden @ weight.T + (0 if full_bias is None else full_bias)
+            cap = cfg["softcap"]
+            z = z * cfg["logit_scale"] if cap is None else cap * torch.tanh(z * cfg["logit_scale"] / cap)
+            want = reference.packed_next_token_logprobs(z / cfg["temperature"], ids, cu_q, cu_p)
+            call = lambda: lossfx.prepare_linear_packed_loss_input(h, rows, dict(data), loss_fn, cu_q, cu_p, **kw)
+        else:
+            t, rest = options.pop("temperature"), options
+            want, _ = reference.linear_next_token_logprobs(hidden, weight, ids, t, bias=full_bias, **rest)
+            call = lambda: lossfx.prepare_linear_loss_input(h, rows, dict(data), loss_fn, **kw)
+        return (lambda: call()[0]["next_token_logprobs"]), [want]
+
+    return build
 
 
 def _t_shift_left(cfg, rank, group):
@@ -843,6 +889,8 @@ TARGETS = {
     "linear_gather_logprobs": _fused("linear_gather_logprobs"),
     "linear_logprob_objective": _fused("linear_logprob_objective"),
     "linear_next_token_logprobs[options]": _t_linear_next_token_options,
+    "prepare_linear_loss_input": _linear_front_door(packed=False),
+    "prepare_linear_packed_loss_input": _linear_front_door(packed=True),
     "shift_left": _t_shift_left,
     "map_to_draft_vocab": _t_map_to_draft_vocab,
     "draft_targets[d2t]": _t_draft_targets_d2t,

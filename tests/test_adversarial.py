@@ -137,6 +137,10 @@ FUSED = ["B", "S", "V", "H", "dtype", "temperature", "chunk_size", "chunk_size_n
 FUSED += ["requires_grad", "no_grad_both", "dtensor_one_rank", "uneven_one_rank", "checks_off_one_rank", "uneven_both"]
 FUSED += ["dtensor_both", "dtensor_temperature", "dtensor_B", "dtensor_requires_grad", "fsdp2", "fsdp2_one_rank"]
 FUSED += ["no_grad_mode_one_rank", "eager_one_rank"]
+# the fused front doors (prepare_linear_*): the head's options, DTensor heads and bias, uneven widths
+FRONT_DOOR = ["B", "V", "H", "dtype", "temperature", "chunk_size", "ids_value", "hidden_value", "requires_grad"]
+FRONT_DOOR += ["dtensor_one_rank", "dtensor_both", "checks_off_one_rank", "softcap", "logit_scale"]
+FRONT_DOOR += ["bias_none_one_rank"]
 
 APPLICABLE: dict[str, list[str]] = {
     "token_logprobs": [*COMMON, "ids_value", "overlap_both", "ids_out_of_range"],
@@ -225,6 +229,8 @@ APPLICABLE: dict[str, list[str]] = {
         *["B", "V", "dtype", "ids_value", "teacher_value", "head_dtype", "heads_dtensor_one_rank"],
         *["heads_full_one_rank", "dtensor_both", "dtensor_heads_dtensor", "uneven_dtensor_both", "validate"],
     ],
+    "prepare_linear_loss_input": [*FRONT_DOOR, "uneven_both"],
+    "prepare_linear_packed_loss_input": [*FRONT_DOOR, "uneven_both"],
     "linear_next_token_logprobs[options]": [
         *[p for p in FUSED if "fsdp2" not in p],
         *["softcap", "logit_scale", "bias_none_one_rank", "ignore_index"],
@@ -275,6 +281,11 @@ COMPILED = [
     ("linear_token_logprobs", "ids_out_of_range"),  # in-graph id check: was finite garbage
     ("token_logprobs", "ids_out_of_range"),
     ("prepare_packed_loss_input", "ids_out_of_range"),  # the scored ids, in the graph
+    # the fused front doors: a head option, and a DTensor head and bias (one unwrap, in the graph)
+    ("prepare_linear_loss_input", "softcap"),
+    ("prepare_linear_loss_input", "dtensor_both"),
+    ("prepare_linear_packed_loss_input", "logit_scale"),
+    ("prepare_linear_packed_loss_input", "uneven_both"),
 ]
 # (linear_token_logprobs, temperature) runs with -m slow: by default the fused path's compiled
 # temperature mismatch is test_rank_agreement.py::test_compiled_disagreement_raises_on_every_rank
@@ -288,6 +299,10 @@ COMPILED_DEFAULT += [("token_logprobs", "overlap_both"), ("token_logprobs", "ids
 
 # the default suite's slice: every target, every kind of perturbation
 DEFAULT_SLICE = [
+    ("prepare_linear_loss_input", "softcap"),
+    ("prepare_linear_loss_input", "dtensor_both"),
+    ("prepare_linear_packed_loss_input", "uneven_both"),
+    ("prepare_linear_packed_loss_input", "bias_none_one_rank"),
     ("token_logprobs", "S"),
     ("token_logprobs", "V"),
     ("token_logprobs", "dtype"),

@@ -415,6 +415,41 @@ def test_bad_options_raise_naming_the_argument(name, change, error, match):
         call(name, hidden, weight, ids, extra, **change)
 
 
+HEAD_KEYWORD_FUNCTIONS = (
+    "linear_token_logprobs",
+    "linear_next_token_logprobs",
+    "linear_gather_logprobs",
+    "linear_filtered_token_logprobs",
+    "linear_logprob_objective",
+    "prepare_linear_loss_input",
+    "prepare_linear_packed_loss_input",
+)
+
+
+@pytest.mark.parametrize("fn_name", HEAD_KEYWORD_FUNCTIONS)
+def test_head_keywords_are_one_value_in_every_signature(fn_name):
+    """Every fused public function spells the head options of `HeadKeywords` as keyword-only
+    parameters with `HeadOptions`' defaults (one place: `head_keywords`), and its body gets them."""
+    import inspect
+
+    from lossfx._core.tiles import HeadOptions
+    from lossfx.fused_linear import HeadKeywords
+
+    params = inspect.signature(getattr(lossfx, fn_name)).parameters
+    assert set(HeadKeywords.__annotations__) == set(HeadOptions._fields)
+    for name, default in HeadOptions._field_defaults.items():
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, (fn_name, name)
+        assert params[name].default == default, (fn_name, name)
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+@pytest.mark.parametrize("name", ["token", "gather", "next", "objective"])
+def test_an_unknown_head_keyword_raises_naming_it(name):
+    hidden, weight, _, ids, extra = make_case(name, 4, 3, 7, seed=14, ignored=0)
+    with pytest.raises(TypeError, match="soft_cap"):
+        call(name, hidden, weight, ids, extra, soft_cap=2.0)
+
+
 def test_out_of_range_ids_other_than_ignore_index_still_raise():
     hidden, weight, _, ids, _ = make_case("token", 4, 3, 7, seed=15, ignored=0)
     ids[1], ids[2] = -100, -1

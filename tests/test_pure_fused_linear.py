@@ -16,7 +16,7 @@ import lossfx
 import lossfx._boundary.validation as validation
 import lossfx.fused_linear as public_fused
 from lossfx import reference
-from lossfx._core.tiles import LogitHead
+from lossfx._core.tiles import HeadOptions
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import fused_linear as kfused
 from lossfx._kernels import linear_objective as kobjective
@@ -25,7 +25,9 @@ pytestmark = pytest.mark.gpu_check  # the GPU check's subset: `pytest --device c
 
 F64 = torch.float64
 TIGHT = {"rtol": 1e-10, "atol": 1e-11}
-HEAD = LogitHead(0.8, 1.3, 4.0)  # temperature, logit_scale, softcap: every option of the head at once
+HEAD = HeadOptions(
+    temperature=0.8, logit_scale=1.3, softcap=4.0
+)  # temperature, logit_scale, softcap: every option of the head at once
 OPTIONS = {"logit_scale": 1.3, "softcap": 4.0}
 
 
@@ -66,7 +68,7 @@ def _gather_rank(rank, world, group, hidden, weight, bias, ids, bounds, zero_out
     h, w, bb = _leaves(hidden, weight[start:stop], bias[start:stop])
     vocab = VocabRange(group if world > 1 else None, start, weight.shape[0])
     lp, ne = kfused.linear_gather_logprobs(
-        h, w, ids, vocab, bias=bb, head=HEAD, with_neg_entropy=True, zero_outside_topk=zero_outside_topk,
+        h, w, ids, vocab, head=HEAD._replace(bias=bb), with_neg_entropy=True, zero_outside_topk=zero_outside_topk,
         chunk_rows=chunk_rows,
     )  # fmt: skip
     _backward(lp, ne)
@@ -93,7 +95,9 @@ def test_pure_token_logprobs_matches_reference_leading_shape():
     hidden, weight, bias, ids, _, _ = _case(n=6)
     target = ids[:, 0].view(2, 3).to(torch.int32)
     h, w, bb = _leaves(hidden.view(2, 3, -1), weight, bias)
-    lp, ne = kfused.linear_token_logprobs(h, w, target, VocabRange.whole(11), bias=bb, head=HEAD, with_neg_entropy=True)
+    lp, ne = kfused.linear_token_logprobs(
+        h, w, target, VocabRange.whole(11), head=HEAD._replace(bias=bb), with_neg_entropy=True
+    )
     _backward(lp, ne)
     hr, wr, br = _leaves(hidden.view(2, 3, -1), weight, bias)
     lp_ref, ne_ref = reference.linear_token_logprobs(hr, wr, target.long(), 0.8, bias=br, **OPTIONS)
@@ -109,7 +113,7 @@ def _objective_rank(rank, world, group, hidden, weight, bias, target, a, b, boun
     h, w, bb, aa, be = _leaves(hidden, weight[start:stop], bias[start:stop], a, b)
     vocab = VocabRange(group if world > 1 else None, start, weight.shape[0])
     obj, lp, ne = kobjective.linear_logprob_objective(
-        h, w, target, aa, be, vocab, bias=bb, head=HEAD, chunk_rows=chunk_rows
+        h, w, target, aa, be, vocab, head=HEAD._replace(bias=bb), chunk_rows=chunk_rows
     )
     (obj * 0.7).backward()
     return obj.detach(), lp, ne, h.grad, w.grad, bb.grad, aa.grad, be.grad
@@ -205,11 +209,17 @@ def test_the_kernel_call_is_the_public_result():
         hidden, weight, ids, bias=bias, temperature=0.8, with_neg_entropy=True, zero_outside_topk=False, **OPTIONS
     )
     pure = kfused.linear_gather_logprobs(
-        hidden, weight, ids, VocabRange.whole(11), bias=bias, head=HEAD, with_neg_entropy=True, zero_outside_topk=False
+        hidden,
+        weight,
+        ids,
+        VocabRange.whole(11),
+        head=HEAD._replace(bias=bias),
+        with_neg_entropy=True,
+        zero_outside_topk=False,
     )
     assert all(torch.equal(x, y) for x, y in zip(public, pure, strict=True))
     public_objective = lossfx.linear_logprob_objective(hidden, weight, ids[:, 0], a, neg_entropy_weight=b)
     pure_objective = kobjective.linear_logprob_objective(
-        hidden, weight, ids[:, 0], a, b, VocabRange.whole(11), head=LogitHead(1.0, 1.0, None)
+        hidden, weight, ids[:, 0], a, b, VocabRange.whole(11), head=HeadOptions()
     )
     assert all(torch.equal(x, y) for x, y in zip(public_objective, pure_objective, strict=True))

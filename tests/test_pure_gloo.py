@@ -8,7 +8,7 @@ the float64 reference (`lossfx.reference`) at 1e-12:
 
 - `_kernels`: logprobs (with lse, an ignored id), gather (log-probs + negative entropy, logits),
   topk, filtering (the default tie rule; both strategies), divergence (all three kinds),
-  fused_linear (gather with bias and the whole `LogitHead`), linear_objective;
+  fused_linear (gather with bias and the whole `HeadOptions`), linear_objective;
 - `_layouts`: the CP all-gather (summed gradient), packing (plain and filtered) and top-k
   distillation on TP, CP and TP x CP meshes (`harness.mesh_groups`).
 
@@ -26,7 +26,7 @@ import torch
 from harness import gloo_pool, mesh_groups
 
 from lossfx import reference
-from lossfx._core.tiles import LogitHead
+from lossfx._core.tiles import HeadOptions
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import divergence, filtering, fused_linear, gather, linear_objective, logprobs, topk
 from lossfx._layouts import context_parallel, distillation, packing
@@ -42,7 +42,7 @@ WIDTHS = {2: [3, 8], 4: [2, 4, 1, 4]}  # the TP split of the kernels' vocabulary
 MESHES = {2: [(2, [3, 8]), (1, [V])], 4: [(2, [4, 7])]}
 CU_Q, CU_P = [0, 5, 8, 12], [0, 8, 12, 16]  # packed lengths 5, 3, 4 padded to multiples of 2·CP
 FILTERS = [(3, 1.0, "auto"), (5, 0.8, "candidates"), (None, 0.7, "bisection")]  # (top_k, top_p, strategy)
-HEAD = LogitHead(0.8, 1.3, 4.0)  # temperature, logit scale, soft-cap
+HEAD = HeadOptions(temperature=0.8, logit_scale=1.3, softcap=4.0)  # temperature, logit scale, soft-cap
 HEAD_OPTIONS = {"logit_scale": 1.3, "softcap": 4.0}
 IGNORE = 4  # an in-range id the log-prob kernel ignores
 
@@ -144,7 +144,7 @@ def _kernels_rank(rank: int, world: int, group, c: dict) -> dict[str, torch.Tens
 
     h, w, b = _leaf(c["hidden"]), _leaf(c["weight"][lo:hi]), _leaf(c["bias"][lo:hi])
     flp, fne = fused_linear.linear_gather_logprobs(
-        h, w, c["fids"], vocab, bias=b, head=HEAD, with_neg_entropy=True, chunk_rows=2
+        h, w, c["fids"], vocab, head=HEAD._replace(bias=b), with_neg_entropy=True, chunk_rows=2
     )
     assert fne is not None
     ((flp * c["dlp"]).sum() + (fne * c["dne"]).sum()).backward()
@@ -154,7 +154,7 @@ def _kernels_rank(rank: int, world: int, group, c: dict) -> dict[str, torch.Tens
     h, w, b = _leaf(c["hidden"]), _leaf(c["weight"][lo:hi]), _leaf(c["bias"][lo:hi])
     a, e = _leaf(c["a"]), _leaf(c["b"])
     obj, olp, one = linear_objective.linear_logprob_objective(
-        h, w, c["fids"][:, 0], a, e, vocab, bias=b, head=HEAD, chunk_rows=3
+        h, w, c["fids"][:, 0], a, e, vocab, head=HEAD._replace(bias=b), chunk_rows=3
     )
     (obj * 0.7).backward()
     out["objective"], out["objective_lp"], out["objective_ne"] = obj.detach(), olp, one

@@ -23,7 +23,7 @@ import lossfx
 from lossfx import reference
 from lossfx._boundary import validation
 from lossfx._core import host_reads
-from lossfx._core.tiles import LogitHead
+from lossfx._core.tiles import HeadOptions
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import draft as pure_draft
 from lossfx._layouts import linear_next_token as pure_linear
@@ -104,8 +104,7 @@ def _pure_linear_rank(rank, world, group, widths, hidden, weight, ids, position_
         ids,
         PlainLayout(),
         vocab,
-        head=LogitHead(0.7, 1.0, None),
-        ignore_index=-100,
+        head=HeadOptions(temperature=0.7),
         with_neg_entropy=with_neg_entropy,
         position_ids=position_ids,
     )

@@ -14,9 +14,10 @@ vocabulary shard and plugs in only its per-tile arithmetic:
 This module owns what those loops share: the tile sizes (from a device's `ChunkPolicy`: `tile_bytes`
 per `[C, Cv]` tile, `max_block` columns, `chunk_bytes` per rows-outside chunk), the walk over the
 active rows only (ignored rows are never computed), the reused tile buffers (`torch.mm(out=)`
-into a view), the logits of a tile (`LogitHead`: bias, logit scale, soft-cap, temperature;
-rounding of low-precision products). The online merge of row statistics, the same across
-vocabulary blocks and across ranks, is `lossfx._core.numerics.merge_stats` (re-exported here).
+into a view), the head's options as one value (`HeadOptions`), the logits of a tile (`LogitHead`:
+bias, logit scale, soft-cap, temperature; rounding of low-precision products). The online merge of
+row statistics, the same across vocabulary blocks and across ranks, is
+`lossfx._core.numerics.merge_stats` (re-exported here).
 Dense equivalent of one tile: ``head(hidden[rows] @ weight[cols].T + bias[cols])``.
 """
 
@@ -31,6 +32,7 @@ from torch import Tensor
 from lossfx._core.numerics import compute_dtype, merge_stats
 
 __all__ = [
+    "HeadOptions",
     "LogitHead",
     "Tiles",
     "add_rows_",
@@ -162,6 +164,28 @@ class LogitHead(typing.NamedTuple):
         """`(dz/dr) / (s/T) = 1 − tanh² = 1 − (z·T/c)²` of the logits `z`, into `out` (soft-cap only)."""
         assert self.softcap is not None
         return torch.mul(z, self.temperature / self.softcap, out=out).square_().neg_().add_(1.0)
+
+
+class HeadOptions(typing.NamedTuple):
+    """The fused head's options, one value: checked and resolved once per public call
+    (`lossfx.fused_linear.resolved_head`, from its keywords of the same names) and consumed whole
+    by every fused kernel. `bias` `[Vl]`: this rank's rows of the head's bias (a local tensor) or
+    None; `temperature`, `logit_scale`, `softcap`: the logits map (`logits`, the tile arithmetic);
+    `ignore_index`: ids equal to it score 0 and their rows are never computed.
+
+    Adding an option: a field here (its default is the public default), its arithmetic in
+    `LogitHead`, its check in `resolved_head`, and its twin in `lossfx.reference`."""
+
+    bias: Tensor | None = None
+    temperature: float = 1.0
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    ignore_index: int = -100
+
+    @property
+    def logits(self) -> LogitHead:
+        """The map `r = h Wᵀ + b -> z` of the tiles (`LogitHead`)."""
+        return LogitHead(self.temperature, self.logit_scale, self.softcap)
 
 
 class Tiles:

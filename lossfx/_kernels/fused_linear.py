@@ -4,7 +4,7 @@
     out[n, k] = z[n, ids[n, k]] − logsumexp_v z[n, v]        neg_entropy[n] = Σ_v p log p
 
 Pure: plain tensors, a `lossfx._core.vocab.VocabRange` (this rank's rows of the LM head) and
-resolved options (`LogitHead`, `ignore_index`, `chunk_rows`, `sequence_parallel`) in; no DTensor,
+resolved options (`HeadOptions`: bias, logits map, `ignore_index`; `chunk_rows`, `sequence_parallel`) in; no DTensor,
 no argument validation, no cross-rank check (the public `lossfx.fused_linear` does those once, at
 its boundary). The only host read is the count of active rows in eager mode (`read_now`, with the
 call's deferred checks). Forward: all-gather the rows of `hidden` under sequence parallelism, the
@@ -24,7 +24,7 @@ from torch import Tensor
 from lossfx._core.distributed import all_gather_stack, all_reduce, is_distributed, local_columns, reduce_scatter_sum
 from lossfx._core.host_reads import read_now, settle_before, tracing
 from lossfx._core.numerics import log_softmax_rows
-from lossfx._core.tiles import LogitHead
+from lossfx._core.tiles import HeadOptions
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels.linear_chunks import linear_local_grads, linear_local_stats, merge_row_stats
 
@@ -129,15 +129,13 @@ def _fused(
     ids: Tensor,
     vocab: VocabRange,
     *,
-    bias: Tensor | None,
-    head: LogitHead,
-    ignore_index: int,
+    head: HeadOptions,
     with_neg_entropy: bool,
     chunk_rows: int,
     sequence_parallel: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (logprobs `[..., K]`, neg_entropy `[...]`, valid `[..., K]`) for ids `[..., K]`."""
-    rows = linear_rows(hidden, ids, vocab, weight.shape[0], ignore_index)
+    rows = linear_rows(hidden, ids, vocab, weight.shape[0], head.ignore_index)
     local_idx = rows.local_idx
     if sequence_parallel:
         # the call's checks before the forward's first collective, the all-gather of the rows it
@@ -147,12 +145,12 @@ def _fused(
     logprobs, neg_entropy = _FusedLinearFn.apply(
         rows.hidden,
         weight,
-        bias,
+        head.bias,
         local_idx,
         rows.owned,
         rows.valid,
         rows.active_rows,
-        head,
+        head.logits,
         with_neg_entropy,
         chunk_rows,
         vocab.group,
@@ -167,33 +165,29 @@ def linear_gather_logprobs(
     ids: Tensor,
     vocab: VocabRange,
     *,
-    bias: Tensor | None = None,
-    head: LogitHead,
-    ignore_index: int = -100,
+    head: HeadOptions,
     with_neg_entropy: bool = False,
     zero_outside_topk: bool = True,
     chunk_rows: int = 0,
     sequence_parallel: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs at ids `[..., K]` (any int dtype) from hidden `[..., H]` (this rank's `[N/R, H]`
-    rows with `sequence_parallel`) and this rank's head rows `weight [Vl, H]`, bias `[Vl]`.
+    rows with `sequence_parallel`) and this rank's head rows `weight [Vl, H]`, with the options `head`.
 
-    Dense equivalent, `z = head(hidden @ W_full.T + b_full)` (`LogitHead`)::
+    Dense equivalent, `z = head(hidden @ W_full.T + b_full)` (`HeadOptions`)::
 
         lp = z.log_softmax(-1)
         out = lp.gather(-1, ids) if zero_outside_topk else z.gather(-1, ids).log_softmax(-1)
         return out, ((lp.exp() * lp).sum(-1) if with_neg_entropy else None)
 
-    ids equal to `ignore_index` give 0 (their rows are not computed); `chunk_rows = 0`: the default.
+    ids equal to `head.ignore_index` give 0 (their rows are not computed); `chunk_rows = 0`: the default.
     """
     logprobs, neg_entropy, valid = _fused(
         hidden,
         weight,
         ids,
         vocab,
-        bias=bias,
         head=head,
-        ignore_index=ignore_index,
         with_neg_entropy=with_neg_entropy,
         chunk_rows=chunk_rows,
         sequence_parallel=sequence_parallel,
@@ -213,9 +207,7 @@ def linear_token_logprobs(
     target: Tensor,
     vocab: VocabRange,
     *,
-    bias: Tensor | None = None,
-    head: LogitHead,
-    ignore_index: int = -100,
+    head: HeadOptions,
     with_neg_entropy: bool = False,
     chunk_rows: int = 0,
     sequence_parallel: bool = False,
@@ -227,9 +219,7 @@ def linear_token_logprobs(
         weight,
         target.unsqueeze(-1),
         vocab,
-        bias=bias,
         head=head,
-        ignore_index=ignore_index,
         with_neg_entropy=with_neg_entropy,
         chunk_rows=chunk_rows,
         sequence_parallel=sequence_parallel,

@@ -37,7 +37,7 @@ from torch import Tensor
 from lossfx._core.chunking import policy_for
 from lossfx._core.distributed import ProcessGroup, all_gather_stack, all_reduce
 from lossfx._core.numerics import EXP_ZERO_BELOW, finite_or_zero, log_s_for_softmax
-from lossfx._core.tiles import MIN_BLOCK, MIN_ROWS, LogitHead, Tiles, compute_dtype, itemsize, matmul_dtype
+from lossfx._core.tiles import MIN_BLOCK, MIN_ROWS, HeadOptions, LogitHead, Tiles, compute_dtype, itemsize, matmul_dtype
 from lossfx._kernels.divergence import _merge
 
 __all__ = ["LinearDivergence", "linear_divergence_grads", "linear_divergence_stats", "linear_divergence_to_teacher"]
@@ -429,8 +429,7 @@ def linear_divergence_to_teacher(
     teacher_weights: typing.Sequence[Tensor] = (),
     teacher_head: Tensor | None = None,
     logits_dtype: torch.dtype,
-    bias: Tensor | None = None,
-    head: LogitHead,
+    head: HeadOptions,
     chunk_rows: int = 0,
 ) -> LinearDivergence:
     """hidden `[..., H]`, this rank's head rows `weight [Vl, H]`, and the teacher `teacher_logits
@@ -439,7 +438,8 @@ def linear_divergence_to_teacher(
     `LinearDivergence`, each `[...]` in `out_dtype`. Autograd reaches hidden, weight, bias; the
     teacher is detached.
 
-    Dense equivalent: with `z_s = head(hidden @ W.T + b)`, `z_t = teacher_logits` or
+    Dense equivalent: with `z_s = head(hidden @ W.T + b)` (`HeadOptions`; its `ignore_index` is
+    unused: no ids), `z_t = teacher_logits` or
     ``project_onto_lm_head(teacher_hidden[n], teacher_weights[teacher_head[n]], logits_dtype)``,
     ``(reverse_kl_to_fixed(z_s, z_t), cross_entropy_to_fixed(z_s, z_t), neg_entropy(z_s))``.
     """
@@ -451,6 +451,6 @@ def linear_divergence_to_teacher(
     tk = None if teacher_head is None or len(teacher_weights) < 2 else teacher_head.reshape(-1).to(torch.int64)
     tw = [w.detach() for w in teacher_weights]
     kl, ce, ne, _ = _LinearDivergenceFn.apply(
-        flat_hidden, weight, bias, tl, th, tk, tuple(head), logits_dtype, chunk_rows, group, *tw
+        flat_hidden, weight, head.bias, tl, th, tk, tuple(head.logits), logits_dtype, chunk_rows, group, *tw
     )
     return LinearDivergence(kl.view(lead), ce.view(lead), ne.view(lead))

@@ -45,7 +45,16 @@ from torch import Tensor
 from lossfx._core.chunking import policy_for
 from lossfx._core.distributed import all_gather_stack, all_reduce, is_distributed, reduce_scatter_sum
 from lossfx._core.host_reads import settle_before
-from lossfx._core.tiles import MIN_CHUNK_ROWS, LogitHead, Tiles, add_rows_, compute_dtype, itemsize, matmul_dtype
+from lossfx._core.tiles import (
+    MIN_CHUNK_ROWS,
+    HeadOptions,
+    LogitHead,
+    Tiles,
+    add_rows_,
+    compute_dtype,
+    itemsize,
+    matmul_dtype,
+)
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels.filtering import _filtered_logprobs_bwd, _filtered_logprobs_fwd
 from lossfx._kernels.fused_linear import linear_rows
@@ -296,21 +305,19 @@ def linear_filtered_token_logprobs(
     top_k: int | None,
     top_p: float,
     ties: str = "together",
-    bias: Tensor | None = None,
-    head: LogitHead,
-    ignore_index: int = -100,
+    head: HeadOptions,
     chunk_rows: int = 0,
     sequence_parallel: bool = False,
 ) -> Tensor:
     """hidden `[..., H]` (this rank's `[N/R, H]` rows with `sequence_parallel`), weight `[Vl, H]`,
     target `[...]` -> `[...]` in the compute dtype: the target's log-prob under the top-k/top-p
-    filtered, renormalised softmax of `z = head(hidden @ W_full.T + b_full)`.
+    filtered, renormalised softmax of `z = head(hidden @ W_full.T + b_full)` (`HeadOptions`).
 
     Dense equivalent: ``lossfx.filtered_token_logprobs(z, target, top_k=..., top_p=..., ties=...)``,
-    with 0 (and zero gradient) where `target == ignore_index` (those rows are never computed).
+    with 0 (and zero gradient) where `target == head.ignore_index` (those rows are never computed).
     `top_k`: an int > 0 or None; `top_p` in `(0, 1]`; `chunk_rows = 0`: the default.
     """
-    rows = linear_rows(hidden, target.unsqueeze(-1), vocab, weight.shape[0], ignore_index)
+    rows = linear_rows(hidden, target.unsqueeze(-1), vocab, weight.shape[0], head.ignore_index)
     valid = rows.valid[:, 0]  # [N]
     flat_target = torch.where(valid, target.reshape(-1).to(torch.int64), 0)  # [N] (0: never read)
     if sequence_parallel:
@@ -318,10 +325,10 @@ def linear_filtered_token_logprobs(
     out = _LinearFilteredFn.apply(
         rows.hidden,
         weight,
-        bias,
+        head.bias,
         flat_target,
         rows.active_rows,
-        head,
+        head.logits,
         top_k,
         float(top_p),
         ties,

@@ -22,7 +22,7 @@ from lossfx._core.chunking import policy_for
 from lossfx._core.distributed import all_gather_stack, all_reduce, group_size, is_distributed, reduce_scatter_sum
 from lossfx._core.host_reads import settle_before
 from lossfx._core.numerics import finite_or_zero, log_s_for_softmax
-from lossfx._core.tiles import LogitHead, Tiles, add_rows_, chunk_rows_for, compute_dtype, matmul_dtype
+from lossfx._core.tiles import HeadOptions, LogitHead, Tiles, add_rows_, chunk_rows_for, compute_dtype, matmul_dtype
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels.fused_linear import linear_rows
 from lossfx._kernels.linear_chunks import clamp_log_, merge_row_stats
@@ -301,26 +301,24 @@ def linear_logprob_objective(
     neg_entropy_weight: Tensor | None,
     vocab: VocabRange,
     *,
-    bias: Tensor | None = None,
-    head: LogitHead,
-    ignore_index: int = -100,
+    head: HeadOptions,
     chunk_rows: int = 0,
     sequence_parallel: bool = False,
     allow_repeated_backward: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """`(objective, logprobs [...], neg_entropy [...] or None)` for hidden `[..., H]` (this rank's
-    `[N/R, H]` rows with `sequence_parallel`), this rank's head rows `weight [Vl, H]`, bias `[Vl]`,
+    `[N/R, H]` rows with `sequence_parallel`), this rank's head rows `weight [Vl, H]`, the options `head`,
     target `[...]` (any int dtype) and coefficients `a`, `b` `[...]` (target's shape).
 
-    Dense equivalent, `lp = head(hidden @ W_full.T + b_full).log_softmax(-1)` (`LogitHead`)::
+    Dense equivalent, `lp = head(hidden @ W_full.T + b_full).log_softmax(-1)` (`HeadOptions`)::
 
         logprobs, neg_entropy = lp.gather(-1, target[..., None])[..., 0], (lp.exp() * lp).sum(-1)
         objective = (a * logprobs).sum() + (b * neg_entropy).sum()
 
-    `logprobs` / `neg_entropy` carry no gradient; targets equal to `ignore_index` give 0.
+    `logprobs` / `neg_entropy` carry no gradient; targets equal to `head.ignore_index` give 0.
     `chunk_rows = 0`: `default_objective_chunk_rows` with the rank-independent width `ceil(V / R)`.
     """
-    rows = linear_rows(hidden, target[..., None], vocab, weight.shape[0], ignore_index)
+    rows = linear_rows(hidden, target[..., None], vocab, weight.shape[0], head.ignore_index)
     lw = logprob_weight.reshape(-1)
     with_entropy = neg_entropy_weight is not None
     ew = neg_entropy_weight.reshape(-1) if neg_entropy_weight is not None else torch.zeros_like(lw)
@@ -331,13 +329,13 @@ def linear_logprob_objective(
     objective, logprobs, neg_entropy = _LinearObjectiveFn.apply(
         rows.hidden,
         weight,
-        bias,
+        head.bias,
         local_idx[:, 0],
         rows.owned[:, 0],
         rows.active_rows,
         lw,
         ew,
-        head,
+        head.logits,
         with_entropy,
         chunk_rows,
         shard_width,

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lossfx._core.numerics import compute_dtype, log_softmax_rows
-from lossfx._core.tiles import LogitHead, matmul_dtype
+from lossfx._core.tiles import HeadOptions, matmul_dtype
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import fused_linear as _kernel
 from lossfx._layouts.sequence_layout import SequenceLayout
@@ -34,8 +34,7 @@ def linear_distillation_topk_logprobs(
     vocab: VocabRange,
     layout: SequenceLayout,
     *,
-    head: LogitHead,
-    bias: Tensor | None,
+    head: HeadOptions,
     zero_outside_topk: bool,
     calculate_entropy: bool,
     chunk_rows: int = 0,
@@ -54,9 +53,7 @@ def linear_distillation_topk_logprobs(
         weight,
         ids,
         vocab,
-        bias=bias,
-        head=head,
-        ignore_index=_PAD,
+        head=head._replace(ignore_index=_PAD),
         with_neg_entropy=zero_outside_topk and calculate_entropy,
         zero_outside_topk=zero_outside_topk,
         chunk_rows=chunk_rows,

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lossfx._core.distributed import group_size, local_columns, reduce_scatter_sum
-from lossfx._core.tiles import LogitHead, matmul_dtype
+from lossfx._core.tiles import HeadOptions, matmul_dtype
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts.sequence_layout import SequenceLayout
 
@@ -50,8 +50,7 @@ def linear_draft_targets(
     vocab: VocabRange,
     layout: SequenceLayout,
     *,
-    head: LogitHead,
-    bias: Tensor | None,
+    head: HeadOptions,
 ) -> tuple[Tensor, Tensor]:
     """hidden `[B, S_l, H]` (this rank's positions), weight `[Vl, H]`, token_mask `[B, S]`
     canonical, `target_ids [D]` (`None`: the target vocabulary, `D = V`) -> `(teacher_logits
@@ -64,14 +63,14 @@ def linear_draft_targets(
     dtype = matmul_dtype(hidden, weight)
     with torch.no_grad():
         if target_ids is None:
-            rows, row_bias = weight, bias  # this rank's shard of the target vocabulary
+            rows, row_bias = weight, head.bias  # this rank's shard of the target vocabulary
         else:
-            rows, row_bias = draft_head_rows(weight, bias, target_ids, vocab)
+            rows, row_bias = draft_head_rows(weight, head.bias, target_ids, vocab)
         shifted = layout.shift_left(hidden.detach(), seq)  # [B, S_l, H]
         teacher = shifted.to(dtype) @ rows.to(dtype).T  # [B, S_l, D/R]
         if row_bias is not None:
             teacher += row_bias.to(dtype)
-        head.apply_(teacher)
+        head.logits.apply_(teacher)
         has_next = (torch.arange(seq, device=hidden.device) < seq - 1).expand(token_mask.shape[0], seq)
         keep = layout.to_local(has_next, local_len, fill=False)  # [B, S_l]
         teacher.masked_fill_(~keep[..., None], 0)

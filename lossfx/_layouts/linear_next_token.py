@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lossfx._core.distributed import group_size
-from lossfx._core.tiles import LogitHead
+from lossfx._core.tiles import HeadOptions
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import fused_linear as _kernel
 from lossfx._kernels import linear_filtering as _filtered
@@ -32,9 +32,7 @@ def linear_next_token_logprobs(
     layout: SequenceLayout,
     vocab: VocabRange,
     *,
-    head: LogitHead,
-    bias: Tensor | None = None,
-    ignore_index: int = -100,
+    head: HeadOptions,
     with_neg_entropy: bool = False,
     chunk_rows: int = 0,
     sequence_parallel: bool = False,
@@ -48,7 +46,7 @@ def linear_next_token_logprobs(
     (`lossfx._kernels.linear_filtering`).
 
     Dense equivalent (no parallelism): ``linear_token_logprobs(hidden[:, :-1], weight,
-    input_ids[:, 1:])``, 0 where `input_ids[:, t+1] == ignore_index` or `position_ids[:, t+1] == 0`.
+    input_ids[:, 1:])``, 0 where `input_ids[:, t+1] == head.ignore_index` or `position_ids[:, t+1] == 0`.
     """
     tp_size = group_size(vocab.group) if sequence_parallel else 1
     seq_major = tp_size > 1
@@ -67,9 +65,7 @@ def linear_next_token_logprobs(
                 top_k=top.top_k,
                 top_p=top.top_p,
                 ties=top.ties,
-                bias=bias,
                 head=head,
-                ignore_index=ignore_index,
                 sequence_parallel=sequence_parallel,
             )
             return [filtered.transpose(0, 1) if seq_major else filtered]
@@ -78,9 +74,7 @@ def linear_next_token_logprobs(
             weight,
             target,
             vocab,
-            bias=bias,
             head=head,
-            ignore_index=ignore_index,
             with_neg_entropy=with_neg_entropy,
             chunk_rows=chunk_rows,
             sequence_parallel=sequence_parallel,
@@ -90,4 +84,4 @@ def linear_next_token_logprobs(
 
     local_len = hidden.shape[1] * tp_size  # this CP rank's positions
     ids = input_ids.to(hidden.device)
-    return score_next_tokens(layout, ids, local_len, score, fill=ignore_index, position_ids=position_ids)
+    return score_next_tokens(layout, ids, local_len, score, fill=head.ignore_index, position_ids=position_ids)
