@@ -363,14 +363,8 @@ def linear_gather_logprobs(
         group: TP group over the vocabulary, or `None`.
         vocab_start: first global id of this shard; default `rank · Vl`.
         vocab_size: global `V`; default `world_size · Vl`.
-        temperature: the logits are `hidden @ weight.T / temperature` (> 0).
-        bias: `[Vl]` this rank's rows of the LM head's bias (or a `Shard(0)` DTensor), or `None`;
-            its gradient is returned in its dtype.
-        logit_scale: `s > 0`, multiplies `hidden @ weight.T + bias` (before the soft-cap).
-        softcap: `c > 0` or `None`: the logits are `c · tanh(s · (hidden @ weight.T + bias) / c) / T`
-            (TRL's order; without it `s · (hidden @ weight.T + bias) / T`).
-        ignore_index: ids equal to it get log-prob 0, zero gradient and `Σ p log p = 0`,
-            and their rows are never computed (docs/fused_linear.md, "Options").
+        bias, temperature, logit_scale, softcap, ignore_index: the head's options (`HeadKeywords`),
+            as in `linear_token_logprobs` (an ignored id gets 0; a row whose ids all are is skipped).
         sequence_parallel: `hidden` is this rank's row slice (all-gathered in the forward; its
             gradient reduce-scattered in the backward).
         chunk_size: rows per logits chunk (memory bound; results do not depend on it). Default:
@@ -600,10 +594,10 @@ def linear_next_token_logprobs(
             `Shard(1)` over the weight's mesh dim; else plain or `Replicate()`).
         weight: `[Vl, H]` this rank's LM-head rows, or a `Shard(0)` DTensor head.
         input_ids: `[B, S]` canonical token ids (the full sequence on every rank).
-        group, vocab_start, vocab_size, temperature, chunk_size: as in `linear_token_logprobs`
+        group, vocab_start, vocab_size, chunk_size: as in `linear_token_logprobs`
             (`chunk_size` counts rows of the flattened `[B·S_l, H]`).
-        bias, logit_scale, softcap, ignore_index: as in `linear_token_logprobs` (an
-            `ignore_index` at `input_ids[:, t+1]` skips position `t`).
+        bias, temperature, logit_scale, softcap, ignore_index: the head's options (`HeadKeywords`),
+            as in `linear_token_logprobs` (an `ignore_index` at `input_ids[:, t+1]` skips position `t`).
         sequence_parallel: the hidden layout above; the gradient reaching `hidden` is this rank's
             positions' (reduce-scattered), else the full gradient on every TP rank.
         context_parallel_group: CP group for the load-balanced layout, or `None`. Gradients follow

@@ -72,9 +72,9 @@ def linear_filtered_token_logprobs(
         ties: top-p's rule among equal logits, `"together"` (default) or `"sorted"` (NeMo RL's
             sort order), as in `lossfx.filtered_token_logprobs`.
         group, vocab_start, vocab_size: the vocabulary sharding, as in `lossfx.linear_token_logprobs`.
-        temperature, bias, logit_scale, softcap: the head, as in `lossfx.linear_token_logprobs`
-            (the filter sees the logits after the head: temperature first, as samplers do).
-        ignore_index, sequence_parallel: as in `lossfx.linear_token_logprobs`.
+        bias, temperature, logit_scale, softcap, ignore_index: the head's options (`HeadKeywords`),
+            as in `lossfx.linear_token_logprobs` (the filter sees the logits after the head).
+        sequence_parallel: as in `lossfx.linear_token_logprobs`.
         chunk_size: rows per logits chunk (a memory bound; results do not depend on it).
 
     Returns:

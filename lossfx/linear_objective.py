@@ -96,14 +96,8 @@ def linear_logprob_objective(
         group: tensor-parallel group over the vocabulary, or `None`.
         vocab_start: first global id of this shard; default `rank · Vl`.
         vocab_size: global vocabulary size `V`; default `world_size · Vl`.
-        temperature: divides the logits (> 0).
-        bias: `[Vl]` this rank's rows of the LM head's bias (or a `Shard(0)` DTensor), or `None`;
-            its gradient is returned in its dtype.
-        logit_scale: `s > 0`, multiplies `hidden @ weight.T + bias` (before the soft-cap).
-        softcap: `c > 0` or `None`: the logits are `c · tanh(s · (hidden @ weight.T + bias) / c) / T`
-            (TRL's order; without it `s · (hidden @ weight.T + bias) / T`).
-        ignore_index: targets equal to it get log-prob 0, zero gradient and `Σ p log p = 0` (nothing in the objective),
-            and their rows are never computed (docs/fused_linear.md, "Options").
+        bias, temperature, logit_scale, softcap, ignore_index: the head's options (`HeadKeywords`),
+            as in `linear_token_logprobs` (an ignored target adds nothing to the objective).
         sequence_parallel: the hidden layout described above.
         chunk_size: rows per chunk; one `[C, Vl]` chunk of logits in the compute dtype is alive
             (results do not depend on it). Default: `N / 16` rows, at most a `[C, ceil(V/R)]`
