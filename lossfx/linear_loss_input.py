@@ -195,6 +195,10 @@ def _linear_opd_full_input(
     if payload_kind not in _PAYLOAD_COLUMNS:
         raise ValueError(f"opd_full.teacher_payload must be 'hidden_states' or 'logits', got {payload_kind!r}")
     cfg_chunk = check_positive_int("on_policy_distillation.full.chunk_size", getattr(cfg, "chunk_size", None))
+    if teacher_logits_dtype is not None and (
+        not isinstance(teacher_logits_dtype, torch.dtype) or not teacher_logits_dtype.is_floating_point
+    ):
+        raise TypeError(f"teacher_logits_dtype must be a floating torch.dtype or None, got {teacher_logits_dtype!r}")
     column = _PAYLOAD_COLUMNS[payload_kind]
     for key in (column, "input_ids"):
         if key not in columns:

@@ -16,8 +16,6 @@ Dense equivalent: `lossfx.reference.prepare_linear_loss_input` (`OPD_FULL`).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -63,16 +61,32 @@ def linear_opd_full_loss_input(
     if columns is not None:
         payload = payload.narrow(-1, columns[0], columns[1])  # [B, S_p, Vl], a view
     local = align_payload(payload, local_len, layout, canonical_len=seq).to(hidden.device).detach()
+    fused = _divergence.linear_divergence_to_teacher
     if heads is None:
-        teacher: dict[str, Any] = {"teacher_logits": local}
-        dtype = local.dtype
+        kl, ce, ne = fused(
+            hidden,
+            weight,
+            vocab.group,
+            teacher_logits=local,
+            logits_dtype=local.dtype,
+            bias=bias,
+            head=head,
+            chunk_rows=chunk_rows,
+        )
     else:
         row_head = None if position is None else position[:, None].expand(batch, local_len)  # [B, S_l]
-        teacher = {"teacher_hidden": local, "teacher_weights": heads, "teacher_head": row_head}
-        dtype = heads[0].dtype if teacher_logits_dtype is None else teacher_logits_dtype
-    kl, ce, ne = _divergence.linear_divergence_to_teacher(
-        hidden, weight, vocab.group, **teacher, logits_dtype=dtype, bias=bias, head=head, chunk_rows=chunk_rows
-    )
+        kl, ce, ne = fused(
+            hidden,
+            weight,
+            vocab.group,
+            teacher_hidden=local,
+            teacher_weights=heads,
+            teacher_head=row_head,
+            logits_dtype=heads[0].dtype if teacher_logits_dtype is None else teacher_logits_dtype,
+            bias=bias,
+            head=head,
+            chunk_rows=chunk_rows,
+        )
     # canonical order (under lossfx's CP layout the gradient is summed over CP ranks), cut to the
     # next-token width: student and teacher at t both predict t+1 (no shift between them)
     width = max(seq - 1, 0)
