@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -129,6 +130,21 @@ def build(
     return run
 
 
+def _interleaved(branch: str, n: int, hidden_size: int, vocab: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Median seconds per provider over `rounds` rounds of one call each, the providers in turn
+    (after one warm-up call each): a load that drifts over the run weighs on every provider alike."""
+    runs = {p: build(branch, p, n, hidden_size, vocab) for p in PROVIDERS}
+    for run in runs.values():
+        run()  # warm-up, compile
+    samples: dict[str, list[float]] = {p: [] for p in PROVIDERS}
+    for _ in range(rounds):
+        for provider, run in runs.items():
+            start = time.perf_counter()
+            run()
+            samples[provider].append(time.perf_counter() - start)
+    return {p: {"median_s": statistics.median(t)} for p, t in samples.items()}
+
+
 def _returned_bytes(branch: str, n: int, hidden_size: int, vocab: int) -> int:
     if branch == "draft":
         return n * (vocab // 4) * 4  # the teacher logits [N, D]
@@ -145,15 +161,21 @@ def main() -> None:
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds of timed calls per provider (>= 1 call)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--branches", default=",".join(BRANCHES), help="comma-separated subset of the branches")
+    parser.add_argument(
+        "--rounds", type=int, default=0, help="time the providers interleaved, this many rounds (a loaded machine)"
+    )
     args = parser.parse_args()
     n, hidden_size, vocab = (64, 32, 512) if args.quick else (args.n, args.hidden, args.vocab)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     logits_bytes = n * vocab * 4
     rows = []
     for branch in args.branches.split(","):
-        times = {}
-        for provider in PROVIDERS:
-            times[provider] = time_call(build(branch, provider, n, hidden_size, vocab), min_run_time=args.min_time)
+        if args.rounds:
+            times = _interleaved(branch, n, hidden_size, vocab, args.rounds)
+        else:
+            times = {}
+            for provider in PROVIDERS:
+                times[provider] = time_call(build(branch, provider, n, hidden_size, vocab), min_run_time=args.min_time)
         for provider in PROVIDERS:
             row: dict[str, Any] = {
                 "branch": branch,
