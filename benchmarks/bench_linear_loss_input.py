@@ -160,7 +160,9 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory figures")
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds of timed calls per provider (>= 1 call)")
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--branches", default=",".join(BRANCHES), help="comma-separated subset of the branches")
+    parser.add_argument(
+        "--branches", nargs="+", default=list(BRANCHES), choices=BRANCHES, help="a subset of the branches"
+    )
     parser.add_argument(
         "--rounds", type=int, default=0, help="time the providers interleaved, this many rounds (a loaded machine)"
     )
@@ -169,7 +171,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     logits_bytes = n * vocab * 4
     rows = []
-    for branch in args.branches.split(","):
+    for branch in args.branches:
         if args.rounds:
             times = _interleaved(branch, n, hidden_size, vocab, args.rounds)
         else:
