@@ -206,12 +206,12 @@ def _linear_opd_full_input(
                 f"opd_full requires the column {key!r} in the training microbatch; data has {sorted(columns)}"
             )
     input_ids = check_integer_ids("data['input_ids']", _column(columns, "input_ids"))  # type: ignore[arg-type]
-    seq, local_len, window = input_ids.shape[-1], hidden.shape[1], layout.window(hidden.shape[1])
     if input_ids.dim() != 2 or input_ids.shape[0] != hidden.shape[0]:
         raise ValueError(
             f"input_ids must be [B, S] with hidden's batch size; got input_ids.shape={tuple(input_ids.shape)} "
             f"and hidden.shape={tuple(hidden.shape)}"
         )
+    seq, local_len, window = input_ids.shape[1], hidden.shape[1], layout.window(hidden.shape[1])
     if window is not None and seq > window:
         raise ValueError(
             f"input_ids has {seq} positions, more than the student window S_l·CP = {local_len}·{layout.cp_size}"

@@ -210,6 +210,8 @@ def _bad(change: str):
         data = {**data, "teacher_full_hidden_states": torch.zeros(B, SP, HT + 1, dtype=F64)}
     elif change == "no index":
         data = {k: v for k, v in data.items() if k != "opd_full_teacher_index"}
+    elif change == "flat input_ids":
+        data = {**data, "input_ids": data["input_ids"].reshape(-1)}
     elif change == "long input_ids":
         data = {**data, "input_ids": torch.zeros(B, S + 1, dtype=torch.int64)}
     elif change == "id out of range":
@@ -236,6 +238,7 @@ def _bad(change: str):
         ("head width", ValueError, "must match the student vocabulary shard width"),
         ("payload width", ValueError, "payload width 6 vs LM-head input width 5"),
         ("no index", ValueError, "opd_full_teacher_index"),
+        ("flat input_ids", ValueError, r"input_ids must be \[B, S\]"),
         ("long input_ids", ValueError, "more than the student window"),
         ("id out of range", ValueError, "input_ids"),
         ("narrow logits payload", ValueError, "narrower than this rank's vocabulary window"),
