@@ -5,7 +5,9 @@
     python -m benchmarks.bench_linear_loss_input --vocab 151936 --no-memory
 
 Per branch (`logprob`: unfiltered LOGPROB; `distillation`: DISTILLATION with `zero_outside_topk`
-and `H_all`, K = 64 teacher ids; `draft`: DRAFT, a draft vocabulary of `V/4` ids), side by side
+and `H_all`, K = 64 teacher ids; `draft`: DRAFT, a draft vocabulary of `V/4` ids; `opd_hidden` /
+`opd_logits`: OPD_FULL's reverse KL against a teacher given as hidden states `[N, H]` with a
+teacher head `[V, H]`, or as full fp32 logits `[N, V]` (an input, not counted)), side by side
 in one run, each a forward + backward of `Σ g · outputs` with respect to `hidden` and `weight`
 (DRAFT's teacher logits are detached: forward only):
 
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +40,7 @@ import lossfx
 from benchmarks.measure import time_call
 from benchmarks.rss import peak_rss_extra_bytes
 
-BRANCHES = ("logprob", "distillation", "draft")
+BRANCHES = ("logprob", "distillation", "draft", "opd_hidden", "opd_logits")
 PROVIDERS = ("linear-eager", "linear-compiled", "logits-compiled")
 TOPK = 64
 
@@ -56,6 +59,9 @@ def _inputs(branch: str, n: int, hidden_size: int, vocab: int) -> tuple[Any, ...
             "teacher_topk_indices": torch.randint(0, vocab, (1, n, TOPK), generator=gen),
         }
         loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.DISTILLATION, zero_outside_topk=True)
+    elif branch.startswith("opd"):
+        data, loss_fn, kwargs = _opd_inputs(branch, gen, n, hidden_size, vocab)
+        data["input_ids"] = torch.randint(0, vocab, (1, n), generator=gen)
     else:
         draft = vocab // 4
         data = {"token_mask": torch.ones(1, n), "student_logits": torch.randn(1, n, draft, generator=gen)}
@@ -64,7 +70,23 @@ def _inputs(branch: str, n: int, hidden_size: int, vocab: int) -> tuple[Any, ...
     return h, w, data, loss_fn, kwargs
 
 
+def _opd_inputs(branch: str, gen: torch.Generator, n: int, hidden_size: int, vocab: int) -> tuple[Any, ...]:
+    """OPD_FULL's teacher payload (hidden states and one teacher head, or fp32 logits) and config."""
+    from lossfx.opd_full import OnPolicyDistillationFullConfig
+
+    payload = "hidden_states" if branch == "opd_hidden" else "logits"
+    cfg = OnPolicyDistillationFullConfig(enabled=True, teacher_payload=payload)
+    loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.OPD_FULL, opd_full=cfg)
+    if payload == "logits":
+        return {"teacher_full_logits": torch.randn(1, n, vocab, generator=gen)}, loss_fn, {}
+    teacher = {0: torch.randn(vocab, hidden_size, generator=gen)}
+    data = {"teacher_full_hidden_states": torch.randn(1, n, hidden_size, generator=gen) / hidden_size**0.5}
+    return data, loss_fn, {"teacher_output_layer_weight_by_index": teacher}
+
+
 KEYS = {
+    "opd_hidden": ("opd_full_divergence",),
+    "opd_logits": ("opd_full_divergence",),
     "logprob": ("next_token_logprobs",),
     "distillation": ("student_topk_logprobs", "H_all"),
     "draft": ("teacher_logits",),
@@ -108,6 +130,21 @@ def build(
     return run
 
 
+def _interleaved(branch: str, n: int, hidden_size: int, vocab: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Median seconds per provider over `rounds` rounds of one call each, the providers in turn
+    (after one warm-up call each): a load that drifts over the run weighs on every provider alike."""
+    runs = {p: build(branch, p, n, hidden_size, vocab) for p in PROVIDERS}
+    for run in runs.values():
+        run()  # warm-up, compile
+    samples: dict[str, list[float]] = {p: [] for p in PROVIDERS}
+    for _ in range(rounds):
+        for provider, run in runs.items():
+            start = time.perf_counter()
+            run()
+            samples[provider].append(time.perf_counter() - start)
+    return {p: {"median_s": statistics.median(t)} for p, t in samples.items()}
+
+
 def _returned_bytes(branch: str, n: int, hidden_size: int, vocab: int) -> int:
     if branch == "draft":
         return n * (vocab // 4) * 4  # the teacher logits [N, D]
@@ -123,15 +160,24 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory figures")
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds of timed calls per provider (>= 1 call)")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument(
+        "--branches", nargs="+", default=list(BRANCHES), choices=BRANCHES, help="a subset of the branches"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=0, help="time the providers interleaved, this many rounds (a loaded machine)"
+    )
     args = parser.parse_args()
     n, hidden_size, vocab = (64, 32, 512) if args.quick else (args.n, args.hidden, args.vocab)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     logits_bytes = n * vocab * 4
     rows = []
-    for branch in BRANCHES:
-        times = {}
-        for provider in PROVIDERS:
-            times[provider] = time_call(build(branch, provider, n, hidden_size, vocab), min_run_time=args.min_time)
+    for branch in args.branches:
+        if args.rounds:
+            times = _interleaved(branch, n, hidden_size, vocab, args.rounds)
+        else:
+            times = {}
+            for provider in PROVIDERS:
+                times[provider] = time_call(build(branch, provider, n, hidden_size, vocab), min_run_time=args.min_time)
         for provider in PROVIDERS:
             row: dict[str, Any] = {
                 "branch": branch,

@@ -131,6 +131,19 @@ def entry_points(rank: int, world: int, group, every: bool = False):
         calls["prepare_linear_loss_input LOGPROB"] = lambda: lossfx.prepare_linear_loss_input(
             hidden.view(b, s, -1), weight, data, logprob
         )
+        calls["prepare_linear_loss_input OPD_FULL, teacher from hidden states"] = lambda: (
+            lossfx.prepare_linear_loss_input(
+                hidden.view(b, s, -1),
+                weight,
+                {"input_ids": ids, "teacher_full_hidden_states": hidden.view(b, s, -1)[:, :6]},
+                SimpleNamespace(
+                    input_type=lossfx.LossInputType.OPD_FULL,
+                    opd_full=SimpleNamespace(teacher_payload="hidden_states", validate_decomposition=True),
+                    reference_policy_kl_penalty=0.1,
+                ),
+                teacher_output_layer_weight_by_index={0: weight},
+            )
+        )
         calls["prepare_linear_packed_loss_input, tensor cu_seqlens"] = lambda: lossfx.prepare_linear_packed_loss_input(
             hidden.view(b, s, -1)[:1], weight, {"input_ids": ids[:, :5]}, logprob, cu, cu
         )

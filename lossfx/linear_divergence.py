@@ -17,12 +17,13 @@ arguments), then calls the pure kernel once.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import is_dtensor
+from lossfx._boundary.dtensor import _same_group, is_dtensor, rejections_compared, replicated, vocab_shard
 from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids
 from lossfx._core.distributed import ProcessGroup
 from lossfx._kernels import linear_divergence as _kernel
@@ -104,7 +105,43 @@ def _check_teacher(
     return heads, teacher_logits_dtype
 
 
-@boundary(roles=_ROLES, vocab="free")
+def _view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The one unwrap (`boundary(local=..., unwrapped=True)`): a `Shard(0)` DTensor `weight` as this
+    rank's rows with the group of its placement (uneven rows included); `bias` and each
+    `teacher_weight` `Shard(0)` and `teacher_logits` `Shard(-1)` on the same mesh as their local
+    rows/columns (torch's split: the same vocabulary ids as `weight`'s rows); `hidden`,
+    `teacher_hidden`, `teacher_head` `Replicate()` as their local tensors. Plain arguments pass through."""
+    shard = vocab_shard(arguments["weight"], dim=0, name="weight", roles=_ROLES, group=arguments["group"])
+    teacher_weight = arguments["teacher_weight"]
+
+    def rows(x: Any, name: str, dim: int = 0) -> Any:
+        if not is_dtensor(x):
+            return x
+        local = vocab_shard(x, dim=dim, name=name)
+        if local.group is not None and (shard.group is None or not _same_group(local.group, shard.group)):
+            raise ValueError(
+                f"{name} is a DTensor sharded over {local.group.size()} ranks (placements {tuple(x.placements)}), "
+                "but weight is not sharded over the same group: shard both over one mesh dim (Shard(0) for "
+                "heads and bias, Shard(-1) for teacher_logits), or pass this rank's part as plain tensors"
+            )
+        return local.local
+
+    if isinstance(teacher_weight, (list, tuple)):
+        teacher_weight = [rows(w, f"teacher_weight[{i}]") for i, w in enumerate(teacher_weight)]
+    else:
+        teacher_weight = rows(teacher_weight, "teacher_weight")
+    arguments.update(
+        weight=shard.local,
+        group=shard.group,
+        bias=rows(arguments["bias"], "bias"),
+        teacher_logits=rows(arguments["teacher_logits"], "teacher_logits", dim=-1),
+        teacher_weight=teacher_weight,
+        **{name: replicated(arguments[name], name) for name in ("hidden", "teacher_hidden", "teacher_head")},
+    )
+    return arguments, ""
+
+
+@boundary(roles=_ROLES, vocab="free", local=rejections_compared(_view, "group"), unwrapped=True)
 def linear_divergence_to_teacher(
     hidden: Tensor,
     weight: Tensor,
@@ -139,7 +176,10 @@ def linear_divergence_to_teacher(
     Args:
         hidden: `[..., H]` the student's last hidden states (replicated over the TP group; every
             rank's `hidden.grad` is the full gradient: one all-reduce of `[N, H]` backward).
-        weight: `[Vl, H]` this rank's rows of the student's LM head (the whole head without a group).
+        weight: `[Vl, H]` this rank's rows of the student's LM head (the whole head without a group),
+            or a `Shard(0)` DTensor (uneven rows included: the group is its placement's; then `bias`,
+            `teacher_weight` may be `Shard(0)` and `teacher_logits` `Shard(-1)` DTensors on the same
+            mesh, and `hidden`, `teacher_hidden`, `teacher_head` `Replicate()` ones; outputs are plain).
         teacher_logits: `[..., Vl]` the teacher's logits, the same columns as `weight`'s rows; or
         teacher_hidden: `[..., H_t]` the teacher's hidden states (replicated), with
         teacher_weight: `[Vl, H_t]` this rank's rows of the teacher's LM head (the same vocabulary
@@ -161,7 +201,7 @@ def linear_divergence_to_teacher(
         that reaches a loss (an output used as a metric costs no backward work).
 
     Raises:
-        TypeError: non-float tensors, a non-float `teacher_logits_dtype`, DTensor arguments.
+        TypeError: non-float tensors, a non-float `teacher_logits_dtype`.
         ValueError: both or neither teacher form, shape or device mismatches, bad head options,
             `teacher_head` outside `[0, len(teacher_weight))` (compiled: an in-graph check).
 
@@ -174,22 +214,7 @@ def linear_divergence_to_teacher(
     See also: docs/fused_linear.md, proofs/linear_divergence.md,
     lossfx.reference.linear_divergence_to_teacher.
     """
-    for name, value in (
-        ("hidden", hidden),
-        ("weight", weight),
-        ("teacher_logits", teacher_logits),
-        ("teacher_hidden", teacher_hidden),
-        *(
-            ("teacher_weight", w)
-            for w in ([teacher_weight] if isinstance(teacher_weight, Tensor) else teacher_weight or ())
-        ),
-        ("teacher_head", teacher_head),
-        ("bias", bias),
-    ):
-        if is_dtensor(value):
-            raise TypeError(
-                f"linear_divergence_to_teacher takes plain tensors: {name} is a DTensor (pass its local shard)"
-            )
+    # hidden, weight, the teacher: local tensors (the boundary's one unwrap, `_view`)
     head = {"bias": bias, "temperature": temperature, "logit_scale": logit_scale, "softcap": softcap}
     call = validated_head(hidden, weight, head, group=group, chunk_size=chunk_size)
     heads, dtype = _check_teacher(

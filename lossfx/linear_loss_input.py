@@ -14,8 +14,9 @@ dtypes and gradients (to `hidden`, `W`, `bias`), and the logits never held: ever
    pass (`lossfx._layouts.linear_distillation`);
 3. `DRAFT`: the `D` head rows of the draft vocabulary only, projected from the shifted hidden
    states (`lossfx._layouts.linear_draft`): `[N, D]`, never `[N, V]`;
-4. `OPD_FULL`: `_linear_opd_full_input`, where the fused divergence kernel
-   (`lossfx._kernels.linear_divergence`) is to be wired; today a `ValueError` naming the logits path;
+4. `OPD_FULL`: reverse KL (and the entropy / cross-entropy metrics) of the student against the
+   teacher (logits columns, or hidden states × teacher head) from the fused divergence kernel, one
+   `[C, Cv]` tile of each side at a time (`lossfx._layouts.linear_opd_full`);
 5. `LOGIT`: a `ValueError` (the loss wants the logits: call `prepare_loss_input` with them).
 
 The sequence layout (`context_parallel_group` / `cp_sharder`) and the tensor-parallel head shard
@@ -48,6 +49,7 @@ from lossfx._boundary.validation import (
     check_group,
     check_ids_in_range,
     check_integer_ids,
+    check_positive_int,
     check_tensor,
 )
 from lossfx._core.distributed import ProcessGroup, group_size
@@ -58,12 +60,14 @@ from lossfx._kernels import linear_filtering as _filtered
 from lossfx._layouts import linear_distillation as _distillation
 from lossfx._layouts import linear_draft as _draft
 from lossfx._layouts import linear_next_token as _next_token
+from lossfx._layouts import linear_opd_full as _opd_full
 from lossfx._layouts.sequence_layout import SequenceLayout, score_next_tokens
 from lossfx.fused_linear import HeadKeywords, LinearCall, head_keywords, validated_head
 from lossfx.interfaces import LossInputType, TrainingSamplingParams
 from lossfx.loss_input import _column, _data_read, _input_type, _vocab_parallel
 from lossfx.loss_masks import loss_mask_from_data, masked_out_neg_inf
 from lossfx.next_token import TopKTopP, resolve_filter
+from lossfx.opd_full import _PAYLOAD_COLUMNS, TEACHER_INDEX_FIELD, _validated_teacher, local_teacher_heads
 from lossfx.packing import _validated_packed
 from lossfx.sequence_layout import check_covers, sequence_layout
 
@@ -80,8 +84,10 @@ _ROLES = Roles(
     reads=("data", _data_read),
     shard_columns=("student_logits",),
     cp_shards=("hidden",),
+    heads="teacher_output_layer_weight_by_index",  # OPD_FULL's: this rank's rows, like the head's
 )
-_ROLES_PACKED = dataclasses.replace(_ROLES, cp_from=None)
+_TEACHER_HEADS = "teacher_output_layer_weight_by_index"
+_ROLES_PACKED = dataclasses.replace(_ROLES, cp_from=None, heads=None)
 
 
 class FrontDoor(NamedTuple):
@@ -120,6 +126,8 @@ def _unwrap(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
         vocab_parallel_group=shard.group,
         vocab_parallel_rank=shard.rank,
     )
+    if arguments.get(_TEACHER_HEADS) is not None:  # OPD_FULL's teacher heads: rows like the student head's
+        arguments[_TEACHER_HEADS] = local_teacher_heads(arguments[_TEACHER_HEADS], shard)
     arguments.update({SHARD: shard, "_data": data})
     return arguments, ""
 
@@ -183,12 +191,90 @@ _LOGITS_PATH = (
 
 
 def _linear_opd_full_input(
-    hidden: Tensor, weight: Tensor, data: Mapping[str, Any], loss_fn: Any, call: LinearCall, **kwargs: Any
+    door: FrontDoor,
+    loss_fn: Any,
+    layout: SequenceLayout,
+    *,
+    teacher_heads: Any,
+    teacher_logits_dtype: torch.dtype | None,
 ) -> dict[str, Any]:
-    """PLUG-IN POINT (issue 26 item 4): OPD_FULL from student hidden × head against the teacher
-    (logits or hidden × teacher head). Today a `ValueError` naming the logits path: the fused
-    divergence kernel replaces the body."""
-    raise ValueError(f"prepare_linear_loss_input: OPD_FULL from hidden states is not available yet; {_LOGITS_PATH}")
+    """`OPD_FULL`: `prepare_opd_full_loss_input`'s checks of the config, payload and teacher heads
+    (`lossfx.opd_full`'s), then the fused twin `lossfx._layouts.linear_opd_full` once: the student
+    `hidden × weight` and the teacher (logits columns, or hidden states × teacher head) one tile at a time.
+    `teacher_heads`: this rank's rows of each teacher head (the boundary's one unwrap, `_unwrap`)."""
+    hidden, weight, columns, size = door.hidden, door.weight, door.columns, door.size
+    cfg = getattr(loss_fn, "opd_full", None)
+    if cfg is None:
+        raise ValueError("LossInputType.OPD_FULL requires loss_fn.opd_full (an OnPolicyDistillationFullConfig)")
+    payload_kind = getattr(cfg, "teacher_payload", "hidden_states")
+    if payload_kind not in _PAYLOAD_COLUMNS:
+        raise ValueError(f"opd_full.teacher_payload must be 'hidden_states' or 'logits', got {payload_kind!r}")
+    cfg_chunk = check_positive_int("on_policy_distillation.full.chunk_size", getattr(cfg, "chunk_size", None))
+    if teacher_logits_dtype is not None and (
+        not isinstance(teacher_logits_dtype, torch.dtype) or not teacher_logits_dtype.is_floating_point
+    ):
+        raise TypeError(f"teacher_logits_dtype must be a floating torch.dtype or None, got {teacher_logits_dtype!r}")
+    column = _PAYLOAD_COLUMNS[payload_kind]
+    for key in (column, "input_ids"):
+        if key not in columns:
+            raise ValueError(
+                f"opd_full requires the column {key!r} in the training microbatch; data has {sorted(columns)}"
+            )
+    input_ids = check_integer_ids("data['input_ids']", _column(columns, "input_ids"))  # type: ignore[arg-type]
+    if input_ids.dim() != 2 or input_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"input_ids must be [B, S] with hidden's batch size; got input_ids.shape={tuple(input_ids.shape)} "
+            f"and hidden.shape={tuple(hidden.shape)}"
+        )
+    seq, local_len, window = input_ids.shape[1], hidden.shape[1], layout.window(hidden.shape[1])
+    if window is not None and seq > window:
+        raise ValueError(
+            f"input_ids has {seq} positions, more than the student window S_l·CP = {local_len}·{layout.cp_size}"
+        )
+    call = _uneven_vocab(door)
+    local_vocab, payload = weight.shape[0], columns[column]
+    # the checks read shapes only: a zero-stride stand-in for this rank's [B, S_l, Vl] student logits
+    stand_in = hidden.new_zeros(()).expand(hidden.shape[0], local_len, local_vocab)
+    teacher = _validated_teacher(
+        payload,
+        teacher_payload=payload_kind,
+        student_logits=stand_in,
+        vocab_parallel_rank=0,  # the logits window is checked below, at this rank's own start
+        layout=layout,
+        teacher_output_layer_weight_by_index=teacher_heads,
+        teacher_index=columns.get(TEACHER_INDEX_FIELD) if payload_kind == "hidden_states" else None,
+    )
+    window_cols = None
+    if payload_kind == "logits":
+        window_cols = (call.vocab.start, local_vocab)
+        if payload.shape[-1] < call.vocab.start + local_vocab:
+            raise ValueError(
+                "Teacher logits payload is narrower than this rank's vocabulary window: payload width "
+                f"{payload.shape[-1]} vs required end {call.vocab.start + local_vocab} (V_local {local_vocab})"
+            )
+    ids = None
+    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
+        got = f"hidden.shape={tuple(hidden.shape)} and input_ids.shape={tuple(input_ids.shape)}"
+        check_covers(layout, "hidden", local_len, seq, got)
+        check_ids_in_range("data['input_ids']", input_ids, size)
+        ids = input_ids
+    chunk_rows = call.chunk_rows or (cfg_chunk or 0) * hidden.shape[0]
+    return _opd_full.linear_opd_full_loss_input(
+        hidden,
+        weight,
+        payload,
+        ids,
+        layout,
+        call.vocab,
+        head=call.head,
+        columns=window_cols,
+        heads=teacher.heads,
+        position=teacher.position,
+        teacher_logits_dtype=teacher_logits_dtype,
+        validate_decomposition=bool(getattr(cfg, "validate_decomposition", False)),
+        chunk_rows=chunk_rows,
+        seq=seq,
+    )
 
 
 @boundary(roles=_ROLES, vocab="auto", local=_local_view, unwrapped=True)
@@ -216,7 +302,7 @@ def prepare_linear_loss_input(
 
     Equivalent to ``lossfx.prepare_loss_input(z, data, loss_fn, ...)`` with
     ``z = c · tanh(s · (hidden @ lm_head_weight.T + bias) / c) / T`` (no tanh without `softcap`)
-    for `LOGPROB` (unfiltered), `DISTILLATION` and `DRAFT`: same keys, dtypes and gradients
+    for `LOGPROB`, `DISTILLATION`, `DRAFT` and `OPD_FULL`: same keys, dtypes and gradients
     (to `hidden`, `lm_head_weight`, `bias`) to fp32 rounding, holding one `[C, Cv]` tile of `z` at
     most (`DRAFT`: its `[N, D/R]` result). Dense twin: ``lossfx.reference.prepare_linear_loss_input``.
 
@@ -240,7 +326,8 @@ def prepare_linear_loss_input(
         sampling_params: top-k/top-p filter (`LOGPROB`); a filter raises today (see Raises).
         d2t: draft-to-target vocabulary map (`DRAFT` only).
         chunk_size: sequence positions per eager chunk (a memory bound; results do not depend on it).
-        teacher_output_layer_weight_by_index: teacher LM-head shards (`OPD_FULL` only).
+        teacher_output_layer_weight_by_index: teacher LM-head shards (`OPD_FULL` only): this
+            rank's rows, the same vocabulary rows as `lm_head_weight` (or `Shard(0)` DTensors).
         teacher_logits_dtype: dtype of teacher logits projected from hidden states (`OPD_FULL`).
         bias: `[Vl]` this rank's rows of the head's bias (or a `Shard(0)` DTensor), or `None`.
         temperature, logit_scale, softcap: the head's options (`lossfx.linear_token_logprobs`).
@@ -251,9 +338,8 @@ def prepare_linear_loss_input(
         `(loss_input, data)` as `prepare_loss_input`.
 
     Raises:
-        ValueError: `LOGIT` (it wants the logits: call `prepare_loss_input` with them); filtered
-            `LOGPROB` and `OPD_FULL`, which have no fused kernel here (the message names the
-            logits path); every error of `prepare_loss_input`'s branches and of the fused head's options.
+        ValueError: `LOGIT` (it wants the logits: call `prepare_loss_input` with them); every
+            error of `prepare_loss_input`'s branches and of the fused head's options.
         TypeError: wrong argument types.
 
     Example:
@@ -278,13 +364,10 @@ def prepare_linear_loss_input(
     layout = sequence_layout(context_parallel_group, cp_sharder)
     if input_type is LossInputType.OPD_FULL:
         return _linear_opd_full_input(
-            door.hidden,
-            door.weight,
-            door.columns,
+            door,
             loss_fn,
-            door.call,
-            layout=layout,
-            teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+            layout,
+            teacher_heads=(_view or {}).get(_TEACHER_HEADS),
             teacher_logits_dtype=teacher_logits_dtype,
         ), door.data
     if input_type is LossInputType.DISTILLATION:

@@ -4,7 +4,8 @@
 Sections: 1 float64 reference equivalence (both teacher forms, head options, tile sizes), values
 and gradients of hidden, weight and bias; 2 the logits path's `-inf` rules (masked teacher entries,
 all `-inf` teacher rows, masked head rows) and its dtypes; 3 low precision; 4 gradcheck and the
-proof's backward formula; 5 TP on 2 gloo ranks, uneven shards; 6 compile; 7 errors.
+proof's backward formula; 5 TP on 2 (and, slow, 4) gloo ranks, uneven shards, compiled on 2 ranks,
+`Shard(0)` DTensor heads, the cross-rank check; 6 compile; 7 errors.
 """
 
 from __future__ import annotations
@@ -399,6 +400,133 @@ def test_gloo_two_ranks_uneven_shards():
             torch.testing.assert_close(r1[k], r0[k], rtol=0, atol=0)  # replicated, bit for bit
         assert_close((r0[3], r1[3]), (dh, dh), TIGHT, f"{form} dhidden")
         assert_close((torch.cat([r0[4], r1[4]]), torch.cat([r0[5], r1[5]])), (dw, db), TIGHT, f"{form} dweight")
+
+
+def gloo_widths_rank(rank, world, group, case, form, compiled):
+    """TP over `world` ranks in uneven widths (the first rank the widest), plain shards; with
+    `compiled`, under torch.compile(fullgraph=True) (aot_eager), compiled once per rank."""
+    vocab = case["weight"].shape[0]
+    widths = [vocab // world] * world
+    widths[0] += vocab - sum(widths)
+    cols = slice(sum(widths[:rank]), sum(widths[: rank + 1]))
+    h = case["hidden"].clone().requires_grad_()
+    w = case["weight"][cols].clone().requires_grad_()
+    b = case["bias"][cols].clone().requires_grad_()
+    if form == "logits":
+        teacher = {"teacher_logits": case["teacher_logits"][:, cols]}
+    else:
+        teacher = {"teacher_hidden": case["teacher_hidden"], "teacher_weight": case["teacher_weight"][cols]}
+
+    def fn(h, w, b, teacher):
+        return tuple(lossfx.linear_divergence_to_teacher(h, w, bias=b, group=group, chunk_size=3, **teacher))
+
+    frames = None
+    if compiled:
+        import harness
+
+        counter, fn = harness.compiled_for_rank(rank, ("linear_divergence", world, form), fn, "aot_eager")
+    res = fn(h, w, b, teacher)
+    torch.autograd.backward(list(res), list(case["grads"]))
+    if compiled:
+        frames = counter.frame_count
+    return (*(r.detach() for r in res), h.grad, w.grad, b.grad, frames)
+
+
+def _check_widths(results, case, form):
+    values, (dh, dw, db) = logits_path_expected(case, form)
+    for r in results:
+        assert_close(r[:3], values, TIGHT, f"{form} values")
+        assert_close((r[3],), (dh,), TIGHT, f"{form} dhidden (each rank's is the full one)")
+    assert_close((torch.cat([r[4] for r in results]), torch.cat([r[5] for r in results])), (dw, db), TIGHT, form)
+
+
+@pytest.mark.slow  # compiles in both gloo workers: 1-2 min on the loaded 2-core VM
+@pytest.mark.distributed
+@pytest.mark.compile
+@pytest.mark.parametrize("form", ["logits", "hidden"])
+def test_gloo_two_ranks_compiled_fullgraph_once(form):
+    results = [gloo_pool(2).run(gloo_widths_rank, make_case(6, 5, 13, seed=s), form, True) for s in (3, 4)]
+    for seed, res in zip((3, 4), results):
+        _check_widths(res, make_case(6, 5, 13, seed=seed), form)
+    assert [r[-1] for r in results[1]] == [1, 1], "one compile per rank, no recompile for new values"
+
+
+@pytest.mark.slow  # a 4-process gloo pool (~30 s to start on the loaded 2-core VM)
+@pytest.mark.distributed
+@pytest.mark.parametrize("form", ["logits", "hidden"])
+def test_gloo_four_ranks_uneven_shards(form):
+    case = make_case(7, 6, 13, seed=12)  # widths 4, 3, 3, 3
+    _check_widths(gloo_pool(4).run(gloo_widths_rank, case, form, False), case, form)
+
+
+_meshes: dict = {}
+
+
+def dtensor_rank(rank, world, group, case, form):
+    """`Shard(0)` DTensor weight, bias and teacher head, `Shard(1)` teacher logits (V = 13 over 2
+    ranks: torch's split 7 + 6), `Replicate()` hidden states; no group argument."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    if world not in _meshes:
+        _meshes[world] = init_device_mesh("cpu", (world,))
+    mesh = _meshes[world]
+
+    def dt(x, placement):
+        return distribute_tensor(x, mesh, [placement], src_data_rank=None)
+
+    h = dt(case["hidden"], Replicate()).requires_grad_()
+    w = dt(case["weight"], Shard(0)).requires_grad_()
+    b = dt(case["bias"], Shard(0)).requires_grad_()
+    if form == "logits":
+        teacher = {"teacher_logits": dt(case["teacher_logits"], Shard(1))}
+    else:
+        teacher = {
+            "teacher_hidden": dt(case["teacher_hidden"], Replicate()),
+            "teacher_weight": dt(case["teacher_weight"], Shard(0)),
+        }
+    res = lossfx.linear_divergence_to_teacher(h, w, bias=b, chunk_size=3, softcap=5.0, **teacher)
+    assert not any(is_dtensor(r) for r in res)
+    torch.autograd.backward(list(res), list(case["grads"]))
+    hgrad = h.grad.full_tensor() if is_dtensor(h.grad) else h.grad
+    return (*(r.detach() for r in res), hgrad, w.grad.full_tensor(), b.grad.full_tensor())
+
+
+def is_dtensor(x):
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("form", ["logits", "hidden"])
+def test_dtensor_shard0_heads_two_gloo_ranks(form):
+    case = make_case(7, 6, 13, seed=21)
+    results = gloo_pool(2).run(dtensor_rank, case, form)
+    values, (dh, dw, db) = logits_path_expected(case, form, softcap=5.0)
+    for r in results:
+        assert_close(r[:3], values, TIGHT, f"{form} values")
+        assert_close(r[3:], (dh, dw, db), TIGHT, f"{form} gradients")
+
+
+def disagreeing_rank(rank, world, group):
+    """The replicated hidden states differ between the ranks: every rank raises the same error."""
+    case = make_case(4, 3, 8, seed=rank)
+    hidden = case["hidden"] if rank == 0 else case["hidden"] + 1
+    cols = slice(4 * rank, 4 * rank + 4)
+    w, t = make_case(4, 3, 8)["weight"][cols], make_case(4, 3, 8)["teacher_logits"][:, cols]
+    try:
+        lossfx.linear_divergence_to_teacher(hidden, w, teacher_logits=t, group=group)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.distributed
+def test_cross_rank_check_raises_on_every_rank():
+    messages = gloo_pool(2).run(disagreeing_rank)
+    assert all(m is not None and "hidden" in m for m in messages), messages
+    assert messages[0] == messages[1], messages
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@ gradients (hidden, weight, bias) against `prepare_loss_input(head(hidden @ W.T +
 the dense float64 reference, per branch, float64 tight and fp32, 1/2/4 gloo ranks (tensor-parallel
 heads of uneven widths, load-balanced context parallelism), and compiled (fullgraph, pinned
 recompiles). Top-k/top-p filtered LOGPROB against the logits path and the reference
-(`test_filtered_*`). Branches without their fused kernel yet (OPD_FULL) and `LOGIT` raise
-a `ValueError` naming the logits path.
+(`test_filtered_*`). `LOGIT` raises a `ValueError` naming the logits path. OPD_FULL:
+tests/test_linear_opd_full.py.
 """
 
 from __future__ import annotations
@@ -180,17 +180,9 @@ def test_packed_matches_logits_path_and_reference():
 def test_logit_and_unfused_branches_raise_naming_the_logits_path():
     hidden, weight, _, data, _, _ = make_case("logprob")
     data = {**data, "token_mask": torch.ones(B, S)}
-    for input_type in (LossInputType.LOGIT, LossInputType.OPD_FULL):
-        with pytest.raises(ValueError, match="prepare_loss_input") as err:
-            lossfx.prepare_linear_loss_input(
-                hidden,
-                weight,
-                data,
-                SimpleNamespace(input_type=input_type),
-                teacher_output_layer_weight_by_index={0: weight},
-                teacher_logits_dtype=torch.float32,
-            )
-        assert ("LOGIT" if input_type is LossInputType.LOGIT else "OPD_FULL") in str(err.value)
+    with pytest.raises(ValueError, match="prepare_loss_input") as err:
+        lossfx.prepare_linear_loss_input(hidden, weight, data, SimpleNamespace(input_type=LossInputType.LOGIT))
+    assert "LOGIT" in str(err.value)  # OPD_FULL is fused: tests/test_linear_opd_full.py
     with pytest.raises(ValueError, match=r"only supports LossInputType\.LOGPROB"):
         lossfx.prepare_linear_packed_loss_input(
             hidden[:1], weight, data, SimpleNamespace(input_type=LossInputType.DRAFT), [0, 8], [0, 8]
