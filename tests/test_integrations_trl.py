@@ -192,6 +192,33 @@ def test_importing_the_integration_imports_neither_trl_nor_transformers():
 # ---------------------------------------------------------------------------------------------
 
 
+def test_filtered_padding_free_rows_and_labels():
+    """Padding-free rows (`position_ids`) and `-100` labels under a filter: a position scoring the
+    next sequence's first token or a masked label gives 0 with a zero gradient, the rest are the
+    float64 filtered log-probs (values and gradients at 1e-10)."""
+    hidden, weight, input_ids, mask = make_case(seed=25)
+    mask = torch.ones_like(mask)
+    position_ids = torch.cat([torch.arange(4), torch.arange(6)]).expand(3, 10).clone()
+    labels = input_ids.clone()
+    labels[:, -2] = -100
+    params = lossfx.TrainingSamplingParams(top_k=6, top_p=0.9, ties="sorted")
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, _ = lossfx_trl.per_token_logps_and_entropies(
+        h, w, input_ids, mask, logits_to_keep=9, temperature=0.9, labels=labels, position_ids=position_ids,
+        sampling_params=params,
+    )  # fmt: skip
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    z = reference.linear_logits(h2, w2, 0.9)
+    ok = (labels[:, 1:] != -100) & (position_ids[:, 1:] != 0)
+    rlp = torch.where(ok, reference.next_token_filtered_logprobs(z, input_ids, 6, 0.9, "sorted"), 0.0)
+    torch.testing.assert_close(lp, rlp, **TIGHT)
+    assert (lp[~ok] == 0).all() and torch.isneginf(lp).any() and torch.isfinite(lp[ok]).any()
+    got = torch.autograd.grad(finite_sum(lp), [h, w])
+    want = torch.autograd.grad(finite_sum(rlp), [h2, w2])
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, **TIGHT)
+
+
 class _MaxNumel(torch.utils._python_dispatch.TorchDispatchMode):
     """The largest tensor any op (forward or backward) returns while active."""
 

@@ -321,7 +321,7 @@ _NONE, _INVALID = 0x7FF8_0000_0000_0A11, 0x7FF8_0000_0000_0BAD
 
 
 def _code(value: object, kind: str) -> int:
-    """`value` as one int64: an index of `_SHARDED_HEADS`, a bool, an int, or a float's bits."""
+    """`value` as one int64: an index of its `_CHOICES`, a bool, an int, or a float's bits."""
     if value is None:
         return _NONE
     if kind in _CHOICES:
