@@ -317,3 +317,25 @@ def test_filtered_logprobs_match_the_logits_path_run(tmp_path, monkeypatch):
     assert len(spy.calls) == 3 and all(k["sampling_params"] == params for _, _, _, k in spy.calls)
     unfiltered = _train(_trainer(lossfx_trl.LossfxGRPOTrainer, tmp_path, **FILTER))
     assert not math.isclose(unfiltered[0]["grad_norm"], fused[0]["grad_norm"], rel_tol=100 * RTOL)
+
+
+@pytest.mark.slow  # Inductor compiling the filtered kernel: ~2 min on 2 loaded cores
+def test_filtered_lossfx_compile_inductor(tmp_path):
+    """`lossfx_filtered_logprobs=True` under `lossfx_compile` with Inductor: fullgraph, at most one
+    recompile for the varying completion length, and the logits-path run's steps."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    logits = _train(_trainer(logits_filtered_trainer_class(), tmp_path, **FILTER))
+    counter = CompileCounterWithBackend("inductor")
+    fused = _train(
+        _trainer(
+            lossfx_trl.LossfxGRPOTrainer,
+            tmp_path,
+            lossfx_filtered_logprobs=True,
+            lossfx_compile={"backend": counter},
+            **FILTER,
+        )
+    )
+    _assert_same_steps(logits, fused)
+    assert 1 <= counter.frame_count <= 2
