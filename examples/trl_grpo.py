@@ -17,7 +17,14 @@ after an Adam step the weights differ by about that much relative, and it does n
 steps (measured: at most 3e-6 relative). `RTOL = 1e-4` leaves a wide margin above that and is far below what any real
 difference moves (a wrong token, a missed mask, a temperature applied twice: 1e-2 or more).
 
-Run it: ``python -m examples.trl_grpo`` (needs the `trl` extra: ``pip install -e '.[trl]'``).
+`--filtered`: the rollouts are sampled with `top_k=10, top_p=0.9`, and both runs score the
+completions under that filter, as the sampler (vLLM, or `generate`) drew them, so the importance
+ratios compare like with like: `LossfxGRPOTrainer(lossfx_filtered_logprobs=True)` from the hidden
+states (`lossfx.linear_filtered_token_logprobs`, the logits never materialised) against
+`LogitsFilteredGRPOTrainer` below, which holds the completion's `[B, K, V]` logits and filters
+them (`lossfx.next_token_logprobs(..., sampling_params=...)`). Same tolerance.
+
+Run it: ``python -m examples.trl_grpo [--filtered]`` (needs the `trl` extra: ``pip install -e '.[trl]'``).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ ATOL = 1e-6  # absolute floor for values near 0 (fp32 loss of a batch with tiny 
 STEPS = 3
 CHARS = "abcdefghijklmnopqrstuvwxyz ."
 PROMPTS = ["say a", "count b", "spell cab", "an apple", "be brave", "a cat sat", "aaa", "b."]
+FILTER = {"top_k": 10, "top_p": 0.9}  # --filtered: the sampler's filter (GRPOConfig's top_k, top_p)
 
 
 def char_tokenizer() -> Any:
@@ -77,8 +85,41 @@ def reward_a_count(completions: list[str], **_: Any) -> list[float]:
     return [c.count("a") / max(len(c), 1) for c in completions]
 
 
-def train(trainer_cls: type, seed: int = 0) -> tuple[list[dict[str, float]], Any]:
-    """`STEPS` GRPO steps with `trainer_cls` from `seed`; returns the per-step logs and the trainer."""
+def logits_filtered_trainer_class() -> type:
+    """A `GRPOTrainer` scoring the completions under its own `top_k` / `top_p` on the logits path:
+    the model's `[B, K+1, V]` logits, divided by the temperature, then
+    `lossfx.next_token_logprobs(..., sampling_params=...)`; the entropies are the unfiltered
+    distribution's (TRL's metric). What `lossfx_filtered_logprobs=True` computes without the logits."""
+    from trl import GRPOTrainer
+
+    import lossfx
+
+    class LogitsFilteredGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
+        def _get_per_token_logps_and_entropies(
+            self, model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int, batch_size: Any = None,
+            compute_entropy: bool = False, compute_aux_loss: bool = False, **_: Any,
+        ) -> Any:  # fmt: skip
+            params = lossfx.TrainingSamplingParams(top_k=self.top_k or None, top_p=self.top_p)
+            keep = logits_to_keep + 1
+            with self.accelerator.autocast():
+                out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep)
+            logits = out.logits.float() / self.temperature  # [B, K+1, V]
+            labels = input_ids.masked_fill(attention_mask == 0, -100)[:, -keep:]
+            scored = labels[:, 1:] != -100
+            logps = lossfx.next_token_logprobs(logits, labels.clamp(min=0), sampling_params=params)
+            full = logits[:, :-1].log_softmax(-1)
+            entropies = -(full.exp() * full).sum(-1)
+            zero = logps.new_zeros(())
+            return torch.where(scored, logps, zero), torch.where(scored, entropies, zero), None
+
+    return LogitsFilteredGRPOTrainer
+
+
+def train(
+    trainer_cls: type, seed: int = 0, filtered: bool = False, **trainer_kwargs: Any
+) -> tuple[list[dict[str, float]], Any]:
+    """`STEPS` GRPO steps with `trainer_cls` from `seed` (sampling with `FILTER` if `filtered`);
+    returns the per-step logs and the trainer."""
     from datasets import Dataset
     from transformers import PrinterCallback, set_seed
     from trl import GRPOConfig
@@ -105,6 +146,7 @@ def train(trainer_cls: type, seed: int = 0) -> tuple[list[dict[str, float]], Any
             dataloader_num_workers=0,
             disable_tqdm=True,
             temperature=0.9,
+            **(FILTER if filtered else {}),
         )
         trainer = trainer_cls(
             model=model,
@@ -112,6 +154,7 @@ def train(trainer_cls: type, seed: int = 0) -> tuple[list[dict[str, float]], Any
             args=args,
             train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
             processing_class=tokenizer,
+            **trainer_kwargs,
         )
         trainer.remove_callback(PrinterCallback)  # the table below says what matters
         trainer.train()
@@ -162,9 +205,14 @@ def main() -> int:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     warnings.filterwarnings("ignore")  # TRL's and transformers' advice about a CPU toy run
-    stock, _ = train(GRPOTrainer)
+    filtered = "--filtered" in sys.argv[1:]
     counting = lossfx_trainer_class()
-    fused, _ = train(counting)
+    if filtered:  # both score the sampler's filtered distribution; the baseline holds the logits
+        stock, _ = train(logits_filtered_trainer_class(), filtered=True)
+        fused, _ = train(counting, filtered=True, lossfx_filtered_logprobs=True)
+    else:
+        stock, _ = train(GRPOTrainer)
+        fused, _ = train(counting)
     if counting.lossfx_calls == 0:
         raise AssertionError("the lossfx trainer never called its per-token log-prob method")
     try:
@@ -172,6 +220,8 @@ def main() -> int:
     except AssertionError as e:
         print(e, file=sys.stderr)
         return 1
+    if filtered:
+        print(f"--filtered {FILTER}: 'TRL' is LogitsFilteredGRPOTrainer (the logits path), 'lossfx' the fused one")
     print("\n".join(lines))
     print(f"OK: {STEPS} GRPO steps, loss, grad_norm, entropy within rtol={RTOL} ({counting.lossfx_calls} lossfx calls)")
     return 0

@@ -192,6 +192,152 @@ def test_importing_the_integration_imports_neither_trl_nor_transformers():
 # ---------------------------------------------------------------------------------------------
 
 
+def test_filtered_padding_free_rows_and_labels():
+    """Padding-free rows (`position_ids`) and `-100` labels under a filter: a position scoring the
+    next sequence's first token or a masked label gives 0 with a zero gradient, the rest are the
+    float64 filtered log-probs (values and gradients at 1e-10)."""
+    hidden, weight, input_ids, mask = make_case(seed=25)
+    mask = torch.ones_like(mask)
+    position_ids = torch.cat([torch.arange(4), torch.arange(6)]).expand(3, 10).clone()
+    labels = input_ids.clone()
+    labels[:, -2] = -100
+    params = lossfx.TrainingSamplingParams(top_k=6, top_p=0.9, ties="sorted")
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, _ = lossfx_trl.per_token_logps_and_entropies(
+        h, w, input_ids, mask, logits_to_keep=9, temperature=0.9, labels=labels, position_ids=position_ids,
+        sampling_params=params,
+    )  # fmt: skip
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    z = reference.linear_logits(h2, w2, 0.9)
+    ok = (labels[:, 1:] != -100) & (position_ids[:, 1:] != 0)
+    rlp = torch.where(ok, reference.next_token_filtered_logprobs(z, input_ids, 6, 0.9, "sorted"), 0.0)
+    torch.testing.assert_close(lp, rlp, **TIGHT)
+    assert (lp[~ok] == 0).all() and torch.isneginf(lp).any() and torch.isfinite(lp[ok]).any()
+    got = torch.autograd.grad(finite_sum(lp), [h, w])
+    want = torch.autograd.grad(finite_sum(rlp), [h2, w2])
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, **TIGHT)
+
+
+class _MaxNumel(torch.utils._python_dispatch.TorchDispatchMode):
+    """The largest tensor any op (forward or backward) returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _logits_path(hidden, weight, input_ids, mask, keep, temperature, params, bias=None, logit_scale=1.0, softcap=None):
+    """The filtered log-probs as the integration computed them before the fused path (and as any
+    user can): the `[B, S, V]` logits in the inputs' dtype, then `lossfx.next_token_logprobs`."""
+    z = hidden.float() @ weight.T if hidden.dtype != weight.dtype else hidden @ weight.T
+    z = (z if bias is None else z + bias) * logit_scale
+    z = z if softcap is None else softcap * torch.tanh(z / softcap)
+    labels = input_ids.masked_fill(mask == 0, -100)
+    lp = lossfx.next_token_logprobs(z / temperature, labels.clamp(min=0), sampling_params=params)
+    return torch.where(labels[:, 1:] != -100, lp, 0.0)[:, -keep:]
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "ties", "hidden_dtype", "with_head"),
+    [
+        (20, 0.9, "together", torch.float32, False),
+        (None, 0.8, "sorted", torch.float32, True),
+        (8, 1.0, "together", torch.bfloat16, False),  # a bf16 backbone, an fp32 head (TRL's cast_lm_head_to_fp32)
+    ],
+)
+def test_filtered_fused_fp32_matches_the_logits_path(top_k, top_p, ties, hidden_dtype, with_head):
+    """The loss step in fp32: the fused filtered log-probs and their gradients against the logits
+    path's (`[B, S, V]` logits, `lossfx.next_token_logprobs`). Tolerance: both are measured
+    against the float64 answer from the same (rounded) inputs, and the fused path may be off by at
+    most twice the logits path's own fp32 error plus 1e-6; the filter (which tokens are `-inf`) is
+    the same. No op in the fused call, forward or backward, returns a `[B, K, V]`-sized tensor."""
+    hidden, weight, input_ids, mask = make_case(seed=21, batch=4, seq=40, hidden_size=16, vocab=300)
+    hidden, weight = hidden.to(hidden_dtype), weight.float()
+    gen = torch.Generator().manual_seed(22)
+    head = {"bias": torch.randn(300, generator=gen), "logit_scale": 1.3, "softcap": 6.0} if with_head else {}
+    keep, temperature = 32, 0.7
+    params = lossfx.TrainingSamplingParams(top_k=top_k, top_p=top_p, ties=ties)
+    dlp = torch.randn(4, keep, generator=gen, dtype=F64)
+
+    def loss_and_grads(fn, h, w, head):
+        h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp = fn(h, w, head)
+        g = dlp.to(lp.dtype) * torch.isfinite(lp)  # no gradient into -inf
+        dh, dw = torch.autograd.grad(torch.where(torch.isfinite(lp), lp, 0.0), [h, w], g)
+        return lp.detach().double(), dh.double(), dw.double()
+
+    def fused(h, w, head):
+        return lossfx_trl.per_token_logps_and_entropies(
+            h, w, input_ids, mask, logits_to_keep=keep, temperature=temperature, sampling_params=params,
+            chunk_size=8, **head,
+        )[0]  # fmt: skip
+
+    def logits(h, w, head):
+        return _logits_path(h, w, input_ids, mask, keep, temperature, params, **head)
+
+    head64 = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in head.items()}
+    want = loss_and_grads(logits, hidden.double(), weight.double(), head64)
+    with _MaxNumel() as largest:
+        got = loss_and_grads(fused, hidden, weight, head)
+    base = loss_and_grads(logits, hidden, weight, head)
+    assert got[0].dtype == base[0].dtype and torch.equal(torch.isneginf(got[0]), torch.isneginf(want[0]))
+    assert torch.isneginf(want[0]).any() and (want[0] != 0).any()  # the filter drops some scored targets
+    for name, g, b, w in zip(("logps", "dhidden", "dweight"), got, base, want):
+        finite = torch.isfinite(w)
+        err_base = float((b - w)[finite].abs().max())
+        err = float((g - w)[finite].abs().max())
+        assert err <= 2 * err_base + 1e-6, (name, err, err_base)
+    assert largest.largest <= 4 * keep * 300 // 8  # an eighth of the [B, K, V] logits at most (dweight, a chunk)
+
+
+def test_filtered_tie_rules_on_tied_logits():
+    """Integer logits with many ties at top-p's boundary: the fused path keeps exactly the logits
+    path's tokens under each tie rule, and the two rules differ on some target (so the rule is
+    really passed through)."""
+    gen = torch.Generator().manual_seed(24)
+    hidden = torch.randint(-1, 2, (3, 30, 8), generator=gen).float()
+    weight = torch.randint(-2, 3, (12, 8), generator=gen).float().repeat(4, 1)  # V = 48: each logit 4 times
+    input_ids = torch.randint(0, 48, (3, 30), generator=gen)
+    mask = torch.ones_like(input_ids)
+    masks = {}
+    for ties in ("together", "sorted"):
+        params = lossfx.TrainingSamplingParams(top_p=0.6, ties=ties)
+        got, _ = lossfx_trl.per_token_logps_and_entropies(
+            hidden, weight, input_ids, mask, logits_to_keep=24, sampling_params=params
+        )
+        want = _logits_path(hidden, weight, input_ids, mask, 24, 1.0, params)
+        assert torch.equal(torch.isneginf(got), torch.isneginf(want)), ties
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        masks[ties] = torch.isneginf(got)
+    assert not torch.equal(masks["together"], masks["sorted"])
+
+
+def test_filtered_compiles_fullgraph():
+    """`per_token_logps_and_entropies` with a filter under `torch.compile(fullgraph=True)` (the
+    mixin's `lossfx_compile`): one graph, the eager values."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    hidden, weight, input_ids, mask = make_case(seed=23, vocab=40)
+    params = lossfx.TrainingSamplingParams(top_k=10, top_p=0.9)
+    kwargs = {"logits_to_keep": 6, "temperature": 0.8, "compute_entropy": True, "sampling_params": params}
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(lossfx_trl.per_token_logps_and_entropies, fullgraph=True, backend=counter)
+    got = compiled(hidden, weight, input_ids, mask, **kwargs)
+    want = lossfx_trl.per_token_logps_and_entropies(hidden, weight, input_ids, mask, **kwargs)
+    assert counter.frame_count == 1
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TIGHT)
+
+
 def tiny_qwen2(vocab=96, seed=0):
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen2Config(
@@ -344,6 +490,21 @@ def _bias():
     return torch.randn(20, generator=torch.Generator().manual_seed(12), dtype=F64)
 
 
+FILTER = {"top_k": 8, "top_p": 0.7}  # the DTensor heads' filtered cases (V = 20)
+
+
+def dense_filtered(hidden, weight, input_ids, mask, keep, temperature, bias=None, softcap=None):
+    """The filtered log-probs' dense float64 definition: 0 where nothing is scored, `-inf` outside
+    the filter, a zero gradient into `-inf` (callers sum `dense_finite`)."""
+    z = reference.linear_logits(hidden, weight, temperature, bias, 1.0, softcap)
+    lp = reference.next_token_filtered_logprobs(z, input_ids, FILTER["top_k"], FILTER["top_p"])
+    return torch.where(input_ids.masked_fill(mask == 0, -100)[:, 1:] != -100, lp, 0.0)[:, -keep:]
+
+
+def finite_sum(lp):
+    return torch.where(torch.isfinite(lp), lp, 0.0).sum()
+
+
 def _dtensor_heads(rank, world, group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -384,6 +545,25 @@ def _dtensor_heads(rank, world, group):
         hidden, tp, input_ids, mask, logits_to_keep=4, sharded_head="tensor_parallel", bias=tb, softcap=3.0
     )[0]
     out["bias_tp_ref"] = dense(hidden, weight, input_ids, mask, 4, 1.0, bias=bias, softcap=3.0)[0]
+    # the sampler's filter: the fused filtered kernel under either sharded-head rule
+    params = lossfx.TrainingSamplingParams(**FILTER)
+    w3 = distribute_tensor(weight, mesh, [Shard(0)], src_data_rank=None).requires_grad_()
+    lp, _ = lossfx_trl.per_token_logps_and_entropies(
+        own, w3, input_ids, mask, logits_to_keep=4, sharded_head="gather", sampling_params=params, chunk_size=2
+    )
+    finite_sum(lp).backward()
+    out["filtered_gather"], out["filtered_grad"] = lp.detach(), w3.grad.to_local()
+    out["filtered_gather_ref"] = dense_filtered(own, weight, input_ids, mask, 4, 1.0)
+    h4 = hidden.clone().requires_grad_()
+    w4 = distribute_tensor(weight, mesh, [Shard(0)], src_data_rank=None).requires_grad_()
+    b4 = distribute_tensor(bias, mesh, [Shard(0)], src_data_rank=None).requires_grad_()
+    lp, ent = lossfx_trl.per_token_logps_and_entropies(
+        h4, w4, input_ids, mask, logits_to_keep=4, sharded_head="tensor_parallel", bias=b4, softcap=3.0,
+        temperature=0.8, sampling_params=params, compute_entropy=True,
+    )  # fmt: skip
+    (finite_sum(lp) + 0.5 * ent.sum()).backward()
+    out["filtered_tp"], out["filtered_tp_ent"] = lp.detach(), ent.detach()
+    out["filtered_tp_grads"] = (h4.grad, w4.grad.to_local(), b4.grad.to_local())
     rep = distribute_tensor(weight, mesh, [Replicate()], src_data_rank=None)
     out["replicated"] = lossfx_trl.per_token_logps_and_entropies(hidden, rep, input_ids, mask, logits_to_keep=4)[0]
     return out
@@ -406,6 +586,18 @@ def test_dtensor_heads_raise_gather_or_run_tensor_parallel():
         for r in range(2)
     )  # fmt: skip
     (db,) = torch.autograd.grad(total_b / 2, b)
+    # filtered, gather: the mean over both ranks' data; tensor parallel: one batch, the full gradients
+    _, _, input_ids, mask = make_case(seed=5, vocab=20)
+    total_f = sum(
+        finite_sum(dense_filtered(make_case(seed=10 + r, vocab=20)[0], w, input_ids, mask, 4, 1.0)) for r in range(2)
+    )
+    (dw_filtered,) = torch.autograd.grad(total_f / 2, w)
+    h = make_case(seed=5, vocab=20)[0].clone().requires_grad_()
+    w, b = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    lp_tp = dense_filtered(h, w, input_ids, mask, 4, 0.8, bias=b, softcap=3.0)
+    ent_tp = dense(h, w, input_ids, mask, 4, 0.8, bias=b, softcap=3.0)[1]
+    (finite_sum(lp_tp) + 0.5 * ent_tp.sum()).backward()
+    lp_tp, ent_tp = lp_tp.detach(), ent_tp.detach()
     for rank, res in enumerate(results):
         assert "placements (Shard(dim=0),)" in res["raised"] and "sharded_head='gather'" in res["raised"]
         torch.testing.assert_close(res["gather"], res["gather_ref"], **TIGHT)
@@ -415,3 +607,12 @@ def test_dtensor_heads_raise_gather_or_run_tensor_parallel():
         torch.testing.assert_close(res["bias_gather"], res["bias_gather_ref"], **TIGHT)
         torch.testing.assert_close(res["bias_grad"], db[rank * 10 : (rank + 1) * 10], **TIGHT)
         torch.testing.assert_close(res["bias_tp"], res["bias_tp_ref"], **TIGHT)
+        torch.testing.assert_close(res["filtered_gather"], res["filtered_gather_ref"], **TIGHT)
+        torch.testing.assert_close(res["filtered_grad"], dw_filtered[rank * 10 : (rank + 1) * 10], **TIGHT)
+        torch.testing.assert_close(res["filtered_tp"], lp_tp, **TIGHT)
+        torch.testing.assert_close(res["filtered_tp_ent"], ent_tp, **TIGHT)
+        for got, want in zip(
+            res["filtered_tp_grads"], (h.grad, w.grad[rank * 10 : (rank + 1) * 10], b.grad[rank * 10 : (rank + 1) * 10])
+        ):
+            torch.testing.assert_close(got, want, **TIGHT)
+    assert torch.isneginf(lp_tp).any()  # the filter drops some scored targets

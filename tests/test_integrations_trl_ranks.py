@@ -40,6 +40,8 @@ def _options(case: str, rank: int) -> dict:
         options["temperature"] = -1.0  # rank 1 alone rejects its value
     elif case == "filtered" and odd:
         options["sampling_params"] = TrainingSamplingParams(top_k=5)
+    elif case == "ties":  # both filter; top-p's tie rule differs
+        options["sampling_params"] = TrainingSamplingParams(top_p=0.8, ties="sorted" if odd else "together")
     elif case == "chunk_size" and odd:
         options["chunk_size"] = 4
     elif case == "softcap" and odd:
@@ -122,6 +124,7 @@ DISAGREE = {  # case: what every rank's error must say
     "temperature": ["disagree on temperature", "rank 0: 0.9", "rank 1: 1.0"],
     "bad_temperature": ["disagree on temperature", "rank 0: 0.9", "rank 1: -1.0"],
     "filtered": ["sampling_params.top_k (a filter) (rank 0: None, rank 1: 5)"],
+    "ties": ["disagree on sampling_params.ties (a filter) (rank 0: 'together', rank 1: 'sorted')"],
     "chunk_size": ["disagree on chunk_size (rank 0: None, rank 1: 4)"],
     "softcap": ["disagree on softcap (rank 0: None, rank 1: 3.0)"],
     "logits_to_keep_tp": ["disagree on logits_to_keep (rank 0: 4, rank 1: 5)"],

@@ -25,7 +25,16 @@ from datasets import Dataset
 from transformers import PrinterCallback, set_seed
 from trl import GRPOConfig, GRPOTrainer
 
-from examples.trl_grpo import ATOL, PROMPTS, RTOL, char_tokenizer, reward_a_count, tiny_qwen2
+from examples.trl_grpo import (
+    ATOL,
+    FILTER,
+    PROMPTS,
+    RTOL,
+    char_tokenizer,
+    logits_filtered_trainer_class,
+    reward_a_count,
+    tiny_qwen2,
+)
 from lossfx.integrations import trl as lossfx_trl
 
 METHOD = "_get_per_token_logps_and_entropies"
@@ -108,7 +117,9 @@ def _count_stock_calls(monkeypatch):
 
 def test_options_are_per_trainer(tmp_path, monkeypatch):
     cls = lossfx_trl.LossfxGRPOTrainer
-    a = _trainer(cls, tmp_path, lossfx_sharded_head="gather", lossfx_filtered_logprobs=True, top_k=5)
+    a = _trainer(
+        cls, tmp_path, lossfx_sharded_head="gather", lossfx_filtered_logprobs=True, lossfx_filter_ties="sorted", top_k=5
+    )
     b = _trainer(cls, tmp_path, lossfx_chunk_size=16)
     assert (a.lossfx_sharded_head, a.lossfx_filtered_logprobs, a.lossfx_chunk_size) == ("gather", True, None)
     assert (b.lossfx_sharded_head, b.lossfx_filtered_logprobs, b.lossfx_chunk_size) == ("raise", False, 16)
@@ -118,7 +129,7 @@ def test_options_are_per_trainer(tmp_path, monkeypatch):
     for trainer in (a, b, a):  # interleaved: each call reads its own trainer's options
         getattr(trainer, METHOD)(trainer.model, ids, torch.ones_like(ids), 4)
     seen = [(k["sharded_head"], k["chunk_size"], k["sampling_params"]) for _, _, _, k in spy.calls]
-    filtered = lossfx_trl.TrainingSamplingParams(top_k=5, top_p=1.0)
+    filtered = lossfx_trl.TrainingSamplingParams(top_k=5, top_p=1.0, ties="sorted")
     assert seen == [("gather", None, filtered), ("raise", 16, None), ("gather", None, filtered)]
 
 
@@ -152,6 +163,7 @@ def _trainer_warnings_kept(tmp_path):
         ("lossfx_sharded_head", "shard", ValueError, "lossfx_sharded_head must be 'raise', 'gather' or"),
         ("lossfx_sharded_head", None, ValueError, "lossfx_sharded_head must be .* got None"),
         ("lossfx_filtered_logprobs", "yes", TypeError, "lossfx_filtered_logprobs must be a bool, got 'yes'"),
+        ("lossfx_filter_ties", "first", ValueError, "lossfx_filter_ties must be 'together' or 'sorted', got 'first'"),
         ("lossfx_chunk_size", 0, ValueError, "lossfx_chunk_size must be positive, got 0"),
         ("lossfx_chunk_size", 2.5, TypeError, "lossfx_chunk_size must be a positive int"),
         ("lossfx_compile", "max-autotune", TypeError, "lossfx_compile must be a bool or a dict"),
@@ -285,3 +297,45 @@ def test_lossfx_compile_runs_the_call_compiled(tmp_path, monkeypatch):
 @pytest.mark.slow  # Inductor: ~45 s of compiling on 2 cores; the default suite traces with the "eager" backend above
 def test_lossfx_compile_inductor(tmp_path, monkeypatch):
     _lossfx_compile_against_stock(tmp_path, monkeypatch, "inductor")
+
+
+# ---------------------------------------------------------------------------------------------
+# The sampler's filter (top_k / top_p), fused, against the logits path
+# ---------------------------------------------------------------------------------------------
+
+
+def test_filtered_logprobs_match_the_logits_path_run(tmp_path, monkeypatch):
+    """Rollouts sampled with top-k/top-p: `lossfx_filtered_logprobs=True` (the fused filtered
+    kernel) trains as `examples.trl_grpo`'s logits-path trainer does (the `[B, K+1, V]` logits,
+    `lossfx.next_token_logprobs` under the same filter), step for step; every lossfx call got the
+    filter, and it matters: the unfiltered scoring of the same rollouts has another gradient norm."""
+    logits = _train(_trainer(logits_filtered_trainer_class(), tmp_path, **FILTER))
+    spy = _Spy(monkeypatch)
+    fused = _train(_trainer(lossfx_trl.LossfxGRPOTrainer, tmp_path, lossfx_filtered_logprobs=True, **FILTER))
+    _assert_same_steps(logits, fused)
+    params = lossfx_trl.TrainingSamplingParams(**FILTER)
+    assert len(spy.calls) == 3 and all(k["sampling_params"] == params for _, _, _, k in spy.calls)
+    unfiltered = _train(_trainer(lossfx_trl.LossfxGRPOTrainer, tmp_path, **FILTER))
+    assert not math.isclose(unfiltered[0]["grad_norm"], fused[0]["grad_norm"], rel_tol=100 * RTOL)
+
+
+@pytest.mark.slow  # Inductor compiling the filtered kernel: ~2 min on 2 loaded cores
+def test_filtered_lossfx_compile_inductor(tmp_path):
+    """`lossfx_filtered_logprobs=True` under `lossfx_compile` with Inductor: fullgraph, at most one
+    recompile for the varying completion length, and the logits-path run's steps."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    logits = _train(_trainer(logits_filtered_trainer_class(), tmp_path, **FILTER))
+    counter = CompileCounterWithBackend("inductor")
+    fused = _train(
+        _trainer(
+            lossfx_trl.LossfxGRPOTrainer,
+            tmp_path,
+            lossfx_filtered_logprobs=True,
+            lossfx_compile={"backend": counter},
+            **FILTER,
+        )
+    )
+    _assert_same_steps(logits, fused)
+    assert 1 <= counter.frame_count <= 2

@@ -7,16 +7,17 @@
 `per_token_logps_and_entropies` is what TRL's `GRPOTrainer._get_per_token_logps_and_entropies`
 returns for one micro-batch (TRL 1.16: its fused LM head, `trl.trainer.utils.add_fused_lm_head`),
 computed by `lossfx.linear_next_token_logprobs` on the last `K + 1` positions only: the logits are
-never materialised and the prompt is never projected. `LossfxGRPOMixin` plugs it into a
-`GRPOTrainer`; `LossfxGRPOTrainer` is the ready subclass (built on first access, so importing this
-module imports neither TRL nor transformers). With a DTensor head the ranks of its mesh first
-check, by one small all-gather, that they call with the same options (`_check_ranks_agree`): a rank
-that differs gets a `ValueError` on every rank, not a hang in the head's gather. Docs:
-docs/huggingface.md.
+never materialised and the prompt is never projected. Under the sampler's top-k/top-p filter
+(`sampling_params`) the log-probs come from `lossfx.linear_filtered_token_logprobs`, fused too.
+`LossfxGRPOMixin` plugs it into a `GRPOTrainer`; `LossfxGRPOTrainer` is the ready subclass (built
+on first access, so importing this module imports neither TRL nor transformers). With a DTensor
+head the ranks of its mesh first check, by one small all-gather, that they call with the same
+options (`_check_ranks_agree`): a rank that differs gets a `ValueError` on every rank, not a hang
+in the head's gather. Docs: docs/huggingface.md.
 
 An integration is a user of lossfx's public API: it calls the public entry points
-(`lossfx.linear_next_token_logprobs`, `lossfx.next_token_logprobs`), each of which does its
-boundary work once, never the pure code below them.
+(`lossfx.linear_next_token_logprobs`, `lossfx.linear_filtered_token_logprobs`), each of which
+does its boundary work once, never the pure code below them.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from lossfx._boundary.validation import (
 )
 from lossfx.fused_linear import linear_next_token_logprobs
 from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
-from lossfx.loss_input import next_token_logprobs
+from lossfx.linear_filtering import TIES, linear_filtered_token_logprobs
 
 # LossfxGRPOTrainer comes from the module's __getattr__ (built on first access)
 __all__ = [
@@ -156,7 +157,9 @@ def per_token_logps_and_entropies(
         both masked to 0 where labels == -100, then [:, -logits_to_keep:]
 
     computed by `lossfx.linear_next_token_logprobs` on the last `K + 1` positions only; positions
-    that score nothing are `ignore_index` rows of the kernel (never projected).
+    that score nothing are `ignore_index` rows of the kernel (never projected). With a top-k/top-p
+    `sampling_params`, `logps` are `lossfx.linear_filtered_token_logprobs` of the same rows (the
+    dense `lp` above is then the filtered `log_softmax`, `−inf` outside the filter).
 
     Args:
         hidden_states: `[B, S, H]` the model's last hidden states (after the final norm:
@@ -180,10 +183,13 @@ def per_token_logps_and_entropies(
         sharded_head: what a sharded DTensor `weight` means (`lm_head_weight`): `"raise"`,
             `"gather"` or `"tensor_parallel"`.
         sampling_params: the rollout's top-k/top-p filter (`lossfx.TrainingSamplingParams`; its
-            `temperature` is ignored, `temperature` above applies). With a filter, `logps` are
-            those of the filtered distribution the sampler drew from (`−inf` where the token lies
-            outside it), computed on the logits path: the `[B, K, V]` logits are materialised.
-            The entropies stay those of the unfiltered distribution (TRL's metric).
+            `temperature` is ignored, `temperature` above applies first, as samplers do; its
+            `ties` is top-p's tie rule). With a filter, `logps` are those of the filtered
+            distribution the sampler drew from (`−inf` where the token lies outside it), computed
+            from the hidden states by `lossfx.linear_filtered_token_logprobs` (no logits
+            materialised; two passes over the vocabulary, forward and backward). The entropies
+            stay those of the unfiltered distribution (TRL's metric): with `compute_entropy` they
+            cost the unfiltered fused kernel's passes on top.
         bias: `[V]` LM-head bias (`lm_head.bias`), or a DTensor (as `weight`, `sharded_head`).
         logit_scale: multiplier of the logits before soft-capping (`config.logit_scale` of
             Cohere, `1 / config.logits_scaling` of Granite, ...: `head_options` reads them).
@@ -227,26 +233,37 @@ def per_token_logps_and_entropies(
     pos = None if position_ids is None else position_ids[:, start:]
     if pos is not None:  # a sequence's last position scores nothing (both paths, both outputs)
         scored = scored & (pos[:, 1:] != 0)
-    head = {"bias": bias, "logit_scale": logit_scale, "softcap": softcap}
-    if need_top_k_or_top_p_filtering(sampling_params):
-        targets = torch.where(targets == IGNORE_INDEX, torch.zeros_like(targets), targets)
-        return _filtered(hidden, weight, targets, scored, temperature, compute_entropy, pos, sampling_params, head)
-    # what scores nothing is an ignored row of the kernel: 0, zero gradient, never projected
-    ignored = torch.full_like(targets[:, :1], IGNORE_INDEX)
-    targets = torch.cat([ignored, torch.where(scored, targets[:, 1:], IGNORE_INDEX)], dim=1)
+    head = {"bias": bias, "logit_scale": logit_scale, "softcap": softcap, "temperature": temperature}
+    # what scores nothing is an ignored row of the kernels: 0, zero gradient
+    scored_ids = torch.where(scored, targets[:, 1:], IGNORE_INDEX)  # [B, K]
+    sampler = sampling_params if need_top_k_or_top_p_filtering(sampling_params) else None
+    neg_entropy = None
     with torch.autocast(hidden.device.type, enabled=False):  # promote_types(hidden, weight) is the matmuls'
-        result = linear_next_token_logprobs(
-            hidden,
-            weight,
-            targets,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            return_neg_entropy=bool(compute_entropy),
-            position_ids=pos,
-            ignore_index=IGNORE_INDEX,
-            **head,
-        )
-    logps, neg_entropy = result if isinstance(result, tuple) else (result, None)
+        if sampler is None or compute_entropy:  # with a filter: the unfiltered distribution's entropies (TRL's metric)
+            ignored = torch.full_like(targets[:, :1], IGNORE_INDEX)
+            result = linear_next_token_logprobs(
+                hidden,
+                weight,
+                torch.cat([ignored, scored_ids], dim=1),
+                chunk_size=chunk_size,
+                return_neg_entropy=bool(compute_entropy),
+                position_ids=pos,
+                ignore_index=IGNORE_INDEX,
+                **head,
+            )
+            logps, neg_entropy = result if isinstance(result, tuple) else (result, None)
+        if sampler is not None:  # the sampler's distribution; hidden position j scores token j + 1
+            logps = linear_filtered_token_logprobs(
+                hidden[:, :-1],
+                weight,
+                scored_ids,
+                top_k=sampler.top_k,
+                top_p=sampler.top_p,
+                ties=sampler.ties,
+                chunk_size=chunk_size,
+                ignore_index=IGNORE_INDEX,
+                **head,
+            )
     return logps, None if neg_entropy is None else -neg_entropy
 
 
@@ -298,16 +315,17 @@ def _check_arguments(
 # ---------------------------------------------------------------------------------------------
 
 _SHARDED_HEADS = ("raise", "gather", "tensor_parallel")
+_CHOICES = {"choice": _SHARDED_HEADS, "ties": TIES}  # an option of a few strings: its index
 # int64 codes no option encodes otherwise (NaN payloads that `float()` never yields): None, a bad type
 _NONE, _INVALID = 0x7FF8_0000_0000_0A11, 0x7FF8_0000_0000_0BAD
 
 
 def _code(value: object, kind: str) -> int:
-    """`value` as one int64: an index of `_SHARDED_HEADS`, a bool, an int, or a float's bits."""
+    """`value` as one int64: an index of its `_CHOICES`, a bool, an int, or a float's bits."""
     if value is None:
         return _NONE
-    if kind == "choice":
-        return next((i for i, v in enumerate(_SHARDED_HEADS) if value == v), _INVALID)
+    if kind in _CHOICES:
+        return next((i for i, v in enumerate(_CHOICES[kind]) if value == v), _INVALID)
     if kind == "bool" or isinstance(value, bool):
         return int(value) if isinstance(value, bool) and kind == "bool" else _INVALID
     if kind == "int":
@@ -322,8 +340,8 @@ def _shown(code: int, kind: str) -> str:
         return "None"
     if code == _INVALID:
         return "<invalid>"
-    if kind == "choice":
-        return repr(_SHARDED_HEADS[code])
+    if kind in _CHOICES:
+        return repr(_CHOICES[kind][code])
     if kind == "bool":
         return repr(bool(code))
     return repr(code) if kind == "int" else repr(struct.unpack("<d", struct.pack("<q", code))[0])
@@ -352,6 +370,7 @@ def _option_fields(
         ("chunk_size", chunk_size, "int"),
         ("sampling_params.top_k (a filter)", sampling_params.top_k if filtered else None, "int"),
         ("sampling_params.top_p (a filter)", sampling_params.top_p if filtered else None, "float"),
+        ("sampling_params.ties (a filter)", sampling_params.ties if filtered else None, "ties"),
         ("logits_to_keep", logits_to_keep, "int"),  # compared under "tensor_parallel" only
     ]
 
@@ -434,7 +453,8 @@ def _check_ranks_agree(
         raise ValueError(
             "lossfx.integrations.trl: the ranks of the LM head's device mesh disagree on " + "; ".join(differ)
             + ". Every rank must score with the same options (LossfxGRPOTrainer: lossfx_sharded_head, "
-            "lossfx_filtered_logprobs, lossfx_chunk_size, GRPOConfig's temperature, top_k, top_p; the model's "
+            "lossfx_filtered_logprobs, lossfx_filter_ties, lossfx_chunk_size, GRPOConfig's temperature, top_k, "
+            "top_p; the model's "
             "head). Checked before any collective: every rank raises this error"
         )  # fmt: skip
     if error is not None:
@@ -445,40 +465,6 @@ def _check_ranks_agree(
             f"lossfx.integrations.trl: rank(s) {rejected} of the LM head's device mesh rejected their arguments "
             "(each raised its own error); this rank stops too, before any collective"
         )
-
-
-def _filtered(
-    hidden: Tensor,
-    weight: Any,
-    targets: Tensor,
-    scored: Tensor,
-    temperature: float,
-    compute_entropy: bool,
-    position_ids: Tensor | None,
-    sampling_params: Any,
-    head: dict[str, Any],
-) -> tuple[Tensor, Tensor | None]:
-    """The logits path of `per_token_logps_and_entropies` under a top-k/top-p filter."""
-    bias, scale, cap = head["bias"], head["logit_scale"], head["softcap"]
-    if is_dtensor(weight) or is_dtensor(bias):
-        raise ValueError("sampling_params with a top-k/top-p filter needs a plain (or gathered) LM-head weight")
-    with torch.autocast(hidden.device.type, enabled=False):
-        dtype = torch.promote_types(hidden.dtype, weight.dtype)
-        logits = hidden.to(dtype) @ weight.to(dtype).T  # [B, K+1, V]
-        if bias is not None:
-            logits = logits + bias.to(dtype)
-        logits = logits * scale
-        if cap is not None:
-            logits = cap * torch.tanh(logits / cap)
-        logits = logits / temperature
-        logps = next_token_logprobs(logits, targets, sampling_params=sampling_params, position_ids=position_ids)
-        entropies = None
-        if compute_entropy:
-            lp = torch.log_softmax(logits[:, :-1].to(logps.dtype), dim=-1)
-            entropies = -(lp.exp() * lp).sum(-1)
-    zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
-    logps = torch.where(scored, logps, zero)
-    return logps, None if entropies is None else torch.where(scored, entropies, zero)
 
 
 def head_options(model: Any) -> dict[str, Any]:
@@ -505,7 +491,9 @@ _STOCK_PARAMETERS = (
     "self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
     "compute_aux_loss",
 )  # fmt: skip
-_OPTIONS = ("lossfx_sharded_head", "lossfx_filtered_logprobs", "lossfx_chunk_size", "lossfx_compile")
+_OPTIONS = (
+    "lossfx_sharded_head", "lossfx_filtered_logprobs", "lossfx_filter_ties", "lossfx_chunk_size", "lossfx_compile",
+)  # fmt: skip
 
 
 def _check_option(name: str, value: Any) -> Any:
@@ -516,6 +504,9 @@ def _check_option(name: str, value: Any) -> Any:
     elif name == "lossfx_filtered_logprobs":
         if not isinstance(value, bool):
             raise TypeError(f"lossfx_filtered_logprobs must be a bool, got {value!r}")
+    elif name == "lossfx_filter_ties":
+        if value not in TIES:
+            raise ValueError(f"lossfx_filter_ties must be 'together' or 'sorted', got {value!r}")
     elif name == "lossfx_chunk_size":
         check_positive_int("lossfx_chunk_size", value)
     elif not isinstance(value, (bool, dict)):
@@ -548,7 +539,10 @@ def _check_trainer_class(cls: type) -> None:
         )
 
 
-_DEFAULTS = {"lossfx_sharded_head": "raise", "lossfx_filtered_logprobs": False, "lossfx_chunk_size": None}
+_DEFAULTS = {
+    "lossfx_sharded_head": "raise", "lossfx_filtered_logprobs": False, "lossfx_filter_ties": "together",
+    "lossfx_chunk_size": None,
+}  # fmt: skip
 
 
 def _warn_shared_class_options() -> None:
@@ -583,8 +577,10 @@ class LossfxGRPOMixin:
     - `lossfx_sharded_head`: `"raise"` (default), `"gather"` (FSDP2) or `"tensor_parallel"`,
       passed as `sharded_head`;
     - `lossfx_filtered_logprobs`: `True` scores the completions under the trainer's `top_k` /
-      `top_p` (the sampler's filtered distribution, on the logits path) instead of the full
-      distribution stock TRL scores (default `False`);
+      `top_p` (the sampler's filtered distribution, fused: `linear_filtered_token_logprobs`)
+      instead of the full distribution stock TRL scores (default `False`);
+    - `lossfx_filter_ties`: top-p's rule among equal logits under `lossfx_filtered_logprobs`,
+      `"together"` (default) or `"sorted"` (`lossfx.TrainingSamplingParams.ties`);
     - `lossfx_chunk_size`: rows per logits chunk of the fused kernel (`None`: its default);
     - `lossfx_compile`: `True` runs `per_token_logps_and_entropies` under
       `torch.compile(fullgraph=True)` (compiled once per trainer), a dict adds keyword arguments
@@ -598,6 +594,7 @@ class LossfxGRPOMixin:
 
     lossfx_sharded_head: ShardedHead = "raise"
     lossfx_filtered_logprobs: bool = False
+    lossfx_filter_ties: Literal["together", "sorted"] = "together"
     lossfx_chunk_size: int | None = None
     lossfx_compile: bool | dict[str, Any] = False
 
@@ -615,13 +612,14 @@ class LossfxGRPOMixin:
         *args: Any,
         lossfx_sharded_head: ShardedHead = _UNSET,
         lossfx_filtered_logprobs: bool = _UNSET,
+        lossfx_filter_ties: Literal["together", "sorted"] = _UNSET,
         lossfx_chunk_size: int | None = _UNSET,
         lossfx_compile: bool | dict[str, Any] = _UNSET,
         **kwargs: Any,
     ) -> None:
         _check_trainer_class(type(self))
         _warn_shared_class_options()
-        given = (lossfx_sharded_head, lossfx_filtered_logprobs, lossfx_chunk_size, lossfx_compile)
+        given = (lossfx_sharded_head, lossfx_filtered_logprobs, lossfx_filter_ties, lossfx_chunk_size, lossfx_compile)
         for name, value in zip(_OPTIONS, given, strict=True):
             setattr(self, name, _check_option(name, getattr(type(self), name) if value is _UNSET else value))
         self._lossfx_compiled: Any = None
@@ -661,15 +659,16 @@ class LossfxGRPOMixin:
         sampling = None
         if self.lossfx_filtered_logprobs:
             top_k = getattr(self, "top_k", None)
-            sampling = TrainingSamplingParams(top_k=top_k or None, top_p=float(getattr(self, "top_p", 1.0) or 1.0))
+            top_p = float(getattr(self, "top_p", 1.0) or 1.0)
+            sampling = TrainingSamplingParams(top_k=top_k or None, top_p=top_p, ties=self.lossfx_filter_ties)
         fn = self._lossfx_function()
         if not getattr(self, "_lossfx_logged", False):
             self._lossfx_logged = True
             logger.info(
                 "lossfx computes %s's per-token log-probs and entropies (lossfx.integrations.trl: sharded_head=%r, "
-                "filtered_logprobs=%r, chunk_size=%r, compile=%r)",
+                "filtered_logprobs=%r, filter_ties=%r, chunk_size=%r, compile=%r)",
                 type(self).__name__, self.lossfx_sharded_head, self.lossfx_filtered_logprobs,
-                self.lossfx_chunk_size, getattr(self, "lossfx_compile", False),
+                self.lossfx_filter_ties, self.lossfx_chunk_size, getattr(self, "lossfx_compile", False),
             )  # fmt: skip
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
