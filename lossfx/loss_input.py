@@ -608,11 +608,9 @@ def prepare_packed_loss_input(
     if getattr(loss_fn, "use_fused_linear_logprobs", False):
         raise ValueError("prepare_packed_loss_input does not support use_fused_linear_logprobs")
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
-    input_ids = check_tensor("data['input_ids']", _column(data, "input_ids"))
-    check_tensor("logits", logits)
-    logits, input_ids, layout, vocab, options = _validated_packed(
+    logits, input_ids, layout, vocab, options = _validated_packed(  # checks the logits and ids too
         logits,
-        input_ids,
+        _column(data, "input_ids"),
         cu_seqlens_q,
         cu_seqlens_q_padded,
         prepacked="cu_seqlens" in data,

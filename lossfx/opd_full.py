@@ -454,10 +454,10 @@ def opd_full_input(
         raise ValueError(f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(logits.shape)}")
     tp_rank = _tp_rank(vocab_parallel_rank, group)
     column = _PAYLOAD_COLUMNS[teacher_payload]
-    for key in (column, "input_ids"):
+    for what, key in (("teacher payload column", column), ("column", "input_ids")):
         if key not in data:
             raise ValueError(
-                f"opd_full requires the column {key!r} in the training microbatch; data has {sorted(data)}"
+                f"opd_full requires the {what} {key!r} in the training microbatch; data has {sorted(data)}"
             )
     input_ids = check_integer_ids("data['input_ids']", data["input_ids"])
     got = f"input_ids.shape={tuple(input_ids.shape)} and logits.shape={tuple(logits.shape)}"

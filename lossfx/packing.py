@@ -167,14 +167,9 @@ def check_packed_input_ids(
     if _host_reads.seen((*key, "V of the call" if callable(vocab) else vocab)):
         return
     # the scored positions on the device: the `cu_seqlens` values are not read here
+    cu_q = _as_tensor("cu_seqlens_q", cu_seqlens_q, input_ids.device)
     cu_p = _as_tensor("cu_seqlens_q_padded", cu_seqlens_q_padded, input_ids.device)
-    position = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]  # [1, S]
-    if prepacked:
-        scored = ((position > cu_p[:-1, None]) & (position < cu_p[1:, None])).any(dim=0, keepdim=True)  # [1, T]
-    else:
-        cu_q = _as_tensor("cu_seqlens_q", cu_seqlens_q, input_ids.device)
-        length = torch.minimum(cu_q[1:] - cu_q[:-1], cu_p[1:] - cu_p[:-1])  # [B]
-        scored = (position >= 1) & (position < length[:, None])  # [B, S]
+    scored = _pure.scored_slots(input_ids.shape[1], cu_q, cu_p, prepacked)  # [B, S] ([1, T] pre-packed)
     values = torch.where(scored, input_ids, torch.zeros_like(input_ids))  # 0: in range for any V >= 1
     if traced:
         return check_ids_in_range(f"{name} (at the scored positions)", values, vocab)
