@@ -370,7 +370,7 @@ def prepare_loss_input(
     shard, caller = _unwrapped(
         _view, logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, teacher_output_layer_weight_by_index
     )
-    before = dict(data)
+    before = dict(data) if shard is not None else {}  # the local columns, to tell those the branch writes
     input_type = _input_type(loss_fn)
     check_tensor("logits", logits)
     check_group("vocab_parallel_group", vocab_parallel_group)
@@ -598,7 +598,7 @@ def prepare_packed_loss_input(
             multiple of `2C`), naming the offending entries; bad shapes or ids.
     """
     shard, caller = _unwrapped(_view, logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group)
-    before = dict(data)
+    before = dict(data) if shard is not None else {}  # the local columns, to tell those the branch writes
     input_type = _input_type(loss_fn)
     if input_type is not LossInputType.LOGPROB:
         raise ValueError(
