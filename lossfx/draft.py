@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import renamed_keywords
-from lossfx._boundary.dtensor import VocabShard, check_view, is_dtensor, resolved_shard, vocab_shard
+from lossfx._boundary.dtensor import SHARD, VocabShard, check_view, is_dtensor, resolved_shard, vocab_shard
 from lossfx._boundary.validation import check_floating, check_group, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.vocab import VocabRange
@@ -48,21 +48,24 @@ __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
 
 
 def _shift_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The cross-rank check's view of a `shift_left` call: a vocabulary-sharded DTensor `x` as
-    its local shard, exactly as the body unwraps it."""
+    """The one unwrap of a `shift_left` call (`boundary(unwrapped=True)`): a vocabulary-sharded
+    DTensor `x` as its local shard, which the check compares and the body shifts."""
     if is_dtensor(arguments["x"]):
-        arguments["x"] = vocab_shard(arguments["x"], name="x").local
-        arguments["DTensor arguments"] = ("x",)
+        shard = vocab_shard(arguments["x"], name="x")
+        arguments.update({"x": shard.local, "DTensor arguments": ("x",), SHARD: shard})
     return arguments, ""
 
 
 @renamed_keywords(cp_group="context_parallel_group")
-@boundary(roles=Roles(cp="context_parallel_group", cp_from="cp_sharder", cp_shards=("x",)), local=_shift_view)
+@boundary(
+    roles=Roles(cp="context_parallel_group", cp_from="cp_sharder", cp_shards=("x",)), local=_shift_view, unwrapped=True
+)
 def shift_left(
     x: Tensor,
     context_parallel_group: ProcessGroup | None = None,
     *,
     cp_sharder: ContextParallelSharder | None = None,
+    _view: dict[str, Any] | None = None,
 ) -> Tensor:
     """Shift `x [B, S_l, ...]` one position left along dim 1 in canonical order; last row zero.
 
@@ -78,8 +81,7 @@ def shift_left(
             canonical sequence is then the sharder's gathered (trimmed) one.
     """
     # shifts along the sequence: a vocabulary-sharded DTensor stays one (lossfx/_boundary/dtensor.py)
-    shard = vocab_shard(x, name="x") if is_dtensor(x) else None
-    local = x if shard is None else shard.local
+    shard, local = resolved_shard(_view), x
     check_tensor("x", local)
     if local.dim() < 2:
         raise ValueError(f"x must have a sequence dim 1, got shape {tuple(local.shape)}")

@@ -30,18 +30,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._boundary.consistency import (
-    Roles,
-    ShardWidths,
-    boundary,
-)
+from lossfx._boundary.consistency import Roles, ShardWidths, boundary
 from lossfx._boundary.dtensor import (
     SHARD,
-    EntryKeys,
     VocabShard,
     check_view,
     entry_point_local,
-    entry_point_on_local,
     has_dtensor,
     is_dtensor,
     rejections_compared,
@@ -58,14 +52,8 @@ from lossfx.draft import validated_draft
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.logprobs import check_ignore_index
 from lossfx.loss_masks import loss_mask_from_data, masked_out_neg_inf
-from lossfx.next_token import (
-    NextTokenCall,
-    next_token_logprobs_of,
-    resolve_filter,
-    validated_next_token_call,
-)
-from lossfx.opd_full import _PAYLOAD_COLUMNS, TEACHER_INDEX_FIELD, opd_full_input
-from lossfx.opd_full import check_view as opd_check_view
+from lossfx.next_token import next_token_logprobs_of, resolve_filter, validated_next_token_call
+from lossfx.opd_full import _PAYLOAD_COLUMNS, TEACHER_INDEX_FIELD, has_dtensor_head, local_teacher_heads, opd_full_input
 from lossfx.packing import _validated_packed
 from lossfx.sequence_layout import SequenceLayout, sequence_layout
 
@@ -76,12 +64,8 @@ __all__ = [
     "prepare_packed_loss_input",
 ]
 
-
-# what the DTensor boundary (`_boundary.dtensor.entry_point_on_local`) maps: the data key padded like the
-# logits, the results given back as the caller's DTensor or wrapped as sharded ones
-_DTENSOR_KEYS = EntryKeys(
-    full_columns=("teacher_full_logits",), as_input=("logits",), sharded=("teacher_logits",), other_vocab="d2t"
-)
+_HEADS = "teacher_output_layer_weight_by_index"
+_CALLER = "_caller data"  # the view's record of the caller's `data` (a leading `_`: not compared)
 
 
 def _input_type(loss_fn: Any) -> LossInputType:
@@ -228,92 +212,91 @@ def next_token_logprobs(
     input_ids = replicated(input_ids, "input_ids")  # DTensor boundary: lossfx/_boundary/dtensor.py
     if ignore_index is not None:
         check_ignore_index(ignore_index)
-    call = _validated_logprob_call(
+    _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+    call = validated_next_token_call(
         logits,
         input_ids,
-        vocab_parallel_rank,
-        vocab_parallel_group,
-        sequence_layout(context_parallel_group, cp_sharder),
-        chunk_size,
+        group=group,
+        layout=sequence_layout(context_parallel_group, cp_sharder),
+        chunk_size=chunk_size,
         position_ids=position_ids,
+        widths=ShardWidths() if _widths is None else _widths,
         ignore_index=ignore_index,
-        widths=_widths,
     )
     return next_token_logprobs_of(call, resolve_filter(sampling_params))
 
 
-def _validated_logprob_call(
-    logits: Tensor,
-    input_ids: Tensor,
-    vocab_parallel_rank: int | None,
-    vocab_parallel_group: ProcessGroup | None,
-    layout: SequenceLayout,
-    chunk_size: int | None,
-    *,
-    position_ids: Tensor | None = None,
-    ignore_index: int | None = None,
-    ids_name: str = "input_ids",
-    widths: ShardWidths | None = None,
-) -> NextTokenCall:
-    """The boundary work of `next_token_logprobs` and of `prepare_loss_input(LOGPROB)` on local
-    tensors, once: the tensor-parallel arguments, then `validated_next_token_call` (shapes, ONE
-    range check of the scored ids, this rank's `VocabRange` from the `widths` the ranks reported
-    to the call's check: uneven shards in eager mode)."""
-    _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
-    return validated_next_token_call(
-        logits,
-        input_ids,
-        group=group,
-        layout=layout,
-        chunk_size=chunk_size,
-        position_ids=position_ids,
-        widths=ShardWidths() if widths is None else widths,
-        ids_name=ids_name,
-        ignore_index=ignore_index,
+def _unwrap(arguments: dict[str, Any], opd: bool = False) -> dict[str, Any]:
+    """The one unwrap of an entry point's DTensors, the same for every branch: the cross-rank
+    check's view of the call and the arguments its body runs on (`boundary(unwrapped=True)`).
+
+    The logits become their even local shard (`-inf` columns on a short rank) with the group and
+    rank of their placement; `data` a new dict of local columns (`entry_point_local`: the logits
+    payload padded like the logits); each teacher head this rank's rows (`local_teacher_heads`);
+    an OPD_FULL call (`opd`, or its input type) gets `vocab_size = V` of a vocabulary-parallel
+    shard (which of its columns are real). Which arguments were DTensors is one more compared
+    field; the shard (`SHARD`) and the caller's `data` (`_CALLER`) are the body's (`_back`)."""
+    logits, data, heads = arguments["logits"], arguments["data"], arguments.get(_HEADS)
+    if not isinstance(data, Mapping) or not (has_dtensor(logits, data) or has_dtensor_head(heads)):
+        return arguments
+    given = tuple(name for name, value in arguments.items() if is_dtensor(value) or has_dtensor_head(value))
+    group, rank = arguments["vocab_parallel_group"], arguments["vocab_parallel_rank"]
+    shard, local = entry_point_local(
+        logits, data, full_columns=("teacher_full_logits",), roles=_ROLES, group=group, rank=rank
     )
+    arguments.update(logits=shard.local, data=local, vocab_parallel_group=shard.group, vocab_parallel_rank=shard.rank)
+    arguments.update({"DTensor arguments": given, SHARD: shard, _CALLER: data})
+    if _HEADS in arguments:
+        arguments[_HEADS] = local_teacher_heads(heads, shard)
+        if opd or _input_name(arguments).endswith("OPD_FULL"):
+            arguments["vocab_size"] = shard.vocab_size if shard.group is not None else None
+    return arguments
 
 
-def _entry_view(roles: Roles) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
-    """The one unwrap of an entry point's DTensor logits and columns (`entry_point_local`): the
-    arguments with the logits' even local shard, its group and rank, and the local columns, which
-    the cross-rank check compares and `entry_point_on_local` runs the branch on (its `SHARD`),
-    and which arguments were DTensors."""
-
-    def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        logits, data = arguments["logits"], arguments["data"]
-        if not isinstance(data, Mapping) or not has_dtensor(logits, data):
-            return arguments, ""
-        group, rank = arguments["vocab_parallel_group"], arguments["vocab_parallel_rank"]
-        shard, local = entry_point_local(logits, data, keys=_DTENSOR_KEYS, roles=roles, group=group, rank=rank)
-        given = ("logits",) * is_dtensor(logits) + ("data",) * any(is_dtensor(v) for v in data.values())
-        arguments.update(logits=shard.local, data=local, vocab_parallel_group=shard.group)
-        arguments.update({"vocab_parallel_rank": shard.rank, "DTensor arguments": given, SHARD: shard})
-        return arguments, ""
-
-    return view
+def _entry_view(opd: bool = False) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
+    """The check's view of an entry point (`_unwrap`); a DTensor it rejects on some rank is a
+    compared field, not an error before the check's collective (`rejections_compared`)."""
+    return rejections_compared(lambda arguments: (_unwrap(arguments, opd), ""), "vocab_parallel_group")
 
 
-def _local_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The cross-rank check's view of a `prepare_loss_input` call with DTensors: OPD_FULL's
-    (`lossfx.opd_full.check_view`), or the entry points' one unwrap (`_entry_view`)."""
-    try:
-        opd = LossInputType(getattr(arguments.get("loss_fn"), "input_type", None)) is LossInputType.OPD_FULL
-    except ValueError:
-        opd = False  # the body raises on the input type
-    return opd_check_view(arguments) if opd else _ENTRY_VIEW(arguments)
+def _unwrapped(view: Mapping[str, Any] | None, *arguments: Any) -> tuple[VocabShard | None, Any]:
+    """`(shard, the caller's data)` of the call's one unwrap, the `view` its body runs on; when the
+    view rejected a DTensor (`None`), that unwrap again of the caller's `arguments` (`logits, data,
+    loss_fn, vocab_parallel_rank, vocab_parallel_group[, teacher heads]`), which raises its error
+    on every rank that agreed on it."""
+    if view is None:
+        view = _unwrap(
+            dict(zip(("logits", "data", "loss_fn", "vocab_parallel_rank", "vocab_parallel_group", _HEADS), arguments))
+        )
+    return view.get(SHARD), view.get(_CALLER, arguments[1])
 
 
-def _unwrapped(view: Mapping[str, Any] | None) -> tuple[VocabShard, Mapping[str, Any]] | None:
-    """`(shard, local columns)` that the check's view (`_entry_view`) unwrapped, or `None`."""
-    return None if view is None or view.get(SHARD) is None else (view[SHARD], view["data"])
+def _back(
+    shard: VocabShard | None,
+    caller: MutableMapping[str, Any],
+    local: Mapping[str, Any],
+    before: Mapping[str, Any],
+    loss_input: dict[str, Any],
+    d2t: Any = None,
+) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
+    """`(loss_input, data)` for the caller of a call with DTensors (`shard`): columns the branch
+    wrote into the `local` data (`before`: as it was) land in the caller's, logits returned as
+    given become the caller's DTensor, `DRAFT`'s `teacher_logits` one placed like them (on the
+    draft vocabulary of `len(d2t)` ids with `d2t`)."""
+    if shard is None:
+        return loss_input, caller
+    caller.update({key: value for key, value in local.items() if before.get(key) is not value})
+    if loss_input.get("logits") is shard.local and shard.dtensor is not None:
+        loss_input["logits"] = shard.dtensor
+    teacher = loss_input.get("teacher_logits")
+    if teacher is not None:
+        loss_input["teacher_logits"] = (
+            shard.wrap(teacher) if d2t is None else shard.wrap_other_vocab(teacher, d2t.shape[0])
+        )
+    return loss_input, caller
 
 
-_ENTRY_VIEW = _entry_view(_ROLES)
-# a DTensor rejected on some rank is a compared field, not an error before the check's collective
-_loss_input_view = rejections_compared(_local_view, "vocab_parallel_group")
-
-
-@boundary(roles=_ROLES_ALL, vocab=_vocab_policy, local=_loss_input_view)
+@boundary(roles=_ROLES_ALL, vocab=_vocab_policy, local=_entry_view(), unwrapped=True)
 def prepare_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -384,14 +367,16 @@ def prepare_loss_input(
         >>> out["next_token_logprobs"]
         tensor([[-1.3863, -1.3863]])
     """
+    shard, caller = _unwrapped(
+        _view, logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, teacher_output_layer_weight_by_index
+    )
+    before = dict(data) if shard is not None else {}  # the local columns, to tell those the branch writes
     input_type = _input_type(loss_fn)
-    dtensors = has_dtensor(logits, data)
-    if not dtensors:
-        check_tensor("logits", logits)
-        check_group("vocab_parallel_group", vocab_parallel_group)
-        check_group("context_parallel_group", context_parallel_group)
-    if input_type is LossInputType.OPD_FULL:  # its boundary also maps DTensor logits, columns and teacher heads
-        return opd_full_input(
+    check_tensor("logits", logits)
+    check_group("vocab_parallel_group", vocab_parallel_group)
+    check_group("context_parallel_group", context_parallel_group)
+    if input_type is LossInputType.OPD_FULL:
+        out = opd_full_input(
             logits,
             data,
             loss_fn,
@@ -401,74 +386,34 @@ def prepare_loss_input(
             chunk_size=chunk_size,
             teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
             teacher_logits_dtype=teacher_logits_dtype,
+            vocab_size=(_view or {}).get("vocab_size"),
             cp_sharder=cp_sharder,
-            view=_view,
-        ), data
-    parallel: dict[str, Any] = {
-        "vocab_parallel_rank": vocab_parallel_rank,
-        "vocab_parallel_group": vocab_parallel_group,
-        "context_parallel_group": context_parallel_group,
-        "cp_sharder": cp_sharder,
-    }
-    options: dict[str, Any] = {"sampling_params": sampling_params, "d2t": d2t, "chunk_size": chunk_size}
-    options["widths"] = _widths
-    if dtensors:  # DTensor boundary: the check's view, unwrapped once (lossfx/_boundary/dtensor.py)
-        return entry_point_on_local(
-            _prepare_on_local,
-            logits,
-            data,
-            loss_fn,
-            keys=_DTENSOR_KEYS,
-            roles=_ROLES,
-            unwrapped=_unwrapped(_view),
-            **parallel,
-            **options,
         )
-    return _prepare_on_local(logits, data, loss_fn, **parallel, **options)
-
-
-def _prepare_on_local(
-    logits: Tensor,
-    data: MutableMapping[str, Any],
-    loss_fn: Any,
-    *,
-    vocab_parallel_rank: int | None,
-    vocab_parallel_group: ProcessGroup | None,
-    context_parallel_group: ProcessGroup | None,
-    cp_sharder: Any,
-    sampling_params: TrainingSamplingParams | None,
-    d2t: Tensor | None,
-    chunk_size: int | None,
-    widths: ShardWidths | None,
-) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
-    """`prepare_loss_input`'s branches but `OPD_FULL` on local tensors (DTensors unwrapped once,
-    by the boundary's `_loss_input_view`, handed over by `entry_point_on_local`)."""
-    input_type = _input_type(loss_fn)
-    if input_type is LossInputType.LOGIT:
-        return {"logits": logits}, data
-    layout = sequence_layout(context_parallel_group, cp_sharder)  # built once, handed to the branch
-    if input_type is LossInputType.DISTILLATION:
-        _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
-        return _prepare_distillation_input(logits, data, loss_fn, vocab_parallel_group, layout, chunk_size), data
-    if input_type is LossInputType.DRAFT:
-        return _prepare_draft_input(logits, data, d2t, vocab_parallel_rank, vocab_parallel_group, layout), data
-    # the last of LossInputType's five members (`_input_type` rejects anything else)
-    return _prepare_logprob_input(
-        logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, layout, sampling_params, chunk_size, widths
-    ), data
+    elif input_type is LossInputType.LOGIT:
+        out = {"logits": logits}
+    else:
+        layout = sequence_layout(context_parallel_group, cp_sharder)  # built once, handed to the branch
+        rank, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+        if input_type is LossInputType.DISTILLATION:
+            out = _prepare_distillation_input(logits, data, loss_fn, group, layout, chunk_size)
+        elif input_type is LossInputType.DRAFT:
+            out = _prepare_draft_input(logits, data, d2t, rank, group, layout)
+        else:  # the last of LossInputType's five members (`_input_type` rejects anything else)
+            out = _prepare_logprob_input(logits, data, loss_fn, group, layout, sampling_params, chunk_size, _widths)
+    return _back(shard, caller, data, before, out, d2t)
 
 
 def _prepare_logprob_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
     loss_fn: Any,
-    vocab_parallel_rank: int | None,
-    vocab_parallel_group: ProcessGroup | None,
+    group: ProcessGroup | None,
     layout: SequenceLayout,
     sampling_params: TrainingSamplingParams | None,
     chunk_size: int | None,
     widths: ShardWidths | None,
 ) -> dict[str, Tensor]:
+    """`LOGPROB`: next-token log-probs, filtered (and the `-inf` rule) under `sampling_params`."""
     input_ids = check_tensor("data['input_ids']", _column(data, "input_ids"))
     if sampling_params is not None and not isinstance(sampling_params, TrainingSamplingParams):
         raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
@@ -488,28 +433,34 @@ def _prepare_logprob_input(
         width = max(input_ids.shape[1] - 1, 0)
         return {"next_token_logprobs": logits.to(compute_dtype(logits.dtype))[:, :width]}
     top = resolve_filter(sampling_params)
-    call = _validated_logprob_call(
+    call = validated_next_token_call(
         logits,
         input_ids,
-        vocab_parallel_rank,
-        vocab_parallel_group,
-        layout,
-        chunk_size,
+        group=group,
+        layout=layout,
+        chunk_size=chunk_size,
+        widths=ShardWidths() if widths is None else widths,
         ids_name="data['input_ids']",
-        widths=widths,
     )
     logprobs = next_token_logprobs_of(call, top)  # [B, S-1]
     if not filtering:
         return {"next_token_logprobs": logprobs}
-    # The -inf rule (NeMo's `mask_out_neg_inf_logprobs`, docs/decisions.md §3): positions whose token fell
-    # outside the kept set, or whose mask = token_mask · sample_mask (token_mask required, a missing sample_mask
-    # is ones) is 0, become 0.
-    # Everything is computed before `data` is touched, so a call that raises leaves it unchanged.
-    mask = loss_mask_from_data(data, input_ids)  # [B, S] bool
-    logprobs = masked_out_neg_inf(logprobs, mask[:, 1:], "curr_logprobs")
+    return _neg_inf_rule(data, loss_fn, input_ids, logprobs, lambda: next_token_logprobs_of(call))
+
+
+def _neg_inf_rule(
+    data: MutableMapping[str, Any], loss_fn: Any, input_ids: Tensor, logprobs: Tensor, unfiltered: Callable[[], Tensor]
+) -> dict[str, Tensor]:
+    """The `-inf` rule of a filtered call (NeMo's `mask_out_neg_inf_logprobs`, docs/decisions.md §3):
+    positions whose token fell outside the kept set, or whose mask = token_mask · sample_mask
+    (token_mask required, a missing sample_mask is ones) is 0, become 0. With a nonzero
+    `reference_policy_kl_penalty`, `data["curr_logprobs_unfiltered"]` gets the `unfiltered()`
+    log-probs (the reference-KL term cannot take `-inf`). Everything is computed before `data` is
+    touched, so a call that raises leaves it unchanged."""
+    mask = loss_mask_from_data(data, input_ids)  # [B, S] bool ([1, T] pre-packed)
+    logprobs = masked_out_neg_inf(logprobs, mask[:, 1:], "curr_logprobs")  # shapes match by construction
     if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
-        # the reference-KL term reads unfiltered log-probs (it cannot take -inf)
-        data["curr_logprobs_unfiltered"] = next_token_logprobs_of(call)
+        data["curr_logprobs_unfiltered"] = unfiltered()
     return {"next_token_logprobs": logprobs}
 
 
@@ -518,7 +469,12 @@ def _opd_read(arguments: Mapping[str, Any]) -> tuple[str, ...]:
     return ("input_ids", *_OPD_COLUMNS)
 
 
-@boundary(roles=dataclasses.replace(_ROLES_ALL, reads=("data", _opd_read)), vocab="equal", local=opd_check_view)
+@boundary(
+    roles=dataclasses.replace(_ROLES_ALL, reads=("data", _opd_read)),
+    vocab="equal",
+    local=_entry_view(opd=True),
+    unwrapped=True,
+)
 def prepare_opd_full_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -571,6 +527,9 @@ def prepare_opd_full_loss_input(
         ValueError: every error condition of NeMo's payload reconstruction (docs/decisions.md §3),
             missing columns, bad shapes.
     """
+    _unwrapped(
+        _view, logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, teacher_output_layer_weight_by_index
+    )
     return opd_full_input(
         logits,
         data,
@@ -581,8 +540,8 @@ def prepare_opd_full_loss_input(
         chunk_size=chunk_size,
         teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
         teacher_logits_dtype=teacher_logits_dtype,
+        vocab_size=(_view or {}).get("vocab_size"),
         cp_sharder=cp_sharder,
-        view=_view,
     )
 
 
@@ -590,11 +549,7 @@ def prepare_opd_full_loss_input(
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
 
 
-# the one unwrap of a packed call (`_entry_view`); a rejected DTensor is a compared field
-_packed_view = rejections_compared(_entry_view(_ROLES_DATA), "vocab_parallel_group")
-
-
-@boundary(roles=_ROLES_DATA, vocab="auto", local=_packed_view)
+@boundary(roles=_ROLES_DATA, vocab="auto", local=_entry_view(), unwrapped=True)
 def prepare_packed_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -642,56 +597,8 @@ def prepare_packed_loss_input(
             decreasing, padded shorter than unpadded, total not matching the logits, not a
             multiple of `2C`), naming the offending entries; bad shapes or ids.
     """
-    if has_dtensor(logits, data):  # DTensor boundary: lossfx/_boundary/dtensor.py (unwrapped once)
-        return entry_point_on_local(
-            _prepare_packed_on_local,
-            logits,
-            data,
-            loss_fn,
-            cu_seqlens_q,
-            cu_seqlens_q_padded,
-            keys=_DTENSOR_KEYS,
-            roles=_ROLES_DATA,
-            unwrapped=_unwrapped(_view),
-            vocab_parallel_rank=vocab_parallel_rank,
-            vocab_parallel_group=vocab_parallel_group,
-            context_parallel_group=context_parallel_group,
-            sampling_params=sampling_params,
-            chunk_size=chunk_size,
-            widths=_widths,
-        )
-    return _prepare_packed_on_local(
-        logits,
-        data,
-        loss_fn,
-        cu_seqlens_q,
-        cu_seqlens_q_padded,
-        vocab_parallel_rank=vocab_parallel_rank,
-        vocab_parallel_group=vocab_parallel_group,
-        context_parallel_group=context_parallel_group,
-        sampling_params=sampling_params,
-        chunk_size=chunk_size,
-        widths=_widths,
-    )
-
-
-def _prepare_packed_on_local(
-    logits: Tensor,
-    data: MutableMapping[str, Any],
-    loss_fn: Any,
-    cu_seqlens_q: Any,
-    cu_seqlens_q_padded: Any,
-    *,
-    vocab_parallel_rank: int | None,
-    vocab_parallel_group: ProcessGroup | None,
-    context_parallel_group: ProcessGroup | None,
-    sampling_params: TrainingSamplingParams | None,
-    chunk_size: int | None,
-    widths: ShardWidths | None,
-) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
-    """`prepare_packed_loss_input` on local tensors: validate once (`_validated_packed`: the
-    `cu_seqlens` and the scored ids read in one host read), then the pure packed pipeline
-    (`lossfx._layouts.packing`), once more unfiltered for a reference-KL term (nothing rechecked)."""
+    shard, caller = _unwrapped(_view, logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group)
+    before = dict(data) if shard is not None else {}  # the local columns, to tell those the branch writes
     input_type = _input_type(loss_fn)
     if input_type is not LossInputType.LOGPROB:
         raise ValueError(
@@ -700,14 +607,10 @@ def _prepare_packed_on_local(
         )
     if getattr(loss_fn, "use_fused_linear_logprobs", False):
         raise ValueError("prepare_packed_loss_input does not support use_fused_linear_logprobs")
-    if sampling_params is not None and not isinstance(sampling_params, TrainingSamplingParams):
-        raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
-    input_ids = check_tensor("data['input_ids']", _column(data, "input_ids"))
-    check_tensor("logits", logits)
-    logits, input_ids, layout, vocab, options = _validated_packed(
+    logits, input_ids, layout, vocab, options = _validated_packed(  # checks the logits and ids too
         logits,
-        input_ids,
+        _column(data, "input_ids"),
         cu_seqlens_q,
         cu_seqlens_q_padded,
         prepacked="cu_seqlens" in data,
@@ -716,19 +619,20 @@ def _prepare_packed_on_local(
         sampling_params=sampling_params,
         chunk_size=chunk_size,
         ids_name="data['input_ids']",
-        widths=ShardWidths() if widths is None else widths,  # read with the packed checks (one host read)
+        widths=ShardWidths() if _widths is None else _widths,  # read with the packed checks (one host read)
     )
-    filtering = need_top_k_or_top_p_filtering(sampling_params)
-    mask = loss_mask_from_data(data, input_ids) if filtering else None  # [B, S] ([1, T] pre-packed)
-    logprobs = _packing.packed_next_token_logprobs(logits, input_ids, layout, vocab, **options)
-    if mask is None:
-        return {"next_token_logprobs": logprobs}, data
-    logprobs = masked_out_neg_inf(logprobs, mask[:, 1:], "curr_logprobs")  # shapes match by construction
-    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
-        data["curr_logprobs_unfiltered"] = _packing.packed_next_token_logprobs(
-            logits, input_ids, layout, vocab, chunk_rows=options["chunk_rows"]
+    out = {"next_token_logprobs": _packing.packed_next_token_logprobs(logits, input_ids, layout, vocab, **options)}
+    if need_top_k_or_top_p_filtering(sampling_params):
+        out = _neg_inf_rule(
+            data,
+            loss_fn,
+            input_ids,
+            out["next_token_logprobs"],
+            lambda: _packing.packed_next_token_logprobs(
+                logits, input_ids, layout, vocab, chunk_rows=options["chunk_rows"]
+            ),
         )
-    return {"next_token_logprobs": logprobs}, data
+    return _back(shard, caller, data, before, out)
 
 
 def _prepare_distillation_input(
@@ -766,14 +670,13 @@ def _prepare_draft_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
     d2t: Tensor | None,
-    vocab_parallel_rank: int | None,
-    vocab_parallel_group: ProcessGroup | None,
+    rank: int,
+    group: ProcessGroup | None,
     layout: SequenceLayout,
 ) -> dict[str, Any]:
     """`DRAFT`: shifted teacher logits in draft vocabulary and the shifted mask, on local tensors
     (`prepare_loss_input` unwrapped them): validated once (`lossfx.draft.validated_draft`), then
     the pure `lossfx._layouts.draft.draft_targets` once."""
-    rank, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
     student_logits = _column(data, "student_logits")
     token_mask = check_tensor("data['token_mask']", _column(data, "token_mask"))
     d2t = replicated(d2t, "d2t")

@@ -20,6 +20,8 @@ result to 0 (zero gradient), as the packed path treats a sequence's last slot.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 from torch import Tensor
@@ -32,7 +34,7 @@ from lossfx._boundary.validation import (
     check_integer_ids,
     check_positive_int,
 )
-from lossfx._core.distributed import ProcessGroup, group_rank, group_size
+from lossfx._core.distributed import ProcessGroup
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import next_token as _pure
 from lossfx._layouts.next_token import TopKTopP
@@ -133,19 +135,31 @@ def validated_next_token_call(
     scored = input_ids[:, 1:]
     if ignore_index is not None:
         scored = scored.masked_fill(scored == ignore_index, 0)
+    check = lambda size: check_ids_in_range(ids_name, scored, size, column_offset=1)  # noqa: E731
+    vocab = resolved_vocab(group, width, vocab_start, vocab_size, widths, check)
+    return NextTokenCall(logits, input_ids, layout, vocab, chunk_size, position_ids, ignore_index)
+
+
+def resolved_vocab(
+    group: ProcessGroup | None,
+    width: int,
+    vocab_start: int | None,
+    vocab_size: int | None,
+    widths: ShardWidths | None,
+    check: Callable[[int | Callable[[], int]], None],
+) -> VocabRange:
+    """This rank's `VocabRange` of `width` columns, after the call's range check `check(V)` of its
+    ids: `vocab_start` / `vocab_size` when given; else the widths the ranks reported to the
+    cross-rank check (`widths`, the call's `ShardWidths`: `V` is read with the range check's own
+    host read, uneven shards in eager mode); else uniform shards (`rank · width`, `R · width`)."""
+    uniform = VocabRange.uniform(group, width)
     if widths is not None and vocab_start is None and vocab_size is None:
-        # the size the ranks' widths sum to, read with the cross-rank check's own read
-        check_ids_in_range(ids_name, scored, widths.size_when_read(width, group), column_offset=1)
+        check(widths.size_when_read(width, group))
         vocab_start, vocab_size = widths.range(width, group)
     else:
-        size = group_size(group) * width if vocab_size is None else vocab_size
-        check_ids_in_range(ids_name, scored, size, column_offset=1)
-    vocab = VocabRange(
-        group,
-        group_rank(group) * width if vocab_start is None else vocab_start,
-        group_size(group) * width if vocab_size is None else vocab_size,
-    )
-    return NextTokenCall(logits, input_ids, layout, vocab, chunk_size, position_ids, ignore_index)
+        check(uniform.size if vocab_size is None else vocab_size)
+    start = uniform.start if vocab_start is None else vocab_start
+    return VocabRange(group, start, uniform.size if vocab_size is None else vocab_size)
 
 
 def next_token_logprobs_of(call: NextTokenCall, top: TopKTopP | None = None) -> Tensor:
@@ -193,17 +207,13 @@ def target_logprobs(
     return _pure.target_logprobs(logits, target, vocab, top=top, chunk_rows=chunk_rows)
 
 
-@boundary(
-    roles=Roles(
-        tp="vocab_parallel_group",
-        cp="context_parallel_group",
-        cp_from="cp_sharder",
-        shards=("logits",),
-        start="vocab_start",
-        size="vocab_size",
-    ),
-    vocab="tiled",
+# the roles of the layout pipelines taking explicit shard offsets (this one and `lossfx.packing`'s)
+ROLES_TILED = Roles(
+    tp="vocab_parallel_group", cp="context_parallel_group", shards=("logits",), start="vocab_start", size="vocab_size"
 )
+
+
+@boundary(roles=dataclasses.replace(ROLES_TILED, cp_from="cp_sharder"), vocab="tiled")
 def sharded_next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,

@@ -19,12 +19,12 @@ docs/opd_full.md, docs/decisions.md §3):
 
 `vocab_parallel_group=None` works (the reference raises), on CPU and in float64.
 
-The boundary: each public function here (and `lossfx.prepare_opd_full_loss_input`, through the
-same private `opd_full_input`) unwraps its DTensors once (`local_call`: the logits' shard, the
-replicated columns, each teacher head as this rank's rows; the cross-rank check's `check_view`
-sees the same local tensors), validates the config, columns, payload and heads, range-checks the
-ids once, then calls the pure code in `lossfx._layouts.opd_full` once. No re-entry on local
-tensors, and no public function calls another.
+The boundary: `reconstruct_opd_full_teacher_logits` unwraps its DTensors once (the student's
+shard, the replicated payload, each teacher head as this rank's rows: `local_teacher_heads`);
+the entry points' OPD_FULL branch (`opd_full_input`) runs on the local tensors of
+`lossfx.loss_input`'s one unwrap, the same for every branch. Each validates the config, columns,
+payload and heads, range-checks the ids once, then calls the pure code in
+`lossfx._layouts.opd_full` once. No re-entry on local tensors, and no public function calls another.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import VocabShard, _same_group, is_dtensor, rejections_compared, replicated, vocab_shard
+from lossfx._boundary.dtensor import VocabShard, _same_group, is_dtensor, replicated, vocab_shard
 from lossfx._boundary.validation import (
     check_floating,
     check_group_rank,
@@ -103,13 +103,15 @@ class OnPolicyDistillationFullConfig:
                 raise ValueError(
                     f"on_policy_distillation.full.{name} must be one of {allowed}, got {getattr(self, name)!r}"
                 )
-        if self.chunk_size is not None:
-            if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, numbers.Integral):
-                raise ValueError(
-                    f"on_policy_distillation.full.chunk_size must be an int >= 1 or None, got {self.chunk_size!r}"
-                )
-            if self.chunk_size < 1:
-                raise ValueError(f"on_policy_distillation.full.chunk_size must be >= 1, got {self.chunk_size}")
+        _check_chunk(self.chunk_size)
+
+
+def _check_chunk(chunk_size: Any) -> Any:
+    """`chunk_size` of the config: an int `>= 1` or `None`, else `ValueError`."""
+    bad = isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1
+    if chunk_size is not None and bad:
+        raise ValueError(f"on_policy_distillation.full.chunk_size must be >= 1, got {chunk_size!r} (an int or None)")
+    return chunk_size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,85 +419,6 @@ def _tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int
 _LAYOUT = Roles(tp="vocab_parallel_group", rank="vocab_parallel_rank")
 
 
-class _LocalCall(NamedTuple):
-    """An OPD_FULL call's DTensor arguments as plain local tensors (`local_call`)."""
-
-    logits: Tensor
-    data: Mapping[str, Any]
-    heads: Any
-    group: ProcessGroup | None
-    rank: int | None
-    vocab_size: int | None
-
-
-def local_call(
-    logits: Any,
-    data: Mapping[str, Any],
-    heads: Any,
-    group: ProcessGroup | None,
-    rank: int | None,
-    vocab_size: int | None = None,
-) -> _LocalCall:
-    """The DTensor boundary of OPD_FULL, the same for the body and the cross-rank check's view.
-
-    The logits become their local shard, padded with `-inf` columns to the even width
-    `ceil(V/R)` on a short rank, with the group and rank of their placement; `Replicate()`
-    DTensor columns of `data` their local tensors (in a new dict: `data` is never modified), the
-    logits payload `teacher_full_logits` padded like the logits (`VocabShard.pad_full`); each
-    teacher head this rank's rows (`local_teacher_heads`), unpadded; `vocab_size = V` says which
-    of the logits' columns are real, so a hidden-states teacher is projected onto exactly those.
-    Plain arguments pass through.
-    """
-    columns = data.values() if isinstance(data, Mapping) else ()
-    if not (is_dtensor(logits) or any(is_dtensor(v) for v in columns) or has_dtensor_head(heads)):
-        return _LocalCall(logits, data, heads, group, rank, vocab_size)
-    shard = vocab_shard(logits, name="logits", roles=_LAYOUT, group=group, rank=rank, even=True)
-    local = {key: replicated(value, f"data[{key!r}]") for key, value in data.items()}
-    if "teacher_full_logits" in local:
-        local["teacher_full_logits"] = shard.pad_full(local["teacher_full_logits"])
-    size = shard.vocab_size if shard.group is not None else None
-    return _LocalCall(shard.local, local, local_teacher_heads(heads, shard), shard.group, shard.rank, size)
-
-
-def _view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The cross-rank check's view of an OPD_FULL call (`check_view`): its arguments as
-    `local_call` unwraps them for the body, `vocab_size` filled in for a padded DTensor shard
-    (the heads' rows are checked against the real part), and which arguments were DTensors."""
-    heads_arg = "teacher_output_layer_weight_by_index"
-    given = tuple(
-        name
-        for name, value in arguments.items()
-        if is_dtensor(value) or (isinstance(value, Mapping) and any(is_dtensor(v) for v in value.values()))
-    )
-    if not given:
-        return arguments, ""
-    call = local_call(
-        arguments["logits"],
-        arguments["data"],
-        arguments.get(heads_arg),
-        arguments.get("vocab_parallel_group"),
-        arguments.get("vocab_parallel_rank"),
-        arguments.get("vocab_size"),
-    )
-    arguments.update(
-        logits=call.logits,
-        data=call.data,
-        vocab_parallel_group=call.group,
-        vocab_parallel_rank=call.rank,
-        vocab_size=call.vocab_size,
-    )
-    arguments[heads_arg] = call.heads
-    arguments.update({"DTensor arguments": given, _CALL: call})  # `_CALL`: the body's (not compared)
-    return arguments, ""
-
-
-_CALL = "_opd_call"  # the key of the view's `_LocalCall`: the one unwrap, which the body runs on
-
-
-# a DTensor that `local_call` rejects on some rank is a compared field, not an error before the check
-check_view = rejections_compared(_view, "vocab_parallel_group")
-
-
 def opd_full_input(
     logits: Tensor,
     data: Mapping[str, Any],
@@ -509,17 +432,14 @@ def opd_full_input(
     teacher_logits_dtype: torch.dtype | None = None,
     vocab_size: int | None = None,
     cp_sharder: Any = None,
-    view: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The boundary work of an OPD_FULL call, once (DTensors, config, columns, heads, ids), then the
-    pure `lossfx._layouts.opd_full.opd_full_loss_input` once. Shared by
-    `lossfx.prepare_opd_full_loss_input` and `prepare_loss_input`'s OPD_FULL branch (which do not
-    call each other); no cross-rank check here (their `boundary` runs it). The DTensors are the
-    ones the check's `view` unwrapped (`local_call`, once), else unwrapped here."""
-    call = (view or {}).get(_CALL) or local_call(
-        logits, data, teacher_output_layer_weight_by_index, vocab_parallel_group, vocab_parallel_rank, vocab_size
-    )
-    logits, data, heads, group, vocab_size = call.logits, call.data, call.heads, call.group, call.vocab_size
+    """The boundary work of an OPD_FULL call on local tensors, once (config, columns, heads, ids),
+    then the pure `lossfx._layouts.opd_full.opd_full_loss_input` once. Shared by
+    `lossfx.prepare_opd_full_loss_input` and `prepare_loss_input`'s OPD_FULL branch, whose one
+    unwrap (`lossfx.loss_input`) hands it the logits' even shard, the local columns, each teacher
+    head as this rank's rows and `vocab_size = V` of a DTensor shard (which of its columns are
+    real). No cross-rank check here (their `boundary` runs it)."""
+    group, heads = vocab_parallel_group, teacher_output_layer_weight_by_index
     # 1. config, arguments and columns (all checked before any work; `data` is never modified)
     cfg = getattr(loss_fn, "opd_full", None)
     if cfg is None:
@@ -527,31 +447,22 @@ def opd_full_input(
     teacher_payload = getattr(cfg, "teacher_payload", "hidden_states")
     if teacher_payload not in _PAYLOAD_COLUMNS:
         raise ValueError(f"opd_full.teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}")
-    cfg_chunk = getattr(cfg, "chunk_size", None)
-    if cfg_chunk is not None and (
-        isinstance(cfg_chunk, bool) or not isinstance(cfg_chunk, numbers.Integral) or cfg_chunk < 1
-    ):
-        raise ValueError(f"on_policy_distillation.full.chunk_size must be >= 1, got {cfg_chunk!r}")
+    cfg_chunk = _check_chunk(getattr(cfg, "chunk_size", None))
     chunk_size = check_positive_int("chunk_size", chunk_size)
     check_floating("logits", logits)
     if logits.dim() != 3:
         raise ValueError(f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(logits.shape)}")
-    tp_rank = _tp_rank(call.rank, group)
+    tp_rank = _tp_rank(vocab_parallel_rank, group)
     column = _PAYLOAD_COLUMNS[teacher_payload]
-    if column not in data:
-        raise ValueError(
-            f"opd_full requires the teacher payload column {column!r} in the training microbatch; "
-            f"data has {sorted(data.keys())}"
-        )
-    if "input_ids" not in data:
-        raise ValueError(f"opd_full requires the column 'input_ids'; data has {sorted(data.keys())}")
+    for what, key in (("teacher payload column", column), ("column", "input_ids")):
+        if key not in data:
+            raise ValueError(
+                f"opd_full requires the {what} {key!r} in the training microbatch; data has {sorted(data)}"
+            )
     input_ids = check_integer_ids("data['input_ids']", data["input_ids"])
+    got = f"input_ids.shape={tuple(input_ids.shape)} and logits.shape={tuple(logits.shape)}"
     if input_ids.dim() != 2 or input_ids.shape[0] != logits.shape[0]:
-        raise ValueError(
-            "input_ids must be [B, S] with the logits' batch size; got "
-            f"input_ids.shape={tuple(input_ids.shape)} "
-            f"and logits.shape={tuple(logits.shape)}"
-        )
+        raise ValueError(f"input_ids must be [B, S] with the logits' batch size; got {got}")
     layout = sequence_layout(context_parallel_group, cp_sharder)
     seq = input_ids.shape[1]
     window = layout.window(logits.shape[1])
@@ -587,7 +498,6 @@ def opd_full_input(
     # 3. the reference-KL term's ids, range-checked once (its logits may be padded: V is the real size)
     logprobs = None
     if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
-        got = f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
         check_covers(layout, "logits", logits.shape[1], seq, got)
         vocab = VocabRange.uniform(group, logits.shape[-1])
         check_ids_in_range("data['input_ids']", input_ids, vocab.size if vocab_size is None else vocab_size)

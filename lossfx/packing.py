@@ -32,6 +32,7 @@ resolve this rank's `VocabRange` and the filter, then call the pure pipeline
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._boundary.consistency import Roles, ShardWidths, boundary
+from lossfx._boundary.consistency import ShardWidths, boundary
 from lossfx._boundary.validation import (
     check_floating,
     check_ids_in_range,
@@ -51,8 +52,8 @@ from lossfx._core import host_reads as _host_reads
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import packing as _pure
-from lossfx.filtering import check_filter_params
-from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
+from lossfx.interfaces import TrainingSamplingParams
+from lossfx.next_token import ROLES_TILED, resolve_filter, resolved_vocab
 
 __all__ = ["PackedLayout", "check_cu_seqlens", "check_packed_input_ids", "packed_next_token_logprobs"]
 
@@ -166,14 +167,9 @@ def check_packed_input_ids(
     if _host_reads.seen((*key, "V of the call" if callable(vocab) else vocab)):
         return
     # the scored positions on the device: the `cu_seqlens` values are not read here
+    cu_q = _as_tensor("cu_seqlens_q", cu_seqlens_q, input_ids.device)
     cu_p = _as_tensor("cu_seqlens_q_padded", cu_seqlens_q_padded, input_ids.device)
-    position = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]  # [1, S]
-    if prepacked:
-        scored = ((position > cu_p[:-1, None]) & (position < cu_p[1:, None])).any(dim=0, keepdim=True)  # [1, T]
-    else:
-        cu_q = _as_tensor("cu_seqlens_q", cu_seqlens_q, input_ids.device)
-        length = torch.minimum(cu_q[1:] - cu_q[:-1], cu_p[1:] - cu_p[:-1])  # [B]
-        scored = (position >= 1) & (position < length[:, None])  # [B, S]
+    scored = _pure.scored_slots(input_ids.shape[1], cu_q, cu_p, prepacked)  # [B, S] ([1, T] pre-packed)
     values = torch.where(scored, input_ids, torch.zeros_like(input_ids))  # 0: in range for any V >= 1
     if traced:
         return check_ids_in_range(f"{name} (at the scored positions)", values, vocab)
@@ -204,16 +200,7 @@ class PackedLayout(_pure.PackedLayout):
         check_cu_seqlens(self.cu_seqlens_q, self.cu_seqlens_q_padded, n_seqs, local_len * self.cp_size, self.cp_size)
 
 
-@boundary(
-    roles=Roles(
-        tp="vocab_parallel_group",
-        cp="context_parallel_group",
-        shards=("logits",),
-        start="vocab_start",
-        size="vocab_size",
-    ),
-    vocab="tiled",
-)
+@boundary(roles=ROLES_TILED, vocab="tiled")
 def packed_next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,
@@ -308,30 +295,15 @@ def _validated_packed(
         )
     if sampling_params is not None and not isinstance(sampling_params, TrainingSamplingParams):
         raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
-    chunk_rows = check_positive_int("chunk_size", chunk_size)
-    options: dict[str, Any] = {"chunk_rows": chunk_rows}
-    if need_top_k_or_top_p_filtering(sampling_params):
-        top_k, top_p = check_filter_params(sampling_params.top_k, sampling_params.top_p)
-        options.update(top_k=top_k, top_p=top_p, ties=sampling_params.ties)
-    _check_cu_type("cu_seqlens_q", cu_seqlens_q)
-    _check_cu_type("cu_seqlens_q_padded", cu_seqlens_q_padded)
+    top = resolve_filter(sampling_params)
+    options: dict[str, Any] = {
+        "chunk_rows": check_positive_int("chunk_size", chunk_size),
+        **(top._asdict() if top else {}),
+    }
     layout = PackedLayout(cu_seqlens_q, cu_seqlens_q_padded, context_parallel_group, prepacked)
-    local_len, local_vocab = logits.shape[1], logits.shape[-1]
-    layout.check_covers("packed logits", local_len, input_ids.shape[0], f"logits.shape={tuple(logits.shape)}")
-    uniform = VocabRange.uniform(vocab_parallel_group, local_vocab)
-    vocab: int | Callable[[], int] = (
-        widths.size_when_read(local_vocab, vocab_parallel_group)
-        if widths is not None
-        else vocab_size
-        if vocab_size is not None
-        else uniform.size
-    )
-    check_packed_input_ids(ids_name, input_ids, cu_seqlens_q, cu_seqlens_q_padded, vocab, prepacked)
-    if widths is not None:  # settles: the checks above are read with the cross-rank check's verdict
-        vocab_start, vocab_size = widths.range(local_vocab, vocab_parallel_group)
-    resolved = VocabRange(
-        vocab_parallel_group,
-        uniform.start if vocab_start is None else vocab_start,
-        uniform.size if vocab_size is None else vocab_size,
+    layout.check_covers("packed logits", logits.shape[1], input_ids.shape[0], f"logits.shape={tuple(logits.shape)}")
+    check = functools.partial(check_packed_input_ids, ids_name, input_ids, cu_seqlens_q, cu_seqlens_q_padded)
+    resolved = resolved_vocab(
+        vocab_parallel_group, logits.shape[-1], vocab_start, vocab_size, widths, lambda v: check(v, prepacked)
     )
     return logits, input_ids, layout, resolved, options

@@ -323,3 +323,14 @@ def test_pure_packed_compiles_without_graph_breaks():
         got = compiled(z, ids, torch.tensor(cu_q, device=z.device), torch.tensor(cu_p, device=z.device))
         torch.testing.assert_close(got, reference.packed_next_token_logprobs(z, ids, cu_q, cu_p, top_k=5), **TIGHT)
     assert counter.frame_count == 1
+
+
+def test_scored_slots_are_each_sequences_tokens_after_its_first():
+    """`scored_slots` against its definition, element by element: unpacked `1 <= t < min(len, padded)`
+    per sequence (an empty one scores nothing); pre-packed, the slots strictly inside a sequence's span."""
+    cu_q, cu_p = torch.tensor([0, 3, 3, 9]), torch.tensor([0, 4, 6, 12])
+    spans = list(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_p[:-1].tolist(), cu_p[1:].tolist()))
+    want = [[1 <= t < min(q1 - q0, p1 - p0) for t in range(8)] for q0, q1, p0, p1 in spans]
+    assert pure_packing.scored_slots(8, cu_q, cu_p, prepacked=False).tolist() == want
+    inside = [[any(p0 < t < p1 for _, _, p0, p1 in spans) for t in range(12)]]
+    assert pure_packing.scored_slots(12, cu_q, cu_p, prepacked=True).tolist() == inside

@@ -23,7 +23,7 @@ argument (`name`) and passes the `Roles` it declares for the cross-rank check, w
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -36,10 +36,8 @@ from lossfx._core.host_reads import tracing
 ProcessGroup = dist.ProcessGroup
 
 __all__ = [
-    "EntryKeys",
     "VocabShard",
     "entry_point_local",
-    "entry_point_on_local",
     "has_dtensor",
     "is_dtensor",
     "replicated",
@@ -393,29 +391,10 @@ def check_view(roles: Roles, *, even: bool = False) -> Callable[[dict[str, Any]]
     replaced by its replicated local tensor, exactly as the function's body will unwrap them.
     Which arguments were DTensors is one more field: a rank that passes a DTensor where its peer
     passes a plain tensor takes another path (DTensor outputs, their collectives), so they disagree.
-
-    A DTensor argument this view rejects (a placement, or an explicit argument that contradicts
-    it) is not raised here, before the check's collective, where the peers would wait for this
-    rank: the error's text becomes one more field ("DTensor arguments rejected"), so ranks that
-    disagree about it raise the check's error together, and ranks that agree pass the check and
-    raise it in the function's body, each the same."""
+    A DTensor argument it rejects is a compared field, not an error (`rejections_compared`)."""
     if roles.tp is None:
         raise TypeError(f"check_view: the roles must name the tensor-parallel group ({roles})")
     group_arg = roles.tp
-
-    def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        try:
-            checked, hint = _view(dict(arguments))
-            return {_REJECTED: None, **checked}, hint
-        except (ValueError, TypeError) as err:
-            rejected = {k: None if is_dtensor(v) else v for k, v in arguments.items()}
-            if rejected.get(group_arg) is None:  # meet the peers in the check over the mesh's group
-                rejected[group_arg] = _mesh_group(
-                    next((arguments[n] for n in roles.shards if is_dtensor(arguments.get(n))), None)
-                )
-            # traced, the message is not a constant Dynamo can hash: the error's type stands for it
-            why = type(err).__name__ if tracing() else f"{type(err).__name__}: {err}"
-            return {_REJECTED: why, **rejected}, ""
 
     def _view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
         shard: VocabShard | None = None
@@ -450,24 +429,27 @@ def check_view(roles: Roles, *, even: bool = False) -> Callable[[dict[str, Any]]
             arguments["DTensor arguments"] = given
         return arguments, ""
 
-    return view
+    return rejections_compared(_view, group_arg, first=roles.shards)
 
 
 def rejections_compared(
-    view: Callable[[dict[str, Any]], tuple[dict[str, Any], str]], group_arg: str
+    view: Callable[[dict[str, Any]], tuple[dict[str, Any], str]], group_arg: str, first: tuple[str, ...] = ()
 ) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
     """`view` (a `boundary(local=...)` view) whose `ValueError` / `TypeError`, a DTensor argument it
-    rejects, is compared as the field "DTensor arguments rejected" instead of raised before the
-    check's collective, as `check_view` does: the rejected view drops every DTensor (also the
-    values of a mapping argument), and without an explicit `group_arg` the first DTensor's mesh
-    group is the one checked."""
+    rejects (a placement, or an explicit argument that contradicts it), is not raised here, before
+    the check's collective, where the peers would wait for this rank: the error's text becomes
+    one more field ("DTensor arguments rejected"), so ranks that disagree about it raise the
+    check's error together, and ranks that agree pass the check and raise it in the function's
+    body, each the same. The rejected view drops every DTensor (also the values of a mapping
+    argument); without an explicit `group_arg` the group checked is the mesh group of the first
+    DTensor (of the arguments `first`, else of any)."""
 
     def checked_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
         try:
             checked, hint = view(dict(arguments))
             return {_REJECTED: None, **checked}, hint
         except (ValueError, TypeError) as err:
-            found: list[Any] = []
+            found = [arguments[name] for name in first if is_dtensor(arguments.get(name))]
 
             def drop(value: Any) -> Any:
                 if is_dtensor(value):
@@ -478,9 +460,11 @@ def rejections_compared(
                 return value
 
             rejected = {k: drop(v) for k, v in arguments.items()}
-            if rejected.get(group_arg) is None:
+            if rejected.get(group_arg) is None:  # meet the peers in the check over the mesh's group
                 rejected[group_arg] = _mesh_group(found[0] if found else None)
-            return {_REJECTED: f"{type(err).__name__}: {err}", **rejected}, ""
+            # traced, the message is not a constant Dynamo can hash: the error's type stands for it
+            why = type(err).__name__ if tracing() else f"{type(err).__name__}: {err}"
+            return {_REJECTED: why, **rejected}, ""
 
     return checked_view
 
@@ -492,87 +476,21 @@ def _replicated_columns(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def has_dtensor(logits: Any, data: Mapping[str, Any]) -> bool:
-    """True iff the logits or a column of `data` is a DTensor (an entry point then calls
-    `entry_point_on_local`)."""
+    """True iff the logits or a column of `data` is a DTensor."""
     return is_dtensor(logits) or any(is_dtensor(v) for v in data.values())
 
 
-class EntryKeys(NamedTuple):
-    """What `entry_point_on_local` must know of an entry point's `data` and results, declared by
-    the entry point (this module knows none of its keys).
-
-    Attributes:
-        full_columns: `data` columns over the full vocabulary `[..., V]`: padded like the logits.
-        as_input: result keys that may hold the local logits themselves: given back as the caller's DTensor.
-        sharded: result keys sharded like the logits over their last dim: wrapped as DTensors.
-        other_vocab: a keyword argument of `fn` whose `.shape[0]` is the size of another vocabulary
-            the `sharded` results are on (a draft vocabulary), if given.
-    """
-
-    full_columns: tuple[str, ...] = ()
-    as_input: tuple[str, ...] = ()
-    sharded: tuple[str, ...] = ()
-    other_vocab: str | None = None
-
-
 def entry_point_local(
-    logits: Any, data: Mapping[str, Any], *, keys: EntryKeys, roles: Roles, group: Any, rank: Any
+    logits: Any, data: Mapping[str, Any], *, full_columns: tuple[str, ...], roles: Roles, group: Any, rank: Any
 ) -> tuple[VocabShard, dict[str, Any]]:
     """The one unwrap of an entry point's DTensors: `(shard, local columns)`, the logits' even
     local shard (padded when uneven, `vocab_shard`) with the group and rank of their placement, and
     a new dict of `data`'s columns with `Replicate()` DTensors as their local tensors and the
-    full-vocabulary columns (`keys.full_columns`) padded like the logits. The cross-rank check's
-    view computes it; `entry_point_on_local` runs the entry point on it."""
+    full-vocabulary columns `[..., V]` (`full_columns`) padded like the logits. The entry point's
+    view (`lossfx.loss_input`) computes it once; its body runs on it and maps its results back."""
     shard = vocab_shard(logits, name=roles.shards[0], roles=roles, group=group, rank=rank, even=True)
     local_data = _replicated_columns(data)
-    for key in keys.full_columns:
+    for key in full_columns:
         if key in local_data:
             local_data[key] = shard.pad_full(local_data[key])
     return shard, local_data
-
-
-def entry_point_on_local(
-    fn: Callable[..., Any],
-    logits: Tensor,
-    data: MutableMapping[str, Any],
-    *args: Any,
-    keys: EntryKeys,
-    roles: Roles,
-    unwrapped: tuple[VocabShard, Mapping[str, Any]] | None = None,
-    **kwargs: Any,
-) -> Any:
-    """Run the entry point `fn(logits, data, *args, **kwargs)` on plain local tensors and map its
-    result back, as its `keys` say; `roles` (the entry point's) names the logits (`shards[0]`) and
-    the keyword arguments `kwargs[roles.tp]`, `kwargs[roles.rank]` that hold the group and rank.
-
-    The logits and columns are unwrapped by `entry_point_local`, once: by the cross-rank check's
-    view of the call, whose `(shard, local columns)` are given as `unwrapped`, else here. Columns the entry point
-    writes land in the caller's `data`, which is what a `(loss_input, data)` result returns.
-    Results in `keys.as_input` that are the local logits become the caller's DTensor; results in
-    `keys.sharded` DTensors sharded like the logits (on another vocabulary of
-    `kwargs[keys.other_vocab].shape[0]` ids when given); every other result is a plain tensor.
-    """
-    group_arg, rank_arg = roles.tp, roles.rank
-    if group_arg is None or rank_arg is None:
-        raise TypeError(f"entry_point_on_local: the roles of {fn.__name__} must name its group and rank ({roles})")
-    if unwrapped is not None:
-        shard, local_data = unwrapped[0], dict(unwrapped[1])
-    else:
-        shard, local_data = entry_point_local(
-            logits, data, keys=keys, roles=roles, group=kwargs[group_arg], rank=kwargs[rank_arg]
-        )
-    before = dict(local_data)
-    result = fn(shard.local, local_data, *args, **{**kwargs, group_arg: shard.group, rank_arg: shard.rank})
-    for key, value in local_data.items():
-        if key not in before or before[key] is not value:
-            data[key] = value
-    loss_input = result[0] if isinstance(result, tuple) else result
-    for key in keys.as_input:
-        if loss_input.get(key) is shard.local:
-            loss_input[key] = logits
-    other = kwargs.get(keys.other_vocab) if keys.other_vocab else None
-    for key in keys.sharded:
-        if loss_input.get(key) is not None and shard.dtensor is not None:
-            value = loss_input[key]
-            loss_input[key] = shard.wrap(value) if other is None else shard.wrap_other_vocab(value, other.shape[0])
-    return (loss_input, data) if isinstance(result, tuple) else loss_input

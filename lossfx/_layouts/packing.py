@@ -25,7 +25,7 @@ from lossfx._kernels.filtering import filtered_token_logprobs
 from lossfx._kernels.logprobs import token_logprobs
 from lossfx._layouts.sequence_layout import SequenceLayout, score_next_tokens
 
-__all__ = ["PackedLayout", "cu_tensor", "packed_next_token_logprobs"]
+__all__ = ["PackedLayout", "cu_tensor", "packed_next_token_logprobs", "scored_slots"]
 
 
 def cu_tensor(cu: Any, device: torch.device) -> Tensor:
@@ -33,6 +33,17 @@ def cu_tensor(cu: Any, device: torch.device) -> Tensor:
     if isinstance(cu, Tensor):
         return cu.to(device=device, dtype=torch.int64)
     return torch.tensor(list(cu), dtype=torch.int64, device=device)
+
+
+def scored_slots(width: int, cu_q: Tensor, cu_p: Tensor, prepacked: bool) -> Tensor:
+    """Which entries of the ids `[B, S]` (`width = S`) a packed call scores: each sequence's tokens
+    after its first, `1 <= t < min(len_b, padded_b)`; pre-packed `[1, T]` (`width = T`): the
+    slots `cu_p[i] < t < cu_p[i+1]`. Bool, `[B, S]` or `[1, T]`."""
+    position = torch.arange(width, device=cu_p.device)[None, :]  # [1, S]
+    if prepacked:
+        return ((position > cu_p[:-1, None]) & (position < cu_p[1:, None])).any(dim=0, keepdim=True)
+    length = torch.minimum(cu_q[1:] - cu_q[:-1], cu_p[1:] - cu_p[:-1])  # [B]
+    return (position >= 1) & (position < length[:, None])
 
 
 def _slot_of_local(cu_p: Tensor, local_len: int, cp_rank: int, cp_size: int) -> tuple[Tensor, Tensor, Tensor]:
