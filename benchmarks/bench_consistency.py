@@ -168,7 +168,8 @@ def _worker(rank: int, world: int, port: int, iters: int, queue, compiled_only: 
             own = sig.tolist()
             sigs = [own] * world
             _consistency._first_disagreement(sigs, own, labels, per_rank_header=True, roles=roles)
-            _consistency._tiling_error(sigs, "auto", roles)
+            broken = _consistency._layout_flags(torch.tensor(sigs), "auto").tolist()
+            _consistency._tiling_error(sigs, "auto", broken, roles)
 
         stats = torch.zeros(3, batch * seq)
 

@@ -396,7 +396,7 @@ def _walked(value, paths=("kl_type", "top_k", "zero_outside_topk", "broken", "we
     """`{label: code}` of `value` as the check reads a `loss_fn` whose call reads `paths` (`Roles.attrs`)."""
     from lossfx._boundary.consistency import _Fields
 
-    fields = _Fields(fingerprints=False)
+    fields = _Fields()
     fields.attributes("loss_fn", value, paths)
     return dict(zip(fields.labels, fields.codes, strict=True))
 
