@@ -8,14 +8,13 @@ same group: the check leaves the collectives in step, so the pool is never resta
 
 import ast
 import dataclasses
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import harness
 import pytest
 import torch
-from harness import assert_every_rank_raises, gloo_pool, mesh_groups, thread_world
+from harness import assert_every_rank_raises, gloo_pool, mesh_groups, thread_world, value_error
 
 import lossfx
 from lossfx import reference
@@ -90,13 +89,7 @@ def _call(case, rank, group):
 
 def _error_then_ok(rank, world, group, case):
     """`(message or None, seconds, a consistent call's result)` on this rank."""
-    start = time.perf_counter()
-    try:
-        _call(case, rank, group)
-        message = None
-    except ValueError as err:
-        message = str(err)
-    seconds = time.perf_counter() - start
+    message, seconds = value_error(lambda: _call(case, rank, group))
     z = _logits(1, 4, 8, 5)[..., rank * 4 : (rank + 1) * 4]
     after = lossfx.token_logprobs(z, _ids(1, 4, 8, 5), group=group)  # the group is still in step
     return message, seconds, after
@@ -141,11 +134,9 @@ def _cp_mismatch(rank, world, group, layout):
     local = shard_for_cp_rank(z, rank, world, seq_dim=1)
     sp = lossfx.TrainingSamplingParams(top_k=2 if rank == 0 else 3)
     cp = {"context_parallel_group": group} if layout == "group" else {"cp_sharder": LoadBalancedSharder(group)}
-    try:
-        lossfx.prepare_loss_input(local, {"input_ids": ids}, LOGPROB, sampling_params=sp, **cp)
-    except ValueError as err:
-        return str(err)
-    return None
+    return value_error(lambda: lossfx.prepare_loss_input(local, {"input_ids": ids}, LOGPROB, sampling_params=sp, **cp))[
+        0
+    ]
 
 
 @pytest.mark.parametrize(("layout", "name"), [("group", "context_parallel_group"), ("sharder", "cp_sharder.cp_group")])
@@ -161,20 +152,10 @@ def _grid_mismatch(rank, world, group):
     z, ids = _logits(2, 8, 6, 4), _ids(2, 8, 6, 4)
     local = shard_for_cp_rank(z, cp_rank, 2, seq_dim=1)[..., tp_rank * 3 : (tp_rank + 1) * 3]
     sp = lossfx.TrainingSamplingParams(top_k=2 if rank == 0 else 3)
-    start = time.perf_counter()
-    try:
-        lossfx.prepare_loss_input(
-            local,
-            {"input_ids": ids},
-            LOGPROB,
-            vocab_parallel_rank=tp_rank,
-            vocab_parallel_group=tp_group,
-            context_parallel_group=cp_group,
-            sampling_params=sp,
-        )
-    except ValueError as err:
-        return str(err), time.perf_counter() - start
-    return None, time.perf_counter() - start
+    groups = {"vocab_parallel_rank": tp_rank, "vocab_parallel_group": tp_group, "context_parallel_group": cp_group}
+    return value_error(
+        lambda: lossfx.prepare_loss_input(local, {"input_ids": ids}, LOGPROB, sampling_params=sp, **groups)
+    )
 
 
 def test_gloo_tp_cp_grid_every_rank_raises():
@@ -263,11 +244,7 @@ def test_one_signature_gather_per_entry_call(monkeypatch):
 
 
 def _thread_batch_mismatch(rank, world, group):
-    try:
-        _call("batch", rank, group)
-    except ValueError as err:
-        return str(err)
-    return None
+    return value_error(lambda: _call("batch", rank, group))[0]
 
 
 def test_rank_threads_mismatch():

@@ -53,6 +53,7 @@ from torch import Tensor
 
 from lossfx._boundary import debug as _debug
 from lossfx._boundary.compile_errors import raise_while_tracing, reraise_while_tracing
+from lossfx._boundary.validation import assert_in_graph
 from lossfx._core import chunking as _chunking
 from lossfx._core import host_reads as _host_reads
 
@@ -327,9 +328,7 @@ class _Fields:
                 self.columns.append((self.owner, label, value))
         elif isinstance(value, dist.ProcessGroup):
             self.add(label, _Kind(f"process group of size {value.size()}"))
-        elif value is None or isinstance(value, (bool, int, float, str, enum.Enum, torch.dtype)):
-            self.add(label, value)
-        elif depth >= 2:
+        elif depth >= 2 or value is None or isinstance(value, (bool, int, float, str, enum.Enum, torch.dtype)):
             self.add(label, value)
         elif isinstance(value, Mapping):
             keys = sorted(value.keys(), key=str)
@@ -769,31 +768,31 @@ def _verdict_on_device(g: Tensor, broken: Tensor) -> Tensor:
     return ((g != g[0]) & keep).any() | broken.any()
 
 
-def _compiled_groups(owners: list[str], across_tp: bool, roles: Roles = _NO_ROLES) -> list[tuple[str, list[int]]]:
+def _compiled_groups(fields: _Fields, across_tp: bool, layout: str, roles: Roles) -> list[tuple[str, list[int]]]:
     """`(what, slots)` of the compiled check's assertions, in the order of the eager check: the
-    function called, whether it runs compiled, (across the context-parallel group) the vocabulary
-    shard layout, then each run of consecutive fields of one argument (a replicated tensor's values
-    a run of their own), then the fields past the body. The runs before the first disagreeing
-    field are the same on every rank (labels depend only on earlier fields), so every rank fails
-    the same assertion. (Across the tensor-parallel group the layout is judged by `_layout_flags`.)"""
+    header (`_HEAD`), the vocabulary shard layout (across the tensor-parallel group judged by
+    `_layout_flags` on the gathered matrix, as `layout` needs: no slots; across the
+    context-parallel group the same on every rank), then each run of consecutive fields of one
+    argument (a replicated tensor's values a run of their own; across CP not the fingerprints of
+    sequence shards), then the fields past the body. The runs before the first disagreeing field
+    are the same on every rank (labels depend only on earlier fields), so every rank fails the
+    same assertion."""
     groups = [(what, list(slots)) for what, slots in _HEAD]
+    if layout != "free":
+        groups.append((_LAYOUT_WHAT + ("; compiled, this function needs equal widths" * (layout == "equal")), []))
     if not across_tp:
         groups.append(
             ("the vocabulary shard layout (this rank's width, first id and rank)", [_H_WIDTH, _H_START, _H_RANK])
         )
-    for i, owner in enumerate(owners[:_MAX_FIELDS]):
-        slots = [_HEADER + 2 * i, _HEADER + 2 * i + 1]
-        if owner == roles.size:
-            slots.append(_H_SIZE)
+    owners = fields.owners[:_MAX_FIELDS]
+    for i, (owner, (kind, _)) in enumerate(zip(owners, fields.codes, strict=False)):
+        compared = across_tp or kind != _K_VALUES_TP
+        slots = [_HEADER + 2 * i] + [_HEADER + 2 * i + 1] * compared + [_H_SIZE] * (owner == roles.size)
         if groups[-1][0] == owner:
             groups[-1][1].extend(slots)
         else:
             groups.append((owner, slots))
-    rest = (
-        [_H_COUNT, _H_DIGEST]
-        + ([_H_VALUES] if across_tp else [])
-        + ([] if roles.size in owners[:_MAX_FIELDS] else [_H_SIZE])
-    )
+    rest = [_H_COUNT, _H_DIGEST] + [_H_VALUES] * across_tp + [_H_SIZE] * (roles.size not in owners)
     groups.append((f"an argument past the first {_MAX_FIELDS} fields (or the values of a replicated tensor)", rest))
     return groups
 
@@ -817,23 +816,13 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
     with_cp = _is_distributed(cp)
     world = tp.size() if _is_distributed(tp) else 1
     sig, fields = _signature(name, arguments, roles=roles, cp=with_cp, world=world)
-    codes = fields.codes[:_MAX_FIELDS]
-    tp_only = {_HEADER + 2 * i + 1 for i, (kind, _) in enumerate(codes) if kind == _K_VALUES_TP}
     checks = []
     for group, group_name, across_tp in ((tp, tp_arg, True), (cp, cp_arg, False)):
         if group is None or not _is_distributed(group):
             continue
-        groups = _compiled_groups(fields.owners, across_tp, roles)
         layout = ("equal" if policy == "auto" else policy) if across_tp else "free"
-        if layout != "free":  # judged on the gathered matrix (`_layout_flags`), before the fields
-            groups.insert(
-                3, (_LAYOUT_WHAT + ("; compiled, this function needs equal widths" * (layout == "equal")), [])
-            )
-        skip = set() if across_tp else tp_only  # across CP: not the sequence shards' fingerprints
-        member = [[False] * SIGNATURE_LEN for _ in groups]
-        for g, (_, slots) in enumerate(groups):
-            for slot in slots:
-                member[g][slot] = slot not in skip
+        groups = _compiled_groups(fields, across_tp, layout, roles)
+        member = [[slot in slots for slot in range(SIGNATURE_LEN)] for _, slots in groups]
         # every group's all-gather is issued before the first assertion: a rank that rejected the
         # call while tracing (`_exchange_rejection`) sends to each group in turn, then stops. Issued
         # only: the wait is the assertions' (below), so the round trip flies while the kernel computes
@@ -846,46 +835,22 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
             gathered = c10d.wait_tensor(in_flight).view(-1, SIGNATURE_LEN)  # [R, SIGNATURE_LEN]
             differs = (gathered != gathered[0]).any(0)  # [SIGNATURE_LEN]
             failed = (differs & torch.tensor(member, device=sig.device)).any(1)  # [groups]
-            if layout != "free":
-                at_layout = torch.arange(len(groups), device=sig.device) == 3
+            if layout != "free":  # the group after the header
+                at_layout = torch.arange(len(groups), device=sig.device) == len(_HEAD)
                 failed = failed | (at_layout & _layout_flags(gathered, layout).any())
             messages = [
                 f"lossfx.{name}: the ranks of {group_name} disagree on {what}. Every rank of a group must make the "
                 "same call (compiled: each rank's value is not shown; the same call run eagerly shows it)"
                 for what, _ in groups
             ]
-            if before is None:  # no collective follows in this graph: plain in-graph assertions
-                for g, message in enumerate(messages):
-                    torch._assert_async(~failed[g], message)
-            else:
-                done = torch.ops.lossfx.assert_agreement(before.detach(), ~failed, _SEPARATOR.join(messages))
-                token = done if token is None else token | done
+            done = assert_in_graph(~failed, messages, before)  # (None when no collective follows)
+            token = done if token is None or done is None else token | done
         return token
 
     _host_reads.defer_traced(assert_agreement)
 
 
 _LAYOUT_WHAT = "the vocabulary shard layout (each rank's width, first id and V: the shards must tile [0, V))"
-_SEPARATOR = "\x1f"  # between the messages of `_assert_agreement` (a custom op takes one string)
-
-
-@torch.library.custom_op("lossfx::assert_agreement", mutates_args=())
-def _assert_agreement(before: Tensor, agree: Tensor, messages: str) -> Tensor:
-    """`_assert_async(agree[g], messages[g])` for each group `g` of the compiled check, then a
-    0-d `False` (the token): the collective that sends `before` is made to read the token
-    (`_core.host_reads.settle_before`), so it runs after the assertions in any order a compiler
-    picks (a plain `_assert_async` has no output: Inductor's scheduler placed one after the
-    kernel's all-gather). `before` is only read for order: the compiled graph computes it (the
-    kernel's first local pass) first, and the check's round trip flies meanwhile. Opaque: no
-    compiler pass moves or drops it. ~1 µs per group on the CPU (one `unbind`, no host read)."""
-    for ok, message in zip(agree.unbind(0), messages.split(_SEPARATOR), strict=True):
-        torch._assert_async(ok, message)
-    return torch.zeros((), dtype=torch.bool, device=before.device)
-
-
-@_assert_agreement.register_fake
-def _(before: Tensor, agree: Tensor, messages: str) -> Tensor:
-    return torch.empty((), dtype=torch.bool, device=before.device)
 
 
 def _exchange_rejection(name: str, groups: tuple[str, ...], told: str, device: str, kind: str, message: str) -> bool:
@@ -1117,9 +1082,5 @@ class ShardWidths:
         call's host reads are settled: a range check of ids is then read with the cross-rank
         check instead of after it."""
 
-        def size() -> int:
-            vocab_size = self.range(local_vocab, group)[1]
-            world = group.size() if isinstance(group, dist.ProcessGroup) else 1
-            return vocab_size if vocab_size is not None else world * local_vocab
-
-        return size
+        world = group.size() if isinstance(group, dist.ProcessGroup) else 1
+        return lambda: self.range(local_vocab, group)[1] or world * local_vocab
