@@ -255,8 +255,8 @@ def _show(value: Any) -> str:
 
 class _Fields:
     """The ordered fields of one call: `labels[i]`, `owners[i]` (its argument, or its tensor's
-    values: the compiled messages), `codes[i] = (kind, int64)` and `texts[i]` (how this rank's
-    value reads; `None` for a fingerprint, or when traced). The label of field `i` depends only
+    values: the compiled messages), `codes[i] = (kind, int64)` and `shown[i]` (this rank's value,
+    worded by `_show` in an eager message). The label of field `i` depends only
     on the values of fields before it (a tensor's `ndim` precedes its dims, a mapping's keys
     precede its entries), so ranks compare labels position by position."""
 
@@ -267,16 +267,15 @@ class _Fields:
         self.labels: list[str] = []
         self.owners: list[str] = []
         self.codes: list[tuple[int, int]] = []
-        self.texts: list[str | None] = []
+        self.shown: list[Any] = []  # this rank's values, worded (`_show`) only on the error path
         self.values: list[tuple[int, Tensor]] = []  # (field index, fingerprint of a replicated tensor)
         self.floats: list[tuple[int, Tensor]] = []  # (field index, bits of a float) when traced
 
     def add(self, label: str, value: Any, owner: str | None = None) -> None:
-        traced = _host_reads.tracing()
         self.labels.append(label)
         self.owners.append(self.owner if owner is None else owner)
-        self.texts.append(None if traced else _show(value))
-        if isinstance(value, float) and traced:  # maybe symbolic: its bits in the graph
+        self.shown.append(value)
+        if isinstance(value, float) and _host_reads.tracing():  # maybe symbolic: its bits in the graph
             self.floats.append((len(self.codes), torch.tensor(value, dtype=torch.float64).view(torch.int64)))
             self.codes.append((_K_FLOAT, 0))
         else:
@@ -299,7 +298,7 @@ class _Fields:
             self.values.append((len(self.codes), fingerprint(value)))
             self.labels.append(f"the values of {label} (which must be the same on every rank)")
             self.owners.append(f"the values of {label}")
-            self.texts.append(None)  # the fingerprint is filled in on the device
+            self.shown.append(_FINGERPRINT)  # filled in on the device
             self.codes.append((_K_VALUES_TP if cp_shard else _K_VALUES, 0))
 
     def walk(
@@ -377,7 +376,7 @@ class _Kind(str):
     """A description encoded as itself (a string field shown without quotes)."""
 
 
-_ABSENT = object()
+_ABSENT, _FINGERPRINT = object(), object()
 
 
 def _signature(
@@ -558,8 +557,9 @@ def _first_disagreement(
     for i in range(min(count, _MAX_FIELDS)):
         kind_slot, value_slot = _HEADER + 2 * i, _HEADER + 2 * i + 1
         if differs(kind_slot) or differs(value_slot):
-            text = fields.texts[i]
-            return fields.labels[i], f"fingerprint {own[value_slot] & (2**64 - 1):016x}" if text is None else text
+            value = fields.shown[i]
+            digest = f"fingerprint {own[value_slot] & (2**64 - 1):016x}"
+            return fields.labels[i], digest if value is _FINGERPRINT else _show(value)
     if differs(_H_COUNT) and count < _MAX_FIELDS:  # the fields agree as far as every rank has them
         extra = f", the next: {fields.labels[count]}" if len(fields.labels) > count else ""
         return "how many argument fields the call has (a DTensor or a column on some ranks only?)", (
