@@ -165,10 +165,11 @@ def _worker(rank: int, world: int, port: int, iters: int, queue, compiled_only: 
 
         def local(arguments=arguments):  # the check's Python work: signature, and the comparison
             sig, labels = _consistency._signature("prepare_loss_input", arguments, roles=roles)
+            broken = _consistency._layout_flags(sig.expand(world, -1), "auto")  # as on the gathered signatures
             own = sig.tolist()
             sigs = [own] * world
             _consistency._first_disagreement(sigs, own, labels, per_rank_header=True, roles=roles)
-            _consistency._tiling_error(sigs, "auto", roles)
+            _consistency._tiling_error(sigs, "auto", broken.tolist(), roles)
 
         stats = torch.zeros(3, batch * seq)
 

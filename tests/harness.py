@@ -23,6 +23,7 @@ import queue
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -228,24 +229,40 @@ class GlooPool:
             self._procs.append(proc)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        job = (fn.__module__, fn.__qualname__, to_wire(args), to_wire(kwargs))
+        results, problems = self.answers(fn, args, kwargs)
+        if problems:
+            raise RankFailure("\n".join(f"--- rank {r} ---\n{p}" for r, p in problems.items()))
+        return results
+
+    def answers(
+        self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, timeout: float | None = None
+    ) -> tuple[list[Any], dict[int, str]]:
+        """`(answers, problems)` of `fn(rank, R, group, *args, **kwargs)` on every rank within
+        `timeout` seconds in all: `answers` in rank order (the ranks that answered), `problems`
+        `{rank: "hang" (no answer in time), "died" (its process ended) or its traceback}`. With a
+        problem the pool is closed (joined, what is left killed): the next run gets a fresh one."""
+        timeout = _TIMEOUT_S if timeout is None else timeout
+        job = (fn.__module__, fn.__qualname__, to_wire(args), to_wire(kwargs or {}))
         for conn in self._conns:
             conn.send(job)
-        results, failures = [None] * self.world_size, []
+        deadline = time.monotonic() + timeout
+        answers, problems = [], {}
         for rank, conn in enumerate(self._conns):
-            if not conn.poll(_TIMEOUT_S):
-                self.broken = True
-                failures.append(f"--- rank {rank} --- no answer within {_TIMEOUT_S} s")
+            try:
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    problems[rank] = "hang"
+                    continue
+                ok, payload = conn.recv()
+            except (EOFError, OSError):
+                problems[rank] = "died"
                 continue
-            ok, payload = conn.recv()
             if ok:
-                results[rank] = from_wire(payload)
+                answers.append(from_wire(payload))
             else:
-                failures.append(f"--- rank {rank} ---\n{payload}")
-        if failures:
+                problems[rank] = payload
+        if problems:
             self.close()
-            raise RankFailure("\n".join(failures))
-        return results
+        return answers, problems
 
     def close(self) -> None:
         self.broken = True
@@ -279,6 +296,18 @@ def gloo_pool(world_size: int) -> GlooPool:
     if pool is None or pool.broken:
         pool = _gloo_pools[world_size] = GlooPool(world_size)
     return pool
+
+
+def answers_in_time(fn: Callable[..., Any], *args: Any, timeout: float, world: int = 2) -> list[Any]:
+    """Every rank's `fn(rank, R, group, *args)` on the gloo pool; fails the calling test on a hang
+    (no answer within `timeout` seconds), a dead rank or a rank that raised."""
+    answers, problems = gloo_pool(world).answers(fn, args, timeout=timeout)
+    if problems:
+        import pytest
+
+        shown = {r: f"hang: no answer within {timeout:.0f} s" if p == "hang" else p for r, p in problems.items()}
+        pytest.fail(f"{fn.__name__}{args}: {shown}")
+    return answers
 
 
 def close_all() -> None:
@@ -412,6 +441,16 @@ def assert_every_rank_raises(messages: list[str | None], parts: Iterable[str]) -
         for part in parts:
             assert part in message, (rank, message)
     assert all(m == messages[0] for m in messages), "every rank raises the same error"
+
+
+def value_error(call: Callable[[], Any]) -> tuple[str | None, float]:
+    """`(the ValueError message of call(), or None; the seconds it took)`."""
+    start = time.perf_counter()
+    try:
+        call()
+    except ValueError as err:
+        return str(err), time.perf_counter() - start
+    return None, time.perf_counter() - start
 
 
 def value_error_messages(calls: dict[str, Callable[[], Any]]) -> dict[str, str]:

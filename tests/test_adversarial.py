@@ -36,7 +36,7 @@ CP together (that needs 4 ranks).
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 
 import adversarial_cases
 import harness
@@ -381,38 +381,19 @@ def _run(target: str, perturbation: str, mode: str) -> tuple[str, str]:
     """(outcome, detail) of one case on the 2-process gloo pool (see the module doc)."""
     both, rank1 = PERTURBATIONS[perturbation]
     timeout = EAGER_TIMEOUT_S if mode == "eager" else COMPILED_TIMEOUT_S
-    job = (adversarial_cases.__name__, "run_case", harness.to_wire((target, both, rank1, mode)), {})
-    answers, failed = _answers(harness.gloo_pool(2), job, timeout)
+    answers, failed = _answers(harness.gloo_pool(2), adversarial_cases.run_case, (target, both, rank1, mode), timeout)
     if failed is not None:
         return failed
     return _classify(answers, mode)
 
 
-def _answers(pool: harness.GlooPool, job: tuple, timeout: float) -> tuple[list, tuple[str, str] | None]:
-    """Send `job` to every rank of `pool`; `(answers, None)` when every rank answered within
+def _answers(pool: harness.GlooPool, fn: Callable, args: tuple, timeout: float) -> tuple[list, tuple[str, str] | None]:
+    """`fn(*args)` on every rank of `pool`; `(answers, None)` when every rank answered within
     `timeout`, else `([], (outcome, detail))`: an abort, a hang, or an error outside lossfx's
     (the pool is then closed: the next case gets a fresh one)."""
-    for conn in pool._conns:
-        conn.send(job)
-    deadline = time.monotonic() + timeout
-    answers: list = []
-    problems: dict[int, str] = {}
-    for rank, conn in enumerate(pool._conns):
-        try:
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                problems[rank] = "hang"
-                continue
-            ok, payload = conn.recv()
-        except (EOFError, OSError):
-            problems[rank] = "died"
-            continue
-        if ok:
-            answers.append(harness.from_wire(payload))
-        else:
-            problems[rank] = payload
+    answers, problems = pool.answers(fn, args, timeout=timeout)
     if not problems:
         return answers, None
-    pool.close()  # joins, kills what is left
     codes = [proc.exitcode for proc in pool._procs]
     signals = {r: -c for r, c in enumerate(codes) if c is not None and c < 0 and c != -9}
     if signals or "died" in problems.values():

@@ -581,8 +581,7 @@ def _run(name: str, mode: str = "eager") -> tuple[str, str]:
     timeout = EAGER_TIMEOUT_S if mode == "eager" else COMPILED_TIMEOUT_S
     pool = harness.gloo_pool(2)
     pool.run(_ready)  # a fresh pool starts (imports, rendezvous) outside the case's timeout
-    job = (__name__, "run_heldout", harness.to_wire((name, mode)), {})
-    answers, failed = test_adversarial._answers(pool, job, timeout)
+    answers, failed = test_adversarial._answers(pool, run_heldout, (name, mode), timeout)
     if failed is not None:
         return failed
     outcomes = [o for o, _ in answers]

@@ -150,31 +150,9 @@ def _case(rank, world, group, case, on):
     return out
 
 
-def _run(fn, *args, world: int = 2) -> list:
+def _run(fn, *args) -> list:
     """Every rank's `fn(*args)`; fails on a hang (no answer by `DEADLINE_S`) or a dead rank."""
-    pool = harness.gloo_pool(world)
-    job = (fn.__module__, fn.__qualname__, harness.to_wire(args), {})
-    for conn in pool._conns:
-        conn.send(job)
-    deadline = time.monotonic() + DEADLINE_S
-    answers, problems = [], {}
-    for rank, conn in enumerate(pool._conns):
-        try:
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                problems[rank] = f"hang: no answer within {DEADLINE_S:.0f} s"
-                continue
-            ok, payload = conn.recv()
-        except (EOFError, OSError):
-            problems[rank] = "died (abort)"
-            continue
-        if ok:
-            answers.append(harness.from_wire(payload))
-        else:
-            problems[rank] = payload
-    if problems:
-        pool.close()
-        pytest.fail(f"{fn.__name__}{args}: {problems}")
-    return answers
+    return harness.answers_in_time(fn, *args, timeout=DEADLINE_S)
 
 
 HANGS = {  # case: what every rank's error must say
@@ -228,13 +206,8 @@ def test_each_hang_is_one_clear_error_on_every_rank(case):
 
 def _hangs_when_off(case: str, seconds: float = 10.0) -> bool:
     """Whether `case` with the mode off leaves every rank without an answer for `seconds` (the pool is then closed)."""
-    pool = harness.gloo_pool(2)
-    for conn in pool._conns:
-        conn.send((_case.__module__, _case.__qualname__, harness.to_wire((case, False)), {}))
-    deadline = time.monotonic() + seconds
-    answered = [conn.poll(max(0.0, deadline - time.monotonic())) for conn in pool._conns]
-    pool.close()
-    return not any(answered)
+    answers, problems = harness.gloo_pool(2).answers(_case, (case, False), timeout=seconds)
+    return not answers and set(problems.values()) == {"hang"}
 
 
 @pytest.mark.slow

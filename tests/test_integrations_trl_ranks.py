@@ -11,8 +11,6 @@ then a probe all-reduce proves the group is still in step. Eager; the compiled c
 
 from __future__ import annotations
 
-import time
-
 import harness
 import pytest
 import torch
@@ -91,29 +89,7 @@ def _case(rank, world, group, case):
 def _run(case: str, fn=None, world: int = 2) -> list[dict]:
     """Every rank's `fn(case)` result (default `_case`); fails on a hang (no answer by
     `DEADLINE_S`) or a dead rank, and checks the probe: the group is still in step."""
-    fn = fn or _case
-    pool = harness.gloo_pool(world)
-    job = (fn.__module__, fn.__qualname__, harness.to_wire((case,)), {})
-    for conn in pool._conns:
-        conn.send(job)
-    deadline = time.monotonic() + DEADLINE_S
-    answers, problems = [], {}
-    for rank, conn in enumerate(pool._conns):
-        try:
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                problems[rank] = f"hang: no answer within {DEADLINE_S:.0f} s"
-                continue
-            ok, payload = conn.recv()
-        except (EOFError, OSError):
-            problems[rank] = "died (abort)"
-            continue
-        if ok:
-            answers.append(harness.from_wire(payload))
-        else:
-            problems[rank] = payload
-    if problems:
-        pool.close()
-        pytest.fail(f"case {case!r}: {problems}")
+    answers = harness.answers_in_time(fn or _case, case, timeout=DEADLINE_S, world=world)
     assert [float(a["probe"]) for a in answers] == [float(world)] * world, "the group is out of step"
     return answers
 

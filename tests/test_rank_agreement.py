@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import harness
 import pytest
 import torch
-from harness import assert_every_rank_raises, gloo_pool
+from harness import assert_every_rank_raises, gloo_pool, value_error
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from profiles import examples
@@ -144,11 +144,7 @@ def _call(case, rank, group):
 
 
 def _error_then_ok(rank, world, group, case):
-    try:
-        _call(case, rank, group)
-        message = None
-    except ValueError as err:
-        message = str(err)
+    message = value_error(lambda: _call(case, rank, group))[0]
     hidden, weight, target = _fused(5)
     rows = weight[rank * 6 : (rank + 1) * 6].clone().requires_grad_()
     after = lossfx.linear_token_logprobs(hidden, rows, target, group=group)
@@ -396,7 +392,7 @@ def _walked(value, paths=("kl_type", "top_k", "zero_outside_topk", "broken", "we
     """`{label: code}` of `value` as the check reads a `loss_fn` whose call reads `paths` (`Roles.attrs`)."""
     from lossfx._boundary.consistency import _Fields
 
-    fields = _Fields(fingerprints=False)
+    fields = _Fields()
     fields.attributes("loss_fn", value, paths)
     return dict(zip(fields.labels, fields.codes, strict=True))
 

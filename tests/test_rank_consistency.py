@@ -8,14 +8,13 @@ same group: the check leaves the collectives in step, so the pool is never resta
 
 import ast
 import dataclasses
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import harness
 import pytest
 import torch
-from harness import assert_every_rank_raises, gloo_pool, mesh_groups, thread_world
+from harness import assert_every_rank_raises, gloo_pool, mesh_groups, thread_world, value_error
 
 import lossfx
 from lossfx import reference
@@ -90,13 +89,7 @@ def _call(case, rank, group):
 
 def _error_then_ok(rank, world, group, case):
     """`(message or None, seconds, a consistent call's result)` on this rank."""
-    start = time.perf_counter()
-    try:
-        _call(case, rank, group)
-        message = None
-    except ValueError as err:
-        message = str(err)
-    seconds = time.perf_counter() - start
+    message, seconds = value_error(lambda: _call(case, rank, group))
     z = _logits(1, 4, 8, 5)[..., rank * 4 : (rank + 1) * 4]
     after = lossfx.token_logprobs(z, _ids(1, 4, 8, 5), group=group)  # the group is still in step
     return message, seconds, after
@@ -141,11 +134,9 @@ def _cp_mismatch(rank, world, group, layout):
     local = shard_for_cp_rank(z, rank, world, seq_dim=1)
     sp = lossfx.TrainingSamplingParams(top_k=2 if rank == 0 else 3)
     cp = {"context_parallel_group": group} if layout == "group" else {"cp_sharder": LoadBalancedSharder(group)}
-    try:
-        lossfx.prepare_loss_input(local, {"input_ids": ids}, LOGPROB, sampling_params=sp, **cp)
-    except ValueError as err:
-        return str(err)
-    return None
+    return value_error(lambda: lossfx.prepare_loss_input(local, {"input_ids": ids}, LOGPROB, sampling_params=sp, **cp))[
+        0
+    ]
 
 
 @pytest.mark.parametrize(("layout", "name"), [("group", "context_parallel_group"), ("sharder", "cp_sharder.cp_group")])
@@ -161,20 +152,10 @@ def _grid_mismatch(rank, world, group):
     z, ids = _logits(2, 8, 6, 4), _ids(2, 8, 6, 4)
     local = shard_for_cp_rank(z, cp_rank, 2, seq_dim=1)[..., tp_rank * 3 : (tp_rank + 1) * 3]
     sp = lossfx.TrainingSamplingParams(top_k=2 if rank == 0 else 3)
-    start = time.perf_counter()
-    try:
-        lossfx.prepare_loss_input(
-            local,
-            {"input_ids": ids},
-            LOGPROB,
-            vocab_parallel_rank=tp_rank,
-            vocab_parallel_group=tp_group,
-            context_parallel_group=cp_group,
-            sampling_params=sp,
-        )
-    except ValueError as err:
-        return str(err), time.perf_counter() - start
-    return None, time.perf_counter() - start
+    groups = {"vocab_parallel_rank": tp_rank, "vocab_parallel_group": tp_group, "context_parallel_group": cp_group}
+    return value_error(
+        lambda: lossfx.prepare_loss_input(local, {"input_ids": ids}, LOGPROB, sampling_params=sp, **groups)
+    )
 
 
 def test_gloo_tp_cp_grid_every_rank_raises():
@@ -263,11 +244,7 @@ def test_one_signature_gather_per_entry_call(monkeypatch):
 
 
 def _thread_batch_mismatch(rank, world, group):
-    try:
-        _call("batch", rank, group)
-    except ValueError as err:
-        return str(err)
-    return None
+    return value_error(lambda: _call("batch", rank, group))[0]
 
 
 def test_rank_threads_mismatch():
@@ -318,24 +295,47 @@ def test_signature_is_by_value_and_fixed_length():
     as_enum = {"loss_fn": SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB), "logits": torch.zeros(2, 3, 5)}
     as_str = {"loss_fn": SimpleNamespace(input_type="logprob"), "logits": torch.zeros(2, 3, 7)}
     roles = _consistency.Roles(shards=("logits",), attrs=("loss_fn", ("input_type",)))  # as prepare_loss_input
-    sig_enum, labels = _consistency._signature("prepare_loss_input", as_enum, roles=roles)
+    sig_enum, fields = _consistency._signature("prepare_loss_input", as_enum, roles=roles)
     sig_str, _ = _consistency._signature("prepare_loss_input", as_str, roles=roles)
     assert sig_enum.shape == sig_str.shape == (_consistency.SIGNATURE_LEN,)
     body = slice(_consistency._HEADER, None)
     assert torch.equal(sig_enum[body], sig_str[body])  # the shard width (5 vs 7) is per rank: header only
-    assert "logits.shape[1]" in labels and "loss_fn.input_type" in labels
+    assert "logits.shape[1]" in fields.labels and "loss_fn.input_type" in fields.labels
     many = {f"x{i}": i for i in range(500)}  # past the field budget: a digest, same length
     sig_many, _ = _consistency._signature("f", many)
     assert sig_many.shape == (_consistency.SIGNATURE_LEN,)
 
 
+def _breaks_layout(sigs: list[list[int]], policy: str) -> bool:
+    """The layout rules read densely (independent of `_layout_flags`): the ranks' spans must hold
+    every id of `[0, V)` exactly once (after the width, top-k and size rules of `policy`)."""
+    C = _consistency
+    world, widths = len(sigs), [s[C._H_WIDTH] for s in sigs]
+    if policy in ("free", "auto") or C._NONE in widths:
+        return False
+    if policy == "equal":
+        return len(set(widths)) > 1
+    sizes = [world * w if s[C._H_SIZE] == C._NONE else s[C._H_SIZE] for s, w in zip(sigs, widths, strict=True)]
+    if policy.startswith("topk:"):
+        if len({min(int(policy[5:]), world * w) for w in widths}) > 1:
+            return True
+        policy, sizes = "tiled", [sum(widths)] * world
+    if len(set(sizes)) > 1:
+        return True
+    if policy == "sized":
+        return sum(widths) != sizes[0]
+    starts = [r * w if s[C._H_START] == C._NONE else s[C._H_START] for r, (s, w) in enumerate(zip(sigs, widths))]
+    return sorted(i for a, w in zip(starts, widths, strict=True) for i in range(a, a + w)) != list(range(sizes[0]))
+
+
 @pytest.mark.parametrize("policy", ["free", "auto", "equal", "sized", "tiled", "topk:5", "topk:40"])
 def test_device_verdict_equals_the_host_judgement(policy):
     """The TP verdict carried by the CP signature is computed on the device (one host read per
-    call); it must be exactly the host judgement, or a rank would raise while its CP peers go on."""
+    call); it must be exactly the host judgement, or a rank would raise while its CP peers go on.
+    The layout rules (`_layout_flags`, which both read) against a dense reading of them."""
     C = _consistency
     gen = torch.Generator().manual_seed(len(policy))
-    base, labels = C._signature("f", {"x": torch.ones(3), "k": 4})
+    base, fields = C._signature("f", {"x": torch.ones(3), "k": 4})
     cases = 0
     for world in (2, 3):
         for _ in range(150):
@@ -353,11 +353,11 @@ def test_device_verdict_equals_the_host_judgement(policy):
             if torch.rand(1, generator=gen) < 0.2:  # a field disagrees
                 g[-1, C._HEADER + 3] += 1
             sigs = g.tolist()
-            host = (
-                C._first_disagreement(sigs, sigs[0], labels, per_rank_header=True) is not None
-                or C._tiling_error(sigs, policy) is not None
-            )
-            assert bool(C._verdict_on_device(g, policy)) == host, (policy, sigs[0][:10], [s[:10] for s in sigs])
+            broken = C._layout_flags(g, policy)
+            tiling = C._tiling_error(sigs, policy, broken.tolist())
+            assert (tiling is not None) == _breaks_layout(sigs, policy), sigs
+            host = C._first_disagreement(sigs, sigs[0], fields, per_rank_header=True) is not None or tiling is not None
+            assert bool(C._verdict_on_device(g, broken)) == host, (policy, sigs[0][:10], [s[:10] for s in sigs])
             cases += host
     assert 0 < cases < 300 or policy in ("free", "auto")  # both outcomes were exercised
 
@@ -381,8 +381,8 @@ def test_cp_shards_are_compared_across_tensor_parallel_only():
     C = _consistency
     roles = C.Roles(cp_shards=("x",), shard_columns=("part",))
 
-    def sigs(x: float, data_part: float, ids: int, width: int = 3) -> tuple[list[list[int]], list[str]]:
-        rows, labels = [], []
+    def sigs(x: float, data_part: float, ids: int, width: int = 3) -> tuple[list[list[int]], C._Fields]:
+        rows = []
         for rank in range(2):
             args = {
                 "x": torch.full((2, 3), x if rank else 0.0),
@@ -391,9 +391,9 @@ def test_cp_shards_are_compared_across_tensor_parallel_only():
                     "ids": torch.full((2,), ids if rank else 0),
                 },
             }
-            sig, labels = C._signature("f", args, roles=roles)
+            sig, fields = C._signature("f", args, roles=roles)
             rows.append(sig.tolist())
-        return rows, labels
+        return rows, fields
 
     for x, part, ids, width, across_cp in [
         (0.0, 0.0, 0, 3, None),
@@ -402,9 +402,9 @@ def test_cp_shards_are_compared_across_tensor_parallel_only():
         (0.0, 1.0, 0, 2, None),
         (0.0, 0.0, 1, 3, "ids"),
     ]:
-        rows, labels = sigs(x, part, ids, width)
-        cp = C._first_disagreement(rows, rows[0], labels, per_rank_header=False)
-        tp = C._first_disagreement(rows, rows[0], labels, per_rank_header=True)
+        rows, fields = sigs(x, part, ids, width)
+        cp = C._first_disagreement(rows, rows[0], fields, per_rank_header=False)
+        tp = C._first_disagreement(rows, rows[0], fields, per_rank_header=True)
         assert (cp is None) == (across_cp is None) and (cp is None or across_cp in cp[0]), (x, part, ids, cp)
         assert (tp is not None) == bool(x or ids), (x, part, ids, tp)
         if x:

@@ -5,12 +5,10 @@ the group stays in step: a consistent call afterwards (uneven 6 + 5 rows) matche
 The shard width of a fused call is the weight's row count (`lossfx/_boundary/consistency.py`).
 """
 
-import time
-
 import harness
 import pytest
 import torch
-from harness import assert_every_rank_raises, gloo_pool
+from harness import assert_every_rank_raises, gloo_pool, value_error
 
 import lossfx
 from lossfx import reference
@@ -64,13 +62,7 @@ def _call(case, rank, group):
 
 def _error_then_ok(rank, world, group, case):
     """`(message or None, seconds, a consistent call's values and weight gradient)` on this rank."""
-    start = time.perf_counter()
-    try:
-        _call(case, rank, group)
-        message = None
-    except ValueError as err:
-        message = str(err)
-    seconds = time.perf_counter() - start
+    message, seconds = value_error(lambda: _call(case, rank, group))
     hidden, weight, target = _data(3, 11, 1)
     rows = weight[:6] if rank == 0 else weight[6:]  # uneven 6 + 5, declared
     rows = rows.clone().requires_grad_()

@@ -53,6 +53,7 @@ from torch import Tensor
 
 from lossfx._boundary import debug as _debug
 from lossfx._boundary.compile_errors import raise_while_tracing, reraise_while_tracing
+from lossfx._boundary.validation import assert_in_graph
 from lossfx._core import chunking as _chunking
 from lossfx._core import host_reads as _host_reads
 
@@ -220,81 +221,65 @@ def _crc_repr(value: str) -> int:
 _crc_repr._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-class _Labels(list[str]):
-    """The labels of a signature's fields, with `names`: the text of each string code of this call
-    (`{code: text}`), which its messages show (a rank shows its own values: it encoded them)."""
-
-    names: dict[int, str]
-
-
-def _encode(value: Any) -> tuple[int, int, str | None]:
-    """`(kind, int64, its text or None)` of a scalar-like value (the text of a string code)."""
+def _encode(value: Any) -> tuple[int, int]:
+    """`(kind, int64)` of a scalar-like value (a string by the code of its text)."""
     if value is None:
-        return _K_NONE, 0, None
+        return _K_NONE, 0
     if isinstance(value, bool):
-        return _K_BOOL, int(value), None
+        return _K_BOOL, int(value)
     if isinstance(value, enum.Enum):  # by value: `LossInputType.LOGPROB` and `"logprob"` agree
         value = value.value
     if isinstance(value, int):
-        return _K_INT, max(min(value, 2**63 - 1), -(2**63)), None
+        return _K_INT, max(min(value, 2**63 - 1), -(2**63))
     if isinstance(value, float):
-        return _K_FLOAT, struct.unpack("<q", struct.pack("<d", value))[0], None
+        return _K_FLOAT, struct.unpack("<q", struct.pack("<d", value))[0]
     if isinstance(value, _Kind):
-        return _K_TYPE, _crc(str(value)), str(value)
+        return _K_TYPE, _crc(str(value))
     if isinstance(value, str):
-        return _K_STR, _crc_repr(value), repr(value)
+        return _K_STR, _crc_repr(value)
     if isinstance(value, torch.dtype):
-        return (_K_DTYPE, _DTYPES.index(value), None) if value in _DTYPES else (_K_DTYPE, _crc(str(value)), str(value))
-    text = f"a {type(value).__qualname__}"
-    return _K_TYPE, _crc(text), text
+        return (_K_DTYPE, _DTYPES.index(value)) if value in _DTYPES else (_K_DTYPE, _crc(str(value)))
+    return _K_TYPE, _crc(f"a {type(value).__qualname__}")
 
 
-def _decode(kind: int, value: int, names: Mapping[int, str]) -> str:
-    if kind == _K_NONE:
-        return "None"
-    if kind == _K_BOOL:
-        return str(bool(value))
-    if kind == _K_INT:
+def _show(value: Any) -> str:
+    """How a scalar-like value reads in this rank's part of a message (eager only)."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, str) and not isinstance(value, _Kind):
+        return repr(value)
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         return str(value)
-    if kind == _K_FLOAT:
-        return repr(struct.unpack("<d", struct.pack("<q", value))[0])
-    if kind == _K_DTYPE:
-        return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else names.get(value, f"dtype#{value}")
-    if kind == _K_TYPE:
-        return names.get(value, f"an object #{value:x}")
-    if kind in (_K_VALUES, _K_VALUES_TP):
-        return f"fingerprint {value & (2**64 - 1):016x}"
-    return names.get(value, f"value#{value:x}")
+    return f"a {type(value).__qualname__}"
 
 
 class _Fields:
-    """The ordered `(label, kind, value)` fields of one call. The label of field `i` depends only
+    """The ordered fields of one call: `labels[i]`, `owners[i]` (its argument, or its tensor's
+    values: the compiled messages), `codes[i] = (kind, int64)` and `shown[i]` (this rank's value,
+    worded by `_show` in an eager message). The label of field `i` depends only
     on the values of fields before it (a tensor's `ndim` precedes its dims, a mapping's keys
     precede its entries), so ranks compare labels position by position."""
 
-    def __init__(self, fingerprints: bool = True, logits_grad: bool = False) -> None:
-        self.fingerprints = fingerprints
+    def __init__(self, logits_grad: bool = False) -> None:
         self.logits_grad = logits_grad  # with a CP group the logits' backward runs a collective
         self.columns: list[tuple[str, str, Tensor]] = []  # (owner, label, tensor): vocabulary-wide, last
         self.owner = ""  # the argument whose fields are being added
-        self.owners: list[str] = []  # per field: its argument, or its tensor's values (the compiled messages)
-        self.labels = _Labels()
-        self.labels.names = {}  # {string code: its text}
+        self.labels: list[str] = []
+        self.owners: list[str] = []
         self.codes: list[tuple[int, int]] = []
+        self.shown: list[Any] = []  # this rank's values, worded (`_show`) only on the error path
         self.values: list[tuple[int, Tensor]] = []  # (field index, fingerprint of a replicated tensor)
         self.floats: list[tuple[int, Tensor]] = []  # (field index, bits of a float) when traced
 
-    def add(self, label: str, value: Any) -> None:
+    def add(self, label: str, value: Any, owner: str | None = None) -> None:
         self.labels.append(label)
-        self.owners.append(self.owner)
+        self.owners.append(self.owner if owner is None else owner)
+        self.shown.append(value)
         if isinstance(value, float) and _host_reads.tracing():  # maybe symbolic: its bits in the graph
             self.floats.append((len(self.codes), torch.tensor(value, dtype=torch.float64).view(torch.int64)))
             self.codes.append((_K_FLOAT, 0))
         else:
-            kind, code, text = _encode(value)
-            self.codes.append((kind, code))
-            if text is not None:
-                self.labels.names[code] = text
+            self.codes.append(_encode(value))
 
     def tensor(
         self, label: str, value: Tensor, dims: Any, replicated: bool, grad_flag: bool = True, cp_shard: bool = False
@@ -309,12 +294,12 @@ class _Fields:
         self.add(f"{label}.dtype", value.dtype)
         if grad_flag:
             self.add(f"{label}.requires_grad", value.requires_grad)
-        if replicated and not _is_fake(value) and value.numel():
-            if self.fingerprints:
-                self.values.append((len(self.codes), fingerprint(value)))
+        if replicated and value.device.type != "meta" and value.numel():
+            self.values.append((len(self.codes), fingerprint(value)))
             self.labels.append(f"the values of {label} (which must be the same on every rank)")
             self.owners.append(f"the values of {label}")
-            self.codes.append((_K_VALUES_TP if cp_shard else _K_VALUES, 0))  # the value slot is filled on the device
+            self.shown.append(_FINGERPRINT)  # filled in on the device
+            self.codes.append((_K_VALUES_TP if cp_shard else _K_VALUES, 0))
 
     def walk(
         self,
@@ -342,9 +327,7 @@ class _Fields:
                 self.columns.append((self.owner, label, value))
         elif isinstance(value, dist.ProcessGroup):
             self.add(label, _Kind(f"process group of size {value.size()}"))
-        elif value is None or isinstance(value, (bool, int, float, str, enum.Enum, torch.dtype)):
-            self.add(label, value)
-        elif depth >= 2:
+        elif depth >= 2 or value is None or isinstance(value, (bool, int, float, str, enum.Enum, torch.dtype)):
             self.add(label, value)
         elif isinstance(value, Mapping):
             keys = sorted(value.keys(), key=str)
@@ -393,42 +376,28 @@ class _Kind(str):
     """A description encoded as itself (a string field shown without quotes)."""
 
 
-_ABSENT = object()
-
-
-def _is_fake(t: Tensor) -> bool:
-    return t.device.type == "meta"
+_ABSENT, _FINGERPRINT = object(), object()
 
 
 def _signature(
-    name: str,
-    arguments: Mapping[str, Any],
-    values: bool = True,
-    owners: list[str] | None = None,
-    roles: Roles = _NO_ROLES,
-    cp: bool = False,
-    world: int = 1,
-    tp_only: list[int] | None = None,
-) -> tuple[Tensor, list[str]]:
-    """`(signature [SIGNATURE_LEN] int64, labels)` of a call of `name` with bound `arguments`,
+    name: str, arguments: Mapping[str, Any], roles: Roles = _NO_ROLES, cp: bool = False, world: int = 1
+) -> tuple[Tensor, _Fields]:
+    """`(signature [SIGNATURE_LEN] int64, its fields)` of a call of `name` with bound `arguments`,
     whose parameters play the `roles` declared with the function.
 
     The static fields are known on the host; the fingerprints of replicated tensors are computed
-    on their device and written into the vector there (no host read); `values=False` leaves
-    them 0 (a group over which those tensors are shards). `owners`, if given, is extended with
-    each field's argument name (parallel to the labels). `cp`: a context-parallel group takes
+    on their device and written into the vector there (no host read). `cp`: a context-parallel group takes
     part (the logits' `requires_grad` is then compared: their backward all-reduces); `world`:
-    the tensor-parallel size (a vocabulary-wide column is fingerprinted over `[0, V)`);
-    `tp_only` receives the slots of fingerprints compared across the tensor-parallel group only."""
-    fields = _Fields(values, logits_grad=cp)
+    the tensor-parallel size (a vocabulary-wide column is fingerprinted over `[0, V)`)."""
+    fields = _Fields(logits_grad=cp)
     header = [0] * _HEADER
     header[_H_MAGIC], header[_H_PATH] = _MAGIC, _crc(name)
     header[_H_WIDTH] = header[_H_START] = header[_H_SIZE] = header[_H_RANK] = _NONE
     heads = []
-    fields.owner = "torch.is_grad_enabled()"
-    fields.add("torch.is_grad_enabled()", torch.is_grad_enabled())  # decides the backward's collectives
-    fields.owner = _POLICY_LABEL  # process state, not an argument: it sizes the loops (and their collectives)
-    fields.add(_POLICY_LABEL, _Kind(_policy_text(_chunking._forced)))
+    grad = "torch.is_grad_enabled()"  # decides the backward's collectives
+    fields.add(grad, torch.is_grad_enabled(), owner=grad)
+    # process state, not an argument: it sizes the loops (and their collectives)
+    fields.add(_POLICY_LABEL, _Kind(_policy_text(_chunking._forced)), owner=_POLICY_LABEL)
     own_rows = roles.rows[0] if roles.rows and arguments.get(roles.rows[1]) else None  # this rank's rows
     tp_group = arguments.get(roles.tp) if roles.tp else None
     for arg, value in arguments.items():
@@ -476,13 +445,8 @@ def _signature(
             vocab = column.shape[-1]
         fields.tensor(f"{label}[..., :{vocab}]", column[..., : max(vocab, 0)], [], replicated=True, grad_flag=False)
         fields.labels[-1] = _COLUMN_VALUES + fields.labels[-1].removeprefix("the values of ")
-    if owners is not None:
-        owners.extend(fields.owners)
     flat = [x for code in fields.codes for x in code]
     header[_H_COUNT], header[_H_TRACED] = len(fields.codes), int(_host_reads.tracing())
-    if tp_only is not None:
-        codes = fields.codes[:_MAX_FIELDS]
-        tp_only.extend(_HEADER + 2 * i + 1 for i, (kind, _) in enumerate(codes) if kind == _K_VALUES_TP)
     device = fields.values[0][1].device if fields.values else None
     length = max(SIGNATURE_LEN, _HEADER + len(flat))  # every field, then the ones past the body are digested
     sig = torch.tensor(header + flat + [0] * (length - _HEADER - len(flat)), dtype=torch.int64, device=device)
@@ -496,7 +460,7 @@ def _signature(
         canonical = rest.index_fill(0, torch.tensor(tp_only_slots, device=device), 0) if tp_only_slots else rest
         digests = torch.stack([fingerprint(canonical), fingerprint(rest)])  # across both groups; across TP
         sig = sig.index_put((torch.tensor([_H_DIGEST, _H_VALUES], device=device),), digests)
-    return sig, fields.labels
+    return sig, fields
 
 
 def _is_own_rank(value: Any, group: Any) -> bool:
@@ -534,11 +498,7 @@ def _head_fields(fields: _Fields, arg: str, heads: Mapping[Any, Any], header: li
         if not isinstance(w, Tensor) or not w.dim():
             fields.walk(label, w, 1)
             continue
-        fields.add(label, _Kind("Tensor"))
-        fields.add(f"{label}.ndim", w.dim())
-        for i, d in enumerate(w.shape[1:], start=1):
-            fields.add(f"{label}.shape[{i}]", int(d))
-        fields.add(f"{label}.dtype", w.dtype)
+        fields.tensor(label, w, list(enumerate(w.shape))[1:], replicated=False, grad_flag=False)
         n = int(w.shape[0])
         fields.add(
             f"{label}.shape[0], this rank's vocabulary rows",
@@ -551,8 +511,17 @@ def _head_fields(fields: _Fields, arg: str, heads: Mapping[Any, Any], header: li
 # ---------------------------------------------------------------------------------------------
 
 
+_REJECTED_WHAT = "whether the call is valid (a rank rejected it while compiling: its own error says why)"
+# the header fields both checks judge first, in this order: (what, slots)
+_HEAD = (
+    ("the function called", (_H_MAGIC, _H_PATH)),
+    (_REJECTED_WHAT, (_H_REJECTED,)),
+    ("how the call runs, compiled or eagerly (they run different collectives)", (_H_TRACED,)),
+)
+
+
 def _first_disagreement(
-    sigs: list[list[int]], own: list[int], labels: list[str], per_rank_header: bool, roles: Roles = _NO_ROLES
+    sigs: list[list[int]], own: list[int], fields: _Fields, per_rank_header: bool, roles: Roles = _NO_ROLES
 ) -> tuple[str, str] | None:
     """`(label, this rank's value)` of the first field the gathered signatures disagree on.
 
@@ -569,16 +538,12 @@ def _first_disagreement(
             return False
         return len({s[slot] for s in sigs}) > 1
 
-    if differs(_H_MAGIC):
-        return "the lossfx signature format (another lossfx version?)", f"{own[_H_MAGIC]:x}"
-    if differs(_H_PATH):
-        return "the function called", f"lossfx.{_functions.get(own[_H_PATH], '?')}"
-    if differs(_H_REJECTED):
-        return _REJECTED_WHAT, "rejected" if own[_H_REJECTED] else "accepted"
-    if differs(_H_TRACED):  # e.g. one rank past Dynamo's recompile limit: eager chunks run other collectives
-        return "how the call runs, compiled or eagerly (they run different collectives)", (
-            "compiled" if own[_H_TRACED] else "eager"
-        )
+    version = "" if own[_H_MAGIC] == _MAGIC else " (another lossfx version)"
+    shown = [f"lossfx.{_functions.get(own[_H_PATH], '?')}{version}", "rejected" if own[_H_REJECTED] else "accepted"]
+    shown.append("compiled" if own[_H_TRACED] else "eager")
+    for (what, slots), value in zip(_HEAD, shown, strict=True):
+        if any(map(differs, slots)):
+            return what, value
     if not per_rank_header:  # across the context-parallel group the shard layout must agree too
         for slot, label in [
             (_H_WIDTH, "the vocabulary shard width"),
@@ -592,9 +557,11 @@ def _first_disagreement(
     for i in range(min(count, _MAX_FIELDS)):
         kind_slot, value_slot = _HEADER + 2 * i, _HEADER + 2 * i + 1
         if differs(kind_slot) or differs(value_slot):
-            return labels[i], _decode(own[kind_slot], own[value_slot], getattr(labels, "names", {}))
+            value = fields.shown[i]
+            digest = f"fingerprint {own[value_slot] & (2**64 - 1):016x}"
+            return fields.labels[i], digest if value is _FINGERPRINT else _show(value)
     if differs(_H_COUNT) and count < _MAX_FIELDS:  # the fields agree as far as every rank has them
-        extra = f", the next: {labels[count]}" if len(labels) > count else ""
+        extra = f", the next: {fields.labels[count]}" if len(fields.labels) > count else ""
         return "how many argument fields the call has (a DTensor or a column on some ranks only?)", (
             f"{own[_H_COUNT]} fields{extra}"
         )
@@ -619,54 +586,64 @@ def _describe(disagreement: tuple[str, str], group: dist.ProcessGroup, sigs: lis
     return f"{label} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))})"
 
 
-def _tiling_error(sigs: list[list[int]], policy: str, roles: Roles = _NO_ROLES) -> str | None:
-    """How the ranks' vocabulary shards fail to tile `[0, V)` as `policy` needs, or `None`."""
-    widths = [s[_H_WIDTH] for s in sigs]
-    start_name, size_name = roles.start or "the first vocabulary id", roles.size or "the vocabulary size"
-    if policy in ("free", "auto") or _NONE in widths:
-        return None
-    shown = ", ".join(f"rank {r}: {w}" for r, w in enumerate(widths))
+_RULES = 5  # the layout rules of `_layout_flags`
+
+
+def _layout_flags(g: Tensor, policy: str) -> Tensor:
+    """The vocabulary-layout rules, written once: `[_RULES]` bool, which of them the shards of the
+    gathered tensor-parallel signatures `g [R, L]` break as `policy` needs: equal widths
+    (`"equal"`), one count of top-k candidates `min(k, R·Vl)` (`"topk:<k>"`), one size `V`,
+    widths summing to `V` (`"sized"`), spans `[start, start + width)` tiling `[0, V)` (`"tiled"`,
+    `"topk"`: `V = Σ widths`). A first id not given is `rank · width`, a size `R · width`; a width
+    not given (no shard argument) breaks nothing. Tensor ops, on the device (read with the
+    signatures: the eager check words the first broken rule, `_tiling_error`) or in a graph."""
+    if policy in ("free", "auto"):
+        return torch.zeros(_RULES, dtype=torch.bool, device=g.device)
+    broken = [torch.zeros((), dtype=torch.bool, device=g.device)] * _RULES
+    world = g.shape[0]
+    w, given_start, given_size = g[:, _H_WIDTH], g[:, _H_START], g[:, _H_SIZE]
     if policy == "equal":
-        if len(set(widths)) > 1:
-            return f"the vocabulary shard width ({shown}); this function needs equal shards"
-        return None
-    world = len(sigs)
-    if policy.startswith("topk:"):  # `vocab_topk`: every rank sends min(k, R·Vl) candidates
-        k = int(policy.removeprefix("topk:"))
-        if len({min(k, len(widths) * w) for w in widths}) > 1:
-            return (
-                f"the vocabulary shard width ({shown}): with uneven shards this function needs "
-                f"k={k} <= world_size · the smallest width ({len(widths) * min(widths)})"
-            )
-        policy, sizes = "tiled", [sum(widths)] * world
+        broken[0] = (w != w[0]).any()
     else:
-        sizes = [s[_H_SIZE] if s[_H_SIZE] != _NONE else world * s[_H_WIDTH] for s in sigs]
-    if len(set(sizes)) > 1:
-        given = ", ".join(f"rank {r}: {v}" for r, v in enumerate(sizes))
-        return (
-            f"the vocabulary size V ({given}; without {size_name} it is world_size · the shard width, "
-            f"shard widths {shown}); pass {size_name} (and {start_name}) for uneven shards"
-        )
-    vocab = sizes[0]
-    if policy == "sized":
-        if sum(widths) != vocab:
-            return f"the vocabulary: the shard widths ({shown}) sum to {sum(widths)}, not {size_name}={vocab}"
+        sizes = torch.where(given_size == _NONE, world * w, given_size)
+        if policy.startswith("topk:"):  # every rank sends min(k, R·Vl) candidates, then tiled with V = Σ widths
+            m = torch.clamp(world * w, max=int(policy.removeprefix("topk:")))
+            broken[1] = (m != m[0]).any()
+            policy, sizes = "tiled", w.sum().expand(world)
+        broken[2] = (sizes != sizes[0]).any()
+        if policy == "sized":
+            broken[3] = w.sum() != sizes[0]
+        else:  # sorted by (start, width), each span starts where the last ended (a gap or an overlap breaks it)
+            start = torch.where(given_start == _NONE, torch.arange(world, device=g.device) * w, given_start)
+            order = torch.argsort(start * (1 << 32) + w, stable=True)
+            ends, starts = torch.cumsum(w[order], 0), start[order]
+            broken[4] = ~((starts[0] == 0) & (starts[1:] == ends[:-1]).all() & (ends[-1] == sizes[0]))
+    return torch.stack(broken) & ~(w == _NONE).any()
+
+
+def _tiling_error(sigs: list[list[int]], policy: str, broken: list[int], roles: Roles = _NO_ROLES) -> str | None:
+    """The first layout rule the ranks' shards break (`broken`: `_layout_flags` of the gathered
+    signatures `sigs`), in words, or `None`."""
+    if not any(broken):
         return None
-    starts = [s[_H_START] if s[_H_START] != _NONE else r * s[_H_WIDTH] for r, s in enumerate(sigs)]
-    spans = sorted(zip(starts, widths, range(world), strict=True))
-    edge, contiguous = 0, True
-    for start, width, _r in spans:
-        if start != edge:  # a gap or an overlap (even one that ends at V: [0, 10) and [1, 2) of V = 10)
-            contiguous = False
-            break
-        edge += width
-    if not contiguous or edge != vocab:
-        held = ", ".join(f"rank {r}: [{s}, {s + w})" for s, w, r in sorted(spans, key=lambda x: x[2]))
-        return (
-            f"the vocabulary shards ({held}) which do not tile [0, {vocab}); without {start_name} a "
-            f"shard starts at rank · the shard width: pass {start_name} and {size_name} for uneven shards"
-        )
-    return None
+    start_name, size_name = roles.start or "the first vocabulary id", roles.size or "the vocabulary size"
+    world, widths = len(sigs), [s[_H_WIDTH] for s in sigs]
+    shown = ", ".join(f"rank {r}: {w}" for r, w in enumerate(widths))
+    sizes = [s[_H_SIZE] if s[_H_SIZE] != _NONE else world * s[_H_WIDTH] for s in sigs]
+    if policy.startswith("topk:"):
+        sizes = [sum(widths)] * world
+    starts = [s[_H_START] if s[_H_START] != _NONE else r * w for r, (s, w) in enumerate(zip(sigs, widths, strict=True))]
+    spans = ", ".join(f"rank {r}: [{s}, {s + w})" for r, (s, w) in enumerate(zip(starts, widths, strict=True)))
+    return [
+        f"the vocabulary shard width ({shown}); this function needs equal shards",
+        f"the vocabulary shard width ({shown}): with uneven shards this function needs "
+        f"k={policy.removeprefix('topk:')} <= world_size · the smallest width ({world * min(widths)})",
+        f"the vocabulary size V ({', '.join(f'rank {r}: {v}' for r, v in enumerate(sizes))}; without {size_name} it is "
+        f"world_size · the shard width, shard widths {shown}); pass {size_name} (and {start_name}) for uneven shards",
+        f"the vocabulary: the shard widths ({shown}) sum to {sum(widths)}, not {size_name}={sizes[0]}",
+        f"the vocabulary shards ({spans}) which do not tile [0, {sizes[0]}); without {start_name} a "
+        f"shard starts at rank · the shard width: pass {start_name} and {size_name} for uneven shards",
+    ][broken.index(True)]
 
 
 def _gather_on_device(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -725,7 +702,7 @@ def _check(
     cp = cp if _is_distributed(cp) else None
     if tp is None and cp is None:
         return
-    sig, labels = _signature(name, arguments, roles=roles, cp=cp is not None, world=tp.size() if tp is not None else 1)
+    sig, fields = _signature(name, arguments, roles=roles, cp=cp is not None, world=tp.size() if tp is not None else 1)
     errors: list[str] = []
 
     def raise_errors() -> None:
@@ -737,10 +714,10 @@ def _check(
 
     def judge_tp(values: list[int]) -> None:  # 1. tensor parallel: the layout may differ, it must tile V
         assert tp is not None
-        sigs = _rows(values, tp.size())
+        broken, sigs = values[:_RULES], _rows(values[_RULES:], tp.size())
         own = sigs[tp.rank()]
-        found = _first_disagreement(sigs, own, labels, per_rank_header=True, roles=roles)
-        tiling = _tiling_error(sigs, policy, roles)
+        found = _first_disagreement(sigs, own, fields, per_rank_header=True, roles=roles)
+        tiling = _tiling_error(sigs, policy, broken, roles)
         if found and tiling and found[0].startswith(_COLUMN_VALUES):
             found = None  # a column is read over [0, V) of this rank's layout: a bad layout is the cause
         problem = _describe(found, tp, sigs) if found else tiling
@@ -759,7 +736,7 @@ def _check(
         assert cp is not None
         sigs = _rows(values, cp.size())
         own = sigs[cp.rank()]
-        found = _first_disagreement(sigs, own, labels, per_rank_header=False, roles=roles)
+        found = _first_disagreement(sigs, own, fields, per_rank_header=False, roles=roles)
         if found:
             errors.append(_message(name, cp_arg, cp, _describe(found, cp, sigs)))
         bad = [r for r, s in enumerate(sigs) if s[_H_VERDICT]]
@@ -772,84 +749,50 @@ def _check(
 
     if tp is not None:
         gathered = _gather_on_device(sig, tp)
-        _host_reads.defer(gathered, judge_tp)
+        broken = _layout_flags(gathered, policy)  # the layout rules, on the device: read with the signatures
+        _host_reads.defer(torch.cat([broken.to(torch.int64), gathered.reshape(-1)]), judge_tp)
         if cp is None:
             return
         sig = sig.clone()
-        sig[_H_VERDICT] = _verdict_on_device(gathered, policy).to(torch.int64)  # no host read
+        sig[_H_VERDICT] = _verdict_on_device(gathered, broken).to(torch.int64)  # no host read
     assert cp is not None
     _host_reads.defer(_gather_on_device(sig, cp), judge_cp)
 
 
-def _verdict_on_device(g: Tensor, policy: str) -> Tensor:
+def _verdict_on_device(g: Tensor, broken: Tensor) -> Tensor:
     """0-d bool, on the device: whether the gathered tensor-parallel signatures `g [R, L]` hold a
-    disagreement (`_first_disagreement`) or shards that do not tile as `policy` needs
-    (`_tiling_error`): exactly when `judge_tp` raises. Dense equivalent: those two functions."""
+    disagreement (`_first_disagreement`) or break a layout rule (`broken`, `_layout_flags` of
+    `g`): exactly when `judge_tp` raises. Dense equivalent: those two functions."""
     keep = torch.ones(g.shape[1], dtype=torch.bool, device=g.device)
-    keep[[_H_VERDICT, _H_WIDTH, _H_START, _H_SIZE, _H_RANK]] = False  # the layout is judged below
-    return ((g != g[0]) & keep).any() | _layout_bad(g, policy)
+    keep[[_H_VERDICT, _H_WIDTH, _H_START, _H_SIZE, _H_RANK]] = False  # the layout is judged by `broken`
+    return ((g != g[0]) & keep).any() | broken.any()
 
 
-def _layout_bad(g: Tensor, policy: str) -> Tensor:
-    """0-d bool, on the device (or in a graph): whether the shards of the gathered tensor-parallel
-    signatures `g [R, L]` fail to tile as `policy` needs (`_tiling_error`, as tensor ops)."""
-    if policy in ("free", "auto"):
-        return torch.zeros((), dtype=torch.bool, device=g.device)
-    world = g.shape[0]
-    w, given_start, given_size = g[:, _H_WIDTH], g[:, _H_START], g[:, _H_SIZE]
-    if policy == "equal":
-        layout_bad = (w != w[0]).any()
-    else:
-        sizes = torch.where(given_size == _NONE, world * w, given_size)
-        layout_bad = torch.zeros((), dtype=torch.bool, device=g.device)
-        if policy.startswith("topk:"):  # min(k, R·Vl) equal, then tiled with V = Σ widths
-            k = int(policy.removeprefix("topk:"))
-            m = torch.clamp(world * w, max=k)
-            layout_bad = (m != m[0]).any()
-            policy, sizes = "tiled", w.sum().expand(world)
-        layout_bad = layout_bad | (sizes != sizes[0]).any()
-        if policy == "sized":
-            layout_bad = layout_bad | (w.sum() != sizes[0])
-        else:  # tiled: sorted by (start, width) as `_tiling_error`, each span starts where the last ended
-            rank = torch.arange(world, device=g.device)
-            start = torch.where(given_start == _NONE, rank * w, given_start)
-            order = torch.argsort(start * (1 << 32) + w, stable=True)
-            ends = torch.cumsum(w[order], 0)
-            starts = start[order]
-            tiles = (starts[0] == 0) & (starts[1:] == ends[:-1]).all() & (ends[-1] == sizes[0])
-            layout_bad = layout_bad | ~tiles
-    return layout_bad & ~(w == _NONE).any()  # a width not given: no layout rule (as on the host)
-
-
-def _compiled_groups(owners: list[str], across_tp: bool, roles: Roles = _NO_ROLES) -> list[tuple[str, list[int]]]:
+def _compiled_groups(fields: _Fields, across_tp: bool, layout: str, roles: Roles) -> list[tuple[str, list[int]]]:
     """`(what, slots)` of the compiled check's assertions, in the order of the eager check: the
-    function called, whether it runs compiled, (across the context-parallel group) the vocabulary
-    shard layout, then each run of consecutive fields of one argument (a replicated tensor's values
-    a run of their own), then the fields past the body. The runs before the first disagreeing
-    field are the same on every rank (labels depend only on earlier fields), so every rank fails
-    the same assertion. (Across the tensor-parallel group the layout is judged by `_layout_bad`.)"""
-    groups: list[tuple[str, list[int]]] = [
-        ("the function called", [_H_MAGIC, _H_PATH]),
-        (_REJECTED_WHAT, [_H_REJECTED]),
-        ("how the call runs, compiled or eagerly (they run different collectives)", [_H_TRACED]),
-    ]
+    header (`_HEAD`), the vocabulary shard layout (across the tensor-parallel group judged by
+    `_layout_flags` on the gathered matrix, as `layout` needs: no slots; across the
+    context-parallel group the same on every rank), then each run of consecutive fields of one
+    argument (a replicated tensor's values a run of their own; across CP not the fingerprints of
+    sequence shards), then the fields past the body. The runs before the first disagreeing field
+    are the same on every rank (labels depend only on earlier fields), so every rank fails the
+    same assertion."""
+    groups = [(what, list(slots)) for what, slots in _HEAD]
+    if layout != "free":
+        groups.append((_LAYOUT_WHAT + ("; compiled, this function needs equal widths" * (layout == "equal")), []))
     if not across_tp:
         groups.append(
             ("the vocabulary shard layout (this rank's width, first id and rank)", [_H_WIDTH, _H_START, _H_RANK])
         )
-    for i, owner in enumerate(owners[:_MAX_FIELDS]):
-        slots = [_HEADER + 2 * i, _HEADER + 2 * i + 1]
-        if owner == roles.size:
-            slots.append(_H_SIZE)
+    owners = fields.owners[:_MAX_FIELDS]
+    for i, (owner, (kind, _)) in enumerate(zip(owners, fields.codes, strict=False)):
+        compared = across_tp or kind != _K_VALUES_TP
+        slots = [_HEADER + 2 * i] + [_HEADER + 2 * i + 1] * compared + [_H_SIZE] * (owner == roles.size)
         if groups[-1][0] == owner:
             groups[-1][1].extend(slots)
         else:
             groups.append((owner, slots))
-    rest = (
-        [_H_COUNT, _H_DIGEST]
-        + ([_H_VALUES] if across_tp else [])
-        + ([] if roles.size in owners[:_MAX_FIELDS] else [_H_SIZE])
-    )
+    rest = [_H_COUNT, _H_DIGEST] + [_H_VALUES] * across_tp + [_H_SIZE] * (roles.size not in owners)
     groups.append((f"an argument past the first {_MAX_FIELDS} fields (or the values of a replicated tensor)", rest))
     return groups
 
@@ -864,7 +807,7 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
     run after them in any compiled order): no graph break, no host read. A mismatch raises
     `RuntimeError` naming the argument, the same on every rank (they all see the same gathered
     matrix); each rank's value is not shown (that would be a host read). Across the
-    tensor-parallel group the shards must tile as `policy` needs (`_layout_bad` on the gathered
+    tensor-parallel group the shards must tile as `policy` needs (`_layout_flags` on the gathered
     matrix; `"auto"` needs equal widths: traced `ShardWidths.range` has no gathered widths);
     across the context-parallel group the fingerprints of sequence shards (`Roles.cp_shards`) are
     not compared."""
@@ -872,24 +815,14 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
     tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
     with_cp = _is_distributed(cp)
     world = tp.size() if _is_distributed(tp) else 1
+    sig, fields = _signature(name, arguments, roles=roles, cp=with_cp, world=world)
     checks = []
     for group, group_name, across_tp in ((tp, tp_arg, True), (cp, cp_arg, False)):
         if group is None or not _is_distributed(group):
             continue
-        owners: list[str] = []
-        tp_only: list[int] = []
-        sig, _ = _signature(name, arguments, owners=owners, roles=roles, cp=with_cp, world=world, tp_only=tp_only)
-        groups = _compiled_groups(owners, across_tp, roles)
         layout = ("equal" if policy == "auto" else policy) if across_tp else "free"
-        if layout != "free":  # judged on the gathered matrix (`_layout_bad`), before the fields
-            groups.insert(
-                3, (_LAYOUT_WHAT + ("; compiled, this function needs equal widths" * (layout == "equal")), [])
-            )
-        skip = set() if across_tp else set(tp_only)  # across CP: not the sequence shards' fingerprints
-        member = [[False] * SIGNATURE_LEN for _ in groups]
-        for g, (_, slots) in enumerate(groups):
-            for slot in slots:
-                member[g][slot] = slot not in skip
+        groups = _compiled_groups(fields, across_tp, layout, roles)
+        member = [[slot in slots for slot in range(SIGNATURE_LEN)] for _, slots in groups]
         # every group's all-gather is issued before the first assertion: a rank that rejected the
         # call while tracing (`_exchange_rejection`) sends to each group in turn, then stops. Issued
         # only: the wait is the assertions' (below), so the round trip flies while the kernel computes
@@ -902,49 +835,22 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
             gathered = c10d.wait_tensor(in_flight).view(-1, SIGNATURE_LEN)  # [R, SIGNATURE_LEN]
             differs = (gathered != gathered[0]).any(0)  # [SIGNATURE_LEN]
             failed = (differs & torch.tensor(member, device=sig.device)).any(1)  # [groups]
-            if layout != "free":
-                at_layout = torch.arange(len(groups), device=sig.device) == 3
-                failed = failed | (at_layout & _layout_bad(gathered, layout))
+            if layout != "free":  # the group after the header
+                at_layout = torch.arange(len(groups), device=sig.device) == len(_HEAD)
+                failed = failed | (at_layout & _layout_flags(gathered, layout).any())
             messages = [
                 f"lossfx.{name}: the ranks of {group_name} disagree on {what}. Every rank of a group must make the "
                 "same call (compiled: each rank's value is not shown; the same call run eagerly shows it)"
                 for what, _ in groups
             ]
-            if before is None:  # no collective follows in this graph: plain in-graph assertions
-                for g, message in enumerate(messages):
-                    torch._assert_async(~failed[g], message)
-            else:
-                done = torch.ops.lossfx.assert_agreement(before.detach(), ~failed, _SEPARATOR.join(messages))
-                token = done if token is None else token | done
+            done = assert_in_graph(~failed, messages, before)  # (None when no collective follows)
+            token = done if token is None or done is None else token | done
         return token
 
     _host_reads.defer_traced(assert_agreement)
 
 
 _LAYOUT_WHAT = "the vocabulary shard layout (each rank's width, first id and V: the shards must tile [0, V))"
-_SEPARATOR = "\x1f"  # between the messages of `_assert_agreement` (a custom op takes one string)
-
-
-@torch.library.custom_op("lossfx::assert_agreement", mutates_args=())
-def _assert_agreement(before: Tensor, agree: Tensor, messages: str) -> Tensor:
-    """`_assert_async(agree[g], messages[g])` for each group `g` of the compiled check, then a
-    0-d `False` (the token): the collective that sends `before` is made to read the token
-    (`_core.host_reads.settle_before`), so it runs after the assertions in any order a compiler
-    picks (a plain `_assert_async` has no output: Inductor's scheduler placed one after the
-    kernel's all-gather). `before` is only read for order: the compiled graph computes it (the
-    kernel's first local pass) first, and the check's round trip flies meanwhile. Opaque: no
-    compiler pass moves or drops it. ~1 µs per group on the CPU (one `unbind`, no host read)."""
-    for ok, message in zip(agree.unbind(0), messages.split(_SEPARATOR), strict=True):
-        torch._assert_async(ok, message)
-    return torch.zeros((), dtype=torch.bool, device=before.device)
-
-
-@_assert_agreement.register_fake
-def _(before: Tensor, agree: Tensor, messages: str) -> Tensor:
-    return torch.empty((), dtype=torch.bool, device=before.device)
-
-
-_REJECTED_WHAT = "whether the call is valid (a rank rejected it while compiling: its own error says why)"
 
 
 def _exchange_rejection(name: str, groups: tuple[str, ...], told: str, device: str, kind: str, message: str) -> bool:
@@ -1176,9 +1082,5 @@ class ShardWidths:
         call's host reads are settled: a range check of ids is then read with the cross-rank
         check instead of after it."""
 
-        def size() -> int:
-            vocab_size = self.range(local_vocab, group)[1]
-            world = group.size() if isinstance(group, dist.ProcessGroup) else 1
-            return vocab_size if vocab_size is not None else world * local_vocab
-
-        return size
+        world = group.size() if isinstance(group, dist.ProcessGroup) else 1
+        return lambda: self.range(local_vocab, group)[1] or world * local_vocab

@@ -144,14 +144,40 @@ def check_ids_in_range(
     _host_reads.defer(torch.stack([flat.min(), flat.max()]).to(torch.int64), raise_if_bad)
 
 
-def assert_in_graph(ok: Tensor, message: str, before: Tensor | None) -> Tensor | None:
-    """Traced: assert the 0-d bool `ok` in the graph, in `lossfx::assert_agreement` (whose token
-    the collective that sends `before` reads, `_core.host_reads.settle_before`), or plainly
-    when no collective follows (`before` is None)."""
+def assert_in_graph(ok: Tensor, messages: str | list[str], before: Tensor | None) -> Tensor | None:
+    """Traced: assert each entry of the bool `ok` (0-d with one message, or `[n]` with `n`) in
+    the graph, inside `lossfx::assert_agreement` (whose token the collective that sends `before`
+    reads, `_core.host_reads.settle_before`), or plainly when no collective follows (`before` is
+    None: returns None)."""
+    oks, texts = ok.reshape(-1), [messages] if isinstance(messages, str) else messages
     if before is None:
-        torch._assert_async(ok, message)
+        for one, text in zip(oks.unbind(0), texts, strict=True):
+            torch._assert_async(one, text)
         return None
-    return torch.ops.lossfx.assert_agreement(before.detach(), ok.reshape(1), message)
+    return torch.ops.lossfx.assert_agreement(before.detach(), oks, _SEPARATOR.join(texts))
+
+
+_SEPARATOR = "\x1f"  # between the messages of `_assert_agreement` (a custom op takes one string)
+
+
+@torch.library.custom_op("lossfx::assert_agreement", mutates_args=())
+def _assert_agreement(before: Tensor, agree: Tensor, messages: str) -> Tensor:
+    """`_assert_async(agree[g], messages[g])` for each entry `g` (each group of the compiled
+    cross-rank check, a range check), then a 0-d `False` (the token): the collective that sends
+    `before` is made to read the token (`_core.host_reads.settle_before`), so it runs after the
+    assertions in any order a compiler picks (a plain `_assert_async` has no output: Inductor's
+    scheduler placed one after the kernel's all-gather). `before` is only read for order: the
+    compiled graph computes it (the kernel's first local pass) first, and the check's round trip
+    flies meanwhile. Opaque: no compiler pass moves or drops it. ~1 µs per entry on the CPU (one
+    `unbind`, no host read)."""
+    for ok, message in zip(agree.unbind(0), messages.split(_SEPARATOR), strict=True):
+        torch._assert_async(ok, message)
+    return torch.zeros((), dtype=torch.bool, device=before.device)
+
+
+@_assert_agreement.register_fake
+def _(before: Tensor, agree: Tensor, messages: str) -> Tensor:
+    return torch.empty((), dtype=torch.bool, device=before.device)
 
 
 def check_group(name: str, group: object) -> None:
