@@ -8,7 +8,9 @@ message of its ValueError (all ranks must raise the same one), then makes one co
 the same group, which must match the float64 reference (the group is still in step).
 """
 
+import math
 import os
+import struct
 import types
 from types import SimpleNamespace
 
@@ -657,3 +659,18 @@ def test_host_reads_of_the_check(monkeypatch):
     for check, compiled in gloo_pool(2).run(_host_reads):
         assert check == 1
         assert compiled == dict.fromkeys(compiled, 0)
+
+
+def test_scalar_arguments_compare_as_values():
+    """A float argument compares as a value, like the tensors' fingerprints: `-0.0` is `0.0` and
+    every NaN is one NaN. An int and a float stay different arguments even at one value: their
+    validation can differ (`top_k=50.0` is a TypeError where `top_k=50` is valid), and a rank
+    that raises while its peer runs on would hang, so the check reports the difference."""
+    from lossfx._boundary.consistency import _encode
+
+    nan_bits = struct.unpack("<q", struct.pack("<d", math.nan))[0]
+    negative_nan = struct.unpack("<d", struct.pack("<q", nan_bits | -(2**63)))[0]
+    assert _encode(-0.0) == _encode(0.0)
+    assert _encode(math.nan) == _encode(negative_nan) and math.isnan(negative_nan)
+    assert _encode(0.5) != _encode(-0.5) and _encode(math.nan) != _encode(0.0)
+    assert _encode(2) != _encode(2.0)

@@ -42,6 +42,7 @@ import dataclasses
 import enum
 import functools
 import inspect
+import math
 import struct
 import zlib
 from collections.abc import Callable, Mapping
@@ -231,7 +232,8 @@ def _encode(value: Any) -> tuple[int, int]:
         value = value.value
     if isinstance(value, int):
         return _K_INT, max(min(value, 2**63 - 1), -(2**63))
-    if isinstance(value, float):
+    if isinstance(value, float):  # values as values, like the fingerprints: -0.0 is 0.0, a NaN is one NaN
+        value = math.nan if math.isnan(value) else value + 0.0
         return _K_FLOAT, struct.unpack("<q", struct.pack("<d", value))[0]
     if isinstance(value, _Kind):
         return _K_TYPE, _crc(str(value))
