@@ -92,6 +92,10 @@ def _tiles(hidden: Tensor, weight: Tensor, bias: Tensor | None, head: LogitHead,
     if policy.tile_share > 1:
         budget = hidden.shape[0] * weight.shape[0] // (policy.tile_share * (1 + scratch))  # elements per tile
         budget = max(SHARE_FLOOR, budget)
+        exact = compute_dtype(matmul_dtype(hidden, weight)) == matmul_dtype(hidden, weight)
+        if not exact:  # beside each tile: its bf16/fp16 copy (half) and the [Cv, H] fp32 dweight accumulator
+            budget = max(SHARE_FLOOR, budget * 2 // 5)
+            block = max(1, min(block, max(MIN_BLOCK, budget // max(1, weight.shape[1]))))
         if rows * block > budget:
             if budget // block < SHARE_ROWS:
                 block = max(1, min(block, max(MIN_BLOCK, budget // SHARE_ROWS)))
