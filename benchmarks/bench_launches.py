@@ -26,6 +26,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 if __name__ == "__main__" and __package__ in (None, ""):
@@ -40,6 +41,7 @@ from lossfx._core.chunking import CPU_POLICY, GPU_POLICY, ChunkPolicy, chunk_pol
 from lossfx.divergence import divergence_to_projected_teacher
 
 # ops that launch nothing: allocation without a fill, autograd bookkeeping, metadata
+K_DISTILL = 64  # teacher top-k of the front door's DISTILLATION (as `bench_ops`)
 _SILENT = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh"}
 
 
@@ -83,6 +85,10 @@ def _inputs(tokens: int, hidden: int, vocab: int, device: str) -> dict[str, torc
         "ids": torch.zeros(tokens, 2, dtype=torch.int64, **gen),
         "coef": torch.ones(tokens, **gen),
         "student": torch.randn(tokens, vocab, **gen),
+        "topk_logits": torch.randn(1, tokens, K_DISTILL, **gen),
+        "topk_ids": torch.zeros(1, tokens, K_DISTILL, dtype=torch.int64, **gen),
+        "draft_logits": torch.randn(1, tokens, vocab // 4, **gen),
+        "d2t": torch.zeros(vocab // 4, dtype=torch.int64, **gen),
     }
 
 
@@ -115,6 +121,53 @@ def _paths() -> dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]]:
     }
 
 
+def _front_door(loss_fn: Any, sampling_params: Any = None, **columns: str) -> Callable[[dict[str, torch.Tensor]], Any]:
+    """`prepare_linear_loss_input` on `[1, N, H]` hidden states: the sum of its differentiable outputs."""
+
+    def call(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        data = {"input_ids": x["target"][None], "token_mask": x["coef"][None], **{k: x[v] for k, v in columns.items()}}
+        out, _ = lossfx.prepare_linear_loss_input(
+            x["hidden"][None], x["weight"], data, loss_fn, sampling_params=sampling_params, d2t=x.get("d2t")
+        )
+        grads = [v for v in out.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+        total = sum(v.float().sum() for v in grads)
+        if not grads:  # DRAFT: detached targets (no backward); a zero-gradient leaf keeps `.backward()` valid
+            total = (x["hidden"] * 0).sum() + sum(v.float().sum() for v in out.values() if isinstance(v, torch.Tensor))
+        return total
+
+    return call
+
+
+def issue26_paths() -> dict[str, Callable[[dict[str, torch.Tensor]], Any]]:
+    """Issue 26's kernels and every branch of the hidden-state front door."""
+    logprob = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
+    distill = SimpleNamespace(input_type=lossfx.LossInputType.DISTILLATION, zero_outside_topk=True)
+    top_kp = lossfx.TrainingSamplingParams(top_k=50, top_p=0.9)
+    top_p = lossfx.TrainingSamplingParams(top_p=0.9)
+
+    def filtered(**kw: Any) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+        return lambda x: lossfx.linear_filtered_token_logprobs(x["hidden"], x["weight"], x["target"], **kw).sum()
+
+    def divergence(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = lossfx.linear_divergence_to_teacher(x["hidden"], x["weight"], teacher_logits=x["student"].detach())
+        return sum(y.sum() for y in out)
+
+    return {
+        "linear_filtered_token_logprobs top-k 50, top-p 0.9": filtered(top_k=50, top_p=0.9),
+        "linear_filtered_token_logprobs top-p 0.9": filtered(top_p=0.9),
+        "linear_divergence_to_teacher (teacher logits)": divergence,
+        "prepare_linear_loss_input LOGPROB": _front_door(logprob),
+        "prepare_linear_loss_input LOGPROB top-k 50, top-p 0.9": _front_door(logprob, top_kp),
+        "prepare_linear_loss_input LOGPROB top-p 0.9": _front_door(logprob, top_p),
+        f"prepare_linear_loss_input DISTILLATION (K = {K_DISTILL})": _front_door(
+            distill, teacher_topk_logits="topk_logits", teacher_topk_indices="topk_ids"
+        ),
+        "prepare_linear_loss_input DRAFT (targets: no backward)": _front_door(
+            SimpleNamespace(input_type=lossfx.LossInputType.DRAFT), student_logits="draft_logits"
+        ),
+    }
+
+
 def count(
     path: str, tokens: int, hidden: int, vocab: int, policy: ChunkPolicy, dtype: torch.dtype = torch.float32
 ) -> Counter[str]:
@@ -122,7 +175,7 @@ def count(
     x = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in _inputs(tokens, hidden, vocab, "meta").items()}
     for name in ("hidden", "weight", "student"):
         x[name].requires_grad_()
-    fn = _paths()[path]
+    fn = {**_paths(), **issue26_paths()}[path]
     with chunk_policy(policy), LaunchCounter() as counter:
         fn(x).backward()
     return counter.counts
@@ -140,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     policy = GPU_POLICY if args.policy == "gpu" else CPU_POLICY
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     rows = []
-    for path in _paths():
+    for path in [*_paths(), *issue26_paths()]:
         totals = [sum(count(path, args.tokens, h, args.vocab, policy, dtype).values()) for h in args.hidden]
         rows.append({"path": path, **{f"H={h}": t for h, t in zip(args.hidden, totals, strict=True)}})
     head = f"[1, {args.tokens}, {args.vocab}] {args.dtype}, {args.policy.upper()} policy, fwd+bwd launching aten ops"

@@ -45,17 +45,18 @@ PROVIDERS = ("linear-eager", "linear-compiled", "logits-compiled")
 TOPK = 64
 
 
-def _inputs(branch: str, n: int, hidden_size: int, vocab: int) -> tuple[Any, ...]:
+def _inputs(branch: str, n: int, hidden_size: int, vocab: int, dtype: str = "float32") -> tuple[Any, ...]:
     gen = torch.Generator().manual_seed(0)
-    h = (torch.randn(1, n, hidden_size, generator=gen) / hidden_size**0.5).requires_grad_(True)
-    w = torch.randn(vocab, hidden_size, generator=gen).requires_grad_(True)
+    dt = getattr(torch, dtype)
+    h = (torch.randn(1, n, hidden_size, generator=gen) / hidden_size**0.5).to(dt).requires_grad_(True)
+    w = torch.randn(vocab, hidden_size, generator=gen).to(dt).requires_grad_(True)
     kwargs: dict[str, Any] = {}
     if branch == "logprob":
         data: dict[str, Any] = {"input_ids": torch.randint(0, vocab, (1, n), generator=gen)}
         loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
     elif branch == "distillation":
         data = {
-            "teacher_topk_logits": torch.randn(1, n, TOPK, generator=gen),
+            "teacher_topk_logits": torch.randn(1, n, TOPK, generator=gen).to(dt),
             "teacher_topk_indices": torch.randint(0, vocab, (1, n, TOPK), generator=gen),
         }
         loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.DISTILLATION, zero_outside_topk=True)
@@ -64,7 +65,7 @@ def _inputs(branch: str, n: int, hidden_size: int, vocab: int) -> tuple[Any, ...
         data["input_ids"] = torch.randint(0, vocab, (1, n), generator=gen)
     else:
         draft = vocab // 4
-        data = {"token_mask": torch.ones(1, n), "student_logits": torch.randn(1, n, draft, generator=gen)}
+        data = {"token_mask": torch.ones(1, n), "student_logits": torch.randn(1, n, draft, generator=gen).to(dt)}
         loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.DRAFT)
         kwargs["d2t"] = torch.randint(0, vocab - draft, (draft,), generator=gen).sort().values
     return h, w, data, loss_fn, kwargs
@@ -104,10 +105,11 @@ def build(
     hidden_size: int = 512,
     vocab: int = 32000,
     chunk_size: int | None = None,
+    dtype: str = "float32",
 ) -> Callable[[], Any]:
     """A `benchmarks.rss` builder: one forward + backward of `provider` on `branch`; returns what
     the call hands back (the gradients, or DRAFT's teacher logits)."""
-    h, w, data, loss_fn, kwargs = _inputs(branch, n, hidden_size, vocab)
+    h, w, data, loss_fn, kwargs = _inputs(branch, n, hidden_size, vocab, dtype)
     linear_kwargs = {**kwargs, "chunk_size": chunk_size}
 
     def linear(h: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
@@ -145,10 +147,10 @@ def _interleaved(branch: str, n: int, hidden_size: int, vocab: int, rounds: int)
     return {p: {"median_s": statistics.median(t)} for p, t in samples.items()}
 
 
-def _returned_bytes(branch: str, n: int, hidden_size: int, vocab: int) -> int:
+def _returned_bytes(branch: str, n: int, hidden_size: int, vocab: int, itemsize: int = 4) -> int:
     if branch == "draft":
-        return n * (vocab // 4) * 4  # the teacher logits [N, D]
-    return (n * hidden_size + vocab * hidden_size) * 4  # dhidden, dweight
+        return n * (vocab // 4) * itemsize  # the teacher logits [N, D]
+    return (n * hidden_size + vocab * hidden_size) * itemsize  # dhidden, dweight
 
 
 def main() -> None:
@@ -216,5 +218,71 @@ def main() -> None:
     print("\n".join(lines))
 
 
+def cpu_times(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """`{name: min CPU seconds}` of the callables, run side by side (warm-up, then `rounds` rounds of
+    one call each in turn): process CPU time, one thread, so a descheduled thread's wait on a loaded
+    machine does not count (a shared cache still does)."""
+    for run in runs.values():
+        run()
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.process_time()
+            run()
+            best[name] = min(best[name], time.process_time() - start)
+    return best
+
+
+def extended(argv: list[str] | None = None) -> None:
+    """`python -m benchmarks.bench_linear_loss_input --extended [--vocab V] [--dtype bfloat16] [--branches ...]`:
+    per branch, the three providers' minimum CPU time side by side (`cpu_times`) and the linear
+    providers' memory (fresh processes; the logits path's is the main table's), appended one JSON
+    row per branch to `<out>/linear_loss_input_extended.jsonl`."""
+    parser = argparse.ArgumentParser(description=extended.__doc__.splitlines()[0])
+    parser.add_argument("--extended", action="store_true")
+    parser.add_argument("--n", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--branches", nargs="+", default=list(BRANCHES))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-time", action="store_true")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    n, hidden_size, vocab = args.n, args.hidden, args.vocab
+    itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) / "linear_loss_input_extended.jsonl"
+    for branch in args.branches:
+        row: dict[str, Any] = {
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "load_avg_1min": os.getloadavg()[0],
+            **{"branch": branch, "N": n, "H": hidden_size, "V": vocab, "dtype": args.dtype},
+        }
+        if not args.no_time:
+            kw = {"n": n, "hidden_size": hidden_size, "vocab": vocab, "dtype": args.dtype}
+            best = cpu_times({p: build(branch, p, **kw) for p in PROVIDERS}, args.rounds)
+            row["cpu_s"] = {p: round(t, 2) for p, t in best.items()}
+            row["x_logits_compiled"] = {p: round(t / best["logits-compiled"], 2) for p, t in best.items()}
+        if not args.no_memory:
+            for provider in ("linear-eager", "linear-compiled"):
+                kw = {"branch": branch, "provider": provider, "n": n, "hidden_size": hidden_size, "vocab": vocab}
+                peak = peak_rss_extra_bytes("benchmarks.bench_linear_loss_input:build", {**kw, "dtype": args.dtype})
+                beyond = peak - _returned_bytes(branch, n, hidden_size, vocab, itemsize)
+                row[f"beyond_returned_x_logits/{provider}"] = round(beyond / (n * vocab * 4), 3)
+        print(json.dumps(row), flush=True)
+        with out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if "--extended" in sys.argv:
+        extended()
+    else:
+        main()

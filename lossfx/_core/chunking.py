@@ -58,6 +58,10 @@ class ChunkPolicy:
             run rows outside (`linear_logprob_objective`, the projected teacher); `lossfx._core.tiles`.
         compile_tiles: run the fused path's per-tile arithmetic as an Inductor-compiled function
             (one compile per dtype and tile shape) instead of eager in-place passes.
+        tile_share: the `[C, Cv]` tiles of a fused loop (its logits tile and scratch tiles
+            together) hold at most `1/tile_share` of this shard's `[N, Vl]` compute-dtype logits
+            (fewer rows `C`, below 256 rows a narrower block; never under 2 MiB of fp32, so small
+            shapes keep cache-sized tiles); 1: no bound beyond `tile_bytes`.
 
     Example:
         >>> import torch, lossfx
@@ -73,6 +77,7 @@ class ChunkPolicy:
     max_block: int
     chunk_bytes: int = 96 << 20
     compile_tiles: bool = False
+    tile_share: int = 1
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -93,7 +98,11 @@ class ChunkPolicy:
 # waits for a descheduled thread. [N, 10240] fp32 tiles up to 96 MiB: 15 vocabulary blocks at
 # V = 151936, one row chunk up to N = 2457, at most ~0.1x the peak of TRL's [N, 32768] tiles
 # (benchmarks/bench_trainer_step.py: 1095 leaf ops per GRPO loss step against 575, at any N <= 2457).
-CPU_POLICY = ChunkPolicy(row_bytes=2 << 20, min_rows=1, tile_bytes=96 << 20, max_block=10240)
+# But a 96 MiB tile is 0.32x of the [2048, 32000] fp32 logits (0.64x with the entropy's scratch
+# tile): `tile_share = 32` bounds a loop's tiles together to 1/32 of its [N, Vl] logits (issue 26's
+# <= 0.1x target), [200, 10240] fp32 tiles at that shape, measured no slower in CPU time
+# (benchmarks/README.md, "Memory of the fused loops at the default CPU tiles").
+CPU_POLICY = ChunkPolicy(row_bytes=2 << 20, min_rows=1, tile_bytes=96 << 20, max_block=10240, tile_share=32)
 # ... and the tile engine (lossfx/_core/tiles.py): one vocabulary block of up to 2^18 rows (V = 151936 in one
 # block), 1 GiB row chunks, Inductor-compiled tile bodies (docs/design.md, "One tile engine").
 # GPU: 2 GiB per temporary, at least 1024 rows: a [16384, 151936] fp32 row loop runs 5 chunks
