@@ -1,6 +1,7 @@
 """Device→host synchronisations per public entry-point call, eager and compiled, 1 and 2 ranks.
 
     python -m benchmarks.bench_syncs            # prints a markdown table (world 1, then 2 gloo ranks)
+    python -m benchmarks.bench_syncs --every    # also every other public function (one rank)
 
 A `TorchDispatchMode` counts the aten ops that read a device value on the host
 (`_local_scalar_dense`, `is_nonzero`, `item`, `nonzero`, `equal`); `Tensor.tolist` (which reads
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from types import SimpleNamespace
 
 HOST_READS = ("_local_scalar_dense", "is_nonzero", "item", "nonzero", "equal")
@@ -240,12 +242,21 @@ def _every_other(logits, ids, hidden, weight, ignored):
     }
 
 
-def measure(rank: int, world: int, group) -> dict[str, tuple[int, int | None]]:
-    """`{entry point: (eager host reads, compiled host reads)}` on this rank."""
+def measure(rank: int, world: int, group, every: bool = False) -> dict[str, tuple[int, int | None]]:
+    """`{entry point: (eager host reads, compiled host reads)}` on this rank (`every`: each public
+    function, `entry_points(every=True)`)."""
+    import torch._dynamo
+
     out = {}
-    for name, call in entry_points(rank, world, group).items():
+    for name, call in entry_points(rank, world, group, every=every).items():
         call()  # warm-up (lazy imports, first-call caches)
-        compiled = None if name.endswith("backward") else compiled_host_reads(call)  # Dynamo: no .backward()
+        compiled = None
+        if not name.endswith("backward"):  # Dynamo: no .backward()
+            try:
+                compiled = compiled_host_reads(call)
+            except torch._dynamo.exc.Unsupported:  # `--every`: a call whose lambda builds its config
+                if not every:
+                    raise
         out[name] = (count_host_reads(call), compiled)
     return out
 
@@ -275,7 +286,8 @@ def main() -> None:
 
     from benchmarks.measure import environment
 
-    single = measure(0, 1, None)
+    every = "--every" in sys.argv
+    single = measure(0, 1, None, every=every)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -289,8 +301,9 @@ def main() -> None:
     print("| entry point | 1 rank eager | 1 rank compiled | 2 ranks eager | 2 ranks compiled |")
     print("|---|---:|---:|---:|---:|")
     for name, (eager, compiled) in single.items():
-        shown = ["—" if c is None else c for c in (compiled, double[name][1])]
-        print(f"| {name} | {eager} | {shown[0]} | {double[name][0]} | {shown[1]} |")
+        both = double.get(name, ("—", "—"))  # `--every`: the functions beyond the entry points, one rank
+        shown = ["—" if c is None else c for c in (compiled, both[1])]
+        print(f"| {name} | {eager} | {shown[0]} | {both[0]} | {shown[1]} |")
 
 
 if __name__ == "__main__":
