@@ -70,7 +70,7 @@ def filtered_chunk_rows(n_rows: int, shard_width: int, dtype: torch.dtype, devic
 
     CPU (`tile_share = 32`): `N / 32` rows, so the backward's chunk and gradient stay near 1/16 of one
     logits tensor (issue 26's 0.1x). GPU (`tile_share = 1`): 2 GiB chunks, as the logits path's own
-    row loops, since each chunk pays the filter's fixed ~130 (top-k) to ~200 (top-p search) launched
+    row loops, since each chunk pays the filter's fixed ~110 (top-k) to ~200 (top-p search) launched
     ops: 5 chunks at `[16384, 151936]` fp32. `shard_width = ceil(V / R)` (rank-independent: every
     rank walks the same chunks, each chunk runs the same collectives)."""
     policy = policy_for(device)
