@@ -51,7 +51,7 @@ def linear_filtered_token_logprobs(
         lossfx.filtered_token_logprobs(z, token_ids, top_k=top_k, top_p=top_p, ties=ties)
 
     (0 where `token_ids == ignore_index`), computed one `[C, Vl]` chunk of logits at a time
-    (`C <= N/32` rows, eager and compiled): one forward pass and one backward pass over the
+    (`C <= N/32` rows on a CPU, eager and compiled): one forward pass and one backward pass over the
     vocabulary, whatever the data (docs/fused_linear.md, "Filtered log-probs").
 
     .. math::

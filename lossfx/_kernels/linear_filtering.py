@@ -11,7 +11,8 @@ Design: rows outside, two passes over the vocabulary in all (proofs/linear_filte
 A row's threshold `τ` needs statistics of the whole row (its top-k, its top-p masses) before any
 of its logits can be kept or dropped, so the loop is the tile engine's rows-outside walk
 (`Tiles.chunks_full`, as `lossfx::linear_objective_rows`): one `[C, Vl]` chunk of this rank's
-logits at a time, `C <= N / 32`. On that chunk the logits path's own kernel runs unchanged
+logits at a time, `C` rows from the device's policy (`filtered_chunk_rows`: `C <= N / 32` on a
+CPU). On that chunk the logits path's own kernel runs unchanged
 (`lossfx._kernels.filtering._filtered_logprobs_fwd`: the same candidate all-gather or radix
 search, the same tie rules, the same NaN rule, the same collectives, per chunk), so the threshold,
 the kept set and the log-sum are those of `filtered_token_logprobs(z)` on the same logits, row
@@ -59,20 +60,23 @@ from lossfx._core.vocab import VocabRange
 from lossfx._kernels.filtering import _filtered_logprobs_bwd, _filtered_logprobs_fwd
 from lossfx._kernels.fused_linear import linear_rows
 
-__all__ = ["ROW_FRACTION", "filtered_chunk_rows", "linear_filtered_grads", "linear_filtered_rows"]
-
-# A chunk holds at most 1/32 of the rows: the backward holds the chunk and its gradient, so the
-# two together stay near 1/16 of one logits tensor (the issue's budget: 0.1x).
-ROW_FRACTION = 32
+__all__ = ["filtered_chunk_rows", "linear_filtered_grads", "linear_filtered_rows"]
 
 
 def filtered_chunk_rows(n_rows: int, shard_width: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Rows `C` per chunk: `min(N / 32, a [C, shard_width] compute-dtype chunk near half the policy's
-    chunk_bytes)`, at least 16. `shard_width = ceil(V / R)` (rank-independent: every rank walks the
-    same chunks, each chunk runs the same collectives)."""
+    """Rows `C` per chunk, from the device's policy: at most `N / tile_share` rows, and a `[C, shard_width]`
+    compute-dtype chunk near the larger of `row_bytes` (one logits-side temporary) and half of
+    `chunk_bytes` (the chunk and its gradient together), at least 16.
+
+    CPU (`tile_share = 32`): `N / 32` rows, so the backward's chunk and gradient stay near 1/16 of one
+    logits tensor (issue 26's 0.1x). GPU (`tile_share = 1`): 2 GiB chunks, as the logits path's own
+    row loops, since each chunk pays the filter's fixed ~110 (top-k) to ~200 (top-p search) launched
+    ops: 5 chunks at `[16384, 151936]` fp32. `shard_width = ceil(V / R)` (rank-independent: every
+    rank walks the same chunks, each chunk runs the same collectives)."""
     policy = policy_for(device)
-    by_bytes = policy.chunk_bytes // max(1, 2 * shard_width * itemsize(compute_dtype(dtype)))
-    return max(MIN_CHUNK_ROWS, min(-(-n_rows // ROW_FRACTION), by_bytes))
+    size = max(1, shard_width * itemsize(compute_dtype(dtype)))
+    by_bytes = max(policy.chunk_bytes // (2 * size), policy.row_bytes // size)
+    return max(MIN_CHUNK_ROWS, min(-(-n_rows // policy.tile_share), by_bytes))
 
 
 def _resolve_group(group_name: str) -> Any:
