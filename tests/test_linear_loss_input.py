@@ -477,6 +477,53 @@ def test_compiled_fullgraph_matches_eager(branch):
     assert counter.frame_count == 1, counter.frame_count
 
 
+def compiled_ranked_case(rank, world, group, mode):
+    """One rank's compiled (aot_eager, fullgraph) front-door call of each of LOGPROB, DISTILLATION
+    and DRAFT against its own eager call (proven against the reference by `test_two_gloo_ranks`):
+    values and gradients to float64 rounding, one compile per branch. TP splits a 12-row head in
+    equal shards (a traced call gathers no widths: uneven plain shards are an eager-only layout)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    frames = {}
+    for branch in ("logprob", "distill_full", "draft"):
+        hidden, weight, bias, data, loss_fn, kwargs = make_case(branch, seed=5)
+        weight, bias = weight[:12], bias[:12]
+        data = {k: v.clamp(max=11) if k in ("input_ids", "teacher_topk_indices") else v for k, v in data.items()}
+        kw: dict = dict(HEAD, **kwargs)
+        if mode == "tp":
+            weight, bias = weight.chunk(world)[rank], bias.chunk(world)[rank]
+            kw.update(vocab_parallel_group=group, vocab_parallel_rank=rank)
+        else:
+            hidden = reference.cp_shard(hidden, rank, world)
+            kw.update(context_parallel_group=group)
+
+        def step(h, w, b, data=data, loss_fn=loss_fn, kw=kw):
+            out, _ = lossfx.prepare_linear_loss_input(h, w, data, loss_fn, bias=b, chunk_size=3, **kw)
+            return {k: v for k, v in out.items() if v is not None}
+
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(step, fullgraph=True, backend=counter, dynamic=False)
+        h, w, b = _leaves(F64, hidden, weight, bias)
+        got = compiled(h, w, b)
+        h2, w2, b2 = _leaves(F64, hidden, weight, bias)
+        want = step(h2, w2, b2)
+        _assert_dicts(got, want, TOL[F64], f"compiled {mode} r{rank} {branch}")
+        cot = cotangents(want)
+        if cot:
+            for got_g, want_g in zip(grads(got, cot, (h, w, b)), grads(want, cot, (h2, w2, b2)), strict=True):
+                torch.testing.assert_close(got_g, want_g, **TOL[F64])
+        frames[branch] = counter.frame_count
+    return frames
+
+
+@pytest.mark.distributed
+@pytest.mark.compile
+@pytest.mark.parametrize("mode", ["tp", "cp"])
+def test_compiled_two_gloo_ranks_match_eager(mode):
+    for frames in harness.gloo_pool(2).run(compiled_ranked_case, mode):
+        assert frames == {"logprob": 1, "distill_full": 1, "draft": 1}, frames
+
+
 _meshes: dict = {}
 
 
