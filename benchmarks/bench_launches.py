@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lossfx
 from lossfx._core.chunking import CPU_POLICY, GPU_POLICY, ChunkPolicy, chunk_policy
 from lossfx.divergence import divergence_to_projected_teacher
+from lossfx.opd_full import OnPolicyDistillationFullConfig
 
 # ops that launch nothing: allocation without a fill, autograd bookkeeping, metadata
 K_DISTILL = 64  # teacher top-k of the front door's DISTILLATION (as `bench_ops`)
@@ -89,6 +90,10 @@ def _inputs(tokens: int, hidden: int, vocab: int, device: str) -> dict[str, torc
         "topk_ids": torch.zeros(1, tokens, K_DISTILL, dtype=torch.int64, **gen),
         "draft_logits": torch.randn(1, tokens, vocab // 4, **gen),
         "d2t": torch.zeros(vocab // 4, dtype=torch.int64, **gen),
+        "teacher_logits": torch.randn(1, tokens, vocab, **gen),
+        "teacher_hidden": torch.randn(1, tokens, hidden, **gen),
+        "teacher_index": torch.zeros(1, dtype=torch.int64, **gen),
+        "teacher_weight": torch.randn(vocab, hidden, **gen),
     }
 
 
@@ -126,8 +131,15 @@ def _front_door(loss_fn: Any, sampling_params: Any = None, **columns: str) -> Ca
 
     def call(x: dict[str, torch.Tensor]) -> torch.Tensor:
         data = {"input_ids": x["target"][None], "token_mask": x["coef"][None], **{k: x[v] for k, v in columns.items()}}
+        heads = {0: x["teacher_weight"]} if "teacher_full_hidden_states" in data else None
         out, _ = lossfx.prepare_linear_loss_input(
-            x["hidden"][None], x["weight"], data, loss_fn, sampling_params=sampling_params, d2t=x.get("d2t")
+            x["hidden"][None],
+            x["weight"],
+            data,
+            loss_fn,
+            sampling_params=sampling_params,
+            d2t=x.get("d2t"),
+            teacher_output_layer_weight_by_index=heads,
         )
         grads = [v for v in out.values() if isinstance(v, torch.Tensor) and v.requires_grad]
         total = sum(v.float().sum() for v in grads)
@@ -145,6 +157,10 @@ def issue26_paths() -> dict[str, Callable[[dict[str, torch.Tensor]], Any]]:
     top_kp = lossfx.TrainingSamplingParams(top_k=50, top_p=0.9)
     top_p = lossfx.TrainingSamplingParams(top_p=0.9)
 
+    def opd_full(payload: str) -> SimpleNamespace:
+        config = OnPolicyDistillationFullConfig(enabled=True, teacher_payload=payload)
+        return SimpleNamespace(input_type=lossfx.LossInputType.OPD_FULL, opd_full=config)
+
     def filtered(**kw: Any) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
         return lambda x: lossfx.linear_filtered_token_logprobs(x["hidden"], x["weight"], x["target"], **kw).sum()
 
@@ -161,6 +177,14 @@ def issue26_paths() -> dict[str, Callable[[dict[str, torch.Tensor]], Any]]:
         "prepare_linear_loss_input LOGPROB top-p 0.9": _front_door(logprob, top_p),
         f"prepare_linear_loss_input DISTILLATION (K = {K_DISTILL})": _front_door(
             distill, teacher_topk_logits="topk_logits", teacher_topk_indices="topk_ids"
+        ),
+        "prepare_linear_loss_input OPD_FULL (teacher logits)": _front_door(
+            opd_full("logits"), teacher_full_logits="teacher_logits"
+        ),
+        "prepare_linear_loss_input OPD_FULL (teacher hidden states)": _front_door(
+            opd_full("hidden_states"),
+            teacher_full_hidden_states="teacher_hidden",
+            opd_full_teacher_index="teacher_index",
         ),
         "prepare_linear_loss_input DRAFT (targets: no backward)": _front_door(
             SimpleNamespace(input_type=lossfx.LossInputType.DRAFT), student_logits="draft_logits"

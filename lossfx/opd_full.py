@@ -46,10 +46,10 @@ from lossfx._boundary.validation import (
     check_integer_ids,
     check_positive_int,
     check_tensor,
+    values_checkable,
 )
 from lossfx._core import host_reads as _host_reads
 from lossfx._core.distributed import ProcessGroup, group_size
-from lossfx._core.host_reads import tracing
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import opd_full as _pure
 from lossfx.sequence_layout import ContextParallelSharder, SequenceLayout, check_covers, sequence_layout
@@ -163,7 +163,7 @@ def _teacher_heads(
     # position of each row's key in `keys` (an unloaded key, unchecked under compile, reads 0)
     key_values = torch.tensor(keys, dtype=torch.int64, device=device)  # [K]
     matches = teacher_index.to(torch.int64)[:, None] == key_values[None, :]  # [B, K]
-    if not tracing() and teacher_index.numel():  # read with the call's other checks (one host read)
+    if values_checkable(teacher_index) and teacher_index.numel():  # read with the call's other checks (one read)
         unloaded = ~matches.any(dim=-1)  # [B]
         smallest = torch.where(unloaded, teacher_index.to(torch.int64), torch.iinfo(torch.int64).max).min()
         _host_reads.defer(torch.stack([unloaded.any().to(torch.int64), smallest]), _unloaded_error(sorted(weights)))

@@ -19,16 +19,18 @@ PUBLISHED = {r["path"]: r["H=8"] for r in json.loads((ROOT / "benchmarks/results
 BUDGET = 1000
 # over the budget (benchmarks/README.md, "Kernel launches per call"): top-p alone, 5 GPU-policy
 # chunks of the filtered loop at N = 16384 (`linear_filtering.filtered_chunk_rows`), each paying the
-# logits path's whole filter (~200 ops with the top-p search); the OPD kernel's tiles likewise
+# logits path's whole filter (~200 ops with the top-p search)
 KNOWN_OVER = {
     "linear_filtered_token_logprobs top-p 0.9",
-    "linear_divergence_to_teacher (teacher logits)",
     "prepare_linear_loss_input LOGPROB top-p 0.9",
 }
 COUNTED = [
     "prepare_linear_loss_input LOGPROB",
     "prepare_linear_loss_input LOGPROB top-k 50, top-p 0.9",
     "prepare_linear_loss_input DISTILLATION (K = 64)",
+    "linear_divergence_to_teacher (teacher logits)",
+    "prepare_linear_loss_input OPD_FULL (teacher logits)",
+    "prepare_linear_loss_input OPD_FULL (teacher hidden states)",
     "prepare_linear_loss_input DRAFT (targets: no backward)",
 ]
 

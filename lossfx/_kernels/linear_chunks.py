@@ -59,7 +59,7 @@ from lossfx._core.tiles import (
     tile_shape,
 )
 
-__all__ = ["clamp_log_", "linear_local_grads", "linear_local_stats", "merge_row_stats"]
+__all__ = ["clamp_log_", "linear_local_grads", "linear_local_stats", "merge_row_stats", "tile_sizes"]
 
 
 def clamp_log_(x: Tensor) -> Tensor:
@@ -83,10 +83,27 @@ SHARE_FLOOR = 1 << 19  # 2 MiB of fp32: small shapes keep cache-sized tiles
 
 
 def _tiles(hidden: Tensor, weight: Tensor, bias: Tensor | None, head: LogitHead, active, chunk_rows: int, scratch: int):
-    """The engine's vocabulary-outside walk, sized by the device's policy (`chunk_rows`: 0 = default):
-    `tile_shape`, then bounded so that the `1 + scratch` tiles hold at most `1/tile_share` of the
-    `[N, Vl]` logits (`ChunkPolicy.tile_share`): fewer rows, and below `SHARE_ROWS` rows a
-    narrower block instead."""
+    """The engine's vocabulary-outside walk, sized by the device's policy (`chunk_rows`: 0 = default;
+    `tile_sizes`)."""
+    block, rows = tile_sizes(hidden, weight, scratch)
+    return Tiles(
+        hidden,
+        weight,
+        bias,
+        head,
+        active=active,
+        rows=chunk_rows or rows,
+        block=block,
+        scratch=scratch,
+        compile_tiles=policy_for(hidden.device).compile_tiles,
+    )
+
+
+def tile_sizes(hidden: Tensor, weight: Tensor, scratch: int) -> tuple[int, int]:
+    """`(Cv, C)` of the tiles of a loop over hidden `[N, H]` and weight `[Vl, H]` that keeps
+    `1 + scratch` `[C, Cv]` tiles: `tile_shape` under the device's policy, then bounded so that
+    the tiles hold at most `1/tile_share` of the `[N, Vl]` logits (`ChunkPolicy.tile_share`):
+    fewer rows, and below `SHARE_ROWS` rows a narrower block instead."""
     policy = policy_for(hidden.device)
     block, rows = tile_shape(weight.shape[0], weight.shape[1], matmul_dtype(hidden, weight), policy)
     if policy.tile_share > 1:
@@ -100,17 +117,7 @@ def _tiles(hidden: Tensor, weight: Tensor, bias: Tensor | None, head: LogitHead,
             if budget // block < SHARE_ROWS:
                 block = max(1, min(block, max(MIN_BLOCK, budget // SHARE_ROWS)))
             rows = max(MIN_ROWS, min(rows, budget // block))
-    return Tiles(
-        hidden,
-        weight,
-        bias,
-        head,
-        active=active,
-        rows=chunk_rows or rows,
-        block=block,
-        scratch=scratch,
-        compile_tiles=policy.compile_tiles,
-    )
+    return block, rows
 
 
 # The per-tile arithmetic as functional bodies for Inductor (`ChunkPolicy.compile_tiles`): each

@@ -34,17 +34,13 @@ import typing
 import torch
 from torch import Tensor
 
-from lossfx._core.chunking import policy_for
 from lossfx._core.distributed import ProcessGroup, all_gather_stack, all_reduce
 from lossfx._core.numerics import EXP_ZERO_BELOW, finite_or_zero, log_s_for_softmax
-from lossfx._core.tiles import MIN_BLOCK, MIN_ROWS, HeadOptions, LogitHead, Tiles, compute_dtype, itemsize, matmul_dtype
+from lossfx._core.tiles import HeadOptions, LogitHead, Tiles, compute_dtype, matmul_dtype
 from lossfx._kernels.divergence import _merge
+from lossfx._kernels.linear_chunks import tile_sizes
 
 __all__ = ["LinearDivergence", "linear_divergence_grads", "linear_divergence_stats", "linear_divergence_to_teacher"]
-
-# one [C, Cv] buffer of the loop holds at most this share of the policy's `tile_bytes` (the loop
-# keeps four: student tile, teacher tile, exp, a product), so the whole loop stays near 1/6 of it
-_TILE_SHARE = 24
 
 
 class LinearDivergence(typing.NamedTuple):
@@ -58,20 +54,6 @@ class LinearDivergence(typing.NamedTuple):
 def out_dtype(mm_dtype: torch.dtype, teacher_dtype: torch.dtype) -> torch.dtype:
     """`promote_types(student logits, teacher logits, float32)`: the logits path's compute dtype."""
     return torch.promote_types(compute_dtype(mm_dtype), teacher_dtype)
-
-
-def _tile_rows_block(n_rows: int, local_vocab: int, dtype: torch.dtype, chunk_rows: int, device) -> tuple[int, int]:
-    """`(C, Cv)` of one `[C, Cv]` buffer near `tile_bytes / 24`: `Cv` columns for `C = 512` rows
-    (within `[MIN_BLOCK, max_block]`), then `C` from the budget (or `chunk_rows` when given).
-
-    Square-ish tiles: a `[C, H] × [H, Cv]` product rereads its `[Cv, H]` block for every row chunk,
-    so few rows per chunk make the pass memory-bound (measured on CPU, N = 1024, H = 512, V = 16000
-    fp32, loaded 2-core VM: 512 × 2048 tiles ~25 % faster than 102 × 10240 at the same bytes)."""
-    policy = policy_for(device)
-    budget = policy.tile_bytes // _TILE_SHARE // itemsize(dtype)  # elements per buffer
-    block = max(1, min(local_vocab, policy.max_block, max(MIN_BLOCK, budget // 512)))
-    rows = chunk_rows or max(MIN_ROWS, budget // block)
-    return max(1, min(rows, n_rows)), block
 
 
 class _Loop:
@@ -92,9 +74,13 @@ class _Loop:
         chunk_rows: int,
         scratch: int,
     ) -> None:
-        n_rows, local_vocab = hidden.shape[0], weight.shape[0]
         self.cdtype = out_dtype(matmul_dtype(hidden, weight), logits_dtype)
-        rows, block = _tile_rows_block(n_rows, local_vocab, self.cdtype, chunk_rows, hidden.device)
+        self.teacher_head = teacher_head if len(teacher_weights) > 1 else None
+        # the loop's [C, Cv] tiles: the student's, `scratch + 1` buffers, the projected teacher's
+        # and the tile of several teacher heads; sized as every fused loop's (`tile_sizes`)
+        n_buffers = scratch + 1 + int(self.teacher_head is not None)
+        block, rows = tile_sizes(hidden, weight, n_buffers + int(teacher_logits is None))
+        rows = max(1, min(chunk_rows or rows, hidden.shape[0]))
         self.student = Tiles(hidden, weight, bias, head, active=None, rows=rows, block=block)
         self.teacher_logits = teacher_logits
         self.teacher: Tiles | None = None
@@ -115,9 +101,7 @@ class _Loop:
                 round_to=logits_dtype,
             )
             self.teacher_weights = self.teacher.mm_weights()
-        self.teacher_head = teacher_head if len(teacher_weights) > 1 else None
         size, device = self.student.rows * self.student.block, hidden.device
-        n_buffers = scratch + 1 + int(self.teacher_head is not None)  # + the tile of several heads
         self._buffers = [torch.empty(size, dtype=self.cdtype, device=device) for _ in range(n_buffers)]
 
     def buffer(self, i: int, like: Tensor) -> Tensor:
