@@ -392,7 +392,21 @@ def ranked_filtered(rank, world, group, name):
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["top_k", "both_sorted"])
 def test_filtered_two_gloo_ranks_uneven_heads(name):
-    results = harness.gloo_pool(2).run(ranked_filtered, name)
+    _check_filtered_ranks(name, 2)
+
+
+@pytest.mark.slow  # a 4-process gloo pool; 2 ranks cover TP by default
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["top_k", "both_sorted"])
+def test_filtered_four_gloo_ranks_uneven_heads(name):
+    _check_filtered_ranks(name, 4)
+
+
+def _check_filtered_ranks(name, world):
+    """Every rank's filtered log-probs and hidden gradient equal the one-process fused call's, and
+    the head rows' gradients concatenate to its (that call is proven against the reference here
+    and against the logits path by `test_filtered_logprob_matches_logits_path_and_reference`)."""
+    results = harness.gloo_pool(world).run(ranked_filtered, name)
     hidden, weight, bias, data, loss_fn, params = _filtered_case(name, seed=7)
     hr, wr, br = _leaves(F64, hidden, weight, bias)
     # the one-process fused call is the twin the test above proves against the logits path
