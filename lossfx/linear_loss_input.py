@@ -49,7 +49,6 @@ from lossfx._boundary.validation import (
     check_group,
     check_ids_in_range,
     check_integer_ids,
-    check_positive_int,
     check_tensor,
 )
 from lossfx._core.distributed import ProcessGroup, group_size
@@ -67,7 +66,13 @@ from lossfx.interfaces import LossInputType, TrainingSamplingParams
 from lossfx.loss_input import _column, _data_read, _input_type, _vocab_parallel
 from lossfx.loss_masks import loss_mask_from_data, masked_out_neg_inf
 from lossfx.next_token import TopKTopP, resolve_filter
-from lossfx.opd_full import _PAYLOAD_COLUMNS, TEACHER_INDEX_FIELD, _validated_teacher, local_teacher_heads
+from lossfx.opd_full import (
+    _PAYLOAD_COLUMNS,
+    TEACHER_INDEX_FIELD,
+    _validated_teacher,
+    local_teacher_heads,
+    opd_config,
+)
 from lossfx.packing import _validated_packed
 from lossfx.sequence_layout import check_covers, sequence_layout
 
@@ -203,23 +208,12 @@ def _linear_opd_full_input(
     `hidden × weight` and the teacher (logits columns, or hidden states × teacher head) one tile at a time.
     `teacher_heads`: this rank's rows of each teacher head (the boundary's one unwrap, `_unwrap`)."""
     hidden, weight, columns, size = door.hidden, door.weight, door.columns, door.size
-    cfg = getattr(loss_fn, "opd_full", None)
-    if cfg is None:
-        raise ValueError("LossInputType.OPD_FULL requires loss_fn.opd_full (an OnPolicyDistillationFullConfig)")
-    payload_kind = getattr(cfg, "teacher_payload", "hidden_states")
-    if payload_kind not in _PAYLOAD_COLUMNS:
-        raise ValueError(f"opd_full.teacher_payload must be 'hidden_states' or 'logits', got {payload_kind!r}")
-    cfg_chunk = check_positive_int("on_policy_distillation.full.chunk_size", getattr(cfg, "chunk_size", None))
+    cfg, payload_kind, cfg_chunk = opd_config(loss_fn, columns)  # the logits path's config and column checks
     if teacher_logits_dtype is not None and (
         not isinstance(teacher_logits_dtype, torch.dtype) or not teacher_logits_dtype.is_floating_point
     ):
         raise TypeError(f"teacher_logits_dtype must be a floating torch.dtype or None, got {teacher_logits_dtype!r}")
     column = _PAYLOAD_COLUMNS[payload_kind]
-    for key in (column, "input_ids"):
-        if key not in columns:
-            raise ValueError(
-                f"opd_full requires the column {key!r} in the training microbatch; data has {sorted(columns)}"
-            )
     input_ids = check_integer_ids("data['input_ids']", _column(columns, "input_ids"))  # type: ignore[arg-type]
     if input_ids.dim() != 2 or input_ids.shape[0] != hidden.shape[0]:
         raise ValueError(

@@ -106,6 +106,25 @@ class OnPolicyDistillationFullConfig:
         _check_chunk(self.chunk_size)
 
 
+def opd_config(loss_fn: Any, columns: Mapping[str, Any]) -> tuple[Any, str, Any]:
+    """`(loss_fn.opd_full, its teacher_payload, its checked chunk_size)` of an OPD_FULL call, with
+    the payload column and `input_ids` present in `columns` (`ValueError` naming what is missing):
+    the config checks of both OPD_FULL faces, the logits path's and the hidden-state front door's."""
+    cfg = getattr(loss_fn, "opd_full", None)
+    if cfg is None:
+        raise ValueError("LossInputType.OPD_FULL requires loss_fn.opd_full (an OnPolicyDistillationFullConfig)")
+    teacher_payload = getattr(cfg, "teacher_payload", "hidden_states")
+    if teacher_payload not in _PAYLOAD_COLUMNS:
+        raise ValueError(f"opd_full.teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}")
+    cfg_chunk = _check_chunk(getattr(cfg, "chunk_size", None))
+    for what, key in (("teacher payload column", _PAYLOAD_COLUMNS[teacher_payload]), ("column", "input_ids")):
+        if key not in columns:
+            raise ValueError(
+                f"opd_full requires the {what} {key!r} in the training microbatch; data has {sorted(columns)}"
+            )
+    return cfg, teacher_payload, cfg_chunk
+
+
 def _check_chunk(chunk_size: Any) -> Any:
     """`chunk_size` of the config: an int `>= 1` or `None`, else `ValueError`."""
     bad = isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1
@@ -441,24 +460,13 @@ def opd_full_input(
     real). No cross-rank check here (their `boundary` runs it)."""
     group, heads = vocab_parallel_group, teacher_output_layer_weight_by_index
     # 1. config, arguments and columns (all checked before any work; `data` is never modified)
-    cfg = getattr(loss_fn, "opd_full", None)
-    if cfg is None:
-        raise ValueError("LossInputType.OPD_FULL requires loss_fn.opd_full (an OnPolicyDistillationFullConfig)")
-    teacher_payload = getattr(cfg, "teacher_payload", "hidden_states")
-    if teacher_payload not in _PAYLOAD_COLUMNS:
-        raise ValueError(f"opd_full.teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}")
-    cfg_chunk = _check_chunk(getattr(cfg, "chunk_size", None))
+    cfg, teacher_payload, cfg_chunk = opd_config(loss_fn, data)
     chunk_size = check_positive_int("chunk_size", chunk_size)
     check_floating("logits", logits)
     if logits.dim() != 3:
         raise ValueError(f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(logits.shape)}")
     tp_rank = _tp_rank(vocab_parallel_rank, group)
     column = _PAYLOAD_COLUMNS[teacher_payload]
-    for what, key in (("teacher payload column", column), ("column", "input_ids")):
-        if key not in data:
-            raise ValueError(
-                f"opd_full requires the {what} {key!r} in the training microbatch; data has {sorted(data)}"
-            )
     input_ids = check_integer_ids("data['input_ids']", data["input_ids"])
     got = f"input_ids.shape={tuple(input_ids.shape)} and logits.shape={tuple(logits.shape)}"
     if input_ids.dim() != 2 or input_ids.shape[0] != logits.shape[0]:
