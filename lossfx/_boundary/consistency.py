@@ -770,15 +770,19 @@ def _verdict_on_device(g: Tensor, broken: Tensor) -> Tensor:
     return ((g != g[0]) & keep).any() | broken.any()
 
 
-def _compiled_groups(fields: _Fields, across_tp: bool, layout: str, roles: Roles) -> list[tuple[str, list[int]]]:
-    """`(what, slots)` of the compiled check's assertions, in the order of the eager check: the
+def _compiled_groups(
+    owners: tuple[str, ...], kinds: tuple[int, ...], across_tp: bool, layout: str, size: str | None
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """`(what of each assertion, the assertion comparing each signature slot)` of the compiled
+    check (a slot no assertion compares: `len(what)`), in the order of the eager check: the
     header (`_HEAD`), the vocabulary shard layout (across the tensor-parallel group judged by
     `_layout_flags` on the gathered matrix, as `layout` needs: no slots; across the
     context-parallel group the same on every rank), then each run of consecutive fields of one
-    argument (a replicated tensor's values a run of their own; across CP not the fingerprints of
-    sequence shards), then the fields past the body. The runs before the first disagreeing field
-    are the same on every rank (labels depend only on earlier fields), so every rank fails the
-    same assertion."""
+    argument (`owners`, `kinds`: of the call's `_Fields`; a replicated tensor's values a run of
+    their own; across CP not the fingerprints of sequence shards), then the fields past the body.
+    The runs before the first disagreeing field are the same on every rank (labels depend only on
+    earlier fields), so every rank fails the same assertion. Run for real under torch.compile (a
+    constant of the graph: Dynamo interprets each Python step it traces, ~35k steps here)."""
     groups = [(what, list(slots)) for what, slots in _HEAD]
     if layout != "free":
         groups.append((_LAYOUT_WHAT + ("; compiled, this function needs equal widths" * (layout == "equal")), []))
@@ -786,17 +790,24 @@ def _compiled_groups(fields: _Fields, across_tp: bool, layout: str, roles: Roles
         groups.append(
             ("the vocabulary shard layout (this rank's width, first id and rank)", [_H_WIDTH, _H_START, _H_RANK])
         )
-    owners = fields.owners[:_MAX_FIELDS]
-    for i, (owner, (kind, _)) in enumerate(zip(owners, fields.codes, strict=False)):
+    owners = owners[:_MAX_FIELDS]
+    for i, (owner, kind) in enumerate(zip(owners, kinds, strict=False)):
         compared = across_tp or kind != _K_VALUES_TP
-        slots = [_HEADER + 2 * i] + [_HEADER + 2 * i + 1] * compared + [_H_SIZE] * (owner == roles.size)
+        slots = [_HEADER + 2 * i] + [_HEADER + 2 * i + 1] * compared + [_H_SIZE] * (owner == size)
         if groups[-1][0] == owner:
             groups[-1][1].extend(slots)
         else:
             groups.append((owner, slots))
-    rest = [_H_COUNT, _H_DIGEST] + [_H_VALUES] * across_tp + [_H_SIZE] * (roles.size not in owners)
+    rest = [_H_COUNT, _H_DIGEST] + [_H_VALUES] * across_tp + [_H_SIZE] * (size not in owners)
     groups.append((f"an argument past the first {_MAX_FIELDS} fields (or the values of a replicated tensor)", rest))
-    return groups
+    group_of = [len(groups)] * SIGNATURE_LEN  # each slot is in one group at most
+    for g, (_, slots) in enumerate(groups):
+        for slot in slots:
+            group_of[slot] = g
+    return tuple(what for what, _ in groups), tuple(group_of)
+
+
+_compiled_groups._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, policy: str = "free") -> None:
@@ -823,27 +834,28 @@ def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, polic
         if group is None or not _is_distributed(group):
             continue
         layout = ("equal" if policy == "auto" else policy) if across_tp else "free"
-        groups = _compiled_groups(fields, across_tp, layout, roles)
-        member = [[slot in slots for slot in range(SIGNATURE_LEN)] for _, slots in groups]
+        kinds = tuple(kind for kind, _ in fields.codes[:_MAX_FIELDS])
+        groups, group_of = _compiled_groups(tuple(fields.owners), kinds, across_tp, layout, roles.size)
         # every group's all-gather is issued before the first assertion: a rank that rejected the
         # call while tracing (`_exchange_rejection`) sends to each group in turn, then stops. Issued
         # only: the wait is the assertions' (below), so the round trip flies while the kernel computes
         in_flight = c10d.all_gather_into_tensor(sig, group.size(), group.group_name)
-        checks.append((in_flight, sig, member, groups, group_name, layout))
+        checks.append((in_flight, sig, group_of, groups, group_name, layout))
 
     def assert_agreement(before: Tensor | None) -> Tensor | None:  # before the kernel's first collective
         token = None
-        for in_flight, sig, member, groups, group_name, layout in checks:
+        for in_flight, sig, group_of, groups, group_name, layout in checks:
             gathered = c10d.wait_tensor(in_flight).view(-1, SIGNATURE_LEN)  # [R, SIGNATURE_LEN]
             differs = (gathered != gathered[0]).any(0)  # [SIGNATURE_LEN]
-            failed = (differs & torch.tensor(member, device=sig.device)).any(1)  # [groups]
+            member = torch.tensor(group_of, device=sig.device) == torch.arange(len(groups), device=sig.device)[:, None]
+            failed = (differs & member).any(1)  # [groups]
             if layout != "free":  # the group after the header
                 at_layout = torch.arange(len(groups), device=sig.device) == len(_HEAD)
                 failed = failed | (at_layout & _layout_flags(gathered, layout).any())
             messages = [
                 f"lossfx.{name}: the ranks of {group_name} disagree on {what}. Every rank of a group must make the "
                 "same call (compiled: each rank's value is not shown; the same call run eagerly shows it)"
-                for what, _ in groups
+                for what in groups
             ]
             done = assert_in_graph(~failed, messages, before)  # (None when no collective follows)
             token = done if token is None or done is None else token | done
