@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import warn_renamed
-from lossfx._boundary.dtensor import check_view, vocab_shard
+from lossfx._boundary.dtensor import check_view
 from lossfx._boundary.validation import check_floating, check_integer_ids, check_positive_int
 from lossfx._core.chunking import resolve_chunk_rows
 from lossfx._core.distributed import ProcessGroup
@@ -102,8 +102,6 @@ def neg_entropy(
     .. math::
         \\mathrm{out}_n = \\sum_v p_{n,v} \\log p_{n,v} \\le 0
     """
-    # DTensor boundary: lossfx/_boundary/dtensor.py
-    student, group, *_ = vocab_shard(student, name="student", roles=_ROLES_STUDENT, group=group)
     chunk_rows = _validated(student, None, resolve_chunk_rows(chunk_rows, chunk_size))
     return _kernel.neg_entropy(student, group, chunk_rows=chunk_rows)
 
@@ -123,8 +121,6 @@ def entropy(
     `−Σ p log p` is its negation.
     """
     warn_renamed("lossfx.entropy", "lossfx.neg_entropy", stacklevel=4)  # past the boundary's wrapper
-    # DTensor boundary: lossfx/_boundary/dtensor.py
-    student, group, *_ = vocab_shard(student, name="student", roles=_ROLES_STUDENT, group=group)
     chunk_rows = _validated(student, None, resolve_chunk_rows(chunk_rows, chunk_size))
     return _kernel.neg_entropy(student, group, chunk_rows=chunk_rows)
 
@@ -146,8 +142,6 @@ def cross_entropy_to_fixed(
     .. math::
         \\mathrm{out}_n = -\\sum_v p_s(v) \\log p_t(v)
     """
-    s = vocab_shard(student, name="student", roles=_ROLES_PAIR, group=group)  # lossfx/_boundary/dtensor.py
-    student, group, teacher = s.local, s.group, s.like(teacher, "teacher")
     chunk_rows = _validated(student, teacher, resolve_chunk_rows(chunk_rows, chunk_size))
     return _kernel.cross_entropy_to_fixed(student, teacher, group, chunk_rows=chunk_rows)
 
@@ -177,8 +171,6 @@ def reverse_kl_to_fixed(
         >>> lossfx.reverse_kl_to_fixed(s, s)
         tensor([0.])
     """
-    s = vocab_shard(student, name="student", roles=_ROLES_PAIR, group=group)  # lossfx/_boundary/dtensor.py
-    student, group, teacher = s.local, s.group, s.like(teacher, "teacher")
     chunk_rows = _validated(student, teacher, resolve_chunk_rows(chunk_rows, chunk_size))
     return _kernel.reverse_kl_to_fixed(student, teacher, group, chunk_rows=chunk_rows)
 

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import renamed_keywords
-from lossfx._boundary.dtensor import SHARD, VocabShard, check_view, is_dtensor, resolved_shard, vocab_shard
+from lossfx._boundary.dtensor import SHARD, VocabShard, check_view, resolved_shard, vocab_shard
 from lossfx._boundary.validation import check_floating, check_group, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.vocab import VocabRange
@@ -49,10 +49,11 @@ __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
 
 def _shift_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The one unwrap of a `shift_left` call (`boundary(unwrapped=True)`): a vocabulary-sharded
-    DTensor `x` as its local shard, which the check compares and the body shifts."""
-    if is_dtensor(arguments["x"]):
-        shard = vocab_shard(arguments["x"], name="x")
-        arguments.update({"x": shard.local, "DTensor arguments": ("x",), SHARD: shard})
+    DTensor `x` as its local shard, which the check compares and the body shifts (`SHARD`: placed back)."""
+    shard = vocab_shard(arguments["x"], name="x")
+    arguments.update({"x": shard.local, SHARD: shard})
+    if shard.dtensor is not None:
+        arguments["DTensor arguments"] = ("x",)
     return arguments, ""
 
 
@@ -89,7 +90,7 @@ def shift_left(
     if isinstance(layout, LoadBalancedLayout) and layout.cp_size > 1 and local.shape[1] % 2:
         raise ValueError(f"a context-parallel shard has an even length (two chunks), got {local.shape[1]}")
     out = _pure.shift_left(local, layout)
-    return out if shard is None else shard.wrap(out)
+    return shard.wrap(out)
 
 
 def _validated_target_ids(d2t: Tensor, group: ProcessGroup | None, rank: int | None, local_vocab: int) -> Tensor:
@@ -141,8 +142,7 @@ def map_to_draft_vocab(
         ValueError: a target id outside `[0, V)` (compiled: an in-graph `RuntimeError`), `D` not divisible by TP.
     """
     check_group("vocab_parallel_group", vocab_parallel_group)
-    # the DTensor the boundary unwrapped once (its draft-vocabulary shard comes back as one), or a plain shard
-    shard = resolved_shard(_view) or VocabShard(teacher_logits, vocab_parallel_group, vocab_parallel_rank, None, None)
+    shard = resolved_shard(_view)  # the boundary's one unwrap (a DTensor's draft-vocabulary shard comes back as one)
     if d2t is None:
         return teacher_logits
     local_vocab = shard.local.shape[-1]
@@ -194,8 +194,7 @@ def draft_targets(
     """
     check_group("vocab_parallel_group", vocab_parallel_group)
     check_group("context_parallel_group", context_parallel_group)
-    # the DTensor the boundary unwrapped once (its draft-vocabulary shard comes back as one), or a plain shard
-    shard = resolved_shard(_view) or VocabShard(logits, vocab_parallel_group, vocab_parallel_rank, None, None)
+    shard = resolved_shard(_view)  # the boundary's one unwrap (a DTensor's draft-vocabulary shard comes back as one)
     layout = sequence_layout(context_parallel_group, cp_sharder)
     target_ids, vocab = validated_draft(shard.local, token_mask, d2t, shard.group, shard.rank, layout)
     teacher, mask = _pure.draft_targets(shard.local, token_mask, target_ids, vocab, layout)

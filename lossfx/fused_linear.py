@@ -115,7 +115,10 @@ _FSDP_HINT = (
     "Gather it with weight.full_tensor() and call without a group, or pass the tensor-parallel shard "
     "(docs/dtensor.md, FSDP2)"
 )
-_REPLICATED = ("ids", "target", "token_ids", "input_ids", "logprob_weight", "entropy_weight", "neg_entropy_weight")
+_REPLICATED = (
+    *("ids", "target", "token_ids", "input_ids", "position_ids"),
+    *("logprob_weight", "entropy_weight", "neg_entropy_weight"),
+)
 
 
 def local_view(seq_dim: int) -> Any:

@@ -38,8 +38,8 @@ from lossfx._boundary.consistency import Roles, ShardWidths, boundary
 from lossfx._boundary.dtensor import (
     SHARD,
     VocabShard,
-    _replicated_columns,
     is_dtensor,
+    read_columns,
     rejections_compared,
     replicated,
     vocab_shard,
@@ -112,8 +112,9 @@ class FrontDoor(NamedTuple):
 def _unwrap(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The one unwrap of a front-door call (`boundary(local=..., unwrapped=True)`): `arguments` with
     local tensors (a `Shard(0)` DTensor head and bias as this rank's rows, its group and rank filled
-    in; a `Replicate()` hidden and `data` columns as their local tensors), the head's `VocabShard`
-    (`SHARD`) and the caller's `data` mapping (`_data`: the one returned and written to)."""
+    in; a `Replicate()` hidden, `d2t` and the `data` columns the call reads as their local tensors,
+    `read_columns`), the head's `VocabShard` (`SHARD`) and the caller's `data` mapping (`_data`: the
+    one returned and written to)."""
     shard = vocab_shard(
         arguments["lm_head_weight"],
         dim=0,
@@ -127,10 +128,12 @@ def _unwrap(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
         hidden=replicated(arguments["hidden"], "hidden"),
         lm_head_weight=shard.local,
         bias=vocab_shard(bias, dim=0, name="bias").local if is_dtensor(bias) else bias,
-        data=_replicated_columns(data) if isinstance(data, Mapping) else data,
+        data=read_columns(arguments, _ROLES),
         vocab_parallel_group=shard.group,
         vocab_parallel_rank=shard.rank,
     )
+    if "d2t" in arguments:  # (DRAFT's)
+        arguments["d2t"] = replicated(arguments["d2t"], "d2t")
     if arguments.get(_TEACHER_HEADS) is not None:  # OPD_FULL's teacher heads: rows like the student head's
         arguments[_TEACHER_HEADS] = local_teacher_heads(arguments[_TEACHER_HEADS], shard)
     arguments.update({SHARD: shard, "_data": data})
@@ -140,17 +143,12 @@ def _unwrap(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
 _local_view = rejections_compared(_unwrap, "vocab_parallel_group")
 
 
-def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed: bool, *caller: Any) -> FrontDoor:
-    """The resolve of a front-door call, once, on its boundary's `view` (`_unwrap`; `None`: the view
-    rejected a DTensor, so the caller's arguments `(hidden, lm_head_weight, data,
-    vocab_parallel_group, vocab_parallel_rank, head)` are unwrapped again here, which raises that
-    error): the groups, `hidden` `[B, S_l, H]` (packed: `[1, T/C, H]`), the head (`validated_head`)
-    with `chunk_size` positions as rows, and `V` as the range checks of the ids read it: an int,
-    or (uneven plain shards in eager mode) the function of the cross-rank check's widths."""
-    if view is None:
-        *tensors, head = caller
-        names = ("hidden", "lm_head_weight", "data", "vocab_parallel_group", "vocab_parallel_rank")
-        view = _unwrap({**dict(zip(names, tensors, strict=True)), "bias": head.get("bias")})[0]
+def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed: bool) -> FrontDoor:
+    """The resolve of a front-door call, once, on its boundary's `view` (`_unwrap`): the groups,
+    `hidden` `[B, S_l, H]` (packed: `[1, T/C, H]`), the head (`validated_head`) with `chunk_size`
+    positions as rows, and `V` as the range checks of the ids read it: an int, or (uneven plain
+    shards in eager mode) the function of the cross-rank check's widths."""
+    assert view is not None, "boundary(unwrapped=True) hands the body its view"
     check_group("vocab_parallel_group", view["vocab_parallel_group"])
     if not packed:  # (the packed checks check it)
         check_group("context_parallel_group", view["context_parallel_group"])
@@ -352,9 +350,7 @@ def prepare_linear_loss_input(
             f"function never forms; {_LOGITS_PATH}"
         )
     # hidden, lm_head_weight, bias, data: local (the boundary's one unwrap, `_unwrap`); data: the caller's
-    door = _front_door(
-        _view, _widths, False, hidden, lm_head_weight, data, vocab_parallel_group, vocab_parallel_rank, head
-    )
+    door = _front_door(_view, _widths, False)
     layout = sequence_layout(context_parallel_group, cp_sharder)
     if input_type is LossInputType.OPD_FULL:
         return _linear_opd_full_input(
@@ -531,9 +527,7 @@ def prepare_linear_packed_loss_input(
             "use prepare_linear_loss_input per sequence for other types"
         )
     # hidden, lm_head_weight, bias, data: local (the boundary's one unwrap, `_unwrap`); data: the caller's
-    door = _front_door(
-        _view, _widths, True, hidden, lm_head_weight, data, vocab_parallel_group, vocab_parallel_rank, head
-    )
+    door = _front_door(_view, _widths, True)
     hidden, weight, columns, shard, call = door.hidden, door.weight, door.columns, door.shard, door.call
     input_ids = check_tensor("data['input_ids']", _column(columns, "input_ids"))  # type: ignore[arg-type]
     # the packed checks read shapes only: a zero-stride stand-in for the [1, T/C, Vl] logits

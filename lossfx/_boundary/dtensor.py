@@ -30,16 +30,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lossfx._boundary.consistency import REJECTED, Roles
+from lossfx._boundary.consistency import REJECTED, REJECTED_ERROR, Roles
 from lossfx._core.host_reads import tracing
 
 ProcessGroup = dist.ProcessGroup
 
 __all__ = [
     "VocabShard",
-    "entry_point_local",
-    "has_dtensor",
+    "check_view",
     "is_dtensor",
+    "read_columns",
+    "rejections_compared",
     "replicated",
     "resolved_shard",
     "vocab_shard",
@@ -366,10 +367,11 @@ _REJECTED = REJECTED
 SHARD = "_shard"  # the key of a view's `VocabShard` (a leading `_`: the cross-rank check skips it)
 
 
-def resolved_shard(view: Mapping[str, Any] | None) -> VocabShard | None:
-    """The `VocabShard` of the DTensor a function's view unwrapped (`boundary(unwrapped=True)`
-    hands the body its view as `_view`), or `None` (plain tensors: nothing to wrap back)."""
-    return None if view is None else view.get(SHARD)
+def resolved_shard(view: Mapping[str, Any] | None) -> VocabShard:
+    """The `VocabShard` a function's view resolved (`check_view`; `boundary(unwrapped=True)` hands
+    the body its view as `_view`): a DTensor's, whose `wrap` places results like it, or a plain one."""
+    assert view is not None, "boundary(unwrapped=True) hands the body its view"
+    return view[SHARD]
 
 
 def _mesh_group(x: Any) -> ProcessGroup | None:
@@ -383,45 +385,38 @@ def _mesh_group(x: Any) -> ProcessGroup | None:
 
 
 def check_view(roles: Roles, *, even: bool = False) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
-    """The cross-rank check's view of a call whose arguments may be DTensors
-    (`boundary(roles=roles, local=check_view(roles))`): the bound `arguments` with the
-    vocabulary-sharded ones (`roles.shards`, the first's placement for all) replaced by their local
-    shards, the group, rank, first id and size of that placement filled in (the `roles.tp`,
-    `rank`, `start`, `size` parameters the function has), and every other DTensor
-    replaced by its replicated local tensor, exactly as the function's body will unwrap them.
-    Which arguments were DTensors is one more field: a rank that passes a DTensor where its peer
-    passes a plain tensor takes another path (DTensor outputs, their collectives), so they disagree.
-    A DTensor argument it rejects is a compared field, not an error (`rejections_compared`)."""
+    """The one unwrap of a call whose vocabulary shards are `roles.shards`
+    (`boundary(roles=roles, local=check_view(roles), unwrapped=True)`): the bound `arguments` with
+    the first DTensor shard (else the first shard, plain) resolved by `vocab_shard` (its local
+    shard, the group, rank, first id and size of its placement or of the explicit arguments
+    filled in: the `roles.tp`, `rank`, `start`, `size` parameters the function has), the other
+    shards placed like it (`VocabShard.like`), and every other DTensor replaced by its replicated
+    local tensor; its `VocabShard` under `SHARD` (`resolved_shard`). The cross-rank check compares
+    it and the body runs on it. Which arguments were DTensors is one more field: a rank that
+    passes a DTensor where its peer passes a plain tensor takes another path (DTensor outputs,
+    their collectives), so they disagree. An argument it rejects is a compared field, then the
+    boundary's error (`rejections_compared`)."""
     if roles.tp is None:
         raise TypeError(f"check_view: the roles must name the tensor-parallel group ({roles})")
     group_arg = roles.tp
 
     def _view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        shard: VocabShard | None = None
         given = tuple(name for name, value in arguments.items() if is_dtensor(value))
-        for name in roles.shards:
-            x = arguments.get(name)
-            if not is_dtensor(x):
-                continue
-            if shard is None:
-                shard = vocab_shard(
-                    x,  # type: ignore[arg-type]
-                    name=name,
-                    roles=roles,
-                    group=arguments.get(group_arg),
-                    rank=arguments.get(roles.rank),  # type: ignore[arg-type]  # (`.get(None)`: a role not declared)
-                    vocab_start=arguments.get(roles.start),  # type: ignore[arg-type]
-                    vocab_size=arguments.get(roles.size),  # type: ignore[arg-type]
-                    even=even,
-                )
-                arguments[name] = shard.local
-            else:
-                arguments[name] = shard.like(x, name)
-        if shard is not None:
-            arguments[SHARD] = shard  # the body's, to wrap its results back (`resolved_shard`)
-            arguments[group_arg] = shard.group
-            spans = ((roles.start, shard.vocab_start), (roles.size, shard.vocab_size), (roles.rank, shard.rank))
-            arguments.update({k: v for k, v in spans if k in arguments})
+        first = next((name for name in roles.shards if is_dtensor(arguments[name])), roles.shards[0])
+        shard = vocab_shard(
+            arguments[first],
+            name=first,
+            roles=roles,
+            group=arguments.get(group_arg),
+            rank=arguments.get(roles.rank),  # type: ignore[arg-type]  # (`.get(None)`: a role not declared)
+            vocab_start=arguments.get(roles.start),  # type: ignore[arg-type]
+            vocab_size=arguments.get(roles.size),  # type: ignore[arg-type]
+            even=even,
+        )
+        arguments.update({name: shard.like(arguments[name], name) for name in roles.shards if name != first})
+        arguments.update({first: shard.local, SHARD: shard, group_arg: shard.group})
+        spans = ((roles.start, shard.vocab_start), (roles.size, shard.vocab_size), (roles.rank, shard.rank))
+        arguments.update({k: v for k, v in spans if k in arguments})
         for name, value in arguments.items():
             if is_dtensor(value):
                 arguments[name] = replicated(value, name)
@@ -435,14 +430,14 @@ def check_view(roles: Roles, *, even: bool = False) -> Callable[[dict[str, Any]]
 def rejections_compared(
     view: Callable[[dict[str, Any]], tuple[dict[str, Any], str]], group_arg: str, first: tuple[str, ...] = ()
 ) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
-    """`view` (a `boundary(local=...)` view) whose `ValueError` / `TypeError`, a DTensor argument it
-    rejects (a placement, or an explicit argument that contradicts it), is not raised here, before
-    the check's collective, where the peers would wait for this rank: the error's text becomes
-    one more field ("DTensor arguments rejected"), so ranks that disagree about it raise the
-    check's error together, and ranks that agree pass the check and raise it in the function's
-    body, each the same. The rejected view drops every DTensor (also the values of a mapping
-    argument); without an explicit `group_arg` the group checked is the mesh group of the first
-    DTensor (of the arguments `first`, else of any)."""
+    """`view` (a `boundary(local=...)` view) whose `ValueError` / `TypeError`, an argument it rejects
+    (a placement, or an explicit argument that contradicts it), is not raised here, before the
+    check's collective, where the peers would wait for this rank: the error's text becomes one
+    more field ("DTensor arguments rejected"), so ranks that disagree about it raise the check's
+    error together, and ranks that agree pass the check, then `boundary` raises the error itself
+    (kept under `REJECTED_ERROR`) in place of the body, each the same. The rejected view drops
+    every DTensor (also the values of a mapping argument); without an explicit `group_arg` the
+    group checked is the mesh group of the first DTensor (of the arguments `first`, else of any)."""
 
     def checked_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
         try:
@@ -464,33 +459,20 @@ def rejections_compared(
                 rejected[group_arg] = _mesh_group(found[0] if found else None)
             # traced, the message is not a constant Dynamo can hash: the error's type stands for it
             why = type(err).__name__ if tracing() else f"{type(err).__name__}: {err}"
-            return {_REJECTED: why, **rejected}, ""
+            return {_REJECTED: why, REJECTED_ERROR: err, **rejected}, ""
 
     return checked_view
 
 
-def _replicated_columns(data: Mapping[str, Any]) -> dict[str, Any]:
-    """A new dict: every all-`Replicate()` DTensor column of `data` replaced by its local tensor;
-    other columns (plain tensors, a sharded `student_logits` passed through) as they are."""
-    return {k: v.to_local() if is_dtensor(v) and _all_replicate(v) else v for k, v in data.items()}
-
-
-def has_dtensor(logits: Any, data: Mapping[str, Any]) -> bool:
-    """True iff the logits or a column of `data` is a DTensor."""
-    return is_dtensor(logits) or any(is_dtensor(v) for v in data.values())
-
-
-def entry_point_local(
-    logits: Any, data: Mapping[str, Any], *, full_columns: tuple[str, ...], roles: Roles, group: Any, rank: Any
-) -> tuple[VocabShard, dict[str, Any]]:
-    """The one unwrap of an entry point's DTensors: `(shard, local columns)`, the logits' even
-    local shard (padded when uneven, `vocab_shard`) with the group and rank of their placement, and
-    a new dict of `data`'s columns with `Replicate()` DTensors as their local tensors and the
-    full-vocabulary columns `[..., V]` (`full_columns`) padded like the logits. The entry point's
-    view (`lossfx.loss_input`) computes it once; its body runs on it and maps its results back."""
-    shard = vocab_shard(logits, name=roles.shards[0], roles=roles, group=group, rank=rank, even=True)
-    local_data = _replicated_columns(data)
-    for key in full_columns:
-        if key in local_data:
-            local_data[key] = shard.pad_full(local_data[key])
-    return shard, local_data
+def read_columns(arguments: Mapping[str, Any], roles: Roles) -> Any:
+    """The mapping argument of `roles.reads` (`data`) as a new dict in which every column the call
+    reads (`roles.reads`, but this rank's shards `roles.shard_columns`) is its replicated local
+    tensor (`replicated`: any other DTensor raises, naming the column); the columns it never reads,
+    and shard columns, as they are. Not a mapping: as it is (the body's checks reject it)."""
+    assert roles.reads is not None
+    name, reads = roles.reads
+    data = arguments[name]
+    if not isinstance(data, Mapping):
+        return data
+    read = set(reads(arguments)) - set(roles.shard_columns)
+    return {k: replicated(v, f"{name}[{k!r}]") if k in read else v for k, v in data.items()}
