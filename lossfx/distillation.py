@@ -26,7 +26,7 @@ from typing import Any
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import check_view, resolved_shard
+from lossfx._boundary.dtensor import local_view, resolved_shard
 from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.vocab import VocabRange
@@ -41,7 +41,7 @@ _ROLES = Roles(  # the parameters' parts (`Roles`)
 )
 
 
-@boundary(roles=_ROLES, vocab="equal", local=check_view(_ROLES, even=True), unwrapped=True)
+@boundary(roles=_ROLES, vocab="equal", local=local_view(_ROLES, even=True), unwrapped=True)
 def distillation_topk_logprobs(
     student_logits: Tensor,
     teacher_topk_logits: Tensor,

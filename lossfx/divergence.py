@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import warn_renamed
-from lossfx._boundary.dtensor import check_view
+from lossfx._boundary.dtensor import local_view
 from lossfx._boundary.validation import check_floating, check_integer_ids, check_positive_int
 from lossfx._core.chunking import resolve_chunk_rows
 from lossfx._core.distributed import ProcessGroup
@@ -86,7 +86,7 @@ _ROLES_STUDENT = Roles(tp="group", shards=("student",))  # the parameters' parts
 _ROLES_PAIR = Roles(tp="group", shards=("student", "teacher"))
 
 
-@boundary(roles=_ROLES_STUDENT, vocab="free", local=check_view(_ROLES_STUDENT), unwrapped=True)
+@boundary(roles=_ROLES_STUDENT, vocab="free", local=local_view(_ROLES_STUDENT), unwrapped=True)
 def neg_entropy(
     student: Tensor,
     *,
@@ -106,7 +106,7 @@ def neg_entropy(
     return _kernel.neg_entropy(student, group, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES_STUDENT, vocab="free", local=check_view(_ROLES_STUDENT), unwrapped=True)
+@boundary(roles=_ROLES_STUDENT, vocab="free", local=local_view(_ROLES_STUDENT), unwrapped=True)
 def entropy(
     student: Tensor,
     *,
@@ -125,7 +125,7 @@ def entropy(
     return _kernel.neg_entropy(student, group, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES_PAIR, vocab="free", local=check_view(_ROLES_PAIR), unwrapped=True)
+@boundary(roles=_ROLES_PAIR, vocab="free", local=local_view(_ROLES_PAIR), unwrapped=True)
 def cross_entropy_to_fixed(
     student: Tensor,
     teacher: Tensor,
@@ -146,7 +146,7 @@ def cross_entropy_to_fixed(
     return _kernel.cross_entropy_to_fixed(student, teacher, group, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES_PAIR, vocab="free", local=check_view(_ROLES_PAIR), unwrapped=True)
+@boundary(roles=_ROLES_PAIR, vocab="free", local=local_view(_ROLES_PAIR), unwrapped=True)
 def reverse_kl_to_fixed(
     student: Tensor,
     teacher: Tensor,

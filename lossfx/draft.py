@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import renamed_keywords
-from lossfx._boundary.dtensor import SHARD, VocabShard, check_view, resolved_shard, vocab_shard
+from lossfx._boundary.dtensor import SHARD, VocabShard, local_view, resolved_shard, vocab_shard
 from lossfx._boundary.validation import check_floating, check_group, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.vocab import VocabRange
@@ -118,7 +118,7 @@ def _wrap_draft(shard: VocabShard, out: Tensor, d2t: Tensor | None) -> Tensor:
 _ROLES_MAP = Roles(tp="vocab_parallel_group", shards=("teacher_logits",), rank="vocab_parallel_rank")
 
 
-@boundary(roles=_ROLES_MAP, vocab="equal", local=check_view(_ROLES_MAP, even=True), unwrapped=True)
+@boundary(roles=_ROLES_MAP, vocab="equal", local=local_view(_ROLES_MAP, even=True), unwrapped=True)
 def map_to_draft_vocab(
     teacher_logits: Tensor,
     d2t: Tensor | None,
@@ -160,7 +160,7 @@ _ROLES_TARGETS = Roles(
 )
 
 
-@boundary(roles=_ROLES_TARGETS, vocab="equal", local=check_view(_ROLES_TARGETS, even=True), unwrapped=True)
+@boundary(roles=_ROLES_TARGETS, vocab="equal", local=local_view(_ROLES_TARGETS, even=True), unwrapped=True)
 def draft_targets(
     logits: Tensor,
     token_mask: Tensor,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import check_view
+from lossfx._boundary.dtensor import local_view
 from lossfx._boundary.validation import (
     check_floating,
     check_ids_in_range,
@@ -63,7 +63,7 @@ def _validated(
     return logits, target, vocab, chunk_rows
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES), unwrapped=True)
 def token_logprobs_with_lse(
     logits: Tensor,
     target: Tensor,
@@ -86,7 +86,7 @@ def token_logprobs_with_lse(
     return _kernel.token_logprobs_with_lse(logits, target, vocab, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES), unwrapped=True)
 def token_logprobs(
     logits: Tensor,
     target: Tensor,

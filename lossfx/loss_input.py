@@ -31,16 +31,7 @@ import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, ShardWidths, boundary
-from lossfx._boundary.dtensor import (
-    SHARD,
-    VocabShard,
-    check_view,
-    is_dtensor,
-    read_columns,
-    rejections_compared,
-    replicated,
-    vocab_shard,
-)
+from lossfx._boundary.dtensor import CALLER, SHARD, VocabShard, local_view
 from lossfx._boundary.validation import check_floating, check_group, check_group_rank, check_tensor
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.numerics import compute_dtype
@@ -52,7 +43,7 @@ from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_
 from lossfx.logprobs import check_ignore_index
 from lossfx.loss_masks import loss_mask_from_data, masked_out_neg_inf
 from lossfx.next_token import next_token_logprobs_of, resolve_filter, validated_next_token_call
-from lossfx.opd_full import _PAYLOAD_COLUMNS, TEACHER_INDEX_FIELD, has_dtensor_head, local_teacher_heads, opd_full_input
+from lossfx.opd_full import _PAYLOAD_COLUMNS, TEACHER_INDEX_FIELD, opd_full_input
 from lossfx.packing import _validated_packed
 from lossfx.sequence_layout import SequenceLayout, sequence_layout
 
@@ -64,7 +55,6 @@ __all__ = [
 ]
 
 _HEADS = "teacher_output_layer_weight_by_index"
-_CALLER = "_caller data"  # the view's record of the caller's `data` (a leading `_`: not compared)
 
 
 def _input_type(loss_fn: Any) -> LossInputType:
@@ -148,7 +138,7 @@ _ROLES = Roles(
 )
 _ROLES_SHARDER = dataclasses.replace(_ROLES, cp_from="cp_sharder")
 _ROLES_DATA = dataclasses.replace(_ROLES, columns=("teacher_full_logits",))
-# `vocab_size`: filled in by the DTensor view of an OPD_FULL call (`lossfx.opd_full.check_view`)
+# `vocab_size`: filled in by the DTensor view of an OPD_FULL call (`_unwrap`)
 _ROLES_OPD = dataclasses.replace(_ROLES_DATA, heads="teacher_output_layer_weight_by_index", size="vocab_size")
 _ROLES_ALL = dataclasses.replace(_ROLES_OPD, cp_from="cp_sharder")
 
@@ -156,7 +146,7 @@ _ROLES_ALL = dataclasses.replace(_ROLES_OPD, cp_from="cp_sharder")
 @boundary(
     roles=_ROLES_SHARDER,
     vocab="auto",
-    local=check_view(_ROLES_SHARDER, even=True),
+    local=local_view(_ROLES_SHARDER, even=True),
     unwrapped=True,
 )
 def next_token_logprobs(
@@ -222,44 +212,24 @@ def next_token_logprobs(
 
 
 def _unwrap(roles: Roles, opd: bool = False) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
-    """The one unwrap of an entry point's DTensors, the same for every branch: the cross-rank
-    check's view of the call and the arguments its body runs on (`boundary(unwrapped=True)`).
+    """The one unwrap of an entry point's DTensors, the same for every branch (`local_view` of its
+    roles: without a DTensor anywhere, the arguments as given): the logits their even local shard
+    (`-inf` columns on a short rank), the `data` columns the call reads local, the teacher heads
+    this rank's rows; an OPD_FULL call (`opd`, or its input type) gets `vocab_size = V` of a
+    vocabulary-parallel shard (which of its columns are real). The shard (`SHARD`) and the
+    caller's `data` (`CALLER`) are the body's (`_back`)."""
 
-    Without a DTensor anywhere the arguments are as given. Else the logits become their even local
-    shard (`-inf` columns on a short rank) with the group and rank of their placement; `data` a
-    new dict whose columns the call reads are local (`read_columns`; the logits payload padded like
-    the logits); each teacher head this rank's rows (`local_teacher_heads`); every other DTensor
-    (`d2t`) its replicated local tensor; an OPD_FULL call (`opd`, or its input type) gets
-    `vocab_size = V` of a vocabulary-parallel shard (which of its columns are real). Which
-    arguments were DTensors is one more compared field; the shard (`SHARD`) and the caller's
-    `data` (`_CALLER`) are the body's (`_back`). A DTensor it rejects on some rank is a compared
-    field, then the boundary's error (`rejections_compared`)."""
+    def opd_size(arguments: dict[str, Any], shard: VocabShard) -> None:
+        if _HEADS in arguments and (opd or _input_name(arguments).endswith("OPD_FULL")):
+            arguments["vocab_size"] = shard.vocab_size if shard.group is not None else None
 
-    def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        logits, data = arguments["logits"], arguments["data"]
-        given = tuple(name for name, value in arguments.items() if is_dtensor(value) or has_dtensor_head(value))
-        if not isinstance(data, Mapping) or not given:
-            return arguments, ""
-        group, rank = arguments["vocab_parallel_group"], arguments["vocab_parallel_rank"]
-        shard = vocab_shard(logits, name="logits", roles=roles, group=group, rank=rank, even=True)
-        local = read_columns(arguments, roles)
-        local.update({key: shard.pad_full(local[key]) for key in roles.columns if key in local})
-        arguments.update({k: replicated(v, k) for k, v in arguments.items() if is_dtensor(v) and k != "logits"})
-        arguments.update(logits=shard.local, data=local, vocab_parallel_group=shard.group)
-        arguments.update({"vocab_parallel_rank": shard.rank, "DTensor arguments": given, SHARD: shard, _CALLER: data})
-        if _HEADS in arguments:
-            arguments[_HEADS] = local_teacher_heads(arguments[_HEADS], shard)
-            if opd or _input_name(arguments).endswith("OPD_FULL"):
-                arguments["vocab_size"] = shard.vocab_size if shard.group is not None else None
-        return arguments, ""
-
-    return rejections_compared(view, "vocab_parallel_group")
+    return local_view(roles, even=True, when_dtensor=True, then=opd_size)
 
 
 def _unwrapped(view: Mapping[str, Any] | None, data: Any) -> tuple[VocabShard | None, Any]:
     """`(shard, the caller's data)` of the call's one unwrap (`_unwrap`): `(None, data)` for plain arguments."""
     view = view or {}
-    return view.get(SHARD), view.get(_CALLER, data)
+    return view.get(SHARD), view.get(CALLER, data)
 
 
 def _back(

@@ -27,7 +27,7 @@ from typing import Literal, NamedTuple
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, ShardWidths, boundary
-from lossfx._boundary.dtensor import check_view
+from lossfx._boundary.dtensor import local_view
 from lossfx._boundary.validation import (
     check_floating,
     check_ids_in_range,
@@ -182,7 +182,7 @@ LoadBalancedSharder = LoadBalancedLayout  # the load-balanced layout is itself a
 _ROLES_TARGET = Roles(tp="group", shards=("logits",), start="vocab_start", size="vocab_size")
 
 
-@boundary(roles=_ROLES_TARGET, vocab="tiled", local=check_view(_ROLES_TARGET), unwrapped=True)
+@boundary(roles=_ROLES_TARGET, vocab="tiled", local=local_view(_ROLES_TARGET), unwrapped=True)
 def target_logprobs(
     logits: Tensor,
     target: Tensor,
@@ -280,7 +280,7 @@ def sharded_next_token_logprobs(
 _ROLES_FILTERED = Roles(tp="group", shards=("logits",))
 
 
-@boundary(roles=_ROLES_FILTERED, vocab="equal", local=check_view(_ROLES_FILTERED, even=True), unwrapped=True)
+@boundary(roles=_ROLES_FILTERED, vocab="equal", local=local_view(_ROLES_FILTERED, even=True), unwrapped=True)
 def next_token_filtered_logprobs(
     logits: Tensor,
     input_ids: Tensor,

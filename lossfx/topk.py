@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import check_view, resolved_shard
+from lossfx._boundary.dtensor import local_view, resolved_shard
 from lossfx._boundary.validation import check_floating, check_positive_int
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.vocab import VocabRange
@@ -34,7 +34,7 @@ def _vocab_policy(arguments: Mapping[str, Any]) -> str:
 _ROLES = Roles(tp="group", shards=("logits",), start="vocab_start")  # the parameters' parts (`Roles`)
 
 
-@boundary(roles=_ROLES, vocab=_vocab_policy, local=check_view(_ROLES, even=True), unwrapped=True)
+@boundary(roles=_ROLES, vocab=_vocab_policy, local=local_view(_ROLES, even=True), unwrapped=True)
 @torch.no_grad()
 def vocab_topk(
     logits: Tensor,

@@ -37,8 +37,8 @@ ProcessGroup = dist.ProcessGroup
 
 __all__ = [
     "VocabShard",
-    "check_view",
     "is_dtensor",
+    "local_view",
     "read_columns",
     "rejections_compared",
     "replicated",
@@ -365,10 +365,11 @@ def replicated(x: Any, name: str) -> Any:
 
 _REJECTED = REJECTED
 SHARD = "_shard"  # the key of a view's `VocabShard` (a leading `_`: the cross-rank check skips it)
+CALLER = "_caller"  # the key of the caller's own `data` mapping in a view (returned, and written to)
 
 
 def resolved_shard(view: Mapping[str, Any] | None) -> VocabShard:
-    """The `VocabShard` a function's view resolved (`check_view`; `boundary(unwrapped=True)` hands
+    """The `VocabShard` a function's view resolved (`local_view`; `boundary(unwrapped=True)` hands
     the body its view as `_view`): a DTensor's, whose `wrap` places results like it, or a plain one."""
     assert view is not None, "boundary(unwrapped=True) hands the body its view"
     return view[SHARD]
@@ -384,47 +385,141 @@ def _mesh_group(x: Any) -> ProcessGroup | None:
     return mesh.get_group(dims[0]) if dims and mesh.size(dims[0]) > 1 else None
 
 
-def check_view(roles: Roles, *, even: bool = False) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
-    """The one unwrap of a call whose vocabulary shards are `roles.shards`
-    (`boundary(roles=roles, local=check_view(roles), unwrapped=True)`): the bound `arguments` with
-    the first DTensor shard (else the first shard, plain) resolved by `vocab_shard` (its local
-    shard, the group, rank, first id and size of its placement or of the explicit arguments
-    filled in: the `roles.tp`, `rank`, `start`, `size` parameters the function has), the other
-    shards placed like it (`VocabShard.like`), and every other DTensor replaced by its replicated
-    local tensor; its `VocabShard` under `SHARD` (`resolved_shard`). The cross-rank check compares
-    it and the body runs on it. Which arguments were DTensors is one more field: a rank that
-    passes a DTensor where its peer passes a plain tensor takes another path (DTensor outputs,
-    their collectives), so they disagree. An argument it rejects is a compared field, then the
-    boundary's error (`rejections_compared`)."""
-    if roles.tp is None:
-        raise TypeError(f"check_view: the roles must name the tensor-parallel group ({roles})")
-    group_arg = roles.tp
+View = Callable[[dict[str, Any]], tuple[dict[str, Any], str]]
 
-    def _view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        given = tuple(name for name, value in arguments.items() if is_dtensor(value))
-        first = next((name for name in roles.shards if is_dtensor(arguments[name])), roles.shards[0])
+
+def _holds_dtensor(value: Any) -> bool:
+    """A DTensor, or a mapping or sequence holding one (`data`, teacher heads)."""
+    values = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else (value,)
+    return any(map(is_dtensor, values))
+
+
+def local_view(
+    roles: Roles,
+    *,
+    even: bool = False,
+    hint: str = "",
+    when_dtensor: bool = False,
+    then: Callable[[dict[str, Any], VocabShard], None] | None = None,
+) -> View:
+    """The one unwrap of a public call, driven by its `Roles`
+    (`boundary(roles=roles, local=local_view(roles), unwrapped=True)`): the cross-rank check
+    compares what it returns and the body runs on it, once.
+
+    * the vocabulary shard: the LM head `roles.head` (its rows), else the first DTensor of
+      `roles.shards` (their last dim; else the first of them, plain), resolved by `vocab_shard`
+      with the explicit `roles.tp`, `rank`, `start`, `size` arguments, which it fills in; its
+      `VocabShard` under `SHARD` (`resolved_shard`: results are placed back like it);
+    * the other `roles.shards` split like it (`split_like`), each of `roles.heads` its rows
+      (`local_heads`);
+    * the mapping `roles.reads` names (`data`): the columns the call reads local (`read_columns`;
+      `roles.columns` padded like the shard), the caller's own mapping under `CALLER`;
+    * `then(arguments, shard)`: what a function unwraps its own way (sequence-parallel rows);
+    * every other DTensor: its replicated local tensor (`replicated`).
+
+    Which arguments held DTensors is one more compared field: a rank passing a DTensor where its
+    peer passes a plain tensor takes another path (DTensor outputs, their collectives). `even`:
+    uneven DTensor shards are padded (`vocab_shard`); `hint`: appended to a disagreement on
+    `roles.rows` when the shard is a DTensor; `when_dtensor`: without any DTensor the arguments
+    are as given. An argument it rejects is a compared field, then the boundary's error
+    (`rejections_compared`)."""
+    candidates = (roles.head,) if roles.head is not None else roles.shards
+
+    def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        given = tuple(name for name, value in arguments.items() if _holds_dtensor(value))
+        if when_dtensor and not given:
+            return arguments, ""
+        first = next((name for name in candidates if is_dtensor(arguments[name])), candidates[0])
         shard = vocab_shard(
             arguments[first],
             name=first,
             roles=roles,
-            group=arguments.get(group_arg),
-            rank=arguments.get(roles.rank),  # type: ignore[arg-type]  # (`.get(None)`: a role not declared)
+            dim=0 if roles.head is not None else -1,
+            group=arguments.get(roles.tp),  # type: ignore[arg-type]  # (`.get(None)`: a role not declared)
+            rank=arguments.get(roles.rank),  # type: ignore[arg-type]
             vocab_start=arguments.get(roles.start),  # type: ignore[arg-type]
             vocab_size=arguments.get(roles.size),  # type: ignore[arg-type]
             even=even,
         )
-        arguments.update({name: shard.like(arguments[name], name) for name in roles.shards if name != first})
-        arguments.update({first: shard.local, SHARD: shard, group_arg: shard.group})
-        spans = ((roles.start, shard.vocab_start), (roles.size, shard.vocab_size), (roles.rank, shard.rank))
-        arguments.update({k: v for k, v in spans if k in arguments})
-        for name, value in arguments.items():
-            if is_dtensor(value):
-                arguments[name] = replicated(value, name)
+        arguments.update({name: split_like(shard, arguments[name], name) for name in roles.shards if name != first})
+        if roles.heads is not None:
+            arguments[roles.heads] = local_heads(arguments[roles.heads], shard, roles.heads, first)
+        if roles.reads is not None and isinstance(arguments.get(roles.reads[0]), Mapping):
+            data = read_columns(arguments, roles)
+            data.update({key: shard.pad_full(data[key]) for key in roles.columns if key in data})
+            arguments.update({CALLER: arguments[roles.reads[0]], roles.reads[0]: data})
+        if then is not None:
+            then(arguments, shard)
+        arguments.update({k: replicated(v, k) for k, v in arguments.items() if k != first and is_dtensor(v)})
+        arguments.update({first: shard.local, SHARD: shard})
+        spans = ((roles.tp, shard.group), (roles.start, shard.vocab_start), (roles.size, shard.vocab_size))
+        arguments.update({k: v for k, v in (*spans, (roles.rank, shard.rank)) if k in arguments})
         if given:
             arguments["DTensor arguments"] = given
-        return arguments, ""
+        return arguments, hint if shard.dtensor is not None else ""
 
-    return rejections_compared(_view, group_arg, first=roles.shards)
+    assert roles.tp is not None, f"local_view: the roles must name the tensor-parallel group ({roles})"
+    return rejections_compared(view, roles.tp, first=(*candidates, *roles.shards))
+
+
+def split_like(shard: VocabShard, x: Any, name: str) -> Any:
+    """`x` split on its last (vocabulary) dim like `shard` (a teacher beside the logits, a bias
+    beside the head's rows), local: a DTensor over the same group, on the same range; a plain
+    tensor is this rank's part already. Padded like the shard (`even`)."""
+    if is_dtensor(x):
+        other = vocab_shard(x, name=name)
+        same = other.group is shard.group or (
+            other.group is not None and shard.group is not None and _same_group(other.group, shard.group)
+        )
+        if shard.dtensor is None or not same or other.vocab_start != shard.vocab_start:
+            where = "a plain tensor" if shard.dtensor is None else f"placements {tuple(shard.dtensor.placements)}"
+            raise ValueError(
+                f"{name} is a DTensor with placements {tuple(x.placements)} on {x.device_mesh}; it must be split "
+                f"like the vocabulary shard ({where}): over the same group, on the same vocabulary range"
+            )
+        x = other.local
+    if shard.padded and isinstance(x, Tensor) and x.dim():
+        return _pad_columns(x, shard.padded, x.dim() - 1)
+    return x
+
+
+def local_heads(heads: Any, shard: VocabShard, name: str, student: str) -> Any:
+    """Each LM head of `heads` (a mapping, a list or one tensor, as given) as this rank's rows
+    `[Vl, H]`, beside the `student` argument's `shard`.
+
+    A `Shard(0)` DTensor head over the shard's vocabulary group gives its local rows (torch's
+    split, uneven included: the same rows as the shard's); a `Replicate()` one gives the full
+    `[V, H]`; a plain tensor is this rank's rows already. The row counts are checked against the
+    shard afterwards (by the function; across ranks by the consistency check).
+
+    Raises:
+        ValueError: a head placement other than `Shard(0)` / `Replicate()`; a head sharded over
+            another group than the shard, or over a group when the DTensor shard is not
+            vocabulary-parallel.
+    """
+
+    def rows(weight: Any, label: str) -> Any:
+        if not is_dtensor(weight):
+            return weight
+        head = vocab_shard(weight, dim=0, name=label)
+        if head.group is not None and (
+            (shard.group is None and shard.dtensor is not None)
+            or (shard.group is not None and not _same_group(head.group, shard.group))
+        ):
+            where = "not vocabulary-parallel" if shard.group is None else "sharded over another group"
+            verb = "is" if student.endswith("weight") else "are"
+            raise ValueError(
+                f"{label} is a DTensor sharded on its rows over {head.group.size()} ranks (placements "
+                f"{tuple(weight.placements)}), but the student {student} {verb} {where}: shard the teacher head "
+                "like it (Shard(0) over its vocabulary mesh dim), or pass this rank's rows as a plain tensor"
+            )
+        return head.local
+
+    if isinstance(heads, Mapping):
+        return {key: rows(w, f"{name}[{key!r}]") for key, w in heads.items()} if _holds_dtensor(heads) else heads
+    if isinstance(heads, (list, tuple)):
+        return [rows(w, f"{name}[{i}]") for i, w in enumerate(heads)]
+    return rows(heads, name)
 
 
 def rejections_compared(
@@ -471,7 +566,7 @@ def read_columns(arguments: Mapping[str, Any], roles: Roles) -> Any:
     and shard columns, as they are. Not a mapping: as it is (the body's checks reject it)."""
     assert roles.reads is not None
     name, reads = roles.reads
-    data = arguments[name]
+    data = arguments.get(name)
     if not isinstance(data, Mapping):
         return data
     read = set(reads(arguments)) - set(roles.shard_columns)
