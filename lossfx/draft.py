@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import renamed_keywords
-from lossfx._boundary.dtensor import SHARD, VocabShard, local_view, resolved_shard, vocab_shard
+from lossfx._boundary.dtensor import VocabShard, local_view, resolved_shard
 from lossfx._boundary.validation import check_floating, check_group, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.vocab import VocabRange
@@ -47,19 +47,11 @@ from lossfx.sequence_layout import (
 __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
 
 
-def _shift_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The one unwrap of a `shift_left` call (`boundary(unwrapped=True)`): a vocabulary-sharded
-    DTensor `x` as its local shard, which the check compares and the body shifts (`SHARD`: placed back)."""
-    shard = vocab_shard(arguments["x"], name="x")
-    arguments.update({"x": shard.local, SHARD: shard})
-    if shard.dtensor is not None:
-        arguments["DTensor arguments"] = ("x",)
-    return arguments, ""
-
-
 @renamed_keywords(cp_group="context_parallel_group")
 @boundary(
-    roles=Roles(cp="context_parallel_group", cp_from="cp_sharder", cp_shards=("x",)), local=_shift_view, unwrapped=True
+    roles=Roles(cp="context_parallel_group", cp_from="cp_sharder", cp_shards=("x",)),
+    local=local_view(Roles(shards=("x",))),  # a vocabulary-sharded DTensor `x`: its local shard, placed back
+    unwrapped=True,
 )
 def shift_left(
     x: Tensor,
@@ -141,7 +133,6 @@ def map_to_draft_vocab(
     Raises:
         ValueError: a target id outside `[0, V)` (compiled: an in-graph `RuntimeError`), `D` not divisible by TP.
     """
-    check_group("vocab_parallel_group", vocab_parallel_group)
     shard = resolved_shard(_view)  # the boundary's one unwrap (a DTensor's draft-vocabulary shard comes back as one)
     if d2t is None:
         return teacher_logits
@@ -192,7 +183,6 @@ def draft_targets(
         `(teacher_logits [B, S_l, D/TP] in the logits' dtype, token_mask [B, S_l])`, both in this
         rank's CP layout (positions past the canonical `S`, where the layout pads: zeros).
     """
-    check_group("vocab_parallel_group", vocab_parallel_group)
     check_group("context_parallel_group", context_parallel_group)
     shard = resolved_shard(_view)  # the boundary's one unwrap (a DTensor's draft-vocabulary shard comes back as one)
     layout = sequence_layout(context_parallel_group, cp_sharder)

@@ -107,7 +107,6 @@ def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed:
     positions as rows, and `V` as the range checks of the ids read it: an int, or (uneven plain
     shards in eager mode) the function of the cross-rank check's widths."""
     assert view is not None, "boundary(unwrapped=True) hands the body its view"
-    check_group("vocab_parallel_group", view["vocab_parallel_group"])
     if not packed:  # (the packed checks check it)
         check_group("context_parallel_group", view["context_parallel_group"])
     hidden, weight, shard = view["hidden"], view["lm_head_weight"], view[SHARD]

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import _holds_dtensor, local_heads, replicated, vocab_shard
+from lossfx._boundary.dtensor import VocabShard, local_view, replicated, resolved_shard
 from lossfx._boundary.validation import (
     check_floating,
     check_group_rank,
@@ -282,16 +282,22 @@ def _validated_teacher(
     return _Teacher(None, heads, position)
 
 
-def _reconstruct_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The boundary's view of a `reconstruct_opd_full_teacher_logits` call (no collective: no
-    cross-rank check runs; its host reads are read once): DTensors as the body unwraps them."""
-    given = tuple(name for name, value in arguments.items() if _holds_dtensor(value))
-    if given:
-        arguments["DTensor arguments"] = given
-    return arguments, ""
+def _payload_view(arguments: dict[str, Any], shard: VocabShard) -> None:
+    """The payload replicated, a logits payload padded like the student's even shard."""
+    payload = replicated(arguments["payload"], "payload")
+    arguments["payload"] = shard.pad_full(payload) if arguments["teacher_payload"] == "logits" else payload
 
 
-@boundary(collectives=False, local=_reconstruct_view)
+# the one unwrap of `reconstruct_opd_full_teacher_logits` (`local_view`): the student's shard (even for a
+# logits payload: a projection needs no even width), the payload and index replicated, each head this rank's rows
+_RECONSTRUCT_VIEW = local_view(
+    Roles(shards=("student_logits",), rank="vocab_parallel_rank", heads="teacher_output_layer_weight_by_index"),
+    even=lambda arguments: arguments["teacher_payload"] == "logits",
+    then=_payload_view,
+)
+
+
+@boundary(collectives=False, local=_RECONSTRUCT_VIEW, unwrapped=True)
 def reconstruct_opd_full_teacher_logits(
     payload: Tensor,
     *,
@@ -303,6 +309,7 @@ def reconstruct_opd_full_teacher_logits(
     teacher_index: Tensor | None = None,
     output_dtype: torch.dtype | None = None,
     cp_sharder: ContextParallelSharder | None = None,
+    _view: dict[str, Any] | None = None,
 ) -> Tensor:
     """This rank's teacher logits `[B, S_l, Vl]`, aligned with the student's `[B, S_l, Vl]`.
 
@@ -340,26 +347,16 @@ def reconstruct_opd_full_teacher_logits(
             batch differs from the student's. (The per-row head check reads values and runs in
             eager mode only.)
     """
-    # DTensor boundary (lossfx/_boundary/dtensor.py): the student's shard, the payload and index
-    # replicated, each head as this rank's rows; a projection needs no even width
-    logits_payload = teacher_payload == "logits"
-    shard = vocab_shard(
-        student_logits, name="student_logits", roles=_LAYOUT, rank=vocab_parallel_rank, even=logits_payload
-    )
-    payload = replicated(payload, "payload")
-    if logits_payload:
-        payload = shard.pad_full(payload)
-    student = shard.local
-    heads = local_heads(teacher_output_layer_weight_by_index, shard, "teacher_output_layer_weight_by_index", "logits")
+    shard, student = resolved_shard(_view), student_logits  # local (`_RECONSTRUCT_VIEW`)
     layout = sequence_layout(context_parallel_group, cp_sharder)
     teacher = _validated_teacher(
         payload,
         teacher_payload=teacher_payload,
         student_logits=student,
-        vocab_parallel_rank=shard.rank,  # a DTensor's, else as given
+        vocab_parallel_rank=vocab_parallel_rank,  # a DTensor's, else as given
         layout=layout,
-        teacher_output_layer_weight_by_index=heads,
-        teacher_index=replicated(teacher_index, "teacher_index"),
+        teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+        teacher_index=teacher_index,
     )
     out = _pure.teacher_logits(
         payload,
@@ -384,10 +381,6 @@ def _tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int
     if group is None:
         return 0 if vocab_parallel_rank is None else vocab_parallel_rank
     return check_group_rank("vocab_parallel_rank", vocab_parallel_rank, "vocab_parallel_group", group)
-
-
-# the layout parameters of OPD_FULL's entry points, named in the DTensor boundary's messages
-_LAYOUT = Roles(tp="vocab_parallel_group", rank="vocab_parallel_rank")
 
 
 def opd_full_input(

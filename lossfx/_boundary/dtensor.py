@@ -80,25 +80,6 @@ class VocabShard(NamedTuple):
     dtensor: Any = None
     padded: int = 0
 
-    def like(self, x: Any, name: str) -> Any:
-        """`x`, sharded exactly like this argument (a teacher next to the student logits), local.
-
-        A DTensor must have the same mesh and placements; a plain tensor is taken as this rank's
-        shard already (the process-group convention).
-        """
-        if x is None or not is_dtensor(x):
-            if self.padded and x is not None:
-                return _pad_columns(x, self.padded, self.local.dim() - 1)
-            return x
-        if self.dtensor is None or x.device_mesh != self.dtensor.device_mesh or x.placements != self.dtensor.placements:
-            where = "a plain tensor" if self.dtensor is None else f"placements {tuple(self.dtensor.placements)}"
-            raise ValueError(
-                f"{name} is a DTensor with placements {tuple(x.placements)} on {x.device_mesh}; it must be sharded "
-                f"like the logits ({where})"
-            )
-        local: Tensor = x.to_local()
-        return _pad_columns(local, self.padded, local.dim() - 1) if self.padded else local
-
     def pad_full(self, x: Any) -> Any:
         """A full-vocabulary tensor `[..., V]` (a teacher logits payload) padded with `-inf` to the
         padded global width `R · ceil(V/R)` the kernels see; identity when nothing is padded."""
@@ -397,7 +378,7 @@ def _holds_dtensor(value: Any) -> bool:
 def local_view(
     roles: Roles,
     *,
-    even: bool = False,
+    even: bool | Callable[[Mapping[str, Any]], bool] = False,
     hint: str = "",
     when_dtensor: bool = False,
     then: Callable[[dict[str, Any], VocabShard], None] | None = None,
@@ -419,10 +400,10 @@ def local_view(
 
     Which arguments held DTensors is one more compared field: a rank passing a DTensor where its
     peer passes a plain tensor takes another path (DTensor outputs, their collectives). `even`:
-    uneven DTensor shards are padded (`vocab_shard`); `hint`: appended to a disagreement on
-    `roles.rows` when the shard is a DTensor; `when_dtensor`: without any DTensor the arguments
-    are as given. An argument it rejects is a compared field, then the boundary's error
-    (`rejections_compared`)."""
+    uneven DTensor shards are padded (`vocab_shard`; or a function of the arguments); `hint`:
+    appended to a disagreement on `roles.rows` when the shard is a DTensor; `when_dtensor`:
+    without any DTensor the arguments are as given. An argument it rejects is a compared field,
+    then the boundary's error (`rejections_compared`)."""
     candidates = (roles.head,) if roles.head is not None else roles.shards
 
     def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -439,11 +420,12 @@ def local_view(
             rank=arguments.get(roles.rank),  # type: ignore[arg-type]
             vocab_start=arguments.get(roles.start),  # type: ignore[arg-type]
             vocab_size=arguments.get(roles.size),  # type: ignore[arg-type]
-            even=even,
+            even=even(arguments) if callable(even) else even,
         )
         arguments.update({name: split_like(shard, arguments[name], name) for name in roles.shards if name != first})
         if roles.heads is not None:
-            arguments[roles.heads] = local_heads(arguments[roles.heads], shard, roles.heads, first)
+            student = "logits" if roles.head is None else first
+            arguments[roles.heads] = local_heads(arguments[roles.heads], shard, roles.heads, student)
         if roles.reads is not None and isinstance(arguments.get(roles.reads[0]), Mapping):
             data = read_columns(arguments, roles)
             data.update({key: shard.pad_full(data[key]) for key in roles.columns if key in data})
@@ -458,7 +440,6 @@ def local_view(
             arguments["DTensor arguments"] = given
         return arguments, hint if shard.dtensor is not None else ""
 
-    assert roles.tp is not None, f"local_view: the roles must name the tensor-parallel group ({roles})"
     return rejections_compared(view, roles.tp, first=(*candidates, *roles.shards))
 
 
@@ -523,7 +504,7 @@ def local_heads(heads: Any, shard: VocabShard, name: str, student: str) -> Any:
 
 
 def rejections_compared(
-    view: Callable[[dict[str, Any]], tuple[dict[str, Any], str]], group_arg: str, first: tuple[str, ...] = ()
+    view: Callable[[dict[str, Any]], tuple[dict[str, Any], str]], group_arg: str | None, first: tuple[str, ...] = ()
 ) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
     """`view` (a `boundary(local=...)` view) whose `ValueError` / `TypeError`, an argument it rejects
     (a placement, or an explicit argument that contradicts it), is not raised here, before the
@@ -550,7 +531,9 @@ def rejections_compared(
                 return value
 
             rejected = {k: drop(v) for k, v in arguments.items()}
-            if rejected.get(group_arg) is None:  # meet the peers in the check over the mesh's group
+            if (
+                group_arg is not None and rejected.get(group_arg) is None
+            ):  # meet the peers in the check over the mesh's group
                 rejected[group_arg] = _mesh_group(found[0] if found else None)
             # traced, the message is not a constant Dynamo can hash: the error's type stands for it
             why = type(err).__name__ if tracing() else f"{type(err).__name__}: {err}"
