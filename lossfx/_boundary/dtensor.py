@@ -424,7 +424,7 @@ def local_view(
         )
         arguments.update({name: split_like(shard, arguments[name], name) for name in roles.shards if name != first})
         if roles.heads is not None:
-            student = "logits" if roles.head is None else first
+            student = "the student logits are" if roles.head is None else "the student head is"
             arguments[roles.heads] = local_heads(arguments[roles.heads], shard, roles.heads, student)
         if roles.reads is not None and isinstance(arguments.get(roles.reads[0]), Mapping):
             data = read_columns(arguments, roles)
@@ -466,7 +466,7 @@ def split_like(shard: VocabShard, x: Any, name: str) -> Any:
 
 def local_heads(heads: Any, shard: VocabShard, name: str, student: str) -> Any:
     """Each LM head of `heads` (a mapping, a list or one tensor, as given) as this rank's rows
-    `[Vl, H]`, beside the `student` argument's `shard`.
+    `[Vl, H]`, beside the student's `shard` (`student`: "the student logits are", in messages).
 
     A `Shard(0)` DTensor head over the shard's vocabulary group gives its local rows (torch's
     split, uneven included: the same rows as the shard's); a `Replicate()` one gives the full
@@ -488,10 +488,9 @@ def local_heads(heads: Any, shard: VocabShard, name: str, student: str) -> Any:
             or (shard.group is not None and not _same_group(head.group, shard.group))
         ):
             where = "not vocabulary-parallel" if shard.group is None else "sharded over another group"
-            verb = "is" if student.endswith("weight") else "are"
             raise ValueError(
                 f"{label} is a DTensor sharded on its rows over {head.group.size()} ranks (placements "
-                f"{tuple(weight.placements)}), but the student {student} {verb} {where}: shard the teacher head "
+                f"{tuple(weight.placements)}), but {student} {where}: shard the teacher head "
                 "like it (Shard(0) over its vocabulary mesh dim), or pass this rank's rows as a plain tensor"
             )
         return head.local
