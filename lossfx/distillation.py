@@ -21,10 +21,12 @@ range-checks the ids once, builds the layout and the `VocabRange`, then calls th
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import check_view, replicated, vocab_shard
+from lossfx._boundary.dtensor import local_view, resolved_shard
 from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.vocab import VocabRange
@@ -39,7 +41,7 @@ _ROLES = Roles(  # the parameters' parts (`Roles`)
 )
 
 
-@boundary(roles=_ROLES, vocab="equal", local=check_view(_ROLES, even=True), unwrapped=True)
+@boundary(roles=_ROLES, vocab="equal", local=local_view(_ROLES, even=True), unwrapped=True)
 def distillation_topk_logprobs(
     student_logits: Tensor,
     teacher_topk_logits: Tensor,
@@ -51,6 +53,7 @@ def distillation_topk_logprobs(
     context_parallel_group: ProcessGroup | None = None,
     chunk_size: int | None = None,
     cp_sharder: ContextParallelSharder | None = None,
+    _view: dict[str, Any] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Student and teacher log-probs at the teacher's top-k ids, next-token aligned.
 
@@ -95,6 +98,7 @@ def distillation_topk_logprobs(
         vocab_parallel_group=vocab_parallel_group,
         layout=sequence_layout(context_parallel_group, cp_sharder),
         chunk_size=chunk_size,
+        vocab_size=resolved_shard(_view).vocab_size,
     )
 
 
@@ -108,15 +112,14 @@ def _distillation(
     vocab_parallel_group: ProcessGroup | None,
     layout: SequenceLayout,
     chunk_size: int | None,
+    vocab_size: int | None = None,
     names: tuple[str, str, str] = ("student_logits", "teacher_topk_logits", "teacher_topk_indices"),
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The boundary work of `distillation_topk_logprobs`, once, then the pure call: shared with
-    `prepare_loss_input`'s `DISTILLATION` branch (`names`: how its arguments are called there)."""
+    """The checks of `distillation_topk_logprobs`, once, then the pure call: shared with
+    `prepare_loss_input`'s `DISTILLATION` branch (`names`: how its arguments are called there).
+    Local tensors, the boundary's one unwrap (`vocab_size`: a padded DTensor shard's real `V`)."""
     logits_name, values_name, ids_name = names
-    shard = vocab_shard(student_logits, name=logits_name, roles=_ROLES, group=vocab_parallel_group, even=True)
-    student_logits, group = shard.local, shard.group
-    teacher_topk_logits = replicated(teacher_topk_logits, values_name)
-    teacher_topk_indices = replicated(teacher_topk_indices, ids_name)
+    group = vocab_parallel_group
     check_floating(logits_name, student_logits)
     check_floating(values_name, teacher_topk_logits)
     check_integer_ids(ids_name, teacher_topk_indices)
@@ -147,7 +150,7 @@ def _distillation(
     )
     vocab = VocabRange.uniform(group, student_logits.shape[-1])  # equal (padded) shards
     # a DTensor's padding columns are no ids: the range is its real V
-    check_ids_in_range(ids_name, teacher_topk_indices, vocab.size if shard.vocab_size is None else shard.vocab_size)
+    check_ids_in_range(ids_name, teacher_topk_indices, vocab.size if vocab_size is None else vocab_size)
     return _pure.distillation_topk_logprobs(
         student_logits,
         teacher_topk_logits,

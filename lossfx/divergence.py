@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import warn_renamed
-from lossfx._boundary.dtensor import check_view, vocab_shard
+from lossfx._boundary.dtensor import local_view
 from lossfx._boundary.validation import check_floating, check_integer_ids, check_positive_int
 from lossfx._core.chunking import resolve_chunk_rows
 from lossfx._core.distributed import ProcessGroup
@@ -86,7 +86,7 @@ _ROLES_STUDENT = Roles(tp="group", shards=("student",))  # the parameters' parts
 _ROLES_PAIR = Roles(tp="group", shards=("student", "teacher"))
 
 
-@boundary(roles=_ROLES_STUDENT, vocab="free", local=check_view(_ROLES_STUDENT), unwrapped=True)
+@boundary(roles=_ROLES_STUDENT, vocab="free", local=local_view(_ROLES_STUDENT), unwrapped=True)
 def neg_entropy(
     student: Tensor,
     *,
@@ -102,13 +102,11 @@ def neg_entropy(
     .. math::
         \\mathrm{out}_n = \\sum_v p_{n,v} \\log p_{n,v} \\le 0
     """
-    # DTensor boundary: lossfx/_boundary/dtensor.py
-    student, group, *_ = vocab_shard(student, name="student", roles=_ROLES_STUDENT, group=group)
     chunk_rows = _validated(student, None, resolve_chunk_rows(chunk_rows, chunk_size))
     return _kernel.neg_entropy(student, group, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES_STUDENT, vocab="free", local=check_view(_ROLES_STUDENT), unwrapped=True)
+@boundary(roles=_ROLES_STUDENT, vocab="free", local=local_view(_ROLES_STUDENT), unwrapped=True)
 def entropy(
     student: Tensor,
     *,
@@ -123,13 +121,11 @@ def entropy(
     `−Σ p log p` is its negation.
     """
     warn_renamed("lossfx.entropy", "lossfx.neg_entropy", stacklevel=4)  # past the boundary's wrapper
-    # DTensor boundary: lossfx/_boundary/dtensor.py
-    student, group, *_ = vocab_shard(student, name="student", roles=_ROLES_STUDENT, group=group)
     chunk_rows = _validated(student, None, resolve_chunk_rows(chunk_rows, chunk_size))
     return _kernel.neg_entropy(student, group, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES_PAIR, vocab="free", local=check_view(_ROLES_PAIR), unwrapped=True)
+@boundary(roles=_ROLES_PAIR, vocab="free", local=local_view(_ROLES_PAIR), unwrapped=True)
 def cross_entropy_to_fixed(
     student: Tensor,
     teacher: Tensor,
@@ -146,13 +142,11 @@ def cross_entropy_to_fixed(
     .. math::
         \\mathrm{out}_n = -\\sum_v p_s(v) \\log p_t(v)
     """
-    s = vocab_shard(student, name="student", roles=_ROLES_PAIR, group=group)  # lossfx/_boundary/dtensor.py
-    student, group, teacher = s.local, s.group, s.like(teacher, "teacher")
     chunk_rows = _validated(student, teacher, resolve_chunk_rows(chunk_rows, chunk_size))
     return _kernel.cross_entropy_to_fixed(student, teacher, group, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES_PAIR, vocab="free", local=check_view(_ROLES_PAIR), unwrapped=True)
+@boundary(roles=_ROLES_PAIR, vocab="free", local=local_view(_ROLES_PAIR), unwrapped=True)
 def reverse_kl_to_fixed(
     student: Tensor,
     teacher: Tensor,
@@ -177,8 +171,6 @@ def reverse_kl_to_fixed(
         >>> lossfx.reverse_kl_to_fixed(s, s)
         tensor([0.])
     """
-    s = vocab_shard(student, name="student", roles=_ROLES_PAIR, group=group)  # lossfx/_boundary/dtensor.py
-    student, group, teacher = s.local, s.group, s.like(teacher, "teacher")
     chunk_rows = _validated(student, teacher, resolve_chunk_rows(chunk_rows, chunk_size))
     return _kernel.reverse_kl_to_fixed(student, teacher, group, chunk_rows=chunk_rows)
 

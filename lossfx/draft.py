@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import renamed_keywords
-from lossfx._boundary.dtensor import SHARD, VocabShard, check_view, is_dtensor, resolved_shard, vocab_shard
+from lossfx._boundary.dtensor import VocabShard, local_view, resolved_shard
 from lossfx._boundary.validation import check_floating, check_group, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.vocab import VocabRange
@@ -47,18 +47,11 @@ from lossfx.sequence_layout import (
 __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
 
 
-def _shift_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The one unwrap of a `shift_left` call (`boundary(unwrapped=True)`): a vocabulary-sharded
-    DTensor `x` as its local shard, which the check compares and the body shifts."""
-    if is_dtensor(arguments["x"]):
-        shard = vocab_shard(arguments["x"], name="x")
-        arguments.update({"x": shard.local, "DTensor arguments": ("x",), SHARD: shard})
-    return arguments, ""
-
-
 @renamed_keywords(cp_group="context_parallel_group")
 @boundary(
-    roles=Roles(cp="context_parallel_group", cp_from="cp_sharder", cp_shards=("x",)), local=_shift_view, unwrapped=True
+    roles=Roles(cp="context_parallel_group", cp_from="cp_sharder", cp_shards=("x",)),
+    local=local_view(Roles(shards=("x",))),  # a vocabulary-sharded DTensor `x`: its local shard, placed back
+    unwrapped=True,
 )
 def shift_left(
     x: Tensor,
@@ -89,7 +82,7 @@ def shift_left(
     if isinstance(layout, LoadBalancedLayout) and layout.cp_size > 1 and local.shape[1] % 2:
         raise ValueError(f"a context-parallel shard has an even length (two chunks), got {local.shape[1]}")
     out = _pure.shift_left(local, layout)
-    return out if shard is None else shard.wrap(out)
+    return shard.wrap(out)
 
 
 def _validated_target_ids(d2t: Tensor, group: ProcessGroup | None, rank: int | None, local_vocab: int) -> Tensor:
@@ -117,7 +110,7 @@ def _wrap_draft(shard: VocabShard, out: Tensor, d2t: Tensor | None) -> Tensor:
 _ROLES_MAP = Roles(tp="vocab_parallel_group", shards=("teacher_logits",), rank="vocab_parallel_rank")
 
 
-@boundary(roles=_ROLES_MAP, vocab="equal", local=check_view(_ROLES_MAP, even=True), unwrapped=True)
+@boundary(roles=_ROLES_MAP, vocab="equal", local=local_view(_ROLES_MAP, even=True), unwrapped=True)
 def map_to_draft_vocab(
     teacher_logits: Tensor,
     d2t: Tensor | None,
@@ -140,9 +133,7 @@ def map_to_draft_vocab(
     Raises:
         ValueError: a target id outside `[0, V)` (compiled: an in-graph `RuntimeError`), `D` not divisible by TP.
     """
-    check_group("vocab_parallel_group", vocab_parallel_group)
-    # the DTensor the boundary unwrapped once (its draft-vocabulary shard comes back as one), or a plain shard
-    shard = resolved_shard(_view) or VocabShard(teacher_logits, vocab_parallel_group, vocab_parallel_rank, None, None)
+    shard = resolved_shard(_view)  # the boundary's one unwrap (a DTensor's draft-vocabulary shard comes back as one)
     if d2t is None:
         return teacher_logits
     local_vocab = shard.local.shape[-1]
@@ -160,7 +151,7 @@ _ROLES_TARGETS = Roles(
 )
 
 
-@boundary(roles=_ROLES_TARGETS, vocab="equal", local=check_view(_ROLES_TARGETS, even=True), unwrapped=True)
+@boundary(roles=_ROLES_TARGETS, vocab="equal", local=local_view(_ROLES_TARGETS, even=True), unwrapped=True)
 def draft_targets(
     logits: Tensor,
     token_mask: Tensor,
@@ -192,10 +183,8 @@ def draft_targets(
         `(teacher_logits [B, S_l, D/TP] in the logits' dtype, token_mask [B, S_l])`, both in this
         rank's CP layout (positions past the canonical `S`, where the layout pads: zeros).
     """
-    check_group("vocab_parallel_group", vocab_parallel_group)
     check_group("context_parallel_group", context_parallel_group)
-    # the DTensor the boundary unwrapped once (its draft-vocabulary shard comes back as one), or a plain shard
-    shard = resolved_shard(_view) or VocabShard(logits, vocab_parallel_group, vocab_parallel_rank, None, None)
+    shard = resolved_shard(_view)  # the boundary's one unwrap (a DTensor's draft-vocabulary shard comes back as one)
     layout = sequence_layout(context_parallel_group, cp_sharder)
     target_ids, vocab = validated_draft(shard.local, token_mask, d2t, shard.group, shard.rank, layout)
     teacher, mask = _pure.draft_targets(shard.local, token_mask, target_ids, vocab, layout)

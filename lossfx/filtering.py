@@ -32,7 +32,7 @@ from typing import Any
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import check_view, replicated, resolved_shard, vocab_shard
+from lossfx._boundary.dtensor import local_view, resolved_shard
 from lossfx._boundary.validation import (
     check_floating,
     check_ids_in_range,
@@ -121,7 +121,7 @@ _ROLES = Roles(
 )  # the cross-rank check's view of the parameters
 
 
-@boundary(roles=_ROLES, vocab="sized", local=check_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="sized", local=local_view(_ROLES), unwrapped=True)
 def top_k_top_p_threshold(
     logits: Tensor,
     *,
@@ -185,9 +185,6 @@ def top_k_top_p_threshold(
         >>> lossfx.top_k_top_p_threshold(z, top_k=2)
         tensor([2.])
     """
-    logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
-        logits, name="logits", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
-    )  # lossfx/_boundary/dtensor.py
     k, p, chunk_rows = _validated_filter(logits, top_k, top_p, strategy, ties, chunk_rows, chunk_size)
     _check_logits_shape(logits)
     if strategy == "candidates" and k is None:
@@ -198,7 +195,7 @@ def top_k_top_p_threshold(
     )
 
 
-@boundary(roles=_ROLES, vocab="sized", local=check_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="sized", local=local_view(_ROLES), unwrapped=True)
 def apply_top_k_top_p(
     logits: Tensor,
     *,
@@ -226,9 +223,7 @@ def apply_top_k_top_p(
         >>> lossfx.apply_top_k_top_p(torch.tensor([[3.0, 1.0, 2.0]]), top_k=2)[0]
         tensor([[3., -inf, 2.]])
     """
-    shard = resolved_shard(_view) or vocab_shard(  # the DTensor the boundary unwrapped once, or a plain shard
-        logits, name="logits", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
-    )
+    shard = resolved_shard(_view)  # the boundary's one unwrap: the result is placed like the logits
     local = shard.local
     k, p, chunk_rows = _validated_filter(local, top_k, top_p, "auto", ties, chunk_rows, chunk_size)
     _check_logits_shape(local)
@@ -237,7 +232,7 @@ def apply_top_k_top_p(
     return shard.wrap(filtered), shard.wrap(keep)
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES), unwrapped=True)
 def filtered_token_logprobs(
     logits: Tensor,
     target: Tensor,
@@ -295,10 +290,6 @@ def filtered_token_logprobs(
 
     See also: proofs/filtering.md, lossfx.reference.filtered_token_logprobs.
     """
-    logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
-        logits, name="logits", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
-    )
-    target = replicated(target, "target")
     check_floating("logits", logits)
     check_integer_ids("target", target)
     k, p, chunk_rows = _validated_filter(logits, top_k, top_p, strategy, ties, chunk_rows, chunk_size)

@@ -38,6 +38,7 @@ gather).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import typing
 from typing import Any, Unpack
@@ -46,7 +47,8 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import renamed_keyword
-from lossfx._boundary.dtensor import _same_group, is_dtensor, replicated, vocab_shard
+from lossfx._boundary.dtensor import View, VocabShard, _same_group, is_dtensor, vocab_shard
+from lossfx._boundary.dtensor import local_view as _local_view
 from lossfx._boundary.validation import (
     check_floating,
     check_ids_in_range,
@@ -65,29 +67,14 @@ from lossfx.sequence_layout import check_covers, sequence_layout
 __all__ = ["linear_gather_logprobs", "linear_next_token_logprobs", "linear_token_logprobs"]
 
 
-def _local_arguments(
-    hidden: Any,
-    weight: Any,
-    group: ProcessGroup | None,
-    vocab_start: int | None,
-    vocab_size: int | None,
-    sequence_parallel: bool,
-    seq_dim: int,
-) -> tuple[Tensor, Tensor, ProcessGroup | None, int | None, int | None]:
-    """The DTensor boundary (docs/dtensor.md): `(hidden, weight, group, vocab_start, vocab_size)`
-    as plain local tensors and the group-based layout.
-
-    `weight` may be a `Shard(0)` DTensor (a `ColwiseParallel` LM head; uneven rows included): the
-    group and offsets come from its placement. `hidden` may be plain or `Replicate()`; with
-    `sequence_parallel=True` it may instead be sharded on its sequence dim `seq_dim` (`Shard(0)` of
-    the token functions' rows, `Shard(1)` of `linear_next_token_logprobs`' `[B, S, H]`) over the
-    weight's tensor-parallel group, in equal parts.
-    """
-    w, group, _, vocab_start, vocab_size, *_ = vocab_shard(
-        weight, dim=0, name="weight", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
-    )
-    if not is_dtensor(hidden) or not sequence_parallel:
-        return replicated(hidden, "hidden"), w, group, vocab_start, vocab_size
+def _sequence_parallel(seq_dim: int, arguments: dict[str, Any], shard: VocabShard) -> None:
+    """`hidden` under `sequence_parallel=True`, a DTensor sharded on its sequence dim `seq_dim`
+    (`Shard(0)` of the token functions' rows, `Shard(1)` of `linear_next_token_logprobs`'
+    `[B, S, H]`) over the weight's tensor-parallel group, in equal parts: this rank's rows. (Else
+    `hidden` is plain or `Replicate()`: `local_view` unwraps it.)"""
+    hidden, group = arguments["hidden"], shard.group
+    if not is_dtensor(hidden) or not arguments["sequence_parallel"]:
+        return
     if hidden.dim() <= seq_dim + 1:
         raise ValueError(f"hidden must have a sequence dim {seq_dim} before H, got shape {tuple(hidden.shape)}")
     h = vocab_shard(hidden, dim=seq_dim, name="hidden")  # the same placement rule: Shard(seq_dim) on one mesh dim
@@ -106,7 +93,7 @@ def _local_arguments(
             f"with sequence_parallel=True, hidden's sequence dim {seq_dim} (global size {hidden.shape[seq_dim]}) must "
             f"split evenly over the {h.group.size()} tensor-parallel ranks"
         )
-    return h.local, w, group, vocab_start, vocab_size
+    arguments["hidden"] = h.local
 
 
 _FSDP_HINT = (
@@ -115,40 +102,15 @@ _FSDP_HINT = (
     "Gather it with weight.full_tensor() and call without a group, or pass the tensor-parallel shard "
     "(docs/dtensor.md, FSDP2)"
 )
-_REPLICATED = ("ids", "target", "token_ids", "input_ids", "logprob_weight", "entropy_weight", "neg_entropy_weight")
 
 
-def local_view(seq_dim: int) -> Any:
-    """The one unwrap of a fused call (`boundary(local=..., unwrapped=True)`): the arguments with
-    local tensors and the group and offsets of the weight's placement, which the cross-rank check
-    compares and the body runs on, and the FSDP2 remedy to append when the ranks' hidden states
-    differ under a DTensor weight."""
-
-    def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        dtensor_weight = is_dtensor(arguments["weight"])
-        hidden, weight, group, vocab_start, vocab_size = _local_arguments(
-            arguments["hidden"],
-            arguments["weight"],
-            arguments["group"],
-            arguments["vocab_start"],
-            arguments["vocab_size"],
-            arguments["sequence_parallel"],
-            seq_dim,
-        )
-        bias = arguments["bias"]
-        if is_dtensor(bias):  # a Shard(0) DTensor bias: its placement must match the weight's
-            bias = vocab_shard(
-                bias, dim=0, name="bias", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
-            ).local
-        arguments.update(
-            hidden=hidden, weight=weight, bias=bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size
-        )
-        for name in _REPLICATED:
-            if name in arguments:
-                arguments[name] = replicated(arguments[name], name)
-        return arguments, _FSDP_HINT if dtensor_weight else ""
-
-    return view
+def local_view(seq_dim: int) -> View:
+    """The one unwrap of a fused call (`_boundary.dtensor.local_view` of its roles): local tensors
+    and the group and offsets of the weight's placement (a `Shard(0)` DTensor head, uneven rows
+    included; a `Shard(0)` bias like it), `hidden` sharded on `seq_dim` under sequence parallelism
+    (`_sequence_parallel`), and the FSDP2 remedy to append when the ranks' hidden states differ
+    under a DTensor weight."""
+    return _local_view(_ROLES, hint=_FSDP_HINT, then=functools.partial(_sequence_parallel, seq_dim))
 
 
 class HeadKeywords(typing.TypedDict, total=False):

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import renamed_keyword
-from lossfx._boundary.dtensor import check_view, replicated, vocab_shard
+from lossfx._boundary.dtensor import local_view
 from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
 from lossfx._core.chunking import resolve_chunk_rows
 from lossfx._core.distributed import ProcessGroup
@@ -34,12 +34,8 @@ def _validated(
     vocab_size: int | None,
     chunk_rows: int | None,
 ) -> tuple[Tensor, Tensor, VocabRange, int | None]:
-    """The boundary work of both public functions, once: `(logits, ids, vocab, chunk_rows)` as the
-    kernel takes them (local tensors, this rank's range; ids range-checked)."""
-    logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
-        logits, name="logits", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
-    )
-    ids = replicated(ids, "ids")
+    """The boundary work of both public functions, once, on the boundary's view (local tensors):
+    `(logits, ids, vocab, chunk_rows)` as the kernel takes them (this rank's range; ids range-checked)."""
     check_floating("logits", logits)
     check_integer_ids("ids", ids)
     chunk_rows = check_positive_int("chunk_rows", chunk_rows)
@@ -63,7 +59,7 @@ _ROLES = Roles(
 )  # the cross-rank check's view of the parameters
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES), unwrapped=True)
 def gather_logprobs(
     logits: Tensor,
     ids: Tensor,
@@ -126,7 +122,7 @@ def gather_logprobs(
     return _kernel.gather_logprobs(logits, ids, vocab, with_neg_entropy=with_entropy, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES), unwrapped=True)
 def gather_logits(
     logits: Tensor,
     ids: Tensor,

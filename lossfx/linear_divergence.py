@@ -17,13 +17,12 @@ arguments), then calls the pure kernel once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import _same_group, is_dtensor, rejections_compared, replicated, vocab_shard
+from lossfx._boundary.dtensor import local_view
 from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids
 from lossfx._core.distributed import ProcessGroup
 from lossfx._kernels import linear_divergence as _kernel
@@ -105,43 +104,10 @@ def _check_teacher(
     return heads, teacher_logits_dtype
 
 
-def _view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The one unwrap (`boundary(local=..., unwrapped=True)`): a `Shard(0)` DTensor `weight` as this
-    rank's rows with the group of its placement (uneven rows included); `bias` and each
-    `teacher_weight` `Shard(0)` and `teacher_logits` `Shard(-1)` on the same mesh as their local
-    rows/columns (torch's split: the same vocabulary ids as `weight`'s rows); `hidden`,
-    `teacher_hidden`, `teacher_head` `Replicate()` as their local tensors. Plain arguments pass through."""
-    shard = vocab_shard(arguments["weight"], dim=0, name="weight", roles=_ROLES, group=arguments["group"])
-    teacher_weight = arguments["teacher_weight"]
-
-    def rows(x: Any, name: str, dim: int = 0) -> Any:
-        if not is_dtensor(x):
-            return x
-        local = vocab_shard(x, dim=dim, name=name)
-        if local.group is not None and (shard.group is None or not _same_group(local.group, shard.group)):
-            raise ValueError(
-                f"{name} is a DTensor sharded over {local.group.size()} ranks (placements {tuple(x.placements)}), "
-                "but weight is not sharded over the same group: shard both over one mesh dim (Shard(0) for "
-                "heads and bias, Shard(-1) for teacher_logits), or pass this rank's part as plain tensors"
-            )
-        return local.local
-
-    if isinstance(teacher_weight, (list, tuple)):
-        teacher_weight = [rows(w, f"teacher_weight[{i}]") for i, w in enumerate(teacher_weight)]
-    else:
-        teacher_weight = rows(teacher_weight, "teacher_weight")
-    arguments.update(
-        weight=shard.local,
-        group=shard.group,
-        bias=rows(arguments["bias"], "bias"),
-        teacher_logits=rows(arguments["teacher_logits"], "teacher_logits", dim=-1),
-        teacher_weight=teacher_weight,
-        **{name: replicated(arguments[name], name) for name in ("hidden", "teacher_hidden", "teacher_head")},
-    )
-    return arguments, ""
-
-
-@boundary(roles=_ROLES, vocab="free", local=rejections_compared(_view, "group"), unwrapped=True)
+# the one unwrap (`local_view`): a `Shard(0)` DTensor `weight` as this rank's rows with the group of its
+# placement (uneven rows included); `bias` and each `teacher_weight` `Shard(0)`, `teacher_logits` `Shard(-1)`
+# on the same mesh as their local rows/columns; `hidden`, `teacher_hidden`, `teacher_head` `Replicate()`
+@boundary(roles=_ROLES, vocab="free", local=local_view(_ROLES), unwrapped=True)
 def linear_divergence_to_teacher(
     hidden: Tensor,
     weight: Tensor,
@@ -214,7 +180,7 @@ def linear_divergence_to_teacher(
     See also: docs/fused_linear.md, proofs/linear_divergence.md,
     lossfx.reference.linear_divergence_to_teacher.
     """
-    # hidden, weight, the teacher: local tensors (the boundary's one unwrap, `_view`)
+    # hidden, weight, the teacher: local tensors (the boundary's one unwrap, `local_view`)
     head = {"bias": bias, "temperature": temperature, "logit_scale": logit_scale, "softcap": softcap}
     call = validated_head(hidden, weight, head, group=group, chunk_size=chunk_size)
     heads, dtype = _check_teacher(

@@ -35,15 +35,7 @@ import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, ShardWidths, boundary
-from lossfx._boundary.dtensor import (
-    SHARD,
-    VocabShard,
-    _replicated_columns,
-    is_dtensor,
-    rejections_compared,
-    replicated,
-    vocab_shard,
-)
+from lossfx._boundary.dtensor import CALLER, SHARD, VocabShard, local_view, replicated
 from lossfx._boundary.validation import (
     check_floating,
     check_group,
@@ -70,7 +62,6 @@ from lossfx.opd_full import (
     _PAYLOAD_COLUMNS,
     TEACHER_INDEX_FIELD,
     _validated_teacher,
-    local_teacher_heads,
     opd_config,
 )
 from lossfx.packing import _validated_packed
@@ -109,49 +100,13 @@ class FrontDoor(NamedTuple):
     data: MutableMapping[str, Any]  # the caller's data (returned, and written to)
 
 
-def _unwrap(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The one unwrap of a front-door call (`boundary(local=..., unwrapped=True)`): `arguments` with
-    local tensors (a `Shard(0)` DTensor head and bias as this rank's rows, its group and rank filled
-    in; a `Replicate()` hidden and `data` columns as their local tensors), the head's `VocabShard`
-    (`SHARD`) and the caller's `data` mapping (`_data`: the one returned and written to)."""
-    shard = vocab_shard(
-        arguments["lm_head_weight"],
-        dim=0,
-        name="lm_head_weight",
-        roles=_ROLES,
-        group=arguments["vocab_parallel_group"],
-        rank=arguments["vocab_parallel_rank"],
-    )
-    bias, data = arguments["bias"], arguments["data"]
-    arguments.update(
-        hidden=replicated(arguments["hidden"], "hidden"),
-        lm_head_weight=shard.local,
-        bias=vocab_shard(bias, dim=0, name="bias").local if is_dtensor(bias) else bias,
-        data=_replicated_columns(data) if isinstance(data, Mapping) else data,
-        vocab_parallel_group=shard.group,
-        vocab_parallel_rank=shard.rank,
-    )
-    if arguments.get(_TEACHER_HEADS) is not None:  # OPD_FULL's teacher heads: rows like the student head's
-        arguments[_TEACHER_HEADS] = local_teacher_heads(arguments[_TEACHER_HEADS], shard)
-    arguments.update({SHARD: shard, "_data": data})
-    return arguments, ""
-
-
-_local_view = rejections_compared(_unwrap, "vocab_parallel_group")
-
-
-def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed: bool, *caller: Any) -> FrontDoor:
-    """The resolve of a front-door call, once, on its boundary's `view` (`_unwrap`; `None`: the view
-    rejected a DTensor, so the caller's arguments `(hidden, lm_head_weight, data,
-    vocab_parallel_group, vocab_parallel_rank, head)` are unwrapped again here, which raises that
-    error): the groups, `hidden` `[B, S_l, H]` (packed: `[1, T/C, H]`), the head (`validated_head`)
-    with `chunk_size` positions as rows, and `V` as the range checks of the ids read it: an int,
-    or (uneven plain shards in eager mode) the function of the cross-rank check's widths."""
-    if view is None:
-        *tensors, head = caller
-        names = ("hidden", "lm_head_weight", "data", "vocab_parallel_group", "vocab_parallel_rank")
-        view = _unwrap({**dict(zip(names, tensors, strict=True)), "bias": head.get("bias")})[0]
-    check_group("vocab_parallel_group", view["vocab_parallel_group"])
+def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed: bool) -> FrontDoor:
+    """The resolve of a front-door call, once, on its boundary's `view` (`local_view`: local tensors,
+    the head's `VocabShard`, the caller's `data` under `CALLER`): the groups,
+    `hidden` `[B, S_l, H]` (packed: `[1, T/C, H]`), the head (`validated_head`) with `chunk_size`
+    positions as rows, and `V` as the range checks of the ids read it: an int, or (uneven plain
+    shards in eager mode) the function of the cross-rank check's widths."""
+    assert view is not None, "boundary(unwrapped=True) hands the body its view"
     if not packed:  # (the packed checks check it)
         check_group("context_parallel_group", view["context_parallel_group"])
     hidden, weight, shard = view["hidden"], view["lm_head_weight"], view[SHARD]
@@ -176,7 +131,7 @@ def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed:
     widths = ShardWidths() if widths is None else widths
     uneven = shard.dtensor is None and group is not None
     size = widths.size_when_read(weight.shape[0], group) if uneven else call.vocab.size
-    return FrontDoor(hidden, weight, view["data"], shard, call, size, widths, view["_data"])
+    return FrontDoor(hidden, weight, view["data"], shard, call, size, widths, view.get(CALLER, view["data"]))
 
 
 def _uneven_vocab(door: FrontDoor) -> LinearCall:
@@ -271,7 +226,7 @@ def _linear_opd_full_input(
     )
 
 
-@boundary(roles=_ROLES, vocab="auto", local=_local_view, unwrapped=True)
+@boundary(roles=_ROLES, vocab="auto", local=local_view(_ROLES), unwrapped=True)
 @head_keywords
 def prepare_linear_loss_input(
     hidden: Tensor,
@@ -351,10 +306,8 @@ def prepare_linear_loss_input(
             "prepare_linear_loss_input has no LOGIT branch: a LOGIT loss consumes the full logits, which this "
             f"function never forms; {_LOGITS_PATH}"
         )
-    # hidden, lm_head_weight, bias, data: local (the boundary's one unwrap, `_unwrap`); data: the caller's
-    door = _front_door(
-        _view, _widths, False, hidden, lm_head_weight, data, vocab_parallel_group, vocab_parallel_rank, head
-    )
+    # hidden, lm_head_weight, bias, data: local (the boundary's one unwrap, `local_view`); data: the caller's
+    door = _front_door(_view, _widths, False)
     layout = sequence_layout(context_parallel_group, cp_sharder)
     if input_type is LossInputType.OPD_FULL:
         return _linear_opd_full_input(
@@ -475,7 +428,7 @@ def _draft_input(door: FrontDoor, d2t: Tensor | None, layout: SequenceLayout) ->
     return {"teacher_logits": teacher, "student_logits": student_logits, "token_mask": mask}
 
 
-@boundary(roles=_ROLES_PACKED, vocab="auto", local=_local_view, unwrapped=True)
+@boundary(roles=_ROLES_PACKED, vocab="auto", local=local_view(_ROLES_PACKED), unwrapped=True)
 @head_keywords
 def prepare_linear_packed_loss_input(
     hidden: Tensor,
@@ -530,10 +483,8 @@ def prepare_linear_packed_loss_input(
             f"prepare_linear_packed_loss_input only supports LossInputType.LOGPROB, got {input_type}; "
             "use prepare_linear_loss_input per sequence for other types"
         )
-    # hidden, lm_head_weight, bias, data: local (the boundary's one unwrap, `_unwrap`); data: the caller's
-    door = _front_door(
-        _view, _widths, True, hidden, lm_head_weight, data, vocab_parallel_group, vocab_parallel_rank, head
-    )
+    # hidden, lm_head_weight, bias, data: local (the boundary's one unwrap, `local_view`); data: the caller's
+    door = _front_door(_view, _widths, True)
     hidden, weight, columns, shard, call = door.hidden, door.weight, door.columns, door.shard, door.call
     input_ids = check_tensor("data['input_ids']", _column(columns, "input_ids"))  # type: ignore[arg-type]
     # the packed checks read shapes only: a zero-stride stand-in for the [1, T/C, Vl] logits

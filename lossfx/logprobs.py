@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import check_view, replicated, vocab_shard
+from lossfx._boundary.dtensor import local_view
 from lossfx._boundary.validation import (
     check_floating,
     check_ids_in_range,
@@ -43,13 +43,9 @@ def _validated(
     chunk_size: int | None,
     ignore_index: int | None = None,
 ) -> tuple[Tensor, Tensor, VocabRange, int | None]:
-    """The boundary work of both public functions, once: `(logits, target, vocab, chunk_rows)`
-    as the kernel takes them (local tensors, this rank's range; ids range-checked, the ignored
-    positions excepted)."""
-    logits, group, _, vocab_start, vocab_size, *_ = vocab_shard(
-        logits, name="logits", roles=_ROLES, group=group, vocab_start=vocab_start, vocab_size=vocab_size
-    )
-    target = replicated(target, "target")
+    """The boundary work of both public functions, once, on the boundary's view (local tensors):
+    `(logits, target, vocab, chunk_rows)` as the kernel takes them (this rank's range; ids
+    range-checked, the ignored positions excepted)."""
     check_floating("logits", logits)
     check_integer_ids("target", target)
     chunk_rows = check_positive_int("chunk_rows", resolve_chunk_rows(chunk_rows, chunk_size))
@@ -67,7 +63,7 @@ def _validated(
     return logits, target, vocab, chunk_rows
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES), unwrapped=True)
 def token_logprobs_with_lse(
     logits: Tensor,
     target: Tensor,
@@ -90,7 +86,7 @@ def token_logprobs_with_lse(
     return _kernel.token_logprobs_with_lse(logits, target, vocab, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=check_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES), unwrapped=True)
 def token_logprobs(
     logits: Tensor,
     target: Tensor,

@@ -31,17 +31,7 @@ import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, ShardWidths, boundary
-from lossfx._boundary.dtensor import (
-    SHARD,
-    VocabShard,
-    check_view,
-    entry_point_local,
-    has_dtensor,
-    is_dtensor,
-    rejections_compared,
-    replicated,
-    vocab_shard,
-)
+from lossfx._boundary.dtensor import CALLER, SHARD, VocabShard, local_view
 from lossfx._boundary.validation import check_floating, check_group, check_group_rank, check_tensor
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.numerics import compute_dtype
@@ -53,7 +43,7 @@ from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_
 from lossfx.logprobs import check_ignore_index
 from lossfx.loss_masks import loss_mask_from_data, masked_out_neg_inf
 from lossfx.next_token import next_token_logprobs_of, resolve_filter, validated_next_token_call
-from lossfx.opd_full import _PAYLOAD_COLUMNS, TEACHER_INDEX_FIELD, has_dtensor_head, local_teacher_heads, opd_full_input
+from lossfx.opd_full import _PAYLOAD_COLUMNS, TEACHER_INDEX_FIELD, opd_full_input
 from lossfx.packing import _validated_packed
 from lossfx.sequence_layout import SequenceLayout, sequence_layout
 
@@ -65,7 +55,6 @@ __all__ = [
 ]
 
 _HEADS = "teacher_output_layer_weight_by_index"
-_CALLER = "_caller data"  # the view's record of the caller's `data` (a leading `_`: not compared)
 
 
 def _input_type(loss_fn: Any) -> LossInputType:
@@ -149,7 +138,7 @@ _ROLES = Roles(
 )
 _ROLES_SHARDER = dataclasses.replace(_ROLES, cp_from="cp_sharder")
 _ROLES_DATA = dataclasses.replace(_ROLES, columns=("teacher_full_logits",))
-# `vocab_size`: filled in by the DTensor view of an OPD_FULL call (`lossfx.opd_full.check_view`)
+# `vocab_size`: filled in by the DTensor view of an OPD_FULL call (`_unwrap`)
 _ROLES_OPD = dataclasses.replace(_ROLES_DATA, heads="teacher_output_layer_weight_by_index", size="vocab_size")
 _ROLES_ALL = dataclasses.replace(_ROLES_OPD, cp_from="cp_sharder")
 
@@ -157,7 +146,7 @@ _ROLES_ALL = dataclasses.replace(_ROLES_OPD, cp_from="cp_sharder")
 @boundary(
     roles=_ROLES_SHARDER,
     vocab="auto",
-    local=check_view(_ROLES_SHARDER, even=True),
+    local=local_view(_ROLES_SHARDER, even=True),
     unwrapped=True,
 )
 def next_token_logprobs(
@@ -206,10 +195,6 @@ def next_token_logprobs(
         every tensor- and context-parallel rank. Each TP rank's gradient is its own shard's; under
         CP the gradient is summed over CP ranks (divide the loss by the CP size).
     """
-    logits, vocab_parallel_group, vocab_parallel_rank, *_ = vocab_shard(
-        logits, name="logits", roles=_ROLES, group=vocab_parallel_group, rank=vocab_parallel_rank, even=True
-    )
-    input_ids = replicated(input_ids, "input_ids")  # DTensor boundary: lossfx/_boundary/dtensor.py
     if ignore_index is not None:
         check_ignore_index(ignore_index)
     _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
@@ -226,49 +211,25 @@ def next_token_logprobs(
     return next_token_logprobs_of(call, resolve_filter(sampling_params))
 
 
-def _unwrap(arguments: dict[str, Any], opd: bool = False) -> dict[str, Any]:
-    """The one unwrap of an entry point's DTensors, the same for every branch: the cross-rank
-    check's view of the call and the arguments its body runs on (`boundary(unwrapped=True)`).
+def _unwrap(roles: Roles, opd: bool = False) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
+    """The one unwrap of an entry point's DTensors, the same for every branch (`local_view` of its
+    roles: without a DTensor anywhere, the arguments as given): the logits their even local shard
+    (`-inf` columns on a short rank), the `data` columns the call reads local, the teacher heads
+    this rank's rows; an OPD_FULL call (`opd`, or its input type) gets `vocab_size = V` of a
+    vocabulary-parallel shard (which of its columns are real). The shard (`SHARD`) and the
+    caller's `data` (`CALLER`) are the body's (`_back`)."""
 
-    The logits become their even local shard (`-inf` columns on a short rank) with the group and
-    rank of their placement; `data` a new dict of local columns (`entry_point_local`: the logits
-    payload padded like the logits); each teacher head this rank's rows (`local_teacher_heads`);
-    an OPD_FULL call (`opd`, or its input type) gets `vocab_size = V` of a vocabulary-parallel
-    shard (which of its columns are real). Which arguments were DTensors is one more compared
-    field; the shard (`SHARD`) and the caller's `data` (`_CALLER`) are the body's (`_back`)."""
-    logits, data, heads = arguments["logits"], arguments["data"], arguments.get(_HEADS)
-    if not isinstance(data, Mapping) or not (has_dtensor(logits, data) or has_dtensor_head(heads)):
-        return arguments
-    given = tuple(name for name, value in arguments.items() if is_dtensor(value) or has_dtensor_head(value))
-    group, rank = arguments["vocab_parallel_group"], arguments["vocab_parallel_rank"]
-    shard, local = entry_point_local(
-        logits, data, full_columns=("teacher_full_logits",), roles=_ROLES, group=group, rank=rank
-    )
-    arguments.update(logits=shard.local, data=local, vocab_parallel_group=shard.group, vocab_parallel_rank=shard.rank)
-    arguments.update({"DTensor arguments": given, SHARD: shard, _CALLER: data})
-    if _HEADS in arguments:
-        arguments[_HEADS] = local_teacher_heads(heads, shard)
-        if opd or _input_name(arguments).endswith("OPD_FULL"):
+    def opd_size(arguments: dict[str, Any], shard: VocabShard) -> None:
+        if _HEADS in arguments and (opd or _input_name(arguments).endswith("OPD_FULL")):
             arguments["vocab_size"] = shard.vocab_size if shard.group is not None else None
-    return arguments
+
+    return local_view(roles, even=True, when_dtensor=True, then=opd_size)
 
 
-def _entry_view(opd: bool = False) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
-    """The check's view of an entry point (`_unwrap`); a DTensor it rejects on some rank is a
-    compared field, not an error before the check's collective (`rejections_compared`)."""
-    return rejections_compared(lambda arguments: (_unwrap(arguments, opd), ""), "vocab_parallel_group")
-
-
-def _unwrapped(view: Mapping[str, Any] | None, *arguments: Any) -> tuple[VocabShard | None, Any]:
-    """`(shard, the caller's data)` of the call's one unwrap, the `view` its body runs on; when the
-    view rejected a DTensor (`None`), that unwrap again of the caller's `arguments` (`logits, data,
-    loss_fn, vocab_parallel_rank, vocab_parallel_group[, teacher heads]`), which raises its error
-    on every rank that agreed on it."""
-    if view is None:
-        view = _unwrap(
-            dict(zip(("logits", "data", "loss_fn", "vocab_parallel_rank", "vocab_parallel_group", _HEADS), arguments))
-        )
-    return view.get(SHARD), view.get(_CALLER, arguments[1])
+def _unwrapped(view: Mapping[str, Any] | None, data: Any) -> tuple[VocabShard | None, Any]:
+    """`(shard, the caller's data)` of the call's one unwrap (`_unwrap`): `(None, data)` for plain arguments."""
+    view = view or {}
+    return view.get(SHARD), view.get(CALLER, data)
 
 
 def _back(
@@ -296,7 +257,7 @@ def _back(
     return loss_input, caller
 
 
-@boundary(roles=_ROLES_ALL, vocab=_vocab_policy, local=_entry_view(), unwrapped=True)
+@boundary(roles=_ROLES_ALL, vocab=_vocab_policy, local=_unwrap(_ROLES_ALL), unwrapped=True)
 def prepare_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -367,9 +328,7 @@ def prepare_loss_input(
         >>> out["next_token_logprobs"]
         tensor([[-1.3863, -1.3863]])
     """
-    shard, caller = _unwrapped(
-        _view, logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, teacher_output_layer_weight_by_index
-    )
+    shard, caller = _unwrapped(_view, data)
     before = dict(data) if shard is not None else {}  # the local columns, to tell those the branch writes
     input_type = _input_type(loss_fn)
     check_tensor("logits", logits)
@@ -469,12 +428,10 @@ def _opd_read(arguments: Mapping[str, Any]) -> tuple[str, ...]:
     return ("input_ids", *_OPD_COLUMNS)
 
 
-@boundary(
-    roles=dataclasses.replace(_ROLES_ALL, reads=("data", _opd_read)),
-    vocab="equal",
-    local=_entry_view(opd=True),
-    unwrapped=True,
-)
+_ROLES_OPD_CALL = dataclasses.replace(_ROLES_ALL, reads=("data", _opd_read))
+
+
+@boundary(roles=_ROLES_OPD_CALL, vocab="equal", local=_unwrap(_ROLES_OPD_CALL, opd=True), unwrapped=True)
 def prepare_opd_full_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -527,9 +484,6 @@ def prepare_opd_full_loss_input(
         ValueError: every error condition of NeMo's payload reconstruction (docs/decisions.md §3),
             missing columns, bad shapes.
     """
-    _unwrapped(
-        _view, logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group, teacher_output_layer_weight_by_index
-    )
     return opd_full_input(
         logits,
         data,
@@ -549,7 +503,7 @@ def prepare_opd_full_loss_input(
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
 
 
-@boundary(roles=_ROLES_DATA, vocab="auto", local=_entry_view(), unwrapped=True)
+@boundary(roles=_ROLES_DATA, vocab="auto", local=_unwrap(_ROLES_DATA), unwrapped=True)
 def prepare_packed_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -597,7 +551,7 @@ def prepare_packed_loss_input(
             decreasing, padded shorter than unpadded, total not matching the logits, not a
             multiple of `2C`), naming the offending entries; bad shapes or ids.
     """
-    shard, caller = _unwrapped(_view, logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group)
+    shard, caller = _unwrapped(_view, data)
     before = dict(data) if shard is not None else {}  # the local columns, to tell those the branch writes
     input_type = _input_type(loss_fn)
     if input_type is not LossInputType.LOGPROB:
@@ -650,8 +604,7 @@ def _prepare_distillation_input(
     zero_outside_topk = bool(getattr(loss_fn, "zero_outside_topk", False))
     calculate_entropy = zero_outside_topk and getattr(loss_fn, "kl_type", "mixed") != "forward"
     values, ids = (
-        check_tensor(f"data[{key!r}]", replicated(_column(data, key), f"data[{key!r}]"))
-        for key in ("teacher_topk_logits", "teacher_topk_indices")
+        check_tensor(f"data[{key!r}]", _column(data, key)) for key in ("teacher_topk_logits", "teacher_topk_indices")
     )
     student, teacher, neg_entropy = _distillation(
         logits,
@@ -679,7 +632,6 @@ def _prepare_draft_input(
     the pure `lossfx._layouts.draft.draft_targets` once."""
     student_logits = _column(data, "student_logits")
     token_mask = check_tensor("data['token_mask']", _column(data, "token_mask"))
-    d2t = replicated(d2t, "d2t")
     target_ids, vocab = validated_draft(logits, token_mask, d2t, group, rank if group is not None else None, layout)
     teacher, mask = _draft.draft_targets(logits, token_mask, target_ids, vocab, layout)
     return {"teacher_logits": teacher, "student_logits": student_logits, "token_mask": mask}

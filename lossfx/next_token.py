@@ -27,7 +27,7 @@ from typing import Literal, NamedTuple
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, ShardWidths, boundary
-from lossfx._boundary.dtensor import check_view, replicated, vocab_shard
+from lossfx._boundary.dtensor import local_view
 from lossfx._boundary.validation import (
     check_floating,
     check_ids_in_range,
@@ -67,7 +67,7 @@ def check_position_ids(position_ids: object, input_ids: Tensor) -> Tensor | None
     """`None`, or `position_ids` checked: an integer tensor of `input_ids`' shape `[B, S]`."""
     if position_ids is None:
         return None
-    position_ids = check_integer_ids("position_ids", replicated(position_ids, "position_ids"))
+    position_ids = check_integer_ids("position_ids", position_ids)
     if tuple(position_ids.shape) != tuple(input_ids.shape):
         raise ValueError(
             f"position_ids must have input_ids' shape [B, S]; got position_ids.shape={tuple(position_ids.shape)} "
@@ -182,7 +182,7 @@ LoadBalancedSharder = LoadBalancedLayout  # the load-balanced layout is itself a
 _ROLES_TARGET = Roles(tp="group", shards=("logits",), start="vocab_start", size="vocab_size")
 
 
-@boundary(roles=_ROLES_TARGET, vocab="tiled", local=check_view(_ROLES_TARGET), unwrapped=True)
+@boundary(roles=_ROLES_TARGET, vocab="tiled", local=local_view(_ROLES_TARGET), unwrapped=True)
 def target_logprobs(
     logits: Tensor,
     target: Tensor,
@@ -280,7 +280,7 @@ def sharded_next_token_logprobs(
 _ROLES_FILTERED = Roles(tp="group", shards=("logits",))
 
 
-@boundary(roles=_ROLES_FILTERED, vocab="equal", local=check_view(_ROLES_FILTERED, even=True), unwrapped=True)
+@boundary(roles=_ROLES_FILTERED, vocab="equal", local=local_view(_ROLES_FILTERED, even=True), unwrapped=True)
 def next_token_filtered_logprobs(
     logits: Tensor,
     input_ids: Tensor,
@@ -306,9 +306,6 @@ def next_token_filtered_logprobs(
     Returns:
         `[B, S-1]` in the compute dtype; `-inf` where the next token was filtered out.
     """
-    # DTensor boundary: lossfx/_boundary/dtensor.py
-    logits, group, *_ = vocab_shard(logits, name="logits", roles=_ROLES_FILTERED, group=group, even=True)
-    input_ids = replicated(input_ids, "input_ids")
     top = resolve_filter(TrainingSamplingParams(top_k=top_k, top_p=top_p, ties=ties))
     call = validated_next_token_call(logits, input_ids, group=group, layout=sequence_layout(), chunk_size=chunk_size)
     return next_token_logprobs_of(call, top)

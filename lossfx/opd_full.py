@@ -20,7 +20,7 @@ docs/opd_full.md, docs/decisions.md §3):
 `vocab_parallel_group=None` works (the reference raises), on CPU and in float64.
 
 The boundary: `reconstruct_opd_full_teacher_logits` unwraps its DTensors once (the student's
-shard, the replicated payload, each teacher head as this rank's rows: `local_teacher_heads`);
+shard, the replicated payload, each teacher head as this rank's rows: `local_heads`);
 the entry points' OPD_FULL branch (`opd_full_input`) runs on the local tensors of
 `lossfx.loss_input`'s one unwrap, the same for every branch. Each validates the config, columns,
 payload and heads, range-checks the ids once, then calls the pure code in
@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import VocabShard, _same_group, is_dtensor, replicated, vocab_shard
+from lossfx._boundary.dtensor import VocabShard, local_view, replicated, resolved_shard
 from lossfx._boundary.validation import (
     check_floating,
     check_group_rank,
@@ -56,8 +56,6 @@ from lossfx.sequence_layout import ContextParallelSharder, SequenceLayout, check
 
 __all__ = [
     "OnPolicyDistillationFullConfig",
-    "has_dtensor_head",
-    "local_teacher_heads",
     "reconstruct_opd_full_teacher_logits",
 ]
 
@@ -284,16 +282,22 @@ def _validated_teacher(
     return _Teacher(None, heads, position)
 
 
-def _reconstruct_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The boundary's view of a `reconstruct_opd_full_teacher_logits` call (no collective: no
-    cross-rank check runs; its host reads are read once): DTensors as the body unwraps them."""
-    given = tuple(name for name, value in arguments.items() if is_dtensor(value) or has_dtensor_head(value))
-    if given:
-        arguments["DTensor arguments"] = given
-    return arguments, ""
+def _payload_view(arguments: dict[str, Any], shard: VocabShard) -> None:
+    """The payload replicated, a logits payload padded like the student's even shard."""
+    payload = replicated(arguments["payload"], "payload")
+    arguments["payload"] = shard.pad_full(payload) if arguments["teacher_payload"] == "logits" else payload
 
 
-@boundary(collectives=False, local=_reconstruct_view)
+# the one unwrap of `reconstruct_opd_full_teacher_logits` (`local_view`): the student's shard (even for a
+# logits payload: a projection needs no even width), the payload and index replicated, each head this rank's rows
+_RECONSTRUCT_VIEW = local_view(
+    Roles(shards=("student_logits",), rank="vocab_parallel_rank", heads="teacher_output_layer_weight_by_index"),
+    even=lambda arguments: arguments["teacher_payload"] == "logits",
+    then=_payload_view,
+)
+
+
+@boundary(collectives=False, local=_RECONSTRUCT_VIEW, unwrapped=True)
 def reconstruct_opd_full_teacher_logits(
     payload: Tensor,
     *,
@@ -305,6 +309,7 @@ def reconstruct_opd_full_teacher_logits(
     teacher_index: Tensor | None = None,
     output_dtype: torch.dtype | None = None,
     cp_sharder: ContextParallelSharder | None = None,
+    _view: dict[str, Any] | None = None,
 ) -> Tensor:
     """This rank's teacher logits `[B, S_l, Vl]`, aligned with the student's `[B, S_l, Vl]`.
 
@@ -342,26 +347,16 @@ def reconstruct_opd_full_teacher_logits(
             batch differs from the student's. (The per-row head check reads values and runs in
             eager mode only.)
     """
-    # DTensor boundary (lossfx/_boundary/dtensor.py): the student's shard, the payload and index
-    # replicated, each head as this rank's rows; a projection needs no even width
-    logits_payload = teacher_payload == "logits"
-    shard = vocab_shard(
-        student_logits, name="student_logits", roles=_LAYOUT, rank=vocab_parallel_rank, even=logits_payload
-    )
-    payload = replicated(payload, "payload")
-    if logits_payload:
-        payload = shard.pad_full(payload)
-    student = shard.local
-    heads = local_teacher_heads(teacher_output_layer_weight_by_index, shard)
+    shard, student = resolved_shard(_view), student_logits  # local (`_RECONSTRUCT_VIEW`)
     layout = sequence_layout(context_parallel_group, cp_sharder)
     teacher = _validated_teacher(
         payload,
         teacher_payload=teacher_payload,
         student_logits=student,
-        vocab_parallel_rank=shard.rank,  # a DTensor's, else as given
+        vocab_parallel_rank=vocab_parallel_rank,  # a DTensor's, else as given
         layout=layout,
-        teacher_output_layer_weight_by_index=heads,
-        teacher_index=replicated(teacher_index, "teacher_index"),
+        teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+        teacher_index=teacher_index,
     )
     out = _pure.teacher_logits(
         payload,
@@ -377,52 +372,6 @@ def reconstruct_opd_full_teacher_logits(
 
 
 # ---------------------------------------------------------------------------------------------
-# Teacher LM heads at the DTensor boundary
-# ---------------------------------------------------------------------------------------------
-
-
-def has_dtensor_head(weights: Any) -> bool:
-    """True iff a teacher LM head of `teacher_output_layer_weight_by_index` is a DTensor."""
-    return isinstance(weights, Mapping) and any(is_dtensor(w) for w in weights.values())
-
-
-def local_teacher_heads(weights: Any, shard: VocabShard) -> Any:
-    """Each teacher LM head as this rank's rows `[Vl, H]`, beside the student logits' `shard`.
-
-    A `Shard(0)` DTensor head over the logits' vocabulary group gives its local rows (torch's
-    split, uneven included: the same rows as the logits' columns); a `Replicate()` one gives the
-    full `[V, H]`; a plain tensor is this rank's rows already. The row counts are checked against
-    the student's shard afterwards (`_aligned_teacher`; across ranks by the consistency check).
-
-    Raises:
-        ValueError: a head placement other than `Shard(0)` / `Replicate()`; a head sharded over
-            another group than the logits, or over a group when the DTensor logits are not
-            vocabulary-parallel.
-    """
-    if not has_dtensor_head(weights):
-        return weights
-    out = {}
-    for key, weight in weights.items():
-        if is_dtensor(weight):
-            name = f"teacher_output_layer_weight_by_index[{key!r}]"
-            head = vocab_shard(weight, dim=0, name=name)
-            if head.group is not None and (
-                (shard.group is None and shard.dtensor is not None)
-                or (shard.group is not None and not _same_group(head.group, shard.group))
-            ):
-                where = "not vocabulary-parallel" if shard.group is None else "sharded over another group"
-                raise ValueError(
-                    f"{name} is a DTensor sharded on its rows over {head.group.size()} ranks (placements "
-                    f"{tuple(weight.placements)}), but the student logits are {where}: shard the teacher head "
-                    "like the student logits (Shard(0) over the logits' vocabulary mesh dim), or pass this "
-                    "rank's rows as a plain tensor"
-                )
-            weight = head.local
-        out[key] = weight
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
 # The branch
 # ---------------------------------------------------------------------------------------------
 
@@ -432,10 +381,6 @@ def _tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int
     if group is None:
         return 0 if vocab_parallel_rank is None else vocab_parallel_rank
     return check_group_rank("vocab_parallel_rank", vocab_parallel_rank, "vocab_parallel_group", group)
-
-
-# the layout parameters of OPD_FULL's entry points, named in the DTensor boundary's messages
-_LAYOUT = Roles(tp="vocab_parallel_group", rank="vocab_parallel_rank")
 
 
 def opd_full_input(

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.dtensor import check_view, resolved_shard, vocab_shard
+from lossfx._boundary.dtensor import local_view, resolved_shard
 from lossfx._boundary.validation import check_floating, check_positive_int
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.vocab import VocabRange
@@ -34,7 +34,7 @@ def _vocab_policy(arguments: Mapping[str, Any]) -> str:
 _ROLES = Roles(tp="group", shards=("logits",), start="vocab_start")  # the parameters' parts (`Roles`)
 
 
-@boundary(roles=_ROLES, vocab=_vocab_policy, local=check_view(_ROLES, even=True), unwrapped=True)
+@boundary(roles=_ROLES, vocab=_vocab_policy, local=local_view(_ROLES, even=True), unwrapped=True)
 @torch.no_grad()
 def vocab_topk(
     logits: Tensor,
@@ -69,10 +69,7 @@ def vocab_topk(
         >>> lossfx.vocab_topk(torch.tensor([[0.5, 2.0, 2.0, -1.0]]), 2)
         (tensor([[2., 2.]]), tensor([[1, 2]]))
     """
-    # DTensor boundary: lossfx/_boundary/dtensor.py
-    s = resolved_shard(_view) or vocab_shard(  # the DTensor the boundary unwrapped once, or a plain shard
-        logits, name="logits", roles=_ROLES, group=group, vocab_start=vocab_start, even=True
-    )
+    s = resolved_shard(_view)  # the boundary's one unwrap (a DTensor's local shard padded to even widths)
     logits, group, vocab_start, k = s.local, s.group, None if s.padded else s.vocab_start, s.at_most_vocab(k)
     check_floating("logits", logits)
     k = check_positive_int("k", k, allow_none=False)

@@ -953,8 +953,9 @@ def boundary(
         unwrapped: the body runs on the arguments of the `local` view (plain local tensors, the
             group and offsets of their placements), computed once per call: the view the check
             compared, or else the view run for the body alone (a plain call, a nested one). The
-            body never unwraps again. A view that rejected its DTensors (`REJECTED`) runs the
-            body on the caller's arguments, where its own checks raise the error.
+            body never sees a DTensor. A view that rejected its arguments (`REJECTED`, its error
+            under `REJECTED_ERROR`) raises that error here, once the check passed (every rank
+            rejected alike) and in place of the body.
     """
 
     def wrap(fn: F) -> F:
@@ -983,13 +984,14 @@ def boundary(
                     bound = public.bind(*args, **kwargs)
                     bound.apply_defaults()
                     view = local(dict(bound.arguments))[0]
-                if not view.get(REJECTED):
-                    call = inspect.BoundArguments(public, {k: v for k, v in view.items() if k in public.parameters})
-                    args, kwargs = call.args, call.kwargs
+                if view.get(REJECTED):  # the check passed (the ranks agree on it): the view's own error
+                    raise view[REJECTED_ERROR]
+                call = inspect.BoundArguments(public, {k: v for k, v in view.items() if k in public.parameters})
+                args, kwargs = call.args, call.kwargs
             if takes_widths:
                 kwargs[_WIDTHS] = ShardWidths() if widths is None else widths
             if takes_view:
-                kwargs[_VIEW] = None if view is None or view.get(REJECTED) else view
+                kwargs[_VIEW] = view
             return fn(*args, **kwargs)
 
         _functions[zlib.crc32(name.encode())] = name  # (the same code as _crc(name))
@@ -1061,7 +1063,8 @@ def boundary(
 
 
 _WIDTHS, _VIEW = "_widths", "_view"
-REJECTED = "DTensor arguments rejected"  # the field of a `local` view that rejected a DTensor (its error)
+REJECTED = "DTensor arguments rejected"  # the field of a `local` view that rejected a DTensor (its error's text)
+REJECTED_ERROR = "_rejected"  # the error itself (a leading `_`: not compared), which `boundary` raises
 
 
 @dataclasses.dataclass

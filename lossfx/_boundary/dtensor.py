@@ -30,16 +30,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lossfx._boundary.consistency import REJECTED, Roles
+from lossfx._boundary.consistency import REJECTED, REJECTED_ERROR, Roles
 from lossfx._core.host_reads import tracing
 
 ProcessGroup = dist.ProcessGroup
 
 __all__ = [
     "VocabShard",
-    "entry_point_local",
-    "has_dtensor",
     "is_dtensor",
+    "local_view",
+    "read_columns",
+    "rejections_compared",
     "replicated",
     "resolved_shard",
     "vocab_shard",
@@ -78,25 +79,6 @@ class VocabShard(NamedTuple):
     vocab_size: int | None
     dtensor: Any = None
     padded: int = 0
-
-    def like(self, x: Any, name: str) -> Any:
-        """`x`, sharded exactly like this argument (a teacher next to the student logits), local.
-
-        A DTensor must have the same mesh and placements; a plain tensor is taken as this rank's
-        shard already (the process-group convention).
-        """
-        if x is None or not is_dtensor(x):
-            if self.padded and x is not None:
-                return _pad_columns(x, self.padded, self.local.dim() - 1)
-            return x
-        if self.dtensor is None or x.device_mesh != self.dtensor.device_mesh or x.placements != self.dtensor.placements:
-            where = "a plain tensor" if self.dtensor is None else f"placements {tuple(self.dtensor.placements)}"
-            raise ValueError(
-                f"{name} is a DTensor with placements {tuple(x.placements)} on {x.device_mesh}; it must be sharded "
-                f"like the logits ({where})"
-            )
-        local: Tensor = x.to_local()
-        return _pad_columns(local, self.padded, local.dim() - 1) if self.padded else local
 
     def pad_full(self, x: Any) -> Any:
         """A full-vocabulary tensor `[..., V]` (a teacher logits payload) padded with `-inf` to the
@@ -364,12 +346,14 @@ def replicated(x: Any, name: str) -> Any:
 
 _REJECTED = REJECTED
 SHARD = "_shard"  # the key of a view's `VocabShard` (a leading `_`: the cross-rank check skips it)
+CALLER = "_caller"  # the key of the caller's own `data` mapping in a view (returned, and written to)
 
 
-def resolved_shard(view: Mapping[str, Any] | None) -> VocabShard | None:
-    """The `VocabShard` of the DTensor a function's view unwrapped (`boundary(unwrapped=True)`
-    hands the body its view as `_view`), or `None` (plain tensors: nothing to wrap back)."""
-    return None if view is None else view.get(SHARD)
+def resolved_shard(view: Mapping[str, Any] | None) -> VocabShard:
+    """The `VocabShard` a function's view resolved (`local_view`; `boundary(unwrapped=True)` hands
+    the body its view as `_view`): a DTensor's, whose `wrap` places results like it, or a plain one."""
+    assert view is not None, "boundary(unwrapped=True) hands the body its view"
+    return view[SHARD]
 
 
 def _mesh_group(x: Any) -> ProcessGroup | None:
@@ -382,67 +366,153 @@ def _mesh_group(x: Any) -> ProcessGroup | None:
     return mesh.get_group(dims[0]) if dims and mesh.size(dims[0]) > 1 else None
 
 
-def check_view(roles: Roles, *, even: bool = False) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
-    """The cross-rank check's view of a call whose arguments may be DTensors
-    (`boundary(roles=roles, local=check_view(roles))`): the bound `arguments` with the
-    vocabulary-sharded ones (`roles.shards`, the first's placement for all) replaced by their local
-    shards, the group, rank, first id and size of that placement filled in (the `roles.tp`,
-    `rank`, `start`, `size` parameters the function has), and every other DTensor
-    replaced by its replicated local tensor, exactly as the function's body will unwrap them.
-    Which arguments were DTensors is one more field: a rank that passes a DTensor where its peer
-    passes a plain tensor takes another path (DTensor outputs, their collectives), so they disagree.
-    A DTensor argument it rejects is a compared field, not an error (`rejections_compared`)."""
-    if roles.tp is None:
-        raise TypeError(f"check_view: the roles must name the tensor-parallel group ({roles})")
-    group_arg = roles.tp
+View = Callable[[dict[str, Any]], tuple[dict[str, Any], str]]
 
-    def _view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        shard: VocabShard | None = None
-        given = tuple(name for name, value in arguments.items() if is_dtensor(value))
-        for name in roles.shards:
-            x = arguments.get(name)
-            if not is_dtensor(x):
-                continue
-            if shard is None:
-                shard = vocab_shard(
-                    x,  # type: ignore[arg-type]
-                    name=name,
-                    roles=roles,
-                    group=arguments.get(group_arg),
-                    rank=arguments.get(roles.rank),  # type: ignore[arg-type]  # (`.get(None)`: a role not declared)
-                    vocab_start=arguments.get(roles.start),  # type: ignore[arg-type]
-                    vocab_size=arguments.get(roles.size),  # type: ignore[arg-type]
-                    even=even,
-                )
-                arguments[name] = shard.local
-            else:
-                arguments[name] = shard.like(x, name)
-        if shard is not None:
-            arguments[SHARD] = shard  # the body's, to wrap its results back (`resolved_shard`)
-            arguments[group_arg] = shard.group
-            spans = ((roles.start, shard.vocab_start), (roles.size, shard.vocab_size), (roles.rank, shard.rank))
-            arguments.update({k: v for k, v in spans if k in arguments})
-        for name, value in arguments.items():
-            if is_dtensor(value):
-                arguments[name] = replicated(value, name)
+
+def _holds_dtensor(value: Any) -> bool:
+    """A DTensor, or a mapping or sequence holding one (`data`, teacher heads)."""
+    values = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else (value,)
+    return any(map(is_dtensor, values))
+
+
+def local_view(
+    roles: Roles,
+    *,
+    even: bool | Callable[[Mapping[str, Any]], bool] = False,
+    hint: str = "",
+    when_dtensor: bool = False,
+    then: Callable[[dict[str, Any], VocabShard], None] | None = None,
+) -> View:
+    """The one unwrap of a public call, driven by its `Roles`
+    (`boundary(roles=roles, local=local_view(roles), unwrapped=True)`): the cross-rank check
+    compares what it returns and the body runs on it, once.
+
+    * the vocabulary shard: the LM head `roles.head` (its rows), else the first DTensor of
+      `roles.shards` (their last dim; else the first of them, plain), resolved by `vocab_shard`
+      with the explicit `roles.tp`, `rank`, `start`, `size` arguments, which it fills in; its
+      `VocabShard` under `SHARD` (`resolved_shard`: results are placed back like it);
+    * the other `roles.shards` split like it (`split_like`), each of `roles.heads` its rows
+      (`local_heads`);
+    * the mapping `roles.reads` names (`data`): the columns the call reads local (`read_columns`;
+      `roles.columns` padded like the shard), the caller's own mapping under `CALLER`;
+    * `then(arguments, shard)`: what a function unwraps its own way (sequence-parallel rows);
+    * every other DTensor: its replicated local tensor (`replicated`).
+
+    Which arguments held DTensors is one more compared field: a rank passing a DTensor where its
+    peer passes a plain tensor takes another path (DTensor outputs, their collectives). `even`:
+    uneven DTensor shards are padded (`vocab_shard`; or a function of the arguments); `hint`:
+    appended to a disagreement on `roles.rows` when the shard is a DTensor; `when_dtensor`:
+    without any DTensor the arguments are as given. An argument it rejects is a compared field,
+    then the boundary's error (`rejections_compared`)."""
+    candidates = (roles.head,) if roles.head is not None else roles.shards
+
+    def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        given = tuple(name for name, value in arguments.items() if _holds_dtensor(value))
+        if when_dtensor and not given:
+            return arguments, ""
+        first = next((name for name in candidates if is_dtensor(arguments[name])), candidates[0])
+        shard = vocab_shard(
+            arguments[first],
+            name=first,
+            roles=roles,
+            dim=0 if roles.head is not None else -1,
+            group=arguments.get(roles.tp),  # type: ignore[arg-type]  # (`.get(None)`: a role not declared)
+            rank=arguments.get(roles.rank),  # type: ignore[arg-type]
+            vocab_start=arguments.get(roles.start),  # type: ignore[arg-type]
+            vocab_size=arguments.get(roles.size),  # type: ignore[arg-type]
+            even=even(arguments) if callable(even) else even,
+        )
+        arguments.update({name: split_like(shard, arguments[name], name) for name in roles.shards if name != first})
+        if roles.heads is not None:
+            student = "the student logits are" if roles.head is None else "the student head is"
+            arguments[roles.heads] = local_heads(arguments[roles.heads], shard, roles.heads, student)
+        if roles.reads is not None and isinstance(arguments.get(roles.reads[0]), Mapping):
+            data = read_columns(arguments, roles)
+            data.update({key: shard.pad_full(data[key]) for key in roles.columns if key in data})
+            arguments.update({CALLER: arguments[roles.reads[0]], roles.reads[0]: data})
+        if then is not None:
+            then(arguments, shard)
+        arguments.update({k: replicated(v, k) for k, v in arguments.items() if k != first and is_dtensor(v)})
+        arguments.update({first: shard.local, SHARD: shard})
+        spans = ((roles.tp, shard.group), (roles.start, shard.vocab_start), (roles.size, shard.vocab_size))
+        arguments.update({k: v for k, v in (*spans, (roles.rank, shard.rank)) if k in arguments})
         if given:
             arguments["DTensor arguments"] = given
-        return arguments, ""
+        return arguments, hint if shard.dtensor is not None else ""
 
-    return rejections_compared(_view, group_arg, first=roles.shards)
+    return rejections_compared(view, roles.tp, first=(*candidates, *roles.shards))
+
+
+def split_like(shard: VocabShard, x: Any, name: str) -> Any:
+    """`x` split on its last (vocabulary) dim like `shard` (a teacher beside the logits, a bias
+    beside the head's rows), local: a DTensor over the same group, on the same range; a plain
+    tensor is this rank's part already. Padded like the shard (`even`)."""
+    if is_dtensor(x):
+        other = vocab_shard(x, name=name)
+        same = other.group is shard.group or (
+            other.group is not None and shard.group is not None and _same_group(other.group, shard.group)
+        )
+        if shard.dtensor is None or not same or other.vocab_start != shard.vocab_start:
+            where = "a plain tensor" if shard.dtensor is None else f"placements {tuple(shard.dtensor.placements)}"
+            raise ValueError(
+                f"{name} is a DTensor with placements {tuple(x.placements)} on {x.device_mesh}; it must be split "
+                f"like the vocabulary shard ({where}): over the same group, on the same vocabulary range"
+            )
+        x = other.local
+    if shard.padded and isinstance(x, Tensor) and x.dim():
+        return _pad_columns(x, shard.padded, x.dim() - 1)
+    return x
+
+
+def local_heads(heads: Any, shard: VocabShard, name: str, student: str) -> Any:
+    """Each LM head of `heads` (a mapping, a list or one tensor, as given) as this rank's rows
+    `[Vl, H]`, beside the student's `shard` (`student`: "the student logits are", in messages).
+
+    A `Shard(0)` DTensor head over the shard's vocabulary group gives its local rows (torch's
+    split, uneven included: the same rows as the shard's); a `Replicate()` one gives the full
+    `[V, H]`; a plain tensor is this rank's rows already. The row counts are checked against the
+    shard afterwards (by the function; across ranks by the consistency check).
+
+    Raises:
+        ValueError: a head placement other than `Shard(0)` / `Replicate()`; a head sharded over
+            another group than the shard, or over a group when the DTensor shard is not
+            vocabulary-parallel.
+    """
+
+    def rows(weight: Any, label: str) -> Any:
+        if not is_dtensor(weight):
+            return weight
+        head = vocab_shard(weight, dim=0, name=label)
+        if head.group is not None and (
+            (shard.group is None and shard.dtensor is not None)
+            or (shard.group is not None and not _same_group(head.group, shard.group))
+        ):
+            where = "not vocabulary-parallel" if shard.group is None else "sharded over another group"
+            raise ValueError(
+                f"{label} is a DTensor sharded on its rows over {head.group.size()} ranks (placements "
+                f"{tuple(weight.placements)}), but {student} {where}: shard the teacher head "
+                "like it (Shard(0) over its vocabulary mesh dim), or pass this rank's rows as a plain tensor"
+            )
+        return head.local
+
+    if isinstance(heads, Mapping):
+        return {key: rows(w, f"{name}[{key!r}]") for key, w in heads.items()} if _holds_dtensor(heads) else heads
+    if isinstance(heads, (list, tuple)):
+        return [rows(w, f"{name}[{i}]") for i, w in enumerate(heads)]
+    return rows(heads, name)
 
 
 def rejections_compared(
-    view: Callable[[dict[str, Any]], tuple[dict[str, Any], str]], group_arg: str, first: tuple[str, ...] = ()
+    view: Callable[[dict[str, Any]], tuple[dict[str, Any], str]], group_arg: str | None, first: tuple[str, ...] = ()
 ) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
-    """`view` (a `boundary(local=...)` view) whose `ValueError` / `TypeError`, a DTensor argument it
-    rejects (a placement, or an explicit argument that contradicts it), is not raised here, before
-    the check's collective, where the peers would wait for this rank: the error's text becomes
-    one more field ("DTensor arguments rejected"), so ranks that disagree about it raise the
-    check's error together, and ranks that agree pass the check and raise it in the function's
-    body, each the same. The rejected view drops every DTensor (also the values of a mapping
-    argument); without an explicit `group_arg` the group checked is the mesh group of the first
-    DTensor (of the arguments `first`, else of any)."""
+    """`view` (a `boundary(local=...)` view) whose `ValueError` / `TypeError`, an argument it rejects
+    (a placement, or an explicit argument that contradicts it), is not raised here, before the
+    check's collective, where the peers would wait for this rank: the error's text becomes one
+    more field ("DTensor arguments rejected"), so ranks that disagree about it raise the check's
+    error together, and ranks that agree pass the check, then `boundary` raises the error itself
+    (kept under `REJECTED_ERROR`) in place of the body, each the same. The rejected view drops
+    every DTensor (also the values of a mapping argument); without an explicit `group_arg` the
+    group checked is the mesh group of the first DTensor (of the arguments `first`, else of any)."""
 
     def checked_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
         try:
@@ -460,37 +530,26 @@ def rejections_compared(
                 return value
 
             rejected = {k: drop(v) for k, v in arguments.items()}
-            if rejected.get(group_arg) is None:  # meet the peers in the check over the mesh's group
+            if (
+                group_arg is not None and rejected.get(group_arg) is None
+            ):  # meet the peers in the check over the mesh's group
                 rejected[group_arg] = _mesh_group(found[0] if found else None)
             # traced, the message is not a constant Dynamo can hash: the error's type stands for it
             why = type(err).__name__ if tracing() else f"{type(err).__name__}: {err}"
-            return {_REJECTED: why, **rejected}, ""
+            return {_REJECTED: why, REJECTED_ERROR: err, **rejected}, ""
 
     return checked_view
 
 
-def _replicated_columns(data: Mapping[str, Any]) -> dict[str, Any]:
-    """A new dict: every all-`Replicate()` DTensor column of `data` replaced by its local tensor;
-    other columns (plain tensors, a sharded `student_logits` passed through) as they are."""
-    return {k: v.to_local() if is_dtensor(v) and _all_replicate(v) else v for k, v in data.items()}
-
-
-def has_dtensor(logits: Any, data: Mapping[str, Any]) -> bool:
-    """True iff the logits or a column of `data` is a DTensor."""
-    return is_dtensor(logits) or any(is_dtensor(v) for v in data.values())
-
-
-def entry_point_local(
-    logits: Any, data: Mapping[str, Any], *, full_columns: tuple[str, ...], roles: Roles, group: Any, rank: Any
-) -> tuple[VocabShard, dict[str, Any]]:
-    """The one unwrap of an entry point's DTensors: `(shard, local columns)`, the logits' even
-    local shard (padded when uneven, `vocab_shard`) with the group and rank of their placement, and
-    a new dict of `data`'s columns with `Replicate()` DTensors as their local tensors and the
-    full-vocabulary columns `[..., V]` (`full_columns`) padded like the logits. The entry point's
-    view (`lossfx.loss_input`) computes it once; its body runs on it and maps its results back."""
-    shard = vocab_shard(logits, name=roles.shards[0], roles=roles, group=group, rank=rank, even=True)
-    local_data = _replicated_columns(data)
-    for key in full_columns:
-        if key in local_data:
-            local_data[key] = shard.pad_full(local_data[key])
-    return shard, local_data
+def read_columns(arguments: Mapping[str, Any], roles: Roles) -> Any:
+    """The mapping argument of `roles.reads` (`data`) as a new dict in which every column the call
+    reads (`roles.reads`, but this rank's shards `roles.shard_columns`) is its replicated local
+    tensor (`replicated`: any other DTensor raises, naming the column); the columns it never reads,
+    and shard columns, as they are. Not a mapping: as it is (the body's checks reject it)."""
+    assert roles.reads is not None
+    name, reads = roles.reads
+    data = arguments.get(name)
+    if not isinstance(data, Mapping):
+        return data
+    read = set(reads(arguments)) - set(roles.shard_columns)
+    return {k: replicated(v, f"{name}[{k!r}]") if k in read else v for k, v in data.items()}
