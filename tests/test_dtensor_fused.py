@@ -11,7 +11,7 @@ at 1e-10, on a 1-D mesh and on the tp dim of a (dp=1, tp=2) mesh. One case runs 
 
 import pytest
 import torch
-from harness import compiled_for_rank, gloo_pool, value_error_messages
+from harness import compiled_for_rank, device_mesh, gloo_pool, value_error_messages
 
 import lossfx
 from lossfx import reference
@@ -100,15 +100,8 @@ def _loss(outs):
     return total
 
 
-_meshes: dict = {}
-
-
 def _mesh(shape=(2,)):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if shape not in _meshes:
-        _meshes[shape] = init_device_mesh("cpu", shape, mesh_dim_names=None if len(shape) == 1 else ("dp", "tp"))
-    return _meshes[shape]
+    return device_mesh(shape, None if len(shape) == 1 else ("dp", "tp"))
 
 
 def _on_tp(mesh, placement):

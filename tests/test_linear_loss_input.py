@@ -9,6 +9,7 @@ tests/test_linear_opd_full.py.
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import harness
@@ -63,38 +64,13 @@ def make_case(branch: str, seed: int = 0, seq: int = S):
     return hidden, weight, bias, data, _loss_fn(branch), kwargs
 
 
-def head_logits(hidden, weight, bias):
-    """`c · tanh(s · (hidden @ W.T + b) / c) / T` in the inputs' dtype: the logits path's input."""
-    c, s, t = HEAD["softcap"], HEAD["logit_scale"], HEAD["temperature"]
-    return c * torch.tanh(s * (hidden @ weight.T + bias) / c) / t
-
-
-def cotangents(out: dict, seed: int = 1) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape, generator=gen, dtype=F64) for k, v in sorted(out.items()) if _grad_key(v)}
+head_logits = functools.partial(harness.head_logits, head=HEAD)
+cotangents, _leaves, _assert_dicts = harness.cotangents, harness.leaves, harness.assert_dicts
+grads = functools.partial(harness.grads, allow_unused=True)
 
 
 def _grad_key(v) -> bool:
     return isinstance(v, torch.Tensor) and v.requires_grad
-
-
-def grads(out: dict, cot: dict, inputs) -> tuple:
-    loss = sum((out[k].to(F64) * g).sum() for k, g in cot.items())
-    return torch.autograd.grad(loss, inputs, allow_unused=True)
-
-
-def _leaves(dtype, *xs):
-    return [x.detach().to(dtype).requires_grad_(True) for x in xs]
-
-
-def _assert_dicts(got: dict, want: dict, tol: dict, what: str) -> None:
-    assert set(got) == set(want), (what, set(got), set(want))
-    for k in want:
-        if want[k] is None:
-            assert got[k] is None, (what, k)
-            continue
-        assert got[k].dtype == want[k].dtype, (what, k, got[k].dtype, want[k].dtype)
-        torch.testing.assert_close(got[k].to(F64), want[k].to(F64), **tol, msg=lambda m, k=k: f"{what} {k}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [F64, F32])
@@ -288,11 +264,7 @@ def test_bad_arguments_raise_naming_them():
 # ---------------------------------------------------------------------------------------------
 
 
-def _widths(world: int) -> list[int]:
-    """Uneven shard widths summing to V (rank order)."""
-    base = [V // world] * world
-    base[0] += V - sum(base)
-    return base
+_widths = functools.partial(harness.uneven_widths, V)
 
 
 def _local_draft(full, rank, world):
@@ -352,18 +324,7 @@ def _check_ranked(results, branch, mode, dtype):
     cot = cotangents({k: v for k, v in results[0][0].items() if v is not None})
     if not cot:
         return
-    dh, dw, db = grads(ref, cot, (hr, wr, br))
-    if mode == "tp":
-        for rank, (_, (gh, _, _)) in enumerate(results):
-            torch.testing.assert_close(gh.to(F64), dh, **tol, msg=lambda m, r=rank: f"tp r{r} dhidden: {m}")
-        torch.testing.assert_close(torch.cat([r[1][1] for r in results]).to(F64), dw, **tol)
-        torch.testing.assert_close(torch.cat([r[1][2] for r in results]).to(F64), db, **tol)
-    else:
-        for rank, (_, (gh, _, _)) in enumerate(results):
-            want = reference.cp_shard(dh, rank, world)
-            torch.testing.assert_close(gh.to(F64), want, **tol, msg=lambda m, r=rank: f"cp r{r} dhidden: {m}")
-        torch.testing.assert_close(sum(r[1][1] for r in results).to(F64), dw, **tol)
-        torch.testing.assert_close(sum(r[1][2] for r in results).to(F64), db, **tol)
+    harness.assert_head_grads(results, grads(ref, cot, (hr, wr, br)), mode, tol)
 
 
 @pytest.mark.distributed
@@ -538,17 +499,11 @@ def test_compiled_two_gloo_ranks_match_eager(mode):
         assert frames == {"logprob": 1, "distill_full": 1, "draft": 1}, frames
 
 
-_meshes: dict = {}
-
-
 def dtensor_case(rank, world, group, branch):
     """A `Shard(0)` DTensor head and bias (V = 13 over 2 ranks: 7 and 6 rows), no group arguments."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    if world not in _meshes:
-        _meshes[world] = init_device_mesh("cpu", (world,))
-    mesh = _meshes[world]
+    mesh = harness.device_mesh((world,))
     hidden, weight, bias, data, loss_fn, kwargs = make_case(branch, seed=7)
     h = hidden.clone().requires_grad_(True)
     w = distribute_tensor(weight, mesh, [Shard(0)], src_data_rank=None).requires_grad_(True)

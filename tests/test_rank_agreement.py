@@ -26,16 +26,11 @@ import lossfx
 from lossfx import reference
 from lossfx._boundary.consistency import fingerprint
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("short_pool_timeout")]
 
 F64 = torch.float64
 LOGPROB = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
 N, H, V = 6, 4, 12  # fused cases: V split 6 + 6
-
-
-@pytest.fixture(autouse=True)
-def _short_pool_timeout(monkeypatch):
-    monkeypatch.setattr(harness, "_TIMEOUT_S", 60.0)
 
 
 def _gen(seed):

@@ -5,7 +5,6 @@ the group stays in step: a consistent call afterwards (uneven 6 + 5 rows) matche
 The shard width of a fused call is the weight's row count (`lossfx/_boundary/consistency.py`).
 """
 
-import harness
 import pytest
 import torch
 from harness import assert_every_rank_raises, gloo_pool, value_error
@@ -13,17 +12,11 @@ from harness import assert_every_rank_raises, gloo_pool, value_error
 import lossfx
 from lossfx import reference
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("short_pool_timeout")]
 
 F64 = torch.float64
 SECONDS = 20.0
 H = 4
-
-
-@pytest.fixture(autouse=True)
-def _short_pool_timeout(monkeypatch):
-    """A hang fails the test after 60 s instead of the harness's default 600 s."""
-    monkeypatch.setattr(harness, "_TIMEOUT_S", 60.0)
 
 
 def _data(n, vocab, seed):
