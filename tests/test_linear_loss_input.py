@@ -356,6 +356,7 @@ def test_filtered_two_gloo_ranks_uneven_heads(name):
     _check_filtered_ranks(name, 2)
 
 
+@pytest.mark.xdist_group("gloo4")  # one 4-process pool per session (addopts: --dist loadgroup)
 @pytest.mark.slow  # a 4-process gloo pool; 2 ranks cover TP by default
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["top_k", "both_sorted"])
@@ -387,6 +388,7 @@ def _check_filtered_ranks(name, world):
     torch.testing.assert_close(torch.cat([r[1][2] for r in results]), db, **TOL[F64])
 
 
+@pytest.mark.xdist_group("gloo4")  # one 4-process pool per session (addopts: --dist loadgroup)
 @pytest.mark.slow  # a 4-process gloo pool (~30 s to start on the loaded 2-core VM); 2 ranks cover TP by default
 @pytest.mark.distributed
 @pytest.mark.parametrize("branch", ["logprob", "distill_full", "draft"])

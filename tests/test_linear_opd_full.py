@@ -352,6 +352,7 @@ def test_two_gloo_ranks(payload, mode):
     _check_ranked(results, payload, mode, F64)
 
 
+@pytest.mark.xdist_group("gloo4")  # one 4-process pool per session (addopts: --dist loadgroup)
 @pytest.mark.slow  # a 4-process gloo pool (~30 s to start on the loaded 2-core VM); 2 ranks cover TP by default
 @pytest.mark.distributed
 @pytest.mark.parametrize(("payload", "mode"), [("logits", "tp"), ("hidden_states", "tp"), ("hidden_states", "cp")])

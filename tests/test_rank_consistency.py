@@ -151,6 +151,7 @@ def _grid_mismatch(rank, world, group):
     )
 
 
+@pytest.mark.xdist_group("gloo4")  # one 4-process pool per session (addopts: --dist loadgroup)
 def test_gloo_tp_cp_grid_every_rank_raises():
     results = gloo_pool(4).run(_grid_mismatch)
     for rank, (message, seconds) in enumerate(results):
