@@ -552,3 +552,24 @@ def assert_head_grads(results: list, want: tuple, mode: str, tol: dict) -> None:
             torch.testing.assert_close(gh.to(_F64), shard, **tol, msg=lambda m, r=rank: f"cp r{r} dhidden: {m}")
         torch.testing.assert_close(sum(r[1][1] for r in results).to(_F64), dw, **tol)
         torch.testing.assert_close(sum(r[1][2] for r in results).to(_F64), db, **tol)
+
+
+def as_tuple(out: Any) -> tuple:
+    """`out` if it is a tuple, else `(out,)`."""
+    return out if isinstance(out, tuple) else (out,)
+
+
+def assert_fused_call_exact(
+    values: list[torch.Tensor], row_grads: list[torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor, target
+) -> None:
+    """Each rank's `linear_token_logprobs(hidden, its rows of weight, target)` equals the float64
+    reference (to 1e-10) and the rows' gradients of the summed log-probs concatenate (in rank order)
+    to the reference's weight gradient: the rank checks' consistent call after a disagreement."""
+    from lossfx import reference
+
+    weight = weight.clone().requires_grad_()
+    ref = reference.linear_token_logprobs(hidden, weight, target)[0]
+    ref.sum().backward()
+    for after in values:
+        torch.testing.assert_close(after, ref.detach(), rtol=0, atol=1e-10)
+    torch.testing.assert_close(torch.cat(row_grads), weight.grad, rtol=0, atol=1e-10)

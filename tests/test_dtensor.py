@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from harness import as_tuple as _as_tuple
 from harness import compiled_for_rank, device_mesh, gloo_pool, value_error_messages
 
 import lossfx
@@ -282,10 +283,6 @@ def _loss(outs):
             weight = torch.linspace(-1, 1, t.numel(), dtype=F64).view(t.shape)
             total = total + (torch.where(torch.isfinite(t), t, torch.zeros_like(t)).to(F64) * weight).sum()
     return total
-
-
-def _as_tuple(out):
-    return out if isinstance(out, tuple) else (out,)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ at 1e-10, on a 1-D mesh and on the tp dim of a (dp=1, tp=2) mesh. One case runs 
 
 import pytest
 import torch
+from harness import as_tuple as _as_tuple
 from harness import compiled_for_rank, device_mesh, gloo_pool, value_error_messages
 
 import lossfx
@@ -87,10 +88,6 @@ CASES = {
     ),
 }
 COMPILED = ["token/plain_hidden", "objective/plain_hidden"]
-
-
-def _as_tuple(out):
-    return out if isinstance(out, tuple) else (out,)
 
 
 def _loss(outs):

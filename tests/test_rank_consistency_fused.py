@@ -5,12 +5,12 @@ the group stays in step: a consistent call afterwards (uneven 6 + 5 rows) matche
 The shard width of a fused call is the weight's row count (`lossfx/_boundary/consistency.py`).
 """
 
+import harness
 import pytest
 import torch
 from harness import assert_every_rank_raises, gloo_pool, value_error
 
 import lossfx
-from lossfx import reference
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("short_pool_timeout")]
 
@@ -81,11 +81,4 @@ def test_fused_mismatch_raises_on_every_rank(case):
     messages = [m for m, _, _, _ in results]
     assert_every_rank_raises(messages, EXPECTED[case])
     assert max(s for _, s, _, _ in results) < SECONDS
-    hidden, weight, target = _data(3, 11, 1)
-    weight = weight.clone().requires_grad_()
-    ref = reference.linear_token_logprobs(hidden, weight, target)[0]
-    ref.sum().backward()
-    for _, _, after, _ in results:
-        torch.testing.assert_close(after, ref.detach(), rtol=0, atol=1e-10)
-    grad = torch.cat([g for _, _, _, g in results])
-    torch.testing.assert_close(grad, weight.grad, rtol=0, atol=1e-10)
+    harness.assert_fused_call_exact([a for _, _, a, _ in results], [g for _, _, _, g in results], *_data(3, 11, 1))
