@@ -573,3 +573,21 @@ def assert_fused_call_exact(
     for after in values:
         torch.testing.assert_close(after, ref.detach(), rtol=0, atol=1e-10)
     torch.testing.assert_close(torch.cat(row_grads), weight.grad, rtol=0, atol=1e-10)
+
+
+def split_head_call(mode: str, rank: int, world: int, group: Any, hidden, weight, bias) -> tuple[Any, ...]:
+    """This rank's `(hidden, weight, bias, head rows, group keywords)` of a fused front-door call:
+    `mode` "tp" (the head split in `uneven_widths` rows, hidden replicated), "cp" (the sequence
+    load-balanced over the world, `context_parallel_group=`) or "sharder" (the same layout through
+    `cp_sharder=LoadBalancedLayout`). `head rows` is the rank's row slice (all rows off "tp")."""
+    import lossfx
+    from lossfx import reference
+
+    if mode == "tp":
+        widths = uneven_widths(weight.shape[0], world)
+        rows = slice(sum(widths[:rank]), sum(widths[: rank + 1]))
+        return hidden, weight[rows], bias[rows], rows, {"vocab_parallel_group": group, "vocab_parallel_rank": rank}
+    layout = {"context_parallel_group": group}
+    if mode != "cp":
+        layout = {"cp_sharder": lossfx.sequence_layout.LoadBalancedLayout(group)}
+    return reference.cp_shard(hidden, rank, world), weight, bias, slice(None), layout

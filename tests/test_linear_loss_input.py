@@ -276,20 +276,8 @@ def ranked_case(rank, world, group, branch, mode, dtype_name):
     load-balanced over the world). Returns outputs and gradients (the cotangents are replicated)."""
     dtype = getattr(torch, dtype_name)
     hidden, weight, bias, data, loss_fn, kwargs = make_case(branch, seed=7)
-    kw: dict = dict(HEAD, **kwargs)
-    if mode == "tp":
-        widths = _widths(world)
-        start = sum(widths[:rank])
-        w_local, b_local = weight[start : start + widths[rank]], bias[start : start + widths[rank]]
-        h_local = hidden
-        kw.update(vocab_parallel_group=group, vocab_parallel_rank=rank)
-    else:
-        w_local, b_local = weight, bias
-        h_local = reference.cp_shard(hidden, rank, world)
-        if mode == "cp":
-            kw.update(context_parallel_group=group)
-        else:  # the same layout through the sharder keyword
-            kw.update(cp_sharder=lossfx.sequence_layout.LoadBalancedLayout(group))
+    h_local, w_local, b_local, _, layout = harness.split_head_call(mode, rank, world, group, hidden, weight, bias)
+    kw: dict = dict(HEAD, **kwargs, **layout)
     h, w, b = _leaves(dtype, h_local, w_local, b_local)
     out, _ = lossfx.prepare_linear_loss_input(h, w, data, loss_fn, bias=b, chunk_size=3, **kw)
     cot = cotangents({k: v for k, v in out.items() if v is not None})

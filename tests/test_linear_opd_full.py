@@ -303,20 +303,9 @@ def ranked_case(rank, world, group, payload, mode, dtype_name):
     "sharder" (the sequence load-balanced over the world). Returns outputs and gradients."""
     dtype = getattr(torch, dtype_name)
     hidden, weight, bias, data, loss_fn, heads = make_case(payload, seed=7)
-    kw: dict = dict(HEAD)
-    if mode == "tp":
-        widths = _widths(world)
-        rows = slice(sum(widths[:rank]), sum(widths[: rank + 1]))
-        w_local, b_local, h_local = weight[rows], bias[rows], hidden
-        heads = None if heads is None else {k: x[rows] for k, x in heads.items()}
-        kw.update(vocab_parallel_group=group, vocab_parallel_rank=rank)
-    else:
-        w_local, b_local = weight, bias
-        h_local = reference.cp_shard(hidden, rank, world)
-        if mode == "cp":
-            kw.update(context_parallel_group=group)
-        else:
-            kw.update(cp_sharder=lossfx.sequence_layout.LoadBalancedLayout(group))
+    h_local, w_local, b_local, rows, layout = harness.split_head_call(mode, rank, world, group, hidden, weight, bias)
+    heads = None if heads is None else {k: x[rows] for k, x in heads.items()}  # the teacher heads' rows too
+    kw: dict = dict(HEAD, **layout)
     h, w, b = _leaves(dtype, h_local, w_local, b_local)
     out, _ = lossfx.prepare_linear_loss_input(
         h, w, data, loss_fn, bias=b, chunk_size=3, teacher_output_layer_weight_by_index=heads, **kw
