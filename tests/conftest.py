@@ -102,6 +102,15 @@ def _inputs_on_device(request):
         yield
 
 
+@pytest.fixture
+def short_pool_timeout(monkeypatch):
+    """A hang fails the test after 60 s instead of the harness's default 600 s (the rank checks'
+    modules use it: `pytest.mark.usefixtures("short_pool_timeout")`)."""
+    import harness
+
+    monkeypatch.setattr(harness, "_TIMEOUT_S", 60.0)
+
+
 @pytest.fixture(autouse=True)
 def _reset_dynamo():
     """Each test starts from a clean Dynamo state, so recompile counts are its own."""

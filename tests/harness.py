@@ -463,3 +463,131 @@ def value_error_messages(calls: dict[str, Callable[[], Any]]) -> dict[str, str]:
         except ValueError as exc:
             messages[name] = str(exc)
     return messages
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks shared by the boundary's tests (the fused front doors, DTensor heads, the rank checks)
+# ---------------------------------------------------------------------------------------------
+
+_F64 = torch.float64
+_meshes: dict[tuple, Any] = {}
+
+
+def device_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> Any:
+    """This process's CPU `DeviceMesh` of `shape` (created collectively once, then cached)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (tuple(shape), names)
+    if key not in _meshes:
+        _meshes[key] = init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
+    return _meshes[key]
+
+
+def uneven_widths(vocab: int, world: int) -> list[int]:
+    """Uneven shard widths summing to `vocab` (rank order; rank 0 takes the remainder)."""
+    base = [vocab // world] * world
+    base[0] += vocab - sum(base)
+    return base
+
+
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, head: dict) -> torch.Tensor:
+    """`c · tanh(s · (hidden @ W.T + b) / c) / T` in the inputs' dtype (`head`: softcap c,
+    logit_scale s, temperature T): the logits path's input for a fused call with those options."""
+    c, s, t = head["softcap"], head["logit_scale"], head["temperature"]
+    return c * torch.tanh(s * (hidden @ weight.T + bias) / c) / t
+
+
+def leaves(dtype: torch.dtype, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """Fresh leaves of `xs` in `dtype` that require grad."""
+    return [x.detach().to(dtype).requires_grad_(True) for x in xs]
+
+
+def cotangents(out: dict, seed: int = 1) -> dict:
+    """A seeded float64 cotangent for each output of `out` that requires grad (sorted by key)."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        k: torch.randn(v.shape, generator=gen, dtype=_F64)
+        for k, v in sorted(out.items())
+        if isinstance(v, torch.Tensor) and v.requires_grad
+    }
+
+
+def grads(out: dict, cot: dict, inputs: Any, scale: float = 1.0, allow_unused: bool = False) -> tuple:
+    """The gradients of `Σ_k <out[k], cot[k]> / scale` (in float64) with respect to `inputs`."""
+    loss = sum((out[k].to(_F64) * g).sum() for k, g in cot.items()) / scale
+    return torch.autograd.grad(loss, inputs, allow_unused=allow_unused)
+
+
+def assert_dicts(got: dict, want: dict, tol: dict, what: str, dtypes: bool = True, requires_grad: bool = False) -> None:
+    """The same keys, `None` where `want` has `None`, values within `tol`; with `dtypes` the same
+    dtypes (and, with `requires_grad` too, the same `requires_grad`)."""
+    assert set(got) == set(want), (what, set(got), set(want))
+    for k in want:
+        if want[k] is None:
+            assert got[k] is None, (what, k)
+            continue
+        if dtypes:
+            assert got[k].dtype == want[k].dtype, (what, k, got[k].dtype, want[k].dtype)
+            if requires_grad:
+                assert got[k].requires_grad == want[k].requires_grad, (what, k)
+        torch.testing.assert_close(got[k].to(_F64), want[k].to(_F64), **tol, msg=lambda m, k=k: f"{what} {k}: {m}")
+
+
+def assert_head_grads(results: list, want: tuple, mode: str, tol: dict) -> None:
+    """Every rank's `(dhidden, dweight, dbias)` (`results[rank][1]`) against the one-process
+    float64 `want`. `mode` "tp" (the head split in rows): each rank's dhidden is the full one and
+    the rows' gradients concatenate to the full ones; otherwise (the sequence load-balanced over
+    the ranks, `reference.cp_shard`): dhidden is the rank's shard and the head's gradients sum."""
+    from lossfx import reference
+
+    dh, dw, db = want
+    if mode == "tp":
+        for rank, (_, (gh, _, _)) in enumerate(results):
+            torch.testing.assert_close(gh.to(_F64), dh, **tol, msg=lambda m, r=rank: f"tp r{r} dhidden: {m}")
+        torch.testing.assert_close(torch.cat([r[1][1] for r in results]).to(_F64), dw, **tol)
+        torch.testing.assert_close(torch.cat([r[1][2] for r in results]).to(_F64), db, **tol)
+    else:
+        for rank, (_, (gh, _, _)) in enumerate(results):
+            shard = reference.cp_shard(dh, rank, len(results))
+            torch.testing.assert_close(gh.to(_F64), shard, **tol, msg=lambda m, r=rank: f"cp r{r} dhidden: {m}")
+        torch.testing.assert_close(sum(r[1][1] for r in results).to(_F64), dw, **tol)
+        torch.testing.assert_close(sum(r[1][2] for r in results).to(_F64), db, **tol)
+
+
+def as_tuple(out: Any) -> tuple:
+    """`out` if it is a tuple, else `(out,)`."""
+    return out if isinstance(out, tuple) else (out,)
+
+
+def assert_fused_call_exact(
+    values: list[torch.Tensor], row_grads: list[torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor, target
+) -> None:
+    """Each rank's `linear_token_logprobs(hidden, its rows of weight, target)` equals the float64
+    reference (to 1e-10) and the rows' gradients of the summed log-probs concatenate (in rank order)
+    to the reference's weight gradient: the rank checks' consistent call after a disagreement."""
+    from lossfx import reference
+
+    weight = weight.clone().requires_grad_()
+    ref = reference.linear_token_logprobs(hidden, weight, target)[0]
+    ref.sum().backward()
+    for after in values:
+        torch.testing.assert_close(after, ref.detach(), rtol=0, atol=1e-10)
+    torch.testing.assert_close(torch.cat(row_grads), weight.grad, rtol=0, atol=1e-10)
+
+
+def split_head_call(mode: str, rank: int, world: int, group: Any, hidden, weight, bias) -> tuple[Any, ...]:
+    """This rank's `(hidden, weight, bias, head rows, group keywords)` of a fused front-door call:
+    `mode` "tp" (the head split in `uneven_widths` rows, hidden replicated), "cp" (the sequence
+    load-balanced over the world, `context_parallel_group=`) or "sharder" (the same layout through
+    `cp_sharder=LoadBalancedLayout`). `head rows` is the rank's row slice (all rows off "tp")."""
+    import lossfx
+    from lossfx import reference
+
+    if mode == "tp":
+        widths = uneven_widths(weight.shape[0], world)
+        rows = slice(sum(widths[:rank]), sum(widths[: rank + 1]))
+        return hidden, weight[rows], bias[rows], rows, {"vocab_parallel_group": group, "vocab_parallel_rank": rank}
+    layout = {"context_parallel_group": group}
+    if mode != "cp":
+        layout = {"cp_sharder": lossfx.sequence_layout.LoadBalancedLayout(group)}
+    return reference.cp_shard(hidden, rank, world), weight, bias, slice(None), layout

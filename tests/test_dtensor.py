@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import compiled_for_rank, gloo_pool, value_error_messages
+from harness import as_tuple as _as_tuple
+from harness import compiled_for_rank, device_mesh, gloo_pool, value_error_messages
 
 import lossfx
 from lossfx import reference
@@ -284,24 +285,11 @@ def _loss(outs):
     return total
 
 
-def _as_tuple(out):
-    return out if isinstance(out, tuple) else (out,)
-
-
 # ---------------------------------------------------------------------------------------------
 # Worker side (runs in each gloo process)
 # ---------------------------------------------------------------------------------------------
 
-_meshes: dict = {}
-
-
-def _mesh(shape, names=None):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    key = (shape, names)
-    if key not in _meshes:
-        _meshes[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    return _meshes[key]
+_mesh = device_mesh
 
 
 class _Helpers:

@@ -11,7 +11,8 @@ at 1e-10, on a 1-D mesh and on the tp dim of a (dp=1, tp=2) mesh. One case runs 
 
 import pytest
 import torch
-from harness import compiled_for_rank, gloo_pool, value_error_messages
+from harness import as_tuple as _as_tuple
+from harness import compiled_for_rank, device_mesh, gloo_pool, value_error_messages
 
 import lossfx
 from lossfx import reference
@@ -89,10 +90,6 @@ CASES = {
 COMPILED = ["token/plain_hidden", "objective/plain_hidden"]
 
 
-def _as_tuple(out):
-    return out if isinstance(out, tuple) else (out,)
-
-
 def _loss(outs):
     total = torch.zeros((), dtype=F64)
     for t in outs:
@@ -100,15 +97,8 @@ def _loss(outs):
     return total
 
 
-_meshes: dict = {}
-
-
 def _mesh(shape=(2,)):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if shape not in _meshes:
-        _meshes[shape] = init_device_mesh("cpu", shape, mesh_dim_names=None if len(shape) == 1 else ("dp", "tp"))
-    return _meshes[shape]
+    return device_mesh(shape, None if len(shape) == 1 else ("dp", "tp"))
 
 
 def _on_tp(mesh, placement):

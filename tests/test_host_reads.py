@@ -304,6 +304,7 @@ def _tp_cp_reads(rank, world, group):
     return count_host_reads(call)
 
 
+@pytest.mark.xdist_group("gloo4")  # one 4-process pool per session (addopts: --dist loadgroup)
 def test_tensor_and_context_parallel_call_reads_once(monkeypatch):
     """TP=2 x CP=2 on 4 gloo processes: the TP verdict travels in the CP signature computed on
     the device, so both gathered matrices are read together (2 reads before)."""

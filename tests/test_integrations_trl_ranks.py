@@ -182,6 +182,7 @@ def _case_2d(rank, world, group, odd_rank):
     return out
 
 
+@pytest.mark.xdist_group("gloo4")  # one 4-process pool per session (addopts: --dist loadgroup)
 @pytest.mark.distributed
 def test_a_2d_mesh_every_rank_raises_when_one_differs(monkeypatch):
     """A rank that differs only from its neighbours along one mesh dim still stops every rank:

@@ -451,6 +451,7 @@ def test_gloo_two_ranks_compiled_fullgraph_once(form):
     assert [r[-1] for r in results[1]] == [1, 1], "one compile per rank, no recompile for new values"
 
 
+@pytest.mark.xdist_group("gloo4")  # one 4-process pool per session (addopts: --dist loadgroup)
 @pytest.mark.slow  # a 4-process gloo pool (~30 s to start on the loaded 2-core VM)
 @pytest.mark.distributed
 @pytest.mark.parametrize("form", ["logits", "hidden"])

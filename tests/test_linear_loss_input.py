@@ -9,6 +9,7 @@ tests/test_linear_opd_full.py.
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import harness
@@ -63,38 +64,13 @@ def make_case(branch: str, seed: int = 0, seq: int = S):
     return hidden, weight, bias, data, _loss_fn(branch), kwargs
 
 
-def head_logits(hidden, weight, bias):
-    """`c · tanh(s · (hidden @ W.T + b) / c) / T` in the inputs' dtype: the logits path's input."""
-    c, s, t = HEAD["softcap"], HEAD["logit_scale"], HEAD["temperature"]
-    return c * torch.tanh(s * (hidden @ weight.T + bias) / c) / t
-
-
-def cotangents(out: dict, seed: int = 1) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape, generator=gen, dtype=F64) for k, v in sorted(out.items()) if _grad_key(v)}
+head_logits = functools.partial(harness.head_logits, head=HEAD)
+cotangents, _leaves, _assert_dicts = harness.cotangents, harness.leaves, harness.assert_dicts
+grads = functools.partial(harness.grads, allow_unused=True)
 
 
 def _grad_key(v) -> bool:
     return isinstance(v, torch.Tensor) and v.requires_grad
-
-
-def grads(out: dict, cot: dict, inputs) -> tuple:
-    loss = sum((out[k].to(F64) * g).sum() for k, g in cot.items())
-    return torch.autograd.grad(loss, inputs, allow_unused=True)
-
-
-def _leaves(dtype, *xs):
-    return [x.detach().to(dtype).requires_grad_(True) for x in xs]
-
-
-def _assert_dicts(got: dict, want: dict, tol: dict, what: str) -> None:
-    assert set(got) == set(want), (what, set(got), set(want))
-    for k in want:
-        if want[k] is None:
-            assert got[k] is None, (what, k)
-            continue
-        assert got[k].dtype == want[k].dtype, (what, k, got[k].dtype, want[k].dtype)
-        torch.testing.assert_close(got[k].to(F64), want[k].to(F64), **tol, msg=lambda m, k=k: f"{what} {k}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [F64, F32])
@@ -288,11 +264,7 @@ def test_bad_arguments_raise_naming_them():
 # ---------------------------------------------------------------------------------------------
 
 
-def _widths(world: int) -> list[int]:
-    """Uneven shard widths summing to V (rank order)."""
-    base = [V // world] * world
-    base[0] += V - sum(base)
-    return base
+_widths = functools.partial(harness.uneven_widths, V)
 
 
 def _local_draft(full, rank, world):
@@ -304,20 +276,8 @@ def ranked_case(rank, world, group, branch, mode, dtype_name):
     load-balanced over the world). Returns outputs and gradients (the cotangents are replicated)."""
     dtype = getattr(torch, dtype_name)
     hidden, weight, bias, data, loss_fn, kwargs = make_case(branch, seed=7)
-    kw: dict = dict(HEAD, **kwargs)
-    if mode == "tp":
-        widths = _widths(world)
-        start = sum(widths[:rank])
-        w_local, b_local = weight[start : start + widths[rank]], bias[start : start + widths[rank]]
-        h_local = hidden
-        kw.update(vocab_parallel_group=group, vocab_parallel_rank=rank)
-    else:
-        w_local, b_local = weight, bias
-        h_local = reference.cp_shard(hidden, rank, world)
-        if mode == "cp":
-            kw.update(context_parallel_group=group)
-        else:  # the same layout through the sharder keyword
-            kw.update(cp_sharder=lossfx.sequence_layout.LoadBalancedLayout(group))
+    h_local, w_local, b_local, _, layout = harness.split_head_call(mode, rank, world, group, hidden, weight, bias)
+    kw: dict = dict(HEAD, **kwargs, **layout)
     h, w, b = _leaves(dtype, h_local, w_local, b_local)
     out, _ = lossfx.prepare_linear_loss_input(h, w, data, loss_fn, bias=b, chunk_size=3, **kw)
     cot = cotangents({k: v for k, v in out.items() if v is not None})
@@ -352,18 +312,7 @@ def _check_ranked(results, branch, mode, dtype):
     cot = cotangents({k: v for k, v in results[0][0].items() if v is not None})
     if not cot:
         return
-    dh, dw, db = grads(ref, cot, (hr, wr, br))
-    if mode == "tp":
-        for rank, (_, (gh, _, _)) in enumerate(results):
-            torch.testing.assert_close(gh.to(F64), dh, **tol, msg=lambda m, r=rank: f"tp r{r} dhidden: {m}")
-        torch.testing.assert_close(torch.cat([r[1][1] for r in results]).to(F64), dw, **tol)
-        torch.testing.assert_close(torch.cat([r[1][2] for r in results]).to(F64), db, **tol)
-    else:
-        for rank, (_, (gh, _, _)) in enumerate(results):
-            want = reference.cp_shard(dh, rank, world)
-            torch.testing.assert_close(gh.to(F64), want, **tol, msg=lambda m, r=rank: f"cp r{r} dhidden: {m}")
-        torch.testing.assert_close(sum(r[1][1] for r in results).to(F64), dw, **tol)
-        torch.testing.assert_close(sum(r[1][2] for r in results).to(F64), db, **tol)
+    harness.assert_head_grads(results, grads(ref, cot, (hr, wr, br)), mode, tol)
 
 
 @pytest.mark.distributed
@@ -395,6 +344,7 @@ def test_filtered_two_gloo_ranks_uneven_heads(name):
     _check_filtered_ranks(name, 2)
 
 
+@pytest.mark.xdist_group("gloo4")  # one 4-process pool per session (addopts: --dist loadgroup)
 @pytest.mark.slow  # a 4-process gloo pool; 2 ranks cover TP by default
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["top_k", "both_sorted"])
@@ -426,6 +376,7 @@ def _check_filtered_ranks(name, world):
     torch.testing.assert_close(torch.cat([r[1][2] for r in results]), db, **TOL[F64])
 
 
+@pytest.mark.xdist_group("gloo4")  # one 4-process pool per session (addopts: --dist loadgroup)
 @pytest.mark.slow  # a 4-process gloo pool (~30 s to start on the loaded 2-core VM); 2 ranks cover TP by default
 @pytest.mark.distributed
 @pytest.mark.parametrize("branch", ["logprob", "distill_full", "draft"])
@@ -538,17 +489,11 @@ def test_compiled_two_gloo_ranks_match_eager(mode):
         assert frames == {"logprob": 1, "distill_full": 1, "draft": 1}, frames
 
 
-_meshes: dict = {}
-
-
 def dtensor_case(rank, world, group, branch):
     """A `Shard(0)` DTensor head and bias (V = 13 over 2 ranks: 7 and 6 rows), no group arguments."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    if world not in _meshes:
-        _meshes[world] = init_device_mesh("cpu", (world,))
-    mesh = _meshes[world]
+    mesh = harness.device_mesh((world,))
     hidden, weight, bias, data, loss_fn, kwargs = make_case(branch, seed=7)
     h = hidden.clone().requires_grad_(True)
     w = distribute_tensor(weight, mesh, [Shard(0)], src_data_rank=None).requires_grad_(True)

@@ -9,6 +9,7 @@ parallelism and its sharder); compiled (fullgraph, pinned recompiles); bad input
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import harness
@@ -49,40 +50,9 @@ def make_case(payload: str, *, seed: int = 0, penalty: float = 0.5, validate: bo
     return hidden, weight, bias, data, loss_fn, heads
 
 
-def head_logits(hidden, weight, bias):
-    """`c · tanh(s · (hidden @ W.T + b) / c) / T` in the inputs' dtype: the logits path's input."""
-    c, s, t = HEAD["softcap"], HEAD["logit_scale"], HEAD["temperature"]
-    return c * torch.tanh(s * (hidden @ weight.T + bias) / c) / t
-
-
-def _leaves(dtype, *xs):
-    return [x.detach().to(dtype).requires_grad_(True) for x in xs]
-
-
-def cotangents(out: dict, seed: int = 1) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        k: torch.randn(v.shape, generator=gen, dtype=F64)
-        for k, v in sorted(out.items())
-        if isinstance(v, torch.Tensor) and v.requires_grad
-    }
-
-
-def grads(out: dict, cot: dict, inputs, scale: float = 1.0) -> tuple:
-    loss = sum((out[k].to(F64) * g).sum() for k, g in cot.items()) / scale
-    return torch.autograd.grad(loss, inputs)
-
-
-def _assert_dicts(got: dict, want: dict, tol: dict, what: str, dtypes: bool = True) -> None:
-    assert set(got) == set(want), (what, set(got), set(want))
-    for k in want:
-        if want[k] is None:
-            assert got[k] is None, (what, k)
-            continue
-        if dtypes:
-            assert got[k].dtype == want[k].dtype, (what, k, got[k].dtype, want[k].dtype)
-            assert got[k].requires_grad == want[k].requires_grad, (what, k)
-        torch.testing.assert_close(got[k].to(F64), want[k].to(F64), **tol, msg=lambda m, k=k: f"{what} {k}: {m}")
+head_logits = functools.partial(harness.head_logits, head=HEAD)
+_leaves, cotangents, grads = harness.leaves, harness.cotangents, harness.grads
+_assert_dicts = functools.partial(harness.assert_dicts, requires_grad=True)
 
 
 def _cast(data: dict, dtype) -> dict:
@@ -325,11 +295,7 @@ def test_compiled_inductor_pinned_recompiles():
 # ---------------------------------------------------------------------------------------------
 
 
-def _widths(world: int) -> list[int]:
-    """Uneven shard widths summing to V (rank order)."""
-    base = [V // world] * world
-    base[0] += V - sum(base)
-    return base
+_widths = functools.partial(harness.uneven_widths, V)
 
 
 def ranked_case(rank, world, group, payload, mode, dtype_name):
@@ -337,20 +303,9 @@ def ranked_case(rank, world, group, payload, mode, dtype_name):
     "sharder" (the sequence load-balanced over the world). Returns outputs and gradients."""
     dtype = getattr(torch, dtype_name)
     hidden, weight, bias, data, loss_fn, heads = make_case(payload, seed=7)
-    kw: dict = dict(HEAD)
-    if mode == "tp":
-        widths = _widths(world)
-        rows = slice(sum(widths[:rank]), sum(widths[: rank + 1]))
-        w_local, b_local, h_local = weight[rows], bias[rows], hidden
-        heads = None if heads is None else {k: x[rows] for k, x in heads.items()}
-        kw.update(vocab_parallel_group=group, vocab_parallel_rank=rank)
-    else:
-        w_local, b_local = weight, bias
-        h_local = reference.cp_shard(hidden, rank, world)
-        if mode == "cp":
-            kw.update(context_parallel_group=group)
-        else:
-            kw.update(cp_sharder=lossfx.sequence_layout.LoadBalancedLayout(group))
+    h_local, w_local, b_local, rows, layout = harness.split_head_call(mode, rank, world, group, hidden, weight, bias)
+    heads = None if heads is None else {k: x[rows] for k, x in heads.items()}  # the teacher heads' rows too
+    kw: dict = dict(HEAD, **layout)
     h, w, b = _leaves(dtype, h_local, w_local, b_local)
     out, _ = lossfx.prepare_linear_loss_input(
         h, w, data, loss_fn, bias=b, chunk_size=3, teacher_output_layer_weight_by_index=heads, **kw
@@ -361,7 +316,6 @@ def ranked_case(rank, world, group, payload, mode, dtype_name):
 
 
 def _check_ranked(results, payload, mode, dtype):
-    world = len(results)
     hidden, weight, bias, data, loss_fn, heads = make_case(payload, seed=7)
     hr, wr, br = _leaves(F64, hidden, weight, bias)
     ref = reference.prepare_linear_loss_input(
@@ -375,19 +329,7 @@ def _check_ranked(results, payload, mode, dtype):
             f"{mode} r{rank}",
             dtypes=False,
         )
-    dh, dw, db = grads(ref, cotangents(ref), (hr, wr, br))
-    tol = TOL[dtype]
-    if mode == "tp":  # every rank's hidden gradient is the full one; the head's rows are its own
-        for rank, (_, (gh, _, _)) in enumerate(results):
-            torch.testing.assert_close(gh.to(F64), dh, **tol, msg=lambda m, r=rank: f"tp r{r} dhidden: {m}")
-        torch.testing.assert_close(torch.cat([r[1][1] for r in results]).to(F64), dw, **tol)
-        torch.testing.assert_close(torch.cat([r[1][2] for r in results]).to(F64), db, **tol)
-    else:
-        for rank, (_, (gh, _, _)) in enumerate(results):
-            want = reference.cp_shard(dh, rank, world)
-            torch.testing.assert_close(gh.to(F64), want, **tol, msg=lambda m, r=rank: f"cp r{r} dhidden: {m}")
-        torch.testing.assert_close(sum(r[1][1] for r in results).to(F64), dw, **tol)
-        torch.testing.assert_close(sum(r[1][2] for r in results).to(F64), db, **tol)
+    harness.assert_head_grads(results, grads(ref, cotangents(ref), (hr, wr, br)), mode, TOL[dtype])
 
 
 @pytest.mark.distributed
@@ -399,6 +341,7 @@ def test_two_gloo_ranks(payload, mode):
     _check_ranked(results, payload, mode, F64)
 
 
+@pytest.mark.xdist_group("gloo4")  # one 4-process pool per session (addopts: --dist loadgroup)
 @pytest.mark.slow  # a 4-process gloo pool (~30 s to start on the loaded 2-core VM); 2 ranks cover TP by default
 @pytest.mark.distributed
 @pytest.mark.parametrize(("payload", "mode"), [("logits", "tp"), ("hidden_states", "tp"), ("hidden_states", "cp")])
@@ -407,18 +350,12 @@ def test_four_gloo_ranks(payload, mode):
     _check_ranked(results, payload, mode, F32)
 
 
-_meshes: dict = {}
-
-
 def dtensor_case(rank, world, group, payload):
     """`Shard(0)` DTensor student head, bias and teacher heads (V = 13 over 2 ranks: 7 and 6 rows,
     torch's split), no group arguments."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    if world not in _meshes:
-        _meshes[world] = init_device_mesh("cpu", (world,))
-    mesh = _meshes[world]
+    mesh = harness.device_mesh((world,))
     hidden, weight, bias, data, loss_fn, heads = make_case(payload, seed=7)
     h = hidden.clone().requires_grad_(True)
     w = distribute_tensor(weight, mesh, [Shard(0)], src_data_rank=None).requires_grad_(True)

@@ -11,7 +11,6 @@ import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
-import harness
 import pytest
 import torch
 from harness import assert_every_rank_raises, gloo_pool, mesh_groups, thread_world, value_error
@@ -22,17 +21,11 @@ from lossfx._boundary import consistency as _consistency
 from lossfx.context_parallel import shard_for_cp_rank
 from lossfx.next_token import LoadBalancedSharder
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("short_pool_timeout")]
 
 F64 = torch.float64
 LOGPROB = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
 SECONDS = 20.0  # "within seconds": the slowest mismatch case must answer well inside this
-
-
-@pytest.fixture(autouse=True)
-def _short_pool_timeout(monkeypatch):
-    """A hang fails the test after 60 s instead of the harness's default 600 s."""
-    monkeypatch.setattr(harness, "_TIMEOUT_S", 60.0)
 
 
 def _logits(b, s, v, seed, dtype=F64):
@@ -158,6 +151,7 @@ def _grid_mismatch(rank, world, group):
     )
 
 
+@pytest.mark.xdist_group("gloo4")  # one 4-process pool per session (addopts: --dist loadgroup)
 def test_gloo_tp_cp_grid_every_rank_raises():
     results = gloo_pool(4).run(_grid_mismatch)
     for rank, (message, seconds) in enumerate(results):
