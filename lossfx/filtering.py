@@ -267,7 +267,8 @@ def filtered_token_logprobs(
 
     Returns:
         `[...]` in the compute dtype (fp32, or float64 for float64 logits); `-inf` where the
-        target was filtered out; NaN for a row holding a NaN (gradient 0 there). Computed as
+        target was filtered out; NaN for a row holding a NaN (gradient NaN in every column of
+        that row, as the unfiltered `log_softmax`'s: never a NaN with a zero gradient). Computed as
         `(z_t − m) − log s` with `m` the filtered row max: as accurate as `torch.log_softmax` at
         any magnitude. Gradient: `keep ⊙ (onehot − softmax(filter(z))) · dout` for this
         rank's shard, in the logits' dtype (no derivative through the thresholds).

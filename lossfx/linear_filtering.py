@@ -80,7 +80,8 @@ def linear_filtered_token_logprobs(
     Returns:
         `[...]` log-probs in the compute dtype (fp32, float64 for float64 inputs), replicated over
         the TP group; `-inf` where the token is filtered out, NaN for a row whose logits hold a
-        NaN. Gradients reach `hidden`, `weight` and `bias` (no derivative through the thresholds).
+        NaN (its gradient NaN too, never 0). Gradients reach `hidden`, `weight` and `bias` (no
+        derivative through the thresholds).
 
     Raises:
         TypeError: non-float `hidden`/`weight`/`bias`, non-integer `token_ids`.

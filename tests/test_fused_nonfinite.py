@@ -8,11 +8,11 @@ dense formula) does exactly that, so every fused function must give the same non
 values elsewhere: with and without the entropy term, in vocabulary blocks and row chunks, eager
 and compiled (issue 25: the entropy branch of the backward used to zero every NaN of a tile).
 
-Exceptions (documented in docs/fused_linear.md): an ignored row (every id `ignore_index`) is
-never projected, so a NaN there reaches no gradient; `linear_gather_logprobs(...,
-zero_outside_topk=False)` renormalises over the `K` ids from the full softmax, so a non-finite
-logit outside the ids makes its values NaN where the reference (which renormalises the `K`
-logits alone) is finite.
+`linear_gather_logprobs(..., zero_outside_topk=False)` ("gather_renorm") renormalises the logits
+at the `K` ids alone, as the reference: a non-finite logit outside a row's ids leaves that row
+finite in both (tests/test_nonfinite_fused_renorm.py checks it row by row, unchunked and on 2 gloo
+ranks). The one exception (documented in docs/fused_linear.md): an ignored row (every id
+`ignore_index`) is never projected, so a NaN there reaches no gradient.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from test_fused_neg_inf import backward, call, call_reference, coefficients_and_
 from lossfx._core.chunking import CPU_POLICY, chunk_policy
 
 F64 = torch.float64
-KINDS = ("token", "gather", "next_token", "objective")
+KINDS = ("token", "gather", "gather_renorm", "next_token", "objective")
 WHERE = ("hidden", "weight", "bias")
 VALUES = (math.nan, math.inf)
 BLOCKS = dataclasses.replace(CPU_POLICY, max_block=4)  # V = 16: four vocabulary blocks of 4 columns
@@ -63,19 +63,18 @@ def assert_same_pattern(got, want, what, atol=1e-10):
     torch.testing.assert_close(got[fin], want[fin], rtol=0, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-def run(kind, entropy, case, fn=call, outputs=True):
+def run(kind, entropy, case, fn=call, chunk=3):
     """The fused `kind` (through `fn`) against the reference on `case`: outputs and gradients."""
     hidden, weight, bias, ids, coef, grads = case
     leaves = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
     want = call_reference(kind, entropy, *leaves, ids, coef)
     want += backward(kind, want, grads, leaves)
     leaves = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
-    got = fn(kind, entropy, *leaves, ids, coef, chunk_size=3)
+    got = fn(kind, entropy, *leaves, ids, coef, chunk_size=chunk)
     got += backward(kind, got, grads, leaves)
     names = [*("out0", "out1", "out2")[: len(got) - 3], "dhidden", "dweight", "dbias"]
     for name, g, w in zip(names, got, want, strict=True):
-        if outputs or name.startswith("d"):
-            assert_same_pattern(g, w, f"{kind}/entropy={entropy}: {name}")
+        assert_same_pattern(g, w, f"{kind}/entropy={entropy}: {name}")
     return got
 
 
@@ -86,17 +85,10 @@ def run(kind, entropy, case, fn=call, outputs=True):
 def test_non_finite_input_gives_the_reference_pattern(kind, entropy, where, value):
     with chunk_policy(BLOCKS):
         got = run(kind, entropy, make_case(kind, where, value))
-    # the point of the issue: a non-finite loss never comes with finite gradients
-    assert all(not g.isfinite().all() for g in got[-3:]), f"{kind}/{where}: a finite gradient"
-
-
-@pytest.mark.parametrize("value", VALUES, ids=["nan", "inf"])
-@pytest.mark.parametrize("where", WHERE)
-def test_renormalised_gather_with_entropy_gradients(where, value):
-    """`zero_outside_topk=False` with `Σ p log p`: the entropy reads the whole row, so the
-    gradients are the reference's (the values are the documented exception)."""
-    with chunk_policy(BLOCKS):
-        run("gather_renorm", True, make_case("gather_renorm", where, value), outputs=False)
+    # the point of the issue: a non-finite loss never comes with finite gradients (the
+    # renormalised gather's values can all be finite: a non-finite logit outside every row's ids)
+    if not all(o.isfinite().all() for o in got[:-3]):
+        assert all(not g.isfinite().all() for g in got[-3:]), f"{kind}/{where}: a finite gradient"
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -190,6 +190,11 @@ def test_nan_row_stays_nan_and_other_rows_unchanged():
         assert_same(got, twin, TIGHT, ties)
         keep = torch.arange(10) != 3
         torch.testing.assert_close(got[0][keep], want[0][keep], **TIGHT)
+        # the gradient: NaN where the reference's is (the NaN row's whole dz, so dhidden's row 3,
+        # and every dweight and dbias entry), never 0 (docs/filtering.md)
+        for name, g, w in zip(("dhidden", "dweight", "dbias"), got[1:], want[1:], strict=True):
+            assert torch.equal(g.isnan(), w.isnan()), f"{ties}: {name}"
+        assert got[1][3].isnan().all() and got[1][keep].isfinite().all() and got[2].isnan().all()
 
 
 def test_ignore_index_rows_are_zero_with_zero_gradient():
@@ -292,6 +297,38 @@ def test_two_gloo_ranks_uneven_shards_both_tie_rules():
     ):
         results = gloo_pool(2).run(_rank_fused, *case, [0, 17, 43], False, filt)
         _check_ranks(results, dense_reference(*case, **filt), False, str(filt))
+
+
+@pytest.mark.distributed
+def test_two_gloo_ranks_nan_row_has_a_nan_gradient():
+    """A NaN hidden row on 2 real gloo processes (uneven shards): NaN log-prob on every rank, and
+    the reference's gradient, NaN in that row's `dhidden` and in every `dweight` and `dbias`
+    entry of both shards (docs/filtering.md); the other rows' values exact."""
+    hidden, weight, bias, target, dout = make_case(14, 6, 43, seed=13)
+    hidden[5, 1] = float("nan")
+    for filt in ({"top_k": 6, "top_p": 0.7}, {"top_p": 0.55, "ties": "sorted"}):
+        results = gloo_pool(2).run(_rank_fused, hidden, weight, bias, target, dout, [0, 17, 43], False, filt)
+        for res in results:  # every rank's log-probs, bit for bit (NaN included)
+            torch.testing.assert_close(res[0], results[0][0], equal_nan=True, rtol=0, atol=0)
+        got = (results[0][0], results[0][1], *(torch.cat([r[i] for r in results]) for i in (2, 3)))
+        assert_same(got, dense_reference(hidden, weight, bias, target, dout, **filt), TIGHT, str(filt))
+        assert results[0][1][5].isnan().all() and results[1][2].isnan().all() and results[1][3].isnan().all()
+
+
+@pytest.mark.compile
+def test_compiled_nan_row_has_a_nan_gradient():
+    """Compiled (fullgraph): a NaN hidden row's gradient is the reference's NaN pattern."""
+    hidden, weight, bias, target, dout = make_case(12, 6, 40, seed=14)
+    hidden[2, 0] = float("nan")
+    fn = torch.compile(
+        lambda h, w, b, t: lossfx.linear_filtered_token_logprobs(h, w, t, bias=b, top_k=5, top_p=0.8, chunk_size=4),
+        fullgraph=True,
+    )
+    h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
+    out = fn(h, w, b, target)
+    got = (out.detach(), *_grads(out, (h, w, b), dout))
+    assert_same(got, dense_reference(hidden, weight, bias, target, dout, top_k=5, top_p=0.8), TIGHT, "compiled")
+    assert got[1][2].isnan().all() and got[2].isnan().all()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ The fused LM-head functions are covered by tests/test_fused_nonfinite.py.
 Documented exceptions, asserted here as such:
 * a teacher `-inf` under student mass (CE, reverse KL): `R = +inf` with a zero gradient for that
   row (proofs/divergence.md §4), where the reference's autograd gives `±inf` and NaN entries;
-* `filtered_token_logprobs` of a row holding a NaN: NaN with a zero gradient, as its reference
+* (no longer one: `filtered_token_logprobs` of a row holding a NaN is NaN with a NaN gradient in
+  every column of that row, as its reference now defines it; docs/filtering.md)
   defines it (the filter keeps nothing of such a row).
 """
 
@@ -207,9 +208,8 @@ def test_non_finite_input_gives_the_reference_pattern(name, where, value, on_tar
         _compare(got, want, f"{name}/{where}={value}/on_target={on_target}/chunked")
     if x != x or x == math.inf:  # NaN / +inf: the loss is NaN, so some gradient must be too
         grads = got[-2:] if name.startswith("distillation") else got[-1:]
-        if not (name.startswith("filtered") and math.isnan(x)):  # the filter's NaN row: the exception below
-            if got[0].isnan().any():
-                assert any(g.isnan().any() for g in grads), f"{name}: a NaN output with finite gradients"
+        if got[0].isnan().any():
+            assert any(g.isnan().any() for g in grads), f"{name}: a NaN output with finite gradients"
 
 
 @pytest.mark.parametrize("name", ["cross_entropy_to_fixed", "reverse_kl_to_fixed"])
@@ -244,12 +244,22 @@ def test_ignored_row_of_logits_keeps_its_nan(value):
 
 
 @pytest.mark.parametrize("name", ["filtered top-k", "filtered top-p", "filtered top-k top-p"])
-def test_filtered_nan_row_is_nan_with_zero_gradient(name):
-    """The filter keeps nothing of a row holding a NaN: NaN log-prob, zero gradient (as
-    `lossfx.reference.filtered_token_logprobs` defines it)."""
-    got, _ = _run(name, "student", math.nan, False)
+def test_filtered_nan_row_is_nan_with_nan_gradient(name):
+    """The filter keeps nothing of a row holding a NaN: NaN log-prob and a NaN gradient in every
+    column of that row (as `lossfx.reference.filtered_token_logprobs` defines it: the unfiltered
+    `log_softmax` of the row), also where the row's upstream gradient is 0; other rows finite."""
+    got, want = _run(name, "student", math.nan, False)
     assert got[0][ROW].isnan()
-    assert torch.equal(got[1][ROW], torch.zeros_like(got[1][ROW]))
+    assert got[1][ROW].isnan().all() and want[1][ROW].isnan().all()
+    rows = torch.arange(N) != ROW
+    assert got[1][rows].isfinite().all()
+    student, _, _ = _inputs()
+    s = _spot(student, math.nan, False).requires_grad_()
+    filt = {"top_k": 4} if "top-k" in name else {}
+    filt |= {"top_p": 0.8} if "top-p" in name else {}
+    out = lossfx.filtered_token_logprobs(s, TARGET, **filt)
+    (grad,) = torch.autograd.grad(out, s, torch.zeros_like(out))  # a zero upstream gradient
+    assert grad[ROW].isnan().all() and (grad[rows] == 0).all()
 
 
 # ---------------------------------------------------------------------------------------------

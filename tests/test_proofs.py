@@ -192,6 +192,35 @@ def test_fused_linear_vjp_through_the_linear_map(seed):
     torch.testing.assert_close(ww.grad, r.T @ h / temperature, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("entropy", [False, True])
+def test_fused_linear_renormalised_gather_vjp(entropy):
+    """proofs/fused_linear.md §12: zero_outside_topk=False, y' = log_softmax_k(z_i): dz =
+    scatter(i, ĝ) + e p (log p − E) with ĝ = g − softmax_k(z_i) Σ_k g (no − p Σ_k g term), against
+    dense autograd and the fused backward (which skips the logits without the entropy)."""
+    h, w, ids, g, e = _linear_case(3)
+    temperature = 0.7
+    z = h @ w.T / temperature
+    lp = z.log_softmax(-1)
+    p = lp.exp()
+    q = z.gather(1, ids).softmax(-1)
+    dz = torch.zeros_like(z).scatter_add_(1, ids, g - q * g.sum(-1, keepdim=True))
+    if entropy:
+        dz += e[:, None] * p * (lp - (p * lp).sum(-1, keepdim=True))
+    formula = (dz @ w / temperature, dz.T @ h / temperature)
+    for fn in (
+        lambda hh, ww: reference.linear_gather_logprobs(hh, ww, ids, False, temperature),
+        lambda hh, ww: lossfx.linear_gather_logprobs(
+            hh, ww, ids, zero_outside_topk=False, with_neg_entropy=True, temperature=temperature, chunk_size=4
+        ),
+    ):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        y, ent = fn(hh, ww)
+        torch.testing.assert_close(y, z.gather(1, ids).log_softmax(-1), rtol=0, atol=1e-12)
+        torch.autograd.backward([y, ent] if entropy else [y], [g, e] if entropy else [g])
+        torch.testing.assert_close(hh.grad, formula[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(ww.grad, formula[1], rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("softcap", [None, 0.8, 3.0])
 def test_fused_linear_softcap_scale_bias_chain_rule(softcap):
     """proofs/fused_linear.md §9: with z = c·tanh(s·(hWᵀ + b)/c)/T, dr = dz ⊙ (1 − (zT/c)²) and

@@ -291,18 +291,24 @@ class Tiles:
         if self.round_to is not None:
             out.copy_(out.to(self.round_to))
 
+    def _tile_view(self, rows: int, cols: int) -> Tensor:
+        """The reused `[rows, cols]` compute-dtype tile buffer (made on first use)."""
+        if self._tile is None:
+            self._tile = torch.empty(self.rows * self.block, dtype=self.cdtype, device=self.hidden.device)
+            self._full_tile = self.view(self._tile, self.rows, self.block)  # the common shape: one view
+        if (rows, cols) == (self.rows, self.block) and self._full_tile is not None:
+            return self._full_tile
+        return self.view(self._tile, rows, cols)
+
+    def zeros(self, h: Tensor, w: Tensor) -> Tensor:
+        """A `[C, Cv]` tile of zeros for `h [C, H]` and `w [Cv, H]`, in the tile buffer, in place of
+        `logits` for an arithmetic that never reads the logits."""
+        return self._tile_view(h.shape[0], w.shape[0]).zero_()
+
     def logits(self, h: Tensor, w: Tensor, b: Tensor | None, out: Tensor | None = None) -> Tensor:
         """`head(h [C, H] @ w [Cv, H].T + b)` -> `[C, Cv]` in the compute dtype, in the tile buffer
         (or `out`); the buffer is reused by the next tile."""
-        if out is None and self._tile is None:
-            self._tile = torch.empty(self.rows * self.block, dtype=self.cdtype, device=self.hidden.device)
-            self._full_tile = self.view(self._tile, self.rows, self.block)  # the common shape: one view
-        if out is not None:
-            z = out
-        elif (h.shape[0], w.shape[0]) == (self.rows, self.block) and self._full_tile is not None:
-            z = self._full_tile
-        else:
-            z = self.view(self._tile, h.shape[0], w.shape[0])  # type: ignore[arg-type]
+        z = self._tile_view(h.shape[0], w.shape[0]) if out is None else out
         # (not folded into one `addmm(b, h, wᵀ, alpha=s/T, beta=s/T)`: that rounds `s/T` and sums
         # `b` inside the BLAS, so its logits differ from `(h @ wᵀ + b)·s/T` by an ulp)
         self._product(h, w, z)

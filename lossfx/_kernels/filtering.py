@@ -700,6 +700,12 @@ def _filtered_logprobs_fwd(
     return out, shift, log_s, tau, cut_out
 
 
+def dropped_gradient(tau: Tensor) -> Tensor:
+    """`[N]` thresholds -> `[N, 1]`: the gradient of a dropped column, 0, or NaN on a row holding a
+    NaN (`τ` NaN: it keeps nothing, and every column of it gets a NaN gradient)."""
+    return torch.where(torch.isnan(tau), tau, 0.0)[:, None]
+
+
 def _filtered_logprobs_bwd(
     logits: Tensor,
     target: Tensor,
@@ -710,10 +716,15 @@ def _filtered_logprobs_bwd(
     dout: Tensor,
     vocab_start: int,
     chunk_rows: int | None,
+    dropped: Tensor | None = None,
 ) -> Tensor:
     """-> dlogits `[N, Vl]` in the logits' dtype; no collective, the mask is a constant.
 
-    `dlogits = keep ⊙ (onehot(target) − exp((z − shift) − log_s)) · dout`.
+    `dlogits = keep ⊙ (onehot(target) − exp((z − shift) − log_s)) · dout`; NaN in every column of a
+    row holding a NaN (`τ` NaN: it keeps nothing, and its NaN log-prob never comes with a zero
+    gradient, as the reference's unfiltered `log_softmax` of that row; proofs/filtering.md §2).
+    `dropped` `[N, 1]`: that column value per row (`dropped_gradient(tau)`), when the caller walks
+    row chunks and makes it once for all of them.
     """
     n_rows, local_vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
@@ -722,6 +733,7 @@ def _filtered_logprobs_bwd(
     grad = torch.where(torch.isneginf(log_s), torch.zeros_like(log_s), dout.to(cdtype))  # [N]
     picked = logits.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1).to(cdtype)  # [N]
     grad_target = torch.where(owned & _keep(picked, target, tau, cut), grad, torch.zeros_like(grad))  # [N]
+    dropped = dropped_gradient(tau) if dropped is None else dropped
     columns = torch.arange(local_vocab, device=logits.device)  # [Vl]
     ids = columns + vocab_start  # [Vl] global ids
     chunks = row_chunks(n_rows, chunk_rows, local_vocab, cdtype, logits.device)
@@ -732,7 +744,7 @@ def _filtered_logprobs_bwd(
         probs = torch.exp((logits - shift[:, None]) - log_s_safe[:, None])  # [N, Vl] in cdtype
         dz = torch.where(onehot, grad_target[:, None], 0.0) - probs * grad[:, None]
         keep = _keep(logits, ids, tau[:, None], None if cut is None else cut[:, None])  # compared in cdtype
-        return torch.where(keep, dz, 0.0).to(logits.dtype)
+        return torch.where(keep, dz, dropped).to(logits.dtype)
     # eager: in-place chunk by chunk, written straight into the output when it has the compute
     # dtype (one read, one write), else through one chunk-sized buffer (rounded once)
     dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
@@ -743,7 +755,7 @@ def _filtered_logprobs_bwd(
         d = torch.sub(z, shift[start:end, None], out=dlogits[start:end] if direct else None)  # [C, Vl] cdtype
         d.sub_(log_s_safe[start:end, None]).exp_().mul_(neg_grad[start:end, None])  # the softmax term
         keep = _keep(z, ids, tau[start:end, None], None if cut is None else cut[start:end, None])
-        d.masked_fill_(keep.logical_not_(), 0.0)
+        torch.where(keep, d, dropped[start:end], out=d)  # 0 where dropped (NaN on a NaN row: it keeps nothing)
         d.scatter_add_(1, local_idx[start:end, None], grad_target[start:end, None])  # one-hot
         if not direct:
             dlogits[start:end] = d

@@ -34,21 +34,22 @@ __all__ = ["LinearRows", "linear_gather_logprobs", "linear_rows", "linear_token_
 class _FusedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, local_idx, owned, valid, rows, head, with_entropy, chunk_rows, group, seq_par
+        ctx, hidden, weight, bias, local_idx, owned, valid, rows, head, with_entropy, chunk_rows, group, seq_par, raw
     ):
         # hidden [N or N/R, H], weight [Vl, H], bias [Vl] or None, local_idx/owned/valid [N, K],
-        # rows: the rows to compute (`LinearRows.active_rows`)
+        # rows: the rows to compute (`LinearRows.active_rows`); raw: the logits at the ids, not
+        # their log-probs (static: the backward then has no softmax term)
         full_hidden = hidden
         if seq_par and is_distributed(group):
             full_hidden = all_gather_stack(hidden, group).flatten(0, 1)  # [N, H], rank order
         active = valid.any(dim=1)  # [N]: rows with at least one id that is not ignore_index
         stats = linear_local_stats(full_hidden, weight, bias, local_idx, owned, rows, *head, with_entropy, chunk_rows)
         merged = all_gather_stack(stats, group)  # [R, 3 + K, N]: per-row scalars only
-        logprobs, neg_entropy, shift, log_s = merge_row_stats(merged, local_idx.shape[1])
+        logprobs, neg_entropy, shift, log_s = merge_row_stats(merged, local_idx.shape[1], raw)
         logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))  # ignored ids: 0
         neg_entropy = torch.where(active, neg_entropy, torch.zeros_like(neg_entropy))  # ignored rows: 0
         ctx.save_for_backward(full_hidden, weight, bias, local_idx, owned, valid, rows, shift, log_s, neg_entropy)
-        ctx.head, ctx.with_entropy, ctx.chunk_rows = head, with_entropy, chunk_rows
+        ctx.head, ctx.with_entropy, ctx.chunk_rows, ctx.raw = head, with_entropy, chunk_rows, raw
         # an output that reaches no loss (the entropy as a metric) gets None, not a zero tensor:
         # the backward then skips its branch in every tile
         ctx.set_materialize_grads(False)
@@ -77,7 +78,7 @@ class _FusedLinearFn(torch.autograd.Function):
             local_idx,
             rows,
             grad_ids,
-            g.sum(dim=1),
+            None if ctx.raw else g.sum(dim=1),  # raw logits: no −p·Σ_k g_k term
             grad_entropy,
             shift,
             log_s,
@@ -86,7 +87,7 @@ class _FusedLinearFn(torch.autograd.Function):
             ctx.chunk_rows,
         )
         dbias = None if bias is None else dbias.to(bias.dtype)
-        nones = (None,) * 9
+        nones = (None,) * 10
         if not ctx.needs_input_grad[0]:  # the same on every rank, so the collective is skipped by all
             return None, dweight, dbias, *nones
         if ctx.seq_par:
@@ -133,8 +134,10 @@ def _fused(
     with_neg_entropy: bool,
     chunk_rows: int,
     sequence_parallel: bool,
+    raw: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (logprobs `[..., K]`, neg_entropy `[...]`, valid `[..., K]`) for ids `[..., K]`."""
+    """-> (logprobs `[..., K]`, neg_entropy `[...]`, valid `[..., K]`) for ids `[..., K]`; `raw`: the
+    logits at the ids in place of the log-probs."""
     rows = linear_rows(hidden, ids, vocab, weight.shape[0], head.ignore_index)
     local_idx = rows.local_idx
     if sequence_parallel:
@@ -155,6 +158,7 @@ def _fused(
         chunk_rows,
         vocab.group,
         sequence_parallel,
+        raw,
     )
     return logprobs.view(ids.shape), neg_entropy.view(ids.shape[:-1]), rows.valid.view(ids.shape)
 
@@ -191,9 +195,11 @@ def linear_gather_logprobs(
         with_neg_entropy=with_neg_entropy,
         chunk_rows=chunk_rows,
         sequence_parallel=sequence_parallel,
+        raw=not zero_outside_topk,
     )
     if not zero_outside_topk:
-        # log_softmax over the K ids is unchanged by the per-row lse already subtracted; ignored ids
+        # log_softmax over the logits at the K ids alone, as the reference: a NaN or +inf logit
+        # elsewhere in the row (which makes its full softmax NaN) does not reach them; ignored ids
         # take no part (-inf), and a row without any keeps its zeros
         zero = torch.zeros_like(logprobs)
         fill = torch.where(valid.any(dim=-1, keepdim=True), torch.full_like(logprobs, float("-inf")), zero)

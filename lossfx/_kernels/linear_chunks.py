@@ -145,36 +145,41 @@ def _grad_body(
     block_grad: Tensor,
     cap_factor: Tensor | None,
     with_entropy: bool,
+    with_softmax: bool,
 ) -> Tensor:
     """Tile `z [C, Cv]` -> `dz/dr / (s/T)` (see `linear_local_grads`); per-row factors `[C]`:
-    `h/S`, `Σ p (z − shift)`, `Σ_k g_k / S`; `cap_factor` `T/c` (0-d) with a soft-cap."""
-    x = z - shift[:, None]
-    e = torch.exp(x)
+    `h/S`, `Σ p (z − shift)`, `Σ_k g_k / S` (read only `with_softmax`); `cap_factor` `T/c` (0-d)
+    with a soft-cap."""
     if with_entropy:  # where p = 0 (z = −inf) the term is 0, not 0·(±inf); a NaN stays NaN (`clamp_log_`)
-        x = x.clamp(min=EXP_ZERO_BELOW)
-        dz = e * ((x - centre[:, None]) * entropy_factor[:, None] - total_factor[:, None])
-    else:
-        dz = e * -total_factor[:, None]
+        x = z - shift[:, None]
+        bracket = (x.clamp(min=EXP_ZERO_BELOW) - centre[:, None]) * entropy_factor[:, None]
+        dz = torch.exp(x) * (bracket - total_factor[:, None] if with_softmax else bracket)
+    elif with_softmax:
+        dz = torch.exp(z - shift[:, None]) * -total_factor[:, None]
+    else:  # the logits at the ids alone: no term elsewhere (a NaN there stays out, as in the reference)
+        dz = torch.zeros_like(z)
     dz = dz.scatter_add(1, block_idx, block_grad)
     if cap_factor is not None:
         dz = dz * (1 - (z * cap_factor).square())
     return dz
 
 
-def merge_row_stats(stats: Tensor, n_ids: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def merge_row_stats(stats: Tensor, n_ids: int, raw: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Every rank's `[R, 3 + K, N]` -> (logprobs `[N, K]`, neg_entropy `[N]`, shift `[N]`, log_s `[N]`).
 
     A row whose logits are all `-inf` has `shift = 0`, `log_s = -inf`, log-probs `-inf` and
     `Σ p log p = 0` (the reference's; its gradient is 0: `linear_local_grads`). A row with a NaN
     or `+inf` logit has `shift`, `log_s`, log-probs and `Σ p log p` NaN (as `torch.log_softmax`
-    makes it), and so a NaN gradient; every other row's `shift` and `log_s` are finite."""
+    makes it), and so a NaN gradient; every other row's `shift` and `log_s` are finite.
+    `raw`: the logits `z` at the ids in place of the log-probs (no softmax term: a NaN or `+inf`
+    logit elsewhere in the row leaves them as they are)."""
     big, total, moment = merge_stats(stats[:, 0], stats[:, 1], stats[:, 2])  # [N] each
     assert moment is not None
     shift = shift_or_nan(big)  # lse = shift + log_s
     log_s = torch.log(total)
     dead = torch.isneginf(log_s)  # [N]: every logit of the row is -inf
-    picked = stats[:, 3 : 3 + n_ids].sum(dim=0)  # [K, N]; exactly one rank owns each id
-    logprobs = torch.where(dead, float("-inf"), (picked - shift) - log_s).T  # [N, K]
+    picked = stats[:, 3 : 3 + n_ids].sum(dim=0)  # [K, N]; exactly one rank owns each id (the others add 0)
+    logprobs = picked.T if raw else torch.where(dead, float("-inf"), (picked - shift) - log_s).T  # [N, K]
     neg_entropy = torch.where(dead, 0.0, moment / total - log_s)  # Σ p log p = Σ p (z − shift) − log_s
     return logprobs, neg_entropy, shift, log_s
 
@@ -273,7 +278,7 @@ def linear_local_grads(
     local_idx: Tensor,
     active: Tensor | None,
     grad_ids: Tensor,
-    grad_total: Tensor,
+    grad_total: Tensor | None,
     grad_entropy: Tensor | None,
     shift: Tensor,
     log_s: Tensor,
@@ -297,7 +302,11 @@ def linear_local_grads(
         local_idx: `[N, K]` column of each id inside this shard (0 where not owned).
         active: `[N]` the rows to compute (the others get zero gradient), or None: all.
         grad_ids: `[N, K]` upstream gradient of the log-probs at the ids this rank owns (0 elsewhere).
-        grad_total: `[N]` `Σ_k` of the upstream gradient over all `K` ids (owned or not).
+        grad_total: `[N]` `Σ_k` of the upstream gradient over all `K` ids (owned or not), or None:
+            the upstream gradient is that of the logits at the ids (`merge_row_stats(raw=True)`),
+            not of their log-probs, so no `−p Σ_k g_k` term (its branch of every tile is skipped,
+            and without the entropy and a soft-cap the logits are not recomputed: `dz` is
+            `scatter(ids, g)` alone).
         grad_entropy: `[N]` upstream gradient of `Σ p log p`, or None: no entropy term (the
             entropy's branch of every tile is skipped).
         shift, log_s: `[N]` the merged row statistics, `p = exp(z − shift) / exp(log_s)`.
@@ -322,7 +331,10 @@ def linear_local_grads(
     # caller zeroes its `grad_ids`); its centre is 0, so every per-row factor stays finite.
     inv_s = torch.exp(-log_s_for_softmax(log_s))  # [N], 1/S with S >= 1, 0 for an all -inf row
     scale = head.scale  # dz/dr = s/T (· (1 − tanh²)): s/T folded into the two matmuls (alpha)
-    total_factor = grad_total * inv_s  # [N]: Σ_k g_k/S
+    with_softmax = grad_total is not None
+    total_factor = inv_s if grad_total is None else grad_total * inv_s  # [N]: Σ_k g_k/S (read only with_softmax)
+    # nothing of a tile but the ids: dz = scatter(ids, g), no logits needed (a soft-cap's dz/dr reads them)
+    sparse = not with_softmax and not with_entropy and softcap is None
     centre = entropy_factor = total_factor  # (read only with the entropy)
     if grad_entropy is not None:
         # [N], Σ p (z − shift): log p − H = (z − shift) − centre; 0 for an all -inf row, NaN stays NaN
@@ -350,26 +362,30 @@ def linear_local_grads(
         acc = dweight[cols].zero_() if in_place else torch.zeros(w_block.shape, dtype=cdtype, device=weight.device)
         last_col = cols.stop - cols.start - 1  # a ragged last block: clamp the other blocks' columns
         for shift_c, neg_total_c, entropy_c, centre_c, g, blk, col, h_rows, dh_c in chunks:
-            z = tiles.logits(h_rows, w_block, b_block)  # [C, Cv]
+            z = tiles.zeros(h_rows, w_block) if sparse else tiles.logits(h_rows, w_block, b_block)  # [C, Cv]
             col = col if last_col == width - 1 else col.clamp(max=last_col)
             g = torch.where(blk == b, g, zero)  # the upstream gradient of the ids in this block
-            body = tiles.body(_grad_body, z)
-            if body is not None:
+            body = None if sparse else tiles.body(_grad_body, z)
+            if sparse:
+                dz = z.scatter_add_(1, col, g)  # g at each id in this block, 0 elsewhere
+            elif body is not None:
                 factors = (shift_c[:, 0], entropy_c[:, 0], centre_c[:, 0], -neg_total_c[:, 0])
-                dz = body(z, *factors, col, g, cap_factor, with_entropy)
+                dz = body(z, *factors, col, g, cap_factor, with_entropy, with_softmax)
             else:
                 cap = None
                 if softcap is not None:  # 1 − tanh², from the logits before they are overwritten
                     cap = head.cap_derivative(z, tiles.scratch(int(with_entropy), z))
-                x = z.sub_(shift_c)  # z − shift, in place
                 if with_entropy:
+                    x = z.sub_(shift_c)  # z − shift, in place
                     # dz = p ⊙ (h·(log p − H) − Σ_k g_k) = exp(x) ⊙ ((x − centre)·h/S − Σ_k g_k/S)
                     e = torch.exp(x, out=tiles.scratch(0, z))  # [C, Cv]
                     # clamped where z = −inf (e = 0): a finite bracket there, so the term is 0, not 0·inf
                     bracket = clamp_log_(x).sub_(centre_c).mul_(entropy_c)
-                    dz = e.mul_(bracket.add_(neg_total_c))
-                else:
-                    dz = x.exp_().mul_(neg_total_c)  # −p·Σ_k g_k, in the same buffer
+                    dz = e.mul_(bracket.add_(neg_total_c) if with_softmax else bracket)
+                elif with_softmax:
+                    dz = z.sub_(shift_c).exp_().mul_(neg_total_c)  # −p·Σ_k g_k, in the same buffer
+                else:  # the soft-capped logits at the ids alone (`sparse` without the cap)
+                    dz = z.zero_()
                 dz.scatter_add_(1, col, g)  # + g at each id in this block (0 at the clamped others)
                 if cap is not None:
                     dz.mul_(cap)  # dz/dr up to the factor s/T

@@ -57,7 +57,7 @@ from lossfx._core.tiles import (
     matmul_dtype,
 )
 from lossfx._core.vocab import VocabRange
-from lossfx._kernels.filtering import _filtered_logprobs_bwd, _filtered_logprobs_fwd
+from lossfx._kernels.filtering import _filtered_logprobs_bwd, _filtered_logprobs_fwd, dropped_gradient
 from lossfx._kernels.fused_linear import linear_rows
 
 __all__ = ["filtered_chunk_rows", "linear_filtered_grads", "linear_filtered_rows"]
@@ -195,6 +195,7 @@ def linear_filtered_grads(
     scale = head.scale  # dz/dr = s/T (· (1 − tanh²) with a soft-cap)
     blocks = tiles.block_slices
     w_mm = tiles.mm_weights()[0]
+    dropped = dropped_gradient(tau)  # [N, 1], made once: NaN on a row holding a NaN
     for rows, h_rows, z in tiles.chunks_full():  # z [C, Vl]
         dz = _filtered_logprobs_bwd(
             z,
@@ -206,6 +207,7 @@ def linear_filtered_grads(
             dout[rows],
             vocab_start,
             None,
+            dropped[rows],
         )  # [C, Vl] compute dtype: a new buffer, z is kept
         if softcap is not None:  # 1 − tanh², from the logits (blockwise scratch)
             for cols in blocks:

@@ -16,7 +16,8 @@ Where every survivor with a nonzero weight ties at the row max (a uniform row, o
 the mass above the j-th of those `t` is exactly `j / t`, so `"sorted"` keeps `⌈top_p · t⌉` of
 them, decided with exact fractions (the only case in which the mass can equal `top_p`:
 proofs/filtering.md §3.3); a value whose weight is 0 has exactly the whole mass above it and is
-never kept. A row holding a NaN keeps nothing and its log-probs are NaN. The masses are float64.
+never kept. A row holding a NaN keeps nothing; its filtered log-probs are NaN with a NaN gradient
+in every column (`filtered_token_logprobs`). The masses are float64.
 Implemented the way the field does it: a stable sort, a cumulative sum, a scatter back.
 """
 
@@ -115,12 +116,18 @@ def apply_top_k_top_p(
 def filtered_token_logprobs(
     logits: Tensor, target: Tensor, top_k: int | None = None, top_p: float = 1.0, ties: str = "together"
 ) -> Tensor:
-    """`[..., V]`, `[...]` -> `[...]`: `log_softmax(filter(logits))[..., target]` in float64; NaN for a
-    row holding a NaN (its gradient is 0)."""
+    """`[..., V]`, `[...]` -> `[...]`: `log_softmax(filter(logits))[..., target]` in float64.
+
+    A row holding a NaN cannot be ranked, so it is not filtered: its log-prob is the unfiltered
+    `log_softmax(logits)[target]`, NaN, and its gradient NaN in every column, as torch's autograd
+    gives it (a NaN loss never comes with a zero gradient; docs/filtering.md)."""
     filtered, _ = apply_top_k_top_p(logits, top_k, top_p, ties)
     out = log_softmax(filtered).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     nan_row = torch.isnan(logits.detach()).any(dim=-1)
-    return torch.where(nan_row, torch.full_like(out, float("nan")), out)
+    # only the NaN rows through the unfiltered softmax: elsewhere its backward adds exactly 0
+    raw = torch.where(nan_row[..., None], logits.to(_F64), 0.0)
+    unfiltered = raw.log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    return torch.where(nan_row, unfiltered, out)
 
 
 def next_token_filtered_logprobs(
