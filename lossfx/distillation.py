@@ -21,6 +21,7 @@ range-checks the ids once, builds the layout and the `VocabRange`, then calls th
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torch import Tensor
@@ -31,6 +32,7 @@ from lossfx._boundary.validation import check_floating, check_ids_in_range, chec
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import distillation as _pure
+from lossfx.next_token import resolved_vocab
 from lossfx.sequence_layout import ContextParallelSharder, SequenceLayout, check_covers, sequence_layout
 
 __all__ = ["distillation_topk_logprobs"]
@@ -113,11 +115,48 @@ def _distillation(
     layout: SequenceLayout,
     chunk_size: int | None,
     vocab_size: int | None = None,
-    names: tuple[str, str, str] = ("student_logits", "teacher_topk_logits", "teacher_topk_indices"),
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The checks of `distillation_topk_logprobs`, once, then the pure call: shared with
-    `prepare_loss_input`'s `DISTILLATION` branch (`names`: how its arguments are called there).
-    Local tensors, the boundary's one unwrap (`vocab_size`: a padded DTensor shard's real `V`)."""
+    """The boundary work of `distillation_topk_logprobs` (`validated_distillation`), then the
+    pure call: shared with `prepare_loss_input`'s `DISTILLATION` branch (`vocab_size`: a padded
+    DTensor shard's real `V`)."""
+    checked = validated_distillation(
+        student_logits,
+        teacher_topk_logits,
+        teacher_topk_indices,
+        vocab_parallel_group,
+        layout,
+        chunk_size,
+        real_size=vocab_size,
+    )
+    student_logits, teacher_topk_logits, teacher_topk_indices, vocab, chunk_rows = checked
+    return _pure.distillation_topk_logprobs(
+        student_logits,
+        teacher_topk_logits,
+        teacher_topk_indices,
+        vocab,
+        layout,
+        zero_outside_topk=zero_outside_topk,
+        calculate_entropy=calculate_entropy,
+        chunk_rows=chunk_rows,
+    )
+
+
+def validated_distillation(
+    student_logits: Tensor,
+    teacher_topk_logits: Tensor,
+    teacher_topk_indices: Tensor,
+    vocab_parallel_group: ProcessGroup | None,
+    layout: SequenceLayout,
+    chunk_size: int | None,
+    names: tuple[str, str, str] = ("student_logits", "teacher_topk_logits", "teacher_topk_indices"),
+    real_size: int | None = None,
+    **vocab: Any,
+) -> tuple[Tensor, Tensor, Tensor, VocabRange, int | None]:
+    """The boundary work of a distillation call, once: `(student_logits, teacher_topk_logits,
+    teacher_topk_indices, vocab, chunk_rows)` as the pure layouts take them (the fused front door's
+    too: `names`, how its arguments are called there; `vocab`: its head's `vocab_start`,
+    `vocab_size`, `widths`, as `lossfx.next_token.resolved_vocab` takes them; `real_size`: a
+    padded DTensor shard's real `V`, the range of its ids). Local tensors (the boundary's one unwrap)."""
     logits_name, values_name, ids_name = names
     group = vocab_parallel_group
     check_floating(logits_name, student_logits)
@@ -148,16 +187,9 @@ def _distillation(
         f"{logits_name}.shape={tuple(student_logits.shape)} and teacher shape {tuple(teacher_topk_indices.shape)}",
         canonical=ids_name,
     )
-    vocab = VocabRange.uniform(group, student_logits.shape[-1])  # equal (padded) shards
-    # a DTensor's padding columns are no ids: the range is its real V
-    check_ids_in_range(ids_name, teacher_topk_indices, vocab.size if vocab_size is None else vocab_size)
-    return _pure.distillation_topk_logprobs(
-        student_logits,
-        teacher_topk_logits,
-        teacher_topk_indices,
-        vocab,
-        layout,
-        zero_outside_topk=zero_outside_topk,
-        calculate_entropy=calculate_entropy,
-        chunk_rows=None if chunk_size is None else chunk_size * batch,
-    )
+    check = functools.partial(check_ids_in_range, ids_name, teacher_topk_indices)
+    if real_size is not None:  # a DTensor's padding columns are no ids: the range is its real V
+        check(real_size)
+    resolved = resolved_vocab(group, student_logits.shape[-1], None if real_size else check, **vocab)
+    chunk_rows = None if chunk_size is None else chunk_size * batch
+    return student_logits, teacher_topk_logits, teacher_topk_indices, resolved, chunk_rows

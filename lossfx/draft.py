@@ -36,6 +36,7 @@ from lossfx._boundary.validation import check_floating, check_group, check_ids_i
 from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import draft as _pure
+from lossfx.next_token import resolved_vocab
 from lossfx.sequence_layout import (
     ContextParallelSharder,
     LoadBalancedLayout,
@@ -85,9 +86,12 @@ def shift_left(
     return shard.wrap(out)
 
 
-def _validated_target_ids(d2t: Tensor, group: ProcessGroup | None, rank: int | None, local_vocab: int) -> Tensor:
-    """`arange(D) + d2t` (int64 `[D]`), checked once: `d2t` 1-D integer, `D` divisible by the
-    tensor-parallel size, every target id in `[0, R·Vl)`."""
+def _validated_target_ids(
+    d2t: Tensor, group: ProcessGroup | None, rank: int | None, local_vocab: int, **vocab: Any
+) -> tuple[Tensor, VocabRange]:
+    """`(arange(D) + d2t` (int64 `[D]`), this rank's `VocabRange`), checked once: `d2t` 1-D
+    integer, `D` divisible by the tensor-parallel size, every target id in `[0, V)` (`vocab`:
+    `resolved_vocab`'s `vocab_start`, `vocab_size`, `widths`; default uniform shards)."""
     check_integer_ids("d2t", d2t)
     if d2t.dim() != 1:
         raise ValueError(f"d2t must be 1-D [D], got shape {tuple(d2t.shape)}")
@@ -98,8 +102,8 @@ def _validated_target_ids(d2t: Tensor, group: ProcessGroup | None, rank: int | N
     if draft_vocab % world:
         raise ValueError(f"len(d2t)={draft_vocab} must be divisible by the tensor-parallel size {world}")
     target_ids = torch.arange(draft_vocab, device=d2t.device) + d2t.to(torch.int64)  # [D]
-    check_ids_in_range("d2t targets (i + d2t[i])", target_ids, world * local_vocab)
-    return target_ids
+    check = lambda size: check_ids_in_range("d2t targets (i + d2t[i])", target_ids, size)  # noqa: E731
+    return target_ids, resolved_vocab(group, local_vocab, check, **vocab)
 
 
 def _wrap_draft(shard: VocabShard, out: Tensor, d2t: Tensor | None) -> Tensor:
@@ -137,8 +141,8 @@ def map_to_draft_vocab(
     if d2t is None:
         return teacher_logits
     local_vocab = shard.local.shape[-1]
-    target_ids = _validated_target_ids(d2t, shard.group, shard.rank, local_vocab)
-    out = _pure.map_to_draft_vocab(shard.local, target_ids, VocabRange.uniform(shard.group, local_vocab))
+    target_ids, vocab = _validated_target_ids(d2t, shard.group, shard.rank, local_vocab)
+    out = _pure.map_to_draft_vocab(shard.local, target_ids, vocab)
     return _wrap_draft(shard, out, d2t)
 
 
@@ -198,21 +202,25 @@ def validated_draft(
     group: ProcessGroup | None,
     rank: int | None,
     layout: SequenceLayout,
+    logits_name: str = "logits",
+    **vocab: Any,
 ) -> tuple[Tensor | None, VocabRange]:
     """The boundary work of a `draft_targets` call on local tensors, once: `(target_ids or None,
     vocab)` as `lossfx._layouts.draft.draft_targets` takes them (shapes checked against the
     layout, `d2t` checked and its target ids range-checked once). Shared with the `DRAFT`
-    branch of `lossfx.prepare_loss_input`."""
-    check_floating("logits", logits)
+    branches of `lossfx.prepare_loss_input` and of the fused front door (`logits_name`: its
+    stand-in for the logits of its hidden states; `vocab`: its head's `vocab_start`,
+    `vocab_size`, `widths`, as `lossfx.next_token.resolved_vocab` takes them)."""
+    check_floating(logits_name, logits)
     check_tensor("token_mask", token_mask)
     if logits.dim() != 3 or token_mask.dim() != 2 or logits.shape[0] != token_mask.shape[0]:
         raise ValueError(
-            f"logits must be [B, S_local, V_local] and token_mask [B, S]; got {tuple(logits.shape)} "
+            f"{logits_name} must be [B, S_local, V_local] and token_mask [B, S]; got {tuple(logits.shape)} "
             f"and {tuple(token_mask.shape)}"
         )
     seq, local_len = token_mask.shape[1], logits.shape[1]
-    got = f"logits.shape={tuple(logits.shape)} and token_mask.shape={tuple(token_mask.shape)}"
-    check_covers(layout, "logits", local_len, seq, got, canonical="token_mask")
-    local_vocab = logits.shape[-1]
-    target_ids = None if d2t is None else _validated_target_ids(d2t, group, rank, local_vocab)
-    return target_ids, VocabRange.uniform(group, local_vocab)
+    got = f"{logits_name}.shape={tuple(logits.shape)} and token_mask.shape={tuple(token_mask.shape)}"
+    check_covers(layout, logits_name, local_len, seq, got, canonical="token_mask")
+    if d2t is None:
+        return None, resolved_vocab(group, logits.shape[-1], **vocab)
+    return _validated_target_ids(d2t, group, rank, logits.shape[-1], **vocab)

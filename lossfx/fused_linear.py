@@ -61,8 +61,8 @@ from lossfx._core.tiles import HeadOptions
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import fused_linear as kernel
 from lossfx._layouts import linear_next_token as _pure_next_token
-from lossfx.next_token import check_position_ids
-from lossfx.sequence_layout import check_covers, sequence_layout
+from lossfx.next_token import validated_next_token_call
+from lossfx.sequence_layout import sequence_layout
 
 __all__ = ["linear_gather_logprobs", "linear_next_token_logprobs", "linear_token_logprobs"]
 
@@ -596,19 +596,6 @@ def linear_next_token_logprobs(
         renamed_keyword("return_neg_entropy", return_neg_entropy, "return_entropy", return_entropy)
     )
     # hidden, weight, input_ids: local tensors (the boundary's one unwrap, `local_view`)
-    check_floating("hidden", hidden)
-    check_integer_ids("input_ids", input_ids)
-    position_ids = check_position_ids(position_ids, input_ids)
-    layout = sequence_layout(context_parallel_group, cp_sharder)
-    if isinstance(sequence_parallel, bool) and sequence_parallel:
-        tp_size = group_size(group)
-    else:
-        tp_size = 1
-    if hidden.dim() != 3 or input_ids.dim() != 2 or hidden.shape[0] != input_ids.shape[0]:
-        raise ValueError(
-            f"hidden must be [B, S_local, H] and input_ids [B, S] with the same B; got "
-            f"hidden.shape={tuple(hidden.shape)} and input_ids.shape={tuple(input_ids.shape)}"
-        )
     call = validated_head(
         hidden,
         weight,
@@ -619,26 +606,32 @@ def linear_next_token_logprobs(
         sequence_parallel=sequence_parallel,
         chunk_size=chunk_size,
     )
-    local_len = hidden.shape[1] * tp_size  # this CP rank's positions
-    shapes = (
-        f"hidden.shape={tuple(hidden.shape)} (x{tp_size} sequence-parallel ranks) and "
-        f"input_ids.shape={tuple(input_ids.shape)}"
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [B, S_local, H], got shape {tuple(hidden.shape)}")
+    # next_token's checks read shapes only: a zero-stride stand-in for this CP rank's [B, S_l, Vl] logits
+    local_len = hidden.shape[1] * (group_size(group) if sequence_parallel else 1)
+    checked = validated_next_token_call(
+        hidden.new_empty(()).expand(hidden.shape[0], local_len, weight.shape[0]),
+        input_ids,
+        group=group,
+        layout=sequence_layout(context_parallel_group, cp_sharder),
+        chunk_size=None,
+        position_ids=position_ids,
+        vocab_start=call.vocab.start,
+        vocab_size=call.vocab.size,
+        ignore_index=call.head.ignore_index,
+        logits_name="hidden states' logits",
     )
-    check_covers(layout, "hidden states", local_len, input_ids.shape[1], shapes)
-    # the scored ids input_ids[:, 1:], once (ignore_index is never out of range); positions are input_ids'
-    scored = input_ids[:, 1:]
-    ignored = scored == call.head.ignore_index
-    check_ids_in_range("input_ids", scored.masked_fill(ignored, 0), call.vocab.size, column_offset=1)
     outputs = _pure_next_token.linear_next_token_logprobs(
         hidden,
         weight,
         input_ids,
-        layout,
+        checked.layout,
         call.vocab,
         head=call.head,
         with_neg_entropy=return_neg_entropy,
         chunk_rows=call.chunk_rows,
         sequence_parallel=sequence_parallel,
-        position_ids=position_ids,
+        position_ids=checked.position_ids,
     )
     return (outputs[0], outputs[1]) if return_neg_entropy else outputs[0]

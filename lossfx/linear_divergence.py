@@ -17,6 +17,7 @@ arguments), then calls the pure kernel once.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Unpack
 
 import torch
 from torch import Tensor
@@ -27,7 +28,7 @@ from lossfx._boundary.validation import check_floating, check_ids_in_range, chec
 from lossfx._core.distributed import ProcessGroup
 from lossfx._kernels import linear_divergence as _kernel
 from lossfx._kernels.linear_divergence import LinearDivergence
-from lossfx.fused_linear import validated_head
+from lossfx.fused_linear import HeadKeywords, head_keywords, validated_head
 
 __all__ = ["LinearDivergence", "linear_divergence_to_teacher"]
 
@@ -108,6 +109,7 @@ def _check_teacher(
 # placement (uneven rows included); `bias` and each `teacher_weight` `Shard(0)`, `teacher_logits` `Shard(-1)`
 # on the same mesh as their local rows/columns; `hidden`, `teacher_hidden`, `teacher_head` `Replicate()`
 @boundary(roles=_ROLES, vocab="free", local=local_view(_ROLES), unwrapped=True)
+@head_keywords
 def linear_divergence_to_teacher(
     hidden: Tensor,
     weight: Tensor,
@@ -118,11 +120,8 @@ def linear_divergence_to_teacher(
     teacher_head: Tensor | None = None,
     teacher_logits_dtype: torch.dtype | None = None,
     group: ProcessGroup | None = None,
-    temperature: float = 1.0,
-    bias: Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
     chunk_size: int | None = None,
+    **head: Unpack[HeadKeywords],
 ) -> LinearDivergence:
     """Reverse KL, cross-entropy and `Σ p log p` of the student `hidden × weight` against a fixed
     teacher, per token, in one tile loop: neither side's `[N, V]` logits ever exist.
@@ -156,7 +155,8 @@ def linear_divergence_to_teacher(
         teacher_logits_dtype: dtype of the projected teacher logits (`None`: `teacher_weight`'s), as
             `prepare_loss_input`'s: the hidden states are rounded to the head's dtype, each product to this.
         group: tensor-parallel group over the vocabulary, or `None`.
-        temperature, bias, logit_scale, softcap: the student's head, as `lossfx.linear_token_logprobs`.
+        bias, temperature, logit_scale, softcap: the student's head (`HeadKeywords`), as
+            `lossfx.linear_token_logprobs`; `ignore_index` is accepted with them and unused (no ids).
         chunk_size: rows per `[C, Cv]` tile (a memory bound; results do not depend on it);
             default from the device's `lossfx.ChunkPolicy`.
 
@@ -181,7 +181,6 @@ def linear_divergence_to_teacher(
     lossfx.reference.linear_divergence_to_teacher.
     """
     # hidden, weight, the teacher: local tensors (the boundary's one unwrap, `local_view`)
-    head = {"bias": bias, "temperature": temperature, "logit_scale": logit_scale, "softcap": softcap}
     call = validated_head(hidden, weight, head, group=group, chunk_size=chunk_size)
     heads, dtype = _check_teacher(
         hidden, weight, teacher_logits, teacher_hidden, teacher_weight, teacher_head, teacher_logits_dtype

@@ -36,36 +36,25 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, ShardWidths, boundary
 from lossfx._boundary.dtensor import CALLER, SHARD, VocabShard, local_view, replicated
-from lossfx._boundary.validation import (
-    check_floating,
-    check_group,
-    check_ids_in_range,
-    check_integer_ids,
-    check_tensor,
-)
-from lossfx._core.distributed import ProcessGroup, group_size
+from lossfx._boundary.validation import check_floating, check_group, check_tensor
+from lossfx._core.distributed import ProcessGroup
 from lossfx._core.tiles import HeadOptions
 from lossfx._core.vocab import VocabRange
-from lossfx._kernels import fused_linear as _kernel
-from lossfx._kernels import linear_filtering as _filtered
 from lossfx._layouts import linear_distillation as _distillation
 from lossfx._layouts import linear_draft as _draft
 from lossfx._layouts import linear_next_token as _next_token
 from lossfx._layouts import linear_opd_full as _opd_full
-from lossfx._layouts.sequence_layout import SequenceLayout, score_next_tokens
+from lossfx._layouts.sequence_layout import SequenceLayout
+from lossfx.distillation import validated_distillation
+from lossfx.draft import validated_draft
 from lossfx.fused_linear import HeadKeywords, LinearCall, head_keywords, validated_head
 from lossfx.interfaces import LossInputType, TrainingSamplingParams
 from lossfx.loss_input import _column, _data_read, _input_type, _vocab_parallel
 from lossfx.loss_masks import loss_mask_from_data, masked_out_neg_inf
-from lossfx.next_token import TopKTopP, resolve_filter
-from lossfx.opd_full import (
-    _PAYLOAD_COLUMNS,
-    TEACHER_INDEX_FIELD,
-    _validated_teacher,
-    opd_config,
-)
+from lossfx.next_token import TopKTopP, resolve_filter, validated_next_token_call
+from lossfx.opd_full import validated_opd_full
 from lossfx.packing import _validated_packed
-from lossfx.sequence_layout import check_covers, sequence_layout
+from lossfx.sequence_layout import sequence_layout
 
 __all__ = ["prepare_linear_loss_input", "prepare_linear_packed_loss_input"]
 
@@ -134,14 +123,23 @@ def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed:
     return FrontDoor(hidden, weight, view["data"], shard, call, size, widths, view.get(CALLER, view["data"]))
 
 
-def _uneven_vocab(door: FrontDoor) -> LinearCall:
-    """The call with this rank's range from the widths the cross-rank check reported (uneven plain
-    shards, eager); unchanged for a DTensor head, without a group, or traced (equal widths)."""
-    call, group = door.call, door.call.vocab.group
-    if door.shard.dtensor is not None or group is None:
-        return call
-    start, size = door.widths.range(door.weight.shape[0], group)
-    return call if start is None or size is None else call._replace(vocab=VocabRange(group, start, size))
+def _stand_in(door: FrontDoor) -> Tensor:
+    """This rank's `[B, S_l, Vl]` logits of `hidden` as the logits path's validators read them, which
+    read shapes only: a zero-stride stand-in (one unfilled element: no kernel launched), never the logits."""
+    hidden = door.hidden
+    return hidden.new_empty(()).expand(hidden.shape[0], hidden.shape[1], door.weight.shape[0])
+
+
+def _vocab(door: FrontDoor) -> dict[str, Any]:
+    """The head's vocabulary range as the logits path's validators resolve it
+    (`lossfx.next_token.resolved_vocab`): a DTensor head's, or the widths of uneven plain shards
+    that the cross-rank check reported (read with the call's range check of ids: one host read)."""
+    shard = door.shard
+    uneven = shard.dtensor is None and shard.group is not None
+    return {"vocab_start": shard.vocab_start, "vocab_size": shard.vocab_size, "widths": door.widths if uneven else None}
+
+
+_LOGITS = "hidden's logits"  # the stand-in, in the logits path's messages
 
 
 _LOGITS_PATH = (
@@ -158,71 +156,39 @@ def _linear_opd_full_input(
     teacher_heads: Any,
     teacher_logits_dtype: torch.dtype | None,
 ) -> dict[str, Any]:
-    """`OPD_FULL`: `prepare_opd_full_loss_input`'s checks of the config, payload and teacher heads
-    (`lossfx.opd_full`'s), then the fused twin `lossfx._layouts.linear_opd_full` once: the student
-    `hidden × weight` and the teacher (logits columns, or hidden states × teacher head) one tile at a time.
+    """`OPD_FULL`: the logits path's checks (`lossfx.opd_full.validated_opd_full`) on the stand-in,
+    then the fused twin `lossfx._layouts.linear_opd_full` once: the student `hidden × weight` and
+    the teacher (logits columns, or hidden states × teacher head) one tile at a time.
     `teacher_heads`: this rank's rows of each teacher head (the boundary's one unwrap, `_unwrap`)."""
-    hidden, weight, columns, size = door.hidden, door.weight, door.columns, door.size
-    cfg, payload_kind, cfg_chunk = opd_config(loss_fn, columns)  # the logits path's config and column checks
-    if teacher_logits_dtype is not None and (
-        not isinstance(teacher_logits_dtype, torch.dtype) or not teacher_logits_dtype.is_floating_point
-    ):
-        raise TypeError(f"teacher_logits_dtype must be a floating torch.dtype or None, got {teacher_logits_dtype!r}")
-    column = _PAYLOAD_COLUMNS[payload_kind]
-    input_ids = check_integer_ids("data['input_ids']", _column(columns, "input_ids"))  # type: ignore[arg-type]
-    if input_ids.dim() != 2 or input_ids.shape[0] != hidden.shape[0]:
-        raise ValueError(
-            f"input_ids must be [B, S] with hidden's batch size; got input_ids.shape={tuple(input_ids.shape)} "
-            f"and hidden.shape={tuple(hidden.shape)}"
-        )
-    seq, local_len, window = input_ids.shape[1], hidden.shape[1], layout.window(hidden.shape[1])
-    if window is not None and seq > window:
-        raise ValueError(
-            f"input_ids has {seq} positions, more than the student window S_l·CP = {local_len}·{layout.cp_size}"
-        )
-    call = _uneven_vocab(door)
-    local_vocab, payload = weight.shape[0], columns[column]
-    # the checks read shapes only: a zero-stride stand-in for this rank's [B, S_l, Vl] student logits
-    stand_in = hidden.new_zeros(()).expand(hidden.shape[0], local_len, local_vocab)
-    teacher = _validated_teacher(
-        payload,
-        teacher_payload=payload_kind,
-        student_logits=stand_in,
-        vocab_parallel_rank=0,  # the logits window is checked below, at this rank's own start
+    hidden, call = door.hidden, door.call
+    opd = validated_opd_full(
+        _stand_in(door),
+        door.columns,
+        loss_fn,
+        vocab_parallel_rank=door.shard.rank,
+        vocab_parallel_group=door.shard.group,
         layout=layout,
+        chunk_size=None,
         teacher_output_layer_weight_by_index=teacher_heads,
-        teacher_index=columns.get(TEACHER_INDEX_FIELD) if payload_kind == "hidden_states" else None,
+        teacher_logits_dtype=teacher_logits_dtype,
+        logits_name=_LOGITS,
+        **_vocab(door),
     )
-    window_cols = None
-    if payload_kind == "logits":
-        window_cols = (call.vocab.start, local_vocab)
-        if payload.shape[-1] < call.vocab.start + local_vocab:
-            raise ValueError(
-                "Teacher logits payload is narrower than this rank's vocabulary window: payload width "
-                f"{payload.shape[-1]} vs required end {call.vocab.start + local_vocab} (V_local {local_vocab})"
-            )
-    ids = None
-    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
-        got = f"hidden.shape={tuple(hidden.shape)} and input_ids.shape={tuple(input_ids.shape)}"
-        check_covers(layout, "hidden", local_len, seq, got)
-        check_ids_in_range("data['input_ids']", input_ids, size)
-        ids = input_ids
-    chunk_rows = call.chunk_rows or (cfg_chunk or 0) * hidden.shape[0]
     return _opd_full.linear_opd_full_loss_input(
         hidden,
-        weight,
-        payload,
-        ids,
+        door.weight,
+        opd.payload,
+        opd.input_ids if opd.kl else None,
         layout,
-        call.vocab,
+        opd.vocab,
         head=call.head,
-        columns=window_cols,
-        heads=teacher.heads,
-        position=teacher.position,
+        columns=opd.teacher.columns,
+        heads=opd.teacher.heads,
+        position=opd.teacher.position,
         teacher_logits_dtype=teacher_logits_dtype,
-        validate_decomposition=bool(getattr(cfg, "validate_decomposition", False)),
-        chunk_rows=chunk_rows,
-        seq=seq,
+        validate_decomposition=bool(getattr(opd.cfg, "validate_decomposition", False)),
+        chunk_rows=call.chunk_rows or opd.chunk_rows or 0,
+        seq=opd.input_ids.shape[1],
     )
 
 
@@ -324,33 +290,41 @@ def prepare_linear_loss_input(
     return _logprob_input(door, loss_fn, layout, sampling_params), door.data
 
 
-def _canonical(columns: Mapping[str, Any], key: str, hidden: Tensor, dims: int, layout: SequenceLayout) -> Tensor:
-    """`data[key]`, a canonical `[B, S, ...]` tensor (`dims` dims) that `hidden [B, S_l, H]` covers."""
-    x = check_tensor(f"data[{key!r}]", _column(columns, key))  # type: ignore[arg-type]
-    if x.dim() != dims or x.shape[0] != hidden.shape[0]:
-        raise ValueError(
-            f"data[{key!r}] must have {dims} dims with hidden's batch {hidden.shape[0]}; got shape {tuple(x.shape)}"
-        )
-    got = f"hidden.shape={tuple(hidden.shape)} and data[{key!r}].shape={tuple(x.shape)}"
-    check_covers(layout, "hidden", hidden.shape[1], x.shape[1], got, canonical=f"data[{key!r}]")
-    return x
-
-
 def _logprob_input(
     door: FrontDoor, loss_fn: Any, layout: SequenceLayout, sampling_params: TrainingSamplingParams | None
 ) -> dict[str, Tensor]:
-    """`LOGPROB`: next-token log-probs `[B, S-1]` through the fused pipeline; with a top-k/top-p
+    """`LOGPROB`: the logits path's checks (`validated_next_token_call`) on the stand-in, then
+    next-token log-probs `[B, S-1]` through the fused pipeline; with a top-k/top-p
     `sampling_params`, under the filtered softmax (`lossfx._kernels.linear_filtering`: one
     `[C, Vl]` row chunk at a time, two passes over the vocabulary), `-inf` masked as on the logits path."""
-    if sampling_params is not None and not isinstance(sampling_params, TrainingSamplingParams):
-        raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
-    input_ids = _canonical(door.columns, "input_ids", door.hidden, 2, layout)
-    check_integer_ids("data['input_ids']", input_ids)
-    scored = input_ids[:, 1:]
-    ignored = scored == door.call.head.ignore_index
-    check_ids_in_range("data['input_ids']", scored.masked_fill(ignored, 0), door.size, column_offset=1)
-    call = _uneven_vocab(door)
     top = resolve_filter(sampling_params)
+    input_ids = check_tensor("data['input_ids']", _column(door.columns, "input_ids"))  # type: ignore[arg-type]
+    checked = validated_next_token_call(
+        _stand_in(door),
+        input_ids,
+        group=door.shard.group,
+        layout=layout,
+        chunk_size=None,
+        ids_name="data['input_ids']",
+        ignore_index=door.call.head.ignore_index,
+        logits_name=_LOGITS,
+        **_vocab(door),
+    )
+    return _next_token_input(door, loss_fn, input_ids, layout, checked.vocab, top)
+
+
+def _next_token_input(
+    door: FrontDoor,
+    loss_fn: Any,
+    input_ids: Tensor,
+    layout: SequenceLayout,
+    vocab: VocabRange,
+    top: TopKTopP | None,
+    fill: int | None = None,
+) -> dict[str, Tensor]:
+    """The validated `LOGPROB` call of either front door (packed: `fill = 0`, the packed rows' rule)
+    through the fused pipeline; under a filter, the logits path's `-inf` rule (and, with a nonzero
+    `reference_policy_kl_penalty`, `data["curr_logprobs_unfiltered"]`, written last)."""
     mask = None if top is None else loss_mask_from_data(door.columns, input_ids)  # before anything is computed
 
     def next_token(filter_: TopKTopP | None) -> Tensor:
@@ -359,10 +333,11 @@ def _logprob_input(
             door.weight,
             input_ids,
             layout,
-            call.vocab,
-            head=call.head,
-            chunk_rows=call.chunk_rows,
+            vocab,
+            head=door.call.head,
+            chunk_rows=door.call.chunk_rows,
             top=filter_,
+            fill=fill,
         )
         return out
 
@@ -375,55 +350,46 @@ def _logprob_input(
 
 
 def _distillation_input(door: FrontDoor, loss_fn: Any, layout: SequenceLayout) -> dict[str, Any]:
-    """`DISTILLATION`: student/teacher log-probs at the teacher's top-k ids and `H_all`."""
+    """`DISTILLATION`: the logits path's checks (`validated_distillation`) on the stand-in, then
+    student/teacher log-probs at the teacher's top-k ids and `H_all` from one fused pass."""
     zero_outside_topk = bool(getattr(loss_fn, "zero_outside_topk", False))
     calculate_entropy = zero_outside_topk and getattr(loss_fn, "kl_type", "mixed") != "forward"
-    ids = _canonical(door.columns, "teacher_topk_indices", door.hidden, 3, layout)
-    values = check_tensor("data['teacher_topk_logits']", _column(door.columns, "teacher_topk_logits"))  # type: ignore[arg-type]
-    check_integer_ids("data['teacher_topk_indices']", ids)
-    check_floating("data['teacher_topk_logits']", values)
-    if ids.shape[-1] < 1 or tuple(values.shape) != tuple(ids.shape):
-        raise ValueError(
-            "data['teacher_topk_logits'] and data['teacher_topk_indices'] must share one [B, S, K] shape with K >= 1; "
-            f"got {tuple(values.shape)} and {tuple(ids.shape)}"
-        )
-    check_ids_in_range("data['teacher_topk_indices']", ids, door.size)
-    call = _uneven_vocab(door)
+    values, ids = (
+        check_tensor(f"data[{key!r}]", _column(door.columns, key))  # type: ignore[arg-type]
+        for key in ("teacher_topk_logits", "teacher_topk_indices")
+    )
+    names = (_LOGITS, "teacher_topk_logits", "teacher_topk_indices")
+    _, values, ids, vocab, _ = validated_distillation(
+        _stand_in(door), values, ids, door.shard.group, layout, None, names, **_vocab(door)
+    )
     student, teacher, neg_entropy = _distillation.linear_distillation_topk_logprobs(
         door.hidden,
         door.weight,
         values,
         ids,
-        call.vocab,
+        vocab,
         layout,
-        head=call.head,
+        head=door.call.head,
         zero_outside_topk=zero_outside_topk,
         calculate_entropy=calculate_entropy,
-        chunk_rows=call.chunk_rows,
+        chunk_rows=door.call.chunk_rows,
     )
     return {"student_topk_logprobs": student, "teacher_topk_logprobs": teacher, "H_all": neg_entropy}
 
 
 def _draft_input(door: FrontDoor, d2t: Tensor | None, layout: SequenceLayout) -> dict[str, Any]:
-    """`DRAFT`: shifted teacher logits in the draft vocabulary (this rank's `D/R` shard) and the
-    shifted mask, from the head's `D` draft rows only."""
+    """`DRAFT`: the logits path's checks (`lossfx.draft.validated_draft`) on the stand-in, then the
+    shifted teacher logits in the draft vocabulary (this rank's `D/R` shard) and the shifted mask,
+    from the head's `D` draft rows only."""
     student_logits = _column(door.data, "student_logits")  # type: ignore[arg-type]  # (passed through)
-    token_mask = _canonical(door.columns, "token_mask", door.hidden, 2, layout)
-    target_ids = None
+    token_mask = check_tensor("data['token_mask']", _column(door.columns, "token_mask"))  # type: ignore[arg-type]
     d2t = replicated(d2t, "d2t")
-    if d2t is not None:
-        check_integer_ids("d2t", d2t)
-        world = group_size(door.call.vocab.group)
-        if d2t.dim() != 1 or d2t.shape[0] % world:
-            raise ValueError(
-                f"d2t must be 1-D [D] with D divisible by the tensor-parallel size {world}, "
-                f"got shape {tuple(d2t.shape)}"
-            )
-        target_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t.to(torch.int64)
-        check_ids_in_range("d2t targets (i + d2t[i])", target_ids, door.size)
-    call = _uneven_vocab(door)
+    shard = door.shard
+    target_ids, vocab = validated_draft(
+        _stand_in(door), token_mask, d2t, shard.group, shard.rank, layout, _LOGITS, **_vocab(door)
+    )
     teacher, mask = _draft.linear_draft_targets(
-        door.hidden, door.weight, token_mask, target_ids, call.vocab, layout, head=call.head
+        door.hidden, door.weight, token_mask, target_ids, vocab, layout, head=door.call.head
     )
     return {"teacher_logits": teacher, "student_logits": student_logits, "token_mask": mask}
 
@@ -485,66 +451,18 @@ def prepare_linear_packed_loss_input(
         )
     # hidden, lm_head_weight, bias, data: local (the boundary's one unwrap, `local_view`); data: the caller's
     door = _front_door(_view, _widths, True)
-    hidden, weight, columns, shard, call = door.hidden, door.weight, door.columns, door.shard, door.call
-    input_ids = check_tensor("data['input_ids']", _column(columns, "input_ids"))  # type: ignore[arg-type]
-    # the packed checks read shapes only: a zero-stride stand-in for the [1, T/C, Vl] logits
-    stand_in = hidden.new_zeros(()).expand(1, hidden.shape[1], weight.shape[0])
-    _, input_ids, layout, vocab, options = _validated_packed(
-        stand_in,
+    top = resolve_filter(sampling_params)
+    input_ids = check_tensor("data['input_ids']", _column(door.columns, "input_ids"))  # type: ignore[arg-type]
+    _, input_ids, layout, vocab, _ = _validated_packed(  # the stand-in: [1, T/C, Vl]
+        _stand_in(door),
         input_ids,
         cu_seqlens_q,
         cu_seqlens_q_padded,
-        prepacked="cu_seqlens" in columns,
-        vocab_parallel_group=shard.group,
+        prepacked="cu_seqlens" in door.columns,
+        vocab_parallel_group=door.shard.group,
         context_parallel_group=context_parallel_group,
-        sampling_params=sampling_params,
         chunk_size=chunk_size,
-        vocab_start=shard.vocab_start,
-        vocab_size=shard.vocab_size,
         ids_name="data['input_ids']",
-        widths=door.widths if shard.dtensor is None and shard.group is not None else None,
+        **_vocab(door),
     )
-    call = call._replace(vocab=vocab)
-    top = resolve_filter(sampling_params)
-    mask = None if top is None else loss_mask_from_data(columns, input_ids)
-
-    def kernel(target: Tensor) -> list[Tensor]:  # [1, T/C] -> [1, T/C]
-        if filter_ is not None:
-            return [
-                _filtered.linear_filtered_token_logprobs(
-                    hidden,
-                    weight,
-                    target,
-                    call.vocab,
-                    top_k=filter_.top_k,
-                    top_p=filter_.top_p,
-                    ties=filter_.ties,
-                    head=call.head,
-                )
-            ]
-        out, _ = _kernel.linear_token_logprobs(
-            hidden,
-            weight,
-            target,
-            call.vocab,
-            head=call.head,
-            chunk_rows=options["chunk_rows"] or 0,
-        )
-        return [out]
-
-    filter_: TopKTopP | None = None
-
-    def next_token() -> Tensor:
-        # fill 0, as the logits path: a padded slot scores the zero-padded token id 0 (kept, the
-        # reference's rule), and a slot without any next token is dropped by the layout
-        (out,) = score_next_tokens(layout, input_ids.to(hidden.device), hidden.shape[1], kernel)
-        return out
-
-    if top is None or mask is None:
-        return {"next_token_logprobs": next_token()}, door.data
-    unfiltered = next_token() if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0 else None
-    filter_ = top
-    logprobs = masked_out_neg_inf(next_token(), mask[:, 1:], "curr_logprobs")
-    if unfiltered is not None:
-        door.data["curr_logprobs_unfiltered"] = unfiltered
-    return {"next_token_logprobs": logprobs}, door.data
+    return _next_token_input(door, loss_fn, input_ids, layout, vocab, top, fill=0), door.data

@@ -374,11 +374,9 @@ def _prepare_logprob_input(
 ) -> dict[str, Tensor]:
     """`LOGPROB`: next-token log-probs, filtered (and the `-inf` rule) under `sampling_params`."""
     input_ids = check_tensor("data['input_ids']", _column(data, "input_ids"))
-    if sampling_params is not None and not isinstance(sampling_params, TrainingSamplingParams):
-        raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
-    filtering = need_top_k_or_top_p_filtering(sampling_params)
+    top = resolve_filter(sampling_params)
     if getattr(loss_fn, "use_fused_linear_logprobs", False):
-        if filtering:
+        if top is not None:
             raise ValueError(
                 "use_fused_linear_logprobs cannot be combined with top-k/top-p filtering "
                 f"(sampling_params={sampling_params})"
@@ -391,7 +389,6 @@ def _prepare_logprob_input(
             )
         width = max(input_ids.shape[1] - 1, 0)
         return {"next_token_logprobs": logits.to(compute_dtype(logits.dtype))[:, :width]}
-    top = resolve_filter(sampling_params)
     call = validated_next_token_call(
         logits,
         input_ids,
@@ -402,7 +399,7 @@ def _prepare_logprob_input(
         ids_name="data['input_ids']",
     )
     logprobs = next_token_logprobs_of(call, top)  # [B, S-1]
-    if not filtering:
+    if top is None:
         return {"next_token_logprobs": logprobs}
     return _neg_inf_rule(data, loss_fn, input_ids, logprobs, lambda: next_token_logprobs_of(call))
 

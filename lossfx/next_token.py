@@ -77,7 +77,9 @@ def check_position_ids(position_ids: object, input_ids: Tensor) -> Tensor | None
 
 
 def resolve_filter(sampling_params: TrainingSamplingParams | None) -> TopKTopP | None:
-    """The filter `sampling_params` asks for, checked (`top_k`, `top_p`, `ties`), or `None`."""
+    """The filter `sampling_params` asks for, checked (its type, `top_k`, `top_p`, `ties`), or `None`."""
+    if sampling_params is not None and not isinstance(sampling_params, TrainingSamplingParams):
+        raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
     if not need_top_k_or_top_p_filtering(sampling_params):
         return None
     top_k, top_p = check_filter_params(sampling_params.top_k, sampling_params.top_p)
@@ -110,6 +112,7 @@ def validated_next_token_call(
     widths: ShardWidths | None = None,
     ids_name: str = "input_ids",
     ignore_index: int | None = None,
+    logits_name: str = "logits",
 ) -> NextTokenCall:
     """The boundary work of a next-token call on local tensors, once.
 
@@ -118,40 +121,41 @@ def validated_next_token_call(
     once (those equal to `ignore_index` excepted). This rank's `VocabRange`: `vocab_start` /
     `vocab_size` when given, the widths the ranks reported to the cross-rank check when given
     `widths` (the call's `ShardWidths`; eager, read with the range check), else uniform shards.
+    `logits_name`: the logits in the messages (the fused front doors' zero-stride stand-in for
+    the logits of their hidden states, whose shape is all these checks read).
     """
-    check_floating("logits", logits)
+    check_floating(logits_name, logits)
     check_integer_ids(ids_name, input_ids)
     chunk_size = check_positive_int("chunk_size", chunk_size)
+    shapes = f"{logits_name}.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
     if logits.dim() != 3 or input_ids.dim() != 2 or logits.shape[0] != input_ids.shape[0]:
-        raise ValueError(
-            f"logits must be [B, S_local, V_local] and input_ids [B, S] with the same B; got "
-            f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
-        )
+        raise ValueError(f"{logits_name} must be [B, S_local, V_local] and input_ids [B, S], one B; got {shapes}")
     position_ids = check_position_ids(position_ids, input_ids)
     local_len, width = logits.shape[1], logits.shape[-1]
-    shapes = f"logits.shape={tuple(logits.shape)} and input_ids.shape={tuple(input_ids.shape)}"
-    check_covers(layout, "logits", local_len, input_ids.shape[1], shapes)
+    check_covers(layout, logits_name, local_len, input_ids.shape[1], shapes)
     # only the scored ids input_ids[:, 1:] must be in range; positions are reported as input_ids'
     scored = input_ids[:, 1:]
     if ignore_index is not None:
         scored = scored.masked_fill(scored == ignore_index, 0)
     check = lambda size: check_ids_in_range(ids_name, scored, size, column_offset=1)  # noqa: E731
-    vocab = resolved_vocab(group, width, vocab_start, vocab_size, widths, check)
+    vocab = resolved_vocab(group, width, check, vocab_start=vocab_start, vocab_size=vocab_size, widths=widths)
     return NextTokenCall(logits, input_ids, layout, vocab, chunk_size, position_ids, ignore_index)
 
 
 def resolved_vocab(
     group: ProcessGroup | None,
     width: int,
-    vocab_start: int | None,
-    vocab_size: int | None,
-    widths: ShardWidths | None,
-    check: Callable[[int | Callable[[], int]], None],
+    check: Callable[[int | Callable[[], int]], None] | None = None,
+    *,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    widths: ShardWidths | None = None,
 ) -> VocabRange:
     """This rank's `VocabRange` of `width` columns, after the call's range check `check(V)` of its
-    ids: `vocab_start` / `vocab_size` when given; else the widths the ranks reported to the
+    ids (if any): `vocab_start` / `vocab_size` when given; else the widths the ranks reported to the
     cross-rank check (`widths`, the call's `ShardWidths`: `V` is read with the range check's own
     host read, uneven shards in eager mode); else uniform shards (`rank · width`, `R · width`)."""
+    check = check or (lambda size: None)
     uniform = VocabRange.uniform(group, width)
     if widths is not None and vocab_start is None and vocab_size is None:
         check(widths.size_when_read(width, group))

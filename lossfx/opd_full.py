@@ -29,6 +29,7 @@ payload and heads, range-checks the ids once, then calls the pure code in
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from lossfx._core import host_reads as _host_reads
 from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import opd_full as _pure
+from lossfx.next_token import resolved_vocab
 from lossfx.sequence_layout import ContextParallelSharder, SequenceLayout, check_covers, sequence_layout
 
 __all__ = [
@@ -217,9 +219,11 @@ def _validated_teacher(
     layout: SequenceLayout,
     teacher_output_layer_weight_by_index: dict[Any, Tensor] | None,
     teacher_index: Tensor | None,
+    vocab_start: int | None = None,
 ) -> _Teacher:
     """Every check of the teacher payload and heads against this rank's `student_logits [B, S_l, Vl]`
-    (NeMo's payload-reconstruction errors, docs/decisions.md §3), before any work."""
+    (NeMo's payload-reconstruction errors, docs/decisions.md §3), before any work. A logits
+    payload's window starts at `vocab_start` (default `vocab_parallel_rank · Vl`)."""
     check_floating("payload", payload)
     check_tensor("student_logits", student_logits)
     if teacher_payload not in _PAYLOAD_COLUMNS:
@@ -253,7 +257,7 @@ def _validated_teacher(
     else:
         if vocab_parallel_rank is None:
             raise ValueError("vocab_parallel_rank is required to slice the opd_full logits payload (use 0 without TP)")
-        start = vocab_parallel_rank * local_vocab
+        start = vocab_parallel_rank * local_vocab if vocab_start is None else vocab_start
         end = start + local_vocab
         if payload.shape[-1] < end:
             raise ValueError(
@@ -383,6 +387,96 @@ def _tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int
     return check_group_rank("vocab_parallel_rank", vocab_parallel_rank, "vocab_parallel_group", group)
 
 
+class OpdFullCall(NamedTuple):
+    """A validated OPD_FULL call (`validated_opd_full`), as the pure layouts take it."""
+
+    cfg: Any  # loss_fn.opd_full
+    payload: Tensor  # the teacher payload column
+    input_ids: Tensor  # [B, S]
+    student: Tensor  # the logits the divergence sees (a short rank's padding columns dropped)
+    teacher: _Teacher
+    vocab: VocabRange  # this rank's
+    kl: bool  # the reference-KL term's log-probs are asked for (its ids range-checked)
+    chunk_rows: int | None  # the config's chunk_size · B
+
+
+def validated_opd_full(
+    logits: Tensor,
+    data: Mapping[str, Any],
+    loss_fn: Any,
+    *,
+    vocab_parallel_rank: int | None,
+    vocab_parallel_group: ProcessGroup | None,
+    layout: SequenceLayout,
+    chunk_size: int | None,
+    teacher_output_layer_weight_by_index: dict[Any, Tensor] | None,
+    teacher_logits_dtype: torch.dtype | None,
+    logits_name: str = "logits",
+    vocab_size: int | None = None,
+    **vocab: Any,
+) -> OpdFullCall:
+    """The boundary work of an OPD_FULL call on local tensors, once: the config, the arguments and
+    columns, the teacher (`_validated_teacher`) and, with a reference-KL term, one range check of
+    `input_ids`; all before any work (`data` is never modified). Shared by the logits path's two
+    faces and the fused front door (`logits_name`: its stand-in for the logits of its hidden
+    states; `vocab`: its head's `vocab_start`, `widths`, as `lossfx.next_token.resolved_vocab` takes
+    them). `vocab_size`: `V` of a vocabulary-parallel DTensor shard (which of its columns are real)."""
+    group = vocab_parallel_group
+    cfg, teacher_payload, cfg_chunk = opd_config(loss_fn, data)
+    check_positive_int("chunk_size", chunk_size)
+    if teacher_logits_dtype is not None and (
+        not isinstance(teacher_logits_dtype, torch.dtype) or not teacher_logits_dtype.is_floating_point
+    ):
+        raise TypeError(f"teacher_logits_dtype must be a floating torch.dtype or None, got {teacher_logits_dtype!r}")
+    check_floating(logits_name, logits)
+    if logits.dim() != 3:
+        raise ValueError(f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(logits.shape)}")
+    tp_rank = _tp_rank(vocab_parallel_rank, group)
+    input_ids = check_integer_ids("data['input_ids']", data["input_ids"])
+    got = f"input_ids.shape={tuple(input_ids.shape)} and {logits_name}.shape={tuple(logits.shape)}"
+    if input_ids.dim() != 2 or input_ids.shape[0] != logits.shape[0]:
+        raise ValueError(f"input_ids must be [B, S] with the logits' batch size; got {got}")
+    seq = input_ids.shape[1]
+    window = layout.window(logits.shape[1])
+    if window is not None and seq > window:
+        raise ValueError(
+            f"input_ids has {seq} positions, more than the student window S_l·CP = {logits.shape[1]}·{layout.cp_size}"
+        )
+    # the student the divergence sees: a short rank's -inf padding columns dropped for a projected
+    # teacher (exact: they hold no probability), so its columns are the teacher heads' rows
+    student = logits
+    if vocab_size is not None and group is not None and teacher_payload == "hidden_states":
+        width, ranks = logits.shape[-1], group_size(group)
+        if (ranks - 1) * width >= vocab_size:  # the same verdict on every rank
+            raise ValueError(
+                f"a vocabulary of V={vocab_size} split over {ranks} ranks leaves the last rank(s) no rows "
+                f"(torch's split: {width} per rank); a hidden-states teacher needs every rank to hold at "
+                "least one vocabulary row: use fewer ranks or pad the vocabulary"
+            )
+        real = min(vocab_size - tp_rank * width, width)
+        student = logits.narrow(-1, 0, real) if real < logits.shape[-1] else logits
+    # the reference-KL term's ids, range-checked once (padded logits: V is the real size)
+    kl = getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0
+    if kl:
+        check_covers(layout, logits_name, logits.shape[1], seq, got)
+    check = functools.partial(check_ids_in_range, "data['input_ids']", input_ids) if kl else None
+    resolved = resolved_vocab(group, logits.shape[-1], check, vocab_size=vocab_size, **vocab)
+    # this rank's teacher, validated: a logits payload's window, or the LM-head shards
+    payload = data[_PAYLOAD_COLUMNS[teacher_payload]]
+    teacher = _validated_teacher(
+        payload,
+        teacher_payload=teacher_payload,
+        student_logits=student,
+        vocab_parallel_rank=tp_rank,
+        layout=layout,
+        teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+        teacher_index=data.get(TEACHER_INDEX_FIELD) if teacher_payload == "hidden_states" else None,
+        vocab_start=resolved.start if group is not None else None,
+    )
+    chunk_rows = None if cfg_chunk is None else int(cfg_chunk) * logits.shape[0]
+    return OpdFullCall(cfg, payload, input_ids, student, teacher, resolved, kl, chunk_rows)
+
+
 def opd_full_input(
     logits: Tensor,
     data: Mapping[str, Any],
@@ -397,75 +491,36 @@ def opd_full_input(
     vocab_size: int | None = None,
     cp_sharder: Any = None,
 ) -> dict[str, Any]:
-    """The boundary work of an OPD_FULL call on local tensors, once (config, columns, heads, ids),
-    then the pure `lossfx._layouts.opd_full.opd_full_loss_input` once. Shared by
+    """An OPD_FULL call on local tensors: `validated_opd_full` once, then the pure
+    `lossfx._layouts.opd_full.opd_full_loss_input` once. Shared by
     `lossfx.prepare_opd_full_loss_input` and `prepare_loss_input`'s OPD_FULL branch, whose one
     unwrap (`lossfx.loss_input`) hands it the logits' even shard, the local columns, each teacher
     head as this rank's rows and `vocab_size = V` of a DTensor shard (which of its columns are
     real). No cross-rank check here (their `boundary` runs it)."""
-    group, heads = vocab_parallel_group, teacher_output_layer_weight_by_index
-    # 1. config, arguments and columns (all checked before any work; `data` is never modified)
-    cfg, teacher_payload, cfg_chunk = opd_config(loss_fn, data)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
-    check_floating("logits", logits)
-    if logits.dim() != 3:
-        raise ValueError(f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(logits.shape)}")
-    tp_rank = _tp_rank(vocab_parallel_rank, group)
-    column = _PAYLOAD_COLUMNS[teacher_payload]
-    input_ids = check_integer_ids("data['input_ids']", data["input_ids"])
-    got = f"input_ids.shape={tuple(input_ids.shape)} and logits.shape={tuple(logits.shape)}"
-    if input_ids.dim() != 2 or input_ids.shape[0] != logits.shape[0]:
-        raise ValueError(f"input_ids must be [B, S] with the logits' batch size; got {got}")
     layout = sequence_layout(context_parallel_group, cp_sharder)
-    seq = input_ids.shape[1]
-    window = layout.window(logits.shape[1])
-    if window is not None and seq > window:
-        raise ValueError(
-            f"input_ids has {seq} positions, more than the student window S_l·CP = {logits.shape[1]}·{layout.cp_size}"
-        )
-    teacher_index = data.get(TEACHER_INDEX_FIELD) if teacher_payload == "hidden_states" else None
-    # the student the divergence sees: a short rank's -inf padding columns dropped for a projected
-    # teacher (exact: they hold no probability), so its columns are the teacher heads' rows
-    student = logits
-    if vocab_size is not None and group is not None and teacher_payload == "hidden_states":
-        width, ranks = logits.shape[-1], group_size(group)
-        if (ranks - 1) * width >= vocab_size:  # the same verdict on every rank
-            raise ValueError(
-                f"a vocabulary of V={vocab_size} split over {ranks} ranks leaves the last rank(s) no rows "
-                f"(torch's split: {width} per rank); a hidden-states teacher needs every rank to hold at "
-                "least one vocabulary row: use fewer ranks or pad the vocabulary"
-            )
-        real = min(vocab_size - tp_rank * width, width)
-        student = logits.narrow(-1, 0, real) if real < logits.shape[-1] else logits
-    # 2. this rank's teacher, validated: a logits payload's window, or the LM-head shards
-    payload = data[column]
-    teacher = _validated_teacher(
-        payload,
-        teacher_payload=teacher_payload,
-        student_logits=student,
-        vocab_parallel_rank=tp_rank,
+    call = validated_opd_full(
+        logits,
+        data,
+        loss_fn,
+        vocab_parallel_rank=vocab_parallel_rank,
+        vocab_parallel_group=vocab_parallel_group,
         layout=layout,
-        teacher_output_layer_weight_by_index=heads,
-        teacher_index=teacher_index,
-    )
-    # 3. the reference-KL term's ids, range-checked once (its logits may be padded: V is the real size)
-    logprobs = None
-    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
-        check_covers(layout, "logits", logits.shape[1], seq, got)
-        vocab = VocabRange.uniform(group, logits.shape[-1])
-        check_ids_in_range("data['input_ids']", input_ids, vocab.size if vocab_size is None else vocab_size)
-        logprobs = (logits, input_ids, vocab, chunk_size)
-    return _pure.opd_full_loss_input(
-        student,
-        payload,
-        seq,
-        layout,
-        group,
-        columns=teacher.columns,
-        heads=teacher.heads,
-        position=teacher.position,
-        validate_decomposition=bool(getattr(cfg, "validate_decomposition", False)),
-        chunk_rows=None if cfg_chunk is None else int(cfg_chunk) * logits.shape[0],
+        chunk_size=chunk_size,
+        teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
         teacher_logits_dtype=teacher_logits_dtype,
-        logprobs=logprobs,
+        vocab_size=vocab_size,
+    )
+    return _pure.opd_full_loss_input(
+        call.student,
+        call.payload,
+        call.input_ids.shape[1],
+        layout,
+        vocab_parallel_group,
+        columns=call.teacher.columns,
+        heads=call.teacher.heads,
+        position=call.teacher.position,
+        validate_decomposition=bool(getattr(call.cfg, "validate_decomposition", False)),
+        chunk_rows=call.chunk_rows,
+        teacher_logits_dtype=teacher_logits_dtype,
+        logprobs=(logits, call.input_ids, call.vocab, chunk_size) if call.kl else None,
     )

@@ -32,7 +32,6 @@ resolve this rank's `VocabRange` and the filter, then call the pure pipeline
 
 from __future__ import annotations
 
-import functools
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -293,8 +292,6 @@ def _validated_packed(
         raise ValueError(
             f"input_ids must be [B, S] (or [1, T] for pre-packed data), got shape {tuple(input_ids.shape)}"
         )
-    if sampling_params is not None and not isinstance(sampling_params, TrainingSamplingParams):
-        raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
     top = resolve_filter(sampling_params)
     options: dict[str, Any] = {
         "chunk_rows": check_positive_int("chunk_size", chunk_size),
@@ -302,8 +299,8 @@ def _validated_packed(
     }
     layout = PackedLayout(cu_seqlens_q, cu_seqlens_q_padded, context_parallel_group, prepacked)
     layout.check_covers("packed logits", logits.shape[1], input_ids.shape[0], f"logits.shape={tuple(logits.shape)}")
-    check = functools.partial(check_packed_input_ids, ids_name, input_ids, cu_seqlens_q, cu_seqlens_q_padded)
+    check = lambda v: check_packed_input_ids(ids_name, input_ids, cu_seqlens_q, cu_seqlens_q_padded, v, prepacked)  # noqa: E731
     resolved = resolved_vocab(
-        vocab_parallel_group, logits.shape[-1], vocab_start, vocab_size, widths, lambda v: check(v, prepacked)
+        vocab_parallel_group, logits.shape[-1], check, vocab_start=vocab_start, vocab_size=vocab_size, widths=widths
     )
     return logits, input_ids, layout, resolved, options

@@ -38,6 +38,7 @@ def linear_next_token_logprobs(
     sequence_parallel: bool = False,
     position_ids: Tensor | None = None,
     top: TopKTopP | None = None,
+    fill: int | None = None,
 ) -> list[Tensor]:
     """hidden `[B, S_l, H]` (`[B, S_l/R, H]` under sequence parallelism over `vocab.group`, `R`
     ranks), weight `[Vl, H]`, input_ids `[B, S]` canonical -> `[logprobs [B, S−1]]`, and
@@ -47,6 +48,8 @@ def linear_next_token_logprobs(
 
     Dense equivalent (no parallelism): ``linear_token_logprobs(hidden[:, :-1], weight,
     input_ids[:, 1:])``, 0 where `input_ids[:, t+1] == head.ignore_index` or `position_ids[:, t+1] == 0`.
+    `fill`: the id the layout's slots without a next token score (default `head.ignore_index`:
+    skipped; the packed rows' rule is 0, `lossfx.packing`).
     """
     tp_size = group_size(vocab.group) if sequence_parallel else 1
     seq_major = tp_size > 1
@@ -84,4 +87,5 @@ def linear_next_token_logprobs(
 
     local_len = hidden.shape[1] * tp_size  # this CP rank's positions
     ids = input_ids.to(hidden.device)
-    return score_next_tokens(layout, ids, local_len, score, fill=head.ignore_index, position_ids=position_ids)
+    fill = head.ignore_index if fill is None else fill
+    return score_next_tokens(layout, ids, local_len, score, fill=fill, position_ids=position_ids)
