@@ -576,7 +576,8 @@ def assert_fused_call_exact(
 
 
 def split_head_call(mode: str, rank: int, world: int, group: Any, hidden, weight, bias) -> tuple[Any, ...]:
-    """This rank's `(hidden, weight, bias, head rows, group keywords)` of a fused front-door call:
+    """This rank's `(hidden, weight, bias, head rows, group keywords)` of a fused front-door call
+    (`prepare_linear_loss_input`; tests/test_docstrings.py finds its `cp_sharder=` here):
     `mode` "tp" (the head split in `uneven_widths` rows, hidden replicated), "cp" (the sequence
     load-balanced over the world, `context_parallel_group=`) or "sharder" (the same layout through
     `cp_sharder=LoadBalancedLayout`). `head rows` is the rank's row slice (all rows off "tp")."""
