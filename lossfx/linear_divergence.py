@@ -156,7 +156,9 @@ def linear_divergence_to_teacher(
             `prepare_loss_input`'s: the hidden states are rounded to the head's dtype, each product to this.
         group: tensor-parallel group over the vocabulary, or `None`.
         bias, temperature, logit_scale, softcap: the student's head (`HeadKeywords`), as
-            `lossfx.linear_token_logprobs`; `ignore_index` is accepted with them and unused (no ids).
+            `lossfx.linear_token_logprobs`.
+        ignore_index: accepted with the head options (`HeadKeywords`) and unused: this function
+            reads no ids.
         chunk_size: rows per `[C, Cv]` tile (a memory bound; results do not depend on it);
             default from the device's `lossfx.ChunkPolicy`.
 
