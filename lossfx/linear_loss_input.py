@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, ShardWidths, boundary
-from lossfx._boundary.dtensor import CALLER, SHARD, VocabShard, local_view, replicated
+from lossfx._boundary.dtensor import CALLER, SHARD, VocabShard, local_view
 from lossfx._boundary.validation import check_floating, check_group, check_tensor
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.tiles import HeadOptions
@@ -159,7 +159,7 @@ def _linear_opd_full_input(
     """`OPD_FULL`: the logits path's checks (`lossfx.opd_full.validated_opd_full`) on the stand-in,
     then the fused twin `lossfx._layouts.linear_opd_full` once: the student `hidden × weight` and
     the teacher (logits columns, or hidden states × teacher head) one tile at a time.
-    `teacher_heads`: this rank's rows of each teacher head (the boundary's one unwrap, `_unwrap`)."""
+    `teacher_heads`: this rank's rows of each teacher head (the boundary's one unwrap, `local_view`)."""
     hidden, call = door.hidden, door.call
     opd = validated_opd_full(
         _stand_in(door),
@@ -383,7 +383,6 @@ def _draft_input(door: FrontDoor, d2t: Tensor | None, layout: SequenceLayout) ->
     from the head's `D` draft rows only."""
     student_logits = _column(door.data, "student_logits")  # type: ignore[arg-type]  # (passed through)
     token_mask = check_tensor("data['token_mask']", _column(door.columns, "token_mask"))  # type: ignore[arg-type]
-    d2t = replicated(d2t, "d2t")
     shard = door.shard
     target_ids, vocab = validated_draft(
         _stand_in(door), token_mask, d2t, shard.group, shard.rank, layout, _LOGITS, **_vocab(door)
