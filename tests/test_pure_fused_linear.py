@@ -193,7 +193,9 @@ def test_one_public_call_enters_the_kernel_once_and_checks_ids_once(monkeypatch,
         _counting(monkeypatch, kfused, name, counts)
     for name in ("linear_logprob_objective", "linear_rows"):  # the objective's kernel and its row preparation
         _counting(monkeypatch, kobjective, name, counts)
-    for module in (validation, public_fused):  # the name as the boundary imported it, and at its source
+    # the name at its source, and as the boundary's modules imported it (the fused next-token call is
+    # checked by the logits path's `validated_next_token_call`, in lossfx.next_token)
+    for module in (validation, public_fused, lossfx.next_token):
         _counting(monkeypatch, module, "check_ids_in_range", counts)
     call(hidden, weight, ids, a)
     assert counts.pop(kernel_name) == 1, counts

@@ -176,7 +176,7 @@ def counts(monkeypatch):
     for key, (module, name) in PURE.items():
         count(module, name, key)
     # the range checks as the public modules call them (imported by name)
-    for module in (lossfx.draft, lossfx.fused_linear):
+    for module in (lossfx.draft, lossfx.fused_linear, lossfx.next_token):
         count(module, "check_ids_in_range", "check_ids_in_range")
     return counts
 
