@@ -114,9 +114,7 @@ class VocabShard(NamedTuple):
 
 def _pad_columns(x: Tensor, n: int, dim: int) -> Tensor:
     """`x` with `n` columns of `-inf` appended along `dim` (differentiable; they get no gradient)."""
-    shape = list(x.shape)
-    shape[dim] = n
-    return torch.cat([x, x.new_full(shape, float("-inf"))], dim=dim)
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1 - dim % x.dim()) + (0, n), value=float("-inf"))
 
 
 def _placement_error(name: str, x: Any, why: str) -> ValueError:
@@ -138,12 +136,8 @@ def _vocab_mesh_dim(x: Any, dim: int, name: str) -> int | None:
                 raise _placement_error(name, x, "the vocabulary may be sharded over one mesh dim only")
             found = mesh_dim
             continue
-        raise _placement_error(
-            name,
-            x,
-            f"{placement} is not supported; lossfx accepts Shard({dim}) (the vocabulary dim) on one mesh dim "
-            "and Replicate() on the others",
-        )
+        why = f"{placement} is not supported; lossfx accepts Shard({dim}) (the vocabulary dim) on one mesh dim"
+        raise _placement_error(name, x, f"{why} and Replicate() on the others")
     return found
 
 
@@ -224,22 +218,19 @@ def vocab_shard(
     ):
         if given is not None and derived is not None and given != derived:
             raise ValueError(f"{arg}={given} disagrees with the DTensor {name}, whose placement gives {derived}")
-    padded = 0
-    if even and mesh_group is not None:
-        width = -(-global_vocab // mesh_group.size())  # torch's rule: every shard but the last ones is ceil(V/R)
-        padded = width - local.shape[vdim]
-        if padded:
-            local = _pad_columns(local, padded, vdim)
+    # torch's rule: every shard but the last ones is ceil(V/R) wide
+    padded = -(-global_vocab // mesh_group.size()) - local.shape[vdim] if even and mesh_group is not None else 0
+    if padded:
+        local = _pad_columns(local, padded, vdim)
     return VocabShard(local, mesh_group, mesh_rank, start, global_vocab, x, padded)
 
 
 def _check_declared(name: str, roles: Roles, *given: Any) -> None:
     """Every layout argument given to `vocab_shard` has its parameter declared (a lossfx bug if not)."""
-    declared = (roles.tp, roles.rank, roles.start, roles.size)
-    missing = [i for i, (value, arg) in enumerate(zip(given, declared)) if value is not None and arg is None]
+    roles_given = zip(("tp", "rank", "start", "size"), given, strict=True)
+    missing = ", ".join(role for role, value in roles_given if value is not None and getattr(roles, role) is None)
     if missing:
-        parts = ", ".join(("tp", "rank", "start", "size")[i] for i in missing)
-        raise TypeError(f"vocab_shard({name}): the caller's roles declare no parameter for {parts} ({roles})")
+        raise TypeError(f"vocab_shard({name}): the caller's roles declare no parameter for {missing} ({roles})")
 
 
 def _check_span(
@@ -256,8 +247,7 @@ def _check_span(
         return  # nothing explicit to check, or the caller's own checks reject `x`
     width = x.shape[dim]
     group_arg, start_arg, size_arg = roles.tp, roles.start, roles.size
-    world = 1 if group is None else group.size()
-    if world == 1:
+    if group is None or group.size() == 1:
         if vocab_start not in (None, 0):
             raise ValueError(
                 f"{start_arg}={vocab_start} without a tensor-parallel group ({group_arg} of one rank or None): "
