@@ -62,10 +62,8 @@ _KEY = "lossfx/debug"  # the store keys' prefix
 def enabled() -> bool:
     """Whether the debug mode is on (`LOSSFX_DISTRIBUTED_DEBUG`, read now)."""
     value = os.environ.get(ENV, "").strip().lower()
-    if value in _OFF:
-        return False
-    if value in _ON:
-        return True
+    if value in _ON | _OFF:
+        return value in _ON
     raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 1/true/on/yes or 0/false/off/no")
 
 
