@@ -3,7 +3,8 @@
 The hangs the cross-rank check cannot catch (it is a collective over the call's group, so ranks
 that disagree on the group never meet in it): a group on one rank only, two distinct group
 objects with the same ranks, a `Replicate()` DTensor on one rank and a sharded one on the other
-(logits `Shard(-1)`, a fused head `Shard(0)`). With the mode on, each raises one clear
+(logits `Shard(-1)`, a fused head `Shard(0)`), `None` beside a sharded DTensor (a fused head's bias),
+a plain tensor beside one (logits, TRL's head). With the mode on, each raises one clear
 `ValueError` on every rank, under a deadline (a hang fails the test), and the group is still in
 step after it (a probe all-reduce). A rank that never makes the call: `RuntimeError` at the
 timeout. Valid calls give the float64 reference's values with the mode on and off; off, a call
@@ -87,6 +88,9 @@ def _call(case: str, rank: int, group):
     if case == "plain_vs_shard_logits":  # rank 0: full plain logits, no group; rank 1: a Shard(-1) DTensor
         x = logits if rank == 0 else _dtensor(logits, "shard_last")
         return (lambda: lossfx.token_logprobs(x, target)), lp
+    if case == "none_vs_shard_bias":  # a plain head; rank 0 no bias, rank 1 a Shard(0) DTensor bias
+        bias = None if rank == 0 else _dtensor(torch.zeros(V, dtype=F64), "shard_rows")
+        return (lambda: lossfx.linear_token_logprobs(hidden, weight, target.reshape(-1), bias=bias)), fused
     if case == "replicate_vs_shard_head":
         w = _dtensor(weight, "replicate" if rank == 0 else "shard_rows")
         return (lambda: lossfx.linear_token_logprobs(hidden, w, target.reshape(-1))), fused
@@ -173,6 +177,11 @@ HANGS = {  # case: what every rank's error must say
     "plain_vs_shard_logits": [
         "the ranks tied by logits describe it differently",
         "rank 0: a plain tensor, rank 1: a DTensor (Shard(2))",
+    ],
+    "none_vs_shard_bias": [  # rank 1's view rejects the bias, then meets its mesh group in the check: a hang
+        "the ranks tied by bias describe it differently",
+        "rank 0: None, rank 1: a DTensor (Shard(0)) of shape [8]",
+        "pass the same kind of argument",
     ],
     "trl_plain_vs_shard_head": [
         "lossfx.integrations.trl.per_token_logps",

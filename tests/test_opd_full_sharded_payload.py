@@ -1,6 +1,6 @@
 """OPD_FULL with a teacher logits payload `data['teacher_full_logits']` that is a vocabulary-sharded
 DTensor (`Shard(-1)` on the logits' mesh): not supported (the payload is a canonical, replicated
-column), so the one unwrap of the call (`_boundary.dtensor.local_view`, `read_columns`) rejects it
+column), so the one unwrap of the call (`_boundary.dtensor.local_view`: the columns the call reads) rejects it
 with the same clear ValueError on both gloo ranks, naming the column and its placement, on the
 logits path (`prepare_loss_input`, `prepare_opd_full_loss_input`) and the front door
 (`prepare_linear_loss_input`); a `Replicate()` payload next to it is the control that works.

@@ -62,10 +62,8 @@ _KEY = "lossfx/debug"  # the store keys' prefix
 def enabled() -> bool:
     """Whether the debug mode is on (`LOSSFX_DISTRIBUTED_DEBUG`, read now)."""
     value = os.environ.get(ENV, "").strip().lower()
-    if value in _OFF:
-        return False
-    if value in _ON:
-        return True
+    if value in _ON | _OFF:
+        return value in _ON
     raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 1/true/on/yes or 0/false/off/no")
 
 
@@ -73,10 +71,9 @@ def _timeout() -> float:
     text = os.environ.get(ENV_TIMEOUT, "").strip()
     if not text:
         return DEFAULT_TIMEOUT_S
-    try:
+    seconds = float("nan")
+    with contextlib.suppress(ValueError):
         seconds = float(text)
-    except ValueError:
-        seconds = float("nan")
     if not seconds > 0:
         raise ValueError(f"{ENV_TIMEOUT}={text!r}: expected a number of seconds > 0")
     return seconds
@@ -109,7 +106,13 @@ def before_call(name: str, sig: inspect.Signature, roles: Any, args: tuple, kwar
         return  # no collective to hang in, or off: nothing else is read
     if _host_reads.depth() or not _world_of_many():
         return  # nested (the outer call was handshaken), or nobody to wait for
-    _handshake(name, _describe(name, sig, roles, args, kwargs))
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as err:  # its own TypeError comes after the handshake; the peers learn of it now
+        _handshake(name, {"call": f"{name} (with arguments that do not bind: {err})", "args": []})
+        return
+    bound.apply_defaults()
+    _handshake(name, _describe(name, bound.arguments, roles))
 
 
 def before_integration_call(name: str, arguments: Mapping[str, Any]) -> None:
@@ -119,8 +122,7 @@ def before_integration_call(name: str, arguments: Mapping[str, Any]) -> None:
     world of one rank: nothing is read."""
     if _host_reads.tracing() or not enabled() or not _world_of_many():
         return
-    entries = [[arg, *entry] for arg, value in arguments.items() if (entry := _entry(value)) is not None]
-    _handshake(name, {"call": name, "args": entries})
+    _handshake(name, _describe(name, arguments))
 
 
 def _world_of_many() -> bool:
@@ -132,80 +134,53 @@ def _world_of_many() -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def _group_text(group: dist.ProcessGroup) -> tuple[str, list[int]]:
-    ranks = dist.get_process_group_ranks(group)
-    return f"process group {group.group_name!r} of ranks {ranks}", ranks if len(ranks) > 1 else []
-
-
 def _dtensor_text(x: Any) -> tuple[str, list[int]]:
-    """A DTensor's placements on its mesh; tied to the ranks of the mesh dims it is not
-    `Replicate()` on (those run collectives together; an all-`Replicate()` DTensor runs none)."""
-    mesh, placements = x.device_mesh, x.placements
-    tied: set[int] = set()
-    names = []
-    for d, placement in enumerate(placements):
-        if not placement.is_replicate():
-            group = mesh.get_group(d)
-            tied.update(dist.get_process_group_ranks(group))
-            names.append(f"dim {d}: group {group.group_name!r}")
-    shown = ", ".join(_placement_text(p, x.dim()) for p in placements)
-    groups = f" ({', '.join(names)})" if names else ""
-    text = f"a DTensor ({shown}) of shape {list(x.shape)} on mesh {mesh.mesh.tolist()}{groups}"
-    return text, sorted(tied) if len(tied) > 1 else []
-
-
-def _placement_text(placement: Any, ndim: int) -> str:
-    dim = getattr(placement, "dim", None)
-    if type(placement).__name__ == "Shard" and isinstance(dim, int):  # Shard(-1) is Shard(ndim - 1)
-        return f"Shard({dim % max(ndim, 1)})"
-    return repr(placement)
+    """A DTensor's placements on its mesh (`Shard(-1)` as `Shard(ndim - 1)`); tied to the ranks of
+    the mesh dims it is not `Replicate()` on (those run collectives together; an all-`Replicate()`
+    DTensor runs none)."""
+    mesh, ndim = x.device_mesh, max(x.dim(), 1)
+    groups = {d: mesh.get_group(d) for d, placement in enumerate(x.placements) if not placement.is_replicate()}
+    tied = sorted({r for group in groups.values() for r in dist.get_process_group_ranks(group)})
+    shown = ", ".join(f"Shard({p.dim % ndim})" if type(p).__name__ == "Shard" else repr(p) for p in x.placements)
+    names = ", ".join(f"dim {d}: group {group.group_name!r}" for d, group in groups.items())
+    text = f"a DTensor ({shown}) of shape {list(x.shape)} on mesh {mesh.mesh.tolist()}" + (
+        f" ({names})" if names else ""
+    )
+    return text, tied if len(tied) > 1 else []
 
 
 def _entry(value: Any) -> tuple[str, list[int]] | None:
     """`(text, tied ranks)` of an argument the handshake compares, or None (the boundary's check compares it)."""
     if isinstance(value, dist.ProcessGroup):
-        return _group_text(value)
+        ranks = dist.get_process_group_ranks(value)
+        return f"process group {value.group_name!r} of ranks {ranks}", ranks if len(ranks) > 1 else []
     if type(value).__name__ == "DTensor":
         return _dtensor_text(value)
     if isinstance(value, Tensor):
         return "a plain tensor", []
-    if value is None:
-        return "None", []
-    return None
+    return ("None", []) if value is None else None
 
 
-def _describe(name: str, sig: inspect.Signature, roles: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """This rank's call as the handshake compares it: `{"call": text, "args": [[label, text, tied], ...]}`."""
-    try:
-        bound = sig.bind(*args, **kwargs)
-    except TypeError as err:  # its own TypeError comes after the handshake; the peers learn of it now
-        return {"call": f"{name} (with arguments that do not bind: {err})", "args": []}
-    bound.apply_defaults()
+def _describe(name: str, arguments: Mapping[str, Any], roles: Any = None) -> dict[str, Any]:
+    """This rank's call as the handshake compares it: `{"call": text, "args": [[label, text, tied], ...]}`;
+    of a mapping argument (`data`), the DTensor columns the call reads (`Roles.reads`; all of them
+    when the function that names them raises on this call, which the boundary reports after the
+    handshake). `roles`: the function's `Roles` (a sharder `cp_from` stands for its `cp_group`)."""
     entries = []
-    for arg, value in bound.arguments.items():
-        if arg == roles.cp_from and value is not None:
-            value = getattr(value, "cp_group", None)
-            arg = f"{arg}.cp_group"
+    for arg, value in arguments.items():
+        if roles is not None and arg == roles.cp_from and value is not None:
+            arg, value = f"{arg}.cp_group", getattr(value, "cp_group", None)
         entry = _entry(value)
         if entry is not None:
             entries.append([arg, *entry])
-        elif isinstance(value, Mapping):  # a `data` dict: its DTensor columns (a plain column has no placement)
-            read = _read_keys(roles, arg, bound.arguments)
-            for key, item in value.items():
-                if type(item).__name__ == "DTensor" and (read is None or key in read):
-                    entries.append([f"{arg}[{key!r}]", *_dtensor_text(item)])
+        elif isinstance(value, Mapping):  # a plain column has no placement
+            read: Any = value  # every key (also when the function naming them raises)
+            if roles is not None and roles.reads and roles.reads[0] == arg:
+                with contextlib.suppress(Exception):
+                    read = roles.reads[1](arguments)
+            dtensors = [(key, item) for key, item in value.items() if type(item).__name__ == "DTensor" and key in read]
+            entries += [[f"{arg}[{key!r}]", *_dtensor_text(item)] for key, item in dtensors]
     return {"call": name, "args": entries}
-
-
-def _read_keys(roles: Any, arg: str, arguments: Mapping[str, Any]) -> Any:
-    """The keys of mapping `arg` the call reads (`Roles.reads`), or None (all of them: also when the
-    function that names them raises on this call, which the boundary reports after the handshake)."""
-    if not roles.reads or roles.reads[0] != arg:
-        return None
-    try:
-        return roles.reads[1](arguments)
-    except Exception:
-        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,26 +226,23 @@ def _judge(described: list[dict[str, Any]]) -> str | None:
     """The first disagreement among the ranks' descriptions (the same text on every rank), or None."""
     calls = [d["call"] for d in described]
     if len(set(calls)) > 1:
-        return f"the ranks make different calls ({_each(calls)})"
+        return f"the ranks make different calls ({', '.join(f'rank {r}: {c}' for r, c in enumerate(calls))})"
     texts = [{label: text for label, text, _ in d["args"]} for d in described]
     for rank, d in enumerate(described):
         for label, text, tied in d["args"]:
             if any(texts[r].get(label) != text for r in tied if r < len(described)):
                 ranks = sorted({rank, *tied})
-                shown = ", ".join(f"rank {r}: {texts[r].get(label, 'no such argument')}" for r in ranks)
-                return f"the ranks tied by {label} describe it differently ({shown}){_hint(label, texts, ranks)}"
+                seen = [texts[r].get(label, "no such argument") for r in ranks]
+                shown = ", ".join(f"rank {r}: {t}" for r, t in zip(ranks, seen, strict=True))
+                return f"the ranks tied by {label} describe it differently ({shown}){_hint(seen)}"
     return None
 
 
-def _hint(label: str, texts: list[dict[str, str]], ranks: list[int]) -> str:
-    seen = [texts[r].get(label, "") for r in ranks]
+def _hint(seen: list[str]) -> str:
+    """What to do about one argument the ranks describe as `seen`."""
     groups = [t.partition(" of ranks ")[2] for t in seen if t.startswith("process group ")]
     if len(groups) == len(seen) and len(set(groups)) == 1:
         return "; two distinct process group objects with the same ranks: pass the same group object on every rank"
     if any(t.startswith("a DTensor") for t in seen):
         return "; pass the same kind of argument (plain, or a DTensor of one placement) on every rank of the mesh"
     return "; pass the same group (or none) on every rank of it"
-
-
-def _each(values: list[str]) -> str:
-    return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))

@@ -19,15 +19,19 @@ __all__ = ["renamed_keyword", "renamed_keywords", "warn_renamed"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _warn(message: str, stacklevel: int) -> None:
+    """A FutureWarning in eager mode only (`stacklevel` counted from the caller)."""
+    if not tracing():
+        warnings.warn(message, FutureWarning, stacklevel=stacklevel + 1)
+
+
 def warn_renamed(old_name: str, new_name: str, stacklevel: int = 3) -> None:
     """FutureWarning (eager only) that `old_name`, whose value is `Σ p log p`, is now `new_name`."""
-    if not tracing():
-        warnings.warn(
-            f"{old_name} is deprecated: its value is Σ p log p, the NEGATIVE entropy (≤ 0); use {new_name} "
-            "for the same value (the entropy is its negation)",
-            FutureWarning,
-            stacklevel=stacklevel,
-        )
+    _warn(
+        f"{old_name} is deprecated: its value is Σ p log p, the NEGATIVE entropy (≤ 0); use {new_name} "
+        "for the same value (the entropy is its negation)",
+        stacklevel,
+    )
 
 
 def renamed_keyword(new_name: str, new: Any, old_name: str, old: Any) -> Any:
@@ -53,12 +57,7 @@ def renamed_keywords(**new_name_of: str) -> Callable[[F], F]:
                 if old in kwargs:
                     if new in kwargs:
                         raise TypeError(f"{fn.__name__}: pass {new} only; {old} is its deprecated name")
-                    if not tracing():
-                        warnings.warn(
-                            f"{fn.__name__}({old}=) is deprecated: the same argument is now {new}=",
-                            FutureWarning,
-                            stacklevel=2,
-                        )
+                    _warn(f"{fn.__name__}({old}=) is deprecated: the same argument is now {new}=", 2)
                     kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
 

@@ -29,8 +29,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._prims_common import make_contiguous_strides_for  # (torch's own rule: imported by `import torch`)
 
 from lossfx._boundary.consistency import REJECTED, REJECTED_ERROR, Roles
+from lossfx._boundary.validation import check_group
 from lossfx._core.host_reads import tracing
 
 ProcessGroup = dist.ProcessGroup
@@ -39,8 +41,6 @@ __all__ = [
     "VocabShard",
     "is_dtensor",
     "local_view",
-    "read_columns",
-    "rejections_compared",
     "replicated",
     "resolved_shard",
     "vocab_shard",
@@ -96,40 +96,25 @@ class VocabShard(NamedTuple):
     def wrap(self, out: Tensor) -> Tensor:
         """A result `[..., Vl]` sharded like the input on its last (vocabulary) dim, back as a
         DTensor with the input's mesh and placements (padding removed); identity for a plain input."""
-        if self.dtensor is None:
-            return out
         if self.padded:
             out = out.narrow(-1, 0, out.shape[-1] - self.padded)
-        return self._from_local(out, self.dtensor.shape[-1])
+        return out if self.dtensor is None else self.wrap_other_vocab(out, self.dtensor.shape[-1])
 
     def wrap_other_vocab(self, out: Tensor, global_vocab: int) -> Tensor:
         """A result `[..., D/R]` on another vocabulary of `global_vocab = D` ids split evenly over
         the same ranks (a draft vocabulary), as a DTensor placed like the input."""
         if self.dtensor is None:
             return out
-        return self._from_local(out, global_vocab)
-
-    def _from_local(self, out: Tensor, global_vocab: int) -> Tensor:
-        shape = [*out.shape[:-1], global_vocab]
+        shape = torch.Size([*out.shape[:-1], global_vocab])
         mesh, placements = self.dtensor.device_mesh, self.dtensor.placements
         return _dtensor_module().DTensor.from_local(
-            out, mesh, placements, shape=torch.Size(shape), stride=_contiguous_strides(shape)
+            out, mesh, placements, shape=shape, stride=make_contiguous_strides_for(shape)
         )
-
-
-def _contiguous_strides(shape: list[int]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _pad_columns(x: Tensor, n: int, dim: int) -> Tensor:
     """`x` with `n` columns of `-inf` appended along `dim` (differentiable; they get no gradient)."""
-    shape = list(x.shape)
-    shape[dim] = n
-    return torch.cat([x, x.new_full(shape, float("-inf"))], dim=dim)
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1 - dim % x.dim()) + (0, n), value=float("-inf"))
 
 
 def _placement_error(name: str, x: Any, why: str) -> ValueError:
@@ -151,19 +136,16 @@ def _vocab_mesh_dim(x: Any, dim: int, name: str) -> int | None:
                 raise _placement_error(name, x, "the vocabulary may be sharded over one mesh dim only")
             found = mesh_dim
             continue
-        raise _placement_error(
-            name,
-            x,
-            f"{placement} is not supported; lossfx accepts Shard({dim}) (the vocabulary dim) on one mesh dim "
-            "and Replicate() on the others",
-        )
+        why = f"{placement} is not supported; lossfx accepts Shard({dim}) (the vocabulary dim) on one mesh dim"
+        raise _placement_error(name, x, f"{why} and Replicate() on the others")
     return found
 
 
-def _same_group(a: ProcessGroup, b: ProcessGroup) -> bool:
+def _same_group(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:
+    """The same group (`None`: none); while tracing, the same group object."""
     if a is b:
         return True
-    if tracing():  # the rank lists cannot be read while tracing; identity decides
+    if a is None or b is None or tracing():  # the rank lists cannot be read while tracing; identity decides
         return False
     return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
 
@@ -172,7 +154,7 @@ _NO_ROLES = Roles()
 
 
 def vocab_shard(
-    x: Tensor,
+    x: Any,
     *,
     name: str,
     roles: Roles = _NO_ROLES,
@@ -204,31 +186,51 @@ def vocab_shard(
             vocabulary range it cannot hold (`_check_span`).
     """
     _check_declared(name, roles, group, rank, vocab_start, vocab_size)
-    _check_span_types(group, roles, vocab_start, vocab_size)
+    check_group(str(roles.tp), group)
+    for arg, value in ((roles.start, vocab_start), (roles.size, vocab_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{arg} must be an int or None, got {value!r} ({type(value).__name__})")
     if not is_dtensor(x):
         _check_span(x, dim, name, group, roles, vocab_start, vocab_size)
         return VocabShard(x, group, rank, vocab_start, vocab_size)
-    return _dtensor_vocab_shard(x, dim, name, roles, group, rank, vocab_start, vocab_size, even)
+    if x.dim() == 0:
+        raise _placement_error(name, x, "a 0-d tensor has no vocabulary dim")
+    vdim = dim % x.dim()
+    mesh_dim = _vocab_mesh_dim(x, vdim, name)
+    global_vocab = x.shape[vdim]
+    local = x.to_local()
+    if mesh_dim is None or x.device_mesh.size(mesh_dim) == 1:
+        mesh_group, mesh_rank, start = None, None, 0
+    else:
+        mesh = x.device_mesh
+        mesh_group, mesh_rank = mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim)
+        start = _shard_start(global_vocab, mesh.size(mesh_dim), mesh_rank)
+    if group is not None and not (group.size() == 1 if mesh_group is None else _same_group(group, mesh_group)):
+        raise ValueError(
+            f"the explicit process group (size {group.size()}) disagrees with the DTensor {name}, whose placements "
+            f"{tuple(x.placements)} give {'no tensor parallelism' if mesh_group is None else 'another group'}; "
+            "pass the DTensor alone"
+        )
+    for arg, given, derived in (
+        (roles.rank, rank, mesh_rank),
+        (roles.start, vocab_start, start),
+        (roles.size, vocab_size, global_vocab),
+    ):
+        if given is not None and derived is not None and given != derived:
+            raise ValueError(f"{arg}={given} disagrees with the DTensor {name}, whose placement gives {derived}")
+    # torch's rule: every shard but the last ones is ceil(V/R) wide
+    padded = -(-global_vocab // mesh_group.size()) - local.shape[vdim] if even and mesh_group is not None else 0
+    if padded:
+        local = _pad_columns(local, padded, vdim)
+    return VocabShard(local, mesh_group, mesh_rank, start, global_vocab, x, padded)
 
 
 def _check_declared(name: str, roles: Roles, *given: Any) -> None:
     """Every layout argument given to `vocab_shard` has its parameter declared (a lossfx bug if not)."""
-    declared = (roles.tp, roles.rank, roles.start, roles.size)
-    missing = [i for i, (value, arg) in enumerate(zip(given, declared)) if value is not None and arg is None]
+    roles_given = zip(("tp", "rank", "start", "size"), given, strict=True)
+    missing = ", ".join(role for role, value in roles_given if value is not None and getattr(roles, role) is None)
     if missing:
-        parts = ", ".join(("tp", "rank", "start", "size")[i] for i in missing)
-        raise TypeError(f"vocab_shard({name}): the caller's roles declare no parameter for {parts} ({roles})")
-
-
-def _check_span_types(group: Any, roles: Roles, vocab_start: Any, vocab_size: Any) -> None:
-    if group is not None and not isinstance(group, ProcessGroup):
-        raise TypeError(
-            f"{roles.tp} must be a torch.distributed.ProcessGroup or None, got {group!r} ({type(group).__name__}); "
-            "pass the group object (e.g. device_mesh.get_group('tp')), not its name"
-        )
-    for arg, value in ((roles.start, vocab_start), (roles.size, vocab_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(f"{arg} must be an int or None, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"vocab_shard({name}): the caller's roles declare no parameter for {missing} ({roles})")
 
 
 def _check_span(
@@ -245,8 +247,7 @@ def _check_span(
         return  # nothing explicit to check, or the caller's own checks reject `x`
     width = x.shape[dim]
     group_arg, start_arg, size_arg = roles.tp, roles.start, roles.size
-    world = 1 if group is None else group.size()
-    if world == 1:
+    if group is None or group.size() == 1:
         if vocab_start not in (None, 0):
             raise ValueError(
                 f"{start_arg}={vocab_start} without a tensor-parallel group ({group_arg} of one rank or None): "
@@ -271,52 +272,6 @@ def _check_span(
         )
 
 
-def _dtensor_vocab_shard(
-    x: Any,
-    dim: int,
-    name: str,
-    roles: Roles,
-    group: ProcessGroup | None,
-    rank: int | None,
-    vocab_start: int | None,
-    vocab_size: int | None,
-    even: bool,
-) -> VocabShard:
-    ndim = x.dim()
-    if ndim == 0:
-        raise _placement_error(name, x, "a 0-d tensor has no vocabulary dim")
-    vdim = dim % ndim
-    mesh_dim = _vocab_mesh_dim(x, vdim, name)
-    global_vocab = x.shape[vdim]
-    local = x.to_local()
-    if mesh_dim is None or x.device_mesh.size(mesh_dim) == 1:
-        mesh_group, mesh_rank, start = None, None, 0
-    else:
-        mesh = x.device_mesh
-        mesh_group, mesh_rank = mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim)
-        start = _shard_start(global_vocab, mesh.size(mesh_dim), mesh_rank)
-    if group is not None and not (group.size() == 1 if mesh_group is None else _same_group(group, mesh_group)):
-        raise ValueError(
-            f"the explicit process group (size {group.size()}) disagrees with the DTensor {name}, whose placements "
-            f"{tuple(x.placements)} give {'no tensor parallelism' if mesh_group is None else 'another group'}; "
-            "pass the DTensor alone"
-        )
-    for arg, given, derived in (
-        (roles.rank, rank, mesh_rank),
-        (roles.start, vocab_start, start),
-        (roles.size, vocab_size, global_vocab),
-    ):
-        if given is not None and derived is not None and given != derived:
-            raise ValueError(f"{arg}={given} disagrees with the DTensor {name}, whose placement gives {derived}")
-    padded = 0
-    if even and mesh_group is not None:
-        width = -(-global_vocab // mesh_group.size())  # torch's rule: every shard but the last ones is ceil(V/R)
-        padded = width - local.shape[vdim]
-        if padded:
-            local = _pad_columns(local, padded, vdim)
-    return VocabShard(local, mesh_group, mesh_rank, start, global_vocab, x, padded)
-
-
 def _shard_start(size: int, parts: int, rank: int) -> int:
     """The first index of shard `rank` of `size` entries split in `parts` by torch's `Shard` rule
     (`torch.chunk`: shards of `ceil(size/parts)`, the last ones shorter or empty).
@@ -328,23 +283,16 @@ def _shard_start(size: int, parts: int, rank: int) -> int:
     return min(rank * -(-size // parts), size)
 
 
-def _all_replicate(x: Any) -> bool:
-    """True iff every placement of the DTensor `x` is `Replicate()`."""
-    replicate = _dtensor_module().Replicate
-    return all(isinstance(p, replicate) for p in x.placements)
-
-
 def replicated(x: Any, name: str) -> Any:
     """A replicated argument (ids, masks, teacher payloads): a plain tensor (or anything else)
     passes through; an all-`Replicate()` DTensor gives its local (full) tensor; others raise."""
     if not is_dtensor(x):
         return x
-    if not _all_replicate(x):
+    if not all(isinstance(p, _dtensor_module().Replicate) for p in x.placements):
         raise _placement_error(name, x, "this argument must be a plain tensor or a Replicate() DTensor")
     return x.to_local()
 
 
-_REJECTED = REJECTED
 SHARD = "_shard"  # the key of a view's `VocabShard` (a leading `_`: the cross-rank check skips it)
 CALLER = "_caller"  # the key of the caller's own `data` mapping in a view (returned, and written to)
 
@@ -354,16 +302,6 @@ def resolved_shard(view: Mapping[str, Any] | None) -> VocabShard:
     the body its view as `_view`): a DTensor's, whose `wrap` places results like it, or a plain one."""
     assert view is not None, "boundary(unwrapped=True) hands the body its view"
     return view[SHARD]
-
-
-def _mesh_group(x: Any) -> ProcessGroup | None:
-    """The group of the mesh dim that shards the DTensor `x` (the first `Shard` placement, or a
-    1-D mesh's only dim), `None` when there is none: whom a rank that rejects `x` checks with."""
-    if x is None:
-        return None
-    mesh = x.device_mesh
-    dims = [d for d, p in enumerate(x.placements) if type(p).__name__ == "Shard"] or ([0] if mesh.ndim == 1 else [])
-    return mesh.get_group(dims[0]) if dims and mesh.size(dims[0]) > 1 else None
 
 
 View = Callable[[dict[str, Any]], tuple[dict[str, Any], str]]
@@ -393,8 +331,10 @@ def local_view(
       `VocabShard` under `SHARD` (`resolved_shard`: results are placed back like it);
     * the other `roles.shards` split like it (`split_like`), each of `roles.heads` its rows
       (`local_heads`);
-    * the mapping `roles.reads` names (`data`): the columns the call reads local (`read_columns`;
-      `roles.columns` padded like the shard), the caller's own mapping under `CALLER`;
+    * the mapping `roles.reads` names (`data`), as a new dict: the columns the call reads
+      (`roles.reads`, but this rank's shards `roles.shard_columns`) their replicated local tensors
+      (`replicated`: any other DTensor raises, naming the column), `roles.columns` padded like the
+      shard, the columns it never reads as they are; the caller's own mapping under `CALLER`;
     * `then(arguments, shard)`: what a function unwraps its own way (sequence-parallel rows);
     * every other DTensor: its replicated local tensor (`replicated`).
 
@@ -403,44 +343,48 @@ def local_view(
     uneven DTensor shards are padded (`vocab_shard`; or a function of the arguments); `hint`:
     appended to a disagreement on `roles.rows` when the shard is a DTensor; `when_dtensor`:
     without any DTensor the arguments are as given. An argument it rejects is a compared field,
-    then the boundary's error (`rejections_compared`)."""
+    then the boundary's error (`_rejected`)."""
     candidates = (roles.head,) if roles.head is not None else roles.shards
+    # `vocab_shard`'s layout keywords (`VocabShard`'s fields of the same names) and their parameters
+    layout = dict(zip(VocabShard._fields[1:5], (roles.tp, roles.rank, roles.start, roles.size), strict=True))
 
-    def view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    def view(call: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        arguments = dict(call)
         given = tuple(name for name, value in arguments.items() if _holds_dtensor(value))
         if when_dtensor and not given:
-            return arguments, ""
-        first = next((name for name in candidates if is_dtensor(arguments[name])), candidates[0])
-        shard = vocab_shard(
-            arguments[first],
-            name=first,
-            roles=roles,
-            dim=0 if roles.head is not None else -1,
-            group=arguments.get(roles.tp),  # type: ignore[arg-type]  # (`.get(None)`: a role not declared)
-            rank=arguments.get(roles.rank),  # type: ignore[arg-type]
-            vocab_start=arguments.get(roles.start),  # type: ignore[arg-type]
-            vocab_size=arguments.get(roles.size),  # type: ignore[arg-type]
-            even=even(arguments) if callable(even) else even,
-        )
-        arguments.update({name: split_like(shard, arguments[name], name) for name in roles.shards if name != first})
-        if roles.heads is not None:
-            student = "the student logits are" if roles.head is None else "the student head is"
-            arguments[roles.heads] = local_heads(arguments[roles.heads], shard, roles.heads, student)
-        if roles.reads is not None and isinstance(arguments.get(roles.reads[0]), Mapping):
-            data = read_columns(arguments, roles)
-            data.update({key: shard.pad_full(data[key]) for key in roles.columns if key in data})
-            arguments.update({CALLER: arguments[roles.reads[0]], roles.reads[0]: data})
-        if then is not None:
-            then(arguments, shard)
-        arguments.update({k: replicated(v, k) for k, v in arguments.items() if k != first and is_dtensor(v)})
+            return {REJECTED: None, **arguments}, ""
+        try:
+            first = next((name for name in candidates if is_dtensor(arguments[name])), candidates[0])
+            shard = vocab_shard(
+                arguments[first],
+                name=first,
+                roles=roles,
+                dim=0 if roles.head is not None else -1,
+                even=even(arguments) if callable(even) else even,
+                **{keyword: arguments.get(arg) for keyword, arg in layout.items()},  # type: ignore[arg-type]
+            )
+            arguments.update({name: split_like(shard, arguments[name], name) for name in roles.shards if name != first})
+            if roles.heads is not None:
+                student = "the student logits are" if roles.head is None else "the student head is"
+                arguments[roles.heads] = local_heads(arguments[roles.heads], shard, roles.heads, student)
+            if roles.reads is not None and isinstance(arguments.get(roles.reads[0]), Mapping):
+                key, reads = roles.reads
+                read = set(reads(arguments)) - set(roles.shard_columns)
+                data = {k: replicated(v, f"{key}[{k!r}]") if k in read else v for k, v in arguments[key].items()}
+                data.update({column: shard.pad_full(data[column]) for column in roles.columns if column in data})
+                arguments.update({CALLER: arguments[key], key: data})
+            if then is not None:
+                then(arguments, shard)
+            arguments.update({k: replicated(v, k) for k, v in arguments.items() if k != first and is_dtensor(v)})
+        except (ValueError, TypeError) as err:
+            return _rejected(call, err, roles.tp, (*candidates, *roles.shards)), ""
         arguments.update({first: shard.local, SHARD: shard})
-        spans = ((roles.tp, shard.group), (roles.start, shard.vocab_start), (roles.size, shard.vocab_size))
-        arguments.update({k: v for k, v in (*spans, (roles.rank, shard.rank)) if k in arguments})
+        arguments.update({arg: getattr(shard, keyword) for keyword, arg in layout.items() if arg in arguments})
         if given:
             arguments["DTensor arguments"] = given
-        return arguments, hint if shard.dtensor is not None else ""
+        return {REJECTED: None, **arguments}, hint if shard.dtensor is not None else ""
 
-    return rejections_compared(view, roles.tp, first=(*candidates, *roles.shards))
+    return view
 
 
 def split_like(shard: VocabShard, x: Any, name: str) -> Any:
@@ -449,10 +393,7 @@ def split_like(shard: VocabShard, x: Any, name: str) -> Any:
     tensor is this rank's part already. Padded like the shard (`even`)."""
     if is_dtensor(x):
         other = vocab_shard(x, name=name)
-        same = other.group is shard.group or (
-            other.group is not None and shard.group is not None and _same_group(other.group, shard.group)
-        )
-        if shard.dtensor is None or not same or other.vocab_start != shard.vocab_start:
+        if shard.dtensor is None or not _same_group(other.group, shard.group) or other.vocab_start != shard.vocab_start:
             where = "a plain tensor" if shard.dtensor is None else f"placements {tuple(shard.dtensor.placements)}"
             raise ValueError(
                 f"{name} is a DTensor with placements {tuple(x.placements)} on {x.device_mesh}; it must be split "
@@ -483,10 +424,8 @@ def local_heads(heads: Any, shard: VocabShard, name: str, student: str) -> Any:
         if not is_dtensor(weight):
             return weight
         head = vocab_shard(weight, dim=0, name=label)
-        if head.group is not None and (
-            (shard.group is None and shard.dtensor is not None)
-            or (shard.group is not None and not _same_group(head.group, shard.group))
-        ):
+        tied = shard.group is not None or shard.dtensor is not None  # (a plain shard without a group: any head)
+        if head.group is not None and tied and not _same_group(head.group, shard.group):
             where = "not vocabulary-parallel" if shard.group is None else "sharded over another group"
             raise ValueError(
                 f"{label} is a DTensor sharded on its rows over {head.group.size()} ranks (placements "
@@ -502,54 +441,33 @@ def local_heads(heads: Any, shard: VocabShard, name: str, student: str) -> Any:
     return rows(heads, name)
 
 
-def rejections_compared(
-    view: Callable[[dict[str, Any]], tuple[dict[str, Any], str]], group_arg: str | None, first: tuple[str, ...] = ()
-) -> Callable[[dict[str, Any]], tuple[dict[str, Any], str]]:
-    """`view` (a `boundary(local=...)` view) whose `ValueError` / `TypeError`, an argument it rejects
-    (a placement, or an explicit argument that contradicts it), is not raised here, before the
-    check's collective, where the peers would wait for this rank: the error's text becomes one
-    more field ("DTensor arguments rejected"), so ranks that disagree about it raise the check's
-    error together, and ranks that agree pass the check, then `boundary` raises the error itself
-    (kept under `REJECTED_ERROR`) in place of the body, each the same. The rejected view drops
-    every DTensor (also the values of a mapping argument); without an explicit `group_arg` the
-    group checked is the mesh group of the first DTensor (of the arguments `first`, else of any)."""
+def _rejected(
+    arguments: dict[str, Any], err: Exception, group_arg: str | None, first: tuple[str, ...]
+) -> dict[str, Any]:
+    """The view of `arguments` when the view rejected one of them (a placement, or an explicit
+    argument that contradicts it) with `err`, a `ValueError` / `TypeError` not raised here, before
+    the check's collective, where the peers would wait for this rank: the error's text becomes one
+    more field (`REJECTED`), so ranks that disagree about it raise the check's error together, and
+    ranks that agree pass the check, then `boundary` raises the error itself (kept under
+    `REJECTED_ERROR`) in place of the body, each the same. Every DTensor is dropped (also the
+    values of a mapping argument); without an explicit `group_arg` the group checked is the mesh
+    group of the first DTensor (of the arguments `first`, else of any): the group of its first
+    `Shard` mesh dim (or a 1-D mesh's only dim), none when it has one rank."""
+    found = [arguments[name] for name in first if is_dtensor(arguments.get(name))]
 
-    def checked_view(arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        try:
-            checked, hint = view(dict(arguments))
-            return {_REJECTED: None, **checked}, hint
-        except (ValueError, TypeError) as err:
-            found = [arguments[name] for name in first if is_dtensor(arguments.get(name))]
+    def drop(value: Any) -> Any:
+        if is_dtensor(value):
+            found.append(value)
+            return None
+        if isinstance(value, Mapping) and _holds_dtensor(value):
+            return {k: drop(v) for k, v in value.items()}
+        return value
 
-            def drop(value: Any) -> Any:
-                if is_dtensor(value):
-                    found.append(value)
-                    return None
-                if isinstance(value, Mapping) and any(is_dtensor(v) for v in value.values()):
-                    return {k: drop(v) for k, v in value.items()}
-                return value
-
-            rejected = {k: drop(v) for k, v in arguments.items()}
-            if (
-                group_arg is not None and rejected.get(group_arg) is None
-            ):  # meet the peers in the check over the mesh's group
-                rejected[group_arg] = _mesh_group(found[0] if found else None)
-            # traced, the message is not a constant Dynamo can hash: the error's type stands for it
-            why = type(err).__name__ if tracing() else f"{type(err).__name__}: {err}"
-            return {_REJECTED: why, REJECTED_ERROR: err, **rejected}, ""
-
-    return checked_view
-
-
-def read_columns(arguments: Mapping[str, Any], roles: Roles) -> Any:
-    """The mapping argument of `roles.reads` (`data`) as a new dict in which every column the call
-    reads (`roles.reads`, but this rank's shards `roles.shard_columns`) is its replicated local
-    tensor (`replicated`: any other DTensor raises, naming the column); the columns it never reads,
-    and shard columns, as they are. Not a mapping: as it is (the body's checks reject it)."""
-    assert roles.reads is not None
-    name, reads = roles.reads
-    data = arguments.get(name)
-    if not isinstance(data, Mapping):
-        return data
-    read = set(reads(arguments)) - set(roles.shard_columns)
-    return {k: replicated(v, f"{name}[{k!r}]") if k in read else v for k, v in data.items()}
+    rejected = {k: drop(v) for k, v in arguments.items()}
+    if group_arg is not None and rejected.get(group_arg) is None and found:  # meet the peers over the mesh's group
+        mesh, placements = found[0].device_mesh, found[0].placements
+        dims = [d for d, p in enumerate(placements) if type(p).__name__ == "Shard"] or ([0] if mesh.ndim == 1 else [])
+        rejected[group_arg] = mesh.get_group(dims[0]) if dims and mesh.size(dims[0]) > 1 else None
+    # traced, the message is not a constant Dynamo can hash: the error's type stands for it
+    why = type(err).__name__ if tracing() else f"{type(err).__name__}: {err}"
+    return {REJECTED: why, REJECTED_ERROR: err, **rejected}
