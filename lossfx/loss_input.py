@@ -552,6 +552,7 @@ def _prepare_distillation_input(view: Mapping[str, Any], layout: SequenceLayout)
         vocab_parallel_group=view["vocab_parallel_group"],
         layout=layout,
         chunk_size=view["chunk_size"],
+        vocab_size=view[SHARD].vocab_size if SHARD in view else None,  # a padded DTensor shard's real V
     )
     return {"student_topk_logprobs": student, "teacher_topk_logprobs": teacher, "H_all": neg_entropy}
 
