@@ -119,7 +119,7 @@ def _distillation(
     """The boundary work of `distillation_topk_logprobs` (`validated_distillation`), then the
     pure call: shared with `prepare_loss_input`'s `DISTILLATION` branch (`vocab_size`: a padded
     DTensor shard's real `V`)."""
-    checked = validated_distillation(
+    *_, vocab, chunk_rows = validated_distillation(  # (its first three: the arguments, checked)
         student_logits,
         teacher_topk_logits,
         teacher_topk_indices,
@@ -128,7 +128,6 @@ def _distillation(
         chunk_size,
         real_size=vocab_size,
     )
-    student_logits, teacher_topk_logits, teacher_topk_indices, vocab, chunk_rows = checked
     return _pure.distillation_topk_logprobs(
         student_logits,
         teacher_topk_logits,
@@ -179,14 +178,8 @@ def validated_distillation(
             f"{tuple(student_logits.shape)} and teacher shape {tuple(teacher_topk_indices.shape)}"
         )
     batch, seq, _ = teacher_topk_indices.shape
-    check_covers(
-        layout,
-        logits_name,
-        student_logits.shape[1],
-        seq,
-        f"{logits_name}.shape={tuple(student_logits.shape)} and teacher shape {tuple(teacher_topk_indices.shape)}",
-        canonical=ids_name,
-    )
+    got = f"{logits_name}.shape={tuple(student_logits.shape)} and teacher shape {tuple(teacher_topk_indices.shape)}"
+    check_covers(layout, logits_name, student_logits.shape[1], seq, got, canonical=ids_name)
     check = functools.partial(check_ids_in_range, ids_name, teacher_topk_indices)
     if real_size is not None:  # a DTensor's padding columns are no ids: the range is its real V
         check(real_size)

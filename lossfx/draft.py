@@ -82,8 +82,7 @@ def shift_left(
     layout = sequence_layout(context_parallel_group, cp_sharder)
     if isinstance(layout, LoadBalancedLayout) and layout.cp_size > 1 and local.shape[1] % 2:
         raise ValueError(f"a context-parallel shard has an even length (two chunks), got {local.shape[1]}")
-    out = _pure.shift_left(local, layout)
-    return shard.wrap(out)
+    return shard.wrap(_pure.shift_left(local, layout))
 
 
 def _validated_target_ids(
@@ -140,10 +139,8 @@ def map_to_draft_vocab(
     shard = resolved_shard(_view)  # the boundary's one unwrap (a DTensor's draft-vocabulary shard comes back as one)
     if d2t is None:
         return teacher_logits
-    local_vocab = shard.local.shape[-1]
-    target_ids, vocab = _validated_target_ids(d2t, shard.group, shard.rank, local_vocab)
-    out = _pure.map_to_draft_vocab(shard.local, target_ids, vocab)
-    return _wrap_draft(shard, out, d2t)
+    target_ids, vocab = _validated_target_ids(d2t, shard.group, shard.rank, shard.local.shape[-1])
+    return _wrap_draft(shard, _pure.map_to_draft_vocab(shard.local, target_ids, vocab), d2t)
 
 
 _ROLES_TARGETS = Roles(

@@ -24,6 +24,7 @@ raises leaves it untouched.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -32,17 +33,18 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, ShardWidths, boundary
 from lossfx._boundary.dtensor import CALLER, SHARD, VocabShard, local_view
-from lossfx._boundary.validation import check_floating, check_group, check_group_rank, check_tensor
+from lossfx._boundary.validation import check_floating, check_group, check_tensor
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.numerics import compute_dtype
 from lossfx._layouts import draft as _draft
 from lossfx._layouts import packing as _packing
 from lossfx.distillation import _distillation
-from lossfx.draft import validated_draft
+from lossfx.draft import _wrap_draft, validated_draft
 from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.logprobs import check_ignore_index
 from lossfx.loss_masks import loss_mask_from_data, masked_out_neg_inf
 from lossfx.next_token import next_token_logprobs_of, resolve_filter, validated_next_token_call
+from lossfx.next_token import tp_rank as _vocab_parallel  # (the fused front door's name for it too)
 from lossfx.opd_full import _PAYLOAD_COLUMNS, TEACHER_INDEX_FIELD, opd_full_input
 from lossfx.packing import _validated_packed
 from lossfx.sequence_layout import SequenceLayout, sequence_layout
@@ -70,17 +72,6 @@ def _column(data: MutableMapping[str, Any], name: str) -> Any:
     if name not in data:
         raise ValueError(f"data must contain the column {name!r}; it has {sorted(data.keys())}")
     return data[name]
-
-
-def _vocab_parallel(
-    vocab_parallel_rank: int | None, vocab_parallel_group: ProcessGroup | None
-) -> tuple[int, ProcessGroup | None]:
-    """Validate the tensor-parallel arguments; return `(rank, group)` (`(0, None)` without TP)."""
-    if vocab_parallel_group is None:
-        return 0, None
-    return check_group_rank(
-        "vocab_parallel_rank", vocab_parallel_rank, "vocab_parallel_group", vocab_parallel_group
-    ), vocab_parallel_group
 
 
 _OPD_COLUMNS = (*_PAYLOAD_COLUMNS.values(), TEACHER_INDEX_FIELD)  # the payload read, by the config
@@ -134,13 +125,12 @@ _ROLES = Roles(
     rank="vocab_parallel_rank",
     reads=("data", _data_read),
     shard_columns=("student_logits",),  # DRAFT's: this rank's shard of the draft vocabulary (and of the sequence)
+    columns=("teacher_full_logits",),  # OPD_FULL's logits payload: vocabulary-wide, padded like the logits
     attrs=("loss_fn", _LOSS_FN_READS),  # what the entry points read of `loss_fn`, all of it
 )
 _ROLES_SHARDER = dataclasses.replace(_ROLES, cp_from="cp_sharder")
-_ROLES_DATA = dataclasses.replace(_ROLES, columns=("teacher_full_logits",))
 # `vocab_size`: filled in by the DTensor view of an OPD_FULL call (`_unwrap`)
-_ROLES_OPD = dataclasses.replace(_ROLES_DATA, heads="teacher_output_layer_weight_by_index", size="vocab_size")
-_ROLES_ALL = dataclasses.replace(_ROLES_OPD, cp_from="cp_sharder")
+_ROLES_ALL = dataclasses.replace(_ROLES_SHARDER, heads="teacher_output_layer_weight_by_index", size="vocab_size")
 
 
 @boundary(
@@ -197,11 +187,11 @@ def next_token_logprobs(
     """
     if ignore_index is not None:
         check_ignore_index(ignore_index)
-    _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+    _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
     call = validated_next_token_call(
         logits,
         input_ids,
-        group=group,
+        group=vocab_parallel_group,
         layout=sequence_layout(context_parallel_group, cp_sharder),
         chunk_size=chunk_size,
         position_ids=position_ids,
@@ -226,34 +216,29 @@ def _unwrap(roles: Roles, opd: bool = False) -> Callable[[dict[str, Any]], tuple
     return local_view(roles, even=True, when_dtensor=True, then=opd_size)
 
 
-def _unwrapped(view: Mapping[str, Any] | None, data: Any) -> tuple[VocabShard | None, Any]:
-    """`(shard, the caller's data)` of the call's one unwrap (`_unwrap`): `(None, data)` for plain arguments."""
-    view = view or {}
-    return view.get(SHARD), view.get(CALLER, data)
+def _unwrapped(view: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`(view, before)`: the call's one unwrap (`_unwrap`: every argument, local) and, with DTensors,
+    its local `data` as it was (`_back` tells the columns the branch wrote from it)."""
+    assert view is not None, "boundary(unwrapped=True) hands the body its view"
+    return view, dict(view["data"]) if view.get(SHARD) is not None else {}
 
 
 def _back(
-    shard: VocabShard | None,
-    caller: MutableMapping[str, Any],
-    local: Mapping[str, Any],
-    before: Mapping[str, Any],
-    loss_input: dict[str, Any],
-    d2t: Any = None,
+    view: Mapping[str, Any], before: Mapping[str, Any], loss_input: dict[str, Any]
 ) -> tuple[dict[str, Any], MutableMapping[str, Any]]:
-    """`(loss_input, data)` for the caller of a call with DTensors (`shard`): columns the branch
-    wrote into the `local` data (`before`: as it was) land in the caller's, logits returned as
-    given become the caller's DTensor, `DRAFT`'s `teacher_logits` one placed like them (on the
-    draft vocabulary of `len(d2t)` ids with `d2t`)."""
+    """`(loss_input, data)` for the caller: with DTensors (the view's `SHARD`), columns the branch
+    wrote into the local data (`before`: as it was) land in the caller's (`CALLER`), logits
+    returned as given become the caller's DTensor, `DRAFT`'s `teacher_logits` one placed like them
+    (on the draft vocabulary of `len(d2t)` ids with a `d2t`)."""
+    shard, local, d2t = view.get(SHARD), view["data"], view.get("d2t")
+    caller = view.get(CALLER, local)
     if shard is None:
         return loss_input, caller
     caller.update({key: value for key, value in local.items() if before.get(key) is not value})
     if loss_input.get("logits") is shard.local and shard.dtensor is not None:
         loss_input["logits"] = shard.dtensor
-    teacher = loss_input.get("teacher_logits")
-    if teacher is not None:
-        loss_input["teacher_logits"] = (
-            shard.wrap(teacher) if d2t is None else shard.wrap_other_vocab(teacher, d2t.shape[0])
-        )
+    if loss_input.get("teacher_logits") is not None:
+        loss_input["teacher_logits"] = _wrap_draft(shard, loss_input["teacher_logits"], d2t)
     return loss_input, caller
 
 
@@ -328,51 +313,33 @@ def prepare_loss_input(
         >>> out["next_token_logprobs"]
         tensor([[-1.3863, -1.3863]])
     """
-    shard, caller = _unwrapped(_view, data)
-    before = dict(data) if shard is not None else {}  # the local columns, to tell those the branch writes
+    view, before = _unwrapped(_view)  # every argument local; the branches read theirs from the view
     input_type = _input_type(loss_fn)
     check_tensor("logits", logits)
     check_group("vocab_parallel_group", vocab_parallel_group)
     check_group("context_parallel_group", context_parallel_group)
     if input_type is LossInputType.OPD_FULL:
-        out = opd_full_input(
-            logits,
-            data,
-            loss_fn,
-            vocab_parallel_rank=vocab_parallel_rank,
-            vocab_parallel_group=vocab_parallel_group,
-            context_parallel_group=context_parallel_group,
-            chunk_size=chunk_size,
-            teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
-            teacher_logits_dtype=teacher_logits_dtype,
-            vocab_size=(_view or {}).get("vocab_size"),
-            cp_sharder=cp_sharder,
-        )
+        out = opd_full_input(view)
     elif input_type is LossInputType.LOGIT:
         out = {"logits": logits}
     else:
         layout = sequence_layout(context_parallel_group, cp_sharder)  # built once, handed to the branch
-        rank, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+        rank = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
         if input_type is LossInputType.DISTILLATION:
-            out = _prepare_distillation_input(logits, data, loss_fn, group, layout, chunk_size)
+            out = _prepare_distillation_input(view, layout)
         elif input_type is LossInputType.DRAFT:
-            out = _prepare_draft_input(logits, data, d2t, rank, group, layout)
+            out = _prepare_draft_input(view, layout, rank)
         else:  # the last of LossInputType's five members (`_input_type` rejects anything else)
-            out = _prepare_logprob_input(logits, data, loss_fn, group, layout, sampling_params, chunk_size, _widths)
-    return _back(shard, caller, data, before, out, d2t)
+            out = _prepare_logprob_input(view, layout, _widths)
+    return _back(view, before, out)
 
 
 def _prepare_logprob_input(
-    logits: Tensor,
-    data: MutableMapping[str, Any],
-    loss_fn: Any,
-    group: ProcessGroup | None,
-    layout: SequenceLayout,
-    sampling_params: TrainingSamplingParams | None,
-    chunk_size: int | None,
-    widths: ShardWidths | None,
-) -> dict[str, Tensor]:
-    """`LOGPROB`: next-token log-probs, filtered (and the `-inf` rule) under `sampling_params`."""
+    view: Mapping[str, Any], layout: SequenceLayout, widths: ShardWidths | None
+) -> dict[str, Any]:
+    """`LOGPROB` on the call's `view`: next-token log-probs, filtered (and the `-inf` rule) under
+    `sampling_params`."""
+    logits, data, loss_fn, sampling_params = view["logits"], view["data"], view["loss_fn"], view["sampling_params"]
     input_ids = check_tensor("data['input_ids']", _column(data, "input_ids"))
     top = resolve_filter(sampling_params)
     if getattr(loss_fn, "use_fused_linear_logprobs", False):
@@ -392,9 +359,9 @@ def _prepare_logprob_input(
     call = validated_next_token_call(
         logits,
         input_ids,
-        group=group,
+        group=view["vocab_parallel_group"],
         layout=layout,
-        chunk_size=chunk_size,
+        chunk_size=view["chunk_size"],
         widths=ShardWidths() if widths is None else widths,
         ids_name="data['input_ids']",
     )
@@ -420,12 +387,8 @@ def _neg_inf_rule(
     return {"next_token_logprobs": logprobs}
 
 
-def _opd_read(arguments: Mapping[str, Any]) -> tuple[str, ...]:
-    """The `data` columns `prepare_opd_full_loss_input` reads (whatever `loss_fn.input_type` says)."""
-    return ("input_ids", *_OPD_COLUMNS)
-
-
-_ROLES_OPD_CALL = dataclasses.replace(_ROLES_ALL, reads=("data", _opd_read))
+# `prepare_opd_full_loss_input` reads the OPD_FULL columns, whatever `loss_fn.input_type` says
+_ROLES_OPD_CALL = dataclasses.replace(_ROLES_ALL, reads=("data", lambda arguments: ("input_ids", *_OPD_COLUMNS)))
 
 
 @boundary(roles=_ROLES_OPD_CALL, vocab="equal", local=_unwrap(_ROLES_OPD_CALL, opd=True), unwrapped=True)
@@ -481,26 +444,14 @@ def prepare_opd_full_loss_input(
         ValueError: every error condition of NeMo's payload reconstruction (docs/decisions.md §3),
             missing columns, bad shapes.
     """
-    return opd_full_input(
-        logits,
-        data,
-        loss_fn,
-        vocab_parallel_rank=vocab_parallel_rank,
-        vocab_parallel_group=vocab_parallel_group,
-        context_parallel_group=context_parallel_group,
-        chunk_size=chunk_size,
-        teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
-        teacher_logits_dtype=teacher_logits_dtype,
-        vocab_size=(_view or {}).get("vocab_size"),
-        cp_sharder=cp_sharder,
-    )
+    return opd_full_input(_view)
 
 
 # NeMo RL's private spelling, kept as an alias (docs/decisions.md §1)
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
 
 
-@boundary(roles=_ROLES_DATA, vocab="auto", local=_unwrap(_ROLES_DATA), unwrapped=True)
+@boundary(roles=_ROLES, vocab="auto", local=_unwrap(_ROLES), unwrapped=True)
 def prepare_packed_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -548,8 +499,7 @@ def prepare_packed_loss_input(
             decreasing, padded shorter than unpadded, total not matching the logits, not a
             multiple of `2C`), naming the offending entries; bad shapes or ids.
     """
-    shard, caller = _unwrapped(_view, data)
-    before = dict(data) if shard is not None else {}  # the local columns, to tell those the branch writes
+    view, before = _unwrapped(_view)
     input_type = _input_type(loss_fn)
     if input_type is not LossInputType.LOGPROB:
         raise ValueError(
@@ -558,77 +508,62 @@ def prepare_packed_loss_input(
         )
     if getattr(loss_fn, "use_fused_linear_logprobs", False):
         raise ValueError("prepare_packed_loss_input does not support use_fused_linear_logprobs")
-    _, group = _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
+    _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
     logits, input_ids, layout, vocab, options = _validated_packed(  # checks the logits and ids too
         logits,
         _column(data, "input_ids"),
         cu_seqlens_q,
         cu_seqlens_q_padded,
         prepacked="cu_seqlens" in data,
-        vocab_parallel_group=group,
+        vocab_parallel_group=vocab_parallel_group,
         context_parallel_group=context_parallel_group,
         sampling_params=sampling_params,
         chunk_size=chunk_size,
         ids_name="data['input_ids']",
         widths=ShardWidths() if _widths is None else _widths,  # read with the packed checks (one host read)
     )
-    out = {"next_token_logprobs": _packing.packed_next_token_logprobs(logits, input_ids, layout, vocab, **options)}
-    if need_top_k_or_top_p_filtering(sampling_params):
-        out = _neg_inf_rule(
-            data,
-            loss_fn,
-            input_ids,
-            out["next_token_logprobs"],
-            lambda: _packing.packed_next_token_logprobs(
-                logits, input_ids, layout, vocab, chunk_rows=options["chunk_rows"]
-            ),
-        )
-    return _back(shard, caller, data, before, out)
+    logprobs = _packing.packed_next_token_logprobs(logits, input_ids, layout, vocab, **options)
+    if not need_top_k_or_top_p_filtering(sampling_params):
+        return _back(view, before, {"next_token_logprobs": logprobs})
+    unfiltered = functools.partial(
+        _packing.packed_next_token_logprobs, logits, input_ids, layout, vocab, chunk_rows=options["chunk_rows"]
+    )
+    return _back(view, before, _neg_inf_rule(data, loss_fn, input_ids, logprobs, unfiltered))
 
 
-def _prepare_distillation_input(
-    logits: Tensor,
-    data: MutableMapping[str, Any],
-    loss_fn: Any,
-    vocab_parallel_group: ProcessGroup | None,
-    layout: SequenceLayout,
-    chunk_size: int | None,
-) -> dict[str, Any]:
-    """`DISTILLATION`: student/teacher log-probs at the teacher's top-k ids (`lossfx.distillation`).
+def _prepare_distillation_input(view: Mapping[str, Any], layout: SequenceLayout) -> dict[str, Any]:
+    """`DISTILLATION` on the call's `view`: student/teacher log-probs at the teacher's top-k ids
+    (`lossfx.distillation`).
 
     The whole boundary of the branch, DTensor logits and columns included (no re-entry), through
     `lossfx.distillation._distillation`: one range check of the ids, one pure call."""
-    zero_outside_topk = bool(getattr(loss_fn, "zero_outside_topk", False))
-    calculate_entropy = zero_outside_topk and getattr(loss_fn, "kl_type", "mixed") != "forward"
+    zero_outside_topk = bool(getattr(view["loss_fn"], "zero_outside_topk", False))
+    calculate_entropy = zero_outside_topk and getattr(view["loss_fn"], "kl_type", "mixed") != "forward"
     values, ids = (
-        check_tensor(f"data[{key!r}]", _column(data, key)) for key in ("teacher_topk_logits", "teacher_topk_indices")
+        check_tensor(f"data[{key!r}]", _column(view["data"], key))
+        for key in ("teacher_topk_logits", "teacher_topk_indices")
     )
     student, teacher, neg_entropy = _distillation(
-        logits,
+        view["logits"],
         values,
         ids,
         zero_outside_topk=zero_outside_topk,
         calculate_entropy=calculate_entropy,
-        vocab_parallel_group=vocab_parallel_group,
+        vocab_parallel_group=view["vocab_parallel_group"],
         layout=layout,
-        chunk_size=chunk_size,
+        chunk_size=view["chunk_size"],
+        vocab_size=view[SHARD].vocab_size if SHARD in view else None,  # a padded DTensor shard's real V
     )
     return {"student_topk_logprobs": student, "teacher_topk_logprobs": teacher, "H_all": neg_entropy}
 
 
-def _prepare_draft_input(
-    logits: Tensor,
-    data: MutableMapping[str, Any],
-    d2t: Tensor | None,
-    rank: int,
-    group: ProcessGroup | None,
-    layout: SequenceLayout,
-) -> dict[str, Any]:
-    """`DRAFT`: shifted teacher logits in draft vocabulary and the shifted mask, on local tensors
-    (`prepare_loss_input` unwrapped them): validated once (`lossfx.draft.validated_draft`), then
-    the pure `lossfx._layouts.draft.draft_targets` once."""
+def _prepare_draft_input(view: Mapping[str, Any], layout: SequenceLayout, rank: int) -> dict[str, Any]:
+    """`DRAFT` on the call's `view` (local tensors): shifted teacher logits in draft vocabulary and
+    the shifted mask, validated once (`lossfx.draft.validated_draft`), then the pure
+    `lossfx._layouts.draft.draft_targets` once."""
+    logits, data, group = view["logits"], view["data"], view["vocab_parallel_group"]
     student_logits = _column(data, "student_logits")
     token_mask = check_tensor("data['token_mask']", _column(data, "token_mask"))
-    target_ids, vocab = validated_draft(logits, token_mask, d2t, group, rank if group is not None else None, layout)
+    target_ids, vocab = validated_draft(logits, token_mask, view["d2t"], group, rank, layout)  # (rank: checked)
     teacher, mask = _draft.draft_targets(logits, token_mask, target_ids, vocab, layout)
     return {"teacher_logits": teacher, "student_logits": student_logits, "token_mask": mask}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from torch import Tensor
 
@@ -30,6 +30,7 @@ from lossfx._boundary.consistency import Roles, ShardWidths, boundary
 from lossfx._boundary.dtensor import local_view
 from lossfx._boundary.validation import (
     check_floating,
+    check_group_rank,
     check_ids_in_range,
     check_integer_ids,
     check_positive_int,
@@ -107,20 +108,18 @@ def validated_next_token_call(
     layout: SequenceLayout,
     chunk_size: int | None,
     position_ids: object = None,
-    vocab_start: int | None = None,
-    vocab_size: int | None = None,
-    widths: ShardWidths | None = None,
     ids_name: str = "input_ids",
     ignore_index: int | None = None,
     logits_name: str = "logits",
+    **vocab: Any,
 ) -> NextTokenCall:
     """The boundary work of a next-token call on local tensors, once.
 
     Checks the types and shapes (`logits [B, S_l, Vl]`, `input_ids [B, S]`, `position_ids`), that
     `layout` covers `S` with `S_l` positions, and range-checks the scored ids `input_ids[:, 1:]`
-    once (those equal to `ignore_index` excepted). This rank's `VocabRange`: `vocab_start` /
-    `vocab_size` when given, the widths the ranks reported to the cross-rank check when given
-    `widths` (the call's `ShardWidths`; eager, read with the range check), else uniform shards.
+    once (those equal to `ignore_index` excepted). This rank's `VocabRange` from `vocab`
+    (`resolved_vocab`'s `vocab_start` / `vocab_size` when given, the widths the ranks reported to
+    the cross-rank check when given `widths`, eager, read with the range check; else uniform shards).
     `logits_name`: the logits in the messages (the fused front doors' zero-stride stand-in for
     the logits of their hidden states, whose shape is all these checks read).
     """
@@ -138,8 +137,8 @@ def validated_next_token_call(
     if ignore_index is not None:
         scored = scored.masked_fill(scored == ignore_index, 0)
     check = lambda size: check_ids_in_range(ids_name, scored, size, column_offset=1)  # noqa: E731
-    vocab = resolved_vocab(group, width, check, vocab_start=vocab_start, vocab_size=vocab_size, widths=widths)
-    return NextTokenCall(logits, input_ids, layout, vocab, chunk_size, position_ids, ignore_index)
+    resolved = resolved_vocab(group, width, check, **vocab)
+    return NextTokenCall(logits, input_ids, layout, resolved, chunk_size, position_ids, ignore_index)
 
 
 def resolved_vocab(
@@ -164,6 +163,14 @@ def resolved_vocab(
         check(uniform.size if vocab_size is None else vocab_size)
     start = uniform.start if vocab_start is None else vocab_start
     return VocabRange(group, start, uniform.size if vocab_size is None else vocab_size)
+
+
+def tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int:
+    """This rank's index in the tensor-parallel `group`, validated against it; without a group the
+    given rank (default 0: the vocabulary window of an OPD_FULL logits payload)."""
+    if group is None:
+        return 0 if vocab_parallel_rank is None else vocab_parallel_rank
+    return check_group_rank("vocab_parallel_rank", vocab_parallel_rank, "vocab_parallel_group", group)
 
 
 def next_token_logprobs_of(call: NextTokenCall, top: TopKTopP | None = None) -> Tensor:

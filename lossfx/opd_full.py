@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -42,7 +42,6 @@ from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.dtensor import VocabShard, local_view, replicated, resolved_shard
 from lossfx._boundary.validation import (
     check_floating,
-    check_group_rank,
     check_ids_in_range,
     check_integer_ids,
     check_positive_int,
@@ -53,7 +52,7 @@ from lossfx._core import host_reads as _host_reads
 from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import opd_full as _pure
-from lossfx.next_token import resolved_vocab
+from lossfx.next_token import resolved_vocab, tp_rank
 from lossfx.sequence_layout import ContextParallelSharder, SequenceLayout, check_covers, sequence_layout
 
 __all__ = [
@@ -106,25 +105,6 @@ class OnPolicyDistillationFullConfig:
         _check_chunk(self.chunk_size)
 
 
-def opd_config(loss_fn: Any, columns: Mapping[str, Any]) -> tuple[Any, str, Any]:
-    """`(loss_fn.opd_full, its teacher_payload, its checked chunk_size)` of an OPD_FULL call, with
-    the payload column and `input_ids` present in `columns` (`ValueError` naming what is missing):
-    the config checks of both OPD_FULL faces, the logits path's and the hidden-state front door's."""
-    cfg = getattr(loss_fn, "opd_full", None)
-    if cfg is None:
-        raise ValueError("LossInputType.OPD_FULL requires loss_fn.opd_full (an OnPolicyDistillationFullConfig)")
-    teacher_payload = getattr(cfg, "teacher_payload", "hidden_states")
-    if teacher_payload not in _PAYLOAD_COLUMNS:
-        raise ValueError(f"opd_full.teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}")
-    cfg_chunk = _check_chunk(getattr(cfg, "chunk_size", None))
-    for what, key in (("teacher payload column", _PAYLOAD_COLUMNS[teacher_payload]), ("column", "input_ids")):
-        if key not in columns:
-            raise ValueError(
-                f"opd_full requires the {what} {key!r} in the training microbatch; data has {sorted(columns)}"
-            )
-    return cfg, teacher_payload, cfg_chunk
-
-
 def _check_chunk(chunk_size: Any) -> Any:
     """`chunk_size` of the config: an int `>= 1` or `None`, else `ValueError`."""
     bad = isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1
@@ -138,72 +118,10 @@ def _check_chunk(chunk_size: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-def _width_mismatch(key: Any, payload_width: int, weight: Tensor) -> ValueError:
-    return ValueError(
-        f"Teacher hidden states do not match the loaded teacher LM head for teacher_index={key}: "
-        f"payload width {payload_width} vs LM-head input width {weight.shape[1]}"
-    )
-
-
-def _check_weight(key: Any, weight: Any) -> Tensor:
-    check_floating(f"teacher_output_layer_weight_by_index[{key!r}]", weight)
-    if weight.dim() != 2:
-        raise ValueError(
-            f"teacher_output_layer_weight_by_index[{key!r}] must be a [V_local, H] LM-head shard, got shape "
-            f"{tuple(weight.shape)}"
-        )
-    return weight
-
-
-def _teacher_heads(
-    weights: dict[Any, Tensor], teacher_index: Tensor | None, batch: int, device: torch.device
-) -> tuple[list[Tensor], Tensor | None]:
-    """`(heads, position [B])`: the loaded LM-head shards in a list, and each payload row's position
-    in it (`None` with one head and no index). Checks the heads share one shard shape and dtype
-    and, in eager mode, that every row's head is loaded (that check reads values)."""
-    keys = list(weights)
-    heads = [weights[k] for k in keys]
-    ref = heads[0]
-    for key, weight in zip(keys, heads):
-        if (weight.shape[0], weight.dtype) != (ref.shape[0], ref.dtype):
-            raise ValueError(
-                "teacher LM heads must share one vocabulary shard and dtype; got "
-                f"{tuple(weight.shape)}/{weight.dtype} for teacher_index={key} vs "
-                f"{tuple(ref.shape)}/{ref.dtype} for teacher_index={keys[0]}"
-            )
-    if teacher_index is None:
-        return heads, None
-    check_integer_ids("teacher_index", teacher_index)
-    teacher_index = teacher_index.to(device).reshape(-1)
-    if teacher_index.shape[0] != batch:
-        raise ValueError(
-            f"teacher_index must carry one entry per payload row: got {teacher_index.shape[0]} entries for {batch} rows"
-        )
-    # position of each row's key in `keys` (an unloaded key, unchecked under compile, reads 0)
-    key_values = torch.tensor(keys, dtype=torch.int64, device=device)  # [K]
-    matches = teacher_index.to(torch.int64)[:, None] == key_values[None, :]  # [B, K]
-    if values_checkable(teacher_index) and teacher_index.numel():  # read with the call's other checks (one read)
-        unloaded = ~matches.any(dim=-1)  # [B]
-        smallest = torch.where(unloaded, teacher_index.to(torch.int64), torch.iinfo(torch.int64).max).min()
-        _host_reads.defer(torch.stack([unloaded.any().to(torch.int64), smallest]), _unloaded_error(sorted(weights)))
-    position = matches.to(torch.int64).argmax(dim=-1)
-    return heads, position  # [B]
-
-
-def _unloaded_error(loaded: list[Any]) -> Callable[[list[int]], None]:
-    def raise_if_unloaded(values: list[int]) -> None:
-        if values[0]:
-            raise ValueError(
-                f"row tagged teacher_index={values[1]}, but no teacher LM head is loaded for that index "
-                f"(loaded: {loaded})"
-            )
-
-    return raise_if_unloaded
-
-
 class _Teacher(NamedTuple):
     """The validated teacher, as the pure code takes it: a logits payload's `columns = (start, Vl)`,
-    or the LM-head shards and each row's position in them (`None` with one head)."""
+    or the LM-head shards and each row's position in them (`None` with one head): the keywords of
+    `lossfx._layouts.opd_full.teacher_logits` and `.opd_full_loss_input` (`**teacher._asdict()`)."""
 
     columns: tuple[int, int] | None
     heads: list[Tensor] | None
@@ -223,7 +141,9 @@ def _validated_teacher(
 ) -> _Teacher:
     """Every check of the teacher payload and heads against this rank's `student_logits [B, S_l, Vl]`
     (NeMo's payload-reconstruction errors, docs/decisions.md §3), before any work. A logits
-    payload's window starts at `vocab_start` (default `vocab_parallel_rank · Vl`)."""
+    payload's window starts at `vocab_start` (default `vocab_parallel_rank · Vl`). The heads: one
+    shard shape and dtype, in a list, with each payload row's position in it (`None` with one head
+    and no index); in eager mode every row's head must be loaded (that check reads values)."""
     check_floating("payload", payload)
     check_tensor("student_logits", student_logits)
     if teacher_payload not in _PAYLOAD_COLUMNS:
@@ -251,9 +171,26 @@ def _validated_teacher(
                 f"('{TEACHER_INDEX_FIELD}') was given"
             )
         for key in sorted(weights):
-            weight = _check_weight(key, weights[key])
+            weight = check_floating(f"teacher_output_layer_weight_by_index[{key!r}]", weights[key])
+            if weight.dim() != 2:
+                raise ValueError(
+                    f"teacher_output_layer_weight_by_index[{key!r}] must be a [V_local, H] LM-head shard, got shape "
+                    f"{tuple(weight.shape)}"
+                )
             if payload.shape[-1] != weight.shape[1]:
-                raise _width_mismatch(key, payload.shape[-1], weight)
+                raise ValueError(
+                    f"Teacher hidden states do not match the loaded teacher LM head for teacher_index={key}: "
+                    f"payload width {payload.shape[-1]} vs LM-head input width {weight.shape[1]}"
+                )
+        keys = list(weights)
+        ref = weights[keys[0]]  # the first loaded head: the others must share its shard shape and dtype
+        for key, weight in weights.items():
+            if (weight.shape[0], weight.dtype) != (ref.shape[0], ref.dtype):
+                raise ValueError(
+                    "teacher LM heads must share one vocabulary shard and dtype; got "
+                    f"{tuple(weight.shape)}/{weight.dtype} for teacher_index={key} vs "
+                    f"{tuple(ref.shape)}/{ref.dtype} for teacher_index={keys[0]}"
+                )
     else:
         if vocab_parallel_rank is None:
             raise ValueError("vocab_parallel_rank is required to slice the opd_full logits payload (use 0 without TP)")
@@ -275,7 +212,31 @@ def _validated_teacher(
         )
     if teacher_payload != "hidden_states":
         return _Teacher(columns, None, None)
-    heads, position = _teacher_heads(weights, teacher_index, payload.shape[0], student_logits.device)
+    heads, position, batch, device = list(weights.values()), None, payload.shape[0], student_logits.device
+    if teacher_index is not None:
+        check_integer_ids("teacher_index", teacher_index)
+        teacher_index = teacher_index.to(device).reshape(-1)
+        if teacher_index.shape[0] != batch:
+            raise ValueError(
+                f"teacher_index must carry one entry per payload row: got {teacher_index.shape[0]} entries for "
+                f"{batch} rows"
+            )
+        # position of each row's key in `keys` (an unloaded key, unchecked under compile, reads 0)
+        key_values = torch.tensor(keys, dtype=torch.int64, device=device)  # [K]
+        matches = teacher_index.to(torch.int64)[:, None] == key_values[None, :]  # [B, K]
+
+        def raise_if_unloaded(values: list[int]) -> None:
+            if values[0]:
+                raise ValueError(
+                    f"row tagged teacher_index={values[1]}, but no teacher LM head is loaded for that index "
+                    f"(loaded: {sorted(weights)})"
+                )
+
+        if values_checkable(teacher_index) and teacher_index.numel():  # read with the call's other checks
+            unloaded = ~matches.any(dim=-1)  # [B]
+            smallest = torch.where(unloaded, teacher_index.to(torch.int64), torch.iinfo(torch.int64).max).min()
+            _host_reads.defer(torch.stack([unloaded.any().to(torch.int64), smallest]), raise_if_unloaded)
+        position = matches.to(torch.int64).argmax(dim=-1)  # [B]
     width = heads[0].shape[0]
     if width != local_vocab:
         raise ValueError(
@@ -362,29 +323,14 @@ def reconstruct_opd_full_teacher_logits(
         teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
         teacher_index=teacher_index,
     )
-    out = _pure.teacher_logits(
-        payload,
-        layout,
-        student.shape[1],
-        student.device,
-        columns=teacher.columns,
-        heads=teacher.heads,
-        position=teacher.position,
-        output_dtype=output_dtype,
-    )
+    local_len, device = student.shape[1], student.device
+    out = _pure.teacher_logits(payload, layout, local_len, device, output_dtype=output_dtype, **teacher._asdict())
     return shard.wrap(out)
 
 
 # ---------------------------------------------------------------------------------------------
 # The branch
 # ---------------------------------------------------------------------------------------------
-
-
-def _tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int:
-    """This rank's vocabulary window index: validated against a group, else as given (default 0)."""
-    if group is None:
-        return 0 if vocab_parallel_rank is None else vocab_parallel_rank
-    return check_group_rank("vocab_parallel_rank", vocab_parallel_rank, "vocab_parallel_group", group)
 
 
 class OpdFullCall(NamedTuple):
@@ -422,7 +368,18 @@ def validated_opd_full(
     states; `vocab`: its head's `vocab_start`, `widths`, as `lossfx.next_token.resolved_vocab` takes
     them). `vocab_size`: `V` of a vocabulary-parallel DTensor shard (which of its columns are real)."""
     group = vocab_parallel_group
-    cfg, teacher_payload, cfg_chunk = opd_config(loss_fn, data)
+    cfg = getattr(loss_fn, "opd_full", None)  # the config (`OnPolicyDistillationFullConfig` or alike) and columns
+    if cfg is None:
+        raise ValueError("LossInputType.OPD_FULL requires loss_fn.opd_full (an OnPolicyDistillationFullConfig)")
+    teacher_payload = getattr(cfg, "teacher_payload", "hidden_states")
+    if teacher_payload not in _PAYLOAD_COLUMNS:
+        raise ValueError(f"opd_full.teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}")
+    cfg_chunk = _check_chunk(getattr(cfg, "chunk_size", None))
+    for what, key in (("teacher payload column", _PAYLOAD_COLUMNS[teacher_payload]), ("column", "input_ids")):
+        if key not in data:
+            raise ValueError(
+                f"opd_full requires the {what} {key!r} in the training microbatch; data has {sorted(data)}"
+            )
     check_positive_int("chunk_size", chunk_size)
     if teacher_logits_dtype is not None and (
         not isinstance(teacher_logits_dtype, torch.dtype) or not teacher_logits_dtype.is_floating_point
@@ -431,7 +388,7 @@ def validated_opd_full(
     check_floating(logits_name, logits)
     if logits.dim() != 3:
         raise ValueError(f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(logits.shape)}")
-    tp_rank = _tp_rank(vocab_parallel_rank, group)
+    rank = tp_rank(vocab_parallel_rank, group)
     input_ids = check_integer_ids("data['input_ids']", data["input_ids"])
     got = f"input_ids.shape={tuple(input_ids.shape)} and {logits_name}.shape={tuple(logits.shape)}"
     if input_ids.dim() != 2 or input_ids.shape[0] != logits.shape[0]:
@@ -453,7 +410,7 @@ def validated_opd_full(
                 f"(torch's split: {width} per rank); a hidden-states teacher needs every rank to hold at "
                 "least one vocabulary row: use fewer ranks or pad the vocabulary"
             )
-        real = min(vocab_size - tp_rank * width, width)
+        real = min(vocab_size - rank * width, width)
         student = logits.narrow(-1, 0, real) if real < logits.shape[-1] else logits
     # the reference-KL term's ids, range-checked once (padded logits: V is the real size)
     kl = getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0
@@ -467,7 +424,7 @@ def validated_opd_full(
         payload,
         teacher_payload=teacher_payload,
         student_logits=student,
-        vocab_parallel_rank=tp_rank,
+        vocab_parallel_rank=rank,
         layout=layout,
         teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
         teacher_index=data.get(TEACHER_INDEX_FIELD) if teacher_payload == "hidden_states" else None,
@@ -477,48 +434,36 @@ def validated_opd_full(
     return OpdFullCall(cfg, payload, input_ids, student, teacher, resolved, kl, chunk_rows)
 
 
-def opd_full_input(
-    logits: Tensor,
-    data: Mapping[str, Any],
-    loss_fn: Any,
-    *,
-    vocab_parallel_rank: int | None,
-    vocab_parallel_group: ProcessGroup | None,
-    context_parallel_group: ProcessGroup | None,
-    chunk_size: int | None,
-    teacher_output_layer_weight_by_index: dict[Any, Tensor] | None = None,
-    teacher_logits_dtype: torch.dtype | None = None,
-    vocab_size: int | None = None,
-    cp_sharder: Any = None,
-) -> dict[str, Any]:
-    """An OPD_FULL call on local tensors: `validated_opd_full` once, then the pure
-    `lossfx._layouts.opd_full.opd_full_loss_input` once. Shared by
-    `lossfx.prepare_opd_full_loss_input` and `prepare_loss_input`'s OPD_FULL branch, whose one
-    unwrap (`lossfx.loss_input`) hands it the logits' even shard, the local columns, each teacher
-    head as this rank's rows and `vocab_size = V` of a DTensor shard (which of its columns are
-    real). No cross-rank check here (their `boundary` runs it)."""
-    layout = sequence_layout(context_parallel_group, cp_sharder)
+def opd_full_input(view: Mapping[str, Any] | None) -> dict[str, Any]:
+    """An OPD_FULL call on the `view` of its one unwrap (`lossfx.loss_input`: the logits' even
+    shard, the local columns, each teacher head as this rank's rows and, for a DTensor shard,
+    `vocab_size = V`, which of its columns are real; the arguments of
+    `lossfx.prepare_opd_full_loss_input`, which `prepare_loss_input`'s OPD_FULL branch shares):
+    `validated_opd_full` once, then the pure `lossfx._layouts.opd_full.opd_full_loss_input` once.
+    No cross-rank check here (their `boundary` runs it)."""
+    assert view is not None, "boundary(unwrapped=True) hands the body its view"
+    logits, group, chunk_size = view["logits"], view["vocab_parallel_group"], view["chunk_size"]
+    teacher_logits_dtype = view["teacher_logits_dtype"]
+    layout = sequence_layout(view["context_parallel_group"], view["cp_sharder"])
     call = validated_opd_full(
         logits,
-        data,
-        loss_fn,
-        vocab_parallel_rank=vocab_parallel_rank,
-        vocab_parallel_group=vocab_parallel_group,
+        view["data"],
+        view["loss_fn"],
+        vocab_parallel_rank=view["vocab_parallel_rank"],
+        vocab_parallel_group=group,
         layout=layout,
         chunk_size=chunk_size,
-        teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+        teacher_output_layer_weight_by_index=view["teacher_output_layer_weight_by_index"],
         teacher_logits_dtype=teacher_logits_dtype,
-        vocab_size=vocab_size,
+        vocab_size=view.get("vocab_size"),
     )
     return _pure.opd_full_loss_input(
         call.student,
         call.payload,
         call.input_ids.shape[1],
         layout,
-        vocab_parallel_group,
-        columns=call.teacher.columns,
-        heads=call.teacher.heads,
-        position=call.teacher.position,
+        group,
+        **call.teacher._asdict(),  # its columns, heads, position
         validate_decomposition=bool(getattr(call.cfg, "validate_decomposition", False)),
         chunk_rows=call.chunk_rows,
         teacher_logits_dtype=teacher_logits_dtype,

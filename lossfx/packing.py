@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossfx._boundary.consistency import ShardWidths, boundary
+from lossfx._boundary.consistency import boundary
 from lossfx._boundary.validation import (
     check_floating,
     check_ids_in_range,
@@ -72,27 +72,13 @@ def _check_cu_type(name: str, cu: Any) -> None:
         raise TypeError(f"{name} must hold ints, got {cu!r} (non-int entries {bad[:5]!r})")
 
 
-def _cu_key(cu: Any) -> tuple[object, ...]:
-    """What identifies `cu_seqlens` within one call (a tensor by its storage, a sequence by value)."""
-    if isinstance(cu, Tensor):
-        return (cu.data_ptr(), cu.dtype, tuple(cu.shape), cu.stride())
-    return tuple(int(v) for v in cu)
-
-
-def _as_tensor(name: str, cu: Any, device: torch.device) -> Tensor:
-    """`cu_seqlens` as a 1-D int64 tensor on `device` (tuples of ints and int tensors accepted)."""
-    _check_cu_type(name, cu)
-    return _pure.cu_tensor(cu, device)
-
-
 def check_cu_seqlens(cu_seqlens_q: Any, cu_seqlens_q_padded: Any, n_seqs: int, total: int, cp_size: int) -> None:
     """Raise `ValueError` naming the offending entries of malformed cumulative sequence lengths.
 
     Checks: `n_seqs + 1` entries each, starting at 0, non-decreasing, every padded length at
     least its unpadded length, the padded total equal to `total` (the packed logits' `C·T/C`),
     and, with context parallelism, every padded length a multiple of `2C`. Eager only. Tensor
-    values are read with the call's other host reads (`_core.host_reads.defer`); the same check again
-    in the call (the unfiltered log-probs of a KL term) is skipped.
+    values are read with the call's other host reads (`_core.host_reads.defer`).
     """
     _check_cu_type("cu_seqlens_q", cu_seqlens_q)  # types always; values in eager mode only
     _check_cu_type("cu_seqlens_q_padded", cu_seqlens_q_padded)
@@ -103,11 +89,7 @@ def check_cu_seqlens(cu_seqlens_q: Any, cu_seqlens_q_padded: Any, n_seqs: int, t
         _check_cu_lists([int(v) for v in cu_seqlens_q], [int(v) for v in cu_seqlens_q_padded], n_seqs, total, cp_size)
         return
     # tensor values: read with the call's other checks (one host read), checked when read
-    key = ("cu_seqlens", _cu_key(cu_seqlens_q), _cu_key(cu_seqlens_q_padded), n_seqs, total, cp_size)
-    if _host_reads.seen(key):
-        return
-    q = _as_tensor("cu_seqlens_q", cu_seqlens_q, tensors[0].device)
-    p = _as_tensor("cu_seqlens_q_padded", cu_seqlens_q_padded, tensors[0].device)
+    q, p = (_pure.cu_tensor(cu, tensors[0].device) for cu in (cu_seqlens_q, cu_seqlens_q_padded))
     n = q.shape[0]
     _host_reads.defer(torch.cat([q, p]), lambda v: _check_cu_lists(v[:n], v[n:], n_seqs, total, cp_size))
 
@@ -153,21 +135,15 @@ def check_packed_input_ids(
     `len_b` the real length, clipped to the row and to the padded length), or
     `input_ids[0, cu_p[i] + 1 : cu_p[i+1]]` (pre-packed). Other entries (first tokens, padding) are
     never read and may hold anything (compiled: an in-graph assertion, `check_ids_in_range`). Call
-    after `check_cu_seqlens`. The scored ids'
+    after `check_cu_seqlens` (it checks their types). The scored ids'
     min and max are read with the call's other host reads; `vocab` may be a function called then
-    (the size the call's cross-rank check reports, `ShardWidths.size_when_read`). Skipped when the
-    same check already ran in this call.
+    (the size the call's cross-rank check reports, `ShardWidths.size_when_read`).
     """
     traced = _host_reads.tracing() and not input_ids.is_meta  # an in-graph assertion (`check_ids_in_range`)
     if not (traced or values_checkable(input_ids, cu_seqlens_q, cu_seqlens_q_padded)) or input_ids.numel() == 0:
         return
-    ids_key = (input_ids.data_ptr(), input_ids.dtype, tuple(input_ids.shape), input_ids.stride())
-    key = ("packed ids", ids_key, _cu_key(cu_seqlens_q), _cu_key(cu_seqlens_q_padded), prepacked)
-    if _host_reads.seen((*key, "V of the call" if callable(vocab) else vocab)):
-        return
     # the scored positions on the device: the `cu_seqlens` values are not read here
-    cu_q = _as_tensor("cu_seqlens_q", cu_seqlens_q, input_ids.device)
-    cu_p = _as_tensor("cu_seqlens_q_padded", cu_seqlens_q_padded, input_ids.device)
+    cu_q, cu_p = (_pure.cu_tensor(cu, input_ids.device) for cu in (cu_seqlens_q, cu_seqlens_q_padded))
     scored = _pure.scored_slots(input_ids.shape[1], cu_q, cu_p, prepacked)  # [B, S] ([1, T] pre-packed)
     values = torch.where(scored, input_ids, torch.zeros_like(input_ids))  # 0: in range for any V >= 1
     if traced:
@@ -270,18 +246,17 @@ def _validated_packed(
     context_parallel_group: ProcessGroup | None,
     sampling_params: TrainingSamplingParams | None = None,
     chunk_size: int | None = None,
-    vocab_start: int | None = None,
-    vocab_size: int | None = None,
     ids_name: str = "input_ids",
-    widths: ShardWidths | None = None,
+    **vocab: Any,
 ) -> tuple[Tensor, Tensor, PackedLayout, VocabRange, dict[str, Any]]:
     """The boundary work of a packed call, once: `(logits, input_ids, layout, vocab, options)` as
     `lossfx._layouts.packing.packed_next_token_logprobs(logits, input_ids, layout, vocab, **options)`
     takes them (`options`: the resolved filter and `chunk_rows`). `cu_seqlens` and the scored
     ids are checked here (read with the call's other host reads); errors about the ids name them
-    `ids_name` (the entry point passes `data['input_ids']`). `widths` (the call's `ShardWidths`): `vocab_start` and
-    `vocab_size` come from the shard widths the call's cross-rank check reported
-    (`ShardWidths.range`), asked for once the checks are deferred, so that they are read together."""
+    `ids_name` (the entry point passes `data['input_ids']`). `vocab`: `resolved_vocab`'s `vocab_start`,
+    `vocab_size`, or `widths` (the call's `ShardWidths`: the range comes from the shard widths the
+    call's cross-rank check reported, asked for once the checks are deferred, so that they are
+    read together)."""
     check_floating("logits", logits)
     check_integer_ids(ids_name, input_ids)
     if logits.dim() != 3 or logits.shape[0] != 1:
@@ -300,7 +275,5 @@ def _validated_packed(
     layout = PackedLayout(cu_seqlens_q, cu_seqlens_q_padded, context_parallel_group, prepacked)
     layout.check_covers("packed logits", logits.shape[1], input_ids.shape[0], f"logits.shape={tuple(logits.shape)}")
     check = lambda v: check_packed_input_ids(ids_name, input_ids, cu_seqlens_q, cu_seqlens_q_padded, v, prepacked)  # noqa: E731
-    resolved = resolved_vocab(
-        vocab_parallel_group, logits.shape[-1], check, vocab_start=vocab_start, vocab_size=vocab_size, widths=widths
-    )
+    resolved = resolved_vocab(vocab_parallel_group, logits.shape[-1], check, **vocab)
     return logits, input_ids, layout, resolved, options

@@ -118,15 +118,6 @@ def check_covers(
     own_rule(what, local_len, seq, got, canonical)
 
 
-def _check_sharder(cp_sharder: object) -> None:
-    missing = [m for m in ("shard_token_tensor", "gather_token_tensor") if not callable(getattr(cp_sharder, m, None))]
-    if missing:
-        raise TypeError(
-            f"cp_sharder must have the methods shard_token_tensor and gather_token_tensor (a "
-            f"ContextParallelSharder); {type(cp_sharder).__name__} {cp_sharder!r} lacks {missing}"
-        )
-
-
 def sequence_layout(context_parallel_group: ProcessGroup | None = None, cp_sharder: object = None) -> SequenceLayout:
     """The sequence layout of a call's public arguments (built once, at the entry point).
 
@@ -141,7 +132,13 @@ def sequence_layout(context_parallel_group: ProcessGroup | None = None, cp_shard
     if isinstance(cp_sharder, SequenceLayout):
         return cp_sharder
     if cp_sharder is not None:
-        _check_sharder(cp_sharder)
+        methods = ("shard_token_tensor", "gather_token_tensor")
+        missing = [m for m in methods if not callable(getattr(cp_sharder, m, None))]
+        if missing:
+            raise TypeError(
+                f"cp_sharder must have the methods shard_token_tensor and gather_token_tensor (a "
+                f"ContextParallelSharder); {type(cp_sharder).__name__} {cp_sharder!r} lacks {missing}"
+            )
         return ShardedLayout(cp_sharder)  # type: ignore[arg-type]
     if group_size(context_parallel_group) > 1:
         return LoadBalancedLayout(context_parallel_group)

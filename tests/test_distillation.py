@@ -457,6 +457,35 @@ def test_distillation_errors():
         lossfx.vocab_topk(z, 0)
 
 
+def gloo_uneven_dtensor_distillation_job(rank, world, group, z, ids, values, public):
+    """Uneven `Shard(2)` DTensor logits (V = 11 over 2 ranks: 6 + 5, the short rank padded): an id
+    equal to V, a padding column, is a range error on every rank, at both faces of DISTILLATION."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    x = distribute_tensor(z, init_device_mesh("cpu", (world,)), [Shard(2)], src_data_rank=None)
+    try:
+        if public:
+            lossfx.distillation_topk_logprobs(x, values, ids, zero_outside_topk=True, calculate_entropy=False)
+        else:
+            data = {"teacher_topk_logits": values, "teacher_topk_indices": ids}
+            loss_fn = SimpleNamespace(input_type="distillation", zero_outside_topk=True, kl_type="reverse")
+            lossfx.prepare_loss_input(x, data, loss_fn)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("public", [True, False])
+def test_distillation_uneven_dtensor_rejects_a_padding_id(public):
+    z = _logits((1, 4, 11), 3)
+    ids = torch.tensor([[[0, 11]] * 4])
+    results = harness.gloo_pool(2).run(gloo_uneven_dtensor_distillation_job, z, ids, torch.zeros(1, 4, 2), public)
+    for message in results:  # prepare_loss_input returned -inf log-probs here before
+        assert message is not None and "teacher_topk_indices must lie in [0, 11)" in message
+
+
 def test_draft_errors():
     z = _logits((1, 4, 6), 0)
     data = {"token_mask": torch.ones(1, 4), "student_logits": z}
