@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lossfx._boundary.consistency import Roles, boundary
+from lossfx._boundary.consistency import boundary
 from lossfx._boundary.dtensor import local_view, resolved_shard
 from lossfx._boundary.validation import (
     check_floating,
@@ -44,6 +44,7 @@ from lossfx._core.distributed import ProcessGroup
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import filtering as _kernel
 from lossfx._kernels.filtering import CANDIDATE_TOP_K_MAX
+from lossfx.logprobs import _ROLES  # (the same parameters: logits, group, vocab_start, vocab_size)
 
 __all__ = [
     "CANDIDATE_TOP_K_MAX",
@@ -77,20 +78,10 @@ def check_filter_params(top_k: object, top_p: object) -> tuple[int | None, float
     return k, float(top_p)
 
 
-def _check_strategy(strategy: str) -> None:
-    if strategy not in _STRATEGIES:
-        raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}")
-
-
 def check_ties(ties: object) -> None:
     """Raise `ValueError` unless `ties` is one of `TIES` ("together", "sorted")."""
     if not isinstance(ties, str) or ties not in TIES:
         raise ValueError(f"ties must be one of {TIES}, got {ties!r}")
-
-
-def _check_logits_shape(logits: Tensor) -> None:
-    if logits.dim() < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
 
 
 def _validated_filter(
@@ -102,23 +93,22 @@ def _validated_filter(
     chunk_rows: int | None,
     chunk_size: int | None,
 ) -> tuple[int | None, float, int | None]:
-    """The checks the three public functions share: `(k or None, top_p, chunk_rows)`."""
+    """The checks the three public functions share (`logits` `[..., V_local]`, `V_local >= 1`):
+    `(k or None, top_p, chunk_rows)`."""
     check_floating("logits", logits)
     k, p = check_filter_params(top_k, top_p)
-    _check_strategy(strategy)
+    if strategy not in _STRATEGIES:
+        raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}")
     check_ties(ties)
     rows = check_positive_int("chunk_rows", resolve_chunk_rows(chunk_rows, chunk_size))
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
     return k, p, rows
 
 
 # ---------------------------------------------------------------------------------------------
 # Public functions: the boundary, then the pure kernel once
 # ---------------------------------------------------------------------------------------------
-
-
-_ROLES = Roles(
-    tp="group", shards=("logits",), start="vocab_start", size="vocab_size"
-)  # the cross-rank check's view of the parameters
 
 
 @boundary(roles=_ROLES, vocab="sized", local=local_view(_ROLES), unwrapped=True)
@@ -186,7 +176,6 @@ def top_k_top_p_threshold(
         tensor([2.])
     """
     k, p, chunk_rows = _validated_filter(logits, top_k, top_p, strategy, ties, chunk_rows, chunk_size)
-    _check_logits_shape(logits)
     if strategy == "candidates" and k is None:
         raise ValueError("strategy='candidates' needs top-k enabled (top_k > 0)")
     vocab = VocabRange.of(group, logits.shape[-1], vocab_start, vocab_size)
@@ -226,7 +215,6 @@ def apply_top_k_top_p(
     shard = resolved_shard(_view)  # the boundary's one unwrap: the result is placed like the logits
     local = shard.local
     k, p, chunk_rows = _validated_filter(local, top_k, top_p, "auto", ties, chunk_rows, chunk_size)
-    _check_logits_shape(local)
     vocab = VocabRange.of(shard.group, local.shape[-1], shard.vocab_start, shard.vocab_size)
     filtered, keep = _kernel.apply_top_k_top_p(local, vocab, top_k=k, top_p=p, chunk_rows=chunk_rows, ties=ties)
     return shard.wrap(filtered), shard.wrap(keep)
@@ -301,7 +289,6 @@ def filtered_token_logprobs(
         )
     if strategy == "candidates" and k is None:
         raise ValueError("strategy='candidates' needs top-k enabled (top_k > 0)")
-    _check_logits_shape(logits)
     vocab = VocabRange.of(group, logits.shape[-1], vocab_start, vocab_size)
     check_ids_in_range("target", target, vocab.size)
     return _kernel.filtered_token_logprobs(

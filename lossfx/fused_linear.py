@@ -146,10 +146,8 @@ def head_keywords(fn: F) -> F:
 
 def resolved_head(head: typing.Mapping[str, Any], local_vocab: int) -> HeadOptions:
     """The head keywords checked (TypeError/ValueError naming the argument; an unknown keyword:
-    TypeError naming it) and resolved into `HeadOptions`; `bias` must be `[local_vocab]`, local."""
-    unknown = sorted(set(head) - set(HeadOptions._fields))
-    if unknown:
-        raise TypeError(f"unexpected keyword argument {unknown[0]!r} (the head options: {HeadOptions._fields})")
+    `HeadOptions`' TypeError naming it) and resolved into `HeadOptions`; `bias` must be
+    `[local_vocab]`, local."""
     options = HeadOptions(**head)
     bias, ignore_index = options.bias, options.ignore_index
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
@@ -169,27 +167,40 @@ def resolved_head(head: typing.Mapping[str, Any], local_vocab: int) -> HeadOptio
 
 
 class LinearCall(typing.NamedTuple):
-    """The resolved arguments of one fused call, as the pure kernels take them (`validated_head`)."""
+    """The resolved arguments of one fused call, as the pure kernels take them (`resolved_call`)."""
 
     vocab: VocabRange  # this rank's rows of the head: group, first id, global V
     head: HeadOptions  # bias [Vl] (local), temperature, logit_scale, softcap, ignore_index
     chunk_rows: int  # 0: the loop picks its default
+    sequence_parallel: bool = False  # hidden holds this rank's rows (all-gathered in the forward)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The keywords every fused kernel takes from the call: `head`, `chunk_rows`, `sequence_parallel`."""
+        return {"head": self.head, "chunk_rows": self.chunk_rows, "sequence_parallel": self.sequence_parallel}
 
 
-def validated_head(
+def resolved_call(
     hidden: Tensor,
     weight: Tensor,
     head: typing.Mapping[str, Any],
-    *,
     group: ProcessGroup | None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     sequence_parallel: bool = False,
-    chunk_size: int | None,
+    chunk_size: int | None = None,
+    ids: Tensor | None = None,
+    name: str = "ids",
+    *,
+    per_row: bool = False,
 ) -> LinearCall:
-    """Check hidden `[..., H]`, weight `[Vl, H]` (local tensors), the head keywords (`resolved_head`)
-    and the options (TypeError/ValueError naming the argument), and resolve them into the kernels'
-    `LinearCall`."""
+    """The resolve of a fused call (local tensors; TypeError/ValueError naming the argument): hidden
+    `[..., H]`, weight `[Vl, H]`, the head keywords (`resolved_head`) and the options into the
+    kernels' `LinearCall`; with `ids` (named `name`: `[...]`, one per row, or `[..., K]` with
+    `per_row`), their rows against hidden's (under sequence parallelism this rank's `N/R`) and
+    their range `[0, V)` but for `ignore_index`."""
+    if ids is not None:
+        check_integer_ids(name, ids)
     check_floating("hidden", hidden)
     check_floating("weight", weight)
     chunk_size = check_positive_int("chunk_size", chunk_size)
@@ -206,20 +217,22 @@ def validated_head(
     options = resolved_head(head, local_vocab)
     start = group_rank(group) * local_vocab if vocab_start is None else vocab_start
     size = group_size(group) * local_vocab if vocab_size is None else vocab_size
-    return LinearCall(VocabRange(group, start, size), options, 0 if chunk_size is None else chunk_size)
+    call = LinearCall(VocabRange(group, start, size), options, chunk_size or 0, sequence_parallel)
+    if ids is not None:
+        _check_rows(hidden, ids if per_row else ids[..., None], call, name)
+    return call
 
 
-def check_rows(hidden: Tensor, ids: Tensor, call: LinearCall, *, sequence_parallel: bool, name: str) -> None:
-    """Check ids `[..., K]` (integer, `K >= 1`, in `[0, V)` but for `ignore_index`; `name` in the
-    messages) against hidden `[..., H]` (the same leading dims; under sequence parallelism this
-    rank's `N/R` rows)."""
+def _check_rows(hidden: Tensor, ids: Tensor, call: LinearCall, name: str) -> None:
+    """Check ids `[..., K]` (`K >= 1`, in `[0, V)` but for `ignore_index`; `name` in the messages)
+    against hidden `[..., H]` (the same leading dims; under sequence parallelism this rank's `N/R` rows)."""
     if ids.dim() < 1 or ids.shape[-1] < 1:
         raise ValueError(f"ids must be [..., K] with K >= 1, got shape {tuple(ids.shape)}")
     world = group_size(call.vocab.group)
     n_rows = ids[..., 0].numel()
     hidden_size = hidden.shape[-1]
     hidden_rows = hidden.numel() // hidden_size if hidden_size else hidden[..., 0].numel()
-    if sequence_parallel:
+    if call.sequence_parallel:
         if hidden_rows * world != n_rows:
             raise ValueError(
                 f"with sequence_parallel=True, hidden holds this rank's rows: {world} ranks x "
@@ -233,38 +246,6 @@ def check_rows(hidden: Tensor, ids: Tensor, call: LinearCall, *, sequence_parall
         )
     ignored = ids == call.head.ignore_index
     check_ids_in_range(name, ids.masked_fill(ignored, 0), call.vocab.size)  # ignore_index is in range
-
-
-def resolved_call(
-    hidden: Tensor,
-    weight: Tensor,
-    ids: Tensor,
-    name: str,
-    head: typing.Mapping[str, Any],
-    group: ProcessGroup | None,
-    vocab_start: int | None,
-    vocab_size: int | None,
-    sequence_parallel: bool,
-    chunk_size: int | None,
-    *,
-    per_row: bool = False,
-) -> LinearCall:
-    """The resolve of a token function's call: `validated_head`, then `check_rows` of its ids
-    (named `name`: `[...]`, one per row, or `[..., K]` with `per_row`); the other arguments are
-    the function's own, in its order."""
-    check_integer_ids(name, ids)
-    call = validated_head(
-        hidden,
-        weight,
-        head,
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size,
-    )
-    check_rows(hidden, ids if per_row else ids[..., None], call, sequence_parallel=sequence_parallel, name=name)
-    return call
 
 
 # the cross-rank check's view of the parameters (`_boundary.consistency.Roles`)
@@ -354,19 +335,27 @@ def linear_gather_logprobs(
     # hidden, weight, ids: local tensors (the boundary's one unwrap, `local_view`)
     with_neg_entropy = bool(renamed_keyword("with_neg_entropy", with_neg_entropy, "with_entropy", with_entropy))
     call = resolved_call(
-        hidden, weight, ids, "ids", head, group, vocab_start, vocab_size, sequence_parallel, chunk_size, per_row=True
+        hidden, weight, head, group, vocab_start, vocab_size, sequence_parallel, chunk_size, ids, per_row=True
     )
     return kernel.linear_gather_logprobs(
         hidden,
         weight,
         ids,
         call.vocab,
-        head=call.head,
         with_neg_entropy=with_neg_entropy,
         zero_outside_topk=zero_outside_topk,
-        chunk_rows=call.chunk_rows,
-        sequence_parallel=sequence_parallel,
+        **call.options,
     )
+
+
+class _TokenKeywords(HeadKeywords, total=False):
+    """`linear_token_logprobs`' keywords that do not choose its return type (its overloads)."""
+
+    group: ProcessGroup | None
+    vocab_start: int | None
+    vocab_size: int | None
+    sequence_parallel: bool
+    chunk_size: int | None
 
 
 @typing.overload
@@ -375,14 +364,9 @@ def linear_token_logprobs(
     weight: Tensor,
     target: Tensor,
     *,
-    group: ProcessGroup | None = ...,
-    vocab_start: int | None = ...,
-    vocab_size: int | None = ...,
-    sequence_parallel: bool = ...,
-    chunk_size: int | None = ...,
     return_neg_entropy: typing.Literal[False] = ...,
     return_entropy: typing.Literal[False] | None = ...,
-    **head: Unpack[HeadKeywords],
+    **kw: Unpack[_TokenKeywords],
 ) -> Tensor: ...
 @typing.overload
 def linear_token_logprobs(
@@ -390,14 +374,9 @@ def linear_token_logprobs(
     weight: Tensor,
     target: Tensor,
     *,
-    group: ProcessGroup | None = ...,
-    vocab_start: int | None = ...,
-    vocab_size: int | None = ...,
-    sequence_parallel: bool = ...,
-    chunk_size: int | None = ...,
     return_neg_entropy: typing.Literal[True],
     return_entropy: bool | None = ...,
-    **head: Unpack[HeadKeywords],
+    **kw: Unpack[_TokenKeywords],
 ) -> tuple[Tensor, Tensor]: ...
 @typing.overload
 def linear_token_logprobs(
@@ -405,14 +384,9 @@ def linear_token_logprobs(
     weight: Tensor,
     target: Tensor,
     *,
-    group: ProcessGroup | None = ...,
-    vocab_start: int | None = ...,
-    vocab_size: int | None = ...,
-    sequence_parallel: bool = ...,
-    chunk_size: int | None = ...,
     return_neg_entropy: bool = ...,
     return_entropy: bool | None = ...,
-    **head: Unpack[HeadKeywords],
+    **kw: Unpack[_TokenKeywords],
 ) -> Tensor | tuple[Tensor, Tensor]: ...
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0), unwrapped=True)
 @head_keywords
@@ -505,17 +479,10 @@ def linear_token_logprobs(
         renamed_keyword("return_neg_entropy", return_neg_entropy, "return_entropy", return_entropy)
     )
     call = resolved_call(
-        hidden, weight, target, "target", head, group, vocab_start, vocab_size, sequence_parallel, chunk_size
+        hidden, weight, head, group, vocab_start, vocab_size, sequence_parallel, chunk_size, target, "target"
     )
     logprobs, neg_entropy = kernel.linear_token_logprobs(
-        hidden,
-        weight,
-        target,
-        call.vocab,
-        head=call.head,
-        with_neg_entropy=return_neg_entropy,
-        chunk_rows=call.chunk_rows,
-        sequence_parallel=sequence_parallel,
+        hidden, weight, target, call.vocab, with_neg_entropy=return_neg_entropy, **call.options
     )
     return (logprobs, neg_entropy) if neg_entropy is not None else logprobs
 
@@ -596,16 +563,7 @@ def linear_next_token_logprobs(
         renamed_keyword("return_neg_entropy", return_neg_entropy, "return_entropy", return_entropy)
     )
     # hidden, weight, input_ids: local tensors (the boundary's one unwrap, `local_view`)
-    call = validated_head(
-        hidden,
-        weight,
-        head,
-        group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size,
-    )
+    call = resolved_call(hidden, weight, head, group, vocab_start, vocab_size, sequence_parallel, chunk_size)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, S_local, H], got shape {tuple(hidden.shape)}")
     # next_token's checks read shapes only: a zero-stride stand-in for this CP rank's [B, S_l, Vl] logits
@@ -628,10 +586,8 @@ def linear_next_token_logprobs(
         input_ids,
         checked.layout,
         call.vocab,
-        head=call.head,
         with_neg_entropy=return_neg_entropy,
-        chunk_rows=call.chunk_rows,
-        sequence_parallel=sequence_parallel,
         position_ids=checked.position_ids,
+        **call.options,
     )
     return (outputs[0], outputs[1]) if return_neg_entropy else outputs[0]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from lossfx._boundary.consistency import Roles, boundary
+from lossfx._boundary.consistency import boundary
 from lossfx._boundary.deprecation import renamed_keyword
 from lossfx._boundary.dtensor import local_view
 from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
@@ -22,6 +22,7 @@ from lossfx._core.chunking import resolve_chunk_rows
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import gather as _kernel
+from lossfx.logprobs import _ROLES  # (the same parameters: logits, group, vocab_start, vocab_size)
 
 __all__ = ["gather_logits", "gather_logprobs"]
 
@@ -52,11 +53,6 @@ def _validated(
     vocab = VocabRange.of(group, local_vocab, vocab_start, vocab_size)
     check_ids_in_range("ids", ids, vocab.size)
     return logits, ids, vocab, chunk_rows
-
-
-_ROLES = Roles(
-    tp="group", shards=("logits",), start="vocab_start", size="vocab_size"
-)  # the cross-rank check's view of the parameters
 
 
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES), unwrapped=True)

@@ -7,11 +7,11 @@ column name to tensor; `loss_fn` is any object with the attributes `LossFunction
 from __future__ import annotations
 
 import enum
-import numbers
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeGuard, runtime_checkable
 
 from lossfx._boundary.validation import check_positive_float
+from lossfx.filtering import check_filter_params
 
 __all__ = ["LossFunction", "LossInputType", "TrainingSamplingParams", "need_top_k_or_top_p_filtering"]
 
@@ -55,12 +55,7 @@ class TrainingSamplingParams:
     ties: Literal["together", "sorted"] = "together"
 
     def __post_init__(self) -> None:
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral)):
-            raise ValueError(f"top_k must be an integer or None, got {self.top_k!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real):
-            raise ValueError(f"top_p must be a real number in (0, 1], got {self.top_p!r}")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        check_filter_params(self.top_k, self.top_p)  # the filter's own checks
         check_positive_float("temperature", self.temperature)
         if self.ties not in ("together", "sorted"):
             raise ValueError(f"ties must be 'together' or 'sorted', got {self.ties!r}")

@@ -10,7 +10,7 @@ of each side's logits is alive, forward and backward, eager and compiled. Under 
 rows; uneven widths allowed) and one all-gather of `7N` per-row statistics merges the ranks.
 
 The boundary: `linear_divergence_to_teacher` does its boundary work once (the cross-rank check of
-`@boundary`, the head and its options through `lossfx.fused_linear.validated_head`, the teacher's
+`@boundary`, the head and its options through `lossfx.fused_linear.resolved_call`, the teacher's
 arguments), then calls the pure kernel once.
 """
 
@@ -28,7 +28,7 @@ from lossfx._boundary.validation import check_floating, check_ids_in_range, chec
 from lossfx._core.distributed import ProcessGroup
 from lossfx._kernels import linear_divergence as _kernel
 from lossfx._kernels.linear_divergence import LinearDivergence
-from lossfx.fused_linear import HeadKeywords, head_keywords, validated_head
+from lossfx.fused_linear import HeadKeywords, head_keywords, resolved_call
 
 __all__ = ["LinearDivergence", "linear_divergence_to_teacher"]
 
@@ -183,7 +183,7 @@ def linear_divergence_to_teacher(
     lossfx.reference.linear_divergence_to_teacher.
     """
     # hidden, weight, the teacher: local tensors (the boundary's one unwrap, `local_view`)
-    call = validated_head(hidden, weight, head, group=group, chunk_size=chunk_size)
+    call = resolved_call(hidden, weight, head, group, chunk_size=chunk_size)
     heads, dtype = _check_teacher(
         hidden, weight, teacher_logits, teacher_hidden, teacher_weight, teacher_head, teacher_logits_dtype
     )

@@ -99,17 +99,8 @@ def linear_filtered_token_logprobs(
     k, p = check_filter_params(top_k, 1.0 if top_p is None else top_p)
     check_ties(ties)
     call = resolved_call(
-        hidden, weight, token_ids, "token_ids", head, group, vocab_start, vocab_size, sequence_parallel, chunk_size
+        hidden, weight, head, group, vocab_start, vocab_size, sequence_parallel, chunk_size, token_ids, "token_ids"
     )
     return kernel.linear_filtered_token_logprobs(
-        hidden,
-        weight,
-        token_ids,
-        call.vocab,
-        top_k=k,
-        top_p=p,
-        ties=ties,
-        head=call.head,
-        chunk_rows=call.chunk_rows,
-        sequence_parallel=sequence_parallel,
+        hidden, weight, token_ids, call.vocab, top_k=k, top_p=p, ties=ties, **call.options
     )

@@ -47,7 +47,7 @@ from lossfx._layouts import linear_opd_full as _opd_full
 from lossfx._layouts.sequence_layout import SequenceLayout
 from lossfx.distillation import validated_distillation
 from lossfx.draft import validated_draft
-from lossfx.fused_linear import HeadKeywords, LinearCall, head_keywords, validated_head
+from lossfx.fused_linear import HeadKeywords, LinearCall, head_keywords, resolved_call
 from lossfx.interfaces import LossInputType, TrainingSamplingParams
 from lossfx.loss_input import _column, _data_read, _input_type, _vocab_parallel
 from lossfx.loss_masks import loss_mask_from_data, masked_out_neg_inf
@@ -71,30 +71,36 @@ _ROLES = Roles(
     cp_shards=("hidden",),
     heads="teacher_output_layer_weight_by_index",  # OPD_FULL's: this rank's rows, like the head's
 )
-_TEACHER_HEADS = "teacher_output_layer_weight_by_index"
 _ROLES_PACKED = dataclasses.replace(_ROLES, cp_from=None, heads=None)
 
 
 class FrontDoor(NamedTuple):
     """A front-door call resolved once: the local tensors, the head's `LinearCall`, and what the
-    branches read of the shard (`size`: `V` as the range checks read it)."""
+    logits path's validators read of the shard."""
 
     hidden: Tensor  # [B, S_l, H]
     weight: Tensor  # [Vl, H]
     columns: Mapping[str, Any]  # data with local tensors
     shard: VocabShard  # the head's shard (a DTensor head's placement, or the plain arguments)
     call: LinearCall
-    size: int | Any
-    widths: ShardWidths
+    logits: Tensor  # the stand-in for this rank's [B, S_l, Vl] logits (`_front_door`)
+    vocab: dict[str, Any]  # the head's vocabulary range as the logits path's validators take it
     data: MutableMapping[str, Any]  # the caller's data (returned, and written to)
+
+    def column(self, key: str) -> Tensor:
+        """`data[key]` (local), which must be a tensor."""
+        return check_tensor(f"data[{key!r}]", _column(self.columns, key))  # type: ignore[arg-type]
 
 
 def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed: bool) -> FrontDoor:
     """The resolve of a front-door call, once, on its boundary's `view` (`local_view`: local tensors,
     the head's `VocabShard`, the caller's `data` under `CALLER`): the groups,
-    `hidden` `[B, S_l, H]` (packed: `[1, T/C, H]`), the head (`validated_head`) with `chunk_size`
-    positions as rows, and `V` as the range checks of the ids read it: an int, or (uneven plain
-    shards in eager mode) the function of the cross-rank check's widths."""
+    `hidden` `[B, S_l, H]` (packed: `[1, T/C, H]`), the head (`resolved_call`) with `chunk_size`
+    positions as rows, and the logits path's view of them: the logits as its validators read them,
+    which read shapes only (a zero-stride stand-in: one unfilled element, no kernel launched, never
+    the logits), and the head's vocabulary range as they resolve it
+    (`lossfx.next_token.resolved_vocab`): a DTensor head's, or the widths of uneven plain shards
+    that the cross-rank check reported (read with the call's range check of ids: one host read)."""
     assert view is not None, "boundary(unwrapped=True) hands the body its view"
     if not packed:  # (the packed checks check it)
         check_group("context_parallel_group", view["context_parallel_group"])
@@ -107,45 +113,22 @@ def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed:
     if hidden.dim() != 3 or (packed and hidden.shape[0] != 1):
         want = "packed hidden must be [1, T/C, H]" if packed else "hidden must be [B, S_local, H]"
         raise ValueError(f"{want}, got shape {tuple(hidden.shape)}")
-    call = validated_head(
-        hidden,
-        weight,
-        {k: view[k] for k in HeadOptions._fields},
-        group=group,
-        vocab_start=shard.vocab_start,
-        vocab_size=shard.vocab_size,
-        chunk_size=view["chunk_size"],
+    head = {k: view[k] for k in HeadOptions._fields}
+    call = resolved_call(
+        hidden, weight, head, group, shard.vocab_start, shard.vocab_size, chunk_size=view["chunk_size"]
     )
     call = call._replace(chunk_rows=call.chunk_rows * hidden.shape[0])
-    widths = ShardWidths() if widths is None else widths
     uneven = shard.dtensor is None and group is not None
-    size = widths.size_when_read(weight.shape[0], group) if uneven else call.vocab.size
-    return FrontDoor(hidden, weight, view["data"], shard, call, size, widths, view.get(CALLER, view["data"]))
-
-
-def _stand_in(door: FrontDoor) -> Tensor:
-    """This rank's `[B, S_l, Vl]` logits of `hidden` as the logits path's validators read them, which
-    read shapes only: a zero-stride stand-in (one unfilled element: no kernel launched), never the logits."""
-    hidden = door.hidden
-    return hidden.new_empty(()).expand(hidden.shape[0], hidden.shape[1], door.weight.shape[0])
-
-
-def _vocab(door: FrontDoor) -> dict[str, Any]:
-    """The head's vocabulary range as the logits path's validators resolve it
-    (`lossfx.next_token.resolved_vocab`): a DTensor head's, or the widths of uneven plain shards
-    that the cross-rank check reported (read with the call's range check of ids: one host read)."""
-    shard = door.shard
-    uneven = shard.dtensor is None and shard.group is not None
-    return {"vocab_start": shard.vocab_start, "vocab_size": shard.vocab_size, "widths": door.widths if uneven else None}
+    vocab = {
+        "vocab_start": shard.vocab_start,
+        "vocab_size": shard.vocab_size,
+        "widths": (widths or ShardWidths()) if uneven else None,
+    }
+    logits = hidden.new_empty(()).expand(hidden.shape[0], hidden.shape[1], weight.shape[0])
+    return FrontDoor(hidden, weight, view["data"], shard, call, logits, vocab, view.get(CALLER, view["data"]))
 
 
 _LOGITS = "hidden's logits"  # the stand-in, in the logits path's messages
-
-
-_LOGITS_PATH = (
-    "call lossfx.prepare_loss_input(logits, data, loss_fn, ...) with the logits "
-    "(logits = hidden @ lm_head_weight.T, bias and head options applied)"
-)
 
 
 def _linear_opd_full_input(
@@ -162,7 +145,7 @@ def _linear_opd_full_input(
     `teacher_heads`: this rank's rows of each teacher head (the boundary's one unwrap, `local_view`)."""
     hidden, call = door.hidden, door.call
     opd = validated_opd_full(
-        _stand_in(door),
+        door.logits,
         door.columns,
         loss_fn,
         vocab_parallel_rank=door.shard.rank,
@@ -172,7 +155,7 @@ def _linear_opd_full_input(
         teacher_output_layer_weight_by_index=teacher_heads,
         teacher_logits_dtype=teacher_logits_dtype,
         logits_name=_LOGITS,
-        **_vocab(door),
+        **door.vocab,
     )
     return _opd_full.linear_opd_full_loss_input(
         hidden,
@@ -270,7 +253,8 @@ def prepare_linear_loss_input(
     if input_type is LossInputType.LOGIT:
         raise ValueError(
             "prepare_linear_loss_input has no LOGIT branch: a LOGIT loss consumes the full logits, which this "
-            f"function never forms; {_LOGITS_PATH}"
+            "function never forms; call lossfx.prepare_loss_input(logits, data, loss_fn, ...) with the logits "
+            "(logits = hidden @ lm_head_weight.T, bias and head options applied)"
         )
     # hidden, lm_head_weight, bias, data: local (the boundary's one unwrap, `local_view`); data: the caller's
     door = _front_door(_view, _widths, False)
@@ -280,7 +264,7 @@ def prepare_linear_loss_input(
             door,
             loss_fn,
             layout,
-            teacher_heads=(_view or {}).get(_TEACHER_HEADS),
+            teacher_heads=teacher_output_layer_weight_by_index,
             teacher_logits_dtype=teacher_logits_dtype,
         ), door.data
     if input_type is LossInputType.DISTILLATION:
@@ -298,9 +282,9 @@ def _logprob_input(
     `sampling_params`, under the filtered softmax (`lossfx._kernels.linear_filtering`: one
     `[C, Vl]` row chunk at a time, two passes over the vocabulary), `-inf` masked as on the logits path."""
     top = resolve_filter(sampling_params)
-    input_ids = check_tensor("data['input_ids']", _column(door.columns, "input_ids"))  # type: ignore[arg-type]
+    input_ids = door.column("input_ids")
     checked = validated_next_token_call(
-        _stand_in(door),
+        door.logits,
         input_ids,
         group=door.shard.group,
         layout=layout,
@@ -308,7 +292,7 @@ def _logprob_input(
         ids_name="data['input_ids']",
         ignore_index=door.call.head.ignore_index,
         logits_name=_LOGITS,
-        **_vocab(door),
+        **door.vocab,
     )
     return _next_token_input(door, loss_fn, input_ids, layout, checked.vocab, top)
 
@@ -354,13 +338,10 @@ def _distillation_input(door: FrontDoor, loss_fn: Any, layout: SequenceLayout) -
     student/teacher log-probs at the teacher's top-k ids and `H_all` from one fused pass."""
     zero_outside_topk = bool(getattr(loss_fn, "zero_outside_topk", False))
     calculate_entropy = zero_outside_topk and getattr(loss_fn, "kl_type", "mixed") != "forward"
-    values, ids = (
-        check_tensor(f"data[{key!r}]", _column(door.columns, key))  # type: ignore[arg-type]
-        for key in ("teacher_topk_logits", "teacher_topk_indices")
-    )
+    values, ids = door.column("teacher_topk_logits"), door.column("teacher_topk_indices")
     names = (_LOGITS, "teacher_topk_logits", "teacher_topk_indices")
     _, values, ids, vocab, _ = validated_distillation(
-        _stand_in(door), values, ids, door.shard.group, layout, None, names, **_vocab(door)
+        door.logits, values, ids, door.shard.group, layout, None, names, **door.vocab
     )
     student, teacher, neg_entropy = _distillation.linear_distillation_topk_logprobs(
         door.hidden,
@@ -382,10 +363,10 @@ def _draft_input(door: FrontDoor, d2t: Tensor | None, layout: SequenceLayout) ->
     shifted teacher logits in the draft vocabulary (this rank's `D/R` shard) and the shifted mask,
     from the head's `D` draft rows only."""
     student_logits = _column(door.data, "student_logits")  # type: ignore[arg-type]  # (passed through)
-    token_mask = check_tensor("data['token_mask']", _column(door.columns, "token_mask"))  # type: ignore[arg-type]
+    token_mask = door.column("token_mask")
     shard = door.shard
     target_ids, vocab = validated_draft(
-        _stand_in(door), token_mask, d2t, shard.group, shard.rank, layout, _LOGITS, **_vocab(door)
+        door.logits, token_mask, d2t, shard.group, shard.rank, layout, _LOGITS, **door.vocab
     )
     teacher, mask = _draft.linear_draft_targets(
         door.hidden, door.weight, token_mask, target_ids, vocab, layout, head=door.call.head
@@ -451,9 +432,9 @@ def prepare_linear_packed_loss_input(
     # hidden, lm_head_weight, bias, data: local (the boundary's one unwrap, `local_view`); data: the caller's
     door = _front_door(_view, _widths, True)
     top = resolve_filter(sampling_params)
-    input_ids = check_tensor("data['input_ids']", _column(door.columns, "input_ids"))  # type: ignore[arg-type]
+    input_ids = door.column("input_ids")
     _, input_ids, layout, vocab, _ = _validated_packed(  # the stand-in: [1, T/C, Vl]
-        _stand_in(door),
+        door.logits,
         input_ids,
         cu_seqlens_q,
         cu_seqlens_q_padded,
@@ -462,6 +443,6 @@ def prepare_linear_packed_loss_input(
         context_parallel_group=context_parallel_group,
         chunk_size=chunk_size,
         ids_name="data['input_ids']",
-        **_vocab(door),
+        **door.vocab,
     )
     return _next_token_input(door, loss_fn, input_ids, layout, vocab, top, fill=0), door.data

@@ -149,17 +149,15 @@ def linear_logprob_objective(
     if not isinstance(allow_repeated_backward, bool):
         raise TypeError(f"allow_repeated_backward must be a bool, got {allow_repeated_backward!r}")
     call = resolved_call(
-        hidden, weight, target, "target", head, group, vocab_start, vocab_size, sequence_parallel, chunk_size
+        hidden, weight, head, group, vocab_start, vocab_size, sequence_parallel, chunk_size, target, "target"
     )
     return kernel.linear_logprob_objective(
         hidden,
         weight,
         target,
-        coefficients["logprob_weight"],
-        coefficients[b_name] if b is not None else None,
+        logprob_weight,
+        b,
         call.vocab,
-        head=call.head,
-        chunk_rows=call.chunk_rows,
-        sequence_parallel=sequence_parallel,
         allow_repeated_backward=allow_repeated_backward,
+        **call.options,
     )

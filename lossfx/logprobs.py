@@ -30,7 +30,7 @@ __all__ = ["token_logprobs"]
 
 _ROLES = Roles(
     tp="group", shards=("logits",), start="vocab_start", size="vocab_size"
-)  # the cross-rank check's view of the parameters
+)  # the cross-rank check's view of the parameters (gather's and filtering's too)
 
 
 def _validated(
