@@ -95,6 +95,9 @@ def entry_points(rank: int, world: int, group, every: bool = False):
     packed = torch.randn(1, s, v, generator=gen)[..., rank * 16 : (rank + 1) * 16]  # two sequences of 5 and 3
     cu = torch.tensor([0, 5, 8])
     tied = logits.round()  # integer values: top-p cuts tie groups under ties="sorted"
+    teacher_values = torch.randn(b, s, 3, generator=gen)
+    teacher_ids = torch.randint(0, v, (b, s, 3), generator=gen)
+    distill = SimpleNamespace(input_type="distillation", zero_outside_topk=False, kl_type="forward")
     calls = {
         "token_logprobs": lambda: lossfx.token_logprobs(logits[:, :-1], ids[:, 1:], **tp),
         "next_token_logprobs": lambda: lossfx.next_token_logprobs(logits, ids, **vp),
@@ -125,14 +128,24 @@ def entry_points(rank: int, world: int, group, every: bool = False):
         "linear_logprob_objective, ignored targets + backward": lambda: lossfx.linear_logprob_objective(
             hidden.clone().requires_grad_(), weight, ignored, torch.ones(b * s), **tp
         )[0].backward(),
+        # the hidden-state front door with a plain head shard: the check's shard widths (uneven
+        # plain heads are allowed) and the kernel's count of active rows share the one read
+        "prepare_linear_loss_input LOGPROB": lambda: lossfx.prepare_linear_loss_input(
+            hidden.view(b, s, -1), weight, data, logprob, **vp
+        ),
+        "prepare_linear_loss_input DISTILLATION": lambda: lossfx.prepare_linear_loss_input(
+            hidden.view(b, s, -1),
+            weight,
+            {"input_ids": ids, "teacher_topk_logits": teacher_values, "teacher_topk_indices": teacher_ids},
+            distill,
+            **vp,
+        ),
+        "prepare_linear_packed_loss_input, tensor cu_seqlens": lambda: lossfx.prepare_linear_packed_loss_input(
+            hidden.view(b, s, -1)[:1], weight, {"input_ids": ids[:, :5]}, logprob, cu, cu, **vp
+        ),
     }
     if every:
         calls.update(_every_other(logits, ids, hidden, weight, ignored))
-        # one rank only: on 2 ranks these read twice (the check's widths for an uneven plain head,
-        # then the fused kernel's count of active rows), a known gap of the hidden-state front door
-        calls["prepare_linear_loss_input LOGPROB"] = lambda: lossfx.prepare_linear_loss_input(
-            hidden.view(b, s, -1), weight, data, logprob
-        )
         calls["prepare_linear_loss_input OPD_FULL, teacher from hidden states"] = lambda: (
             lossfx.prepare_linear_loss_input(
                 hidden.view(b, s, -1),
@@ -145,9 +158,6 @@ def entry_points(rank: int, world: int, group, every: bool = False):
                 ),
                 teacher_output_layer_weight_by_index={0: weight},
             )
-        )
-        calls["prepare_linear_packed_loss_input, tensor cu_seqlens"] = lambda: lossfx.prepare_linear_packed_loss_input(
-            hidden.view(b, s, -1)[:1], weight, {"input_ids": ids[:, :5]}, logprob, cu, cu
         )
     return calls
 

@@ -28,7 +28,7 @@ or a `Shard(0)` DTensor head) are resolved once here, as in `lossfx.loss_input`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, NamedTuple, Unpack
 
 import torch
@@ -38,12 +38,14 @@ from lossfx._boundary.consistency import Roles, ShardWidths, boundary
 from lossfx._boundary.dtensor import CALLER, SHARD, VocabShard, local_view
 from lossfx._boundary.validation import check_floating, check_group, check_tensor
 from lossfx._core.distributed import ProcessGroup
+from lossfx._core.host_reads import tracing
 from lossfx._core.tiles import HeadOptions
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import linear_distillation as _distillation
 from lossfx._layouts import linear_draft as _draft
 from lossfx._layouts import linear_next_token as _next_token
 from lossfx._layouts import linear_opd_full as _opd_full
+from lossfx._layouts.packing import PackedLayout
 from lossfx._layouts.sequence_layout import SequenceLayout
 from lossfx.distillation import validated_distillation
 from lossfx.draft import validated_draft
@@ -126,6 +128,19 @@ def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed:
     }
     logits = hidden.new_empty(()).expand(hidden.shape[0], hidden.shape[1], weight.shape[0])
     return FrontDoor(hidden, weight, view["data"], shard, call, logits, vocab, view.get(CALLER, view["data"]))
+
+
+def _rows_ahead(door: FrontDoor, defer_rows: Callable[[list[int]], None]) -> list[int] | None:
+    """The fused kernel's count of active rows (its `count`), deferred by `defer_rows` just before
+    the call reads the widths of uneven plain shards (`ShardWidths.before_read`): that read carries
+    it, not one of the kernel's own after it. None (the kernel reads it with the call's checks)
+    for a DTensor head or no group, and while tracing (nothing is read)."""
+    widths = door.vocab["widths"]  # None unless uneven plain shards
+    if widths is None or tracing():
+        return None
+    count: list[int] = []
+    widths.before_read.append(lambda: defer_rows(count))
+    return count
 
 
 _LOGITS = "hidden's logits"  # the stand-in, in the logits path's messages
@@ -283,6 +298,10 @@ def _logprob_input(
     `[C, Vl]` row chunk at a time, two passes over the vocabulary), `-inf` masked as on the logits path."""
     top = resolve_filter(sampling_params)
     input_ids = door.column("input_ids")
+    ignore_index = door.call.head.ignore_index
+    count = _rows_ahead(  # run once the checks below passed, before the widths are read
+        door, lambda into: _next_token.defer_active_rows(door.hidden, input_ids, layout, ignore_index, into)
+    )
     checked = validated_next_token_call(
         door.logits,
         input_ids,
@@ -294,7 +313,7 @@ def _logprob_input(
         logits_name=_LOGITS,
         **door.vocab,
     )
-    return _next_token_input(door, loss_fn, input_ids, layout, checked.vocab, top)
+    return _next_token_input(door, loss_fn, input_ids, layout, checked.vocab, top, count=count)
 
 
 def _next_token_input(
@@ -305,6 +324,7 @@ def _next_token_input(
     vocab: VocabRange,
     top: TopKTopP | None,
     fill: int | None = None,
+    count: list[int] | None = None,
 ) -> dict[str, Tensor]:
     """The validated `LOGPROB` call of either front door (packed: `fill = 0`, the packed rows' rule)
     through the fused pipeline; under a filter, the logits path's `-inf` rule (and, with a nonzero
@@ -322,6 +342,7 @@ def _next_token_input(
             chunk_rows=door.call.chunk_rows,
             top=filter_,
             fill=fill,
+            count=count,
         )
         return out
 
@@ -340,6 +361,7 @@ def _distillation_input(door: FrontDoor, loss_fn: Any, layout: SequenceLayout) -
     calculate_entropy = zero_outside_topk and getattr(loss_fn, "kl_type", "mixed") != "forward"
     values, ids = door.column("teacher_topk_logits"), door.column("teacher_topk_indices")
     names = (_LOGITS, "teacher_topk_logits", "teacher_topk_indices")
+    count = _rows_ahead(door, lambda into: _distillation.defer_active_rows(door.hidden, ids, layout, into))
     _, values, ids, vocab, _ = validated_distillation(
         door.logits, values, ids, door.shard.group, layout, None, names, **door.vocab
     )
@@ -354,6 +376,7 @@ def _distillation_input(door: FrontDoor, loss_fn: Any, layout: SequenceLayout) -
         zero_outside_topk=zero_outside_topk,
         calculate_entropy=calculate_entropy,
         chunk_rows=door.call.chunk_rows,
+        count=count,
     )
     return {"student_topk_logprobs": student, "teacher_topk_logprobs": teacher, "H_all": neg_entropy}
 
@@ -433,16 +456,22 @@ def prepare_linear_packed_loss_input(
     door = _front_door(_view, _widths, True)
     top = resolve_filter(sampling_params)
     input_ids = door.column("input_ids")
+    prepacked = "cu_seqlens" in door.columns
+    packed = PackedLayout(cu_seqlens_q, cu_seqlens_q_padded, context_parallel_group, prepacked)  # as validated
+    ignore_index = door.call.head.ignore_index
+    count = _rows_ahead(  # run once the checks of `_validated_packed` passed, before the widths are read
+        door, lambda into: _next_token.defer_active_rows(door.hidden, input_ids, packed, ignore_index, into, 0)
+    )
     _, input_ids, layout, vocab, _ = _validated_packed(  # the stand-in: [1, T/C, Vl]
         door.logits,
         input_ids,
         cu_seqlens_q,
         cu_seqlens_q_padded,
-        prepacked="cu_seqlens" in door.columns,
+        prepacked=prepacked,
         vocab_parallel_group=door.shard.group,
         context_parallel_group=context_parallel_group,
         chunk_size=chunk_size,
         ids_name="data['input_ids']",
         **door.vocab,
     )
-    return _next_token_input(door, loss_fn, input_ids, layout, vocab, top, fill=0), door.data
+    return _next_token_input(door, loss_fn, input_ids, layout, vocab, top, fill=0, count=count), door.data

@@ -8,6 +8,7 @@ error: a deferred check still raises its own ValueError, in a nested call too.
 import contextlib
 import inspect
 import threading
+from types import SimpleNamespace
 
 import harness
 import pytest
@@ -310,3 +311,71 @@ def test_tensor_and_context_parallel_call_reads_once(monkeypatch):
     the device, so both gathered matrices are read together (2 reads before)."""
     monkeypatch.setattr(harness, "_TIMEOUT_S", 300.0)
     assert gloo_pool(4).run(_tp_cp_reads) == [1, 1, 1, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The hidden-state front door with uneven plain head shards on 2 gloo ranks: the check's widths
+# and the fused kernel's count of active rows in one read (it was two: the widths, then the count)
+# ---------------------------------------------------------------------------------------------
+
+_HEAD_ROWS = (10, 6)  # rank 0 holds head rows [0, 10), rank 1 rows [10, 16): widths from the check
+
+
+def _front_door_calls(hidden, weight, ids, teacher_ids, tp):
+    """`{name: call}`: each front-door branch that runs the fused kernel (ids with some `-100`:
+    rows the kernel skips) on `weight`, this rank's head rows with `tp`, else the whole head."""
+    logprob = SimpleNamespace(input_type="logprob")
+    kl = SimpleNamespace(input_type="logprob", reference_policy_kl_penalty=0.1)
+    distill = SimpleNamespace(input_type="distillation", zero_outside_topk=True, kl_type="mixed")
+    teacher = {
+        "teacher_topk_logits": torch.ones(teacher_ids.shape, dtype=hidden.dtype),
+        "teacher_topk_indices": teacher_ids,
+    }
+    top_k = lossfx.TrainingSamplingParams(top_k=5)
+    cu = torch.tensor([0, 4, 7])  # two packed sequences of 4 and 3 tokens
+    return {
+        "LOGPROB": lambda: lossfx.prepare_linear_loss_input(hidden, weight, {"input_ids": ids}, logprob, **tp),
+        "LOGPROB top-k + KL": lambda: lossfx.prepare_linear_loss_input(
+            hidden, weight, {"input_ids": ids, "token_mask": torch.ones(ids.shape)}, kl, sampling_params=top_k, **tp
+        ),
+        "DISTILLATION": lambda: lossfx.prepare_linear_loss_input(
+            hidden, weight, {"input_ids": ids, **teacher}, distill, **tp
+        ),
+        "packed (no ignored ids: the packed rows reject them)": lambda: lossfx.prepare_linear_packed_loss_input(
+            hidden[:1], weight, {"input_ids": ids[:, :4].clamp(min=0)}, logprob, cu, cu, **tp
+        ),
+    }
+
+
+def _front_door_uneven(rank, world, group):
+    """`{branch: (host reads, its outputs' largest difference from the whole head's on one rank)}`."""
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 7, 4, dtype=torch.float64, generator=gen)
+    weight = torch.randn(sum(_HEAD_ROWS), 4, dtype=torch.float64, generator=gen)
+    ids = torch.randint(0, sum(_HEAD_ROWS), (2, 7), generator=gen)
+    ids[0, 2] = ids[1, 5] = ids[1, 6] = -100  # ignored: the kernel's active rows are fewer than its rows
+    teacher_ids = torch.randint(0, sum(_HEAD_ROWS), (2, 7, 2), generator=gen)
+    lo = sum(_HEAD_ROWS[:rank])
+    tp = {"vocab_parallel_rank": rank, "vocab_parallel_group": group}
+    calls = _front_door_calls(hidden, weight[lo : lo + _HEAD_ROWS[rank]], ids, teacher_ids, tp)
+    whole = _front_door_calls(hidden, weight, ids, teacher_ids, {})
+    out = {}
+    for name, call in calls.items():
+        call()  # warm-up
+        reads = count_host_reads(call)
+        got, want = call()[0], whole[name]()[0]
+        out[name] = (reads, max(float((got[k] - want[k]).abs().max()) for k in want))
+    return out
+
+
+def test_front_door_uneven_head_reads_once_on_two_ranks(monkeypatch):
+    """`prepare_linear_loss_input` (LOGPROB, filtered with a KL term, DISTILLATION) and
+    `prepare_linear_packed_loss_input` with uneven plain head shards (10 + 6 rows) on 2 gloo
+    processes: the check's shard widths and the fused kernel's count of active rows (deferred
+    before the widths are read, `fused_linear.defer_active_rows`) share one read; the results
+    (with ignored ids, so the count matters) are the whole head's on one rank."""
+    monkeypatch.setattr(harness, "_TIMEOUT_S", 300.0)
+    for result in gloo_pool(2).run(_front_door_uneven):
+        for name, (reads, diff) in result.items():
+            assert reads == 1, name
+            assert diff < 1e-12, name

@@ -22,7 +22,7 @@ import pytest
 import torch
 from harness import compiled_for_rank, gloo_pool, run_ranks, sharded_gradcheck
 from test_fused_neg_inf import backward, call, call_reference
-from test_fused_nonfinite import BLOCKS, VALUES, WHERE, assert_same_pattern, make_case, run
+from test_fused_nonfinite import BLOCKS, KINDS, VALUES, WHERE, assert_same_pattern, make_case, run
 
 import lossfx
 from lossfx import reference
@@ -86,25 +86,38 @@ def test_never_an_id_leaves_everything_finite(where):
 @pytest.mark.parametrize(
     "head", [{"softcap": 3.0, "temperature": 0.7}, {"logit_scale": 1.5, "temperature": 2.0}], ids=["softcap", "scale"]
 )
-def test_logit_heads(head, where, value, entropy, request):
+def test_logit_heads(head, where, value, entropy):
     """A soft-cap's `dz/dr = 1 − tanh²` is NaN at a NaN logit even where `dz = 0`: the reference's
     NaN there is kept (the tile is recomputed); without a cap it is not needed (`dz = 0`).
 
-    Known gap (every fused kind, not this one's: docs/fused_linear.md): at a `+inf` input under a
-    soft-cap, the kernel's `1 − (z·T/c)²` of a saturated logit is an ulp, not the reference's
-    exact `1 − tanh² = 0`, so a gradient entry is `±inf` where the reference's `0·inf` is NaN."""
-    if "softcap" in head and value == math.inf and (where == "hidden" or (where == "weight" and entropy)):
-        request.applymarker(pytest.mark.xfail(strict=True, reason="soft-cap derivative at saturation: ±inf for NaN"))
-    hidden, weight, bias, ids, coef, grads = make_case(KIND, where, value, seed=4)
+    At a `+inf` input under a soft-cap the logit saturates (`tanh = ±1`): the kernel's `1 − tanh²`
+    is exactly 0 there, as the reference's, so `0·inf` is NaN in both (it was `1 − (z·T/c)²`, an
+    ulp off 0, which made a gradient entry `±inf` where the reference has NaN)."""
+    _same_pattern_under_head(KIND, head, where, value, entropy)
+
+
+def _same_pattern_under_head(kind, head, where, value, entropy):
+    hidden, weight, bias, ids, coef, grads = make_case(kind, where, value, seed=4)
     leaves = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
-    want = call_reference(KIND, entropy, *leaves, ids, coef, **head)
-    want += backward(KIND, want, grads, leaves)
+    want = call_reference(kind, entropy, *leaves, ids, coef, **head)
+    want += backward(kind, want, grads, leaves)
     leaves = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
     with chunk_policy(BLOCKS):
-        got = call(KIND, entropy, *leaves, ids, coef, chunk_size=3, **head)
-        got += backward(KIND, got, grads, leaves)
+        got = call(kind, entropy, *leaves, ids, coef, chunk_size=3, **head)
+        got += backward(kind, got, grads, leaves)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert_same_pattern(g, w, f"{head}/{where}/{value}/entropy={entropy}: {i}")
+        assert_same_pattern(g, w, f"{kind}/{head}/{where}/{value}/entropy={entropy}: {i}")
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("kind", KINDS)
+def test_softcap_saturated_by_inf_every_kind(kind, where, entropy):
+    """Every fused kind: a `+inf` in hidden, weight or bias under a soft-cap saturates its logits
+    (`tanh = ±1`, a finite logit `±c/T`); each backward's `1 − tanh²` is exactly 0 there, as the
+    float64 reference's, so every gradient has the reference's NaN where `0·inf` meets it, and its
+    finite values elsewhere (`LogitHead.cap_derivative`, proofs/fused_linear.md §11)."""
+    _same_pattern_under_head(kind, {"softcap": 3.0, "temperature": 0.7}, where, math.inf, entropy)
 
 
 @pytest.mark.compile
@@ -120,8 +133,6 @@ def test_compiled(entropy, compile_tiles):
         )
         with chunk_policy(dataclasses.replace(BLOCKS, compile_tiles=compile_tiles)):
             for where, value in itertools.product(WHERE, VALUES):
-                if head and value == math.inf:  # the soft-cap's known gap (test_logit_heads)
-                    continue
                 hidden, weight, bias, ids, coef, grads = make_case(KIND, where, value)
                 leaves = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
                 want = call_reference(KIND, entropy, *leaves, ids, coef, **head)

@@ -1075,6 +1075,9 @@ class ShardWidths:
     (the keyword `_widths` of a function that declares it; not in its public signature)."""
 
     by_group: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # what the body defers before `range` reads the widths (the fused kernels' count of active
+    # rows, `lossfx.linear_loss_input`): run once, first thing, so that one read carries both
+    before_read: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
     def range(self, local_vocab: int, group: dist.ProcessGroup | None) -> tuple[int | None, int | None]:
         """`(vocab_start, vocab_size)` of this rank's shard when shards may have uneven widths.
@@ -1087,6 +1090,8 @@ class ShardWidths:
         if _host_reads.tracing() or not _is_distributed(group):
             return None, None
         assert group is not None
+        while self.before_read:
+            self.before_read.pop(0)()
         _host_reads.settle()  # the check of the enclosing call reports the widths
         widths = self.by_group.get(id(group))
         if widths is None:

@@ -161,9 +161,13 @@ class LogitHead(typing.NamedTuple):
         return self.logit_scale / self.temperature
 
     def cap_derivative(self, z: Tensor, out: Tensor) -> Tensor:
-        """`(dz/dr) / (s/T) = 1 − tanh² = 1 − (z·T/c)²` of the logits `z`, into `out` (soft-cap only)."""
+        """`(dz/dr) / (s/T) = 1 − tanh² = 1 − (z·T/c)²` of the logits `z`, into `out` (soft-cap only);
+        exactly 0 where the cap saturates (`|z| = c/T` as `apply_` rounds it: `tanh = ±1`, an infinite
+        raw logit included), as `tanh'` is there, where `1 − (z·T/c)²` is an ulp off 0
+        (proofs/fused_linear.md §11)."""
         assert self.softcap is not None
-        return torch.mul(z, self.temperature / self.softcap, out=out).square_().neg_().add_(1.0)
+        derivative = torch.mul(z, self.temperature / self.softcap, out=out).square_().neg_().add_(1.0)
+        return derivative.masked_fill_(z.abs() == self.softcap / self.temperature, 0.0)
 
 
 class HeadOptions(typing.NamedTuple):

@@ -7,7 +7,8 @@ Pure: plain tensors, a `lossfx._core.vocab.VocabRange` (this rank's rows of the 
 resolved options (`HeadOptions`: bias, logits map, `ignore_index`; `chunk_rows`, `sequence_parallel`) in; no DTensor,
 no argument validation, no cross-rank check (the public `lossfx.fused_linear` does those once, at
 its boundary). The only host read is the count of active rows in eager mode (`read_now`, with the
-call's deferred checks). Forward: all-gather the rows of `hidden` under sequence parallelism, the
+call's deferred checks; or deferred ahead of a read that comes first, `defer_active_rows`).
+Forward: all-gather the rows of `hidden` under sequence parallelism, the
 per-rank tile loop `lossfx::linear_local_stats` (`lossfx._kernels.linear_chunks`), one all-gather
 of the per-row scalars `[R, 3 + K, N]`, the exact merge. Backward: `lossfx::linear_local_grads`,
 then one all-reduce (or reduce-scatter under sequence parallelism) of `dhidden`
@@ -22,13 +23,13 @@ import torch
 from torch import Tensor
 
 from lossfx._core.distributed import all_gather_stack, all_reduce, is_distributed, local_columns, reduce_scatter_sum
-from lossfx._core.host_reads import read_now, settle_before, tracing
+from lossfx._core.host_reads import defer, read_now, settle, settle_before, tracing
 from lossfx._core.numerics import log_softmax_rows
 from lossfx._core.tiles import HeadOptions
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels.linear_chunks import linear_local_grads, linear_local_stats, merge_row_stats
 
-__all__ = ["LinearRows", "linear_gather_logprobs", "linear_rows", "linear_token_logprobs"]
+__all__ = ["LinearRows", "defer_active_rows", "linear_gather_logprobs", "linear_rows", "linear_token_logprobs"]
 
 
 class _FusedLinearFn(torch.autograd.Function):
@@ -109,9 +110,23 @@ class LinearRows(typing.NamedTuple):
     active_rows: Tensor
 
 
-def linear_rows(hidden: Tensor, ids: Tensor, vocab: VocabRange, local_vocab: int, ignore_index: int) -> LinearRows:
+def defer_active_rows(ids: Tensor, ignore_index: int, into: list[int]) -> None:
+    """Defer (`host_reads.defer`) the count of rows of ids `[..., K]` with an id that is not
+    `ignore_index`, which `linear_rows(..., count=into)` of the same ids then takes from `into`
+    instead of reading it: a caller whose call reads the host before the kernel runs (the shard
+    widths of uneven plain heads, `lossfx.linear_loss_input`) defers it ahead of that read, so one
+    read carries both. Eager only (nothing is read while tracing)."""
+    if not tracing() and not ids.is_meta:
+        defer((ids != ignore_index).any(dim=-1).sum(), into.extend)
+
+
+def linear_rows(
+    hidden: Tensor, ids: Tensor, vocab: VocabRange, local_vocab: int, ignore_index: int, count: list[int] | None = None
+) -> LinearRows:
     """Flatten hidden `[..., H]` (or this rank's rows under sequence parallelism) to `[N or N/R, H]`
-    and ids `[..., K]` (any int dtype) to this shard's `[N, K]` columns, ownership and validity."""
+    and ids `[..., K]` (any int dtype) to this shard's `[N, K]` columns, ownership and validity.
+    `count`: the `into` of a `defer_active_rows` of these ids (read with the call's next settle, at
+    once if not yet read), or None: read here."""
     hidden_size = hidden.shape[-1]
     n_rows = ids[..., 0].numel()
     hidden_rows = hidden.numel() // hidden_size if hidden_size else hidden[..., 0].numel()
@@ -120,7 +135,10 @@ def linear_rows(hidden: Tensor, ids: Tensor, vocab: VocabRange, local_vocab: int
     local_idx, owned = local_columns(torch.where(valid, flat_ids, -1), vocab.start, local_vocab)
     active = valid.any(dim=1)  # [N]
     if not tracing() and not ids.is_meta:  # the kernel's own value need: which rows to compute
-        active = torch.nonzero_static(active, size=read_now(active.sum())[0])[:, 0]
+        if count is not None and not count:
+            settle()  # deferred, not read yet
+        n_active = count[0] if count else read_now(active.sum())[0]
+        active = torch.nonzero_static(active, size=n_active)[:, 0]
     return LinearRows(hidden.reshape(hidden_rows, hidden_size), local_idx, owned, valid, active)
 
 
@@ -135,10 +153,11 @@ def _fused(
     chunk_rows: int,
     sequence_parallel: bool,
     raw: bool = False,
+    count: list[int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (logprobs `[..., K]`, neg_entropy `[...]`, valid `[..., K]`) for ids `[..., K]`; `raw`: the
     logits at the ids in place of the log-probs."""
-    rows = linear_rows(hidden, ids, vocab, weight.shape[0], head.ignore_index)
+    rows = linear_rows(hidden, ids, vocab, weight.shape[0], head.ignore_index, count)
     local_idx = rows.local_idx
     if sequence_parallel:
         # the call's checks before the forward's first collective, the all-gather of the rows it
@@ -174,6 +193,7 @@ def linear_gather_logprobs(
     zero_outside_topk: bool = True,
     chunk_rows: int = 0,
     sequence_parallel: bool = False,
+    count: list[int] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs at ids `[..., K]` (any int dtype) from hidden `[..., H]` (this rank's `[N/R, H]`
     rows with `sequence_parallel`) and this rank's head rows `weight [Vl, H]`, with the options `head`.
@@ -184,7 +204,8 @@ def linear_gather_logprobs(
         out = lp.gather(-1, ids) if zero_outside_topk else z.gather(-1, ids).log_softmax(-1)
         return out, ((lp.exp() * lp).sum(-1) if with_neg_entropy else None)
 
-    ids equal to `head.ignore_index` give 0 (their rows are not computed); `chunk_rows = 0`: the default.
+    ids equal to `head.ignore_index` give 0 (their rows are not computed); `chunk_rows = 0`: the default;
+    `count`: their count, deferred ahead (`defer_active_rows`), or None: read here.
     """
     logprobs, neg_entropy, valid = _fused(
         hidden,
@@ -196,6 +217,7 @@ def linear_gather_logprobs(
         chunk_rows=chunk_rows,
         sequence_parallel=sequence_parallel,
         raw=not zero_outside_topk,
+        count=count,
     )
     if not zero_outside_topk:
         # log_softmax over the logits at the K ids alone, as the reference: a NaN or +inf logit
@@ -217,6 +239,7 @@ def linear_token_logprobs(
     with_neg_entropy: bool = False,
     chunk_rows: int = 0,
     sequence_parallel: bool = False,
+    count: list[int] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Token log-probs `[...]` of target `[...]` (any int dtype): `linear_gather_logprobs` at
     `K = 1`. Dense: ``z.log_softmax(-1).gather(-1, target[..., None])[..., 0]`` (and `Σ p log p`)."""
@@ -229,5 +252,6 @@ def linear_token_logprobs(
         with_neg_entropy=with_neg_entropy,
         chunk_rows=chunk_rows,
         sequence_parallel=sequence_parallel,
+        count=count,
     )
     return logprobs.squeeze(-1), (neg_entropy if with_neg_entropy else None)

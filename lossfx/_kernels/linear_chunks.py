@@ -148,7 +148,7 @@ def _grad_body(
     with_softmax: bool,
 ) -> Tensor:
     """Tile `z [C, Cv]` -> `dz/dr / (s/T)` (see `linear_local_grads`); per-row factors `[C]`:
-    `h/S`, `Σ p (z − shift)`, `Σ_k g_k / S` (read only `with_softmax`); `cap_factor` `T/c` (0-d)
+    `h/S`, `Σ p (z − shift)`, `Σ_k g_k / S` (read only `with_softmax`); `cap_factor` `[T/c, c/T]`
     with a soft-cap."""
     if with_entropy:  # where p = 0 (z = −inf) the term is 0, not 0·(±inf); a NaN stays NaN (`clamp_log_`)
         x = z - shift[:, None]
@@ -159,8 +159,8 @@ def _grad_body(
     else:  # the logits at the ids alone: no term elsewhere (a NaN there stays out, as in the reference)
         dz = torch.zeros_like(z)
     dz = dz.scatter_add(1, block_idx, block_grad)
-    if cap_factor is not None:
-        dz = dz * (1 - (z * cap_factor).square())
+    if cap_factor is not None:  # `LogitHead.cap_derivative`: 0 where the cap saturates (|z| = c/T)
+        dz = dz * torch.where(z.abs() == cap_factor[1], 0.0, 1 - (z * cap_factor[0]).square())
     return dz
 
 
@@ -342,7 +342,7 @@ def linear_local_grads(
         entropy_factor = grad_entropy * inv_s  # [N]: h/S
     cap_factor = None
     if softcap is not None and tiles.compile_tiles:  # a tensor: the compiled body does not specialise on it
-        cap_factor = torch.tensor(temperature / softcap, dtype=cdtype, device=hidden.device)
+        cap_factor = torch.tensor([temperature / softcap, softcap / temperature], dtype=cdtype, device=hidden.device)
     in_place = exact and weight.dtype == cdtype
     width = tiles.block
     index, slices = tiles.compact()  # the active rows; each chunk's positions among them

@@ -314,6 +314,7 @@ def linear_filtered_token_logprobs(
     head: HeadOptions,
     chunk_rows: int = 0,
     sequence_parallel: bool = False,
+    count: list[int] | None = None,
 ) -> Tensor:
     """hidden `[..., H]` (this rank's `[N/R, H]` rows with `sequence_parallel`), weight `[Vl, H]`,
     target `[...]` -> `[...]` in the compute dtype: the target's log-prob under the top-k/top-p
@@ -321,9 +322,10 @@ def linear_filtered_token_logprobs(
 
     Dense equivalent: ``lossfx.filtered_token_logprobs(z, target, top_k=..., top_p=..., ties=...)``,
     with 0 (and zero gradient) where `target == head.ignore_index` (those rows are never computed).
-    `top_k`: an int > 0 or None; `top_p` in `(0, 1]`; `chunk_rows = 0`: the default.
+    `top_k`: an int > 0 or None; `top_p` in `(0, 1]`; `chunk_rows = 0`: the default; `count`: the
+    count of targets that are not `head.ignore_index`, deferred ahead (`fused_linear.defer_active_rows`).
     """
-    rows = linear_rows(hidden, target.unsqueeze(-1), vocab, weight.shape[0], head.ignore_index)
+    rows = linear_rows(hidden, target.unsqueeze(-1), vocab, weight.shape[0], head.ignore_index, count)
     valid = rows.valid[:, 0]  # [N]
     flat_target = torch.where(valid, target.reshape(-1).to(torch.int64), 0)  # [N] (0: never read)
     if sequence_parallel:

@@ -22,7 +22,7 @@ from lossfx._kernels import linear_filtering as _filtered
 from lossfx._layouts.next_token import TopKTopP
 from lossfx._layouts.sequence_layout import SequenceLayout, score_next_tokens
 
-__all__ = ["linear_next_token_logprobs"]
+__all__ = ["defer_active_rows", "linear_next_token_logprobs"]
 
 
 def linear_next_token_logprobs(
@@ -39,6 +39,7 @@ def linear_next_token_logprobs(
     position_ids: Tensor | None = None,
     top: TopKTopP | None = None,
     fill: int | None = None,
+    count: list[int] | None = None,
 ) -> list[Tensor]:
     """hidden `[B, S_l, H]` (`[B, S_l/R, H]` under sequence parallelism over `vocab.group`, `R`
     ranks), weight `[Vl, H]`, input_ids `[B, S]` canonical -> `[logprobs [B, S−1]]`, and
@@ -49,7 +50,8 @@ def linear_next_token_logprobs(
     Dense equivalent (no parallelism): ``linear_token_logprobs(hidden[:, :-1], weight,
     input_ids[:, 1:])``, 0 where `input_ids[:, t+1] == head.ignore_index` or `position_ids[:, t+1] == 0`.
     `fill`: the id the layout's slots without a next token score (default `head.ignore_index`:
-    skipped; the packed rows' rule is 0, `lossfx.packing`).
+    skipped; the packed rows' rule is 0, `lossfx.packing`). `count`: the `into` of this pipeline's
+    `defer_active_rows` (its targets' active rows, deferred ahead of the call's first read).
     """
     tp_size = group_size(vocab.group) if sequence_parallel else 1
     seq_major = tp_size > 1
@@ -70,6 +72,7 @@ def linear_next_token_logprobs(
                 ties=top.ties,
                 head=head,
                 sequence_parallel=sequence_parallel,
+                count=count,
             )
             return [filtered.transpose(0, 1) if seq_major else filtered]
         logprobs, neg_entropy = _kernel.linear_token_logprobs(
@@ -81,6 +84,7 @@ def linear_next_token_logprobs(
             with_neg_entropy=with_neg_entropy,
             chunk_rows=chunk_rows,
             sequence_parallel=sequence_parallel,
+            count=count,
         )
         outputs = [logprobs] if neg_entropy is None else [logprobs, neg_entropy]
         return [x.transpose(0, 1) for x in outputs] if seq_major else outputs
@@ -89,3 +93,19 @@ def linear_next_token_logprobs(
     ids = input_ids.to(hidden.device)
     fill = head.ignore_index if fill is None else fill
     return score_next_tokens(layout, ids, local_len, score, fill=fill, position_ids=position_ids)
+
+
+def defer_active_rows(
+    hidden: Tensor,
+    input_ids: Tensor,
+    layout: SequenceLayout,
+    ignore_index: int,
+    into: list[int],
+    fill: int | None = None,
+) -> None:
+    """Defer the kernel's count of active rows (`fused_linear.defer_active_rows`) of the targets
+    `linear_next_token_logprobs(hidden, ..., input_ids, layout, fill=fill)` lays out (no sequence
+    parallelism, no `position_ids`: the front doors' calls), into `into`, its `count`."""
+    fill = ignore_index if fill is None else fill
+    target, _ = layout.next_token_targets(input_ids.to(hidden.device), hidden.shape[1], fill=fill)
+    _kernel.defer_active_rows(target.unsqueeze(-1), ignore_index, into)
