@@ -5,7 +5,9 @@ must be seen to allocate at least its returned gradient (the profiler's events r
 
 Each script runs in a fresh single-threaded process; the runs of the selected tests start
 together when the module starts, two at a time (on a 2-core machine the second core would
-otherwise idle), and each test waits for its own run and checks its output.
+otherwise idle), and each test waits for its own run and checks its output. Under xdist the
+module's tests form one group (`pytestmark`, `--dist loadgroup`): one worker starts the runs, once
+(a worker that ran any test of the module started every selected run, so two workers ran each twice).
 """
 
 import csv
@@ -17,6 +19,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+# one xdist worker runs the whole module, so the module fixture below starts each run once
+pytestmark = pytest.mark.xdist_group("benchmark_smoke")
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ["-m", "benchmarks.bench_grpo", "--quick", "--min-runs", "1"]

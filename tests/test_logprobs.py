@@ -418,8 +418,13 @@ def _gradcheck_rank_fn(rank, world, group, logits, target, chunk, fast_mode):
     return True
 
 
-@pytest.mark.parametrize("chunk", [None, 1, 3])
-@pytest.mark.parametrize("world", WORLDS)
+# 4 ranks check one chunking by default (3: a partial last chunk); 4 ranks unchunked and with
+# chunk 1 with -m slow: every chunking is checked on 1 and 2 ranks (test_gradcheck[1-*], [2-*])
+@pytest.mark.parametrize(
+    ("world", "chunk"),
+    [(w, c) for w in (1, 2) for c in (None, 1, 3)]
+    + [(4, 3), *(pytest.param(4, c, marks=pytest.mark.slow) for c in (None, 1))],
+)
 def test_gradcheck(world, chunk):
     vocab = {1: 33, 2: 16, 4: 32}[world]  # N = 4 ≤ 4 rows, V ≤ 33
     logits, target = make_inputs((1, 4, vocab), seed=11)
