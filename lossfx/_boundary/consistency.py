@@ -119,15 +119,12 @@ def fingerprint(x: Tensor) -> Tensor:
 
 SIGNATURE_LEN = 256
 _MAGIC = 0x4C4F53534658_01  # "LOSSFX", format 1
-# header slots
-_H_MAGIC, _H_PATH, _H_DIGEST, _H_COUNT, _H_VERDICT, _H_WIDTH, _H_START, _H_SIZE, _H_RANK, _H_VALUES = range(10)
-# 1: the signature of a compiled call: compared (eager and compiled calls run different collectives);
-# it has no digest, and its rank cannot join the error path's exchange of values
-_H_TRACED = 10
-# 1: the signature of a rank that rejected its call while it was traced (its graph never runs): sent by
+# header slots. _H_TRACED: 1 in the signature of a compiled call (compared: eager and compiled calls run
+# different collectives; its rank cannot join the error path's exchange of values). _H_REJECTED: 1 in the
+# signature of a rank that rejected its call while it was traced (its graph never runs): sent by
 # `_exchange_rejection` at trace time, so that its peers' check fails instead of waiting for it
-_H_REJECTED = 11
-_HEADER = 12
+_H_MAGIC, _H_PATH, _H_DIGEST, _H_COUNT, _H_VERDICT, _H_WIDTH, _H_START, _H_SIZE, _H_RANK, _H_VALUES = range(10)
+_H_TRACED, _H_REJECTED, _HEADER = 10, 11, 12
 _MAX_FIELDS = (SIGNATURE_LEN - _HEADER) // 2  # each field is (kind, value)
 _NONE = -(2**63)  # a header value that was not given
 
@@ -135,10 +132,6 @@ _NONE = -(2**63)  # a header value that was not given
 # _K_VALUES: a fingerprint compared across both groups; _K_VALUES_TP: across the tensor-parallel group
 # only (a tensor that is this rank's sequence part under context parallelism)
 _K_NONE, _K_BOOL, _K_INT, _K_FLOAT, _K_STR, _K_DTYPE, _K_TYPE, _K_VALUES, _K_VALUES_TP = range(9)
-_DTYPES = [
-    torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-]  # fmt: skip
 _functions: dict[int, str] = {}  # crc32 of a checked function's name -> the name
 
 
@@ -228,8 +221,8 @@ def _encode(value: Any) -> tuple[int, int]:
     if isinstance(value, float):
         value = math.nan if math.isnan(value) else value + 0.0
         return _K_FLOAT, struct.unpack("<q", struct.pack("<d", value))[0]
-    if isinstance(value, torch.dtype) and value in _DTYPES:
-        return _K_DTYPE, _DTYPES.index(value)
+    if isinstance(value, torch.dtype):
+        return _K_DTYPE, _crc(str(value))
     if isinstance(value, str):  # a description (`_Kind`) and a string of the same text differ in kind
         return (_K_TYPE if isinstance(value, _Kind) else _K_STR), _crc(str(value))
     return _K_TYPE, _crc(_show(value))
@@ -367,16 +360,14 @@ def _signature(
     part (the logits' `requires_grad` is then compared: their backward all-reduces); `world`:
     the tensor-parallel size (a vocabulary-wide column is fingerprinted over `[0, V)`)."""
     fields = _Fields(logits_grad=cp, roles=roles)
-    header = [0] * _HEADER
-    header[_H_MAGIC], header[_H_PATH] = _MAGIC, _crc(name)
-    header[_H_WIDTH] = header[_H_START] = header[_H_SIZE] = header[_H_RANK] = _NONE
+    header = [_MAGIC, _crc(name), 0, 0, 0, _NONE, _NONE, _NONE, _NONE, 0, 0, 0]  # width, start, size, rank: not given
     heads = []
     grad = "torch.is_grad_enabled()"  # decides the backward's collectives
     fields.add(grad, torch.is_grad_enabled(), owner=grad)
-    # process state, not an argument: it sizes the loops (and their collectives)
-    fields.add(_POLICY_LABEL, _Kind(_policy_text(_chunking._forced)), owner=_POLICY_LABEL)
+    policy = "the forced lossfx.chunk_policy"  # process state, not an argument: it sizes the loops (and collectives)
+    fields.add(policy, _Kind(_policy_text(_chunking._forced)), owner=policy)
     own_rows = roles.rows[0] if roles.rows and arguments.get(roles.rows[1]) else None  # this rank's rows
-    tp_group = arguments.get(roles.tp) if roles.tp else None
+    tp = arguments.get(roles.tp) if roles.tp else None
     for arg, value in arguments.items():
         fields.owner, fields.cp_shard = arg, arg in roles.cp_shards
         if arg.startswith("_"):  # a view's own state (its `VocabShard`), not an argument
@@ -391,7 +382,8 @@ def _signature(
             slot = _H_START if arg == roles.start else _H_RANK
             header[slot] = _NONE if value is None else int(value)
             if arg == roles.rank:  # compared: a rank whose body rejects it must not leave its peers waiting
-                fields.add(f"whether {arg} is this process's rank in {roles.tp}", _is_own_rank(value, tp_group))
+                own = type(value) is int and isinstance(tp, dist.ProcessGroup) and value == tp.rank()
+                fields.add(f"whether {arg} is this process's rank in {roles.tp}", own)
         elif arg == roles.cp_from:
             fields.add(arg, value)  # its state is this rank's: only its type is compared
         elif arg in roles.shards and isinstance(value, Tensor) and value.dim():
@@ -441,14 +433,6 @@ def _signature(
     return sig, fields
 
 
-def _is_own_rank(value: Any, group: Any) -> bool:
-    """Whether `value` (a given vocabulary-parallel rank) is this process's rank in `group`."""
-    if isinstance(value, bool) or not isinstance(value, int) or not isinstance(group, dist.ProcessGroup):
-        return False
-    return value == group.rank()
-
-
-_POLICY_LABEL = "the forced lossfx.chunk_policy"
 _COLUMN_VALUES = "the values over [0, V) of "  # a vocabulary-wide column's label: V is of this rank's layout
 
 
@@ -503,6 +487,10 @@ _CP_LAYOUT = {
     _H_SIZE: "the vocabulary size",
     _H_RANK: "the vocabulary-parallel rank",
 }
+_IN_GRAPH = (
+    "{} disagree on {}. Every rank of a group must make the same call (compiled: each rank's value is not shown; "
+    "the same call run eagerly shows it)"
+)
 _LAYOUT_WHAT = "the vocabulary shard layout (each rank's width, first id and V: the shards must tile [0, V))"
 
 
@@ -537,11 +525,7 @@ def _assertions(
     for g, (_, slots) in enumerate(groups):
         for slot in slots:
             group_of[slot] = g
-    messages = tuple(
-        f"{where} disagree on {what}. Every rank of a group must make the same call (compiled: each rank's value "
-        "is not shown; the same call run eagerly shows it)"
-        for what, _ in groups
-    )
+    messages = tuple(_IN_GRAPH.format(where, what) for what, _ in groups)
     return messages, tuple(group_of), tuple(what.startswith(_COLUMN_VALUES) for what, _ in groups)
 
 
@@ -581,13 +565,11 @@ def _worded(
     if slot is None:
         return None
     if failed < len(_HEAD):
-        version = "" if own[_H_MAGIC] == _MAGIC else " (another lossfx version)"
-        called = f"lossfx.{_functions.get(own[_H_PATH], '?')}{version}"
-        return _HEAD[failed][0], [
-            called,
-            "rejected" if own[_H_REJECTED] else "accepted",
-            "compiled" if own[_H_TRACED] else "eager",
-        ][failed]
+        called = f"lossfx.{_functions.get(own[_H_PATH], '?')}" + (
+            " (another lossfx version)" * (own[_H_MAGIC] != _MAGIC)
+        )
+        shown = (called, "rejected" if own[_H_REJECTED] else "accepted", "compiled" if own[_H_TRACED] else "eager")
+        return _HEAD[failed][0], shown[failed]
     if slot >= _HEADER:
         i, value = (slot - _HEADER) // 2, fields.shown[(slot - _HEADER) // 2]
         digest = f"fingerprint {own[_HEADER + 2 * i + 1] & (2**64 - 1):016x}"
@@ -601,10 +583,10 @@ def _worded(
         return "how many argument fields the call has (a DTensor or a column on some ranks only?)", (
             f"{own[_H_COUNT]} fields{extra}"
         )
-    if differs(_H_COUNT) or differs(_H_DIGEST):
-        return f"an argument field past the first {_MAX_FIELDS}", f"digest {own[_H_DIGEST] & (2**64 - 1):016x}"
-    return f"the values of a replicated tensor past the first {_MAX_FIELDS} fields", (
-        f"digest {own[_H_VALUES] & (2**64 - 1):016x}"
+    digests = "/".join(f"{own[s] & (2**64 - 1):016x}" for s in (_H_DIGEST, _H_VALUES))  # (all, all but CP shards)
+    return (
+        f"an argument field past the first {_MAX_FIELDS} (or the values of a replicated tensor)",
+        f"digests {digests}",
     )
 
 
@@ -706,13 +688,13 @@ def _is_distributed(group: Any) -> bool:
 
 def _groups(arguments: Mapping[str, Any], roles: Roles) -> tuple[Any, str | None, Any, str | None]:
     """`(tp group, its argument, cp group, its argument)` of a call (`cp_from`'s `.cp_group`
-    when `cp` is not given)."""
+    when `cp` is not given); a group of one rank, or none, is None."""
     tp_arg, cp_arg = roles.tp, roles.cp
     tp = arguments.get(tp_arg) if tp_arg else None
     cp = arguments.get(cp_arg) if cp_arg else None
     if cp is None and roles.cp_from and arguments.get(roles.cp_from) is not None:  # `LoadBalancedSharder(cp_group)`
         cp, cp_arg = getattr(arguments[roles.cp_from], "cp_group", None), f"{roles.cp_from}.cp_group"
-    return tp, tp_arg, cp, cp_arg
+    return (tp if _is_distributed(tp) else None), tp_arg, (cp if _is_distributed(cp) else None), cp_arg
 
 
 def _check(
@@ -745,8 +727,6 @@ def _check(
     """
     traced = _host_reads.tracing()
     tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
-    tp = tp if _is_distributed(tp) else None
-    cp = cp if _is_distributed(cp) else None
     if tp is None and cp is None:
         return
     sig, fields = _signature(name, arguments, roles=roles, cp=cp is not None, world=tp.size() if tp is not None else 1)
@@ -763,7 +743,8 @@ def _check(
             rows = roles.rows[0] if roles.rows else None
             shown = hint if found and rows and found[0].startswith((rows, f"the values of {rows}")) else ""
             problem = _describe(found, group, sigs) + shown if found else _tiling_error(sigs, policy, broken, roles)
-            errors.append(_message(name, group_name, group, str(problem)))
+            where = "lossfx" if found and found[0] == _HEAD[0][0] else f"lossfx.{name}"  # the same on every rank
+            errors.append(f"{where}: the {group.size()} ranks of {group_name} disagree on {problem}")
         elif across_tp and widths is not None:
             widths.by_group[id(group)] = [s[_H_WIDTH] for s in sigs]
         bad = [r for r, s in enumerate(sigs) if s[_H_VERDICT]]  # across CP: a peer's tensor-parallel group failed
@@ -816,7 +797,7 @@ def _tell_peers(name: str, arguments: Mapping[str, Any], roles: Roles, err: Valu
     """Traced, a rejected call (`err`): its graph, with the check's all-gathers, never runs, so
     its groups' peers are sent a signature saying so (`_exchange_rejection`)."""
     tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
-    to = [(g.group_name, str(a)) for g, a in ((tp, tp_arg), (cp, cp_arg)) if _is_distributed(g)]
+    to = [(g.group_name, str(a)) for g, a in ((tp, tp_arg), (cp, cp_arg)) if g is not None]
     if to:
         device = next((str(v.device) for v in arguments.values() if isinstance(v, Tensor)), "cpu")
         kind = type(err).__name__ if isinstance(err, ValueError) else "TypeError"
@@ -847,11 +828,6 @@ def _exchange_rejection(name: str, groups: tuple[str, ...], told: str, device: s
 
 # Under torch.compile: Dynamo runs it for real at trace time (see `_compile_errors.raise_while_tracing`)
 _exchange_rejection._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def _message(name: str, group_name: str | None, group: dist.ProcessGroup, what: str) -> str:
-    where = "lossfx" if what.startswith("the function called") else f"lossfx.{name}"  # the same on every rank
-    return f"{where}: the {group.size()} ranks of {group_name} disagree on {what}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -915,9 +891,7 @@ def boundary(
 
     def wrap(fn: F) -> F:
         sig = inspect.signature(fn)
-        unknown = roles.names() - set(sig.parameters)
-        if local is not None:  # a `local` view may fill in the size its DTensors give (`Roles.size`)
-            unknown.discard(roles.size)
+        unknown = roles.names() - set(sig.parameters) - {roles.size if local else None}  # (a view may fill it in)
         if unknown:
             raise TypeError(f"boundary(roles=...) of {fn.__name__} names no parameter of it: {sorted(unknown)}")
         if collectives and not (roles.tp or roles.cp or roles.cp_from):  # it would never be checked
@@ -926,7 +900,6 @@ def boundary(
         name = fn.__name__
         # a body that reads the shard widths takes the call's `ShardWidths` as `_widths`, one that
         # unwraps from the check's view takes it as `_view` (the view, or None): neither is public
-        takes_widths, takes_view = _WIDTHS in sig.parameters, _VIEW in sig.parameters
         public = sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in (_WIDTHS, _VIEW)])
         _functions[_crc(name)] = name
 
@@ -940,11 +913,8 @@ def boundary(
                     raise view[REJECTED_ERROR]
                 call = inspect.BoundArguments(public, {k: v for k, v in view.items() if k in public.parameters})
                 args, kwargs = call.args, call.kwargs
-            if takes_widths:
-                kwargs[_WIDTHS] = ShardWidths() if widths is None else widths
-            if takes_view:
-                kwargs[_VIEW] = view
-            return fn(*args, **kwargs)
+            hidden = {_WIDTHS: widths or ShardWidths(), _VIEW: view}  # for a body that declares them
+            return fn(*args, **kwargs, **{k: v for k, v in hidden.items() if k in sig.parameters})
 
         def run(traced: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if not traced and _host_reads.depth():
