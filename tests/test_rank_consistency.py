@@ -327,7 +327,7 @@ def _finding(rows: list[list[int]], fields, across_tp: bool, policy: str = "free
     (`_judged`, which eager and compiled calls share) worded as an eager call words it: `(label,
     rank 0's value)`, the layout's message, or None."""
     C = _consistency
-    _, group_of, columns = C._assertions(tuple(fields.owners), tuple(fields.codes), across_tp, policy, "")
+    _, group_of, columns = C._assertions(tuple(fields.owners), tuple(fields.tp_only), across_tp, policy, "")
     failed, broken = C._judged(torch.tensor(rows), group_of, columns, policy)
     if not failed.any():
         return None

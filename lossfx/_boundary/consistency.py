@@ -259,6 +259,7 @@ class _Fields:
         self.shown: list[Any] = []  # this rank's values, worded (`_show`) only on the error path
         # (field index, int64 known on the device or in the graph only: a fingerprint, a traced float's bits)
         self.on_device: list[tuple[int, Tensor]] = []
+        self.tp_only: list[int] = []  # the fields compared across the tensor-parallel group only (`cp_shard`)
 
     def add(self, label: str, value: Any, owner: str | None = None) -> None:
         self.labels.append(label)
@@ -285,6 +286,7 @@ class _Fields:
             self.add(f"{label}.requires_grad", value.requires_grad)
         if replicated and value.device.type != "meta" and value.numel():
             self.on_device.append((len(self.codes), fingerprint(value)))
+            self.tp_only += [len(self.codes)] * self.cp_shard
             self.labels.append(f"{what}{label} (which must be the same on every rank)")
             self.owners.append(f"{what}{label}")
             self.shown.append(_FINGERPRINT)  # filled in on the device
@@ -426,7 +428,7 @@ def _signature(
         sig = sig.index_put((slots,), torch.stack([v.to(sig.device) for _, v in fields.on_device]))
     if length > SIGNATURE_LEN:  # the fields past the body, all of them, eager or compiled: two digests
         rest, sig = sig[SIGNATURE_LEN:], sig[:SIGNATURE_LEN]
-        tp_only_slots = [2 * i + 1 for i, (kind, _) in enumerate(fields.codes[_MAX_FIELDS:]) if kind == _K_VALUES_TP]
+        tp_only_slots = [2 * (i - _MAX_FIELDS) + 1 for i in fields.tp_only if i >= _MAX_FIELDS]
         canonical = rest.index_fill(0, torch.tensor(tp_only_slots, device=device), 0) if tp_only_slots else rest
         digests = torch.stack([fingerprint(canonical), fingerprint(rest)])  # across both groups; across TP
         sig = sig.index_put((torch.tensor([_H_DIGEST, _H_VALUES], device=device),), digests)
@@ -495,14 +497,14 @@ _LAYOUT_WHAT = "the vocabulary shard layout (each rank's width, first id and V: 
 
 
 def _assertions(
-    owners: tuple[str, ...], codes: tuple[tuple[int, int], ...], across_tp: bool, layout: str, where: str
+    owners: tuple[str, ...], tp_only: tuple[int, ...], across_tp: bool, layout: str, where: str
 ) -> tuple[tuple[str, ...], tuple[int, ...], tuple[bool, ...]]:
     """The check's assertions over one group, in the order they are judged: `(the compiled message
     of each, the assertion comparing each signature slot (none: the number of assertions), whether
     each compares a vocabulary-wide column's values)`. The header (`_HEAD`); across the
     context-parallel group the shard layout (`_CP_LAYOUT`: the same on every rank); each run of
-    consecutive fields of one argument (`owners`, `codes`: the call's `_Fields`; a replicated
-    tensor's values a run of their own; across CP not the fingerprints of sequence shards); the
+    consecutive fields of one argument (`owners`: the call's `_Fields`; a replicated tensor's values
+    a run of their own; across CP not the fingerprints of sequence shards, `tp_only`); the
     fields past the body; last, the vocabulary-layout rules as `layout` needs (`_layout_flags`: no
     slots). The runs before the first disagreeing field are the same on every rank (labels depend
     only on earlier fields), so every rank fails the same assertion first. `where`: the messages'
@@ -511,8 +513,8 @@ def _assertions(
     groups = [(what, list(slots)) for what, slots in _HEAD]
     if not across_tp:
         groups.append(("the vocabulary shard layout (this rank's width, first id, V and rank)", list(_CP_LAYOUT)))
-    for i, (owner, (kind, _)) in enumerate(zip(owners[:_MAX_FIELDS], codes, strict=False)):
-        slots = [_HEADER + 2 * i] + [_HEADER + 2 * i + 1] * (across_tp or kind != _K_VALUES_TP)
+    for i, owner in enumerate(owners[:_MAX_FIELDS]):
+        slots = [_HEADER + 2 * i] + [_HEADER + 2 * i + 1] * (across_tp or i not in tp_only)
         if groups[-1][0] == owner:
             groups[-1][1].extend(slots)
         else:
@@ -764,7 +766,7 @@ def _check(
             continue
         layout = ("equal" if traced and policy == "auto" else policy) if across_tp else "free"
         where = f"lossfx.{name}: the ranks of {group_name}"
-        messages, group_of, columns = _assertions(tuple(fields.owners), tuple(fields.codes), across_tp, layout, where)
+        messages, group_of, columns = _assertions(tuple(fields.owners), tuple(fields.tp_only), across_tp, layout, where)
         if traced:  # issued only: the wait is the assertions', so the round trip flies while the kernel computes
             in_flight = torch.ops._c10d_functional.all_gather_into_tensor(sig, group.size(), group.group_name)
             in_graph.append((in_flight, messages, group_of, columns, layout))
