@@ -59,7 +59,7 @@ _ROLES = Roles(
 )  # the cross-rank check's view of the parameters
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES))
 def gather_logprobs(
     logits: Tensor,
     ids: Tensor,
@@ -122,7 +122,7 @@ def gather_logprobs(
     return _kernel.gather_logprobs(logits, ids, vocab, with_neg_entropy=with_entropy, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES))
 def gather_logits(
     logits: Tensor,
     ids: Tensor,

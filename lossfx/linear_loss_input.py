@@ -95,7 +95,7 @@ def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed:
     `hidden` `[B, S_l, H]` (packed: `[1, T/C, H]`), the head (`validated_head`) with `chunk_size`
     positions as rows, and `V` as the range checks of the ids read it: an int, or (uneven plain
     shards in eager mode) the function of the cross-rank check's widths."""
-    assert view is not None, "boundary(unwrapped=True) hands the body its view"
+    assert view is not None, "boundary(local=...) hands the body its view"
     if not packed:  # (the packed checks check it)
         check_group("context_parallel_group", view["context_parallel_group"])
     hidden, weight, shard = view["hidden"], view["lm_head_weight"], view[SHARD]
@@ -192,7 +192,7 @@ def _linear_opd_full_input(
     )
 
 
-@boundary(roles=_ROLES, vocab="auto", local=local_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="auto", local=local_view(_ROLES))
 @head_keywords
 def prepare_linear_loss_input(
     hidden: Tensor,
@@ -393,7 +393,7 @@ def _draft_input(door: FrontDoor, d2t: Tensor | None, layout: SequenceLayout) ->
     return {"teacher_logits": teacher, "student_logits": student_logits, "token_mask": mask}
 
 
-@boundary(roles=_ROLES_PACKED, vocab="auto", local=local_view(_ROLES_PACKED), unwrapped=True)
+@boundary(roles=_ROLES_PACKED, vocab="auto", local=local_view(_ROLES_PACKED))
 @head_keywords
 def prepare_linear_packed_loss_input(
     hidden: Tensor,

@@ -147,7 +147,6 @@ _ROLES_ALL = dataclasses.replace(_ROLES_OPD, cp_from="cp_sharder")
     roles=_ROLES_SHARDER,
     vocab="auto",
     local=local_view(_ROLES_SHARDER, even=True),
-    unwrapped=True,
 )
 def next_token_logprobs(
     logits: Tensor,
@@ -257,7 +256,7 @@ def _back(
     return loss_input, caller
 
 
-@boundary(roles=_ROLES_ALL, vocab=_vocab_policy, local=_unwrap(_ROLES_ALL), unwrapped=True)
+@boundary(roles=_ROLES_ALL, vocab=_vocab_policy, local=_unwrap(_ROLES_ALL))
 def prepare_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -428,7 +427,7 @@ def _opd_read(arguments: Mapping[str, Any]) -> tuple[str, ...]:
 _ROLES_OPD_CALL = dataclasses.replace(_ROLES_ALL, reads=("data", _opd_read))
 
 
-@boundary(roles=_ROLES_OPD_CALL, vocab="equal", local=_unwrap(_ROLES_OPD_CALL, opd=True), unwrapped=True)
+@boundary(roles=_ROLES_OPD_CALL, vocab="equal", local=_unwrap(_ROLES_OPD_CALL, opd=True))
 def prepare_opd_full_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -500,7 +499,7 @@ def prepare_opd_full_loss_input(
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
 
 
-@boundary(roles=_ROLES_DATA, vocab="auto", local=_unwrap(_ROLES_DATA), unwrapped=True)
+@boundary(roles=_ROLES_DATA, vocab="auto", local=_unwrap(_ROLES_DATA))
 def prepare_packed_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],

@@ -301,7 +301,7 @@ _RECONSTRUCT_VIEW = local_view(
 )
 
 
-@boundary(collectives=False, local=_RECONSTRUCT_VIEW, unwrapped=True)
+@boundary(collectives=False, local=_RECONSTRUCT_VIEW)
 def reconstruct_opd_full_teacher_logits(
     payload: Tensor,
     *,

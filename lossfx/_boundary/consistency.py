@@ -862,7 +862,6 @@ def boundary(
     roles: Roles = _NO_ROLES,
     local: Local | None = None,
     collectives: bool = True,
-    unwrapped: bool = True,  # what `local` implies (the callers' spelling, removed with it)
 ) -> Callable[[F], F]:
     """The boundary of a public function, once per outermost call: the cross-rank consistency
     check (eager, or traced into the graph), the read-once scope of its host reads
