@@ -163,13 +163,13 @@ def _worker(rank: int, world: int, port: int, iters: int, queue, compiled_only: 
         def call(logits=logits, data=data, kwargs=kwargs):
             lossfx.prepare_loss_input(logits, data, loss_fn, **kwargs)
 
-        def local(arguments=arguments):  # the check's Python work: signature, and the comparison
-            sig, labels = _consistency._signature("prepare_loss_input", arguments, roles=roles)
-            broken = _consistency._layout_flags(sig.expand(world, -1), "auto")  # as on the gathered signatures
-            own = sig.tolist()
-            sigs = [own] * world
-            _consistency._first_disagreement(sigs, own, labels, per_rank_header=True, roles=roles)
-            _consistency._tiling_error(sigs, "auto", broken.tolist(), roles)
+        def local(arguments=arguments):  # the check's Python work: signature, assertions, the one judgement
+            sig, fields = _consistency._signature("prepare_loss_input", arguments, roles=roles)
+            _, group_of, columns = _consistency._assertions(
+                tuple(fields.owners), tuple(fields.tp_only), True, "auto", ""
+            )
+            failed, broken = _consistency._judged(sig.expand(world, -1), group_of, columns, "auto")  # as gathered
+            torch.cat([failed, broken]).tolist()
 
         stats = torch.zeros(3, batch * seq)
 

@@ -43,7 +43,7 @@ _ROLES = Roles(  # the parameters' parts (`Roles`)
 )
 
 
-@boundary(roles=_ROLES, vocab="equal", local=local_view(_ROLES, even=True), unwrapped=True)
+@boundary(roles=_ROLES, vocab="equal", local=local_view(_ROLES, even=True))
 def distillation_topk_logprobs(
     student_logits: Tensor,
     teacher_topk_logits: Tensor,

@@ -56,7 +56,7 @@ _ROLES_STUDENT = Roles(tp="group", shards=("student",))  # the parameters' parts
 _ROLES_PAIR = Roles(tp="group", shards=("student", "teacher"))
 
 
-@boundary(roles=_ROLES_STUDENT, vocab="free", local=local_view(_ROLES_STUDENT), unwrapped=True)
+@boundary(roles=_ROLES_STUDENT, vocab="free", local=local_view(_ROLES_STUDENT))
 def neg_entropy(
     student: Tensor,
     *,
@@ -105,7 +105,7 @@ def neg_entropy(
     return _kernel.neg_entropy(student, group, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES_STUDENT, vocab="free", local=local_view(_ROLES_STUDENT), unwrapped=True)
+@boundary(roles=_ROLES_STUDENT, vocab="free", local=local_view(_ROLES_STUDENT))
 def entropy(
     student: Tensor,
     *,
@@ -124,7 +124,7 @@ def entropy(
     return _kernel.neg_entropy(student, group, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES_PAIR, vocab="free", local=local_view(_ROLES_PAIR), unwrapped=True)
+@boundary(roles=_ROLES_PAIR, vocab="free", local=local_view(_ROLES_PAIR))
 def cross_entropy_to_fixed(
     student: Tensor,
     teacher: Tensor,
@@ -178,7 +178,7 @@ def cross_entropy_to_fixed(
     return _kernel.cross_entropy_to_fixed(student, teacher, group, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES_PAIR, vocab="free", local=local_view(_ROLES_PAIR), unwrapped=True)
+@boundary(roles=_ROLES_PAIR, vocab="free", local=local_view(_ROLES_PAIR))
 def reverse_kl_to_fixed(
     student: Tensor,
     teacher: Tensor,

@@ -52,7 +52,6 @@ __all__ = ["draft_targets", "map_to_draft_vocab", "shift_left"]
 @boundary(
     roles=Roles(cp="context_parallel_group", cp_from="cp_sharder", cp_shards=("x",)),
     local=local_view(Roles(shards=("x",))),  # a vocabulary-sharded DTensor `x`: its local shard, placed back
-    unwrapped=True,
 )
 def shift_left(
     x: Tensor,
@@ -113,7 +112,7 @@ def _wrap_draft(shard: VocabShard, out: Tensor, d2t: Tensor | None) -> Tensor:
 _ROLES_MAP = Roles(tp="vocab_parallel_group", shards=("teacher_logits",), rank="vocab_parallel_rank")
 
 
-@boundary(roles=_ROLES_MAP, vocab="equal", local=local_view(_ROLES_MAP, even=True), unwrapped=True)
+@boundary(roles=_ROLES_MAP, vocab="equal", local=local_view(_ROLES_MAP, even=True))
 def map_to_draft_vocab(
     teacher_logits: Tensor,
     d2t: Tensor | None,
@@ -152,7 +151,7 @@ _ROLES_TARGETS = Roles(
 )
 
 
-@boundary(roles=_ROLES_TARGETS, vocab="equal", local=local_view(_ROLES_TARGETS, even=True), unwrapped=True)
+@boundary(roles=_ROLES_TARGETS, vocab="equal", local=local_view(_ROLES_TARGETS, even=True))
 def draft_targets(
     logits: Tensor,
     token_mask: Tensor,

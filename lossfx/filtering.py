@@ -111,7 +111,7 @@ def _validated_filter(
 # ---------------------------------------------------------------------------------------------
 
 
-@boundary(roles=_ROLES, vocab="sized", local=local_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="sized", local=local_view(_ROLES))
 def top_k_top_p_threshold(
     logits: Tensor,
     *,
@@ -184,7 +184,7 @@ def top_k_top_p_threshold(
     )
 
 
-@boundary(roles=_ROLES, vocab="sized", local=local_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="sized", local=local_view(_ROLES))
 def apply_top_k_top_p(
     logits: Tensor,
     *,
@@ -220,7 +220,7 @@ def apply_top_k_top_p(
     return shard.wrap(filtered), shard.wrap(keep)
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES))
 def filtered_token_logprobs(
     logits: Tensor,
     target: Tensor,

@@ -260,7 +260,7 @@ _ROLES = Roles(
 _ROLES_CP = dataclasses.replace(_ROLES, cp="context_parallel_group", cp_from="cp_sharder", cp_shards=("hidden",))
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
 @head_keywords
 def linear_gather_logprobs(
     hidden: Tensor,
@@ -388,7 +388,7 @@ def linear_token_logprobs(
     return_entropy: bool | None = ...,
     **kw: Unpack[_TokenKeywords],
 ) -> Tensor | tuple[Tensor, Tensor]: ...
-@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
 @head_keywords
 def linear_token_logprobs(
     hidden: Tensor,
@@ -487,7 +487,7 @@ def linear_token_logprobs(
     return (logprobs, neg_entropy) if neg_entropy is not None else logprobs
 
 
-@boundary(roles=_ROLES_CP, vocab="tiled", local=local_view(seq_dim=1), unwrapped=True)
+@boundary(roles=_ROLES_CP, vocab="tiled", local=local_view(seq_dim=1))
 @head_keywords
 def linear_next_token_logprobs(
     hidden: Tensor,

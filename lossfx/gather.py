@@ -55,7 +55,7 @@ def _validated(
     return logits, ids, vocab, chunk_rows
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES))
 def gather_logprobs(
     logits: Tensor,
     ids: Tensor,
@@ -118,7 +118,7 @@ def gather_logprobs(
     return _kernel.gather_logprobs(logits, ids, vocab, with_neg_entropy=with_entropy, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES))
 def gather_logits(
     logits: Tensor,
     ids: Tensor,

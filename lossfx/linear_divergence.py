@@ -108,7 +108,7 @@ def _check_teacher(
 # the one unwrap (`local_view`): a `Shard(0)` DTensor `weight` as this rank's rows with the group of its
 # placement (uneven rows included); `bias` and each `teacher_weight` `Shard(0)`, `teacher_logits` `Shard(-1)`
 # on the same mesh as their local rows/columns; `hidden`, `teacher_hidden`, `teacher_head` `Replicate()`
-@boundary(roles=_ROLES, vocab="free", local=local_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="free", local=local_view(_ROLES))
 @head_keywords
 def linear_divergence_to_teacher(
     hidden: Tensor,

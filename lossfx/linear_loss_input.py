@@ -103,7 +103,7 @@ def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed:
     the logits), and the head's vocabulary range as they resolve it
     (`lossfx.next_token.resolved_vocab`): a DTensor head's, or the widths of uneven plain shards
     that the cross-rank check reported (read with the call's range check of ids: one host read)."""
-    assert view is not None, "boundary(unwrapped=True) hands the body its view"
+    assert view is not None, "boundary(local=...) hands the body its view"
     if not packed:  # (the packed checks check it)
         check_group("context_parallel_group", view["context_parallel_group"])
     hidden, weight, shard = view["hidden"], view["lm_head_weight"], view[SHARD]
@@ -190,7 +190,7 @@ def _linear_opd_full_input(
     )
 
 
-@boundary(roles=_ROLES, vocab="auto", local=local_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="auto", local=local_view(_ROLES))
 @head_keywords
 def prepare_linear_loss_input(
     hidden: Tensor,
@@ -397,7 +397,7 @@ def _draft_input(door: FrontDoor, d2t: Tensor | None, layout: SequenceLayout) ->
     return {"teacher_logits": teacher, "student_logits": student_logits, "token_mask": mask}
 
 
-@boundary(roles=_ROLES_PACKED, vocab="auto", local=local_view(_ROLES_PACKED), unwrapped=True)
+@boundary(roles=_ROLES_PACKED, vocab="auto", local=local_view(_ROLES_PACKED))
 @head_keywords
 def prepare_linear_packed_loss_input(
     hidden: Tensor,

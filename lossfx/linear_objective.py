@@ -43,7 +43,7 @@ from lossfx.fused_linear import _ROLES, HeadKeywords, head_keywords, local_view,
 __all__ = ["linear_logprob_objective"]
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
 @head_keywords
 def linear_logprob_objective(
     hidden: Tensor,

@@ -63,7 +63,7 @@ def _validated(
     return logits, target, vocab, chunk_rows
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES))
 def token_logprobs_with_lse(
     logits: Tensor,
     target: Tensor,
@@ -86,7 +86,7 @@ def token_logprobs_with_lse(
     return _kernel.token_logprobs_with_lse(logits, target, vocab, chunk_rows=chunk_rows)
 
 
-@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES))
 def token_logprobs(
     logits: Tensor,
     target: Tensor,

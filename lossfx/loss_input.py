@@ -137,7 +137,6 @@ _ROLES_ALL = dataclasses.replace(_ROLES_SHARDER, heads="teacher_output_layer_wei
     roles=_ROLES_SHARDER,
     vocab="auto",
     local=local_view(_ROLES_SHARDER, even=True),
-    unwrapped=True,
 )
 def next_token_logprobs(
     logits: Tensor,
@@ -219,7 +218,7 @@ def _unwrap(roles: Roles, opd: bool = False) -> Callable[[dict[str, Any]], tuple
 def _unwrapped(view: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """`(view, before)`: the call's one unwrap (`_unwrap`: every argument, local) and, with DTensors,
     its local `data` as it was (`_back` tells the columns the branch wrote from it)."""
-    assert view is not None, "boundary(unwrapped=True) hands the body its view"
+    assert view is not None, "boundary(local=...) hands the body its view"
     return view, dict(view["data"]) if view.get(SHARD) is not None else {}
 
 
@@ -242,7 +241,7 @@ def _back(
     return loss_input, caller
 
 
-@boundary(roles=_ROLES_ALL, vocab=_vocab_policy, local=_unwrap(_ROLES_ALL), unwrapped=True)
+@boundary(roles=_ROLES_ALL, vocab=_vocab_policy, local=_unwrap(_ROLES_ALL))
 def prepare_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -391,7 +390,7 @@ def _neg_inf_rule(
 _ROLES_OPD_CALL = dataclasses.replace(_ROLES_ALL, reads=("data", lambda arguments: ("input_ids", *_OPD_COLUMNS)))
 
 
-@boundary(roles=_ROLES_OPD_CALL, vocab="equal", local=_unwrap(_ROLES_OPD_CALL, opd=True), unwrapped=True)
+@boundary(roles=_ROLES_OPD_CALL, vocab="equal", local=_unwrap(_ROLES_OPD_CALL, opd=True))
 def prepare_opd_full_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],
@@ -451,7 +450,7 @@ def prepare_opd_full_loss_input(
 _prepare_opd_full_loss_input = prepare_opd_full_loss_input
 
 
-@boundary(roles=_ROLES, vocab="auto", local=_unwrap(_ROLES), unwrapped=True)
+@boundary(roles=_ROLES, vocab="auto", local=_unwrap(_ROLES))
 def prepare_packed_loss_input(
     logits: Tensor,
     data: MutableMapping[str, Any],

@@ -193,7 +193,7 @@ LoadBalancedSharder = LoadBalancedLayout  # the load-balanced layout is itself a
 _ROLES_TARGET = Roles(tp="group", shards=("logits",), start="vocab_start", size="vocab_size")
 
 
-@boundary(roles=_ROLES_TARGET, vocab="tiled", local=local_view(_ROLES_TARGET), unwrapped=True)
+@boundary(roles=_ROLES_TARGET, vocab="tiled", local=local_view(_ROLES_TARGET))
 def target_logprobs(
     logits: Tensor,
     target: Tensor,
@@ -291,7 +291,7 @@ def sharded_next_token_logprobs(
 _ROLES_FILTERED = Roles(tp="group", shards=("logits",))
 
 
-@boundary(roles=_ROLES_FILTERED, vocab="equal", local=local_view(_ROLES_FILTERED, even=True), unwrapped=True)
+@boundary(roles=_ROLES_FILTERED, vocab="equal", local=local_view(_ROLES_FILTERED, even=True))
 def next_token_filtered_logprobs(
     logits: Tensor,
     input_ids: Tensor,

@@ -262,7 +262,7 @@ _RECONSTRUCT_VIEW = local_view(
 )
 
 
-@boundary(collectives=False, local=_RECONSTRUCT_VIEW, unwrapped=True)
+@boundary(collectives=False, local=_RECONSTRUCT_VIEW)
 def reconstruct_opd_full_teacher_logits(
     payload: Tensor,
     *,
@@ -441,7 +441,7 @@ def opd_full_input(view: Mapping[str, Any] | None) -> dict[str, Any]:
     `lossfx.prepare_opd_full_loss_input`, which `prepare_loss_input`'s OPD_FULL branch shares):
     `validated_opd_full` once, then the pure `lossfx._layouts.opd_full.opd_full_loss_input` once.
     No cross-rank check here (their `boundary` runs it)."""
-    assert view is not None, "boundary(unwrapped=True) hands the body its view"
+    assert view is not None, "boundary(local=...) hands the body its view"
     logits, group, chunk_size = view["logits"], view["vocab_parallel_group"], view["chunk_size"]
     teacher_logits_dtype = view["teacher_logits_dtype"]
     layout = sequence_layout(view["context_parallel_group"], view["cp_sharder"])

@@ -34,7 +34,7 @@ def _vocab_policy(arguments: Mapping[str, Any]) -> str:
 _ROLES = Roles(tp="group", shards=("logits",), start="vocab_start")  # the parameters' parts (`Roles`)
 
 
-@boundary(roles=_ROLES, vocab=_vocab_policy, local=local_view(_ROLES, even=True), unwrapped=True)
+@boundary(roles=_ROLES, vocab=_vocab_policy, local=local_view(_ROLES, even=True))
 @torch.no_grad()
 def vocab_topk(
     logits: Tensor,

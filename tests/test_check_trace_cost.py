@@ -4,7 +4,7 @@ of the check it traces (tens of µs each), so the check's Python decides much of
 Pinned in steps, not seconds (load-independent): a compiled 2-rank `prepare_loss_input` call's
 check took ~8k steps in `_boundary/consistency.py`; building the compiled check's assertion
 groups symbolically (a `[groups, 256]` membership list comprehension) once took ~48k and doubled
-the compile time of every checked call (`_compiled_groups` now runs for real at trace time).
+the compile time of every checked call (`_assertions` now runs for real at trace time).
 """
 
 from __future__ import annotations

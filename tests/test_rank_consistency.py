@@ -322,11 +322,26 @@ def _breaks_layout(sigs: list[list[int]], policy: str) -> bool:
     return sorted(i for a, w in zip(starts, widths, strict=True) for i in range(a, a + w)) != list(range(sizes[0]))
 
 
+def _finding(rows: list[list[int]], fields, across_tp: bool, policy: str = "free"):
+    """What the check finds in the gathered signatures `rows` (rank 0's view): the one judgement
+    (`_judged`, which eager and compiled calls share) worded as an eager call words it: `(label,
+    rank 0's value)`, the layout's message, or None."""
+    C = _consistency
+    _, group_of, columns = C._assertions(tuple(fields.owners), tuple(fields.tp_only), across_tp, policy, "")
+    failed, broken = C._judged(torch.tensor(rows), group_of, columns, policy)
+    if not failed.any():
+        return None
+    found = C._worded(failed.tolist().index(True), group_of, rows, rows[0], fields, C._NO_ROLES)
+    return found or C._tiling_error(rows, policy, broken.tolist())
+
+
 @pytest.mark.parametrize("policy", ["free", "auto", "equal", "sized", "tiled", "topk:5", "topk:40"])
-def test_device_verdict_equals_the_host_judgement(policy):
-    """The TP verdict carried by the CP signature is computed on the device (one host read per
-    call); it must be exactly the host judgement, or a rank would raise while its CP peers go on.
-    The layout rules (`_layout_flags`, which both read) against a dense reading of them."""
+def test_one_judgement_of_fields_and_layout(policy):
+    """The check decides once (`_judged`, tensor ops: eagerly on the device, read with the
+    signatures, and in the compiled graph); the TP verdict that travels to the CP peers is that
+    decision. Against a dense reading: it fails exactly when a field differs or the layout breaks
+    `policy` (`_layout_flags`, against `_breaks_layout`), and a differing field is named before a
+    broken layout."""
     C = _consistency
     gen = torch.Generator().manual_seed(len(policy))
     base, fields = C._signature("f", {"x": torch.ones(3), "k": 4})
@@ -344,15 +359,19 @@ def test_device_verdict_equals_the_host_judgement(policy):
                 g[:, C._H_START] = starts
             if torch.rand(1, generator=gen) < 0.5:
                 g[:, C._H_SIZE] = int(widths.sum()) + int(torch.randint(-1, 2, (1,), generator=gen))
-            if torch.rand(1, generator=gen) < 0.2:  # a field disagrees
+            field = bool(torch.rand(1, generator=gen) < 0.2)
+            if field:  # a field disagrees
                 g[-1, C._HEADER + 3] += 1
             sigs = g.tolist()
-            broken = C._layout_flags(g, policy)
-            tiling = C._tiling_error(sigs, policy, broken.tolist())
+            tiling = C._tiling_error(sigs, policy, C._layout_flags(g, policy).tolist())
             assert (tiling is not None) == _breaks_layout(sigs, policy), sigs
-            host = C._first_disagreement(sigs, sigs[0], fields, per_rank_header=True) is not None or tiling is not None
-            assert bool(C._verdict_on_device(g, broken)) == host, (policy, sigs[0][:10], [s[:10] for s in sigs])
-            cases += host
+            found = _finding(sigs, fields, True, policy)
+            assert (found is not None) == (field or tiling is not None), (policy, sigs[0][:10], [s[:10] for s in sigs])
+            if field:
+                assert found == (fields.labels[1], _consistency._show(fields.shown[1])), found
+            elif tiling is not None:
+                assert found == tiling
+            cases += found is not None
     assert 0 < cases < 300 or policy in ("free", "auto")  # both outcomes were exercised
 
 
@@ -397,8 +416,7 @@ def test_cp_shards_are_compared_across_tensor_parallel_only():
         (0.0, 0.0, 1, 3, "ids"),
     ]:
         rows, fields = sigs(x, part, ids, width)
-        cp = C._first_disagreement(rows, rows[0], fields, per_rank_header=False)
-        tp = C._first_disagreement(rows, rows[0], fields, per_rank_header=True)
+        cp, tp = _finding(rows, fields, across_tp=False), _finding(rows, fields, across_tp=True)
         assert (cp is None) == (across_cp is None) and (cp is None or across_cp in cp[0]), (x, part, ids, cp)
         assert (tp is not None) == bool(x or ids), (x, part, ids, tp)
         if x:

@@ -32,7 +32,7 @@ backward all-reduces over CP).
 
 Nested public calls are checked once: the outermost wrapped call checks, the calls it makes
 inside its scope do not. There is no switch. Under `torch.compile` the check is traced into the
-graph (`_check_in_graph`: a functional all-gather issued first, its wait and assertions just before
+graph (`_check`, traced: a functional all-gather issued first, its wait and assertions just before
 the kernel's first collective, which reads their token; no graph break, no host read).
 """
 
@@ -119,15 +119,12 @@ def fingerprint(x: Tensor) -> Tensor:
 
 SIGNATURE_LEN = 256
 _MAGIC = 0x4C4F53534658_01  # "LOSSFX", format 1
-# header slots
-_H_MAGIC, _H_PATH, _H_DIGEST, _H_COUNT, _H_VERDICT, _H_WIDTH, _H_START, _H_SIZE, _H_RANK, _H_VALUES = range(10)
-# 1: the signature of a compiled call: compared (eager and compiled calls run different collectives);
-# it has no digest, and its rank cannot join the error path's exchange of values
-_H_TRACED = 10
-# 1: the signature of a rank that rejected its call while it was traced (its graph never runs): sent by
+# header slots. _H_TRACED: 1 in the signature of a compiled call (compared: eager and compiled calls run
+# different collectives; its rank cannot join the error path's exchange of values). _H_REJECTED: 1 in the
+# signature of a rank that rejected its call while it was traced (its graph never runs): sent by
 # `_exchange_rejection` at trace time, so that its peers' check fails instead of waiting for it
-_H_REJECTED = 11
-_HEADER = 12
+_H_MAGIC, _H_PATH, _H_DIGEST, _H_COUNT, _H_VERDICT, _H_WIDTH, _H_START, _H_SIZE, _H_RANK, _H_VALUES = range(10)
+_H_TRACED, _H_REJECTED, _HEADER = 10, 11, 12
 _MAX_FIELDS = (SIGNATURE_LEN - _HEADER) // 2  # each field is (kind, value)
 _NONE = -(2**63)  # a header value that was not given
 
@@ -135,10 +132,6 @@ _NONE = -(2**63)  # a header value that was not given
 # _K_VALUES: a fingerprint compared across both groups; _K_VALUES_TP: across the tensor-parallel group
 # only (a tensor that is this rank's sequence part under context parallelism)
 _K_NONE, _K_BOOL, _K_INT, _K_FLOAT, _K_STR, _K_DTYPE, _K_TYPE, _K_VALUES, _K_VALUES_TP = range(9)
-_DTYPES = [
-    torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-]  # fmt: skip
 _functions: dict[int, str] = {}  # crc32 of a checked function's name -> the name
 
 
@@ -205,7 +198,7 @@ _NO_ROLES = Roles()
 
 def _crc(text: str) -> int:
     """A 32-bit code of `text` (the text itself is kept by the call's `_Fields`, for its messages)."""
-    return zlib.crc32(text.encode())
+    return zlib.crc32(text.encode("utf-8", "surrogatepass"))
 
 
 # Under torch.compile: run at trace time, a constant in the graph. This is what
@@ -214,45 +207,38 @@ def _crc(text: str) -> int:
 _crc._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def _crc_repr(value: str) -> int:
-    """`_crc(repr(value))` (run for real under torch.compile: Dynamo cannot trace `repr` of a str)."""
-    return _crc(repr(value))
-
-
-_crc_repr._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
 def _encode(value: Any) -> tuple[int, int]:
-    """`(kind, int64)` of a scalar-like value (a string by the code of its text)."""
+    """`(kind, int64)` of a scalar-like value: an enum by its value (`LossInputType.LOGPROB` and
+    `"logprob"` agree), a float as a value like the fingerprints (`-0.0` is `0.0`, a NaN is one
+    NaN), a string by the code of its text, any other object by its type (as `_show` words it)."""
+    value = value.value if isinstance(value, enum.Enum) else value
     if value is None:
         return _K_NONE, 0
     if isinstance(value, bool):
         return _K_BOOL, int(value)
-    if isinstance(value, enum.Enum):  # by value: `LossInputType.LOGPROB` and `"logprob"` agree
-        value = value.value
     if isinstance(value, int):
         return _K_INT, max(min(value, 2**63 - 1), -(2**63))
-    if isinstance(value, float):  # values as values, like the fingerprints: -0.0 is 0.0, a NaN is one NaN
+    if isinstance(value, float):
         value = math.nan if math.isnan(value) else value + 0.0
         return _K_FLOAT, struct.unpack("<q", struct.pack("<d", value))[0]
-    if isinstance(value, _Kind):
-        return _K_TYPE, _crc(str(value))
-    if isinstance(value, str):
-        return _K_STR, _crc_repr(value)
     if isinstance(value, torch.dtype):
-        return (_K_DTYPE, _DTYPES.index(value)) if value in _DTYPES else (_K_DTYPE, _crc(str(value)))
-    return _K_TYPE, _crc(f"a {type(value).__qualname__}")
+        return _K_DTYPE, _crc(str(value))
+    if isinstance(value, str):  # a description (`_Kind`) and a string of the same text differ in kind
+        return (_K_TYPE if isinstance(value, _Kind) else _K_STR), _crc(str(value))
+    return _K_TYPE, _crc(_show(value))
 
 
 def _show(value: Any) -> str:
-    """How a scalar-like value reads in this rank's part of a message (eager only)."""
-    if isinstance(value, enum.Enum):
-        value = value.value
+    """How a scalar-like value reads in this rank's part of a message."""
+    value = value.value if isinstance(value, enum.Enum) else value
     if isinstance(value, str) and not isinstance(value, _Kind):
         return repr(value)
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         return str(value)
     return f"a {type(value).__qualname__}"
+
+
+_VALUES = "the values of "  # a replicated tensor's values (`_COLUMN_VALUES`: a vocabulary-wide column's)
 
 
 class _Fields:
@@ -262,70 +248,61 @@ class _Fields:
     on the values of fields before it (a tensor's `ndim` precedes its dims, a mapping's keys
     precede its entries), so ranks compare labels position by position."""
 
-    def __init__(self, logits_grad: bool = False) -> None:
+    def __init__(self, logits_grad: bool = False, roles: Roles = _NO_ROLES) -> None:
         self.logits_grad = logits_grad  # with a CP group the logits' backward runs a collective
+        self.roles = roles  # the parts the keys of a mapping argument play (`columns`, `shard_columns`)
         self.columns: list[tuple[str, str, Tensor]] = []  # (owner, label, tensor): vocabulary-wide, last
-        self.owner = ""  # the argument whose fields are being added
+        self.owner, self.cp_shard = "", False  # the argument whose fields are being added; its part is this rank's
         self.labels: list[str] = []
         self.owners: list[str] = []
         self.codes: list[tuple[int, int]] = []
         self.shown: list[Any] = []  # this rank's values, worded (`_show`) only on the error path
-        self.values: list[tuple[int, Tensor]] = []  # (field index, fingerprint of a replicated tensor)
-        self.floats: list[tuple[int, Tensor]] = []  # (field index, bits of a float) when traced
+        # (field index, int64 known on the device or in the graph only: a fingerprint, a traced float's bits)
+        self.on_device: list[tuple[int, Tensor]] = []
+        self.tp_only: list[int] = []  # the fields compared across the tensor-parallel group only (`cp_shard`)
 
     def add(self, label: str, value: Any, owner: str | None = None) -> None:
         self.labels.append(label)
         self.owners.append(self.owner if owner is None else owner)
         self.shown.append(value)
         if isinstance(value, float) and _host_reads.tracing():  # maybe symbolic: its bits in the graph
-            self.floats.append((len(self.codes), torch.tensor(value, dtype=torch.float64).view(torch.int64)))
+            self.on_device.append((len(self.codes), torch.tensor(value, dtype=torch.float64).view(torch.int64)))
             self.codes.append((_K_FLOAT, 0))
         else:
             self.codes.append(_encode(value))
 
     def tensor(
-        self, label: str, value: Tensor, dims: Any, replicated: bool, grad_flag: bool = True, cp_shard: bool = False
+        self, label: str, value: Tensor, dims: Any, replicated: bool, grad: bool = True, what: str = _VALUES
     ) -> None:
         """A tensor's fields: kind, ndim, the compared `dims` (`(i, size)` pairs), dtype, whether autograd tracks it
-        (it decides the backward's collectives), and for a `replicated` one its fingerprint (`cp_shard`:
-        compared across the tensor-parallel group only)."""
+        (`grad`: it decides the backward's collectives), and for a `replicated` one its fingerprint, labelled
+        `what` + `label` (of this rank's sequence part, `cp_shard`: compared across the tensor-parallel group only)."""
         self.add(label, _Kind("Tensor"))
         self.add(f"{label}.ndim", value.dim())
         for i, d in dims:
             self.add(f"{label}.shape[{i}]", int(d))
         self.add(f"{label}.dtype", value.dtype)
-        if grad_flag:
+        if grad:
             self.add(f"{label}.requires_grad", value.requires_grad)
         if replicated and value.device.type != "meta" and value.numel():
-            self.values.append((len(self.codes), fingerprint(value)))
-            self.labels.append(f"the values of {label} (which must be the same on every rank)")
-            self.owners.append(f"the values of {label}")
+            self.on_device.append((len(self.codes), fingerprint(value)))
+            self.tp_only += [len(self.codes)] * self.cp_shard
+            self.labels.append(f"{what}{label} (which must be the same on every rank)")
+            self.owners.append(f"{what}{label}")
             self.shown.append(_FINGERPRINT)  # filled in on the device
-            self.codes.append((_K_VALUES_TP if cp_shard else _K_VALUES, 0))
+            self.codes.append((_K_VALUES_TP if self.cp_shard else _K_VALUES, 0))
 
-    def walk(
-        self,
-        label: str,
-        value: Any,
-        depth: int = 0,
-        vocab_dim: bool = False,
-        replicated: bool = True,
-        logits: bool = False,
-        roles: Roles | None = None,
-        cp_shard: bool = False,
-    ) -> None:
+    def walk(self, label: str, value: Any, depth: int = 0, vocab_dim: bool = False, replicated: bool = True) -> None:
         """Fields of `value`; its first field is always labelled `label` (its kind or value), so
         ranks passing different kinds of values still disagree on a field of the same label.
-        Tensors that are `replicated` (not a per-rank shard) are fingerprinted. The
-        `requires_grad` of `logits` (a vocabulary shard of logits) is not compared without a
-        context-parallel group: the logits-path backwards then run no collective, and a sharded
-        gradcheck differentiates one rank's shard. `cp_shard`: `value` is this rank's sequence
-        part. The keys of a mapping play the parts `roles` gives them (`columns`, `shard_columns`)."""
+        Tensors that are `replicated` (not a per-rank shard) are fingerprinted; `vocab_dim`: the last
+        dim is a vocabulary (padded per rank: not compared). The keys of a mapping argument play the
+        parts `roles` gives them (`columns`, `shard_columns`)."""
         if isinstance(value, Tensor):
-            dims = value.shape[:-1] if vocab_dim and value.dim() else value.shape
-            grad_flag = not logits or self.logits_grad
-            self.tensor(label, value, enumerate(dims), replicated and not vocab_dim, grad_flag, cp_shard)
-            if vocab_dim and replicated and not logits and value.dim():
+            self.tensor(
+                label, value, enumerate(value.shape[:-1] if vocab_dim else value.shape), replicated and not vocab_dim
+            )
+            if vocab_dim and replicated and value.dim():
                 self.columns.append((self.owner, label, value))
         elif isinstance(value, dist.ProcessGroup):
             self.add(label, _Kind(f"process group of size {value.size()}"))
@@ -335,27 +312,20 @@ class _Fields:
             keys = sorted(value.keys(), key=str)
             self.add(label, _Kind(f"mapping with keys {[str(k) for k in keys]}"))
             for key in keys:  # a vocabulary-wide column's last dim may differ (padded per rank), a shard's values too
-                shard = roles is not None and key in roles.shard_columns
-                vocab = shard or (roles is not None and key in roles.columns)
-                self.walk(
-                    f"{label}[{key!r}]",
-                    value[key],
-                    depth + 1,
-                    vocab,
-                    replicated and not shard,
-                    roles=roles,
-                    cp_shard=cp_shard,
-                )
+                shard = depth == 0 and key in self.roles.shard_columns
+                vocab = shard or (depth == 0 and key in self.roles.columns)
+                self.walk(f"{label}[{key!r}]", value[key], depth + 1, vocab, replicated and not shard)
         elif isinstance(value, (list, tuple)):
             self.add(label, _Kind(f"sequence of length {len(value)}"))
             for i, item in enumerate(value[:32]):
-                self.walk(f"{label}[{i}]", item, depth + 1, replicated=replicated, cp_shard=cp_shard)
+                self.walk(f"{label}[{i}]", item, depth + 1, replicated=replicated)
         else:  # an object: its type, and a dataclass's fields (another object's attributes: `attributes`)
             self.add(label, value)
             if dataclasses.is_dataclass(value) and not isinstance(value, type):
                 for field in dataclasses.fields(value):
-                    item = getattr(value, field.name, None)
-                    self.walk(f"{label}.{field.name}", item, depth + 1, replicated=replicated, cp_shard=cp_shard)
+                    self.walk(
+                        f"{label}.{field.name}", getattr(value, field.name, None), depth + 1, replicated=replicated
+                    )
 
     def attributes(self, label: str, value: Any, paths: tuple[str, ...]) -> None:
         """Fields of the object `value` as the call reads it: its type, then each dotted attribute
@@ -391,19 +361,17 @@ def _signature(
     on their device and written into the vector there (no host read). `cp`: a context-parallel group takes
     part (the logits' `requires_grad` is then compared: their backward all-reduces); `world`:
     the tensor-parallel size (a vocabulary-wide column is fingerprinted over `[0, V)`)."""
-    fields = _Fields(logits_grad=cp)
-    header = [0] * _HEADER
-    header[_H_MAGIC], header[_H_PATH] = _MAGIC, _crc(name)
-    header[_H_WIDTH] = header[_H_START] = header[_H_SIZE] = header[_H_RANK] = _NONE
+    fields = _Fields(logits_grad=cp, roles=roles)
+    header = [_MAGIC, _crc(name), 0, 0, 0, _NONE, _NONE, _NONE, _NONE, 0, 0, 0]  # width, start, size, rank: not given
     heads = []
     grad = "torch.is_grad_enabled()"  # decides the backward's collectives
     fields.add(grad, torch.is_grad_enabled(), owner=grad)
-    # process state, not an argument: it sizes the loops (and their collectives)
-    fields.add(_POLICY_LABEL, _Kind(_policy_text(_chunking._forced)), owner=_POLICY_LABEL)
+    policy = "the forced lossfx.chunk_policy"  # process state, not an argument: it sizes the loops (and collectives)
+    fields.add(policy, _Kind(_policy_text(_chunking._forced)), owner=policy)
     own_rows = roles.rows[0] if roles.rows and arguments.get(roles.rows[1]) else None  # this rank's rows
-    tp_group = arguments.get(roles.tp) if roles.tp else None
+    tp = arguments.get(roles.tp) if roles.tp else None
     for arg, value in arguments.items():
-        fields.owner = arg
+        fields.owner, fields.cp_shard = arg, arg in roles.cp_shards
         if arg.startswith("_"):  # a view's own state (its `VocabShard`), not an argument
             continue
         if arg == roles.heads and (isinstance(value, (list, tuple)) or (isinstance(value, Tensor) and value.dim())):
@@ -416,14 +384,15 @@ def _signature(
             slot = _H_START if arg == roles.start else _H_RANK
             header[slot] = _NONE if value is None else int(value)
             if arg == roles.rank:  # compared: a rank whose body rejects it must not leave its peers waiting
-                fields.add(f"whether {arg} is this process's rank in {roles.tp}", _is_own_rank(value, tp_group))
+                own = type(value) is int and isinstance(tp, dist.ProcessGroup) and value == tp.rank()
+                fields.add(f"whether {arg} is this process's rank in {roles.tp}", own)
         elif arg == roles.cp_from:
             fields.add(arg, value)  # its state is this rank's: only its type is compared
         elif arg in roles.shards and isinstance(value, Tensor) and value.dim():
             # the shard width is per rank (header); a second shard (a teacher) must match the first
             if header[_H_WIDTH] == _NONE:
                 header[_H_WIDTH] = int(value.shape[-1])
-            fields.walk(arg, value, vocab_dim=True, logits=True)
+            fields.tensor(arg, value, enumerate(value.shape[:-1]), False, grad=fields.logits_grad)
             fields.add(f"{arg}.shape[-1] == the shard width", int(value.shape[-1]) == header[_H_WIDTH])
         elif arg == roles.head and isinstance(value, Tensor) and value.dim():
             # an LM-head shard: its row count is this rank's vocabulary width; the other dims must agree
@@ -436,7 +405,8 @@ def _signature(
             if roles.reads and arg == roles.reads[0] and isinstance(value, Mapping):  # what the call reads, no more
                 read = roles.reads[1](arguments)
                 value = {k: v for k, v in value.items() if k in read}
-            fields.walk(arg, value, replicated=not per_rank, roles=roles, cp_shard=arg in roles.cp_shards)
+            fields.walk(arg, value, replicated=not per_rank)
+    fields.cp_shard = False
     for arg, value in heads:
         fields.owner = arg
         _head_fields(fields, arg, value, header)
@@ -445,34 +415,26 @@ def _signature(
         vocab = header[_H_SIZE] if header[_H_SIZE] != _NONE else world * header[_H_WIDTH]
         if header[_H_WIDTH] == _NONE and header[_H_SIZE] == _NONE:
             vocab = column.shape[-1]
-        fields.tensor(f"{label}[..., :{vocab}]", column[..., : max(vocab, 0)], [], replicated=True, grad_flag=False)
-        fields.labels[-1] = _COLUMN_VALUES + fields.labels[-1].removeprefix("the values of ")
+        column = column[..., : max(vocab, 0)]
+        fields.tensor(f"{label}[..., :{vocab}]", column, [], replicated=True, grad=False, what=_COLUMN_VALUES)
     flat = [x for code in fields.codes for x in code]
     header[_H_COUNT], header[_H_TRACED] = len(fields.codes), int(_host_reads.tracing())
-    device = fields.values[0][1].device if fields.values else None
+    devices = [v.device for _, v in fields.on_device if v.device.type != "cpu"]  # (a traced float's bits: CPU)
+    device = devices[0] if devices else None
     length = max(SIGNATURE_LEN, _HEADER + len(flat))  # every field, then the ones past the body are digested
     sig = torch.tensor(header + flat + [0] * (length - _HEADER - len(flat)), dtype=torch.int64, device=device)
-    for found in (fields.floats, fields.values):  # values known on the device (or in the graph) only
-        if found:
-            slots = torch.tensor([_HEADER + 2 * i + 1 for i, _ in found], device=device)
-            sig = sig.index_put((slots,), torch.stack([v for _, v in found]).to(sig.device))
+    if fields.on_device:  # values known on the device (or in the graph) only
+        slots = torch.tensor([_HEADER + 2 * i + 1 for i, _ in fields.on_device], device=device)
+        sig = sig.index_put((slots,), torch.stack([v.to(sig.device) for _, v in fields.on_device]))
     if length > SIGNATURE_LEN:  # the fields past the body, all of them, eager or compiled: two digests
         rest, sig = sig[SIGNATURE_LEN:], sig[:SIGNATURE_LEN]
-        tp_only_slots = [2 * i + 1 for i, (kind, _) in enumerate(fields.codes[_MAX_FIELDS:]) if kind == _K_VALUES_TP]
+        tp_only_slots = [2 * (i - _MAX_FIELDS) + 1 for i in fields.tp_only if i >= _MAX_FIELDS]
         canonical = rest.index_fill(0, torch.tensor(tp_only_slots, device=device), 0) if tp_only_slots else rest
         digests = torch.stack([fingerprint(canonical), fingerprint(rest)])  # across both groups; across TP
         sig = sig.index_put((torch.tensor([_H_DIGEST, _H_VALUES], device=device),), digests)
     return sig, fields
 
 
-def _is_own_rank(value: Any, group: Any) -> bool:
-    """Whether `value` (a given vocabulary-parallel rank) is this process's rank in `group`."""
-    if isinstance(value, bool) or not isinstance(value, int) or not isinstance(group, dist.ProcessGroup):
-        return False
-    return value == group.rank()
-
-
-_POLICY_LABEL = "the forced lossfx.chunk_policy"
 _COLUMN_VALUES = "the values over [0, V) of "  # a vocabulary-wide column's label: V is of this rank's layout
 
 
@@ -500,7 +462,7 @@ def _head_fields(fields: _Fields, arg: str, heads: Mapping[Any, Any], header: li
         if not isinstance(w, Tensor) or not w.dim():
             fields.walk(label, w, 1)
             continue
-        fields.tensor(label, w, list(enumerate(w.shape))[1:], replicated=False, grad_flag=False)
+        fields.tensor(label, w, list(enumerate(w.shape))[1:], replicated=False, grad=False)
         n = int(w.shape[0])
         fields.add(
             f"{label}.shape[0], this rank's vocabulary rows",
@@ -509,71 +471,125 @@ def _head_fields(fields: _Fields, arg: str, heads: Mapping[Any, Any], header: li
 
 
 # ---------------------------------------------------------------------------------------------
-# Comparing the gathered signatures
+# Judging the gathered signatures: one decision, eager and compiled
 # ---------------------------------------------------------------------------------------------
 
 
 _REJECTED_WHAT = "whether the call is valid (a rank rejected it while compiling: its own error says why)"
-# the header fields both checks judge first, in this order: (what, slots)
+# the header fields judged first, in this order: (what, slots)
 _HEAD = (
     ("the function called", (_H_MAGIC, _H_PATH)),
     (_REJECTED_WHAT, (_H_REJECTED,)),
     ("how the call runs, compiled or eagerly (they run different collectives)", (_H_TRACED,)),
 )
+# across the context-parallel group the shard layout must agree too (after the header): {slot: what}
+_CP_LAYOUT = {
+    _H_WIDTH: "the vocabulary shard width",
+    _H_START: "the first vocabulary id",
+    _H_SIZE: "the vocabulary size",
+    _H_RANK: "the vocabulary-parallel rank",
+}
+_IN_GRAPH = (
+    "{} disagree on {}. Every rank of a group must make the same call (compiled: each rank's value is not shown; "
+    "the same call run eagerly shows it)"
+)
+_LAYOUT_WHAT = "the vocabulary shard layout (each rank's width, first id and V: the shards must tile [0, V))"
 
 
-def _first_disagreement(
-    sigs: list[list[int]], own: list[int], fields: _Fields, per_rank_header: bool, roles: Roles = _NO_ROLES
+def _assertions(
+    owners: tuple[str, ...], tp_only: tuple[int, ...], across_tp: bool, layout: str, where: str
+) -> tuple[tuple[str, ...], tuple[int, ...], tuple[bool, ...]]:
+    """The check's assertions over one group, in the order they are judged: `(the compiled message
+    of each, the assertion comparing each signature slot (none: the number of assertions), whether
+    each compares a vocabulary-wide column's values)`. The header (`_HEAD`); across the
+    context-parallel group the shard layout (`_CP_LAYOUT`: the same on every rank); each run of
+    consecutive fields of one argument (`owners`: the call's `_Fields`; a replicated tensor's values
+    a run of their own; across CP not the fingerprints of sequence shards, `tp_only`); the
+    fields past the body; last, the vocabulary-layout rules as `layout` needs (`_layout_flags`: no
+    slots). The runs before the first disagreeing field are the same on every rank (labels depend
+    only on earlier fields), so every rank fails the same assertion first. `where`: the messages'
+    `lossfx.<function>: the ranks of <group>`. Run for real under torch.compile (a constant of the
+    graph: Dynamo interprets each Python step it traces, ~35k steps here)."""
+    groups = [(what, list(slots)) for what, slots in _HEAD]
+    if not across_tp:
+        groups.append(("the vocabulary shard layout (this rank's width, first id, V and rank)", list(_CP_LAYOUT)))
+    for i, owner in enumerate(owners[:_MAX_FIELDS]):
+        slots = [_HEADER + 2 * i] + [_HEADER + 2 * i + 1] * (across_tp or i not in tp_only)
+        if groups[-1][0] == owner:
+            groups[-1][1].extend(slots)
+        else:
+            groups.append((owner, slots))
+    rest = [_H_COUNT, _H_DIGEST] + [_H_VALUES] * across_tp
+    groups.append((f"an argument past the first {_MAX_FIELDS} fields (or the values of a replicated tensor)", rest))
+    if layout not in ("free", "auto"):
+        groups.append((_LAYOUT_WHAT + ("; compiled, this function needs equal widths" * (layout == "equal")), []))
+    group_of = [len(groups)] * SIGNATURE_LEN  # each slot is in one assertion at most
+    for g, (_, slots) in enumerate(groups):
+        for slot in slots:
+            group_of[slot] = g
+    messages = tuple(_IN_GRAPH.format(where, what) for what, _ in groups)
+    return messages, tuple(group_of), tuple(what.startswith(_COLUMN_VALUES) for what, _ in groups)
+
+
+_assertions._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _judged(g: Tensor, group_of: tuple[int, ...], columns: tuple[bool, ...], layout: str) -> tuple[Tensor, Tensor]:
+    """`(failed [n] bool, broken [_RULES] bool)`: which of a group's `n` assertions (`_assertions`)
+    the gathered signatures `g [R, SIGNATURE_LEN]` fail, and which layout rules they break
+    (`_layout_flags`): the one decision of the check, tensor ops on the device (eager: read with
+    `g` in the call's one host read, the first failed assertion then worded by `_worded`) or in the
+    graph (compiled: asserted). An assertion fails when the ranks differ in one of its slots; a
+    field past the fewest any rank has is left to the count (a peer has another field there, or
+    none); the values of a vocabulary-wide column (read over `[0, V)` of each rank's own layout)
+    pass when the layout is broken, its cause; the layout rules fail the last assertion."""
+    n, device = len(columns), g.device
+    compared = torch.arange(SIGNATURE_LEN, device=device) < _HEADER + 2 * g[:, _H_COUNT].min()
+    member = torch.tensor(group_of, device=device) == torch.arange(n, device=device)[:, None]
+    broken = _layout_flags(g, layout)
+    bad_layout = broken.any()
+    failed = (((g != g[0]).any(0) & compared) & member).any(1) & ~(torch.tensor(columns, device=device) & bad_layout)
+    return failed | ((torch.arange(n, device=device) == n - 1) & bad_layout), broken
+
+
+def _worded(
+    failed: int, group_of: tuple[int, ...], sigs: list[list[int]], own: list[int], fields: _Fields, roles: Roles
 ) -> tuple[str, str] | None:
-    """`(label, this rank's value)` of the first field the gathered signatures disagree on.
-
-    The check is the same on every rank (it reads only the gathered `sigs`); the label is this
-    rank's, which is every rank's (labels depend only on the fields before the first difference).
-    Across the tensor-parallel group (`per_rank_header`) the fingerprints of replicated tensors
-    are compared; across the context-parallel group all but those of sequence shards
-    (`Roles.cp_shards`) and the mix past the body.
-    """
+    """`(label, this rank's value)` of the first slot of the failed assertion `failed` (`_judged`)
+    that the gathered signatures `sigs` disagree on (eager, on the error path), or None for the
+    layout rules (no slots: `_tiling_error` words them). The label is this rank's, which is every
+    rank's (labels depend only on the fields before the first difference)."""
 
     def differs(slot: int) -> bool:
-        tp_only = slot == _H_VALUES or (slot >= _HEADER and (slot - _HEADER) % 2 and own[slot - 1] == _K_VALUES_TP)
-        if tp_only and not per_rank_header:
-            return False
         return len({s[slot] for s in sigs}) > 1
 
-    version = "" if own[_H_MAGIC] == _MAGIC else " (another lossfx version)"
-    shown = [f"lossfx.{_functions.get(own[_H_PATH], '?')}{version}", "rejected" if own[_H_REJECTED] else "accepted"]
-    shown.append("compiled" if own[_H_TRACED] else "eager")
-    for (what, slots), value in zip(_HEAD, shown, strict=True):
-        if any(map(differs, slots)):
-            return what, value
-    if not per_rank_header:  # across the context-parallel group the shard layout must agree too
-        for slot, label in [
-            (_H_WIDTH, "the vocabulary shard width"),
-            (_H_START, roles.start or "the first vocabulary id"),
-            (_H_SIZE, roles.size or "the vocabulary size"),
-            (_H_RANK, roles.rank or "the vocabulary-parallel rank"),
-        ]:
-            if differs(slot):
-                return label, "not given" if own[slot] == _NONE else str(own[slot])
-    count = min(s[_H_COUNT] for s in sigs)
-    for i in range(min(count, _MAX_FIELDS)):
-        kind_slot, value_slot = _HEADER + 2 * i, _HEADER + 2 * i + 1
-        if differs(kind_slot) or differs(value_slot):
-            value = fields.shown[i]
-            digest = f"fingerprint {own[value_slot] & (2**64 - 1):016x}"
-            return fields.labels[i], digest if value is _FINGERPRINT else _show(value)
+    slot = next((s for s, g in enumerate(group_of) if g == failed and differs(s)), None)
+    if slot is None:
+        return None
+    if failed < len(_HEAD):
+        called = f"lossfx.{_functions.get(own[_H_PATH], '?')}" + (
+            " (another lossfx version)" * (own[_H_MAGIC] != _MAGIC)
+        )
+        shown = (called, "rejected" if own[_H_REJECTED] else "accepted", "compiled" if own[_H_TRACED] else "eager")
+        return _HEAD[failed][0], shown[failed]
+    if slot >= _HEADER:
+        i, value = (slot - _HEADER) // 2, fields.shown[(slot - _HEADER) // 2]
+        digest = f"fingerprint {own[_HEADER + 2 * i + 1] & (2**64 - 1):016x}"
+        return fields.labels[i], digest if value is _FINGERPRINT else _show(value)
+    if slot in _CP_LAYOUT:
+        label = {_H_START: roles.start, _H_SIZE: roles.size, _H_RANK: roles.rank}.get(slot) or _CP_LAYOUT[slot]
+        return label, "not given" if own[slot] == _NONE else str(own[slot])
+    count = min(s[_H_COUNT] for s in sigs)  # the fields past the body
     if differs(_H_COUNT) and count < _MAX_FIELDS:  # the fields agree as far as every rank has them
         extra = f", the next: {fields.labels[count]}" if len(fields.labels) > count else ""
         return "how many argument fields the call has (a DTensor or a column on some ranks only?)", (
             f"{own[_H_COUNT]} fields{extra}"
         )
-    if differs(_H_COUNT) or differs(_H_DIGEST):
-        return f"an argument field past the first {_MAX_FIELDS}", f"digest {own[_H_DIGEST] & (2**64 - 1):016x}"
-    if differs(_H_VALUES):
-        return f"the values of a replicated tensor past the first {_MAX_FIELDS} fields", (
-            f"digest {own[_H_VALUES] & (2**64 - 1):016x}"
-        )
-    return None
+    digests = "/".join(f"{own[s] & (2**64 - 1):016x}" for s in (_H_DIGEST, _H_VALUES))  # (all, all but CP shards)
+    return (
+        f"an argument field past the first {_MAX_FIELDS} (or the values of a replicated tensor)",
+        f"digests {digests}",
+    )
 
 
 def _describe(disagreement: tuple[str, str], group: dist.ProcessGroup, sigs: list[list[int]]) -> str:
@@ -674,13 +690,13 @@ def _is_distributed(group: Any) -> bool:
 
 def _groups(arguments: Mapping[str, Any], roles: Roles) -> tuple[Any, str | None, Any, str | None]:
     """`(tp group, its argument, cp group, its argument)` of a call (`cp_from`'s `.cp_group`
-    when `cp` is not given)."""
+    when `cp` is not given); a group of one rank, or none, is None."""
     tp_arg, cp_arg = roles.tp, roles.cp
     tp = arguments.get(tp_arg) if tp_arg else None
     cp = arguments.get(cp_arg) if cp_arg else None
     if cp is None and roles.cp_from and arguments.get(roles.cp_from) is not None:  # `LoadBalancedSharder(cp_group)`
         cp, cp_arg = getattr(arguments[roles.cp_from], "cp_group", None), f"{roles.cp_from}.cp_group"
-    return tp, tp_arg, cp, cp_arg
+    return (tp if _is_distributed(tp) else None), tp_arg, (cp if _is_distributed(cp) else None), cp_arg
 
 
 def _check(
@@ -691,180 +707,103 @@ def _check(
     hint: str = "",
     widths: ShardWidths | None = None,
 ) -> None:
-    """All-gather this call's signature over its groups; raise on any disagreement once it is read.
+    """All-gather this call's signature over its groups (tensor parallel, then context parallel)
+    and judge it (`_judged`, the one decision); raise on any disagreement, on every rank.
 
-    Every rank runs the same collectives whatever it finds (the tensor-parallel gather, then the
-    context-parallel one carrying the TP verdict, computed on the device by `_verdict_on_device`),
-    so no rank is left waiting; then it raises. Both gathered matrices are read with the call's
-    other host reads (`_core.host_reads.defer`, settled before the call's first collective): one read.
-    The tensor-parallel widths the ranks report are written into `widths` (the call's `ShardWidths`).
+    Eager: every rank runs the same collectives whatever it finds (the context-parallel signature
+    carries the TP verdict), so no rank is left waiting; the decisions, with the gathered matrices
+    they are worded from (`_worded`, `_tiling_error`, each rank's value exchanged once on the error
+    path), are read with the call's other host reads (`_core.host_reads.defer`, settled before the
+    call's first collective): one read. The tensor-parallel widths the ranks report are written
+    into `widths` (the call's `ShardWidths`).
+
+    Traced (`torch.compile`): the signature (static fields a constant of the graph, fingerprints
+    computed in it) is all-gathered with a functional collective, issued here for every group
+    before any assertion (a rank that rejected the call while tracing, `_exchange_rejection`,
+    sends to each group in turn, then stops); the wait and the assertions (`_asserted`) are emitted
+    just before the kernel's first collective (`_core.host_reads.defer_traced`: the round trip may
+    overlap the kernel's first local pass): no graph break, no host read. A mismatch raises
+    `RuntimeError` naming the argument, the same on every rank; each rank's value is not shown
+    (that would be a host read). `"auto"` needs equal widths (traced `ShardWidths.range` has no
+    gathered widths).
     """
+    traced = _host_reads.tracing()
     tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
-    tp = tp if _is_distributed(tp) else None
-    cp = cp if _is_distributed(cp) else None
     if tp is None and cp is None:
         return
     sig, fields = _signature(name, arguments, roles=roles, cp=cp is not None, world=tp.size() if tp is not None else 1)
     errors: list[str] = []
+    in_graph = []
 
-    def raise_errors() -> None:
-        if errors:
+    def judge(
+        group: dist.ProcessGroup, group_name: str | None, group_of: tuple[int, ...], n: int, values: list[int]
+    ) -> None:
+        across_tp = group is tp
+        failed, broken, sigs = values[:n], values[n : n + _RULES], _rows(values[n + _RULES :], group.size())
+        if any(failed):
+            found = _worded(failed.index(1), group_of, sigs, sigs[group.rank()], fields, roles)  # None: the layout
+            rows = roles.rows[0] if roles.rows else None
+            shown = hint if found and rows and found[0].startswith((rows, f"the values of {rows}")) else ""
+            problem = _describe(found, group, sigs) + shown if found else _tiling_error(sigs, policy, broken, roles)
+            where = "lossfx" if found and found[0] == _HEAD[0][0] else f"lossfx.{name}"  # the same on every rank
+            errors.append(f"{where}: the {group.size()} ranks of {group_name} disagree on {problem}")
+        elif across_tp and widths is not None:
+            widths.by_group[id(group)] = [s[_H_WIDTH] for s in sigs]
+        bad = [r for r, s in enumerate(sigs) if s[_H_VERDICT]]  # across CP: a peer's tensor-parallel group failed
+        if bad:
+            errors.append(
+                f"lossfx.{name}: rank(s) {bad} of {cp_arg} (size {group.size()}) found ranks of their "
+                f"{tp_arg} disagreeing (see the error there)"
+            )
+        if errors and (cp is None or not across_tp):
             raise ValueError(
                 f"{errors[0]}. Every rank of a group must make the same call (raised on every rank by "
                 "lossfx's cross-rank consistency check; see docs/design.md)"
             )
 
-    def judge_tp(values: list[int]) -> None:  # 1. tensor parallel: the layout may differ, it must tile V
-        assert tp is not None
-        broken, sigs = values[:_RULES], _rows(values[_RULES:], tp.size())
-        own = sigs[tp.rank()]
-        found = _first_disagreement(sigs, own, fields, per_rank_header=True, roles=roles)
-        tiling = _tiling_error(sigs, policy, broken, roles)
-        if found and tiling and found[0].startswith(_COLUMN_VALUES):
-            found = None  # a column is read over [0, V) of this rank's layout: a bad layout is the cause
-        problem = _describe(found, tp, sigs) if found else tiling
-        if problem is None:
-            if widths is not None:
-                widths.by_group[id(tp)] = [s[_H_WIDTH] for s in sigs]
-        else:
-            rows = roles.rows[0] if roles.rows else None
-            if hint and rows and found and found[0].startswith((rows, f"the values of {rows}")):
-                problem += hint
-            errors.append(_message(name, tp_arg, tp, problem))
-        if cp is None:
-            raise_errors()
-
-    def judge_cp(values: list[int]) -> None:  # 2. context parallel: all agrees; a peer's failed TP fails us
-        assert cp is not None
-        sigs = _rows(values, cp.size())
-        own = sigs[cp.rank()]
-        found = _first_disagreement(sigs, own, fields, per_rank_header=False, roles=roles)
-        if found:
-            errors.append(_message(name, cp_arg, cp, _describe(found, cp, sigs)))
-        bad = [r for r, s in enumerate(sigs) if s[_H_VERDICT]]
-        if bad:
-            errors.append(
-                f"lossfx.{name}: rank(s) {bad} of {cp_arg} (size {cp.size()}) found ranks of their "
-                f"{tp_arg} disagreeing (see the error there)"
-            )
-        raise_errors()
-
-    if tp is not None:
-        gathered = _gather_on_device(sig, tp)
-        broken = _layout_flags(gathered, policy)  # the layout rules, on the device: read with the signatures
-        _host_reads.defer(torch.cat([broken.to(torch.int64), gathered.reshape(-1)]), judge_tp)
-        if cp is None:
-            return
-        sig = sig.clone()
-        sig[_H_VERDICT] = _verdict_on_device(gathered, broken).to(torch.int64)  # no host read
-    assert cp is not None
-    _host_reads.defer(_gather_on_device(sig, cp), judge_cp)
-
-
-def _verdict_on_device(g: Tensor, broken: Tensor) -> Tensor:
-    """0-d bool, on the device: whether the gathered tensor-parallel signatures `g [R, L]` hold a
-    disagreement (`_first_disagreement`) or break a layout rule (`broken`, `_layout_flags` of
-    `g`): exactly when `judge_tp` raises. Dense equivalent: those two functions."""
-    keep = torch.ones(g.shape[1], dtype=torch.bool, device=g.device)
-    keep[[_H_VERDICT, _H_WIDTH, _H_START, _H_SIZE, _H_RANK]] = False  # the layout is judged by `broken`
-    return ((g != g[0]) & keep).any() | broken.any()
-
-
-def _compiled_groups(
-    owners: tuple[str, ...], kinds: tuple[int, ...], across_tp: bool, layout: str, size: str | None
-) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """`(what of each assertion, the assertion comparing each signature slot)` of the compiled
-    check (a slot no assertion compares: `len(what)`), in the order of the eager check: the
-    header (`_HEAD`), the vocabulary shard layout (across the tensor-parallel group judged by
-    `_layout_flags` on the gathered matrix, as `layout` needs: no slots; across the
-    context-parallel group the same on every rank), then each run of consecutive fields of one
-    argument (`owners`, `kinds`: of the call's `_Fields`; a replicated tensor's values a run of
-    their own; across CP not the fingerprints of sequence shards), then the fields past the body.
-    The runs before the first disagreeing field are the same on every rank (labels depend only on
-    earlier fields), so every rank fails the same assertion. Run for real under torch.compile (a
-    constant of the graph: Dynamo interprets each Python step it traces, ~35k steps here)."""
-    groups = [(what, list(slots)) for what, slots in _HEAD]
-    if layout != "free":
-        groups.append((_LAYOUT_WHAT + ("; compiled, this function needs equal widths" * (layout == "equal")), []))
-    if not across_tp:
-        groups.append(
-            ("the vocabulary shard layout (this rank's width, first id and rank)", [_H_WIDTH, _H_START, _H_RANK])
-        )
-    owners = owners[:_MAX_FIELDS]
-    for i, (owner, kind) in enumerate(zip(owners, kinds, strict=False)):
-        compared = across_tp or kind != _K_VALUES_TP
-        slots = [_HEADER + 2 * i] + [_HEADER + 2 * i + 1] * compared + [_H_SIZE] * (owner == size)
-        if groups[-1][0] == owner:
-            groups[-1][1].extend(slots)
-        else:
-            groups.append((owner, slots))
-    rest = [_H_COUNT, _H_DIGEST] + [_H_VALUES] * across_tp + [_H_SIZE] * (size not in owners)
-    groups.append((f"an argument past the first {_MAX_FIELDS} fields (or the values of a replicated tensor)", rest))
-    group_of = [len(groups)] * SIGNATURE_LEN  # each slot is in one group at most
-    for g, (_, slots) in enumerate(groups):
-        for slot in slots:
-            group_of[slot] = g
-    return tuple(what for what, _ in groups), tuple(group_of)
-
-
-_compiled_groups._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def _check_in_graph(name: str, arguments: Mapping[str, Any], roles: Roles, policy: str = "free") -> None:
-    """The check inside a `torch.compile`d graph: the signature (static fields a constant of the
-    graph, fingerprints computed in it) all-gathered with a functional collective, issued here,
-    and in-graph assertions that every rank's equals this rank's, one per argument
-    (`_compiled_groups`), emitted with the wait just before the kernel's first collective
-    (`_core.host_reads.defer_traced`; the round trip may overlap the kernel's first local pass),
-    inside `lossfx::assert_agreement`, whose token every collective of the call reads (so they
-    run after them in any compiled order): no graph break, no host read. A mismatch raises
-    `RuntimeError` naming the argument, the same on every rank (they all see the same gathered
-    matrix); each rank's value is not shown (that would be a host read). Across the
-    tensor-parallel group the shards must tile as `policy` needs (`_layout_flags` on the gathered
-    matrix; `"auto"` needs equal widths: traced `ShardWidths.range` has no gathered widths);
-    across the context-parallel group the fingerprints of sequence shards (`Roles.cp_shards`) are
-    not compared."""
-    c10d = torch.ops._c10d_functional
-    tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
-    with_cp = _is_distributed(cp)
-    world = tp.size() if _is_distributed(tp) else 1
-    sig, fields = _signature(name, arguments, roles=roles, cp=with_cp, world=world)
-    checks = []
     for group, group_name, across_tp in ((tp, tp_arg, True), (cp, cp_arg, False)):
-        if group is None or not _is_distributed(group):
+        if group is None:
             continue
-        layout = ("equal" if policy == "auto" else policy) if across_tp else "free"
-        kinds = tuple(kind for kind, _ in fields.codes[:_MAX_FIELDS])
-        groups, group_of = _compiled_groups(tuple(fields.owners), kinds, across_tp, layout, roles.size)
-        # every group's all-gather is issued before the first assertion: a rank that rejected the
-        # call while tracing (`_exchange_rejection`) sends to each group in turn, then stops. Issued
-        # only: the wait is the assertions' (below), so the round trip flies while the kernel computes
-        in_flight = c10d.all_gather_into_tensor(sig, group.size(), group.group_name)
-        checks.append((in_flight, sig, group_of, groups, group_name, layout))
-
-    def assert_agreement(before: Tensor | None) -> Tensor | None:  # before the kernel's first collective
-        token = None
-        for in_flight, sig, group_of, groups, group_name, layout in checks:
-            gathered = c10d.wait_tensor(in_flight).view(-1, SIGNATURE_LEN)  # [R, SIGNATURE_LEN]
-            differs = (gathered != gathered[0]).any(0)  # [SIGNATURE_LEN]
-            member = torch.tensor(group_of, device=sig.device) == torch.arange(len(groups), device=sig.device)[:, None]
-            failed = (differs & member).any(1)  # [groups]
-            if layout != "free":  # the group after the header
-                at_layout = torch.arange(len(groups), device=sig.device) == len(_HEAD)
-                failed = failed | (at_layout & _layout_flags(gathered, layout).any())
-            messages = [
-                f"lossfx.{name}: the ranks of {group_name} disagree on {what}. Every rank of a group must make the "
-                "same call (compiled: each rank's value is not shown; the same call run eagerly shows it)"
-                for what in groups
-            ]
-            done = assert_in_graph(~failed, messages, before)  # (None when no collective follows)
-            token = done if token is None or done is None else token | done
-        return token
-
-    _host_reads.defer_traced(assert_agreement)
+        layout = ("equal" if traced and policy == "auto" else policy) if across_tp else "free"
+        where = f"lossfx.{name}: the ranks of {group_name}"
+        messages, group_of, columns = _assertions(tuple(fields.owners), tuple(fields.tp_only), across_tp, layout, where)
+        if traced:  # issued only: the wait is the assertions', so the round trip flies while the kernel computes
+            in_flight = torch.ops._c10d_functional.all_gather_into_tensor(sig, group.size(), group.group_name)
+            in_graph.append((in_flight, messages, group_of, columns, layout))
+            continue
+        gathered = _gather_on_device(sig, group)
+        failed, broken = _judged(gathered, group_of, columns, layout)
+        found = torch.cat([failed.to(torch.int64), broken.to(torch.int64), gathered.reshape(-1)])
+        _host_reads.defer(found, functools.partial(judge, group, group_name, group_of, len(columns)))
+        if across_tp and cp is not None:  # the TP verdict, carried to the CP peers (no host read)
+            sig = sig.clone()
+            sig[_H_VERDICT] = failed.any().to(torch.int64)
+    if in_graph:
+        _host_reads.defer_traced(functools.partial(_asserted, in_graph))
 
 
-_LAYOUT_WHAT = "the vocabulary shard layout (each rank's width, first id and V: the shards must tile [0, V))"
+def _asserted(checks: list[tuple[Any, ...]], before: Tensor | None) -> Tensor | None:
+    """Traced, just before the kernel's first collective (`before`: its input; None when none
+    follows): wait for each group's gathered signatures and assert `_judged`'s decision in the
+    graph, inside `lossfx::assert_agreement`, whose token every collective of the call reads (so
+    they run after it in any compiled order). Returns that token."""
+    token = None
+    for in_flight, messages, group_of, columns, layout in checks:
+        gathered = torch.ops._c10d_functional.wait_tensor(in_flight).view(-1, SIGNATURE_LEN)  # [R, SIGNATURE_LEN]
+        done = assert_in_graph(~_judged(gathered, group_of, columns, layout)[0], list(messages), before)
+        token = done if token is None or done is None else token | done
+    return token
+
+
+def _tell_peers(name: str, arguments: Mapping[str, Any], roles: Roles, err: ValueError | TypeError) -> None:
+    """Traced, a rejected call (`err`): its graph, with the check's all-gathers, never runs, so
+    its groups' peers are sent a signature saying so (`_exchange_rejection`)."""
+    tp, tp_arg, cp, cp_arg = _groups(arguments, roles)
+    to = [(g.group_name, str(a)) for g, a in ((tp, tp_arg), (cp, cp_arg)) if g is not None]
+    if to:
+        device = next((str(v.device) for v in arguments.values() if isinstance(v, Tensor)), "cpu")
+        kind = type(err).__name__ if isinstance(err, ValueError) else "TypeError"
+        _exchange_rejection(name, tuple(n for n, _ in to), " and ".join(a for _, a in to), device, kind, str(err))
 
 
 def _exchange_rejection(name: str, groups: tuple[str, ...], told: str, device: str, kind: str, message: str) -> bool:
@@ -891,11 +830,6 @@ def _exchange_rejection(name: str, groups: tuple[str, ...], told: str, device: s
 
 # Under torch.compile: Dynamo runs it for real at trace time (see `_compile_errors.raise_while_tracing`)
 _exchange_rejection._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def _message(name: str, group_name: str | None, group: dist.ProcessGroup, what: str) -> str:
-    where = "lossfx" if what.startswith("the function called") else f"lossfx.{name}"  # the same on every rank
-    return f"{where}: the {group.size()} ranks of {group_name} disagree on {what}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -928,7 +862,6 @@ def boundary(
     roles: Roles = _NO_ROLES,
     local: Local | None = None,
     collectives: bool = True,
-    unwrapped: bool = False,
 ) -> Callable[[F], F]:
     """The boundary of a public function, once per outermost call: the cross-rank consistency
     check (eager, or traced into the graph), the read-once scope of its host reads
@@ -944,25 +877,22 @@ def boundary(
             its layout from the call's `ShardWidths`, its `_widths` argument).
         roles: which parameters are the groups, the vocabulary shards and their layout
             (`Roles`), declared with the function; each must be one of its parameters.
-        local: for a function that takes DTensors and does not re-enter itself with local
-            tensors: maps the bound arguments to `(arguments with local tensors and the group and
-            offsets of their placements, a hint appended to a disagreement on `roles.rows`)`.
-            Without it, a call with DTensors is checked when it re-enters with local tensors.
+        local: the view of a function that takes DTensors: maps the bound arguments to
+            `(arguments with local tensors and the group and offsets of their placements, a hint
+            appended to a disagreement on `roles.rows`)`. The check compares the view, and the
+            body runs on its arguments (computed once per call: the view the check compared, or
+            else the view run for the body alone, in a plain or nested call) and never sees a
+            DTensor. A view that rejected its arguments (`REJECTED`, its error under
+            `REJECTED_ERROR`) raises that error here, once the check passed (every rank rejected
+            alike) and in place of the body. Without it, a call with DTensors is checked when the
+            function re-enters itself with local tensors.
         collectives: False for a function that runs no collective of its own (no cross-rank
             check; the rest of the boundary applies).
-        unwrapped: the body runs on the arguments of the `local` view (plain local tensors, the
-            group and offsets of their placements), computed once per call: the view the check
-            compared, or else the view run for the body alone (a plain call, a nested one). The
-            body never sees a DTensor. A view that rejected its arguments (`REJECTED`, its error
-            under `REJECTED_ERROR`) raises that error here, once the check passed (every rank
-            rejected alike) and in place of the body.
     """
 
     def wrap(fn: F) -> F:
         sig = inspect.signature(fn)
-        unknown = roles.names() - set(sig.parameters)
-        if local is not None:  # a `local` view may fill in the size its DTensors give (`Roles.size`)
-            unknown.discard(roles.size)
+        unknown = roles.names() - set(sig.parameters) - {roles.size if local else None}  # (a view may fill it in)
         if unknown:
             raise TypeError(f"boundary(roles=...) of {fn.__name__} names no parameter of it: {sorted(unknown)}")
         if collectives and not (roles.tp or roles.cp or roles.cp_from):  # it would never be checked
@@ -971,15 +901,11 @@ def boundary(
         name = fn.__name__
         # a body that reads the shard widths takes the call's `ShardWidths` as `_widths`, one that
         # unwraps from the check's view takes it as `_view` (the view, or None): neither is public
-        takes_widths, takes_view = _WIDTHS in sig.parameters, _VIEW in sig.parameters
         public = sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in (_WIDTHS, _VIEW)])
-        if unwrapped and local is None:
-            raise TypeError(f"boundary of {fn.__name__}: unwrapped=True needs its local view")
+        _functions[_crc(name)] = name
 
-        def body(
-            *args: Any, widths: ShardWidths | None = None, view: dict[str, Any] | None = None, **kwargs: Any
-        ) -> Any:
-            if unwrapped and local is not None:  # the body runs on the view's local arguments
+        def body(*args: Any, widths: ShardWidths | None = None, view: Any = None, **kwargs: Any) -> Any:
+            if local is not None:  # the body runs on the view's local arguments
                 if view is None:
                     bound = public.bind(*args, **kwargs)
                     bound.apply_defaults()
@@ -988,31 +914,19 @@ def boundary(
                     raise view[REJECTED_ERROR]
                 call = inspect.BoundArguments(public, {k: v for k, v in view.items() if k in public.parameters})
                 args, kwargs = call.args, call.kwargs
-            if takes_widths:
-                kwargs[_WIDTHS] = ShardWidths() if widths is None else widths
-            if takes_view:
-                kwargs[_VIEW] = view
-            return fn(*args, **kwargs)
+            hidden = {_WIDTHS: widths or ShardWidths(), _VIEW: view}  # for a body that declares them
+            return fn(*args, **kwargs, **{k: v for k, v in hidden.items() if k in sig.parameters})
 
-        _functions[zlib.crc32(name.encode())] = name  # (the same code as _crc(name))
-
-        @functools.wraps(fn)
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            _debug.before_call(name, sig, checked_roles, args, kwargs)  # opt-in: LOSSFX_DISTRIBUTED_DEBUG
-            if _host_reads.tracing():
-                try:
-                    return _traced(*args, **kwargs)
-                except (ValueError, TypeError) as err:  # Dynamo would turn it into `Unsupported`
-                    reraise_while_tracing(err)
-            if _host_reads.depth():
+        def run(traced: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if not traced and _host_reads.depth():
                 with _host_reads.nested():  # checked by the outermost call
                     return body(*args, **kwargs)
             values = (*args, *kwargs.values())
             dtensors = any(map(_has_dtensor, values))
-            if dtensors and local is None:
-                # the function's DTensor boundary re-enters it with local tensors (checked then)
+            if (traced and _traced_depth[0]) or (dtensors and local is None):
+                # traced inside a checked call; or the function re-enters itself with local tensors (checked then)
                 return body(*args, **kwargs)
-            if not dtensors and not any(map(_is_group_or_sharder, values)):
+            if not traced and not dtensors and not any(map(_is_group_or_sharder, values)):
                 with _host_reads.outermost():  # no group, no collective: its range checks read once
                     return body(*args, **kwargs)
             try:
@@ -1020,40 +934,36 @@ def boundary(
             except TypeError:
                 return body(*args, **kwargs)  # raises the call's own TypeError
             bound.apply_defaults()
-            widths = ShardWidths()  # filled by the check, read by the body
-            with _host_reads.outermost():
-                arguments, hint = local(dict(bound.arguments)) if dtensors and local else (bound.arguments, "")
-                policy = vocab(arguments) if callable(vocab) else vocab
-                _check(name, arguments, policy, checked_roles, hint, widths)
-                return body(*args, widths=widths, view=dict(arguments) if dtensors else None, **kwargs)
-
-        def _traced(*args: Any, **kwargs: Any) -> Any:
-            """Under `torch.compile`: the in-graph check at the outermost checked call."""
-            if _traced_depth[0] or (any(map(_has_dtensor, (*args, *kwargs.values()))) and local is None):
-                return body(*args, **kwargs)
-            bound = public.bind(*args, **kwargs)
-            bound.apply_defaults()
-            arguments = local(dict(bound.arguments))[0] if local is not None else bound.arguments
+            viewed = local is not None and (dtensors or traced)  # traced: the view serves the body too
+            if not traced:
+                with _host_reads.outermost():
+                    arguments, hint = local(dict(bound.arguments)) if local and viewed else (bound.arguments, "")
+                    widths = ShardWidths()  # filled by the check, read by the body
+                    _check(name, arguments, vocab(arguments) if callable(vocab) else vocab, checked_roles, hint, widths)
+                    return body(*args, widths=widths, view=dict(arguments) if viewed else None, **kwargs)
+            arguments = local(dict(bound.arguments))[0] if local else bound.arguments
             try:
-                policy = vocab(arguments) if callable(vocab) else vocab
-                _check_in_graph(name, arguments, checked_roles, policy)
+                _check(name, arguments, vocab(arguments) if callable(vocab) else vocab, checked_roles)
                 _traced_depth[0] += 1
                 try:
-                    out = body(*args, view=dict(arguments) if local is not None else None, **kwargs)
+                    out = body(*args, view=dict(arguments) if local else None, **kwargs)
                     _host_reads.end_traced()  # the check's assertions, if the call ran no collective
                     return out
                 finally:
                     _traced_depth[0] -= 1
             except (ValueError, TypeError) as err:  # this rank's graph never runs: tell the peers' checks
-                tp, tp_arg, cp, cp_arg = _groups(arguments, checked_roles)
-                to = [(g.group_name, str(a)) for g, a in ((tp, tp_arg), (cp, cp_arg)) if _is_distributed(g)]
-                if not to or not collectives:
-                    raise
-                device = next((str(v.device) for v in arguments.values() if isinstance(v, Tensor)), "cpu")
-                kind = type(err).__name__ if isinstance(err, ValueError) else "TypeError"
-                told = " and ".join(a for _, a in to)
-                _exchange_rejection(name, tuple(n for n, _ in to), told, device, kind, str(err))
+                _tell_peers(name, arguments, checked_roles, err)
                 raise
+
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            _debug.before_call(name, sig, checked_roles, args, kwargs)  # opt-in: LOSSFX_DISTRIBUTED_DEBUG
+            if not _host_reads.tracing():
+                return run(False, args, kwargs)
+            try:
+                return run(True, args, kwargs)
+            except (ValueError, TypeError) as err:  # Dynamo would turn it into `Unsupported`
+                reraise_while_tracing(err)
 
         checked._lossfx_roles = roles  # type: ignore[attr-defined]  # (tests and benchmarks read it)
         checked.__signature__ = public  # type: ignore[attr-defined]

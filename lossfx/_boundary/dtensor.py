@@ -298,9 +298,9 @@ CALLER = "_caller"  # the key of the caller's own `data` mapping in a view (retu
 
 
 def resolved_shard(view: Mapping[str, Any] | None) -> VocabShard:
-    """The `VocabShard` a function's view resolved (`local_view`; `boundary(unwrapped=True)` hands
+    """The `VocabShard` a function's view resolved (`local_view`; `boundary(local=...)` hands
     the body its view as `_view`): a DTensor's, whose `wrap` places results like it, or a plain one."""
-    assert view is not None, "boundary(unwrapped=True) hands the body its view"
+    assert view is not None, "boundary(local=...) hands the body its view"
     return view[SHARD]
 
 
@@ -322,7 +322,7 @@ def local_view(
     then: Callable[[dict[str, Any], VocabShard], None] | None = None,
 ) -> View:
     """The one unwrap of a public call, driven by its `Roles`
-    (`boundary(roles=roles, local=local_view(roles), unwrapped=True)`): the cross-rank check
+    (`boundary(roles=roles, local=local_view(roles))`): the cross-rank check
     compares what it returns and the body runs on it, once.
 
     * the vocabulary shard: the LM head `roles.head` (its rows), else the first DTensor of
