@@ -152,10 +152,9 @@ def allgather_cp(x: Tensor, context_parallel_group: ProcessGroup | None, seq_dim
     Raises:
         ValueError: odd local length, bad `seq_dim`.
     """
-    group = context_parallel_group
     check_tensor("x", x)
-    if group_size(group) == 1:
+    if group_size(context_parallel_group) == 1:
         return x
     seq_dim = _check_local(x, seq_dim)
     # one all-gather [C, *x.shape] whose backward sums the ranks' gradients, then canonical order
-    return _pure.allgather(x, group, seq_dim)
+    return _pure.allgather(x, context_parallel_group, seq_dim)

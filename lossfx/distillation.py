@@ -109,17 +109,16 @@ def _distillation(
     teacher_topk_logits: Tensor,
     teacher_topk_indices: Tensor,
     *,
-    zero_outside_topk: bool,
-    calculate_entropy: bool,
     vocab_parallel_group: ProcessGroup | None,
     layout: SequenceLayout,
     chunk_size: int | None,
     vocab_size: int | None = None,
+    **flags: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The boundary work of `distillation_topk_logprobs` (`validated_distillation`), then the
     pure call: shared with `prepare_loss_input`'s `DISTILLATION` branch (`vocab_size`: a padded
-    DTensor shard's real `V`)."""
-    *_, vocab, chunk_rows = validated_distillation(  # (its first three: the arguments, checked)
+    DTensor shard's real `V`; `flags`: the pure call's `zero_outside_topk` and `calculate_entropy`)."""
+    student, values, ids, vocab, chunk_rows = validated_distillation(
         student_logits,
         teacher_topk_logits,
         teacher_topk_indices,
@@ -128,16 +127,7 @@ def _distillation(
         chunk_size,
         real_size=vocab_size,
     )
-    return _pure.distillation_topk_logprobs(
-        student_logits,
-        teacher_topk_logits,
-        teacher_topk_indices,
-        vocab,
-        layout,
-        zero_outside_topk=zero_outside_topk,
-        calculate_entropy=calculate_entropy,
-        chunk_rows=chunk_rows,
-    )
+    return _pure.distillation_topk_logprobs(student, values, ids, vocab, layout, chunk_rows=chunk_rows, **flags)
 
 
 def validated_distillation(
@@ -157,7 +147,6 @@ def validated_distillation(
     `vocab_size`, `widths`, as `lossfx.next_token.resolved_vocab` takes them; `real_size`: a
     padded DTensor shard's real `V`, the range of its ids). Local tensors (the boundary's one unwrap)."""
     logits_name, values_name, ids_name = names
-    group = vocab_parallel_group
     check_floating(logits_name, student_logits)
     check_floating(values_name, teacher_topk_logits)
     check_integer_ids(ids_name, teacher_topk_indices)
@@ -183,6 +172,6 @@ def validated_distillation(
     check = functools.partial(check_ids_in_range, ids_name, teacher_topk_indices)
     if real_size is not None:  # a DTensor's padding columns are no ids: the range is its real V
         check(real_size)
-    resolved = resolved_vocab(group, student_logits.shape[-1], None if real_size else check, **vocab)
+    resolved = resolved_vocab(vocab_parallel_group, student_logits.shape[-1], None if real_size else check, **vocab)
     chunk_rows = None if chunk_size is None else chunk_size * batch
     return student_logits, teacher_topk_logits, teacher_topk_indices, resolved, chunk_rows

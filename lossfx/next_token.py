@@ -89,7 +89,8 @@ def resolve_filter(sampling_params: TrainingSamplingParams | None) -> TopKTopP |
 
 
 class NextTokenCall(NamedTuple):
-    """A validated next-token call, as the pure pipeline `lossfx._layouts.next_token` takes it."""
+    """A validated next-token call, as the pure pipeline `lossfx._layouts.next_token` takes it (the
+    fields are `next_token_logprobs`' arguments, by name)."""
 
     logits: Tensor  # [B, S_l, Vl]
     input_ids: Tensor  # [B, S]
@@ -175,16 +176,7 @@ def tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int:
 
 def next_token_logprobs_of(call: NextTokenCall, top: TopKTopP | None = None) -> Tensor:
     """The pure pipeline on a validated call, under the filter `top` (or none): `[B, S−1]`."""
-    return _pure.next_token_logprobs(
-        call.logits,
-        call.input_ids,
-        call.layout,
-        call.vocab,
-        top=top,
-        chunk_size=call.chunk_size,
-        position_ids=call.position_ids,
-        ignore_index=call.ignore_index,
-    )
+    return _pure.next_token_logprobs(**call._asdict(), top=top)  # the call's fields are its arguments
 
 
 LoadBalancedSharder = LoadBalancedLayout  # the load-balanced layout is itself a `ContextParallelSharder`

@@ -161,8 +161,7 @@ def _validated_teacher(
     if teacher_payload == "hidden_states":
         if not weights:
             raise ValueError(
-                "opd_full teacher_payload='hidden_states' requires a loaded teacher output-layer "
-                "weight shard "
+                "opd_full teacher_payload='hidden_states' requires a loaded teacher output-layer weight shard "
                 "(teacher_output_layer_weight_by_index is empty or None)"
             )
         if len(weights) > 1 and teacher_index is None:
@@ -434,6 +433,13 @@ def validated_opd_full(
     return OpdFullCall(cfg, payload, input_ids, student, teacher, resolved, kl, chunk_rows)
 
 
+# the arguments of `validated_opd_full` that the view of an entry point's call holds (and a DTensor's `vocab_size`)
+_VIEW_ARGUMENTS = (
+    "logits data loss_fn vocab_parallel_rank vocab_parallel_group chunk_size teacher_output_layer_weight_by_index "
+    "teacher_logits_dtype"
+).split()
+
+
 def opd_full_input(view: Mapping[str, Any] | None) -> dict[str, Any]:
     """An OPD_FULL call on the `view` of its one unwrap (`lossfx.loss_input`: the logits' even
     shard, the local columns, each teacher head as this rank's rows and, for a DTensor shard,
@@ -442,30 +448,18 @@ def opd_full_input(view: Mapping[str, Any] | None) -> dict[str, Any]:
     `validated_opd_full` once, then the pure `lossfx._layouts.opd_full.opd_full_loss_input` once.
     No cross-rank check here (their `boundary` runs it)."""
     assert view is not None, "boundary(local=...) hands the body its view"
-    logits, group, chunk_size = view["logits"], view["vocab_parallel_group"], view["chunk_size"]
-    teacher_logits_dtype = view["teacher_logits_dtype"]
     layout = sequence_layout(view["context_parallel_group"], view["cp_sharder"])
-    call = validated_opd_full(
-        logits,
-        view["data"],
-        view["loss_fn"],
-        vocab_parallel_rank=view["vocab_parallel_rank"],
-        vocab_parallel_group=group,
-        layout=layout,
-        chunk_size=chunk_size,
-        teacher_output_layer_weight_by_index=view["teacher_output_layer_weight_by_index"],
-        teacher_logits_dtype=teacher_logits_dtype,
-        vocab_size=view.get("vocab_size"),
-    )
+    arguments = {key: view[key] for key in _VIEW_ARGUMENTS}
+    call = validated_opd_full(**arguments, layout=layout, vocab_size=view.get("vocab_size"))
     return _pure.opd_full_loss_input(
         call.student,
         call.payload,
         call.input_ids.shape[1],
         layout,
-        group,
+        view["vocab_parallel_group"],
         **call.teacher._asdict(),  # its columns, heads, position
         validate_decomposition=bool(getattr(call.cfg, "validate_decomposition", False)),
         chunk_rows=call.chunk_rows,
-        teacher_logits_dtype=teacher_logits_dtype,
-        logprobs=(logits, call.input_ids, call.vocab, chunk_size) if call.kl else None,
+        teacher_logits_dtype=view["teacher_logits_dtype"],
+        logprobs=(view["logits"], call.input_ids, call.vocab, view["chunk_size"]) if call.kl else None,
     )

@@ -103,17 +103,14 @@ def _check_cu_lists(cu_q: list[int], cu_p: list[int], n_seqs: int, total: int, c
         bad = [(i, cu[i], cu[i + 1]) for i in range(n_seqs) if cu[i + 1] < cu[i]]
         if bad:
             raise ValueError(f"{name} must be non-decreasing; decreasing at (index, value, next): {bad[:5]}")
-    short = [
-        (i, cu_p[i + 1] - cu_p[i], cu_q[i + 1] - cu_q[i])
-        for i in range(n_seqs)
-        if cu_p[i + 1] - cu_p[i] < cu_q[i + 1] - cu_q[i]
-    ]
+    lengths_q, lengths_p = ([b - a for a, b in zip(cu[:-1], cu[1:], strict=True)] for cu in (cu_q, cu_p))
+    short = [(i, pad, real) for i, (pad, real) in enumerate(zip(lengths_p, lengths_q, strict=True)) if pad < real]
     if short:
         raise ValueError(f"padded sequence lengths must be >= unpadded ones; (sequence, padded, unpadded): {short[:5]}")
     if cu_p[-1] != total:
         raise ValueError(f"cu_seqlens_q_padded[-1] = {cu_p[-1]} must equal the packed length the logits cover, {total}")
     if cp_size > 1:
-        odd = [(i, cu_p[i + 1] - cu_p[i]) for i in range(n_seqs) if (cu_p[i + 1] - cu_p[i]) % (2 * cp_size)]
+        odd = [(i, padded) for i, padded in enumerate(lengths_p) if padded % (2 * cp_size)]
         if odd:
             raise ValueError(
                 f"with context parallelism {cp_size}, every padded length must be a multiple of "
