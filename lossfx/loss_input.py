@@ -76,9 +76,15 @@ def _column(data: MutableMapping[str, Any], name: str) -> Any:
 
 _OPD_COLUMNS = (*_PAYLOAD_COLUMNS.values(), TEACHER_INDEX_FIELD)  # the payload read, by the config
 # the attributes of `loss_fn` the entry points read (`getattr`; `interfaces.LossFunction`, `opd_full`'s config)
-_LOSS_FN_READS = tuple(
-    "input_type use_fused_linear_logprobs reference_policy_kl_penalty zero_outside_topk kl_type "
-    "opd_full.teacher_payload opd_full.chunk_size opd_full.validate_decomposition".split()
+_LOSS_FN_READS = (
+    "input_type",
+    "use_fused_linear_logprobs",
+    "reference_policy_kl_penalty",
+    "zero_outside_topk",
+    "kl_type",
+    "opd_full.teacher_payload",
+    "opd_full.chunk_size",
+    "opd_full.validate_decomposition",
 )
 
 

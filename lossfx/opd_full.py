@@ -161,7 +161,8 @@ def _validated_teacher(
     if teacher_payload == "hidden_states":
         if not weights:
             raise ValueError(
-                "opd_full teacher_payload='hidden_states' requires a loaded teacher output-layer weight shard "
+                "opd_full teacher_payload='hidden_states' requires a loaded teacher output-layer "
+                "weight shard "
                 "(teacher_output_layer_weight_by_index is empty or None)"
             )
         if len(weights) > 1 and teacher_index is None:
