@@ -56,7 +56,7 @@ from lossfx._boundary.validation import (
     check_positive_float,
     check_positive_int,
 )
-from lossfx._core.distributed import ProcessGroup, group_rank, group_size
+from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.tiles import HeadOptions
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import fused_linear as kernel
@@ -235,9 +235,8 @@ def resolved_call(
     if local_vocab < 1:
         raise ValueError(f"weight must hold at least one vocabulary row, got shape {tuple(weight.shape)}")
     options = resolved_head(head, local_vocab)
-    start = group_rank(group) * local_vocab if vocab_start is None else vocab_start
-    size = group_size(group) * local_vocab if vocab_size is None else vocab_size
-    call = LinearCall(VocabRange(group, start, size), options, chunk_size or 0, sequence_parallel)
+    vocab = VocabRange.of(group, local_vocab, vocab_start, vocab_size)  # default: equal shards in rank order
+    call = LinearCall(vocab, options, chunk_size or 0, sequence_parallel)
     if ids is not None:
         _check_rows(hidden, ids if per_row else ids[..., None], call, name)
     return call
