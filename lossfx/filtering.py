@@ -33,18 +33,13 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import boundary
 from lossfx._boundary.dtensor import local_view, resolved_shard
-from lossfx._boundary.validation import (
-    check_floating,
-    check_ids_in_range,
-    check_integer_ids,
-    check_positive_int,
-)
+from lossfx._boundary.validation import check_floating, check_positive_int
 from lossfx._core.chunking import resolve_chunk_rows
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import filtering as _kernel
 from lossfx._kernels.filtering import CANDIDATE_TOP_K_MAX
-from lossfx.logprobs import _ROLES  # (the same parameters: logits, group, vocab_start, vocab_size)
+from lossfx.logprobs import _ROLES, _validated  # (token_logprobs' parameters, and its checks of a target)
 
 __all__ = [
     "CANDIDATE_TOP_K_MAX",
@@ -93,8 +88,8 @@ def _validated_filter(
     chunk_rows: int | None,
     chunk_size: int | None,
 ) -> tuple[int | None, float, int | None]:
-    """The checks the three public functions share (`logits` `[..., V_local]`, `V_local >= 1`):
-    `(k or None, top_p, chunk_rows)`."""
+    """The checks the three public functions share (`logits` `[..., V_local]`, `V_local >= 1`;
+    `strategy="candidates"` needs top-k): `(k or None, top_p, chunk_rows)`."""
     check_floating("logits", logits)
     k, p = check_filter_params(top_k, top_p)
     if strategy not in _STRATEGIES:
@@ -103,6 +98,8 @@ def _validated_filter(
     rows = check_positive_int("chunk_rows", resolve_chunk_rows(chunk_rows, chunk_size))
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
+    if strategy == "candidates" and k is None:
+        raise ValueError("strategy='candidates' needs top-k enabled (top_k > 0)")
     return k, p, rows
 
 
@@ -176,8 +173,6 @@ def top_k_top_p_threshold(
         tensor([2.])
     """
     k, p, chunk_rows = _validated_filter(logits, top_k, top_p, strategy, ties, chunk_rows, chunk_size)
-    if strategy == "candidates" and k is None:
-        raise ValueError("strategy='candidates' needs top-k enabled (top_k > 0)")
     vocab = VocabRange.of(group, logits.shape[-1], vocab_start, vocab_size)
     return _kernel.top_k_top_p_threshold(
         logits, vocab, top_k=k, top_p=p, chunk_rows=chunk_rows, strategy=strategy, ties=ties
@@ -279,18 +274,8 @@ def filtered_token_logprobs(
 
     See also: proofs/filtering.md, lossfx.reference.filtered_token_logprobs.
     """
-    check_floating("logits", logits)
-    check_integer_ids("target", target)
     k, p, chunk_rows = _validated_filter(logits, top_k, top_p, strategy, ties, chunk_rows, chunk_size)
-    if logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
-        raise ValueError(
-            f"logits must be [..., V_local] with leading dims equal to target's; got logits.shape="
-            f"{tuple(logits.shape)} and target.shape={tuple(target.shape)}"
-        )
-    if strategy == "candidates" and k is None:
-        raise ValueError("strategy='candidates' needs top-k enabled (top_k > 0)")
-    vocab = VocabRange.of(group, logits.shape[-1], vocab_start, vocab_size)
-    check_ids_in_range("target", target, vocab.size)
+    _, _, vocab, _ = _validated(logits, target, group, vocab_start, vocab_size, None, None)
     return _kernel.filtered_token_logprobs(
         logits, target, vocab, top_k=k, top_p=p, chunk_rows=chunk_rows, strategy=strategy, ties=ties
     )

@@ -56,7 +56,7 @@ from lossfx._boundary.validation import (
     check_positive_float,
     check_positive_int,
 )
-from lossfx._core.distributed import ProcessGroup, group_rank, group_size
+from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.tiles import HeadOptions
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import fused_linear as kernel
@@ -126,22 +126,44 @@ class HeadKeywords(typing.TypedDict, total=False):
     ignore_index: int
 
 
+class LinearKeywords(HeadKeywords, total=False):
+    """The head options and the vocabulary sharding and rows of the fused functions over ids
+    (`**kw: Unpack[LinearKeywords]`, spelled by `linear_keywords`; `resolved_call` reads them),
+    documented in `linear_token_logprobs`. Defaults: `_SHARDING`."""
+
+    group: ProcessGroup | None
+    vocab_start: int | None
+    vocab_size: int | None
+    sequence_parallel: bool
+    chunk_size: int | None
+
+
+_SHARDING = {"group": None, "vocab_start": None, "vocab_size": None, "sequence_parallel": False, "chunk_size": None}
 F = typing.TypeVar("F", bound=typing.Callable[..., Any])
 
 
-def head_keywords(fn: F) -> F:
-    """`fn(..., **head: Unpack[HeadKeywords])` with a signature that spells the head keywords and
-    their defaults (`HeadOptions`) as keyword-only parameters: what `inspect`, docs/api.md, the
-    boundary's binding and its roles (`bias` is a vocabulary shard) read. The body gets them in `head`."""
-    sig = inspect.signature(fn)
-    hints = {k: getattr(v, "__forward_arg__", v) for k, v in HeadKeywords.__annotations__.items()}
-    options = [
-        inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=hints[k])
-        for k, d in HeadOptions._field_defaults.items()
-    ]
-    rest = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    fn.__signature__ = sig.replace(parameters=[*rest, *options])  # type: ignore[attr-defined]
-    return fn
+def _spelled(keywords: type, defaults: dict[str, Any]) -> typing.Callable[[F], F]:
+    """The decorator that gives `fn(..., **kw: Unpack[keywords])` a signature spelling the keywords
+    and their `defaults` as keyword-only parameters: what `inspect`, docs/api.md, the boundary's
+    binding and its roles (`bias` is a vocabulary shard, `group` the tensor-parallel group) read.
+    The body gets them in `kw`."""
+    hints = {k: getattr(v, "__forward_arg__", v) for k, v in keywords.__annotations__.items()}
+
+    def spell(fn: F) -> F:
+        sig = inspect.signature(fn)
+        options = [
+            inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=hints[k])
+            for k, d in defaults.items()
+        ]
+        rest = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        fn.__signature__ = sig.replace(parameters=[*rest, *options])  # type: ignore[attr-defined]
+        return fn
+
+    return spell
+
+
+head_keywords = _spelled(HeadKeywords, HeadOptions._field_defaults)  # the head options (`HeadOptions`' defaults)
+linear_keywords = _spelled(LinearKeywords, {**_SHARDING, **HeadOptions._field_defaults})  # and the sharding's
 
 
 def resolved_head(head: typing.Mapping[str, Any], local_vocab: int) -> HeadOptions:
@@ -183,22 +205,20 @@ class LinearCall(typing.NamedTuple):
 def resolved_call(
     hidden: Tensor,
     weight: Tensor,
-    head: typing.Mapping[str, Any],
-    group: ProcessGroup | None,
-    vocab_start: int | None = None,
-    vocab_size: int | None = None,
-    sequence_parallel: bool = False,
-    chunk_size: int | None = None,
+    keywords: typing.Mapping[str, Any],
     ids: Tensor | None = None,
     name: str = "ids",
     *,
     per_row: bool = False,
 ) -> LinearCall:
     """The resolve of a fused call (local tensors; TypeError/ValueError naming the argument): hidden
-    `[..., H]`, weight `[Vl, H]`, the head keywords (`resolved_head`) and the options into the
-    kernels' `LinearCall`; with `ids` (named `name`: `[...]`, one per row, or `[..., K]` with
-    `per_row`), their rows against hidden's (under sequence parallelism this rank's `N/R`) and
-    their range `[0, V)` but for `ignore_index`."""
+    `[..., H]`, weight `[Vl, H]`, the `keywords` (`LinearKeywords`, those absent at `_SHARDING`'s
+    defaults; the head's through `resolved_head`) into the kernels' `LinearCall`; with `ids`
+    (named `name`: `[...]`, one per row, or `[..., K]` with `per_row`), their rows against
+    hidden's (under sequence parallelism this rank's `N/R`) and their range `[0, V)` but for
+    `ignore_index`."""
+    head = {k: v for k, v in keywords.items() if k not in _SHARDING}
+    group, vocab_start, vocab_size, sequence_parallel, chunk_size = (keywords.get(k, d) for k, d in _SHARDING.items())
     if ids is not None:
         check_integer_ids(name, ids)
     check_floating("hidden", hidden)
@@ -215,9 +235,8 @@ def resolved_call(
     if local_vocab < 1:
         raise ValueError(f"weight must hold at least one vocabulary row, got shape {tuple(weight.shape)}")
     options = resolved_head(head, local_vocab)
-    start = group_rank(group) * local_vocab if vocab_start is None else vocab_start
-    size = group_size(group) * local_vocab if vocab_size is None else vocab_size
-    call = LinearCall(VocabRange(group, start, size), options, chunk_size or 0, sequence_parallel)
+    vocab = VocabRange.of(group, local_vocab, vocab_start, vocab_size)  # default: equal shards in rank order
+    call = LinearCall(vocab, options, chunk_size or 0, sequence_parallel)
     if ids is not None:
         _check_rows(hidden, ids if per_row else ids[..., None], call, name)
     return call
@@ -261,7 +280,7 @@ _ROLES_CP = dataclasses.replace(_ROLES, cp="context_parallel_group", cp_from="cp
 
 
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
-@head_keywords
+@linear_keywords
 def linear_gather_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -270,12 +289,7 @@ def linear_gather_logprobs(
     zero_outside_topk: bool = True,
     with_neg_entropy: bool = False,
     with_entropy: bool | None = None,
-    group: ProcessGroup | None = None,
-    vocab_start: int | None = None,
-    vocab_size: int | None = None,
-    sequence_parallel: bool = False,
-    chunk_size: int | None = None,
-    **head: Unpack[HeadKeywords],
+    **kw: Unpack[LinearKeywords],
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs at `K` global ids per row from hidden states and an LM head (shard), fused.
 
@@ -334,9 +348,7 @@ def linear_gather_logprobs(
     """
     # hidden, weight, ids: local tensors (the boundary's one unwrap, `local_view`)
     with_neg_entropy = bool(renamed_keyword("with_neg_entropy", with_neg_entropy, "with_entropy", with_entropy))
-    call = resolved_call(
-        hidden, weight, head, group, vocab_start, vocab_size, sequence_parallel, chunk_size, ids, per_row=True
-    )
+    call = resolved_call(hidden, weight, kw, ids, per_row=True)
     return kernel.linear_gather_logprobs(
         hidden,
         weight,
@@ -348,16 +360,6 @@ def linear_gather_logprobs(
     )
 
 
-class _TokenKeywords(HeadKeywords, total=False):
-    """`linear_token_logprobs`' keywords that do not choose its return type (its overloads)."""
-
-    group: ProcessGroup | None
-    vocab_start: int | None
-    vocab_size: int | None
-    sequence_parallel: bool
-    chunk_size: int | None
-
-
 @typing.overload
 def linear_token_logprobs(
     hidden: Tensor,
@@ -366,7 +368,7 @@ def linear_token_logprobs(
     *,
     return_neg_entropy: typing.Literal[False] = ...,
     return_entropy: typing.Literal[False] | None = ...,
-    **kw: Unpack[_TokenKeywords],
+    **kw: Unpack[LinearKeywords],
 ) -> Tensor: ...
 @typing.overload
 def linear_token_logprobs(
@@ -376,7 +378,7 @@ def linear_token_logprobs(
     *,
     return_neg_entropy: typing.Literal[True],
     return_entropy: bool | None = ...,
-    **kw: Unpack[_TokenKeywords],
+    **kw: Unpack[LinearKeywords],
 ) -> tuple[Tensor, Tensor]: ...
 @typing.overload
 def linear_token_logprobs(
@@ -386,23 +388,18 @@ def linear_token_logprobs(
     *,
     return_neg_entropy: bool = ...,
     return_entropy: bool | None = ...,
-    **kw: Unpack[_TokenKeywords],
+    **kw: Unpack[LinearKeywords],
 ) -> Tensor | tuple[Tensor, Tensor]: ...
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
-@head_keywords
+@linear_keywords
 def linear_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
     target: Tensor,
     *,
-    group: ProcessGroup | None = None,
-    vocab_start: int | None = None,
-    vocab_size: int | None = None,
-    sequence_parallel: bool = False,
-    chunk_size: int | None = None,
     return_neg_entropy: bool = False,
     return_entropy: bool | None = None,
-    **head: Unpack[HeadKeywords],
+    **kw: Unpack[LinearKeywords],
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Token log-probs of `softmax(hidden @ weight.T / temperature)`, logits never materialised.
 
@@ -478,9 +475,7 @@ def linear_token_logprobs(
     return_neg_entropy = bool(
         renamed_keyword("return_neg_entropy", return_neg_entropy, "return_entropy", return_entropy)
     )
-    call = resolved_call(
-        hidden, weight, head, group, vocab_start, vocab_size, sequence_parallel, chunk_size, target, "target"
-    )
+    call = resolved_call(hidden, weight, kw, target, "target")
     logprobs, neg_entropy = kernel.linear_token_logprobs(
         hidden, weight, target, call.vocab, with_neg_entropy=return_neg_entropy, **call.options
     )
@@ -488,23 +483,18 @@ def linear_token_logprobs(
 
 
 @boundary(roles=_ROLES_CP, vocab="tiled", local=local_view(seq_dim=1))
-@head_keywords
+@linear_keywords
 def linear_next_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
     input_ids: Tensor,
     *,
-    group: ProcessGroup | None = None,
-    vocab_start: int | None = None,
-    vocab_size: int | None = None,
-    sequence_parallel: bool = False,
     context_parallel_group: ProcessGroup | None = None,
     cp_sharder: Any = None,
-    chunk_size: int | None = None,
     return_neg_entropy: bool = False,
     return_entropy: bool | None = None,
     position_ids: Tensor | None = None,
-    **head: Unpack[HeadKeywords],
+    **kw: Unpack[LinearKeywords],
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Next-token log-probs `[B, S−1]` from hidden states: position `t` scores `input_ids[:, t+1]`.
 
@@ -563,15 +553,15 @@ def linear_next_token_logprobs(
         renamed_keyword("return_neg_entropy", return_neg_entropy, "return_entropy", return_entropy)
     )
     # hidden, weight, input_ids: local tensors (the boundary's one unwrap, `local_view`)
-    call = resolved_call(hidden, weight, head, group, vocab_start, vocab_size, sequence_parallel, chunk_size)
+    call = resolved_call(hidden, weight, kw)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, S_local, H], got shape {tuple(hidden.shape)}")
     # next_token's checks read shapes only: a zero-stride stand-in for this CP rank's [B, S_l, Vl] logits
-    local_len = hidden.shape[1] * (group_size(group) if sequence_parallel else 1)
+    local_len = hidden.shape[1] * (group_size(call.vocab.group) if call.sequence_parallel else 1)
     checked = validated_next_token_call(
         hidden.new_empty(()).expand(hidden.shape[0], local_len, weight.shape[0]),
         input_ids,
-        group=group,
+        group=call.vocab.group,
         layout=sequence_layout(context_parallel_group, cp_sharder),
         chunk_size=None,
         position_ids=position_ids,

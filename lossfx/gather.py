@@ -17,42 +17,11 @@ from torch import Tensor
 from lossfx._boundary.consistency import boundary
 from lossfx._boundary.deprecation import renamed_keyword
 from lossfx._boundary.dtensor import local_view
-from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
-from lossfx._core.chunking import resolve_chunk_rows
 from lossfx._core.distributed import ProcessGroup
-from lossfx._core.vocab import VocabRange
 from lossfx._kernels import gather as _kernel
-from lossfx.logprobs import _ROLES  # (the same parameters: logits, group, vocab_start, vocab_size)
+from lossfx.logprobs import _ROLES, _validated  # (the same parameters and checks as token_logprobs)
 
 __all__ = ["gather_logits", "gather_logprobs"]
-
-
-def _validated(
-    logits: Tensor,
-    ids: Tensor,
-    group: ProcessGroup | None,
-    vocab_start: int | None,
-    vocab_size: int | None,
-    chunk_rows: int | None,
-) -> tuple[Tensor, Tensor, VocabRange, int | None]:
-    """The boundary work of both public functions, once, on the boundary's view (local tensors):
-    `(logits, ids, vocab, chunk_rows)` as the kernel takes them (this rank's range; ids range-checked)."""
-    check_floating("logits", logits)
-    check_integer_ids("ids", ids)
-    chunk_rows = check_positive_int("chunk_rows", chunk_rows)
-    if logits.dim() < 1 or ids.dim() != logits.dim() or tuple(ids.shape[:-1]) != tuple(logits.shape[:-1]):
-        raise ValueError(
-            f"logits must be [..., V_local] and ids [..., K] with the same leading dims; got "
-            f"logits.shape={tuple(logits.shape)} and ids.shape={tuple(ids.shape)}"
-        )
-    if ids.shape[-1] < 1:
-        raise ValueError(f"ids must hold at least one id per row (K >= 1), got shape {tuple(ids.shape)}")
-    local_vocab = logits.shape[-1]
-    if local_vocab < 1:
-        raise ValueError(f"logits must have at least one vocabulary column, got shape {tuple(logits.shape)}")
-    vocab = VocabRange.of(group, local_vocab, vocab_start, vocab_size)
-    check_ids_in_range("ids", ids, vocab.size)
-    return logits, ids, vocab, chunk_rows
 
 
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES))
@@ -112,8 +81,8 @@ def gather_logprobs(
     See also: proofs/gather.md, lossfx.reference.gather_logprobs.
     """
     with_entropy = bool(renamed_keyword("with_neg_entropy", with_neg_entropy, "with_entropy", with_entropy))
-    logits, ids, vocab, chunk_rows = _validated(
-        logits, ids, group, vocab_start, vocab_size, resolve_chunk_rows(chunk_rows, chunk_size)
+    _, _, vocab, chunk_rows = _validated(
+        logits, ids, group, vocab_start, vocab_size, chunk_rows, chunk_size, None, True
     )
     return _kernel.gather_logprobs(logits, ids, vocab, with_neg_entropy=with_entropy, chunk_rows=chunk_rows)
 
@@ -146,5 +115,5 @@ def gather_logits(
         >>> lossfx.gather_logits(torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[2, 2, 0]]))
         tensor([[3., 3., 1.]])
     """
-    logits, ids, vocab, _ = _validated(logits, ids, group, vocab_start, vocab_size, None)
+    _, _, vocab, _ = _validated(logits, ids, group, vocab_start, vocab_size, None, None, None, True)
     return _kernel.gather_logits(logits, ids, vocab)

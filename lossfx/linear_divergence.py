@@ -183,7 +183,7 @@ def linear_divergence_to_teacher(
     lossfx.reference.linear_divergence_to_teacher.
     """
     # hidden, weight, the teacher: local tensors (the boundary's one unwrap, `local_view`)
-    call = resolved_call(hidden, weight, head, group, chunk_size=chunk_size)
+    call = resolved_call(hidden, weight, {**head, "group": group, "chunk_size": chunk_size})
     heads, dtype = _check_teacher(
         hidden, weight, teacher_logits, teacher_hidden, teacher_weight, teacher_head, teacher_logits_dtype
     )

@@ -7,7 +7,7 @@ over the vocabulary in all (one forward, one recomputing backward). How: the ker
 `lossfx._kernels.linear_filtering`; why it is exact: proofs/linear_filtering.md.
 
 The boundary is the fused path's (`lossfx.fused_linear`): the DTensor unwrap of `weight`/`bias`/
-`hidden`, the head keywords (`HeadKeywords`), `resolved_call` and the cross-rank check's roles,
+`hidden`, the keywords (`LinearKeywords`), `resolved_call` and the cross-rank check's roles,
 reused as they are; this module adds only the filter's options (`lossfx.filtering`'s checks).
 """
 
@@ -18,16 +18,15 @@ from typing import Unpack
 from torch import Tensor
 
 from lossfx._boundary.consistency import boundary
-from lossfx._core.distributed import ProcessGroup
 from lossfx._kernels import linear_filtering as kernel
 from lossfx.filtering import TIES, check_filter_params, check_ties
-from lossfx.fused_linear import _ROLES, HeadKeywords, head_keywords, local_view, resolved_call
+from lossfx.fused_linear import _ROLES, LinearKeywords, linear_keywords, local_view, resolved_call
 
 __all__ = ["TIES", "linear_filtered_token_logprobs"]
 
 
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
-@head_keywords
+@linear_keywords
 def linear_filtered_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -36,12 +35,7 @@ def linear_filtered_token_logprobs(
     top_k: int | None = None,
     top_p: float | None = None,
     ties: str = "together",
-    group: ProcessGroup | None = None,
-    vocab_start: int | None = None,
-    vocab_size: int | None = None,
-    sequence_parallel: bool = False,
-    chunk_size: int | None = None,
-    **head: Unpack[HeadKeywords],
+    **kw: Unpack[LinearKeywords],
 ) -> Tensor:
     """Log-prob of each token under the top-k/top-p filtered softmax of `hidden @ weight.T`, fused.
 
@@ -98,9 +92,7 @@ def linear_filtered_token_logprobs(
     # hidden, weight, token_ids: local tensors (the boundary's one unwrap, `local_view`)
     k, p = check_filter_params(top_k, 1.0 if top_p is None else top_p)
     check_ties(ties)
-    call = resolved_call(
-        hidden, weight, head, group, vocab_start, vocab_size, sequence_parallel, chunk_size, token_ids, "token_ids"
-    )
+    call = resolved_call(hidden, weight, kw, token_ids, "token_ids")
     return kernel.linear_filtered_token_logprobs(
         hidden, weight, token_ids, call.vocab, top_k=k, top_p=p, ties=ties, **call.options
     )

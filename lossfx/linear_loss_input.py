@@ -115,17 +115,11 @@ def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed:
     if hidden.dim() != 3 or (packed and hidden.shape[0] != 1):
         want = "packed hidden must be [1, T/C, H]" if packed else "hidden must be [B, S_local, H]"
         raise ValueError(f"{want}, got shape {tuple(hidden.shape)}")
-    head = {k: view[k] for k in HeadOptions._fields}
-    call = resolved_call(
-        hidden, weight, head, group, shard.vocab_start, shard.vocab_size, chunk_size=view["chunk_size"]
-    )
+    vocab: dict[str, Any] = {"vocab_start": shard.vocab_start, "vocab_size": shard.vocab_size}
+    keywords = {k: view[k] for k in ("chunk_size", *HeadOptions._fields)}
+    call = resolved_call(hidden, weight, {**keywords, **vocab, "group": group})
     call = call._replace(chunk_rows=call.chunk_rows * hidden.shape[0])
-    uneven = shard.dtensor is None and group is not None
-    vocab = {
-        "vocab_start": shard.vocab_start,
-        "vocab_size": shard.vocab_size,
-        "widths": (widths or ShardWidths()) if uneven else None,
-    }
+    vocab["widths"] = (widths or ShardWidths()) if shard.dtensor is None and group is not None else None  # uneven
     logits = hidden.new_empty(()).expand(hidden.shape[0], hidden.shape[1], weight.shape[0])
     return FrontDoor(hidden, weight, view["data"], shard, call, logits, vocab, view.get(CALLER, view["data"]))
 

@@ -35,16 +35,15 @@ from torch import Tensor
 from lossfx._boundary.consistency import boundary
 from lossfx._boundary.deprecation import renamed_keyword
 from lossfx._boundary.validation import check_floating
-from lossfx._core.distributed import ProcessGroup
 from lossfx._kernels import linear_objective as kernel
 from lossfx._kernels.linear_objective import default_objective_chunk_rows as default_objective_chunk_rows
-from lossfx.fused_linear import _ROLES, HeadKeywords, head_keywords, local_view, resolved_call
+from lossfx.fused_linear import _ROLES, LinearKeywords, linear_keywords, local_view, resolved_call
 
 __all__ = ["linear_logprob_objective"]
 
 
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
-@head_keywords
+@linear_keywords
 def linear_logprob_objective(
     hidden: Tensor,
     weight: Tensor,
@@ -53,13 +52,8 @@ def linear_logprob_objective(
     *,
     neg_entropy_weight: Tensor | None = None,
     entropy_weight: Tensor | None = None,
-    group: ProcessGroup | None = None,
-    vocab_start: int | None = None,
-    vocab_size: int | None = None,
-    sequence_parallel: bool = False,
-    chunk_size: int | None = None,
     allow_repeated_backward: bool = False,
-    **head: Unpack[HeadKeywords],
+    **kw: Unpack[LinearKeywords],
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """`Σ a·log p(target) (+ Σ b·Σ p log p)` from hidden states, gradients formed in the forward.
 
@@ -148,9 +142,7 @@ def linear_logprob_objective(
             raise ValueError(f"{name} must have the target's shape {tuple(target.shape)}, got {tuple(value.shape)}")
     if not isinstance(allow_repeated_backward, bool):
         raise TypeError(f"allow_repeated_backward must be a bool, got {allow_repeated_backward!r}")
-    call = resolved_call(
-        hidden, weight, head, group, vocab_start, vocab_size, sequence_parallel, chunk_size, target, "target"
-    )
+    call = resolved_call(hidden, weight, kw, target, "target")
     return kernel.linear_logprob_objective(
         hidden,
         weight,

@@ -42,14 +42,26 @@ def _validated(
     chunk_rows: int | None,
     chunk_size: int | None,
     ignore_index: int | None = None,
+    per_row: bool = False,
 ) -> tuple[Tensor, Tensor, VocabRange, int | None]:
-    """The boundary work of both public functions, once, on the boundary's view (local tensors):
+    """The boundary work of the logits path's id functions (`token_logprobs`, `gather_logprobs`,
+    `filtered_token_logprobs`, ...), once, on the boundary's view (local tensors):
     `(logits, target, vocab, chunk_rows)` as the kernel takes them (this rank's range; ids
-    range-checked, the ignored positions excepted)."""
+    range-checked, the ignored positions excepted). `target`: `[...]` ids, or with `per_row`
+    gather's `[..., K]` (named `ids`)."""
+    name = "ids" if per_row else "target"
     check_floating("logits", logits)
-    check_integer_ids("target", target)
+    check_integer_ids(name, target)
     chunk_rows = check_positive_int("chunk_rows", resolve_chunk_rows(chunk_rows, chunk_size))
-    if logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
+    if per_row:
+        if logits.dim() < 1 or target.dim() != logits.dim() or tuple(target.shape[:-1]) != tuple(logits.shape[:-1]):
+            raise ValueError(
+                f"logits must be [..., V_local] and ids [..., K] with the same leading dims; got "
+                f"logits.shape={tuple(logits.shape)} and ids.shape={tuple(target.shape)}"
+            )
+        if target.shape[-1] < 1:
+            raise ValueError(f"ids must hold at least one id per row (K >= 1), got shape {tuple(target.shape)}")
+    elif logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
         raise ValueError(
             f"logits must be [..., V_local] with leading dims equal to target's; got logits.shape="
             f"{tuple(logits.shape)} and target.shape={tuple(target.shape)}"
@@ -59,7 +71,7 @@ def _validated(
         raise ValueError(f"logits must have at least one vocabulary column, got shape {tuple(logits.shape)}")
     vocab = VocabRange.of(group, local_vocab, vocab_start, vocab_size)
     checked = target if ignore_index is None else target.masked_fill(target == ignore_index, 0)
-    check_ids_in_range("target", checked, vocab.size)
+    check_ids_in_range(name, checked, vocab.size)
     return logits, target, vocab, chunk_rows
 
 
@@ -80,9 +92,7 @@ def token_logprobs_with_lse(
     magnitude); the returned `lse = shift + log_s` is their rounded sum, for callers that need it.
     `chunk_size` is the deprecated name of `chunk_rows` (same value, a FutureWarning).
     """
-    logits, target, vocab, chunk_rows = _validated(
-        logits, target, group, vocab_start, vocab_size, chunk_rows, chunk_size
-    )
+    _, _, vocab, chunk_rows = _validated(logits, target, group, vocab_start, vocab_size, chunk_rows, chunk_size)
     return _kernel.token_logprobs_with_lse(logits, target, vocab, chunk_rows=chunk_rows)
 
 

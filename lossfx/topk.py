@@ -76,7 +76,5 @@ def vocab_topk(
     local_vocab = logits.shape[-1]
     if logits.dim() < 1 or local_vocab < 1:
         raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
-    vocab = VocabRange.uniform(group, local_vocab)
-    if vocab_start is not None:
-        vocab = vocab._replace(start=vocab_start)
+    vocab = VocabRange.of(group, local_vocab, vocab_start, None)
     return _kernel.vocab_topk(logits, k, vocab)
