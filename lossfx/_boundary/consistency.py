@@ -46,7 +46,7 @@ import math
 import struct
 import zlib
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -679,12 +679,7 @@ def _rows(values: list[int], world: int) -> list[list[int]]:
     return [values[r * width : (r + 1) * width] for r in range(world)]
 
 
-def _gather(x: Tensor, group: dist.ProcessGroup) -> list[list[int]]:
-    """Every rank's `x` (1-D int64), in rank order: one eager all-gather, one host read."""
-    return _rows(_gather_on_device(x, group).reshape(-1).tolist(), group.size())
-
-
-def _is_distributed(group: Any) -> bool:
+def _is_distributed(group: Any) -> TypeGuard[dist.ProcessGroup]:
     return isinstance(group, dist.ProcessGroup) and group.size() > 1
 
 
@@ -843,10 +838,8 @@ def _has_dtensor(arg: Any) -> bool:
     return type(arg).__name__ == "DTensor"
 
 
-def _is_group_or_sharder(arg: Any) -> bool:
-    if isinstance(arg, dist.ProcessGroup):
-        return True
-    return not isinstance(arg, Tensor) and isinstance(getattr(arg, "cp_group", None), dist.ProcessGroup)
+def _is_group_or_sharder(arg: Any) -> bool:  # a group, or a sharder's `.cp_group`
+    return not isinstance(arg, Tensor) and isinstance(getattr(arg, "cp_group", arg), dist.ProcessGroup)
 
 
 Local = Callable[[dict[str, Any]], tuple[dict[str, Any], str]]
@@ -999,15 +992,13 @@ class ShardWidths:
         """
         if _host_reads.tracing() or not _is_distributed(group):
             return None, None
-        assert group is not None
         while self.before_read:
             self.before_read.pop(0)()
         _host_reads.settle()  # the check of the enclosing call reports the widths
         widths = self.by_group.get(id(group))
         if widths is None:
-            widths = [w for (w,) in _gather(torch.tensor([local_vocab], dtype=torch.int64), group)]
-        rank = group.rank()
-        return sum(widths[:rank]), sum(widths)
+            widths = _gather_on_device(torch.tensor([local_vocab], dtype=torch.int64), group).view(-1).tolist()
+        return sum(widths[: group.rank()]), sum(widths)
 
     def size_when_read(self, local_vocab: int, group: dist.ProcessGroup | None) -> Callable[[], int]:
         """The vocabulary size `V` (`range`'s, else `R · Vl`) as a function to call once the
