@@ -647,9 +647,8 @@ def _tiling_error(sigs: list[list[int]], policy: str, broken: list[int], roles: 
     start_name, size_name = roles.start or "the first vocabulary id", roles.size or "the vocabulary size"
     world, widths = len(sigs), [s[_H_WIDTH] for s in sigs]
     shown = ", ".join(f"rank {r}: {w}" for r, w in enumerate(widths))
-    sizes = [s[_H_SIZE] if s[_H_SIZE] != _NONE else world * s[_H_WIDTH] for s in sigs]
-    if policy.startswith("topk:"):
-        sizes = [sum(widths)] * world
+    sizes = [s[_H_SIZE] if s[_H_SIZE] != _NONE else world * s[_H_WIDTH] for s in sigs]  # topk: V = Σ widths
+    sizes = [sum(widths)] * world if policy.startswith("topk:") else sizes
     starts = [s[_H_START] if s[_H_START] != _NONE else r * w for r, (s, w) in enumerate(zip(sigs, widths, strict=True))]
     spans = ", ".join(f"rank {r}: [{s}, {s + w})" for r, (s, w) in enumerate(zip(starts, widths, strict=True)))
     return [

@@ -98,10 +98,9 @@ def before_call(name: str, sig: inspect.Signature, roles: Any, args: tuple, kwar
     if _host_reads.tracing():
         _warn_if_compiled_and_on()
         return
-    if not (roles.tp or roles.cp or roles.cp_from) or not enabled():
-        return  # no collective to hang in, or off: nothing else is read
-    if _host_reads.depth() or not _world_of_many():
-        return  # nested (the outer call was handshaken), or nobody to wait for
+    # no collective to hang in, or off (nothing else read); nested (the outer call was handshaken); nobody to wait for
+    if not (roles.tp or roles.cp or roles.cp_from) or not enabled() or _host_reads.depth() or not _world_of_many():
+        return
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as err:  # its own TypeError comes after the handshake; the peers learn of it now

@@ -125,15 +125,13 @@ def _vocab_mesh_dim(x: Any, dim: int, name: str) -> int | None:
     placements = sys.modules[_DTENSOR_MODULE]  # loaded: `x` is a DTensor
     found = None
     for mesh_dim, placement in enumerate(x.placements):
-        if isinstance(placement, placements.Replicate):
-            continue
         if type(placement) is placements.Shard and placement.dim % x.dim() == dim:
             if found is not None:
                 raise _placement_error(name, x, "the vocabulary may be sharded over one mesh dim only")
             found = mesh_dim
-            continue
-        why = f"{placement} is not supported; lossfx accepts Shard({dim}) (the vocabulary dim) on one mesh dim"
-        raise _placement_error(name, x, f"{why} and Replicate() on the others")
+        elif not isinstance(placement, placements.Replicate):
+            why = f"{placement} is not supported; lossfx accepts Shard({dim}) (the vocabulary dim) on one mesh dim"
+            raise _placement_error(name, x, f"{why} and Replicate() on the others")
     return found
 
 

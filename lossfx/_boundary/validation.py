@@ -87,9 +87,7 @@ def check_positive_float(name: str, value: object, *, allow_none: bool = False) 
 def values_checkable(*tensors: object) -> bool:
     """True when value-dependent checks may run: eager mode (not while compiling), and none of
     `tensors` is on the `meta` device (shapes without values)."""
-    if tracing():
-        return False
-    return not any(isinstance(t, Tensor) and t.is_meta for t in tensors)
+    return not tracing() and not any(isinstance(t, Tensor) and t.is_meta for t in tensors)
 
 
 def _range_key(ids: Tensor, low: int, high: object) -> tuple[object, ...]:
