@@ -261,9 +261,9 @@ class _Fields:
         self.on_device: list[tuple[int, Tensor]] = []
         self.tp_only: list[int] = []  # the fields compared across the tensor-parallel group only (`cp_shard`)
 
-    def add(self, label: str, value: Any, owner: str | None = None) -> None:
+    def add(self, label: str, value: Any) -> None:
         self.labels.append(label)
-        self.owners.append(self.owner if owner is None else owner)
+        self.owners.append(self.owner or label)  # (before the arguments: the field is its own owner)
         self.shown.append(value)
         if isinstance(value, float) and _host_reads.tracing():  # maybe symbolic: its bits in the graph
             self.on_device.append((len(self.codes), torch.tensor(value, dtype=torch.float64).view(torch.int64)))
@@ -364,10 +364,9 @@ def _signature(
     fields = _Fields(logits_grad=cp, roles=roles)
     header = [_MAGIC, _crc(name), 0, 0, 0, _NONE, _NONE, _NONE, _NONE, 0, 0, 0]  # width, start, size, rank: not given
     heads = []
-    grad = "torch.is_grad_enabled()"  # decides the backward's collectives
-    fields.add(grad, torch.is_grad_enabled(), owner=grad)
-    policy = "the forced lossfx.chunk_policy"  # process state, not an argument: it sizes the loops (and collectives)
-    fields.add(policy, _Kind(_policy_text(_chunking._forced)), owner=policy)
+    fields.add("torch.is_grad_enabled()", torch.is_grad_enabled())  # decides the backward's collectives
+    # process state, not an argument: it sizes the loops (and collectives)
+    fields.add("the forced lossfx.chunk_policy", _Kind(_policy_text(_chunking._forced)))
     own_rows = roles.rows[0] if roles.rows and arguments.get(roles.rows[1]) else None  # this rank's rows
     tp = arguments.get(roles.tp) if roles.tp else None
     for arg, value in arguments.items():
