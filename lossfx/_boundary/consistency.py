@@ -322,10 +322,8 @@ class _Fields:
         else:  # an object: its type, and a dataclass's fields (another object's attributes: `attributes`)
             self.add(label, value)
             if dataclasses.is_dataclass(value) and not isinstance(value, type):
-                for field in dataclasses.fields(value):
-                    self.walk(
-                        f"{label}.{field.name}", getattr(value, field.name, None), depth + 1, replicated=replicated
-                    )
+                for f in dataclasses.fields(value):
+                    self.walk(f"{label}.{f.name}", getattr(value, f.name, None), depth + 1, replicated=replicated)
 
     def attributes(self, label: str, value: Any, paths: tuple[str, ...]) -> None:
         """Fields of the object `value` as the call reads it: its type, then each dotted attribute
@@ -522,12 +520,10 @@ def _assertions(
     groups.append((f"an argument past the first {_MAX_FIELDS} fields (or the values of a replicated tensor)", rest))
     if layout not in ("free", "auto"):
         groups.append((_LAYOUT_WHAT + ("; compiled, this function needs equal widths" * (layout == "equal")), []))
-    group_of = [len(groups)] * SIGNATURE_LEN  # each slot is in one assertion at most
-    for g, (_, slots) in enumerate(groups):
-        for slot in slots:
-            group_of[slot] = g
+    where_is = {slot: g for g, (_, slots) in enumerate(groups) for slot in slots}  # each slot in one assertion at most
+    group_of = tuple(where_is.get(slot, len(groups)) for slot in range(SIGNATURE_LEN))
     messages = tuple(_IN_GRAPH.format(where, what) for what, _ in groups)
-    return messages, tuple(group_of), tuple(what.startswith(_COLUMN_VALUES) for what, _ in groups)
+    return messages, group_of, tuple(what.startswith(_COLUMN_VALUES) for what, _ in groups)
 
 
 _assertions._dynamo_marked_constant = True  # type: ignore[attr-defined]
@@ -566,9 +562,8 @@ def _worded(
     if slot is None:
         return None
     if failed < len(_HEAD):
-        called = f"lossfx.{_functions.get(own[_H_PATH], '?')}" + (
-            " (another lossfx version)" * (own[_H_MAGIC] != _MAGIC)
-        )
+        version = " (another lossfx version)" * (own[_H_MAGIC] != _MAGIC)
+        called = f"lossfx.{_functions.get(own[_H_PATH], '?')}{version}"
         shown = (called, "rejected" if own[_H_REJECTED] else "accepted", "compiled" if own[_H_TRACED] else "eager")
         return _HEAD[failed][0], shown[failed]
     if slot >= _HEADER:
