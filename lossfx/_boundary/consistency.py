@@ -46,7 +46,7 @@ import math
 import struct
 import zlib
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -261,9 +261,9 @@ class _Fields:
         self.on_device: list[tuple[int, Tensor]] = []
         self.tp_only: list[int] = []  # the fields compared across the tensor-parallel group only (`cp_shard`)
 
-    def add(self, label: str, value: Any, owner: str | None = None) -> None:
+    def add(self, label: str, value: Any) -> None:
         self.labels.append(label)
-        self.owners.append(self.owner if owner is None else owner)
+        self.owners.append(self.owner or label)  # (before the arguments: the field is its own owner)
         self.shown.append(value)
         if isinstance(value, float) and _host_reads.tracing():  # maybe symbolic: its bits in the graph
             self.on_device.append((len(self.codes), torch.tensor(value, dtype=torch.float64).view(torch.int64)))
@@ -322,10 +322,8 @@ class _Fields:
         else:  # an object: its type, and a dataclass's fields (another object's attributes: `attributes`)
             self.add(label, value)
             if dataclasses.is_dataclass(value) and not isinstance(value, type):
-                for field in dataclasses.fields(value):
-                    self.walk(
-                        f"{label}.{field.name}", getattr(value, field.name, None), depth + 1, replicated=replicated
-                    )
+                for f in dataclasses.fields(value):
+                    self.walk(f"{label}.{f.name}", getattr(value, f.name, None), depth + 1, replicated=replicated)
 
     def attributes(self, label: str, value: Any, paths: tuple[str, ...]) -> None:
         """Fields of the object `value` as the call reads it: its type, then each dotted attribute
@@ -364,10 +362,9 @@ def _signature(
     fields = _Fields(logits_grad=cp, roles=roles)
     header = [_MAGIC, _crc(name), 0, 0, 0, _NONE, _NONE, _NONE, _NONE, 0, 0, 0]  # width, start, size, rank: not given
     heads = []
-    grad = "torch.is_grad_enabled()"  # decides the backward's collectives
-    fields.add(grad, torch.is_grad_enabled(), owner=grad)
-    policy = "the forced lossfx.chunk_policy"  # process state, not an argument: it sizes the loops (and collectives)
-    fields.add(policy, _Kind(_policy_text(_chunking._forced)), owner=policy)
+    fields.add("torch.is_grad_enabled()", torch.is_grad_enabled())  # decides the backward's collectives
+    # process state, not an argument: it sizes the loops (and collectives)
+    fields.add("the forced lossfx.chunk_policy", _Kind(_policy_text(_chunking._forced)))
     own_rows = roles.rows[0] if roles.rows and arguments.get(roles.rows[1]) else None  # this rank's rows
     tp = arguments.get(roles.tp) if roles.tp else None
     for arg, value in arguments.items():
@@ -523,12 +520,10 @@ def _assertions(
     groups.append((f"an argument past the first {_MAX_FIELDS} fields (or the values of a replicated tensor)", rest))
     if layout not in ("free", "auto"):
         groups.append((_LAYOUT_WHAT + ("; compiled, this function needs equal widths" * (layout == "equal")), []))
-    group_of = [len(groups)] * SIGNATURE_LEN  # each slot is in one assertion at most
-    for g, (_, slots) in enumerate(groups):
-        for slot in slots:
-            group_of[slot] = g
+    where_is = {slot: g for g, (_, slots) in enumerate(groups) for slot in slots}  # each slot in one assertion at most
+    group_of = tuple(where_is.get(slot, len(groups)) for slot in range(SIGNATURE_LEN))
     messages = tuple(_IN_GRAPH.format(where, what) for what, _ in groups)
-    return messages, tuple(group_of), tuple(what.startswith(_COLUMN_VALUES) for what, _ in groups)
+    return messages, group_of, tuple(what.startswith(_COLUMN_VALUES) for what, _ in groups)
 
 
 _assertions._dynamo_marked_constant = True  # type: ignore[attr-defined]
@@ -567,9 +562,8 @@ def _worded(
     if slot is None:
         return None
     if failed < len(_HEAD):
-        called = f"lossfx.{_functions.get(own[_H_PATH], '?')}" + (
-            " (another lossfx version)" * (own[_H_MAGIC] != _MAGIC)
-        )
+        version = " (another lossfx version)" * (own[_H_MAGIC] != _MAGIC)
+        called = f"lossfx.{_functions.get(own[_H_PATH], '?')}{version}"
         shown = (called, "rejected" if own[_H_REJECTED] else "accepted", "compiled" if own[_H_TRACED] else "eager")
         return _HEAD[failed][0], shown[failed]
     if slot >= _HEADER:
@@ -647,9 +641,8 @@ def _tiling_error(sigs: list[list[int]], policy: str, broken: list[int], roles: 
     start_name, size_name = roles.start or "the first vocabulary id", roles.size or "the vocabulary size"
     world, widths = len(sigs), [s[_H_WIDTH] for s in sigs]
     shown = ", ".join(f"rank {r}: {w}" for r, w in enumerate(widths))
-    sizes = [s[_H_SIZE] if s[_H_SIZE] != _NONE else world * s[_H_WIDTH] for s in sigs]
-    if policy.startswith("topk:"):
-        sizes = [sum(widths)] * world
+    sizes = [s[_H_SIZE] if s[_H_SIZE] != _NONE else world * s[_H_WIDTH] for s in sigs]  # topk: V = Σ widths
+    sizes = [sum(widths)] * world if policy.startswith("topk:") else sizes
     starts = [s[_H_START] if s[_H_START] != _NONE else r * w for r, (s, w) in enumerate(zip(sigs, widths, strict=True))]
     spans = ", ".join(f"rank {r}: [{s}, {s + w})" for r, (s, w) in enumerate(zip(starts, widths, strict=True)))
     return [
@@ -679,12 +672,7 @@ def _rows(values: list[int], world: int) -> list[list[int]]:
     return [values[r * width : (r + 1) * width] for r in range(world)]
 
 
-def _gather(x: Tensor, group: dist.ProcessGroup) -> list[list[int]]:
-    """Every rank's `x` (1-D int64), in rank order: one eager all-gather, one host read."""
-    return _rows(_gather_on_device(x, group).reshape(-1).tolist(), group.size())
-
-
-def _is_distributed(group: Any) -> bool:
+def _is_distributed(group: Any) -> TypeGuard[dist.ProcessGroup]:
     return isinstance(group, dist.ProcessGroup) and group.size() > 1
 
 
@@ -843,10 +831,8 @@ def _has_dtensor(arg: Any) -> bool:
     return type(arg).__name__ == "DTensor"
 
 
-def _is_group_or_sharder(arg: Any) -> bool:
-    if isinstance(arg, dist.ProcessGroup):
-        return True
-    return not isinstance(arg, Tensor) and isinstance(getattr(arg, "cp_group", None), dist.ProcessGroup)
+def _is_group_or_sharder(arg: Any) -> bool:  # a group, or a sharder's `.cp_group`
+    return not isinstance(arg, Tensor) and isinstance(getattr(arg, "cp_group", arg), dist.ProcessGroup)
 
 
 Local = Callable[[dict[str, Any]], tuple[dict[str, Any], str]]
@@ -999,15 +985,13 @@ class ShardWidths:
         """
         if _host_reads.tracing() or not _is_distributed(group):
             return None, None
-        assert group is not None
         while self.before_read:
             self.before_read.pop(0)()
         _host_reads.settle()  # the check of the enclosing call reports the widths
         widths = self.by_group.get(id(group))
         if widths is None:
-            widths = [w for (w,) in _gather(torch.tensor([local_vocab], dtype=torch.int64), group)]
-        rank = group.rank()
-        return sum(widths[:rank]), sum(widths)
+            widths = _gather_on_device(torch.tensor([local_vocab], dtype=torch.int64), group).view(-1).tolist()
+        return sum(widths[: group.rank()]), sum(widths)
 
     def size_when_read(self, local_vocab: int, group: dist.ProcessGroup | None) -> Callable[[], int]:
         """The vocabulary size `V` (`range`'s, else `R · Vl`) as a function to call once the

@@ -69,14 +69,10 @@ def enabled() -> bool:
 
 def _timeout() -> float:
     text = os.environ.get(ENV_TIMEOUT, "").strip()
-    if not text:
-        return DEFAULT_TIMEOUT_S
-    seconds = float("nan")
-    with contextlib.suppress(ValueError):
-        seconds = float(text)
-    if not seconds > 0:
-        raise ValueError(f"{ENV_TIMEOUT}={text!r}: expected a number of seconds > 0")
-    return seconds
+    with contextlib.suppress(ValueError):  # (not a number: raised below, as a NaN, zero or negative one is)
+        if not text or float(text) > 0:
+            return float(text) if text else DEFAULT_TIMEOUT_S
+    raise ValueError(f"{ENV_TIMEOUT}={text!r}: expected a number of seconds > 0")
 
 
 def _warn_if_compiled_and_on() -> None:
@@ -102,10 +98,9 @@ def before_call(name: str, sig: inspect.Signature, roles: Any, args: tuple, kwar
     if _host_reads.tracing():
         _warn_if_compiled_and_on()
         return
-    if not (roles.tp or roles.cp or roles.cp_from) or not enabled():
-        return  # no collective to hang in, or off: nothing else is read
-    if _host_reads.depth() or not _world_of_many():
-        return  # nested (the outer call was handshaken), or nobody to wait for
+    # no collective to hang in, or off (nothing else read); nested (the outer call was handshaken); nobody to wait for
+    if not (roles.tp or roles.cp or roles.cp_from) or not enabled() or _host_reads.depth() or not _world_of_many():
+        return
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as err:  # its own TypeError comes after the handshake; the peers learn of it now
@@ -194,16 +189,12 @@ def _handshake(name: str, description: dict[str, Any]) -> None:
     store = dist.distributed_c10d._get_default_store()
     timeout = _timeout()
     n = store.add(f"{_KEY}/count/{rank}", 1)  # this rank's call number (in the store: a new group starts at 1)
-
-    def key(r: int, i: int) -> str:
-        return f"{_KEY}/{i}/{r}"
-
-    store.set(key(rank, n), json.dumps(description))
-    keys = [key(r, n) for r in range(world)]
+    keys = [f"{_KEY}/{n}/{r}" for r in range(world)]  # each rank's description of its call n
+    store.set(keys[rank], json.dumps(description))
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except RuntimeError as err:  # DistStoreError: some rank did not post its call number n in time
-        missing = [r for r in range(world) if not store.check([key(r, n)])]
+        missing = [r for r in range(world) if not store.check([keys[r]])]
         raise RuntimeError(
             f"lossfx.{name} ({ENV}): rank(s) {missing or '?'} of the {world} ranks did not reach lossfx call "
             f"#{n} within {timeout:g} s (rank {rank} did). Every rank must make the same sequence of lossfx calls "
@@ -213,7 +204,7 @@ def _handshake(name: str, description: dict[str, Any]) -> None:
     described = [json.loads(v) for v in store.multi_get(keys)]
     if n > 1:  # every rank has read call n - 1 (each posted n after reading it): drop this rank's
         with contextlib.suppress(RuntimeError):
-            store.delete_key(key(rank, n - 1))
+            store.delete_key(f"{_KEY}/{n - 1}/{rank}")
     problem = _judge(described)
     if problem is not None:
         raise ValueError(

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._prims_common import make_contiguous_strides_for  # (torch's own rule: imported by `import torch`)
 
-from lossfx._boundary.consistency import REJECTED, REJECTED_ERROR, Roles
+from lossfx._boundary.consistency import _NO_ROLES, REJECTED, REJECTED_ERROR, Roles
+from lossfx._boundary.consistency import Local as View
 from lossfx._boundary.validation import check_group
 from lossfx._core.host_reads import tracing
 
@@ -52,14 +53,9 @@ __all__ = [
 _DTENSOR_MODULE = "torch.distributed.tensor"
 
 
-def _dtensor_module() -> Any:
-    """`torch.distributed.tensor` if something imported it already, else `None`."""
-    return sys.modules.get(_DTENSOR_MODULE)
-
-
 def is_dtensor(x: object) -> bool:
     """True iff `x` is a `torch.distributed.tensor.DTensor` (without importing that module)."""
-    module = _dtensor_module()
+    module = sys.modules.get(_DTENSOR_MODULE)  # `torch.distributed.tensor` if something imported it already
     return module is not None and isinstance(x, module.DTensor)
 
 
@@ -107,7 +103,7 @@ class VocabShard(NamedTuple):
             return out
         shape = torch.Size([*out.shape[:-1], global_vocab])
         mesh, placements = self.dtensor.device_mesh, self.dtensor.placements
-        return _dtensor_module().DTensor.from_local(
+        return sys.modules[_DTENSOR_MODULE].DTensor.from_local(
             out, mesh, placements, shape=shape, stride=make_contiguous_strides_for(shape)
         )
 
@@ -126,18 +122,16 @@ def _placement_error(name: str, x: Any, why: str) -> ValueError:
 
 def _vocab_mesh_dim(x: Any, dim: int, name: str) -> int | None:
     """The mesh dim that shards `x`'s dim `dim`, or `None` when every placement is `Replicate()`."""
-    placements = _dtensor_module()  # loaded: `x` is a DTensor
+    placements = sys.modules[_DTENSOR_MODULE]  # loaded: `x` is a DTensor
     found = None
     for mesh_dim, placement in enumerate(x.placements):
-        if isinstance(placement, placements.Replicate):
-            continue
         if type(placement) is placements.Shard and placement.dim % x.dim() == dim:
             if found is not None:
                 raise _placement_error(name, x, "the vocabulary may be sharded over one mesh dim only")
             found = mesh_dim
-            continue
-        why = f"{placement} is not supported; lossfx accepts Shard({dim}) (the vocabulary dim) on one mesh dim"
-        raise _placement_error(name, x, f"{why} and Replicate() on the others")
+        elif not isinstance(placement, placements.Replicate):
+            why = f"{placement} is not supported; lossfx accepts Shard({dim}) (the vocabulary dim) on one mesh dim"
+            raise _placement_error(name, x, f"{why} and Replicate() on the others")
     return found
 
 
@@ -148,9 +142,6 @@ def _same_group(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:
     if a is None or b is None or tracing():  # the rank lists cannot be read while tracing; identity decides
         return False
     return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
-
-
-_NO_ROLES = Roles()
 
 
 def vocab_shard(
@@ -288,7 +279,7 @@ def replicated(x: Any, name: str) -> Any:
     passes through; an all-`Replicate()` DTensor gives its local (full) tensor; others raise."""
     if not is_dtensor(x):
         return x
-    if not all(isinstance(p, _dtensor_module().Replicate) for p in x.placements):
+    if not all(isinstance(p, sys.modules[_DTENSOR_MODULE].Replicate) for p in x.placements):
         raise _placement_error(name, x, "this argument must be a plain tensor or a Replicate() DTensor")
     return x.to_local()
 
@@ -302,9 +293,6 @@ def resolved_shard(view: Mapping[str, Any] | None) -> VocabShard:
     the body its view as `_view`): a DTensor's, whose `wrap` places results like it, or a plain one."""
     assert view is not None, "boundary(local=...) hands the body its view"
     return view[SHARD]
-
-
-View = Callable[[dict[str, Any]], tuple[dict[str, Any], str]]
 
 
 def _holds_dtensor(value: Any) -> bool:

@@ -87,9 +87,7 @@ def check_positive_float(name: str, value: object, *, allow_none: bool = False) 
 def values_checkable(*tensors: object) -> bool:
     """True when value-dependent checks may run: eager mode (not while compiling), and none of
     `tensors` is on the `meta` device (shapes without values)."""
-    if tracing():
-        return False
-    return not any(isinstance(t, Tensor) and t.is_meta for t in tensors)
+    return not tracing() and not any(isinstance(t, Tensor) and t.is_meta for t in tensors)
 
 
 def _range_key(ids: Tensor, low: int, high: object) -> tuple[object, ...]:
@@ -130,14 +128,12 @@ def check_ids_in_range(
             _host_reads.seen(_range_key(ids, low, top))  # a later check against the value is done
         if extremes[0] < low or extremes[1] >= top:
             bad = (ids < low) | (ids >= top)
-            count = int(bad.sum())
             index = bad.nonzero()[:5]
             if column_offset and index.shape[-1]:
                 index[:, -1] += column_offset
-            where = index.tolist()
-            values = ids[bad][:5].tolist()
             raise ValueError(
-                f"{name} must lie in [{low}, {top}); {count} entries do not, e.g. values {values} at positions {where}"
+                f"{name} must lie in [{low}, {top}); {int(bad.sum())} entries do not, e.g. values "
+                f"{ids[bad][:5].tolist()} at positions {index.tolist()}"
             )
 
     flat = ids.reshape(-1)
