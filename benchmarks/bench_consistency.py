@@ -15,9 +15,9 @@ distribution-free band, per rank):
 - `check`: the whole check of a `prepare_loss_input` call (build the signature from the
   arguments, the all-gather, the comparison);
 - `prepare_loss_input` (`LOGPROB`, forward, tensor parallel over the group) with the check on and
-  off (the entry point's `__wrapped__` function: there is no switch), at a tiny shape (where the
-  fixed cost shows) and `[4, 512, 8192]`, eager and compiled (inductor, `fullgraph=True`; the
-  check-off graph is traced as a nested call, which skips the check).
+  off (the entry point's `_lossfx_unchecked`: the same view and body, no check; there is no
+  switch), at a tiny shape (where the fixed cost shows) and `[4, 512, 8192]`, eager and compiled
+  (inductor, `fullgraph=True`; the check-off graph traces the body alone).
 
 Prints a markdown table (rank 0's times; the paired differences of every rank, of wall time and
 of the calling thread's CPU time: their gap is time spent blocked, waiting for the other rank or
@@ -176,7 +176,7 @@ def _worker(rank: int, world: int, port: int, iters: int, queue, compiled_only: 
             all_gather_stack(stats, group)
 
         if compiled_only:
-            unchecked = lossfx.prepare_loss_input.__wrapped__
+            unchecked = lossfx.prepare_loss_input._lossfx_unchecked
             _compiled_row(rows, batch, seq, vocab, logits, data, kwargs, loss_fn, unchecked, iters, barrier)
             continue
         for _ in range(5):
@@ -188,7 +188,7 @@ def _worker(rank: int, world: int, port: int, iters: int, queue, compiled_only: 
         rows.append((label, _stats_us(_times(kernel_gather, iters)), None))
         label = f"check of a prepare_loss_input call, [{batch}, {seq}, {vocab}]"
         rows.append((label, _stats_us(_times(check, iters)), None))
-        unchecked = lossfx.prepare_loss_input.__wrapped__  # the entry point without its check
+        unchecked = lossfx.prepare_loss_input._lossfx_unchecked  # the entry point without its check
 
         def call_unchecked(logits=logits, data=data, kwargs=kwargs, unchecked=unchecked):
             unchecked(logits, data, loss_fn, **kwargs)

@@ -952,6 +952,7 @@ def boundary(
                 reraise_while_tracing(err)
 
         checked._lossfx_roles = roles  # type: ignore[attr-defined]  # (tests and benchmarks read it)
+        checked._lossfx_unchecked = body  # type: ignore[attr-defined]  # the call without its check (benchmarks)
         checked.__signature__ = public  # type: ignore[attr-defined]
         return checked  # type: ignore[return-value]
 
