@@ -18,7 +18,7 @@ from harness import run_ranks
 
 import lossfx
 import lossfx._boundary.validation as validation
-from lossfx import filtering, reference
+from lossfx import filtering, logprobs, reference
 from lossfx._core.vocab import VocabRange
 from lossfx._kernels import filtering as kernel
 
@@ -131,7 +131,7 @@ def _count(monkeypatch) -> Counter:
         monkeypatch.setattr(filtering, name, counting(("public", name), getattr(filtering, name)))
     check = counting(("range check", "ids"), validation.check_ids_in_range)
     monkeypatch.setattr(validation, "check_ids_in_range", check)
-    monkeypatch.setattr(filtering, "check_ids_in_range", check)
+    monkeypatch.setattr(logprobs, "check_ids_in_range", check)  # the ids check the logits faces share
     return counts
 
 
