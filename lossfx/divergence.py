@@ -52,6 +52,36 @@ def _validated(student: Tensor, teacher: Tensor | None, chunk_rows: int | None) 
     return chunk_rows
 
 
+_COMMON_DOC = """
+    Args:
+        student: `[..., Vl]` this rank's vocabulary shard of the student logits (the full
+            vocabulary without a group). Any float dtype; never modified.{teacher_arg}
+        group: tensor-parallel process group over the vocabulary, or `None`. The output is the
+            same on every rank; the gradient each rank receives is for its own shard only.
+        chunk_rows: rows of the flattened `[N, Vl]` logits processed at once in eager mode (a
+            memory bound; results do not depend on it). Default: the device's
+            `lossfx.ChunkPolicy` (CPU: about 2 MiB per temporary). Under `torch.compile` the
+            whole tensor is one fused pass.
+        chunk_size: deprecated name of `chunk_rows` (same value; a FutureWarning).
+
+    Returns:
+        `[...]` per-token values in `promote_types(student, teacher, float32)` (fp32 for
+        bf16/fp16/fp32, float64 for float64). The gradient flows back to `student` in its own
+        dtype{teacher_grad}. Under `torch.no_grad()`, or when `student` does not require grad,
+        nothing is saved for backward.
+
+    Raises:
+        TypeError: non-float inputs, non-int `chunk_rows`.
+        ValueError: shape mismatch, an empty vocabulary, `chunk_rows <= 0`.
+
+    Note:
+        Computation is in the compute dtype, one all-gather of `5N` per-row statistics over the
+        group in the forward and no collective in the backward. `0 · log 0 = 0`: columns where
+        `p_s = 0` contribute nothing; a student row that is `-inf` everywhere gives 0 with a
+        zero gradient.{inf_note} Double backward is not supported (`once_differentiable`).
+"""
+
+
 _ROLES_STUDENT = Roles(tp="group", shards=("student",))  # the parameters' parts (`Roles`)
 _ROLES_PAIR = Roles(tp="group", shards=("student", "teacher"))
 
@@ -71,35 +101,6 @@ def neg_entropy(
 
     .. math::
         \\mathrm{out}_n = \\sum_v p_{n,v} \\log p_{n,v} \\le 0
-
-    Args:
-        student: `[..., Vl]` this rank's vocabulary shard of the student logits (the full
-            vocabulary without a group). Any float dtype; never modified.
-        group: tensor-parallel process group over the vocabulary, or `None`. The output is the
-            same on every rank; the gradient each rank receives is for its own shard only.
-        chunk_rows: rows of the flattened `[N, Vl]` logits processed at once in eager mode (a
-            memory bound; results do not depend on it). Default: the device's
-            `lossfx.ChunkPolicy` (CPU: about 2 MiB per temporary). Under `torch.compile` the
-            whole tensor is one fused pass.
-        chunk_size: deprecated name of `chunk_rows` (same value; a FutureWarning).
-
-    Returns:
-        `[...]` per-token values in `promote_types(student, teacher, float32)` (fp32 for
-        bf16/fp16/fp32, float64 for float64). The gradient flows back to `student` in its own
-        dtype. Under `torch.no_grad()`, or when `student` does not require grad,
-        nothing is saved for backward.
-
-    Raises:
-        TypeError: non-float inputs, non-int `chunk_rows`.
-        ValueError: shape mismatch, an empty vocabulary, `chunk_rows <= 0`.
-
-    Note:
-        Computation is in the compute dtype, one all-gather of `5N` per-row statistics over the
-        group in the forward and no collective in the backward. `0 · log 0 = 0`: columns where
-        `p_s = 0` contribute nothing; a student row that is `-inf` everywhere gives 0 with a
-        zero gradient. Double backward is not supported (`once_differentiable`).
-
-    See also: proofs/divergence.md, lossfx.reference.neg_entropy.
     """
     chunk_rows = _validated(student, None, resolve_chunk_rows(chunk_rows, chunk_size))
     return _kernel.neg_entropy(student, group, chunk_rows=chunk_rows)
@@ -140,39 +141,6 @@ def cross_entropy_to_fixed(
 
     .. math::
         \\mathrm{out}_n = -\\sum_v p_s(v) \\log p_t(v)
-
-    Args:
-        student: `[..., Vl]` this rank's vocabulary shard of the student logits (the full
-            vocabulary without a group). Any float dtype; never modified.
-        teacher: `[..., Vl]` the teacher logits, same shape as `student` (any float dtype, e.g.
-            an fp32 teacher beside a bf16 student). Fixed: it never receives a gradient.
-        group: tensor-parallel process group over the vocabulary, or `None`. The output is the
-            same on every rank; the gradient each rank receives is for its own shard only.
-        chunk_rows: rows of the flattened `[N, Vl]` logits processed at once in eager mode (a
-            memory bound; results do not depend on it). Default: the device's
-            `lossfx.ChunkPolicy` (CPU: about 2 MiB per temporary). Under `torch.compile` the
-            whole tensor is one fused pass.
-        chunk_size: deprecated name of `chunk_rows` (same value; a FutureWarning).
-
-    Returns:
-        `[...]` per-token values in `promote_types(student, teacher, float32)` (fp32 for
-        bf16/fp16/fp32, float64 for float64). The gradient flows back to `student` in its own
-        dtype; the teacher gets none. Under `torch.no_grad()`, or when `student` does not require grad,
-        nothing is saved for backward.
-
-    Raises:
-        TypeError: non-float inputs, non-int `chunk_rows`.
-        ValueError: shape mismatch, an empty vocabulary, `chunk_rows <= 0`.
-
-    Note:
-        Computation is in the compute dtype, one all-gather of `5N` per-row statistics over the
-        group in the forward and no collective in the backward. `0 · log 0 = 0`: columns where
-        `p_s = 0` contribute nothing; a student row that is `-inf` everywhere gives 0 with a
-        zero gradient. A teacher `-inf` where the student has mass makes the value
-        `+inf` (mathematically right) and that row's gradient 0; a teacher row that is `-inf`
-        everywhere counts as `log p_t = -inf` everywhere. Double backward is not supported (`once_differentiable`).
-
-    See also: proofs/divergence.md, lossfx.reference.cross_entropy_to_fixed.
     """
     chunk_rows = _validated(student, teacher, resolve_chunk_rows(chunk_rows, chunk_size))
     return _kernel.cross_entropy_to_fixed(student, teacher, group, chunk_rows=chunk_rows)
@@ -197,47 +165,40 @@ def reverse_kl_to_fixed(
     .. math::
         \\mathrm{out}_n = \\sum_v p_s(v) \\left(\\log p_s(v) - \\log p_t(v)\\right)
 
-    Args:
-        student: `[..., Vl]` this rank's vocabulary shard of the student logits (the full
-            vocabulary without a group). Any float dtype; never modified.
-        teacher: `[..., Vl]` the teacher logits, same shape as `student` (any float dtype, e.g.
-            an fp32 teacher beside a bf16 student). Fixed: it never receives a gradient.
-        group: tensor-parallel process group over the vocabulary, or `None`. The output is the
-            same on every rank; the gradient each rank receives is for its own shard only.
-        chunk_rows: rows of the flattened `[N, Vl]` logits processed at once in eager mode (a
-            memory bound; results do not depend on it). Default: the device's
-            `lossfx.ChunkPolicy` (CPU: about 2 MiB per temporary). Under `torch.compile` the
-            whole tensor is one fused pass.
-        chunk_size: deprecated name of `chunk_rows` (same value; a FutureWarning).
-
-    Returns:
-        `[...]` per-token values in `promote_types(student, teacher, float32)` (fp32 for
-        bf16/fp16/fp32, float64 for float64). The gradient flows back to `student` in its own
-        dtype; the teacher gets none. Under `torch.no_grad()`, or when `student` does not require grad,
-        nothing is saved for backward.
-
-    Raises:
-        TypeError: non-float inputs, non-int `chunk_rows`.
-        ValueError: shape mismatch, an empty vocabulary, `chunk_rows <= 0`.
-
-    Note:
-        Computation is in the compute dtype, one all-gather of `5N` per-row statistics over the
-        group in the forward and no collective in the backward. `0 · log 0 = 0`: columns where
-        `p_s = 0` contribute nothing; a student row that is `-inf` everywhere gives 0 with a
-        zero gradient. A teacher `-inf` where the student has mass makes the value
-        `+inf` (mathematically right) and that row's gradient 0; a teacher row that is `-inf`
-        everywhere counts as `log p_t = -inf` everywhere. Double backward is not supported (`once_differentiable`).
-
     Example:
         >>> import torch, lossfx
         >>> s = torch.tensor([[0.0, 1.0, 2.0]])
         >>> lossfx.reverse_kl_to_fixed(s, s)
         tensor([0.])
-
-    See also: proofs/divergence.md, lossfx.reference.reverse_kl_to_fixed.
     """
     chunk_rows = _validated(student, teacher, resolve_chunk_rows(chunk_rows, chunk_size))
     return _kernel.reverse_kl_to_fixed(student, teacher, group, chunk_rows=chunk_rows)
+
+
+_TEACHER_ARG = """
+        teacher: `[..., Vl]` the teacher logits, same shape as `student` (any float dtype, e.g.
+            an fp32 teacher beside a bf16 student). Fixed: it never receives a gradient."""
+_INF_NOTE = """ A teacher `-inf` where the student has mass makes the value
+        `+inf` (mathematically right) and that row's gradient 0; a teacher row that is `-inf`
+        everywhere counts as `log p_t = -inf` everywhere."""
+neg_entropy.__doc__ = (
+    (neg_entropy.__doc__ or "")
+    + _COMMON_DOC.format(teacher_arg="", teacher_grad="", inf_note="")
+    + ("\n    See also: proofs/divergence.md, lossfx.reference.neg_entropy.\n")
+)
+for _fn, _ref in (
+    (cross_entropy_to_fixed, "cross_entropy_to_fixed"),
+    (reverse_kl_to_fixed, "reverse_kl_to_fixed"),
+):
+    _doc = _fn.__doc__ or ""
+    _head, _sep, _example = _doc.partition("    Example:")
+    _fn.__doc__ = (
+        _head.rstrip()
+        + "\n"
+        + _COMMON_DOC.format(teacher_arg=_TEACHER_ARG, teacher_grad="; the teacher gets none", inf_note=_INF_NOTE)
+        + ("\n" + _sep + _example.rstrip() + "\n" if _sep else "")
+        + f"\n    See also: proofs/divergence.md, lossfx.reference.{_ref}.\n"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
