@@ -98,6 +98,16 @@ def entry_points(rank: int, world: int, group, every: bool = False):
     teacher_values = torch.randn(b, s, 3, generator=gen)
     teacher_ids = torch.randint(0, v, (b, s, 3), generator=gen)
     distill = SimpleNamespace(input_type="distillation", zero_outside_topk=False, kl_type="forward")
+    draft = SimpleNamespace(input_type=lossfx.LossInputType.DRAFT)
+    mask = torch.ones(b, s)
+    teacher_full = torch.randn(b, 6, v, generator=gen)  # OPD_FULL's replicated payloads: 6 of 8 positions
+    teacher_hidden = torch.randn(b, 6, h, generator=gen)
+
+    def opd(payload: str) -> SimpleNamespace:
+        cfg = SimpleNamespace(enabled=True, teacher_payload=payload, chunk_size=None, validate_decomposition=True)
+        return SimpleNamespace(input_type=lossfx.LossInputType.OPD_FULL, opd_full=cfg, reference_policy_kl_penalty=0.1)
+
+    opd_logits, opd_hidden = opd("logits"), opd("hidden_states")
     calls = {
         "token_logprobs": lambda: lossfx.token_logprobs(logits[:, :-1], ids[:, 1:], **tp),
         "next_token_logprobs": lambda: lossfx.next_token_logprobs(logits, ids, **vp),
@@ -140,25 +150,28 @@ def entry_points(rank: int, world: int, group, every: bool = False):
             distill,
             **vp,
         ),
+        # DRAFT: `student_logits` passed through as this rank's vocabulary shard (no d2t: D = V)
+        "prepare_linear_loss_input DRAFT": lambda: lossfx.prepare_linear_loss_input(
+            hidden.view(b, s, -1), weight, {"token_mask": mask, "student_logits": logits}, draft, **vp
+        ),
+        "prepare_linear_loss_input OPD_FULL, teacher logits": lambda: lossfx.prepare_linear_loss_input(
+            hidden.view(b, s, -1), weight, {"input_ids": ids, "teacher_full_logits": teacher_full}, opd_logits, **vp
+        ),
+        # the teacher head: this rank's rows, like the student's
+        "prepare_linear_loss_input OPD_FULL, teacher from hidden states": lambda: lossfx.prepare_linear_loss_input(
+            hidden.view(b, s, -1),
+            weight,
+            {"input_ids": ids, "teacher_full_hidden_states": teacher_hidden},
+            opd_hidden,
+            teacher_output_layer_weight_by_index={0: weight},
+            **vp,
+        ),
         "prepare_linear_packed_loss_input, tensor cu_seqlens": lambda: lossfx.prepare_linear_packed_loss_input(
             hidden.view(b, s, -1)[:1], weight, {"input_ids": ids[:, :5]}, logprob, cu, cu, **vp
         ),
     }
     if every:
         calls.update(_every_other(logits, ids, hidden, weight, ignored))
-        calls["prepare_linear_loss_input OPD_FULL, teacher from hidden states"] = lambda: (
-            lossfx.prepare_linear_loss_input(
-                hidden.view(b, s, -1),
-                weight,
-                {"input_ids": ids, "teacher_full_hidden_states": hidden.view(b, s, -1)[:, :6]},
-                SimpleNamespace(
-                    input_type=lossfx.LossInputType.OPD_FULL,
-                    opd_full=SimpleNamespace(teacher_payload="hidden_states", validate_decomposition=True),
-                    reference_policy_kl_penalty=0.1,
-                ),
-                teacher_output_layer_weight_by_index={0: weight},
-            )
-        )
     return calls
 
 

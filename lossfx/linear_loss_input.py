@@ -153,6 +153,13 @@ def _linear_opd_full_input(
     the teacher (logits columns, or hidden states × teacher head) one tile at a time.
     `teacher_heads`: this rank's rows of each teacher head (the boundary's one unwrap, `local_view`)."""
     hidden, call = door.hidden, door.call
+
+    def defer_rows(into: list[int]) -> None:  # run once `input_ids` is checked, before the widths are read
+        if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:  # (`validated_opd_full`'s `kl`)
+            ids = door.column("input_ids")
+            _next_token.defer_active_rows(hidden, ids, layout, call.head.ignore_index, into)
+
+    count = _rows_ahead(door, defer_rows)  # the reference-KL log-probs' active rows
     opd = validated_opd_full(
         door.logits,
         door.columns,
@@ -181,6 +188,7 @@ def _linear_opd_full_input(
         validate_decomposition=bool(getattr(opd.cfg, "validate_decomposition", False)),
         chunk_rows=call.chunk_rows or opd.chunk_rows or 0,
         seq=opd.input_ids.shape[1],
+        count=count,
     )
 
 

@@ -333,6 +333,9 @@ def _front_door_calls(hidden, weight, ids, teacher_ids, tp):
     }
     top_k = lossfx.TrainingSamplingParams(top_k=5)
     cu = torch.tensor([0, 4, 7])  # two packed sequences of 4 and 3 tokens
+    opd_cfg = SimpleNamespace(teacher_payload="logits", validate_decomposition=True)
+    opd = SimpleNamespace(input_type=lossfx.LossInputType.OPD_FULL, opd_full=opd_cfg, reference_policy_kl_penalty=0.1)
+    payload = torch.linspace(-2, 2, ids.numel() * 16, dtype=hidden.dtype).reshape(*ids.shape, 16)  # replicated
     return {
         "LOGPROB": lambda: lossfx.prepare_linear_loss_input(hidden, weight, {"input_ids": ids}, logprob, **tp),
         "LOGPROB top-k + KL": lambda: lossfx.prepare_linear_loss_input(
@@ -341,14 +344,18 @@ def _front_door_calls(hidden, weight, ids, teacher_ids, tp):
         "DISTILLATION": lambda: lossfx.prepare_linear_loss_input(
             hidden, weight, {"input_ids": ids, **teacher}, distill, **tp
         ),
+        # its reference-KL log-probs' rows: each sequence's last position skipped (ids in range: it checks them)
+        "OPD_FULL + KL, teacher logits": lambda: lossfx.prepare_linear_loss_input(
+            hidden, weight, {"input_ids": ids.clamp(min=0), "teacher_full_logits": payload}, opd, **tp
+        ),
         "packed (no ignored ids: the packed rows reject them)": lambda: lossfx.prepare_linear_packed_loss_input(
             hidden[:1], weight, {"input_ids": ids[:, :4].clamp(min=0)}, logprob, cu, cu, **tp
         ),
     }
 
 
-def _front_door_uneven(rank, world, group):
-    """`{branch: (host reads, its outputs' largest difference from the whole head's on one rank)}`."""
+def _front_door_uneven_calls(rank, group):
+    """(this rank's `_front_door_calls` with its rows of the uneven head, the whole head's on one rank)."""
     gen = torch.Generator().manual_seed(5)
     hidden = torch.randn(2, 7, 4, dtype=torch.float64, generator=gen)
     weight = torch.randn(sum(_HEAD_ROWS), 4, dtype=torch.float64, generator=gen)
@@ -358,7 +365,12 @@ def _front_door_uneven(rank, world, group):
     lo = sum(_HEAD_ROWS[:rank])
     tp = {"vocab_parallel_rank": rank, "vocab_parallel_group": group}
     calls = _front_door_calls(hidden, weight[lo : lo + _HEAD_ROWS[rank]], ids, teacher_ids, tp)
-    whole = _front_door_calls(hidden, weight, ids, teacher_ids, {})
+    return calls, _front_door_calls(hidden, weight, ids, teacher_ids, {})
+
+
+def _front_door_uneven(rank, world, group):
+    """`{branch: (host reads, its outputs' largest difference from the whole head's on one rank)}`."""
+    calls, whole = _front_door_uneven_calls(rank, group)
     out = {}
     for name, call in calls.items():
         call()  # warm-up
@@ -369,7 +381,8 @@ def _front_door_uneven(rank, world, group):
 
 
 def test_front_door_uneven_head_reads_once_on_two_ranks(monkeypatch):
-    """`prepare_linear_loss_input` (LOGPROB, filtered with a KL term, DISTILLATION) and
+    """`prepare_linear_loss_input` (LOGPROB, filtered with a KL term, DISTILLATION, OPD_FULL with
+    a KL term: it read twice before, the widths and then its log-probs' count) and
     `prepare_linear_packed_loss_input` with uneven plain head shards (10 + 6 rows) on 2 gloo
     processes: the check's shard widths and the fused kernel's count of active rows (deferred
     before the widths are read, `fused_linear.defer_active_rows`) share one read; the results

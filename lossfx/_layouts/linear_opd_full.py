@@ -45,6 +45,7 @@ def linear_opd_full_loss_input(
     validate_decomposition: bool,
     chunk_rows: int,
     seq: int,
+    count: list[int] | None = None,
 ) -> dict[str, Tensor | None]:
     """hidden `[B, S_l, H]` (this rank's part in `layout`), this rank's head rows `weight [Vl, H]`
     and the canonical teacher `payload [B, S_p, D]` -> the OPD_FULL dict, each `[B, S−1]` canonical.
@@ -54,7 +55,8 @@ def linear_opd_full_loss_input(
     `heads[position[b]]`, products rounded to `teacher_logits_dtype`, default the heads' dtype).
     `input_ids [B, S]` adds `next_token_logprobs` (`None`: not asked). Gradients reach `hidden`,
     `weight`, `head.bias` through the divergence (and the log-probs); entropy and cross-entropy are
-    detached metrics, as on the logits path. `seq` is the canonical `S`.
+    detached metrics, as on the logits path. `seq` is the canonical `S`; `count`: the log-probs'
+    active rows, deferred by the caller (`linear_next_token_logprobs`'s `count`).
     """
     batch, local_len = hidden.shape[0], hidden.shape[1]
     if columns is not None:
@@ -94,6 +96,6 @@ def linear_opd_full_loss_input(
     }
     if input_ids is not None:
         (out["next_token_logprobs"],) = _next_token.linear_next_token_logprobs(
-            hidden, weight, input_ids, layout, vocab, head=head, chunk_rows=chunk_rows
+            hidden, weight, input_ids, layout, vocab, head=head, chunk_rows=chunk_rows, count=count
         )
     return out
