@@ -34,6 +34,7 @@ from typing import Any, NamedTuple, Unpack
 import torch
 from torch import Tensor
 
+from lossfx._boundary import debug
 from lossfx._boundary.consistency import Roles, ShardWidths, boundary
 from lossfx._boundary.dtensor import CALLER, SHARD, VocabShard, local_view
 from lossfx._boundary.validation import check_floating, check_group, check_tensor
@@ -41,6 +42,7 @@ from lossfx._core.distributed import ProcessGroup
 from lossfx._core.host_reads import tracing
 from lossfx._core.tiles import HeadOptions
 from lossfx._core.vocab import VocabRange
+from lossfx._kernels.fused_linear import CheckedCount
 from lossfx._layouts import linear_distillation as _distillation
 from lossfx._layouts import linear_draft as _draft
 from lossfx._layouts import linear_next_token as _next_token
@@ -128,11 +130,12 @@ def _rows_ahead(door: FrontDoor, defer_rows: Callable[[list[int]], None]) -> lis
     """The fused kernel's count of active rows (its `count`), deferred by `defer_rows` just before
     the call reads the widths of uneven plain shards (`ShardWidths.before_read`): that read carries
     it, not one of the kernel's own after it. None (the kernel reads it with the call's checks)
-    for a DTensor head or no group, and while tracing (nothing is read)."""
+    for a DTensor head or no group, and while tracing (nothing is read). In the debug mode
+    (`LOSSFX_DISTRIBUTED_DEBUG`) the kernel also reads its own count and raises if the two differ."""
     widths = door.vocab["widths"]  # None unless uneven plain shards
     if widths is None or tracing():
         return None
-    count: list[int] = []
+    count = CheckedCount(debug.check_deferred_count) if debug.enabled() else []  # debug: the kernel's own too
     widths.before_read.append(lambda: defer_rows(count))
     return count
 

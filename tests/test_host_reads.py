@@ -392,3 +392,59 @@ def test_front_door_uneven_head_reads_once_on_two_ranks(monkeypatch):
         for name, (reads, diff) in result.items():
             assert reads == 1, name
             assert diff < 1e-12, name
+
+
+def _debug_mode_checks_the_count(rank, world, group):
+    """`{branch: (reads off, reads on, largest difference on vs off, (with `defer_active_rows`
+    deferring its count - 1, a front door that lays out other targets than the kernel's) largest
+    difference off and the error on)}`: the calls of `_front_door_uneven`, `LOSSFX_DISTRIBUTED_DEBUG`
+    off, then on (the kernel also reads its own count)."""
+    from lossfx._boundary import debug
+    from lossfx._kernels import fused_linear
+
+    def one_too_few(ids, ignore_index, into):
+        _host_reads.defer((ids != ignore_index).any(dim=-1).sum() - 1, into.extend)
+
+    def largest_difference(a, b):
+        return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+    calls, _ = _front_door_uneven_calls(rank, group)
+    out = {}
+    for name, call in calls.items():
+        call()  # warm-up
+        off, off_out = count_host_reads(call), call()[0]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(debug.ENV, "1")
+            on, on_out = count_host_reads(call), call()[0]
+            mp.setattr(fused_linear, "defer_active_rows", one_too_few)
+            try:
+                call()
+                error = "no error"
+            except RuntimeError as exc:
+                error = str(exc)
+            mp.delenv(debug.ENV)
+            wrong_off = largest_difference(call()[0], off_out)  # the default path runs on
+        out[name] = (off, on, largest_difference(on_out, off_out), wrong_off, error)
+    return out
+
+
+def test_debug_mode_checks_the_front_doors_deferred_count(monkeypatch):
+    """The debug mode (`LOSSFX_DISTRIBUTED_DEBUG=1`) compares the count of active rows that the
+    front door defers for the fused kernel (`linear_loss_input._rows_ahead`) with the kernel's own
+    count of its targets (`_kernels.fused_linear.CheckedCount`: one more read per kernel, on only).
+    A wrong count (forced: one too few), which the default path (off: one read) turns into a
+    silently wrong answer (a row dropped: 3 nats off in LOGPROB and OPD_FULL here), raises a
+    `RuntimeError` naming both counts on every rank. Every branch of
+    `test_front_door_uneven_head_reads_once_on_two_ranks`: 2 gloo processes, uneven plain heads."""
+    monkeypatch.setattr(harness, "_TIMEOUT_S", 300.0)
+    results = gloo_pool(2).run(_debug_mode_checks_the_count)
+    for result in results:
+        silent = {name for name, (*_, wrong_off, _) in result.items() if wrong_off > 0.1}
+        assert {"LOGPROB", "OPD_FULL + KL, teacher logits"} <= silent  # (elsewhere the row dropped is cut)
+        for name, (off, on, diff, _, error) in result.items():
+            assert off == 1, name
+            assert on > off, name  # the kernel's own count read too
+            assert diff == 0.0, name
+            assert "LOSSFX_DISTRIBUTED_DEBUG" in error and "active rows" in error, (name, error)
+            assert "handed a count of" in error and "but its targets have" in error, (name, error)
+    assert results[0] == results[1]

@@ -31,6 +31,12 @@ The price, only when on: every rank of the default group must make the same sequ
 store round trips per call. Off (the default), a call costs one environment lookup: no store
 access, no collective. Under `torch.compile` the handshake is skipped (eager-only, a warning at
 trace time; no graph break, no guard): a compiled call keeps its in-graph check.
+
+The mode also checks one value that the default path trusts: the count of active rows that the
+hidden-state front door defers for the fused kernel, so that it rides on the call's one host read
+(`lossfx.linear_loss_input._rows_ahead`). On, the kernel reads its own count of its targets too
+(one more read per kernel) and `check_deferred_count` raises `RuntimeError` if the two differ
+(a wrong count would compute the wrong rows silently).
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from torch import Tensor
 
 from lossfx._core import host_reads as _host_reads
 
-__all__ = ["ENV", "ENV_TIMEOUT", "before_call", "enabled"]
+__all__ = ["ENV", "ENV_TIMEOUT", "before_call", "check_deferred_count", "enabled"]
 
 ENV = "LOSSFX_DISTRIBUTED_DEBUG"
 ENV_TIMEOUT = "LOSSFX_DISTRIBUTED_DEBUG_TIMEOUT"
@@ -65,6 +71,18 @@ def enabled() -> bool:
     if value in _ON | _OFF:
         return value in _ON
     raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 1/true/on/yes or 0/false/off/no")
+
+
+def check_deferred_count(deferred: int, own: int) -> None:
+    """The mode's cross-check of the fused kernel's count of active rows that the hidden-state front
+    door deferred ahead of its one host read (`lossfx.linear_loss_input._rows_ahead`): equal to the
+    count the kernel reads of its own targets (`_kernels.fused_linear.CheckedCount`, one more read)."""
+    if deferred != own:
+        raise RuntimeError(
+            f"lossfx ({ENV}): the fused kernel was handed a count of {deferred} active rows, deferred by the "
+            f"hidden-state front door, but its targets have {own} rows with an id that is not ignore_index; "
+            "a wrong count computes the wrong rows. This is a lossfx bug: please report it with the call"
+        )
 
 
 def _timeout() -> float:

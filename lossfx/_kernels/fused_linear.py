@@ -18,6 +18,7 @@ then one all-reduce (or reduce-scatter under sequence parallelism) of `dhidden`
 from __future__ import annotations
 
 import typing
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -120,6 +121,16 @@ def defer_active_rows(ids: Tensor, ignore_index: int, into: list[int]) -> None:
         defer((ids != ignore_index).any(dim=-1).sum(), into.extend)
 
 
+class CheckedCount(list[int]):
+    """A `defer_active_rows` `into` that `linear_rows` also compares with its own count of the rows
+    it gets (one more host read), `check(deferred, own)` raising if they differ: the debug mode's
+    (`lossfx._boundary.debug.check_deferred_count`). A plain list reads nothing more."""
+
+    def __init__(self, check: Callable[[int, int], None]) -> None:
+        super().__init__()
+        self.check = check
+
+
 def linear_rows(
     hidden: Tensor, ids: Tensor, vocab: VocabRange, local_vocab: int, ignore_index: int, count: list[int] | None = None
 ) -> LinearRows:
@@ -138,6 +149,8 @@ def linear_rows(
         if count is not None and not count:
             settle()  # deferred, not read yet
         n_active = count[0] if count else read_now(active.sum())[0]
+        if isinstance(count, CheckedCount) and count:
+            count.check(n_active, read_now(active.sum())[0])
         active = torch.nonzero_static(active, size=n_active)[:, 0]
     return LinearRows(hidden.reshape(hidden_rows, hidden_size), local_idx, owned, valid, active)
 
