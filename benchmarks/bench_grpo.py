@@ -134,7 +134,7 @@ def _check_values(provider: str, tokens: int, hidden: int, vocab: int) -> dict[s
 
 
 def measure_provider(
-    provider: str, tokens: int, hidden: int, vocab: int, min_runs: int, min_run_time: float
+    provider: str, tokens: int, hidden: int, vocab: int, min_runs: int, min_run_time: float, fresh: bool = True
 ) -> dict[str, Any]:
     kwargs = {"provider": provider, "tokens": tokens, "hidden": hidden, "vocab": vocab}
     values = _check_values(provider, tokens, hidden, vocab)
@@ -144,7 +144,7 @@ def measure_provider(
     first = time.perf_counter() - start
     timing = measure.time_call(run, min_run_time=min_run_time, min_runs=min_runs)
     del run
-    peak = measure.peak_memory_bytes("benchmarks.bench_grpo:build", kwargs)
+    peak = measure.peak_memory_bytes("benchmarks.bench_grpo:build", kwargs, fresh=fresh)
     grads = (tokens + vocab) * hidden * 4
     row = builders.result_row(provider, tokens, hidden, vocab, "fp32", timing, first, peak, grads)
     return {**row, "entropy": provider in WITH_ENTROPY, **values}
@@ -175,7 +175,9 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any], skipped: list[str]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny shapes, eager peaks by the profiler in this process (a smoke run)"
+    )
     parser.add_argument("--vocabs", nargs="+", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=None, help=f"N (default {TOKENS}; a multiple of {SEQUENCES})")
     parser.add_argument("--hidden", type=int, default=None, help=f"H (default {HIDDEN})")
@@ -194,12 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     skipped = [p for p in args.providers if not available(p)]
     if skipped:
         print(f"skipped (not available here): {', '.join(skipped)}", flush=True)
+    fresh = not args.quick or any(p.endswith("compiled") for p in providers)  # a smoke run: no process per peak
     env = {
         **measure.environment(),
         "trl": _version("trl"),
         "liger": _version("liger-kernel"),
         "cce": _version("cut-cross-entropy"),
-        "memory_method": measure.MEMORY_METHOD,
+        "memory_method": measure.MEMORY_METHOD if fresh else "the profiler's allocation events, in this process",
     }
     rows: list[dict[str, Any]] = []
     stem = Path(args.out) / args.name
@@ -208,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         group = []
         for provider in providers:
             torch._dynamo.reset()
-            row = measure_provider(provider, tokens, hidden, vocab, args.min_runs, args.min_run_time)
+            row = measure_provider(provider, tokens, hidden, vocab, args.min_runs, args.min_run_time, fresh)
             group.append(row)
             print(
                 f"V={vocab:>6} {provider:>25}: {row['median_ms']:9.1f} ms [{row['p20_ms']:.1f}, {row['p80_ms']:.1f}]  "

@@ -138,10 +138,12 @@ def bench_case(
     modes: tuple[str, ...],
     min_run_time: float,
     min_runs: int = 1,
+    fresh: bool = True,
 ) -> list[dict[str, Any]]:
     """All providers and modes for one shape and dtype, side by side; one row each.
 
-    Times are taken in this process; each peak in a fresh one (`measure.peak_memory_bytes`).
+    Times are taken in this process; each peak in a fresh one (`measure.peak_memory_bytes`; `fresh`
+    False: in this process, `--quick` with eager providers only).
     """
     dtype = DTYPES[dtype_name]
     logits, input_ids, grad_out = _inputs(case, dtype_name)
@@ -176,7 +178,7 @@ def bench_case(
         for mode in modes:
             t = measure.time_call(fns[mode], min_run_time=min_run_time, min_runs=min_runs)
             spec = {"case": case.name, "dtype": dtype_name, "provider": provider, "mode": mode}
-            peak = measure.peak_memory_bytes("benchmarks.run:build_call", spec)
+            peak = measure.peak_memory_bytes("benchmarks.run:build_call", spec, fresh=fresh)
             rows.append(
                 {
                     **base, "provider": provider, "mode": mode,
@@ -334,7 +336,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch/OpenMP threads (default 1)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--render", action="store_true", help="only re-render <out>/logprob.{md,png} from its JSON")
-    p.add_argument("--quick", action="store_true", help="tiny shapes, eager, short timings: a smoke run")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny shapes, eager, short timings, eager peaks by the profiler in this process: a smoke run",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.cases = args.cases or list(QUICK_CASES)
@@ -356,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(args.threads)
     cases = [get_case(name) for name in args.cases]
+    fresh = not args.quick or any(p.endswith("compiled") for p in args.providers)  # a smoke run: no process per peak
     env = {
         **measure.environment(),
         "cpu_count": str(os.cpu_count()),
@@ -368,12 +375,15 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "quick": args.quick,
         "plot": not args.no_plot,
+        "fresh_peaks": fresh,
     }  # fmt: skip
     print(f"# {env}", flush=True)
     rows: list[dict[str, Any]] = []
     for case in cases:
         for dtype_name in args.dtypes:
-            rows += bench_case(case, dtype_name, args.providers, tuple(args.modes), args.min_run_time, args.min_runs)
+            rows += bench_case(
+                case, dtype_name, args.providers, tuple(args.modes), args.min_run_time, args.min_runs, fresh
+            )
             write_results(rows, env, config, args.out)  # after each group: a cut-short run keeps its rows
     print(markdown_table(rows, check_targets(rows), env))
     print(f"results written to {args.out}/logprob.{{csv,json,md{'' if args.no_plot else ',png'}}}")
