@@ -538,9 +538,9 @@ _assertions._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _judged(g: Tensor, how: _How) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
-    """`(failed [n] bool, the layout)`: which of a group's `n` assertions (`_assertions`: `how`
-    is their `(group_of, columns)` and the `layout` policy) the
-    gathered signatures `g [R, SIGNATURE_LEN]` fail, and the layout as `_layout_flags` reads it
+    """`(failed [n] bool, the layout)`: which of a group's `n` assertions (`_assertions`; `how`:
+    their `(group_of, columns)` and the `layout` policy) the gathered signatures
+    `g [R, SIGNATURE_LEN]` fail, and the layout as `_layout_flags` reads it
     (`(broken rules, spans)`; None when `layout` has no rules): the one decision of the check,
     tensor ops on a host copy of the gathered signatures (eager: read in the call's one host read,
     then judged with no device op; the first failed assertion worded by `_worded` or
@@ -634,9 +634,8 @@ def _layout_flags(g: Tensor, policy: str) -> tuple[Tensor, Tensor]:
     `_tiling_error` words. Tensor ops (`_judged`'s: on a host copy, the device or in a graph)."""
     world, w = g.shape[0], g[:, _H_WIDTH]
     broken = [torch.zeros((), dtype=torch.bool, device=g.device)] * _RULES
-    spans = g[:, _H_WIDTH : _H_SIZE + 1].T  # as given: `"equal"` reads the widths alone
-    if policy == "equal":
-        broken[0] = (w != w[0]).any()
+    if policy == "equal":  # the spans as given: it reads the widths alone
+        broken[0], spans = (w != w[0]).any(), g[:, _H_WIDTH : _H_SIZE + 1].T
     else:
         start = torch.where(g[:, _H_START] == _NONE, torch.arange(world, device=g.device) * w, g[:, _H_START])
         size = torch.where(g[:, _H_SIZE] == _NONE, world * w, g[:, _H_SIZE])
@@ -740,7 +739,7 @@ def _check(
     def judge(group: dist.ProcessGroup, group_name: str | None, how: _How, values: list[int]) -> None:
         across_tp, (group_of, _, layout) = group is tp, how
         # the one judgement, of the host copy (no device op); its CPU tensors are read as host memory
-        host = torch.tensor(values).view(group.size(), -1)
+        host = torch.tensor(values, device="cpu").view(group.size(), -1)  # (whatever the default device)
         verdict, rules = _judged(host, how)
         failed, sigs = verdict.numpy().tolist(), host.numpy().tolist()
         if any(failed):
