@@ -237,6 +237,48 @@ def test_one_signature_gather_per_entry_call(monkeypatch):
     assert thread_world(2).run(_count_gathers, counts) == [1, 1]
 
 
+def _ops_after_gather(rank, world, group, ops):
+    z, ids = _logits(2, 3, 8, 6)[..., rank * 4 : (rank + 1) * 4], _ids(2, 3, 8, 6)
+    before = len(ops[rank])
+    lossfx.token_logprobs(z, ids, group=group)  # vocab="tiled": the most layout rules
+    return ops[rank][before:]
+
+
+def test_eager_check_judges_the_host_copy(monkeypatch):
+    """Eagerly the check runs no op on the gathered signatures before the call's one host read:
+    the read carries the gathered matrix, and the judgement (`_judged`) runs on the host copy (on a
+    GPU, no launches); the ranks still agree (every call below passes the check)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self, seen):
+            super().__init__()
+            self.seen = seen
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    ops, modes = [[], []], {}
+    gather, check = _consistency._gather_on_device, _consistency._check
+
+    def gathering(sig, group):
+        out = gather(sig, group)
+        modes[group.rank()] = Ops(ops[group.rank()]).__enter__()  # counts until the check returns
+        return out
+
+    def checking(name, arguments, *args, **kwargs):
+        try:
+            return check(name, arguments, *args, **kwargs)
+        finally:
+            group = arguments["group"]
+            modes.pop(group.rank()).__exit__(None, None, None)
+
+    monkeypatch.setattr(_consistency, "_gather_on_device", gathering)
+    monkeypatch.setattr(_consistency, "_check", checking)
+    assert thread_world(2).run(_ops_after_gather, ops) == [[], []]
+
+
 def _thread_batch_mismatch(rank, world, group):
     return value_error(lambda: _call("batch", rank, group))[0]
 
@@ -327,21 +369,21 @@ def _finding(rows: list[list[int]], fields, across_tp: bool, policy: str = "free
     (`_judged`, which eager and compiled calls share) worded as an eager call words it: `(label,
     rank 0's value)`, the layout's message, or None."""
     C = _consistency
-    _, group_of, columns = C._assertions(tuple(fields.owners), tuple(fields.tp_only), across_tp, policy, "")
-    failed, broken = C._judged(torch.tensor(rows), group_of, columns, policy)
+    _, how = C._assertions(tuple(fields.owners), tuple(fields.tp_only), across_tp, policy, "")
+    failed, rules = C._judged(torch.tensor(rows), how)
     if not failed.any():
         return None
-    found = C._worded(failed.tolist().index(True), group_of, rows, rows[0], fields, C._NO_ROLES)
-    return found or C._tiling_error(rows, policy, broken.tolist())
+    found = C._worded(failed.tolist().index(True), how[0], rows, rows[0], fields, C._NO_ROLES)
+    return found or C._tiling_error(*(t.tolist() for t in rules), policy)
 
 
 @pytest.mark.parametrize("policy", ["free", "auto", "equal", "sized", "tiled", "topk:5", "topk:40"])
 def test_one_judgement_of_fields_and_layout(policy):
-    """The check decides once (`_judged`, tensor ops: eagerly on the device, read with the
-    signatures, and in the compiled graph); the TP verdict that travels to the CP peers is that
-    decision. Against a dense reading: it fails exactly when a field differs or the layout breaks
-    `policy` (`_layout_flags`, against `_breaks_layout`), and a differing field is named before a
-    broken layout."""
+    """The check decides once (`_judged`, tensor ops: eagerly on the host copy of the gathered
+    signatures, on the device for the TP verdict, and in the compiled graph); the TP verdict that
+    travels to the CP peers is that decision. Against a dense reading: it fails exactly when a
+    field differs or the layout breaks `policy` (`_layout_flags`, against `_breaks_layout`), and
+    a differing field is named before a broken layout."""
     C = _consistency
     gen = torch.Generator().manual_seed(len(policy))
     base, fields = C._signature("f", {"x": torch.ones(3), "k": 4})
@@ -363,7 +405,10 @@ def test_one_judgement_of_fields_and_layout(policy):
             if field:  # a field disagrees
                 g[-1, C._HEADER + 3] += 1
             sigs = g.tolist()
-            tiling = C._tiling_error(sigs, policy, C._layout_flags(g, policy).tolist())
+            tiling = None
+            if policy not in ("free", "auto"):  # (the rules of a layout that has some)
+                broken, spans = C._layout_flags(g, policy)
+                tiling = C._tiling_error(broken.tolist(), spans.tolist(), policy) if broken.any() else None
             assert (tiling is not None) == _breaks_layout(sigs, policy), sigs
             found = _finding(sigs, fields, True, policy)
             assert (found is not None) == (field or tiling is not None), (policy, sigs[0][:10], [s[:10] for s in sigs])

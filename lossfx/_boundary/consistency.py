@@ -208,10 +208,9 @@ _crc._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _encode(value: Any) -> tuple[int, int]:
-    """`(kind, int64)` of a scalar-like value: an enum by its value (`LossInputType.LOGPROB` and
-    `"logprob"` agree), a float as a value like the fingerprints (`-0.0` is `0.0`, a NaN is one
-    NaN), a string by the code of its text, any other object by its type (as `_show` words it)."""
-    value = value.value if isinstance(value, enum.Enum) else value
+    """`(kind, int64)` of a scalar-like value (an enum comes as its value, `_Fields.add`): a float
+    as a value like the fingerprints (`-0.0` is `0.0`, a NaN is one NaN), a string by the code of
+    its text, any other object by its type (as `_show` words it)."""
     if value is None:
         return _K_NONE, 0
     if isinstance(value, bool):
@@ -230,7 +229,6 @@ def _encode(value: Any) -> tuple[int, int]:
 
 def _show(value: Any) -> str:
     """How a scalar-like value reads in this rank's part of a message."""
-    value = value.value if isinstance(value, enum.Enum) else value
     if isinstance(value, str) and not isinstance(value, _Kind):
         return repr(value)
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
@@ -248,8 +246,7 @@ class _Fields:
     on the values of fields before it (a tensor's `ndim` precedes its dims, a mapping's keys
     precede its entries), so ranks compare labels position by position."""
 
-    def __init__(self, logits_grad: bool = False, roles: Roles = _NO_ROLES) -> None:
-        self.logits_grad = logits_grad  # with a CP group the logits' backward runs a collective
+    def __init__(self, roles: Roles = _NO_ROLES) -> None:
         self.roles = roles  # the parts the keys of a mapping argument play (`columns`, `shard_columns`)
         self.columns: list[tuple[str, str, Tensor]] = []  # (owner, label, tensor): vocabulary-wide, last
         self.owner, self.cp_shard = "", False  # the argument whose fields are being added; its part is this rank's
@@ -262,6 +259,8 @@ class _Fields:
         self.tp_only: list[int] = []  # the fields compared across the tensor-parallel group only (`cp_shard`)
 
     def add(self, label: str, value: Any) -> None:
+        """A field: an enum by its value (`LossInputType.LOGPROB` and `"logprob"` agree)."""
+        value = value.value if isinstance(value, enum.Enum) else value
         self.labels.append(label)
         self.owners.append(self.owner or label)  # (before the arguments: the field is its own owner)
         self.shown.append(value)
@@ -359,7 +358,7 @@ def _signature(
     on their device and written into the vector there (no host read). `cp`: a context-parallel group takes
     part (the logits' `requires_grad` is then compared: their backward all-reduces); `world`:
     the tensor-parallel size (a vocabulary-wide column is fingerprinted over `[0, V)`)."""
-    fields = _Fields(logits_grad=cp, roles=roles)
+    fields = _Fields(roles)
     header = [_MAGIC, _crc(name), 0, 0, 0, _NONE, _NONE, _NONE, _NONE, 0, 0, 0]  # width, start, size, rank: not given
     heads = []
     fields.add("torch.is_grad_enabled()", torch.is_grad_enabled())  # decides the backward's collectives
@@ -367,10 +366,13 @@ def _signature(
     fields.add("the forced lossfx.chunk_policy", _Kind(_policy_text(_chunking._forced)))
     own_rows = roles.rows[0] if roles.rows and arguments.get(roles.rows[1]) else None  # this rank's rows
     tp = arguments.get(roles.tp) if roles.tp else None
+    layout = {roles.start: _H_START, roles.size: _H_SIZE, roles.rank: _H_RANK}  # their header slots (per rank)
     for arg, value in arguments.items():
         fields.owner, fields.cp_shard = arg, arg in roles.cp_shards
         if arg.startswith("_"):  # a view's own state (its `VocabShard`), not an argument
             continue
+        if arg in layout:
+            header[layout[arg]] = _NONE if value is None else int(value)
         if arg == roles.heads and (isinstance(value, (list, tuple)) or (isinstance(value, Tensor) and value.dim())):
             value = dict(enumerate([value] if isinstance(value, Tensor) else value))  # checked as a mapping
         if roles.attrs and arg == roles.attrs[0] and value is not None:  # what the call reads of it, no more
@@ -378,8 +380,6 @@ def _signature(
         elif arg == roles.heads and isinstance(value, Mapping) and value:
             heads.append((arg, value))  # after the loop, when this rank's shard is known
         elif arg in (roles.start, roles.rank):
-            slot = _H_START if arg == roles.start else _H_RANK
-            header[slot] = _NONE if value is None else int(value)
             if arg == roles.rank:  # compared: a rank whose body rejects it must not leave its peers waiting
                 own = type(value) is int and isinstance(tp, dist.ProcessGroup) and value == tp.rank()
                 fields.add(f"whether {arg} is this process's rank in {roles.tp}", own)
@@ -389,15 +389,13 @@ def _signature(
             # the shard width is per rank (header); a second shard (a teacher) must match the first
             if header[_H_WIDTH] == _NONE:
                 header[_H_WIDTH] = int(value.shape[-1])
-            fields.tensor(arg, value, enumerate(value.shape[:-1]), False, grad=fields.logits_grad)
+            fields.tensor(arg, value, enumerate(value.shape[:-1]), False, grad=cp)  # CP: their backward all-reduces
             fields.add(f"{arg}.shape[-1] == the shard width", int(value.shape[-1]) == header[_H_WIDTH])
         elif arg == roles.head and isinstance(value, Tensor) and value.dim():
             # an LM-head shard: its row count is this rank's vocabulary width; the other dims must agree
             header[_H_WIDTH] = int(value.shape[0])
             fields.tensor(arg, value, list(enumerate(value.shape))[1:], replicated=False)
         else:
-            if arg == roles.size:
-                header[_H_SIZE] = _NONE if value is None else int(value)
             per_rank = arg in (own_rows, roles.heads)
             if roles.reads and arg == roles.reads[0] and isinstance(value, Mapping):  # what the call reads, no more
                 read = roles.reads[1](arguments)
@@ -409,9 +407,8 @@ def _signature(
         _head_fields(fields, arg, value, header)
     for owner, label, column in fields.columns:  # replicated over [0, V); a wider payload's tail is never read
         fields.owner = owner
-        vocab = header[_H_SIZE] if header[_H_SIZE] != _NONE else world * header[_H_WIDTH]
-        if header[_H_WIDTH] == _NONE and header[_H_SIZE] == _NONE:
-            vocab = column.shape[-1]
+        width, size = header[_H_WIDTH], header[_H_SIZE]  # (neither given: the column's own width)
+        vocab = size if size != _NONE else column.shape[-1] if width == _NONE else world * width
         column = column[..., : max(vocab, 0)]
         fields.tensor(f"{label}[..., :{vocab}]", column, [], replicated=True, grad=False, what=_COLUMN_VALUES)
     flat = [x for code in fields.codes for x in code]
@@ -493,20 +490,31 @@ _IN_GRAPH = (
 _LAYOUT_WHAT = "the vocabulary shard layout (each rank's width, first id and V: the shards must tile [0, V))"
 
 
+_How = tuple[tuple[int, ...], tuple[bool, ...], str]  # how `_judged` judges one group: (group_of, columns, layout)
+
+
 def _assertions(
     owners: tuple[str, ...], tp_only: tuple[int, ...], across_tp: bool, layout: str, where: str
-) -> tuple[tuple[str, ...], tuple[int, ...], tuple[bool, ...]]:
+) -> tuple[tuple[str, ...], _How]:
     """The check's assertions over one group, in the order they are judged: `(the compiled message
-    of each, the assertion comparing each signature slot (none: the number of assertions), whether
-    each compares a vocabulary-wide column's values)`. The header (`_HEAD`); across the
-    context-parallel group the shard layout (`_CP_LAYOUT`: the same on every rank); each run of
-    consecutive fields of one argument (`owners`: the call's `_Fields`; a replicated tensor's values
-    a run of their own; across CP not the fingerprints of sequence shards, `tp_only`); the
-    fields past the body; last, the vocabulary-layout rules as `layout` needs (`_layout_flags`: no
-    slots). The runs before the first disagreeing field are the same on every rank (labels depend
-    only on earlier fields), so every rank fails the same assertion first. `where`: the messages'
-    `lossfx.<function>: the ranks of <group>`. Run for real under torch.compile (a constant of the
-    graph: Dynamo interprets each Python step it traces, ~35k steps here)."""
+    of each, how `_judged` judges them: (the assertion comparing each signature slot (none: the
+    number of assertions), whether each compares a vocabulary-wide column's values, `layout`))`.
+    The header (`_HEAD`); across the context-parallel group the shard layout (`_CP_LAYOUT`: the
+    same on every rank); each run of consecutive fields of one argument (`owners`: the call's
+    `_Fields`; a replicated tensor's values a run of their own; across CP not the fingerprints of
+    sequence shards, `tp_only`); the fields past the body; last, the vocabulary-layout rules as
+    `layout` needs (`_layout_flags`: no slots). The runs before the first disagreeing field are the
+    same on every rank (labels depend only on earlier fields), so every rank fails the same
+    assertion first. `where`: the messages' `lossfx.<function>: the ranks of <group>`. Run for real
+    under torch.compile (a constant of the graph: Dynamo interprets each Python step it traces,
+    ~35k steps here); cached (`_assertions_of`)."""
+    return _assertions_of(owners, tp_only, across_tp, layout, where)
+
+
+@functools.lru_cache(maxsize=64)
+def _assertions_of(
+    owners: tuple[str, ...], tp_only: tuple[int, ...], across_tp: bool, layout: str, where: str
+) -> tuple[tuple[str, ...], _How]:
     groups = [(what, list(slots)) for what, slots in _HEAD]
     if not across_tp:
         groups.append(("the vocabulary shard layout (this rank's width, first id, V and rank)", list(_CP_LAYOUT)))
@@ -523,28 +531,45 @@ def _assertions(
     where_is = {slot: g for g, (_, slots) in enumerate(groups) for slot in slots}  # each slot in one assertion at most
     group_of = tuple(where_is.get(slot, len(groups)) for slot in range(SIGNATURE_LEN))
     messages = tuple(_IN_GRAPH.format(where, what) for what, _ in groups)
-    return messages, group_of, tuple(what.startswith(_COLUMN_VALUES) for what, _ in groups)
+    return messages, (group_of, tuple(what.startswith(_COLUMN_VALUES) for what, _ in groups), layout)
 
 
 _assertions._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def _judged(g: Tensor, group_of: tuple[int, ...], columns: tuple[bool, ...], layout: str) -> tuple[Tensor, Tensor]:
-    """`(failed [n] bool, broken [_RULES] bool)`: which of a group's `n` assertions (`_assertions`)
-    the gathered signatures `g [R, SIGNATURE_LEN]` fail, and which layout rules they break
-    (`_layout_flags`): the one decision of the check, tensor ops on the device (eager: read with
-    `g` in the call's one host read, the first failed assertion then worded by `_worded`) or in the
-    graph (compiled: asserted). An assertion fails when the ranks differ in one of its slots; a
-    field past the fewest any rank has is left to the count (a peer has another field there, or
-    none); the values of a vocabulary-wide column (read over `[0, V)` of each rank's own layout)
-    pass when the layout is broken, its cause; the layout rules fail the last assertion."""
-    n, device = len(columns), g.device
-    compared = torch.arange(SIGNATURE_LEN, device=device) < _HEADER + 2 * g[:, _H_COUNT].min()
+def _judged(g: Tensor, how: _How) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+    """`(failed [n] bool, the layout)`: which of a group's `n` assertions (`_assertions`; `how`:
+    their `(group_of, columns)` and the `layout` policy) the gathered signatures
+    `g [R, SIGNATURE_LEN]` fail, and the layout as `_layout_flags` reads it
+    (`(broken rules, spans)`; None when `layout` has no rules): the one decision of the check,
+    tensor ops on a host copy of the gathered signatures (eager: read in the call's one host read,
+    then judged with no device op; the first failed assertion worded by `_worded` or
+    `_tiling_error`), on the device (the tensor-parallel verdict sent to the context-parallel
+    peers) or in the graph (compiled: asserted). An assertion fails when the ranks differ in one
+    of its slots; a field past the fewest any rank has is left to the count (a peer has another
+    field there, or none); the values of a vocabulary-wide column (read over `[0, V)` of each
+    rank's own layout) pass when the layout is broken, its cause; the layout rules fail the last
+    assertion."""
+    (group_of, columns, layout), constants = how, _constants if _host_reads.tracing() else _cached_constants
+    member, field_of, kept, last = constants(group_of, columns, g.device)
+    failed = (member & ((g != g[0]).any(0) & (field_of < g[:, _H_COUNT].min()))).any(1)
+    if layout in ("free", "auto"):
+        return failed, None
+    broken, spans = _layout_flags(g, layout)
+    return torch.where(broken.any(), (failed & kept) | last, failed), (broken, spans)
+
+
+def _constants(group_of: tuple[int, ...], columns: tuple[bool, ...], device: torch.device) -> tuple[Tensor, ...]:
+    """`_judged`'s constants for one group's assertions: which slots each compares `[n, L]`, the
+    field of each slot (negative: the header), the assertions that still fail when the layout is
+    broken (not a vocabulary-wide column's values) and the layout's own (the last)."""
+    n = len(columns)
     member = torch.tensor(group_of, device=device) == torch.arange(n, device=device)[:, None]
-    broken = _layout_flags(g, layout)
-    bad_layout = broken.any()
-    failed = (((g != g[0]).any(0) & compared) & member).any(1) & ~(torch.tensor(columns, device=device) & bad_layout)
-    return failed | ((torch.arange(n, device=device) == n - 1) & bad_layout), broken
+    field_of = torch.arange(-_HEADER, SIGNATURE_LEN - _HEADER, device=device).div(2, rounding_mode="floor")
+    return member, field_of, ~torch.tensor(columns, device=device), torch.arange(n, device=device) == n - 1
+
+
+_cached_constants = functools.lru_cache(maxsize=64)(_constants)  # eager: built once per group's assertions
 
 
 def _worded(
@@ -576,14 +601,11 @@ def _worded(
     count = min(s[_H_COUNT] for s in sigs)  # the fields past the body
     if differs(_H_COUNT) and count < _MAX_FIELDS:  # the fields agree as far as every rank has them
         extra = f", the next: {fields.labels[count]}" if len(fields.labels) > count else ""
-        return "how many argument fields the call has (a DTensor or a column on some ranks only?)", (
-            f"{own[_H_COUNT]} fields{extra}"
-        )
+        what = "how many argument fields the call has (a DTensor or a column on some ranks only?)"
+        return what, f"{own[_H_COUNT]} fields{extra}"
     digests = "/".join(f"{own[s] & (2**64 - 1):016x}" for s in (_H_DIGEST, _H_VALUES))  # (all, all but CP shards)
-    return (
-        f"an argument field past the first {_MAX_FIELDS} (or the values of a replicated tensor)",
-        f"digests {digests}",
-    )
+    what = f"an argument field past the first {_MAX_FIELDS} (or the values of a replicated tensor)"
+    return what, f"digests {digests}"
 
 
 def _describe(disagreement: tuple[str, str], group: dist.ProcessGroup, sigs: list[list[int]]) -> str:
@@ -601,58 +623,52 @@ def _describe(disagreement: tuple[str, str], group: dist.ProcessGroup, sigs: lis
 _RULES = 5  # the layout rules of `_layout_flags`
 
 
-def _layout_flags(g: Tensor, policy: str) -> Tensor:
-    """The vocabulary-layout rules, written once: `[_RULES]` bool, which of them the shards of the
-    gathered tensor-parallel signatures `g [R, L]` break as `policy` needs: equal widths
-    (`"equal"`), one count of top-k candidates `min(k, R·Vl)` (`"topk:<k>"`), one size `V`,
-    widths summing to `V` (`"sized"`), spans `[start, start + width)` tiling `[0, V)` (`"tiled"`,
-    `"topk"`: `V = Σ widths`). A first id not given is `rank · width`, a size `R · width`; a width
-    not given (no shard argument) breaks nothing. Tensor ops, on the device (read with the
-    signatures: the eager check words the first broken rule, `_tiling_error`) or in a graph."""
-    if policy in ("free", "auto"):
-        return torch.zeros(_RULES, dtype=torch.bool, device=g.device)
+def _layout_flags(g: Tensor, policy: str) -> tuple[Tensor, Tensor]:
+    """The vocabulary-layout rules, written once: `(broken [_RULES] bool, spans [3, R] int64)`.
+    `broken`: which of them the shards of the gathered tensor-parallel signatures `g [R, L]`
+    break as `policy` needs: equal widths (`"equal"`), one count of top-k candidates
+    `min(k, R·Vl)` (`"topk:<k>"`), one size `V`, widths summing to `V` (`"sized"`), spans
+    `[start, start + width)` tiling `[0, V)` (`"tiled"`, `"topk"`: `V = Σ widths`); a width not
+    given (no shard argument) breaks nothing. `spans`: each rank's width, first id and `V` as the
+    rules read them (a first id not given is `rank · width`, a size `R · width`), which
+    `_tiling_error` words. Tensor ops (`_judged`'s: on a host copy, the device or in a graph)."""
+    world, w = g.shape[0], g[:, _H_WIDTH]
     broken = [torch.zeros((), dtype=torch.bool, device=g.device)] * _RULES
-    world = g.shape[0]
-    w, given_start, given_size = g[:, _H_WIDTH], g[:, _H_START], g[:, _H_SIZE]
-    if policy == "equal":
-        broken[0] = (w != w[0]).any()
+    if policy == "equal":  # the spans as given: it reads the widths alone
+        broken[0], spans = (w != w[0]).any(), g[:, _H_WIDTH : _H_SIZE + 1].T
     else:
-        sizes = torch.where(given_size == _NONE, world * w, given_size)
+        start = torch.where(g[:, _H_START] == _NONE, torch.arange(world, device=g.device) * w, g[:, _H_START])
+        size = torch.where(g[:, _H_SIZE] == _NONE, world * w, g[:, _H_SIZE])
         if policy.startswith("topk:"):  # every rank sends min(k, R·Vl) candidates, then tiled with V = Σ widths
             m = torch.clamp(world * w, max=int(policy.removeprefix("topk:")))
             broken[1] = (m != m[0]).any()
-            policy, sizes = "tiled", w.sum().expand(world)
-        broken[2] = (sizes != sizes[0]).any()
+            policy, size = "tiled", w.sum().expand(world)
+        broken[2] = (size != size[0]).any()
         if policy == "sized":
-            broken[3] = w.sum() != sizes[0]
-        else:  # sorted by (start, width), each span starts where the last ended (a gap or an overlap breaks it)
-            start = torch.where(given_start == _NONE, torch.arange(world, device=g.device) * w, given_start)
+            broken[3] = w.sum() != size[0]
+        else:  # sorted by (start, width), each span starts where the ones before it end (a gap or an overlap breaks it)
             order = torch.argsort(start * (1 << 32) + w, stable=True)
-            ends, starts = torch.cumsum(w[order], 0), start[order]
-            broken[4] = ~((starts[0] == 0) & (starts[1:] == ends[:-1]).all() & (ends[-1] == sizes[0]))
-    return torch.stack(broken) & ~(w == _NONE).any()
+            ends = torch.cumsum(w[order], 0)
+            broken[4] = (start[order] != ends - w[order]).any() | (ends[-1] != size[0])
+        spans = torch.stack([w, start, size])
+    return torch.stack(broken) & ~(w == _NONE).any(), spans
 
 
-def _tiling_error(sigs: list[list[int]], policy: str, broken: list[int], roles: Roles = _NO_ROLES) -> str | None:
-    """The first layout rule the ranks' shards break (`broken`: `_layout_flags` of the gathered
-    signatures `sigs`), in words, or `None`."""
-    if not any(broken):
-        return None
+def _tiling_error(broken: list[bool], spans: list[list[int]], policy: str, roles: Roles = _NO_ROLES) -> str:
+    """The first layout rule the ranks' shards break, in words: `_layout_flags`' `broken` rules
+    and `spans` (each rank's width, first id and `V`), formatted."""
     start_name, size_name = roles.start or "the first vocabulary id", roles.size or "the vocabulary size"
-    world, widths = len(sigs), [s[_H_WIDTH] for s in sigs]
+    widths, starts, sizes = spans
     shown = ", ".join(f"rank {r}: {w}" for r, w in enumerate(widths))
-    sizes = [s[_H_SIZE] if s[_H_SIZE] != _NONE else world * s[_H_WIDTH] for s in sigs]  # topk: V = Σ widths
-    sizes = [sum(widths)] * world if policy.startswith("topk:") else sizes
-    starts = [s[_H_START] if s[_H_START] != _NONE else r * w for r, (s, w) in enumerate(zip(sigs, widths, strict=True))]
-    spans = ", ".join(f"rank {r}: [{s}, {s + w})" for r, (s, w) in enumerate(zip(starts, widths, strict=True)))
+    spans_shown = ", ".join(f"rank {r}: [{s}, {s + w})" for r, (s, w) in enumerate(zip(starts, widths, strict=True)))
     return [
         f"the vocabulary shard width ({shown}); this function needs equal shards",
         f"the vocabulary shard width ({shown}): with uneven shards this function needs "
-        f"k={policy.removeprefix('topk:')} <= world_size · the smallest width ({world * min(widths)})",
+        f"k={policy.removeprefix('topk:')} <= world_size · the smallest width ({len(widths) * min(widths)})",
         f"the vocabulary size V ({', '.join(f'rank {r}: {v}' for r, v in enumerate(sizes))}; without {size_name} it is "
         f"world_size · the shard width, shard widths {shown}); pass {size_name} (and {start_name}) for uneven shards",
         f"the vocabulary: the shard widths ({shown}) sum to {sum(widths)}, not {size_name}={sizes[0]}",
-        f"the vocabulary shards ({spans}) which do not tile [0, {sizes[0]}); without {start_name} a "
+        f"the vocabulary shards ({spans_shown}) which do not tile [0, {sizes[0]}); without {start_name} a "
         f"shard starts at rank · the shard width: pass {start_name} and {size_name} for uneven shards",
     ][broken.index(True)]
 
@@ -665,11 +681,6 @@ def _gather_on_device(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the older name warns in 2.13
     gather(out, x, group=group)
     return out.view(group.size(), x.shape[0])
-
-
-def _rows(values: list[int], world: int) -> list[list[int]]:
-    width = len(values) // world
-    return [values[r * width : (r + 1) * width] for r in range(world)]
 
 
 def _is_distributed(group: Any) -> TypeGuard[dist.ProcessGroup]:
@@ -699,10 +710,12 @@ def _check(
     and judge it (`_judged`, the one decision); raise on any disagreement, on every rank.
 
     Eager: every rank runs the same collectives whatever it finds (the context-parallel signature
-    carries the TP verdict), so no rank is left waiting; the decisions, with the gathered matrices
-    they are worded from (`_worded`, `_tiling_error`, each rank's value exchanged once on the error
-    path), are read with the call's other host reads (`_core.host_reads.defer`, settled before the
-    call's first collective): one read. The tensor-parallel widths the ranks report are written
+    carries the TP verdict, judged on the device), so no rank is left waiting; the gathered
+    matrices are read with the call's other host reads (`_core.host_reads.defer`, settled before
+    the call's first collective): one read (no device op between the gather and that read, but
+    the TP verdict's when a CP group takes part). Each is then judged on its host copy (`_judged`
+    on CPU tensors, constants cached) and worded (`_worded`, `_tiling_error`, each rank's value
+    exchanged once on the error path). The tensor-parallel widths the ranks report are written
     into `widths` (the call's `ShardWidths`).
 
     Traced (`torch.compile`): the signature (static fields a constant of the graph, fingerprints
@@ -723,16 +736,22 @@ def _check(
     errors: list[str] = []
     in_graph = []
 
-    def judge(
-        group: dist.ProcessGroup, group_name: str | None, group_of: tuple[int, ...], n: int, values: list[int]
-    ) -> None:
-        across_tp = group is tp
-        failed, broken, sigs = values[:n], values[n : n + _RULES], _rows(values[n + _RULES :], group.size())
+    def judge(group: dist.ProcessGroup, group_name: str | None, how: _How, values: list[int]) -> None:
+        across_tp, (group_of, _, layout) = group is tp, how
+        # the one judgement, of the host copy (no device op); its CPU tensors are read as host memory
+        host = torch.tensor(values, device="cpu").view(group.size(), -1)  # (whatever the default device)
+        verdict, rules = _judged(host, how)
+        failed, sigs = verdict.numpy().tolist(), host.numpy().tolist()
         if any(failed):
-            found = _worded(failed.index(1), group_of, sigs, sigs[group.rank()], fields, roles)  # None: the layout
+            found = _worded(failed.index(True), group_of, sigs, sigs[group.rank()], fields, roles)  # None: the layout
             rows = roles.rows[0] if roles.rows else None
             shown = hint if found and rows and found[0].startswith((rows, f"the values of {rows}")) else ""
-            problem = _describe(found, group, sigs) + shown if found else _tiling_error(sigs, policy, broken, roles)
+            if found:
+                problem = _describe(found, group, sigs) + shown
+            else:  # the last assertion, a layout rule (`_worded` finds no slot of it)
+                assert rules is not None, "only a layout with rules has that assertion"
+                broken, spans = (t.numpy().tolist() for t in rules)
+                problem = _tiling_error(broken, spans, layout, roles)
             where = "lossfx" if found and found[0] == _HEAD[0][0] else f"lossfx.{name}"  # the same on every rank
             errors.append(f"{where}: the {group.size()} ranks of {group_name} disagree on {problem}")
         elif across_tp and widths is not None:
@@ -754,18 +773,16 @@ def _check(
             continue
         layout = ("equal" if traced and policy == "auto" else policy) if across_tp else "free"
         where = f"lossfx.{name}: the ranks of {group_name}"
-        messages, group_of, columns = _assertions(tuple(fields.owners), tuple(fields.tp_only), across_tp, layout, where)
+        messages, how = _assertions(tuple(fields.owners), tuple(fields.tp_only), across_tp, layout, where)
         if traced:  # issued only: the wait is the assertions', so the round trip flies while the kernel computes
             in_flight = torch.ops._c10d_functional.all_gather_into_tensor(sig, group.size(), group.group_name)
-            in_graph.append((in_flight, messages, group_of, columns, layout))
+            in_graph.append((in_flight, messages, how))
             continue
         gathered = _gather_on_device(sig, group)
-        failed, broken = _judged(gathered, group_of, columns, layout)
-        found = torch.cat([failed.to(torch.int64), broken.to(torch.int64), gathered.reshape(-1)])
-        _host_reads.defer(found, functools.partial(judge, group, group_name, group_of, len(columns)))
-        if across_tp and cp is not None:  # the TP verdict, carried to the CP peers (no host read)
+        _host_reads.defer(gathered, functools.partial(judge, group, group_name, how))
+        if across_tp and cp is not None:  # the TP verdict, judged on the device too: carried to the CP peers
             sig = sig.clone()
-            sig[_H_VERDICT] = failed.any().to(torch.int64)
+            sig[_H_VERDICT] = _judged(gathered, how)[0].any().to(torch.int64)
     if in_graph:
         _host_reads.defer_traced(functools.partial(_asserted, in_graph))
 
@@ -776,9 +793,9 @@ def _asserted(checks: list[tuple[Any, ...]], before: Tensor | None) -> Tensor | 
     graph, inside `lossfx::assert_agreement`, whose token every collective of the call reads (so
     they run after it in any compiled order). Returns that token."""
     token = None
-    for in_flight, messages, group_of, columns, layout in checks:
+    for in_flight, messages, how in checks:
         gathered = torch.ops._c10d_functional.wait_tensor(in_flight).view(-1, SIGNATURE_LEN)  # [R, SIGNATURE_LEN]
-        done = assert_in_graph(~_judged(gathered, group_of, columns, layout)[0], list(messages), before)
+        done = assert_in_graph(~_judged(gathered, how)[0], list(messages), before)
         token = done if token is None or done is None else token | done
     return token
 
