@@ -275,7 +275,7 @@ def filtered_token_logprobs(
     See also: proofs/filtering.md, lossfx.reference.filtered_token_logprobs.
     """
     k, p, chunk_rows = _validated_filter(logits, top_k, top_p, strategy, ties, chunk_rows, chunk_size)
-    _, _, vocab, _ = _validated(logits, target, group, vocab_start, vocab_size, None, None)
+    vocab, _ = _validated(logits, target, group, vocab_start, vocab_size, None, None)
     return _kernel.filtered_token_logprobs(
         logits, target, vocab, top_k=k, top_p=p, chunk_rows=chunk_rows, strategy=strategy, ties=ties
     )

@@ -204,9 +204,8 @@ def target_logprobs(
         shards). Returns `[...]` in the compute dtype (`−inf` where a filter drops the target).
     """
     top = resolve_filter(sampling_params)
-    logits, target, vocab, chunk_rows = validated_token_call(
-        logits, target, group, vocab_start, vocab_size, chunk_size, None
-    )  # as `lossfx.token_logprobs` takes it (its `chunk_rows` is this `chunk_size`)
+    # as `lossfx.token_logprobs` takes it (its `chunk_rows` is this `chunk_size`)
+    vocab, chunk_rows = validated_token_call(logits, target, group, vocab_start, vocab_size, chunk_size, None)
     return _pure.target_logprobs(logits, target, vocab, top=top, chunk_rows=chunk_rows)
 
 
