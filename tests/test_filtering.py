@@ -866,9 +866,10 @@ def test_prepare_loss_input_sorted_ties(world):
     assert not torch.equal(ref["next_token_logprobs"], together["next_token_logprobs"])
     for lp, _, _ in results:
         torch.testing.assert_close(lp, ref["next_token_logprobs"], **TOL64)
-    with pytest.raises(ValueError, match="ties"):
+    one_rule = r"ties must be one of \('together', 'sorted'\)"  # `lossfx.filtering.check_ties`, for both
+    with pytest.raises(ValueError, match=one_rule + ", got 'random'"):
         lossfx.TrainingSamplingParams(top_p=0.5, ties="random")
-    with pytest.raises(ValueError, match="ties"):
+    with pytest.raises(ValueError, match=one_rule + ", got 'stable'"):
         lossfx.filtered_token_logprobs(z[0], data["input_ids"][0], top_p=0.5, ties="stable")
 
 
