@@ -434,12 +434,7 @@ def prepare_linear_packed_loss_input(
             path); every error of `prepare_packed_loss_input`
             (the checks name the packed `[1, T/C, Vl]` logits that `hidden` stands for).
     """
-    input_type = _input_type(loss_fn)
-    if input_type is not LossInputType.LOGPROB:
-        raise ValueError(
-            f"prepare_linear_packed_loss_input only supports LossInputType.LOGPROB, got {input_type}; "
-            "use prepare_linear_loss_input per sequence for other types"
-        )
+    _input_type(loss_fn, packed="prepare_linear")
     # hidden, lm_head_weight, bias, data: local (the boundary's one unwrap, `local_view`); data: the caller's
     door = _front_door(_view, _widths, True)
     top = resolve_filter(sampling_params)

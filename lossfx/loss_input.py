@@ -58,13 +58,21 @@ __all__ = [
 _HEADS = "teacher_output_layer_weight_by_index"
 
 
-def _input_type(loss_fn: Any) -> LossInputType:
+def _input_type(loss_fn: Any, packed: str = "") -> LossInputType:
+    """`loss_fn.input_type` as a `LossInputType`; `packed`: the name of a packed entry point (its
+    `_packed_loss_input` left out: `prepare`, `prepare_linear`), which takes `LOGPROB` only."""
     if not hasattr(loss_fn, "input_type"):
         raise TypeError(f"loss_fn must have an `input_type` attribute, got {type(loss_fn).__name__}")
     try:
-        return LossInputType(loss_fn.input_type)
+        input_type = LossInputType(loss_fn.input_type)
     except ValueError:
         raise ValueError(f"Unknown loss function input type: {loss_fn.input_type!r}") from None
+    if packed and input_type is not LossInputType.LOGPROB:
+        raise ValueError(
+            f"{packed}_packed_loss_input only supports LossInputType.LOGPROB, got {input_type}; "
+            f"use {packed}_loss_input per sequence for other types"
+        )
+    return input_type
 
 
 def _column(data: MutableMapping[str, Any], name: str) -> Any:
@@ -502,12 +510,7 @@ def prepare_packed_loss_input(
             multiple of `2C`), naming the offending entries; bad shapes or ids.
     """
     view, before = _unwrapped(_view)
-    input_type = _input_type(loss_fn)
-    if input_type is not LossInputType.LOGPROB:
-        raise ValueError(
-            f"prepare_packed_loss_input only supports LossInputType.LOGPROB, got {input_type}. "
-            "Use prepare_loss_input per sequence for other types."
-        )
+    _input_type(loss_fn, packed="prepare")
     if getattr(loss_fn, "use_fused_linear_logprobs", False):
         raise ValueError("prepare_packed_loss_input does not support use_fused_linear_logprobs")
     _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)

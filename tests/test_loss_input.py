@@ -394,3 +394,25 @@ def test_neg_inf_rule_reads_the_masks_before_any_log_prob(monkeypatch):
         call(data)
         assert len(computed) == 2 and "curr_logprobs_unfiltered" in data  # filtered, then unfiltered
         computed.clear()
+
+
+def test_packed_entry_points_take_logprob_only_by_one_rule():
+    """Both packed entry points reject other input types by one rule (`lossfx.loss_input._input_type`
+    with `packed=`), each naming itself and its per-sequence twin."""
+    hidden, weight = torch.randn(1, 4, 3, dtype=F64), torch.randn(6, 3, dtype=F64)
+    data = {"input_ids": torch.tensor([[1, 2, 3, 4]])}
+    loss_fn = SimpleNamespace(input_type=LossInputType.DISTILLATION)
+    for name, call in (
+        ("prepare", lambda: lossfx.prepare_packed_loss_input(hidden @ weight.T, data, loss_fn, (0, 4), (0, 4))),
+        (
+            "prepare_linear",
+            lambda: lossfx.prepare_linear_packed_loss_input(hidden, weight, data, loss_fn, (0, 4), (0, 4)),
+        ),
+    ):
+        want = (
+            f"{name}_packed_loss_input only supports LossInputType.LOGPROB, got {LossInputType.DISTILLATION}; "
+            f"use {name}_loss_input per sequence for other types"
+        )
+        with pytest.raises(ValueError) as info:
+            call()
+        assert str(info.value) == want
