@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeGuard, runtime_checkable
 
 from lossfx._boundary.validation import check_positive_float
-from lossfx.filtering import check_filter_params, check_ties
+from lossfx.filtering import check_filter_params
 
 __all__ = ["LossFunction", "LossInputType", "TrainingSamplingParams", "need_top_k_or_top_p_filtering"]
 
@@ -55,9 +55,8 @@ class TrainingSamplingParams:
     ties: Literal["together", "sorted"] = "together"
 
     def __post_init__(self) -> None:
-        check_filter_params(self.top_k, self.top_p)  # the filter's own checks
+        check_filter_params(self.top_k, self.top_p, self.ties)  # the filter's own checks
         check_positive_float("temperature", self.temperature)
-        check_ties(self.ties)
 
     @property
     def top_k_enabled(self) -> bool:

@@ -866,7 +866,7 @@ def test_prepare_loss_input_sorted_ties(world):
     assert not torch.equal(ref["next_token_logprobs"], together["next_token_logprobs"])
     for lp, _, _ in results:
         torch.testing.assert_close(lp, ref["next_token_logprobs"], **TOL64)
-    one_rule = r"ties must be one of \('together', 'sorted'\)"  # `lossfx.filtering.check_ties`, for both
+    one_rule = r"ties must be one of \('together', 'sorted'\)"  # `lossfx.filtering.check_filter_params`, for both
     with pytest.raises(ValueError, match=one_rule + ", got 'random'"):
         lossfx.TrainingSamplingParams(top_p=0.5, ties="random")
     with pytest.raises(ValueError, match=one_rule + ", got 'stable'"):
