@@ -36,7 +36,7 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, ShardWidths, boundary
 from lossfx._boundary.dtensor import CALLER, SHARD, VocabShard, local_view
-from lossfx._boundary.validation import check_floating, check_group, check_tensor
+from lossfx._boundary.validation import check_floating, check_tensor
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.host_reads import tracing
 from lossfx._core.tiles import HeadOptions
@@ -103,8 +103,6 @@ def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed:
     (`lossfx.next_token.resolved_vocab`): a DTensor head's, or the widths of uneven plain shards
     that the cross-rank check reported (read with the call's range check of ids: one host read)."""
     assert view is not None, "boundary(local=...) hands the body its view"
-    if not packed:  # (the packed checks check it)
-        check_group("context_parallel_group", view["context_parallel_group"])
     hidden, weight, shard = view["hidden"], view["lm_head_weight"], view[SHARD]
     group = shard.group
     if shard.dtensor is None:
