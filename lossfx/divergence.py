@@ -43,15 +43,23 @@ def _validated(student: Tensor, teacher: Tensor | None, chunk_rows: int | None) 
             f"{tuple(student.shape)}"
         )
     if teacher is not None:
-        check_floating("teacher", teacher)
-        if tuple(teacher.shape) != tuple(student.shape):
-            raise ValueError(
-                "student and teacher logits must share the same [..., V_local] shape; got "
-                f"student.shape={tuple(student.shape)} and teacher.shape={tuple(teacher.shape)}"
-            )
-        if teacher.device != student.device:
-            raise ValueError(f"student and teacher must be on one device; got {student.device} and {teacher.device}")
+        fixed_teacher(teacher, "teacher", tuple(student.shape), student.device)
     return chunk_rows
+
+
+def fixed_teacher(teacher: object, name: str, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """Fixed teacher logits `[..., Vl]` (named `name`), checked against the student's logits' `shape`
+    and `device`: the one check of a teacher given as logits (these functions' `teacher`,
+    `lossfx.linear_divergence_to_teacher`'s `teacher_logits`, whose student is its hidden × head)."""
+    teacher = check_floating(name, teacher)
+    if tuple(teacher.shape) != shape:
+        raise ValueError(
+            f"{name} must be [..., V_local] = {shape}: the student and teacher logits must share the same "
+            f"[..., V_local] shape (the student's leading dims and vocabulary columns); got {tuple(teacher.shape)}"
+        )
+    if teacher.device != device:
+        raise ValueError(f"{name} must be on the student's device {device}, got {teacher.device}")
+    return teacher
 
 
 _COMMON_DOC = """

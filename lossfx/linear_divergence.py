@@ -24,11 +24,10 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.dtensor import local_view
-from lossfx._boundary.validation import check_floating
 from lossfx._core.distributed import ProcessGroup
 from lossfx._kernels import linear_divergence as _kernel
 from lossfx._kernels.linear_divergence import LinearDivergence
-from lossfx.divergence import projected_teacher
+from lossfx.divergence import fixed_teacher, projected_teacher
 from lossfx.fused_linear import HeadKeywords, head_keywords, resolved_call
 
 __all__ = ["LinearDivergence", "linear_divergence_to_teacher"]
@@ -56,16 +55,9 @@ def _check_teacher(
             "pass the teacher either as teacher_logits or as teacher_hidden with teacher_weight (exactly one form)"
         )
     if teacher_logits is not None:
-        check_floating("teacher_logits", teacher_logits)
-        if tuple(teacher_logits.shape) != (*lead, local_vocab):
-            raise ValueError(
-                f"teacher_logits must be [..., V_local] = {(*lead, local_vocab)} (hidden's leading dims, weight's "
-                f"rows); got shape {tuple(teacher_logits.shape)}"
-            )
+        fixed_teacher(teacher_logits, "teacher_logits", (*lead, local_vocab), hidden.device)  # hidden × weight's
         if teacher_logits_dtype is not None or teacher_head is not None:
             raise ValueError("teacher_logits_dtype and teacher_head apply to a projected teacher only (teacher_hidden)")
-        if teacher_logits.device != hidden.device:
-            raise ValueError(f"teacher_logits must be on hidden's device {hidden.device}, got {teacher_logits.device}")
         return [], teacher_logits.dtype
     if teacher_hidden is None or teacher_weight is None:
         raise ValueError("teacher_hidden and teacher_weight go together: pass both")

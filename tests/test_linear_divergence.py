@@ -634,6 +634,25 @@ def test_projected_teacher_one_rule(teacher, error, match):
     assert spelled == str(logits.value)
 
 
+def test_fixed_teacher_one_rule():
+    """A teacher given as logits is checked by one rule (`lossfx.divergence.fixed_teacher`) in
+    `linear_divergence_to_teacher` (against hidden × weight) and the logits path's divergences."""
+    case = make_case(4, 3, 7)
+    student = (case["hidden"] @ case["weight"].T).detach()
+    cases = [
+        (torch.zeros(4, 6, dtype=F64), ValueError, "must be [..., V_local] = (4, 7): the student and teacher logits"),
+        (torch.zeros(4, 7, dtype=torch.int64), TypeError, "must be a floating-point tensor"),
+    ]
+    for bad, error, text in cases:
+        with pytest.raises(error) as fused:
+            lossfx.linear_divergence_to_teacher(case["hidden"], case["weight"], teacher_logits=bad)
+        assert str(fused.value).startswith("teacher_logits " + text), fused.value
+        for fn in (lossfx.reverse_kl_to_fixed, lossfx.cross_entropy_to_fixed):
+            with pytest.raises(error) as logits:
+                fn(student, bad)
+            assert str(logits.value) == str(fused.value).replace("teacher_logits ", "teacher ")
+
+
 def test_benchmark_script_quick_run(tmp_path):
     """benchmarks/bench_linear_divergence.py runs (eager provider, tiny shapes) and writes its table."""
     import json
