@@ -55,7 +55,8 @@ def _check_teacher(
             "pass the teacher either as teacher_logits or as teacher_hidden with teacher_weight (exactly one form)"
         )
     if teacher_logits is not None:
-        fixed_teacher(teacher_logits, "teacher_logits", (*lead, local_vocab), hidden.device)  # hidden × weight's
+        # the student's logits are hidden × weight: [..., Vl] on hidden's device
+        fixed_teacher(teacher_logits, "teacher_logits", (*lead, local_vocab), hidden.device)
         if teacher_logits_dtype is not None or teacher_head is not None:
             raise ValueError("teacher_logits_dtype and teacher_head apply to a projected teacher only (teacher_hidden)")
         return [], teacher_logits.dtype
