@@ -16,13 +16,15 @@ here calls another one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import warn_renamed
 from lossfx._boundary.dtensor import local_view
-from lossfx._boundary.validation import check_floating, check_integer_ids, check_positive_int
+from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_positive_int
 from lossfx._core.chunking import resolve_chunk_rows
 from lossfx._core.distributed import ProcessGroup
 from lossfx._kernels import divergence as _kernel
@@ -41,15 +43,23 @@ def _validated(student: Tensor, teacher: Tensor | None, chunk_rows: int | None) 
             f"{tuple(student.shape)}"
         )
     if teacher is not None:
-        check_floating("teacher", teacher)
-        if tuple(teacher.shape) != tuple(student.shape):
-            raise ValueError(
-                "student and teacher logits must share the same [..., V_local] shape; got "
-                f"student.shape={tuple(student.shape)} and teacher.shape={tuple(teacher.shape)}"
-            )
-        if teacher.device != student.device:
-            raise ValueError(f"student and teacher must be on one device; got {student.device} and {teacher.device}")
+        fixed_teacher(teacher, "teacher", tuple(student.shape), student.device)
     return chunk_rows
+
+
+def fixed_teacher(teacher: object, name: str, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """Fixed teacher logits `[..., Vl]` (named `name`), checked against the student's logits' `shape`
+    and `device`: the one check of a teacher given as logits (these functions' `teacher`,
+    `lossfx.linear_divergence_to_teacher`'s `teacher_logits`, whose student is its hidden × head)."""
+    teacher = check_floating(name, teacher)
+    if tuple(teacher.shape) != shape:
+        raise ValueError(
+            f"{name} must be [..., V_local] = {shape}: the student and teacher logits must share the same "
+            f"[..., V_local] shape (the student's leading dims and vocabulary columns); got {tuple(teacher.shape)}"
+        )
+    if teacher.device != device:
+        raise ValueError(f"{name} must be on the student's device {device}, got {teacher.device}")
+    return teacher
 
 
 _COMMON_DOC = """
@@ -206,6 +216,59 @@ for _fn, _ref in (
 # ---------------------------------------------------------------------------------------------
 
 
+def projected_teacher(
+    hidden: Tensor,
+    weights: Tensor | Sequence[Tensor],
+    head: Tensor | None,
+    logits_dtype: torch.dtype | None,
+    student: tuple[tuple[int, ...], int, torch.device],
+    names: tuple[str, str, str, str],
+) -> tuple[list[Tensor], torch.dtype]:
+    """The checks of a teacher given as hidden states `[..., H_t]` through LM-head shards `[Vl, H_t]`
+    against the `student`'s leading dims `[...]`, `Vl` and device, once for
+    `divergence_to_projected_teacher` and `lossfx.linear_divergence_to_teacher` (`names`: their
+    spellings of `hidden`, `weights`, `head` and `logits_dtype`). Returns the heads (a list: a
+    single tensor is one head) and the projected logits' dtype (default: the heads'). `head`
+    (required with several heads) is range-checked: compiled, in the graph."""
+    hidden_name, weights_name, head_name, dtype_name = names
+    lead, local_vocab, device = student
+    check_floating(hidden_name, hidden)
+    heads = [weights] if isinstance(weights, Tensor) else list(weights)
+    if not heads:
+        raise ValueError(f"{weights_name} must hold at least one [V_local, H_t] LM-head shard")
+    if tuple(hidden.shape[:-1]) != lead or hidden.dim() < 1:
+        raise ValueError(
+            f"{hidden_name} must be [..., H_t] with the student's leading dims {lead}; got shape {tuple(hidden.shape)}"
+        )
+    for i, weight in enumerate(heads):
+        check_floating(f"{weights_name}[{i}]", weight)
+        if tuple(weight.shape) != (local_vocab, hidden.shape[-1]) or weight.dtype != heads[0].dtype:
+            raise ValueError(
+                f"{weights_name} must be [V_local, H_t] = [{local_vocab}, {hidden.shape[-1]}] LM-head shards (the "
+                f"student's vocabulary rows, {hidden_name}'s width) of one dtype; {weights_name}[{i}] has shape "
+                f"{tuple(weight.shape)} and dtype {weight.dtype} ({weights_name}[0]: {heads[0].dtype})"
+            )
+    for name, t in ((hidden_name, hidden), *((weights_name, w) for w in heads)):
+        if t.device != device:
+            raise ValueError(f"{name} must be on the student's device {device}, got {t.device}")
+    if head is None and len(heads) > 1:
+        raise ValueError(f"{head_name} (each row's head) is required with {len(heads)} teacher heads")
+    if head is not None:
+        if tuple(check_integer_ids(head_name, head).shape) != lead:
+            raise ValueError(
+                f"{head_name} must be [...] = {lead} (the student's leading dims); got shape {tuple(head.shape)}"
+            )
+        check_ids_in_range(head_name, head, len(heads))
+    if logits_dtype is None:
+        return heads, heads[0].dtype
+    if not isinstance(logits_dtype, torch.dtype) or not logits_dtype.is_floating_point:
+        raise TypeError(f"{dtype_name} must be a floating torch.dtype or None, got {logits_dtype!r}")
+    return heads, logits_dtype
+
+
+_PROJECTED = ("hidden", "weights", "head", "logits_dtype")  # divergence_to_projected_teacher's names
+
+
 def divergence_to_projected_teacher(
     kind: str,
     student: Tensor,
@@ -249,33 +312,9 @@ def divergence_to_projected_teacher(
     if kind not in ("cross_entropy", "reverse_kl"):
         raise ValueError(f"kind must be 'cross_entropy' or 'reverse_kl', got {kind!r}")
     check_floating("student", student)
-    check_floating("hidden", hidden)
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    if not weights:
-        raise ValueError("weights must hold at least one [V_local, H] LM-head shard")
-    ref = weights[0]
-    for i, weight in enumerate(weights):
-        check_floating(f"weights[{i}]", weight)
-        if (
-            weight.dim() != 2
-            or tuple(weight.shape) != (student.shape[-1], hidden.shape[-1])
-            or weight.dtype != ref.dtype
-        ):
-            raise ValueError(
-                f"weights[{i}] must be a [V_local, H] = [{student.shape[-1]}, {hidden.shape[-1]}] LM-head shard of "
-                f"one dtype; got shape {tuple(weight.shape)} and dtype {weight.dtype} (weights[0]: {ref.dtype})"
-            )
-    if tuple(hidden.shape[:-1]) != tuple(student.shape[:-1]):
-        raise ValueError(
-            f"hidden and student must share their leading dims; got hidden.shape={tuple(hidden.shape)} and "
-            f"student.shape={tuple(student.shape)}"
-        )
-    if head is None:
-        if len(weights) > 1:
-            raise ValueError(f"head is required with {len(weights)} LM-head shards")
-    else:
-        check_integer_ids("head", head)
-    logits_dtype = ref.dtype if logits_dtype is None else logits_dtype
+    like = (tuple(student.shape[:-1]), student.shape[-1], student.device)  # [..., Vl]
+    heads, logits_dtype = projected_teacher(hidden, weights, head, logits_dtype, like, _PROJECTED)
     return _kernel.divergence_to_projected_teacher(
-        kind, student, hidden, weights, head, group, chunk_rows=chunk_size, logits_dtype=logits_dtype
+        kind, student, hidden, heads, head, group, chunk_rows=chunk_size, logits_dtype=logits_dtype
     )

@@ -32,7 +32,7 @@ from torch import Tensor
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.deprecation import renamed_keywords
 from lossfx._boundary.dtensor import VocabShard, local_view, resolved_shard
-from lossfx._boundary.validation import check_floating, check_group, check_ids_in_range, check_integer_ids, check_tensor
+from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids, check_tensor
 from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import draft as _pure
@@ -183,7 +183,6 @@ def draft_targets(
         `(teacher_logits [B, S_l, D/TP] in the logits' dtype, token_mask [B, S_l])`, both in this
         rank's CP layout (positions past the canonical `S`, where the layout pads: zeros).
     """
-    check_group("context_parallel_group", context_parallel_group)
     shard = resolved_shard(_view)  # the boundary's one unwrap (a DTensor's draft-vocabulary shard comes back as one)
     layout = sequence_layout(context_parallel_group, cp_sharder)
     target_ids, vocab = validated_draft(shard.local, token_mask, d2t, shard.group, shard.rank, layout)

@@ -58,10 +58,12 @@ TIES = ("together", "sorted")
 # ---------------------------------------------------------------------------------------------
 
 
-def check_filter_params(top_k: object, top_p: object) -> tuple[int | None, float]:
-    """Validate `(top_k, top_p)`; return `(k or None when disabled, float(top_p))`.
+def check_filter_params(top_k: object, top_p: object, ties: object = "together") -> tuple[int | None, float]:
+    """Validate `(top_k, top_p, ties)`; return `(k or None when disabled, float(top_p))`: the one
+    check of a filter's parameters (the filtering functions, `TrainingSamplingParams`).
 
-    Raises `ValueError` for a non-integer `top_k` or a `top_p` outside `(0, 1]`.
+    Raises `ValueError` for a non-integer `top_k`, a `top_p` outside `(0, 1]`, or a `ties` not
+    one of `TIES` ("together", "sorted").
     """
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)):
         raise ValueError(f"top_k must be an integer or None, got {top_k!r}")
@@ -69,14 +71,10 @@ def check_filter_params(top_k: object, top_p: object) -> tuple[int | None, float
         raise ValueError(f"top_p must be a real number in (0, 1], got {top_p!r}")
     if not 0.0 < float(top_p) <= 1.0:
         raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
-    k = int(top_k) if top_k is not None and int(top_k) > 0 else None
-    return k, float(top_p)
-
-
-def check_ties(ties: object) -> None:
-    """Raise `ValueError` unless `ties` is one of `TIES` ("together", "sorted")."""
     if not isinstance(ties, str) or ties not in TIES:
         raise ValueError(f"ties must be one of {TIES}, got {ties!r}")
+    k = int(top_k) if top_k is not None and int(top_k) > 0 else None
+    return k, float(top_p)
 
 
 def _validated_filter(
@@ -91,10 +89,9 @@ def _validated_filter(
     """The checks the three public functions share (`logits` `[..., V_local]`, `V_local >= 1`;
     `strategy="candidates"` needs top-k): `(k or None, top_p, chunk_rows)`."""
     check_floating("logits", logits)
-    k, p = check_filter_params(top_k, top_p)
+    k, p = check_filter_params(top_k, top_p, ties)
     if strategy not in _STRATEGIES:
         raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}")
-    check_ties(ties)
     rows = check_positive_int("chunk_rows", resolve_chunk_rows(chunk_rows, chunk_size))
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
@@ -275,7 +272,7 @@ def filtered_token_logprobs(
     See also: proofs/filtering.md, lossfx.reference.filtered_token_logprobs.
     """
     k, p, chunk_rows = _validated_filter(logits, top_k, top_p, strategy, ties, chunk_rows, chunk_size)
-    _, _, vocab, _ = _validated(logits, target, group, vocab_start, vocab_size, None, None)
+    vocab, _ = _validated(logits, target, group, vocab_start, vocab_size, None, None)
     return _kernel.filtered_token_logprobs(
         logits, target, vocab, top_k=k, top_p=p, chunk_rows=chunk_rows, strategy=strategy, ties=ties
     )

@@ -81,9 +81,7 @@ def gather_logprobs(
     See also: proofs/gather.md, lossfx.reference.gather_logprobs.
     """
     with_entropy = bool(renamed_keyword("with_neg_entropy", with_neg_entropy, "with_entropy", with_entropy))
-    _, _, vocab, chunk_rows = _validated(
-        logits, ids, group, vocab_start, vocab_size, chunk_rows, chunk_size, per_row=True
-    )
+    vocab, chunk_rows = _validated(logits, ids, group, vocab_start, vocab_size, chunk_rows, chunk_size, per_row=True)
     return _kernel.gather_logprobs(logits, ids, vocab, with_neg_entropy=with_entropy, chunk_rows=chunk_rows)
 
 
@@ -115,5 +113,5 @@ def gather_logits(
         >>> lossfx.gather_logits(torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[2, 2, 0]]))
         tensor([[3., 3., 1.]])
     """
-    _, _, vocab, _ = _validated(logits, ids, group, vocab_start, vocab_size, None, None, per_row=True)
+    vocab, _ = _validated(logits, ids, group, vocab_start, vocab_size, None, None, per_row=True)
     return _kernel.gather_logits(logits, ids, vocab)

@@ -55,10 +55,8 @@ class TrainingSamplingParams:
     ties: Literal["together", "sorted"] = "together"
 
     def __post_init__(self) -> None:
-        check_filter_params(self.top_k, self.top_p)  # the filter's own checks
+        check_filter_params(self.top_k, self.top_p, self.ties)  # the filter's own checks
         check_positive_float("temperature", self.temperature)
-        if self.ties not in ("together", "sorted"):
-            raise ValueError(f"ties must be 'together' or 'sorted', got {self.ties!r}")
 
     @property
     def top_k_enabled(self) -> bool:

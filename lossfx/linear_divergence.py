@@ -24,10 +24,10 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
 from lossfx._boundary.dtensor import local_view
-from lossfx._boundary.validation import check_floating, check_ids_in_range, check_integer_ids
 from lossfx._core.distributed import ProcessGroup
 from lossfx._kernels import linear_divergence as _kernel
 from lossfx._kernels.linear_divergence import LinearDivergence
+from lossfx.divergence import fixed_teacher, projected_teacher
 from lossfx.fused_linear import HeadKeywords, head_keywords, resolved_call
 
 __all__ = ["LinearDivergence", "linear_divergence_to_teacher"]
@@ -46,63 +46,27 @@ def _check_teacher(
     teacher_head: Tensor | None,
     teacher_logits_dtype: torch.dtype | None,
 ) -> tuple[list[Tensor], torch.dtype]:
-    """Check the teacher's arguments against `hidden [..., H]` and `weight [Vl, H]`; returns the
-    teacher heads (a list, empty for `teacher_logits`) and the teacher logits' dtype."""
+    """Check the teacher's arguments against `hidden [..., H]` and `weight [Vl, H]` (a projected
+    teacher: `lossfx.divergence.projected_teacher`); returns the teacher heads (a list, empty for
+    `teacher_logits`) and the teacher logits' dtype."""
     lead, local_vocab = tuple(hidden.shape[:-1]), weight.shape[0]
     if (teacher_logits is None) == (teacher_hidden is None and teacher_weight is None):
         raise ValueError(
             "pass the teacher either as teacher_logits or as teacher_hidden with teacher_weight (exactly one form)"
         )
     if teacher_logits is not None:
-        check_floating("teacher_logits", teacher_logits)
-        if tuple(teacher_logits.shape) != (*lead, local_vocab):
-            raise ValueError(
-                f"teacher_logits must be [..., V_local] = {(*lead, local_vocab)} (hidden's leading dims, weight's "
-                f"rows); got shape {tuple(teacher_logits.shape)}"
-            )
+        # the student's logits are hidden × weight: [..., Vl] on hidden's device
+        fixed_teacher(teacher_logits, "teacher_logits", (*lead, local_vocab), hidden.device)
         if teacher_logits_dtype is not None or teacher_head is not None:
             raise ValueError("teacher_logits_dtype and teacher_head apply to a projected teacher only (teacher_hidden)")
-        if teacher_logits.device != hidden.device:
-            raise ValueError(f"teacher_logits must be on hidden's device {hidden.device}, got {teacher_logits.device}")
         return [], teacher_logits.dtype
     if teacher_hidden is None or teacher_weight is None:
         raise ValueError("teacher_hidden and teacher_weight go together: pass both")
-    check_floating("teacher_hidden", teacher_hidden)
-    heads = [teacher_weight] if isinstance(teacher_weight, Tensor) else list(teacher_weight)
-    if not heads:
-        raise ValueError("teacher_weight must hold at least one [V_local, H_t] LM-head shard")
-    for i, w in enumerate(heads):
-        check_floating(f"teacher_weight[{i}]", w)
-        if w.dtype != heads[0].dtype:
-            raise ValueError(f"the teacher heads must share one dtype; got {w.dtype} and {heads[0].dtype}")
-    if tuple(teacher_hidden.shape[:-1]) != lead or teacher_hidden.dim() < 1:
-        raise ValueError(
-            f"teacher_hidden must be [..., H_t] with hidden's leading dims {lead}; "
-            f"got shape {tuple(teacher_hidden.shape)}"
-        )
-    for w in heads:
-        if w.dim() != 2 or tuple(w.shape) != (local_vocab, teacher_hidden.shape[-1]):
-            raise ValueError(
-                f"teacher_weight must be [V_local, H_t] = [{local_vocab}, {teacher_hidden.shape[-1]}] (weight's "
-                f"rows, teacher_hidden's width); got shape {tuple(w.shape)}"
-            )
-    for name, t in (("teacher_hidden", teacher_hidden), *(("teacher_weight", w) for w in heads)):
-        if t.device != hidden.device:
-            raise ValueError(f"{name} must be on hidden's device {hidden.device}, got {t.device}")
-    if len(heads) > 1:
-        if teacher_head is None:
-            raise ValueError(f"teacher_head (each row's head) is required with {len(heads)} teacher heads")
-        check_integer_ids("teacher_head", teacher_head)
-        if tuple(teacher_head.shape) != lead:
-            raise ValueError(
-                f"teacher_head must be [...] = {lead} (hidden's leading dims); got shape {tuple(teacher_head.shape)}"
-            )
-        check_ids_in_range("teacher_head", teacher_head, len(heads))
-    if teacher_logits_dtype is None:
-        return heads, heads[0].dtype
-    if not isinstance(teacher_logits_dtype, torch.dtype) or not teacher_logits_dtype.is_floating_point:
-        raise TypeError(f"teacher_logits_dtype must be a floating torch.dtype or None, got {teacher_logits_dtype!r}")
-    return heads, teacher_logits_dtype
+    student = (lead, local_vocab, hidden.device)
+    return projected_teacher(teacher_hidden, teacher_weight, teacher_head, teacher_logits_dtype, student, _NAMES)
+
+
+_NAMES = ("teacher_hidden", "teacher_weight", "teacher_head", "teacher_logits_dtype")  # `projected_teacher`'s
 
 
 # the one unwrap (`local_view`): a `Shard(0)` DTensor `weight` as this rank's rows with the group of its

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lossfx._boundary.consistency import boundary
 from lossfx._kernels import linear_filtering as kernel
-from lossfx.filtering import TIES, check_filter_params, check_ties
+from lossfx.filtering import TIES, check_filter_params
 from lossfx.fused_linear import _ROLES, LinearKeywords, linear_keywords, local_view, resolved_call
 
 __all__ = ["TIES", "linear_filtered_token_logprobs"]
@@ -90,8 +90,7 @@ def linear_filtered_token_logprobs(
     See also: proofs/linear_filtering.md, lossfx.reference.linear_filtered_token_logprobs.
     """
     # hidden, weight, token_ids: local tensors (the boundary's one unwrap, `local_view`)
-    k, p = check_filter_params(top_k, 1.0 if top_p is None else top_p)
-    check_ties(ties)
+    k, p = check_filter_params(top_k, 1.0 if top_p is None else top_p, ties)
     call = resolved_call(hidden, weight, kw, token_ids, "token_ids")
     return kernel.linear_filtered_token_logprobs(
         hidden, weight, token_ids, call.vocab, top_k=k, top_p=p, ties=ties, **call.options

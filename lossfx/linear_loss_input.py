@@ -37,7 +37,7 @@ from torch import Tensor
 from lossfx._boundary import debug
 from lossfx._boundary.consistency import Roles, ShardWidths, boundary
 from lossfx._boundary.dtensor import CALLER, SHARD, VocabShard, local_view
-from lossfx._boundary.validation import check_floating, check_group, check_tensor
+from lossfx._boundary.validation import check_floating, check_tensor
 from lossfx._core.distributed import ProcessGroup
 from lossfx._core.host_reads import tracing
 from lossfx._core.tiles import HeadOptions
@@ -53,8 +53,7 @@ from lossfx.distillation import validated_distillation
 from lossfx.draft import validated_draft
 from lossfx.fused_linear import HeadKeywords, LinearCall, head_keywords, resolved_call
 from lossfx.interfaces import LossInputType, TrainingSamplingParams
-from lossfx.loss_input import _column, _data_read, _input_type, _vocab_parallel
-from lossfx.loss_masks import loss_mask_from_data, masked_out_neg_inf
+from lossfx.loss_input import _column, _data_read, _input_type, _neg_inf_rule, _vocab_parallel
 from lossfx.next_token import TopKTopP, resolve_filter, validated_next_token_call
 from lossfx.opd_full import validated_opd_full
 from lossfx.packing import _validated_packed
@@ -106,13 +105,10 @@ def _front_door(view: dict[str, Any] | None, widths: ShardWidths | None, packed:
     (`lossfx.next_token.resolved_vocab`): a DTensor head's, or the widths of uneven plain shards
     that the cross-rank check reported (read with the call's range check of ids: one host read)."""
     assert view is not None, "boundary(local=...) hands the body its view"
-    if not packed:  # (the packed checks check it)
-        check_group("context_parallel_group", view["context_parallel_group"])
     hidden, weight, shard = view["hidden"], view["lm_head_weight"], view[SHARD]
     group = shard.group
     if shard.dtensor is None:
         _vocab_parallel(view["vocab_parallel_rank"], group)
-    check_tensor("hidden", hidden)
     check_floating("hidden", hidden)
     if hidden.dim() != 3 or (packed and hidden.shape[0] != 1):
         want = "packed hidden must be [1, T/C, H]" if packed else "hidden must be [B, S_local, H]"
@@ -332,11 +328,10 @@ def _next_token_input(
     count: list[int] | None = None,
 ) -> dict[str, Tensor]:
     """The validated `LOGPROB` call of either front door (packed: `fill = 0`, the packed rows' rule)
-    through the fused pipeline; under a filter, the logits path's `-inf` rule (and, with a nonzero
-    `reference_policy_kl_penalty`, `data["curr_logprobs_unfiltered"]`, written last)."""
-    mask = None if top is None else loss_mask_from_data(door.columns, input_ids)  # before anything is computed
+    through the fused pipeline; under a filter, the logits path's `-inf` rule
+    (`lossfx.loss_input._neg_inf_rule`: `curr_logprobs_unfiltered` lands in the caller's data)."""
 
-    def next_token(filter_: TopKTopP | None) -> Tensor:
+    def next_token(filtered: bool) -> Tensor:
         (out,) = _next_token.linear_next_token_logprobs(
             door.hidden,
             door.weight,
@@ -345,18 +340,15 @@ def _next_token_input(
             vocab,
             head=door.call.head,
             chunk_rows=door.call.chunk_rows,
-            top=filter_,
+            top=top if filtered else None,
             fill=fill,
             count=count,
         )
         return out
 
-    if top is None or mask is None:
-        return {"next_token_logprobs": next_token(None)}
-    logprobs = masked_out_neg_inf(next_token(top), mask[:, 1:], "curr_logprobs")
-    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
-        door.data["curr_logprobs_unfiltered"] = next_token(None)
-    return {"next_token_logprobs": logprobs}
+    if top is None:
+        return {"next_token_logprobs": next_token(False)}
+    return _neg_inf_rule(door.columns, loss_fn, input_ids, next_token, door.data)
 
 
 def _distillation_input(door: FrontDoor, loss_fn: Any, layout: SequenceLayout) -> dict[str, Any]:
@@ -451,12 +443,7 @@ def prepare_linear_packed_loss_input(
             path); every error of `prepare_packed_loss_input`
             (the checks name the packed `[1, T/C, Vl]` logits that `hidden` stands for).
     """
-    input_type = _input_type(loss_fn)
-    if input_type is not LossInputType.LOGPROB:
-        raise ValueError(
-            f"prepare_linear_packed_loss_input only supports LossInputType.LOGPROB, got {input_type}; "
-            "use prepare_linear_loss_input per sequence for other types"
-        )
+    _input_type(loss_fn, packed="prepare_linear")
     # hidden, lm_head_weight, bias, data: local (the boundary's one unwrap, `local_view`); data: the caller's
     door = _front_door(_view, _widths, True)
     top = resolve_filter(sampling_params)

@@ -43,28 +43,22 @@ def _validated(
     chunk_size: int | None,
     ignore_index: int | None = None,
     per_row: bool = False,
-) -> tuple[Tensor, Tensor, VocabRange, int | None]:
+) -> tuple[VocabRange, int | None]:
     """The boundary work of the logits path's id functions (`token_logprobs`, `gather_logprobs`,
     `filtered_token_logprobs`, ...), once, on the boundary's view (local tensors):
-    `(logits, target, vocab, chunk_rows)` as the kernel takes them (this rank's range; ids
-    range-checked, the ignored positions excepted). `target`: `[...]` ids, or with `per_row`
-    gather's `[..., K]` (named `ids`)."""
+    `(vocab, chunk_rows)` as the kernel takes them (this rank's range; ids range-checked, the
+    ignored positions excepted). `target`: `[...]` ids, one per row, or with `per_row` gather's
+    `[..., K]` (named `ids`): one shape rule, `[..., K]` with `K >= 1` and logits' leading dims,
+    a target read as `[..., 1]`."""
     name = "ids" if per_row else "target"
     check_floating("logits", logits)
     check_integer_ids(name, target)
     chunk_rows = check_positive_int("chunk_rows", resolve_chunk_rows(chunk_rows, chunk_size))
-    if per_row:
-        if logits.dim() < 1 or target.dim() != logits.dim() or tuple(target.shape[:-1]) != tuple(logits.shape[:-1]):
-            raise ValueError(
-                f"logits must be [..., V_local] and ids [..., K] with the same leading dims; got "
-                f"logits.shape={tuple(logits.shape)} and ids.shape={tuple(target.shape)}"
-            )
-        if target.shape[-1] < 1:
-            raise ValueError(f"ids must hold at least one id per row (K >= 1), got shape {tuple(target.shape)}")
-    elif logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
+    ids = target if per_row else target[..., None]  # [..., K]
+    if logits.dim() < 1 or ids.dim() != logits.dim() or ids.shape[:-1] != logits.shape[:-1] or ids.shape[-1] < 1:
         raise ValueError(
-            f"logits must be [..., V_local] with leading dims equal to target's; got logits.shape="
-            f"{tuple(logits.shape)} and target.shape={tuple(target.shape)}"
+            f"logits must be [..., V_local] and {name} {'[..., K] (K >= 1)' if per_row else '[...]'} with the same "
+            f"leading dims; got logits.shape={tuple(logits.shape)} and {name}.shape={tuple(target.shape)}"
         )
     local_vocab = logits.shape[-1]
     if local_vocab < 1:
@@ -72,7 +66,7 @@ def _validated(
     vocab = VocabRange.of(group, local_vocab, vocab_start, vocab_size)
     checked = target if ignore_index is None else target.masked_fill(target == ignore_index, 0)
     check_ids_in_range(name, checked, vocab.size)
-    return logits, target, vocab, chunk_rows
+    return vocab, chunk_rows
 
 
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES))
@@ -92,7 +86,7 @@ def token_logprobs_with_lse(
     magnitude); the returned `lse = shift + log_s` is their rounded sum, for callers that need it.
     `chunk_size` is the deprecated name of `chunk_rows` (same value, a FutureWarning).
     """
-    _, _, vocab, chunk_rows = _validated(logits, target, group, vocab_start, vocab_size, chunk_rows, chunk_size)
+    vocab, chunk_rows = _validated(logits, target, group, vocab_start, vocab_size, chunk_rows, chunk_size)
     return _kernel.token_logprobs_with_lse(logits, target, vocab, chunk_rows=chunk_rows)
 
 
@@ -160,9 +154,7 @@ def token_logprobs(
     """
     if ignore_index is not None:
         check_ignore_index(ignore_index)
-    logits, target, vocab, chunk_rows = _validated(
-        logits, target, group, vocab_start, vocab_size, chunk_rows, chunk_size, ignore_index
-    )
+    vocab, chunk_rows = _validated(logits, target, group, vocab_start, vocab_size, chunk_rows, chunk_size, ignore_index)
     return _kernel.token_logprobs(logits, target, vocab, chunk_rows=chunk_rows, ignore_index=ignore_index)
 
 

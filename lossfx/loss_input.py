@@ -24,7 +24,6 @@ raises leaves it untouched.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -59,13 +58,21 @@ __all__ = [
 _HEADS = "teacher_output_layer_weight_by_index"
 
 
-def _input_type(loss_fn: Any) -> LossInputType:
+def _input_type(loss_fn: Any, packed: str = "") -> LossInputType:
+    """`loss_fn.input_type` as a `LossInputType`; `packed`: the name of a packed entry point (its
+    `_packed_loss_input` left out: `prepare`, `prepare_linear`), which takes `LOGPROB` only."""
     if not hasattr(loss_fn, "input_type"):
         raise TypeError(f"loss_fn must have an `input_type` attribute, got {type(loss_fn).__name__}")
     try:
-        return LossInputType(loss_fn.input_type)
+        input_type = LossInputType(loss_fn.input_type)
     except ValueError:
         raise ValueError(f"Unknown loss function input type: {loss_fn.input_type!r}") from None
+    if packed and input_type is not LossInputType.LOGPROB:
+        raise ValueError(
+            f"{packed}_packed_loss_input only supports LossInputType.LOGPROB, got {input_type}; "
+            f"use {packed}_loss_input per sequence for other types"
+        )
+    return input_type
 
 
 def _column(data: MutableMapping[str, Any], name: str) -> Any:
@@ -364,25 +371,29 @@ def _prepare_logprob_input(
         widths=ShardWidths() if widths is None else widths,
         ids_name="data['input_ids']",
     )
-    logprobs = next_token_logprobs_of(call, top)  # [B, S-1]
     if top is None:
-        return {"next_token_logprobs": logprobs}
-    return _neg_inf_rule(data, loss_fn, input_ids, logprobs, lambda: next_token_logprobs_of(call))
+        return {"next_token_logprobs": next_token_logprobs_of(call)}  # [B, S-1]
+    return _neg_inf_rule(data, loss_fn, input_ids, lambda on: next_token_logprobs_of(call, top if on else None), data)
 
 
 def _neg_inf_rule(
-    data: MutableMapping[str, Any], loss_fn: Any, input_ids: Tensor, logprobs: Tensor, unfiltered: Callable[[], Tensor]
+    data: Mapping[str, Any],
+    loss_fn: Any,
+    input_ids: Tensor,
+    logprobs_of: Callable[[bool], Tensor],
+    into: MutableMapping[str, Any],
 ) -> dict[str, Tensor]:
-    """The `-inf` rule of a filtered call (NeMo's `mask_out_neg_inf_logprobs`, docs/decisions.md §3):
-    positions whose token fell outside the kept set, or whose mask = token_mask · sample_mask
-    (token_mask required, a missing sample_mask is ones) is 0, become 0. With a nonzero
-    `reference_policy_kl_penalty`, `data["curr_logprobs_unfiltered"]` gets the `unfiltered()`
-    log-probs (the reference-KL term cannot take `-inf`). Everything is computed before `data` is
-    touched, so a call that raises leaves it unchanged."""
+    """The `-inf` rule of a filtered call (NeMo's `mask_out_neg_inf_logprobs`, docs/decisions.md §3),
+    the same on the logits path and the fused front doors: positions whose token fell outside the
+    kept set, or whose mask = token_mask · sample_mask (read from `data` before anything is computed;
+    token_mask required, a missing sample_mask is ones) is 0, become 0. `logprobs_of(True)`: the
+    filtered log-probs, `logprobs_of(False)`: the unfiltered ones, which with a nonzero
+    `reference_policy_kl_penalty` land last in `into` (the caller's data) as `curr_logprobs_unfiltered`
+    (the reference-KL term cannot take `-inf`), so a call that raises leaves it unchanged."""
     mask = loss_mask_from_data(data, input_ids)  # [B, S] bool ([1, T] pre-packed)
-    logprobs = masked_out_neg_inf(logprobs, mask[:, 1:], "curr_logprobs")  # shapes match by construction
+    logprobs = masked_out_neg_inf(logprobs_of(True), mask[:, 1:], "curr_logprobs")  # shapes match by construction
     if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
-        data["curr_logprobs_unfiltered"] = unfiltered()
+        into["curr_logprobs_unfiltered"] = logprobs_of(False)
     return {"next_token_logprobs": logprobs}
 
 
@@ -499,12 +510,7 @@ def prepare_packed_loss_input(
             multiple of `2C`), naming the offending entries; bad shapes or ids.
     """
     view, before = _unwrapped(_view)
-    input_type = _input_type(loss_fn)
-    if input_type is not LossInputType.LOGPROB:
-        raise ValueError(
-            f"prepare_packed_loss_input only supports LossInputType.LOGPROB, got {input_type}. "
-            "Use prepare_loss_input per sequence for other types."
-        )
+    _input_type(loss_fn, packed="prepare")
     if getattr(loss_fn, "use_fused_linear_logprobs", False):
         raise ValueError("prepare_packed_loss_input does not support use_fused_linear_logprobs")
     _vocab_parallel(vocab_parallel_rank, vocab_parallel_group)
@@ -521,13 +527,14 @@ def prepare_packed_loss_input(
         ids_name="data['input_ids']",
         widths=ShardWidths() if _widths is None else _widths,  # read with the packed checks (one host read)
     )
-    logprobs = _packing.packed_next_token_logprobs(logits, input_ids, layout, vocab, **options)
+
+    def logprobs_of(filtered: bool) -> Tensor:  # under the filter of `options`, or none
+        chosen = options if filtered else {"chunk_rows": options["chunk_rows"]}
+        return _packing.packed_next_token_logprobs(logits, input_ids, layout, vocab, **chosen)
+
     if not need_top_k_or_top_p_filtering(sampling_params):
-        return _back(view, before, {"next_token_logprobs": logprobs})
-    unfiltered = functools.partial(
-        _packing.packed_next_token_logprobs, logits, input_ids, layout, vocab, chunk_rows=options["chunk_rows"]
-    )
-    return _back(view, before, _neg_inf_rule(data, loss_fn, input_ids, logprobs, unfiltered))
+        return _back(view, before, {"next_token_logprobs": logprobs_of(True)})
+    return _back(view, before, _neg_inf_rule(data, loss_fn, input_ids, logprobs_of, data))
 
 
 def _prepare_distillation_input(view: Mapping[str, Any], layout: SequenceLayout) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from lossfx._core.distributed import ProcessGroup
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import next_token as _pure
 from lossfx._layouts.next_token import TopKTopP
-from lossfx.filtering import check_filter_params, check_ties
+from lossfx.filtering import check_filter_params
 from lossfx.interfaces import TrainingSamplingParams, need_top_k_or_top_p_filtering
 from lossfx.logprobs import _validated as validated_token_call
 from lossfx.sequence_layout import (
@@ -78,13 +78,13 @@ def check_position_ids(position_ids: object, input_ids: Tensor) -> Tensor | None
 
 
 def resolve_filter(sampling_params: TrainingSamplingParams | None) -> TopKTopP | None:
-    """The filter `sampling_params` asks for, checked (its type, `top_k`, `top_p`, `ties`), or `None`."""
+    """The filter `sampling_params` asks for (its type checked; its fields were, by the frozen
+    `TrainingSamplingParams`: `check_filter_params` here only resolves them), or `None`."""
     if sampling_params is not None and not isinstance(sampling_params, TrainingSamplingParams):
         raise TypeError(f"sampling_params must be TrainingSamplingParams or None, got {sampling_params!r}")
     if not need_top_k_or_top_p_filtering(sampling_params):
         return None
     top_k, top_p = check_filter_params(sampling_params.top_k, sampling_params.top_p)
-    check_ties(sampling_params.ties)
     return TopKTopP(top_k, top_p, sampling_params.ties)
 
 
@@ -204,9 +204,8 @@ def target_logprobs(
         shards). Returns `[...]` in the compute dtype (`−inf` where a filter drops the target).
     """
     top = resolve_filter(sampling_params)
-    logits, target, vocab, chunk_rows = validated_token_call(
-        logits, target, group, vocab_start, vocab_size, chunk_size, None
-    )  # as `lossfx.token_logprobs` takes it (its `chunk_rows` is this `chunk_size`)
+    # as `lossfx.token_logprobs` takes it (its `chunk_rows` is this `chunk_size`)
+    vocab, chunk_rows = validated_token_call(logits, target, group, vocab_start, vocab_size, chunk_size, None)
     return _pure.target_logprobs(logits, target, vocab, top=top, chunk_rows=chunk_rows)
 
 

@@ -91,18 +91,25 @@ class OnPolicyDistillationFullConfig:
     validate_decomposition: bool = False
 
     def __post_init__(self) -> None:
-        choices = {
-            "teacher_payload": ("hidden_states", "logits"),
-            "divergence": ("reverse_kl",),
-            "payload_dtype": ("bfloat16", "float16", "float32"),
-            "teacher_lm_head_lifecycle": ("none", "offload", "evict"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"on_policy_distillation.full.{name} must be one of {allowed}, got {getattr(self, name)!r}"
-                )
+        for name in _CHOICES:
+            _check_choice(name, getattr(self, name))
         _check_chunk(self.chunk_size)
+
+
+_CHOICES = {
+    "teacher_payload": tuple(_PAYLOAD_COLUMNS),
+    "divergence": ("reverse_kl",),
+    "payload_dtype": ("bfloat16", "float16", "float32"),
+    "teacher_lm_head_lifecycle": ("none", "offload", "evict"),
+}
+
+
+def _check_choice(name: str, value: Any) -> Any:
+    """A config field `name` of `_CHOICES`, else `ValueError` (the dataclass, a duck-typed config's
+    `teacher_payload` in the branch, `reconstruct_opd_full_teacher_logits`' argument)."""
+    if value not in _CHOICES[name]:
+        raise ValueError(f"on_policy_distillation.full.{name} must be one of {_CHOICES[name]}, got {value!r}")
+    return value
 
 
 def _check_chunk(chunk_size: Any) -> Any:
@@ -140,16 +147,12 @@ def _validated_teacher(
     vocab_start: int | None = None,
 ) -> _Teacher:
     """Every check of the teacher payload and heads against this rank's `student_logits [B, S_l, Vl]`
-    (NeMo's payload-reconstruction errors, docs/decisions.md §3), before any work. A logits
+    (NeMo's payload-reconstruction errors, docs/decisions.md §3), before any work; the caller
+    checked `teacher_payload` (`_check_choice`) and the student's rank. A logits
     payload's window starts at `vocab_start` (default `vocab_parallel_rank · Vl`). The heads: one
     shard shape and dtype, in a list, with each payload row's position in it (`None` with one head
     and no index); in eager mode every row's head must be loaded (that check reads values)."""
     check_floating("payload", payload)
-    check_tensor("student_logits", student_logits)
-    if teacher_payload not in _PAYLOAD_COLUMNS:
-        raise ValueError(f"teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}")
-    if student_logits.dim() != 3:
-        raise ValueError(f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(student_logits.shape)}")
     if payload.dim() != 3 or payload.shape[0] != student_logits.shape[0]:
         raise ValueError(
             f"the teacher payload must be [B, S_p, D] with the student's batch size; got payload.shape="
@@ -170,6 +173,7 @@ def _validated_teacher(
                 f"{len(weights)} teacher LM-head shards loaded (>1 shards) but no per-row teacher index "
                 f"('{TEACHER_INDEX_FIELD}') was given"
             )
+        first = min(weights)  # every head checked in key order, each against the first
         for key in sorted(weights):
             weight = check_floating(f"teacher_output_layer_weight_by_index[{key!r}]", weights[key])
             if weight.dim() != 2:
@@ -182,14 +186,11 @@ def _validated_teacher(
                     f"Teacher hidden states do not match the loaded teacher LM head for teacher_index={key}: "
                     f"payload width {payload.shape[-1]} vs LM-head input width {weight.shape[1]}"
                 )
-        keys = list(weights)
-        ref = weights[keys[0]]  # the first loaded head: the others must share its shard shape and dtype
-        for key, weight in weights.items():
-            if (weight.shape[0], weight.dtype) != (ref.shape[0], ref.dtype):
+            if (weight.shape[0], weight.dtype) != (weights[first].shape[0], weights[first].dtype):
                 raise ValueError(
                     "teacher LM heads must share one vocabulary shard and dtype; got "
                     f"{tuple(weight.shape)}/{weight.dtype} for teacher_index={key} vs "
-                    f"{tuple(ref.shape)}/{ref.dtype} for teacher_index={keys[0]}"
+                    f"{tuple(weights[first].shape)}/{weights[first].dtype} for teacher_index={first}"
                 )
     else:
         if vocab_parallel_rank is None:
@@ -221,8 +222,8 @@ def _validated_teacher(
                 f"teacher_index must carry one entry per payload row: got {teacher_index.shape[0]} entries for "
                 f"{batch} rows"
             )
-        # position of each row's key in `keys` (an unloaded key, unchecked under compile, reads 0)
-        key_values = torch.tensor(keys, dtype=torch.int64, device=device)  # [K]
+        # position of each row's key in `heads` (an unloaded key, unchecked under compile, reads 0)
+        key_values = torch.tensor(list(weights), dtype=torch.int64, device=device)  # [K], in `heads`' order
         matches = teacher_index.to(torch.int64)[:, None] == key_values[None, :]  # [B, K]
 
         def raise_if_unloaded(values: list[int]) -> None:
@@ -313,6 +314,9 @@ def reconstruct_opd_full_teacher_logits(
             eager mode only.)
     """
     shard, student = resolved_shard(_view), student_logits  # local (`_RECONSTRUCT_VIEW`)
+    _check_choice("teacher_payload", teacher_payload)
+    if check_tensor("student_logits", student).dim() != 3:
+        raise ValueError(f"Student logits must be rank 3 [B, S, V_local]; got shape {tuple(student.shape)}")
     layout = sequence_layout(context_parallel_group, cp_sharder)
     teacher = _validated_teacher(
         payload,
@@ -371,9 +375,7 @@ def validated_opd_full(
     cfg = getattr(loss_fn, "opd_full", None)  # the config (`OnPolicyDistillationFullConfig` or alike) and columns
     if cfg is None:
         raise ValueError("LossInputType.OPD_FULL requires loss_fn.opd_full (an OnPolicyDistillationFullConfig)")
-    teacher_payload = getattr(cfg, "teacher_payload", "hidden_states")
-    if teacher_payload not in _PAYLOAD_COLUMNS:
-        raise ValueError(f"opd_full.teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}")
+    teacher_payload = _check_choice("teacher_payload", getattr(cfg, "teacher_payload", "hidden_states"))
     cfg_chunk = _check_chunk(getattr(cfg, "chunk_size", None))
     for what, key in (("teacher payload column", _PAYLOAD_COLUMNS[teacher_payload]), ("column", "input_ids")):
         if key not in data:

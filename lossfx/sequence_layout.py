@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from lossfx._boundary.validation import check_group
 from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._layouts import sequence_layout as _pure
 from lossfx._layouts.sequence_layout import (
@@ -127,8 +128,10 @@ def sequence_layout(context_parallel_group: ProcessGroup | None = None, cp_shard
     `PlainLayout()`.
 
     Raises:
-        TypeError: a `cp_sharder` without `shard_token_tensor` / `gather_token_tensor`.
+        TypeError: a `context_parallel_group` that is not a `ProcessGroup` or `None` (checked here
+            for every entry point), a `cp_sharder` without `shard_token_tensor` / `gather_token_tensor`.
     """
+    check_group("context_parallel_group", context_parallel_group)
     if isinstance(cp_sharder, SequenceLayout):
         return cp_sharder
     if cp_sharder is not None:

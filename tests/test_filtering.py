@@ -866,10 +866,16 @@ def test_prepare_loss_input_sorted_ties(world):
     assert not torch.equal(ref["next_token_logprobs"], together["next_token_logprobs"])
     for lp, _, _ in results:
         torch.testing.assert_close(lp, ref["next_token_logprobs"], **TOL64)
-    with pytest.raises(ValueError, match="ties"):
+    one_rule = r"ties must be one of \('together', 'sorted'\)"  # `lossfx.filtering.check_filter_params`, for both
+    with pytest.raises(ValueError, match=one_rule + ", got 'random'"):
         lossfx.TrainingSamplingParams(top_p=0.5, ties="random")
-    with pytest.raises(ValueError, match="ties"):
+    with pytest.raises(ValueError, match=one_rule + ", got 'stable'"):
         lossfx.filtered_token_logprobs(z[0], data["input_ids"][0], top_p=0.5, ties="stable")
+    hidden = torch.eye(z.shape[-1], dtype=z.dtype)[:2]  # the fused twin: logits = hidden @ eye
+    with pytest.raises(ValueError, match=one_rule + ", got 'first'"):
+        lossfx.linear_filtered_token_logprobs(
+            hidden, torch.eye(z.shape[-1], dtype=z.dtype), torch.tensor([0, 1]), top_p=0.5, ties="first"
+        )
 
 
 def test_prepare_loss_input_defaults_and_failures():

@@ -601,6 +601,58 @@ def test_bad_teacher_head():
         )
 
 
+@pytest.mark.parametrize(
+    ("teacher", "error", "match"),
+    [
+        ({"teacher_weight": []}, ValueError, "must hold at least one"),
+        ({"teacher_hidden": torch.zeros(3, 5, dtype=F64)}, ValueError, "leading dims"),
+        ({"teacher_weight": [torch.zeros(7, 5, dtype=F64), torch.zeros(7, 5)]}, ValueError, "of one dtype"),
+        ({"teacher_weight": [torch.zeros(7, 5, dtype=F64)] * 2}, ValueError, "is required with 2 teacher heads"),
+        ({"teacher_head": torch.zeros(3, dtype=torch.int64)}, ValueError, r"must be \[\.\.\.\] = \(4,\)"),
+        ({"teacher_head": torch.tensor([0, 0, 1, 0])}, ValueError, r"must lie in \[0, 1\)"),
+        ({"teacher_head": torch.zeros(4)}, TypeError, "integer token ids"),
+        ({"teacher_logits_dtype": torch.int32}, TypeError, "floating torch.dtype"),
+    ],
+)
+def test_projected_teacher_one_rule(teacher, error, match):
+    """`linear_divergence_to_teacher`'s projected teacher and `divergence_to_projected_teacher`'s are
+    checked by one rule (`lossfx.divergence.projected_teacher`): the same verdict, each naming its own
+    arguments. A `teacher_head` is checked whenever given (with one head too: the logits path's kernel
+    reads it then, and it must be a position in the list)."""
+    case = make_case(4, 3, 7)
+    kw = {"teacher_hidden": case["teacher_hidden"], "teacher_weight": [case["teacher_weight"]], **teacher}
+    with pytest.raises(error, match=match.replace("teacher_", "")) as fused:
+        lossfx.linear_divergence_to_teacher(case["hidden"], case["weight"], **kw)
+    student = (case["hidden"] @ case["weight"].T).detach()
+    names = {"teacher_hidden": "hidden", "teacher_weight": "weights", "teacher_head": "head"}
+    args = {names.get(k, "logits_dtype"): v for k, v in kw.items()}
+    with pytest.raises(error, match=match.replace("teacher_", "")) as logits:
+        divergence_to_projected_teacher("reverse_kl", student, **args)
+    spelled = str(fused.value).replace("teacher_logits_dtype", "logits_dtype")
+    for fused_name, name in names.items():
+        spelled = spelled.replace(fused_name, name)
+    assert spelled == str(logits.value)
+
+
+def test_fixed_teacher_one_rule():
+    """A teacher given as logits is checked by one rule (`lossfx.divergence.fixed_teacher`) in
+    `linear_divergence_to_teacher` (against hidden × weight) and the logits path's divergences."""
+    case = make_case(4, 3, 7)
+    student = (case["hidden"] @ case["weight"].T).detach()
+    cases = [
+        (torch.zeros(4, 6, dtype=F64), ValueError, "must be [..., V_local] = (4, 7): the student and teacher logits"),
+        (torch.zeros(4, 7, dtype=torch.int64), TypeError, "must be a floating-point tensor"),
+    ]
+    for bad, error, text in cases:
+        with pytest.raises(error) as fused:
+            lossfx.linear_divergence_to_teacher(case["hidden"], case["weight"], teacher_logits=bad)
+        assert str(fused.value).startswith("teacher_logits " + text), fused.value
+        for fn in (lossfx.reverse_kl_to_fixed, lossfx.cross_entropy_to_fixed):
+            with pytest.raises(error) as logits:
+                fn(student, bad)
+            assert str(logits.value) == str(fused.value).replace("teacher_logits ", "teacher ")
+
+
 def test_benchmark_script_quick_run(tmp_path):
     """benchmarks/bench_linear_divergence.py runs (eager provider, tiny shapes) and writes its table."""
     import json

@@ -355,3 +355,64 @@ def test_failed_call_leaves_data_untouched():
     with pytest.raises(ValueError):
         _call(data=data)
     assert data.keys() == {"input_ids"} and data["input_ids"] is ids
+
+
+def test_neg_inf_rule_reads_the_masks_before_any_log_prob(monkeypatch):
+    """The `-inf` rule (`lossfx.loss_input._neg_inf_rule`) is one rule for the logits path, the
+    packed path and the fused front doors: under a filter, a missing `token_mask` raises before any
+    log-prob is computed, and `data` is untouched."""
+    import lossfx.linear_loss_input as linear
+    import lossfx.loss_input as entry
+
+    computed = []
+    for module, name in (
+        (entry, "next_token_logprobs_of"),
+        (entry._packing, "packed_next_token_logprobs"),
+        (linear._next_token, "linear_next_token_logprobs"),
+    ):
+        real = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, _real=real, _name=name, **k: computed.append(_name) or _real(*a, **k)
+        )
+    hidden, weight = torch.randn(1, 4, 3, dtype=F64), torch.randn(6, 3, dtype=F64)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    loss_fn = SimpleNamespace(input_type=LossInputType.LOGPROB, reference_policy_kl_penalty=1.0)
+    sp = TrainingSamplingParams(top_k=2)
+    calls = [
+        lambda data: lossfx.prepare_loss_input(hidden @ weight.T, data, loss_fn, sampling_params=sp),
+        lambda data: lossfx.prepare_packed_loss_input(
+            hidden @ weight.T, data, loss_fn, (0, 4), (0, 4), sampling_params=sp
+        ),
+        lambda data: lossfx.prepare_linear_loss_input(hidden, weight, data, loss_fn, sampling_params=sp),
+    ]
+    for call in calls:
+        data = {"input_ids": ids}
+        with pytest.raises(ValueError, match="must contain 'token_mask'"):
+            call(data)
+        assert computed == [] and set(data) == {"input_ids"}
+        data["token_mask"] = torch.ones(1, 4)
+        call(data)
+        assert len(computed) == 2 and "curr_logprobs_unfiltered" in data  # filtered, then unfiltered
+        computed.clear()
+
+
+def test_packed_entry_points_take_logprob_only_by_one_rule():
+    """Both packed entry points reject other input types by one rule (`lossfx.loss_input._input_type`
+    with `packed=`), each naming itself and its per-sequence twin."""
+    hidden, weight = torch.randn(1, 4, 3, dtype=F64), torch.randn(6, 3, dtype=F64)
+    data = {"input_ids": torch.tensor([[1, 2, 3, 4]])}
+    loss_fn = SimpleNamespace(input_type=LossInputType.DISTILLATION)
+    for name, call in (
+        ("prepare", lambda: lossfx.prepare_packed_loss_input(hidden @ weight.T, data, loss_fn, (0, 4), (0, 4))),
+        (
+            "prepare_linear",
+            lambda: lossfx.prepare_linear_packed_loss_input(hidden, weight, data, loss_fn, (0, 4), (0, 4)),
+        ),
+    ):
+        want = (
+            f"{name}_packed_loss_input only supports LossInputType.LOGPROB, got {LossInputType.DISTILLATION}; "
+            f"use {name}_loss_input per sequence for other types"
+        )
+        with pytest.raises(ValueError) as info:
+            call()
+        assert str(info.value) == want

@@ -513,6 +513,38 @@ def test_config():
             OnPolicyDistillationFullConfig(**{field: bad})
 
 
+def test_teacher_payload_one_rule():
+    """`teacher_payload` has one rule and one message (`lossfx.opd_full._check_choice`), checked once
+    per call: by the config dataclass, by the branch for a duck-typed config, and by
+    `reconstruct_opd_full_teacher_logits` for its argument."""
+    want = r"on_policy_distillation\.full\.teacher_payload must be one of \('hidden_states', 'logits'\), got 'bogus'"
+    student, data, _, _ = make_case("logits")
+    calls = [
+        lambda: OnPolicyDistillationFullConfig(teacher_payload="bogus"),
+        lambda: lossfx.prepare_loss_input(
+            student, data, SimpleNamespace(input_type="opd_full", opd_full=SimpleNamespace(teacher_payload="bogus"))
+        ),
+        lambda: _reconstruct(torch.randn(2, 3, 4), "bogus", (2, 3, 4)),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=want):
+            call()
+
+
+def test_heads_checked_in_one_pass_in_key_order():
+    """The heads' checks run once per head, in key order: each head's width, then its shard shape and
+    dtype against the first key's (one loop; the message names both keys)."""
+    heads = {2: torch.randn(4, 3), 0: torch.randn(4, 3, dtype=F64), 1: torch.randn(4, 3)}
+    with pytest.raises(ValueError, match=r"float32 for teacher_index=1 vs \(4, 3\)/torch.float64 for teacher_index=0"):
+        _reconstruct(
+            torch.randn(2, 6, 3),
+            "hidden_states",
+            (2, 6, 4),
+            teacher_output_layer_weight_by_index=heads,
+            teacher_index=torch.tensor([0, 1]),
+        )
+
+
 def test_branch_errors_leave_data_untouched():
     student, data, weights, _ = make_case("logits")
     snapshot = dict(data)

@@ -595,3 +595,40 @@ def _odd_shift_rank(rank, world, group):
 @pytest.mark.distributed
 def test_shift_left_of_an_odd_load_balanced_shard_raises():
     assert all(run_ranks(2, _odd_shift_rank))
+
+
+def test_every_entry_point_checks_the_context_parallel_group_type():
+    """`sequence_layout` checks `context_parallel_group` for every entry point that builds a layout
+    (a group name instead of the group was an AttributeError from deep inside before)."""
+    from types import SimpleNamespace
+
+    import lossfx
+    from lossfx.next_token import sharded_next_token_logprobs
+
+    z, ids = torch.zeros(1, 4, 5), torch.zeros(1, 4, dtype=torch.long)
+    hidden, weight = torch.zeros(1, 4, 3), torch.zeros(5, 3)
+    values, top_ids = torch.zeros(1, 4, 2), torch.zeros(1, 4, 2, dtype=torch.long)
+    logprob = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
+    calls = {
+        "next_token_logprobs": lambda cp: lossfx.next_token_logprobs(z, ids, context_parallel_group=cp),
+        "sharded_next_token_logprobs": lambda cp: sharded_next_token_logprobs(z, ids, context_parallel_group=cp),
+        "linear_next_token_logprobs": lambda cp: lossfx.linear_next_token_logprobs(
+            hidden, weight, ids, context_parallel_group=cp
+        ),
+        "distillation_topk_logprobs": lambda cp: lossfx.distillation_topk_logprobs(
+            z, values, top_ids, zero_outside_topk=True, calculate_entropy=False, context_parallel_group=cp
+        ),
+        "prepare_loss_input": lambda cp: lossfx.prepare_loss_input(
+            z, {"input_ids": ids}, logprob, context_parallel_group=cp
+        ),
+        "prepare_linear_loss_input": lambda cp: lossfx.prepare_linear_loss_input(
+            hidden, weight, {"input_ids": ids}, logprob, context_parallel_group=cp
+        ),
+    }
+    for name, call in calls.items():
+        call(None)  # valid without the bad group
+        with pytest.raises(
+            TypeError, match=r"context_parallel_group must be a torch\.distributed\.ProcessGroup"
+        ) as err:
+            call("cp")
+        assert "got 'cp'" in str(err.value), name
