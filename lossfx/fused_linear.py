@@ -234,37 +234,27 @@ def resolved_call(
     local_vocab = weight.shape[0]
     if local_vocab < 1:
         raise ValueError(f"weight must hold at least one vocabulary row, got shape {tuple(weight.shape)}")
-    options = resolved_head(head, local_vocab)
     vocab = VocabRange.of(group, local_vocab, vocab_start, vocab_size)  # default: equal shards in rank order
-    call = LinearCall(vocab, options, chunk_size or 0, sequence_parallel)
-    if ids is not None:
-        _check_rows(hidden, ids if per_row else ids[..., None], call, name)
-    return call
-
-
-def _check_rows(hidden: Tensor, ids: Tensor, call: LinearCall, name: str) -> None:
-    """Check ids `[..., K]` (`K >= 1`, in `[0, V)` but for `ignore_index`; `name` in the messages)
-    against hidden `[..., H]` (the same leading dims; under sequence parallelism this rank's `N/R` rows)."""
-    if ids.dim() < 1 or ids.shape[-1] < 1:
-        raise ValueError(f"ids must be [..., K] with K >= 1, got shape {tuple(ids.shape)}")
-    world = group_size(call.vocab.group)
-    n_rows = ids[..., 0].numel()
-    hidden_size = hidden.shape[-1]
-    hidden_rows = hidden.numel() // hidden_size if hidden_size else hidden[..., 0].numel()
-    if call.sequence_parallel:
-        if hidden_rows * world != n_rows:
-            raise ValueError(
-                f"with sequence_parallel=True, hidden holds this rank's rows: {world} ranks x "
-                f"{hidden_rows} rows (hidden.shape={tuple(hidden.shape)}) must equal the {n_rows} positions "
-                f"of the ids/target (shape {tuple(ids.shape[:-1])})"
-            )
-    elif tuple(hidden.shape[:-1]) != tuple(ids.shape[:-1]):
+    call = LinearCall(vocab, resolved_head(head, local_vocab), chunk_size or 0, sequence_parallel)
+    if ids is None:
+        return call
+    rows = ids if per_row else ids[..., None]  # [..., K]
+    if rows.dim() < 1 or rows.shape[-1] < 1:
+        raise ValueError(f"ids must be [..., K] with K >= 1, got shape {tuple(rows.shape)}")
+    n_rows, hidden_rows = rows.shape[:-1].numel(), hidden.shape[:-1].numel()
+    if sequence_parallel and hidden_rows * group_size(vocab.group) != n_rows:
+        raise ValueError(
+            f"with sequence_parallel=True, hidden holds this rank's rows: {group_size(vocab.group)} ranks x "
+            f"{hidden_rows} rows (hidden.shape={tuple(hidden.shape)}) must equal the {n_rows} positions "
+            f"of the ids/target (shape {tuple(rows.shape[:-1])})"
+        )
+    if not sequence_parallel and tuple(hidden.shape[:-1]) != tuple(rows.shape[:-1]):
         raise ValueError(
             f"hidden's leading dims must equal the target's; got hidden.shape={tuple(hidden.shape)} and "
-            f"target/ids leading shape {tuple(ids.shape[:-1])}"
+            f"target/ids leading shape {tuple(rows.shape[:-1])}"
         )
-    ignored = ids == call.head.ignore_index
-    check_ids_in_range(name, ids.masked_fill(ignored, 0), call.vocab.size)  # ignore_index is in range
+    check_ids_in_range(name, rows.masked_fill(rows == call.head.ignore_index, 0), vocab.size)  # ignored: in range
+    return call
 
 
 # the cross-rank check's view of the parameters (`_boundary.consistency.Roles`)
