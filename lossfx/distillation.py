@@ -170,8 +170,7 @@ def validated_distillation(
     got = f"{logits_name}.shape={tuple(student_logits.shape)} and teacher shape {tuple(teacher_topk_indices.shape)}"
     check_covers(layout, logits_name, student_logits.shape[1], seq, got, canonical=ids_name)
     check = functools.partial(check_ids_in_range, ids_name, teacher_topk_indices)
-    if real_size is not None:  # a DTensor's padding columns are no ids: the range is its real V
-        check(real_size)
-    resolved = resolved_vocab(vocab_parallel_group, student_logits.shape[-1], None if real_size else check, **vocab)
+    # the ids' range: a padded DTensor shard's real V (its padding columns are no ids), else the call's V
+    resolved = resolved_vocab(vocab_parallel_group, student_logits.shape[-1], lambda v: check(real_size or v), **vocab)
     chunk_rows = None if chunk_size is None else chunk_size * batch
     return student_logits, teacher_topk_logits, teacher_topk_indices, resolved, chunk_rows

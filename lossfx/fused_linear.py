@@ -46,7 +46,7 @@ from typing import Any, Unpack
 from torch import Tensor
 
 from lossfx._boundary.consistency import Roles, boundary
-from lossfx._boundary.deprecation import renamed_keyword
+from lossfx._boundary.deprecation import renamed_keywords
 from lossfx._boundary.dtensor import View, VocabShard, _same_group, is_dtensor, vocab_shard
 from lossfx._boundary.dtensor import local_view as _local_view
 from lossfx._boundary.validation import (
@@ -234,37 +234,27 @@ def resolved_call(
     local_vocab = weight.shape[0]
     if local_vocab < 1:
         raise ValueError(f"weight must hold at least one vocabulary row, got shape {tuple(weight.shape)}")
-    options = resolved_head(head, local_vocab)
     vocab = VocabRange.of(group, local_vocab, vocab_start, vocab_size)  # default: equal shards in rank order
-    call = LinearCall(vocab, options, chunk_size or 0, sequence_parallel)
-    if ids is not None:
-        _check_rows(hidden, ids if per_row else ids[..., None], call, name)
-    return call
-
-
-def _check_rows(hidden: Tensor, ids: Tensor, call: LinearCall, name: str) -> None:
-    """Check ids `[..., K]` (`K >= 1`, in `[0, V)` but for `ignore_index`; `name` in the messages)
-    against hidden `[..., H]` (the same leading dims; under sequence parallelism this rank's `N/R` rows)."""
-    if ids.dim() < 1 or ids.shape[-1] < 1:
-        raise ValueError(f"ids must be [..., K] with K >= 1, got shape {tuple(ids.shape)}")
-    world = group_size(call.vocab.group)
-    n_rows = ids[..., 0].numel()
-    hidden_size = hidden.shape[-1]
-    hidden_rows = hidden.numel() // hidden_size if hidden_size else hidden[..., 0].numel()
-    if call.sequence_parallel:
-        if hidden_rows * world != n_rows:
-            raise ValueError(
-                f"with sequence_parallel=True, hidden holds this rank's rows: {world} ranks x "
-                f"{hidden_rows} rows (hidden.shape={tuple(hidden.shape)}) must equal the {n_rows} positions "
-                f"of the ids/target (shape {tuple(ids.shape[:-1])})"
-            )
-    elif tuple(hidden.shape[:-1]) != tuple(ids.shape[:-1]):
+    call = LinearCall(vocab, resolved_head(head, local_vocab), chunk_size or 0, sequence_parallel)
+    if ids is None:
+        return call
+    rows = ids if per_row else ids[..., None]  # [..., K]
+    if rows.dim() < 1 or rows.shape[-1] < 1:
+        raise ValueError(f"ids must be [..., K] with K >= 1, got shape {tuple(rows.shape)}")
+    n_rows, hidden_rows = rows.shape[:-1].numel(), hidden.shape[:-1].numel()
+    if sequence_parallel and hidden_rows * group_size(vocab.group) != n_rows:
+        raise ValueError(
+            f"with sequence_parallel=True, hidden holds this rank's rows: {group_size(vocab.group)} ranks x "
+            f"{hidden_rows} rows (hidden.shape={tuple(hidden.shape)}) must equal the {n_rows} positions "
+            f"of the ids/target (shape {tuple(rows.shape[:-1])})"
+        )
+    if not sequence_parallel and tuple(hidden.shape[:-1]) != tuple(rows.shape[:-1]):
         raise ValueError(
             f"hidden's leading dims must equal the target's; got hidden.shape={tuple(hidden.shape)} and "
-            f"target/ids leading shape {tuple(ids.shape[:-1])}"
+            f"target/ids leading shape {tuple(rows.shape[:-1])}"
         )
-    ignored = ids == call.head.ignore_index
-    check_ids_in_range(name, ids.masked_fill(ignored, 0), call.vocab.size)  # ignore_index is in range
+    check_ids_in_range(name, rows.masked_fill(rows == call.head.ignore_index, 0), vocab.size)  # ignored: in range
+    return call
 
 
 # the cross-rank check's view of the parameters (`_boundary.consistency.Roles`)
@@ -279,6 +269,7 @@ _ROLES = Roles(
 _ROLES_CP = dataclasses.replace(_ROLES, cp="context_parallel_group", cp_from="cp_sharder", cp_shards=("hidden",))
 
 
+@renamed_keywords(signed=True, with_entropy="with_neg_entropy")
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
 @linear_keywords
 def linear_gather_logprobs(
@@ -288,7 +279,6 @@ def linear_gather_logprobs(
     *,
     zero_outside_topk: bool = True,
     with_neg_entropy: bool = False,
-    with_entropy: bool | None = None,
     **kw: Unpack[LinearKeywords],
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs at `K` global ids per row from hidden states and an LM head (shard), fused.
@@ -316,7 +306,7 @@ def linear_gather_logprobs(
             where the dense formula is finite: the renormalisation starts from the full softmax.
         with_neg_entropy: also return `Σ_v p log p` `[...]` (the negative entropy over the full
             vocabulary), from the same pass; else `None`.
-        with_entropy: deprecated name of `with_neg_entropy` (same value; a FutureWarning).
+            (Formerly `with_entropy=`, which still works with a FutureWarning.)
         group: TP group over the vocabulary, or `None`.
         vocab_start: first global id of this shard; default `rank · Vl`.
         vocab_size: global `V`; default `world_size · Vl`.
@@ -347,7 +337,6 @@ def linear_gather_logprobs(
     See also: proofs/fused_linear.md, lossfx.reference.linear_gather_logprobs.
     """
     # hidden, weight, ids: local tensors (the boundary's one unwrap, `local_view`)
-    with_neg_entropy = bool(renamed_keyword("with_neg_entropy", with_neg_entropy, "with_entropy", with_entropy))
     call = resolved_call(hidden, weight, kw, ids, per_row=True)
     return kernel.linear_gather_logprobs(
         hidden,
@@ -367,7 +356,6 @@ def linear_token_logprobs(
     target: Tensor,
     *,
     return_neg_entropy: typing.Literal[False] = ...,
-    return_entropy: typing.Literal[False] | None = ...,
     **kw: Unpack[LinearKeywords],
 ) -> Tensor: ...
 @typing.overload
@@ -377,7 +365,6 @@ def linear_token_logprobs(
     target: Tensor,
     *,
     return_neg_entropy: typing.Literal[True],
-    return_entropy: bool | None = ...,
     **kw: Unpack[LinearKeywords],
 ) -> tuple[Tensor, Tensor]: ...
 @typing.overload
@@ -387,9 +374,9 @@ def linear_token_logprobs(
     target: Tensor,
     *,
     return_neg_entropy: bool = ...,
-    return_entropy: bool | None = ...,
     **kw: Unpack[LinearKeywords],
 ) -> Tensor | tuple[Tensor, Tensor]: ...
+@renamed_keywords(signed=True, return_entropy="return_neg_entropy")
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
 @linear_keywords
 def linear_token_logprobs(
@@ -398,7 +385,6 @@ def linear_token_logprobs(
     target: Tensor,
     *,
     return_neg_entropy: bool = False,
-    return_entropy: bool | None = None,
     **kw: Unpack[LinearKeywords],
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Token log-probs of `softmax(hidden @ weight.T / temperature)`, logits never materialised.
@@ -444,7 +430,7 @@ def linear_token_logprobs(
         chunk_size: rows per logits chunk (a memory bound; results do not depend on it).
         return_neg_entropy: also return `neg_entropy = Σ_v p log p` `[...]` (the negative entropy,
             ≤ 0: an entropy bonus is `−neg_entropy`) from the same pass.
-        return_entropy: deprecated name of `return_neg_entropy` (same value; a FutureWarning).
+            (Formerly `return_entropy=`, which still works with a FutureWarning.)
 
     Returns:
         `[...]` log-probs (or `(logprobs, neg_entropy)`) in the compute dtype (the matmul dtype, at least fp32),
@@ -472,9 +458,6 @@ def linear_token_logprobs(
     See also: docs/fused_linear.md, proofs/fused_linear.md, lossfx.reference.linear_token_logprobs.
     """
     # hidden, weight, target: local tensors (the boundary's one unwrap, `local_view`)
-    return_neg_entropy = bool(
-        renamed_keyword("return_neg_entropy", return_neg_entropy, "return_entropy", return_entropy)
-    )
     call = resolved_call(hidden, weight, kw, target, "target")
     logprobs, neg_entropy = kernel.linear_token_logprobs(
         hidden, weight, target, call.vocab, with_neg_entropy=return_neg_entropy, **call.options
@@ -482,6 +465,7 @@ def linear_token_logprobs(
     return (logprobs, neg_entropy) if neg_entropy is not None else logprobs
 
 
+@renamed_keywords(signed=True, return_entropy="return_neg_entropy")
 @boundary(roles=_ROLES_CP, vocab="tiled", local=local_view(seq_dim=1))
 @linear_keywords
 def linear_next_token_logprobs(
@@ -492,7 +476,6 @@ def linear_next_token_logprobs(
     context_parallel_group: ProcessGroup | None = None,
     cp_sharder: Any = None,
     return_neg_entropy: bool = False,
-    return_entropy: bool | None = None,
     position_ids: Tensor | None = None,
     **kw: Unpack[LinearKeywords],
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -527,7 +510,7 @@ def linear_next_token_logprobs(
             takes precedence over `context_parallel_group`.
         return_neg_entropy: also return `Σ_v p log p` (the negative entropy) at the same `[B, S−1]`
             positions.
-        return_entropy: deprecated name of `return_neg_entropy` (same value; a FutureWarning).
+            (Formerly `return_entropy=`, which still works with a FutureWarning.)
         position_ids: `[B, S]` canonical positions of padding-free rows (several sequences per
             row, each restarting at 0), or `None`. Each sequence's last position (where
             `position_ids[:, t+1] == 0`) gets log-prob 0 and `Σ p log p` 0, with zero gradients,
@@ -549,9 +532,6 @@ def linear_next_token_logprobs(
         >>> lossfx.linear_next_token_logprobs(h, w, torch.tensor([[0, 1, 2]]))
         tensor([[-1.3863, -1.3863]])
     """
-    return_neg_entropy = bool(
-        renamed_keyword("return_neg_entropy", return_neg_entropy, "return_entropy", return_entropy)
-    )
     # hidden, weight, input_ids: local tensors (the boundary's one unwrap, `local_view`)
     call = resolved_call(hidden, weight, kw)
     if hidden.dim() != 3:

@@ -33,7 +33,7 @@ from typing import Unpack
 from torch import Tensor
 
 from lossfx._boundary.consistency import boundary
-from lossfx._boundary.deprecation import renamed_keyword
+from lossfx._boundary.deprecation import renamed_keywords
 from lossfx._boundary.validation import check_floating
 from lossfx._kernels import linear_objective as kernel
 from lossfx._kernels.linear_objective import default_objective_chunk_rows as default_objective_chunk_rows
@@ -42,6 +42,7 @@ from lossfx.fused_linear import _ROLES, LinearKeywords, linear_keywords, local_v
 __all__ = ["linear_logprob_objective"]
 
 
+@renamed_keywords(signed=True, entropy_weight="neg_entropy_weight")
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(seq_dim=0))
 @linear_keywords
 def linear_logprob_objective(
@@ -51,7 +52,6 @@ def linear_logprob_objective(
     logprob_weight: Tensor,
     *,
     neg_entropy_weight: Tensor | None = None,
-    entropy_weight: Tensor | None = None,
     allow_repeated_backward: bool = False,
     **kw: Unpack[LinearKeywords],
 ) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -85,8 +85,8 @@ def linear_logprob_objective(
         logprob_weight: `[...]` float coefficients `a` of the log-probs (the target's shape; the
             full `N` on every rank). Its gradient is `logprobs` (scaled).
         neg_entropy_weight: `[...]` float coefficients `b` of `Σ_v p log p` (the negative
-            entropy), or `None` (no entropy term, and `neg_entropy` is not computed).
-        entropy_weight: deprecated name of `neg_entropy_weight` (same meaning; a FutureWarning).
+            entropy), or `None` (no entropy term, and `neg_entropy` is not computed). Formerly
+            `entropy_weight=`, which still works with a FutureWarning.
         group: tensor-parallel group over the vocabulary, or `None`.
         vocab_start: first global id of this shard; default `rank · Vl`.
         vocab_size: global vocabulary size `V`; default `world_size · Vl`.
@@ -132,10 +132,8 @@ def linear_logprob_objective(
     """
     # hidden, weight, target and the coefficients: local tensors (the boundary's one unwrap, `local_view`)
     coefficients = {"logprob_weight": logprob_weight}
-    b_name = "neg_entropy_weight" if entropy_weight is None else "entropy_weight"  # as the caller named it
-    b = renamed_keyword("neg_entropy_weight", neg_entropy_weight, "entropy_weight", entropy_weight)
-    if b is not None:
-        coefficients[b_name] = b
+    if neg_entropy_weight is not None:
+        coefficients["neg_entropy_weight"] = neg_entropy_weight
     for name, value in coefficients.items():
         check_floating(name, value)
         if tuple(value.shape) != tuple(target.shape):
@@ -148,7 +146,7 @@ def linear_logprob_objective(
         weight,
         target,
         logprob_weight,
-        b,
+        neg_entropy_weight,
         call.vocab,
         allow_repeated_backward=allow_repeated_backward,
         **call.options,

@@ -131,7 +131,7 @@ def check_packed_input_ids(
     The scored ids are each sequence's tokens after its first: `input_ids[b, 1:len_b]` (unpacked,
     `len_b` the real length, clipped to the row and to the padded length), or
     `input_ids[0, cu_p[i] + 1 : cu_p[i+1]]` (pre-packed). Other entries (first tokens, padding) are
-    never read and may hold anything (compiled: an in-graph assertion, `check_ids_in_range`). Call
+    never read and may hold anything: `check_ids_in_range` sees them as 0 (compiled: its in-graph assertion). Call
     after `check_cu_seqlens` (it checks their types). The scored ids'
     min and max are read with the call's other host reads; `vocab` may be a function called then
     (the size the call's cross-rank check reports, `ShardWidths.size_when_read`).
@@ -143,21 +143,7 @@ def check_packed_input_ids(
     cu_q, cu_p = (_pure.cu_tensor(cu, input_ids.device) for cu in (cu_seqlens_q, cu_seqlens_q_padded))
     scored = _pure.scored_slots(input_ids.shape[1], cu_q, cu_p, prepacked)  # [B, S] ([1, T] pre-packed)
     values = torch.where(scored, input_ids, torch.zeros_like(input_ids))  # 0: in range for any V >= 1
-    if traced:
-        return check_ids_in_range(f"{name} (at the scored positions)", values, vocab)
-
-    def raise_if_bad(extremes: list[int]) -> None:  # read with the call's other host reads
-        top = vocab() if callable(vocab) else vocab
-        if extremes[0] < 0 or extremes[1] >= top:
-            bad = scored & ((input_ids < 0) | (input_ids >= top))
-            where = bad.nonzero()[:5].tolist()
-            raise ValueError(
-                f"{name} must lie in [0, {top}) at the scored positions (each sequence's tokens after its "
-                f"first); {int(bad.sum())} entries do not, e.g. values {input_ids[bad][:5].tolist()} at positions "
-                f"{where}"
-            )
-
-    _host_reads.defer(torch.stack([values.min(), values.max()]).to(torch.int64), raise_if_bad)
+    check_ids_in_range(name, values, vocab)  # an unscored entry is never named: it reads as 0
 
 
 class PackedLayout(_pure.PackedLayout):

@@ -70,9 +70,10 @@ def vocab_topk(
         (tensor([[2., 2.]]), tensor([[1, 2]]))
     """
     s = resolved_shard(_view)  # the boundary's one unwrap (a DTensor's local shard padded to even widths)
-    logits, group, vocab_start, k = s.local, s.group, None if s.padded else s.vocab_start, s.at_most_vocab(k)
+    logits, group, vocab_start = s.local, s.group, None if s.padded else s.vocab_start
     check_floating("logits", logits)
     k = check_positive_int("k", k, allow_none=False)
+    k = k if s.vocab_size is None else min(k, s.vocab_size)  # a DTensor's V: its padding columns never count
     local_vocab = logits.shape[-1]
     if logits.dim() < 1 or local_vocab < 1:
         raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")

@@ -25,13 +25,16 @@ def _warn(message: str, stacklevel: int) -> None:
         warnings.warn(message, FutureWarning, stacklevel=stacklevel + 1)
 
 
+def _signed(old_name: str, new_name: str) -> str:
+    return (
+        f"{old_name} is deprecated: its value is Σ p log p, the NEGATIVE entropy (≤ 0); use {new_name} "
+        "for the same value (the entropy is its negation)"
+    )
+
+
 def warn_renamed(old_name: str, new_name: str, stacklevel: int = 3) -> None:
     """FutureWarning (eager only) that `old_name`, whose value is `Σ p log p`, is now `new_name`."""
-    _warn(
-        f"{old_name} is deprecated: its value is Σ p log p, the NEGATIVE entropy (≤ 0); use {new_name} "
-        "for the same value (the entropy is its negation)",
-        stacklevel,
-    )
+    _warn(_signed(old_name, new_name), stacklevel)
 
 
 def renamed_keyword(new_name: str, new: Any, old_name: str, old: Any) -> Any:
@@ -45,10 +48,11 @@ def renamed_keyword(new_name: str, new: Any, old_name: str, old: Any) -> Any:
     return old
 
 
-def renamed_keywords(**new_name_of: str) -> Callable[[F], F]:
+def renamed_keywords(*, signed: bool = False, **new_name_of: str) -> Callable[[F], F]:
     """Decorator: each keyword `old=` (given as `old="new"`) is passed on as `new=`, with a
-    FutureWarning in eager mode. Both given: TypeError. Put it outside `_boundary.consistency.boundary`, so
-    that the boundary (and its cross-rank check) sees the new name only."""
+    FutureWarning in eager mode (`signed`: `warn_renamed`'s, for a former name of `Σ p log p`). Both
+    given: TypeError. Put it outside `_boundary.consistency.boundary`, so that the boundary (and its
+    cross-rank check) sees the new name only."""
 
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
@@ -57,7 +61,8 @@ def renamed_keywords(**new_name_of: str) -> Callable[[F], F]:
                 if old in kwargs:
                     if new in kwargs:
                         raise TypeError(f"{fn.__name__}: pass {new} only; {old} is its deprecated name")
-                    _warn(f"{fn.__name__}({old}=) is deprecated: the same argument is now {new}=", 2)
+                    moved = f"{fn.__name__}({old}=) is deprecated: the same argument is now {new}="
+                    _warn(_signed(old, new) if signed else moved, 2)
                     kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
 

@@ -83,12 +83,6 @@ class VocabShard(NamedTuple):
             return x
         return _pad_columns(x, self.local.shape[-1] * self.group.size() - x.shape[-1], x.dim() - 1)
 
-    def at_most_vocab(self, k: Any) -> Any:
-        """`min(k, V)` for an int `k` when `V` is known (padding columns must never be counted)."""
-        if self.vocab_size is None or isinstance(k, bool) or not isinstance(k, int):
-            return k
-        return min(k, self.vocab_size)
-
     def wrap(self, out: Tensor) -> Tensor:
         """A result `[..., Vl]` sharded like the input on its last (vocabulary) dim, back as a
         DTensor with the input's mesh and placements (padding removed); identity for a plain input."""
