@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lossfx._boundary.consistency import boundary
-from lossfx._boundary.deprecation import renamed_keyword
+from lossfx._boundary.deprecation import renamed_keywords
 from lossfx._boundary.dtensor import local_view
 from lossfx._core.distributed import ProcessGroup
 from lossfx._kernels import gather as _kernel
@@ -24,6 +24,7 @@ from lossfx.logprobs import _ROLES, _validated  # (the same parameters and check
 __all__ = ["gather_logits", "gather_logprobs"]
 
 
+@renamed_keywords(signed=True, with_entropy="with_neg_entropy")
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES))
 def gather_logprobs(
     logits: Tensor,
@@ -34,7 +35,6 @@ def gather_logprobs(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     chunk_rows: int | None = None,
-    with_entropy: bool | None = None,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Full-vocabulary log-probabilities at `K` global ids per row, and optionally `Σ p log p`.
@@ -51,13 +51,13 @@ def gather_logprobs(
         ids: `[..., K]` global ids in `[0, V)`, any integer dtype; duplicates allowed (their
             gradients add).
         with_neg_entropy: also return the negative entropy `Σ p log p` `[...]` (else `None`).
+            (Formerly `with_entropy=`, which still works with a FutureWarning.)
         group: tensor-parallel group over the vocabulary, or `None`; outputs are replicated,
             each rank's gradient is its own shard's.
         vocab_start: first global id of this shard; default `rank · Vl`.
         vocab_size: global `V`; default `world_size · Vl`.
         chunk_rows: rows of the flattened `[N, Vl]` logits per eager chunk (memory bound only);
             default: the device's `lossfx.ChunkPolicy`.
-        with_entropy: deprecated name of `with_neg_entropy` (same value; a FutureWarning).
         chunk_size: deprecated name of `chunk_rows` (same value; a FutureWarning).
 
     Returns:
@@ -80,9 +80,8 @@ def gather_logprobs(
 
     See also: proofs/gather.md, lossfx.reference.gather_logprobs.
     """
-    with_entropy = bool(renamed_keyword("with_neg_entropy", with_neg_entropy, "with_entropy", with_entropy))
     vocab, chunk_rows = _validated(logits, ids, group, vocab_start, vocab_size, chunk_rows, chunk_size, per_row=True)
-    return _kernel.gather_logprobs(logits, ids, vocab, with_neg_entropy=with_entropy, chunk_rows=chunk_rows)
+    return _kernel.gather_logprobs(logits, ids, vocab, with_neg_entropy=with_neg_entropy, chunk_rows=chunk_rows)
 
 
 @boundary(roles=_ROLES, vocab="tiled", local=local_view(_ROLES))

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from lossfx._core.host_reads import tracing
 
-__all__ = ["renamed_keyword", "renamed_keywords", "warn_renamed"]
+__all__ = ["renamed_keywords", "warn_renamed"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -35,17 +35,6 @@ def _signed(old_name: str, new_name: str) -> str:
 def warn_renamed(old_name: str, new_name: str, stacklevel: int = 3) -> None:
     """FutureWarning (eager only) that `old_name`, whose value is `Σ p log p`, is now `new_name`."""
     _warn(_signed(old_name, new_name), stacklevel)
-
-
-def renamed_keyword(new_name: str, new: Any, old_name: str, old: Any) -> Any:
-    """The value of a renamed keyword: `old` (deprecated, same meaning) when given, with
-    `warn_renamed`; `new` otherwise. Both given: TypeError."""
-    if old is None:
-        return new
-    if new is not None and new is not False:
-        raise TypeError(f"pass {new_name} only; {old_name} is its deprecated name")
-    warn_renamed(old_name, new_name, stacklevel=4)
-    return old
 
 
 def renamed_keywords(*, signed: bool = False, **new_name_of: str) -> Callable[[F], F]:
