@@ -156,14 +156,12 @@ def resolved_vocab(
     cross-rank check (`widths`, the call's `ShardWidths`: `V` is read with the range check's own
     host read, uneven shards in eager mode); else uniform shards (`rank · width`, `R · width`)."""
     check = check or (lambda size: None)
-    uniform = VocabRange.uniform(group, width)
     if widths is not None and vocab_start is None and vocab_size is None:
         check(widths.size_when_read(width, group))
-        vocab_start, vocab_size = widths.range(width, group)
-    else:
-        check(uniform.size if vocab_size is None else vocab_size)
-    start = uniform.start if vocab_start is None else vocab_start
-    return VocabRange(group, start, uniform.size if vocab_size is None else vocab_size)
+        return VocabRange.of(group, width, *widths.range(width, group))
+    vocab = VocabRange.of(group, width, vocab_start, vocab_size)
+    check(vocab.size)
+    return vocab
 
 
 def tp_rank(vocab_parallel_rank: int | None, group: ProcessGroup | None) -> int:
