@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 import torch._dynamo.testing
-from devices import DEVICE
+from devices import DEVICE, on_device
 from harness import gloo_pool
 
 import lossfx
@@ -603,16 +603,18 @@ def test_bad_teacher_head():
 
 @pytest.mark.parametrize(
     ("teacher", "error", "match"),
-    [
-        ({"teacher_weight": []}, ValueError, "must hold at least one"),
-        ({"teacher_hidden": torch.zeros(3, 5, dtype=F64)}, ValueError, "leading dims"),
-        ({"teacher_weight": [torch.zeros(7, 5, dtype=F64), torch.zeros(7, 5)]}, ValueError, "of one dtype"),
-        ({"teacher_weight": [torch.zeros(7, 5, dtype=F64)] * 2}, ValueError, "is required with 2 teacher heads"),
-        ({"teacher_head": torch.zeros(3, dtype=torch.int64)}, ValueError, r"must be \[\.\.\.\] = \(4,\)"),
-        ({"teacher_head": torch.tensor([0, 0, 1, 0])}, ValueError, r"must lie in \[0, 1\)"),
-        ({"teacher_head": torch.zeros(4)}, TypeError, "integer token ids"),
-        ({"teacher_logits_dtype": torch.int32}, TypeError, "floating torch.dtype"),
-    ],
+    on_device(
+        [
+            ({"teacher_weight": []}, ValueError, "must hold at least one"),
+            ({"teacher_hidden": torch.zeros(3, 5, dtype=F64)}, ValueError, "leading dims"),
+            ({"teacher_weight": [torch.zeros(7, 5, dtype=F64), torch.zeros(7, 5)]}, ValueError, "of one dtype"),
+            ({"teacher_weight": [torch.zeros(7, 5, dtype=F64)] * 2}, ValueError, "is required with 2 teacher heads"),
+            ({"teacher_head": torch.zeros(3, dtype=torch.int64)}, ValueError, r"must be \[\.\.\.\] = \(4,\)"),
+            ({"teacher_head": torch.tensor([0, 0, 1, 0])}, ValueError, r"must lie in \[0, 1\)"),
+            ({"teacher_head": torch.zeros(4)}, TypeError, "integer token ids"),
+            ({"teacher_logits_dtype": torch.int32}, TypeError, "floating torch.dtype"),
+        ]
+    ),
 )
 def test_projected_teacher_one_rule(teacher, error, match):
     """`linear_divergence_to_teacher`'s projected teacher and `divergence_to_projected_teacher`'s are
