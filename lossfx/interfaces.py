@@ -67,6 +67,12 @@ class TrainingSamplingParams:
         return float(self.top_p) != 1.0
 
 
+def wants_reference_kl(loss_fn: Any) -> bool:
+    """Whether `loss_fn` has a nonzero `reference_policy_kl_penalty` (the reference-KL term, which
+    reads unfiltered log-probs)."""
+    return getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0
+
+
 def need_top_k_or_top_p_filtering(sampling_params: TrainingSamplingParams | None) -> TypeGuard[TrainingSamplingParams]:
     """True iff `sampling_params` asks for a top-k or a top-p filter."""
     return sampling_params is not None and (sampling_params.top_k_enabled or sampling_params.top_p_enabled)

@@ -52,7 +52,7 @@ from lossfx._layouts.sequence_layout import SequenceLayout
 from lossfx.distillation import validated_distillation
 from lossfx.draft import validated_draft
 from lossfx.fused_linear import HeadKeywords, LinearCall, head_keywords, resolved_call
-from lossfx.interfaces import LossInputType, TrainingSamplingParams
+from lossfx.interfaces import LossInputType, TrainingSamplingParams, wants_reference_kl
 from lossfx.loss_input import _column, _data_read, _input_type, _neg_inf_rule, _vocab_parallel
 from lossfx.next_token import TopKTopP, resolve_filter, validated_next_token_call
 from lossfx.opd_full import validated_opd_full
@@ -154,7 +154,7 @@ def _linear_opd_full_input(
     hidden, call = door.hidden, door.call
 
     def defer_rows(into: list[int]) -> None:  # run once `input_ids` is checked, before the widths are read
-        if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:  # (`validated_opd_full`'s `kl`)
+        if wants_reference_kl(loss_fn):
             ids = door.column("input_ids")
             _next_token.defer_active_rows(hidden, ids, layout, call.head.ignore_index, into)
 

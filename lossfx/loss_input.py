@@ -39,7 +39,7 @@ from lossfx._layouts import draft as _draft
 from lossfx._layouts import packing as _packing
 from lossfx.distillation import _distillation
 from lossfx.draft import _wrap_draft, validated_draft
-from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering
+from lossfx.interfaces import LossInputType, TrainingSamplingParams, need_top_k_or_top_p_filtering, wants_reference_kl
 from lossfx.logprobs import check_ignore_index
 from lossfx.loss_masks import loss_mask_from_data, masked_out_neg_inf
 from lossfx.next_token import next_token_logprobs_of, resolve_filter, validated_next_token_call
@@ -392,7 +392,7 @@ def _neg_inf_rule(
     (the reference-KL term cannot take `-inf`), so a call that raises leaves it unchanged."""
     mask = loss_mask_from_data(data, input_ids)  # [B, S] bool ([1, T] pre-packed)
     logprobs = masked_out_neg_inf(logprobs_of(True), mask[:, 1:], "curr_logprobs")  # shapes match by construction
-    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
+    if wants_reference_kl(loss_fn):
         into["curr_logprobs_unfiltered"] = logprobs_of(False)
     return {"next_token_logprobs": logprobs}
 

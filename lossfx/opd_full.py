@@ -52,6 +52,7 @@ from lossfx._core import host_reads as _host_reads
 from lossfx._core.distributed import ProcessGroup, group_size
 from lossfx._core.vocab import VocabRange
 from lossfx._layouts import opd_full as _pure
+from lossfx.interfaces import wants_reference_kl
 from lossfx.next_token import resolved_vocab, tp_rank
 from lossfx.sequence_layout import ContextParallelSharder, SequenceLayout, check_covers, sequence_layout
 
@@ -415,7 +416,7 @@ def validated_opd_full(
         real = min(vocab_size - rank * width, width)
         student = logits.narrow(-1, 0, real) if real < logits.shape[-1] else logits
     # the reference-KL term's ids, range-checked once (padded logits: V is the real size)
-    kl = getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0
+    kl = wants_reference_kl(loss_fn)
     if kl:
         check_covers(layout, logits_name, logits.shape[1], seq, got)
     check = functools.partial(check_ids_in_range, "data['input_ids']", input_ids) if kl else None
