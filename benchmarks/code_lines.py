@@ -3,7 +3,9 @@
 
 A code line is a line holding a Python token other than a comment, and not inside a docstring
 (a string statement: module, class or function documentation). Blank lines, comments and
-docstrings are not counted. Run `python3 benchmarks/code_lines.py` from the repository root.
+docstrings are not counted. Run `python3 benchmarks/code_lines.py` from the repository root;
+`--tests` counts the boundary's own tests the same way (`--root DIR`: another checkout, e.g. a
+`git worktree` of an older commit; files it lacks are skipped).
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ PUBLIC = (
 ).split()
 BOUNDARY = ["_boundary/*.py", *(f"{m}.py" for m in PUBLIC)]
 MATHS = ["_core/*.py", "_kernels/*.py", "_layouts/*.py"]
+# the boundary's own tests: cross-rank checks, DTensor views, argument errors, the adversarial suite
+BOUNDARY_TESTS = (
+    "adversarial_cases test_adversarial test_adversarial_heldout test_boundary_once test_check_order "
+    "test_check_trace_cost test_compile_errors test_debug_mode test_dtensor test_dtensor_fused test_errors "
+    "test_front_door_checks test_group_names test_host_reads test_opd_full_dtensor test_parameters "
+    "test_rank_agreement test_rank_consistency test_rank_consistency_fused"
+).split()
 
 
 def code_lines(path: Path) -> int:
@@ -41,14 +50,22 @@ def code_lines(path: Path) -> int:
     return len(lines)
 
 
-def total(patterns: list[str]) -> dict[str, int]:
-    """`{module path: code lines}` of the files matching `patterns` under `lossfx/`."""
-    files = sorted({p for pattern in patterns for p in PACKAGE.glob(pattern)})
-    return {str(p.relative_to(PACKAGE)): code_lines(p) for p in files}
+def total(patterns: list[str], folder: Path = PACKAGE) -> dict[str, int]:
+    """`{path: code lines}` of the files matching `patterns` under `folder` (`lossfx/`)."""
+    files = sorted({p for pattern in patterns for p in folder.glob(pattern)})
+    return {str(p.relative_to(folder)): code_lines(p) for p in files}
 
 
 def main() -> None:
-    boundary, maths = total(BOUNDARY), total(MATHS)
+    root = Path(sys.argv[sys.argv.index("--root") + 1]).resolve() if "--root" in sys.argv else ROOT
+    if "--tests" in sys.argv:
+        tests = total([f"{name}.py" for name in BOUNDARY_TESTS], root / "tests")
+        if "-v" in sys.argv:
+            for name, n in sorted(tests.items(), key=lambda x: -x[1]):
+                print(f"{n:6d}  {name}")
+        print(f"the boundary's tests ({len(tests)} files): {sum(tests.values())} code lines")
+        return
+    boundary, maths = total(BOUNDARY, root / "lossfx"), total(MATHS, root / "lossfx")
     if "-v" in sys.argv:
         for name, n in sorted({**boundary, **maths}.items(), key=lambda x: -x[1]):
             print(f"{n:6d}  {name}")
