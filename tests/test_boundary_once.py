@@ -66,17 +66,16 @@ def _counted_call(rank: int, world: int, group, target: str, variant: dict) -> d
         unwrapped.add(id(self))
         return to_local(self, *args, **kwargs)
 
-    host_reads.depth, consistency._check, host_reads.seen = counting_depth, counting_check, counting_seen
-    if dtensor_class:
-        dtensor_class.to_local = counting_to_local
-    try:
-        call()
-    except ValueError:  # a variant the function rejects (e.g. uneven shards where equal ones are needed)
-        counts["raised"] = 1
-    finally:
-        host_reads.depth, consistency._check, host_reads.seen = depth, check, seen
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(host_reads, "depth", counting_depth)
+        mp.setattr(consistency, "_check", counting_check)
+        mp.setattr(host_reads, "seen", counting_seen)
         if dtensor_class:
-            dtensor_class.to_local = to_local
+            mp.setattr(dtensor_class, "to_local", counting_to_local)
+        try:
+            call()
+        except ValueError:  # a variant the function rejects (e.g. uneven shards where equal ones are needed)
+            counts["raised"] = 1
     return counts
 
 
