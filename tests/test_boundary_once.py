@@ -44,7 +44,7 @@ def _counted_call(rank: int, world: int, group, target: str, variant: dict) -> d
         return None
     counts = {"entries": 0, "checks": 0, "repeated range checks": 0, "repeated unwraps": 0, "raised": 0}
     depth, check, seen = host_reads.depth, consistency._check, host_reads.seen
-    dtensor_class = _dtensor_class()
+    dtensor_class = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # when an input is one
     to_local, unwrapped = dtensor_class.to_local if dtensor_class else None, set()
 
     def counting_depth() -> int:
@@ -77,12 +77,6 @@ def _counted_call(rank: int, world: int, group, target: str, variant: dict) -> d
         except ValueError:  # a variant the function rejects (e.g. uneven shards where equal ones are needed)
             counts["raised"] = 1
     return counts
-
-
-def _dtensor_class():
-    """`DTensor`, when some input built one (the module is imported then), else `None`."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

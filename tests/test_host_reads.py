@@ -25,12 +25,8 @@ NOT_CALLED = {"need_top_k_or_top_p_filtering", "chunk_policy"}  # take no tensor
 
 
 def _public_functions_taking_tensors():
-    names = set()
-    for name in lossfx.__all__:
-        obj = getattr(lossfx, name)
-        if callable(obj) and not inspect.isclass(obj) and name not in NOT_CALLED:
-            names.add(name)
-    return names
+    functions = {name: getattr(lossfx, name) for name in lossfx.__all__ if name not in NOT_CALLED}
+    return {name for name, obj in functions.items() if callable(obj) and not inspect.isclass(obj)}
 
 
 @pytest.mark.compile

@@ -106,6 +106,11 @@ def _call(case, rank, group):
         h, _, t = _fused(6, 12, 10 + rank)
         return fn(h, _head(weight), t, *args)
 
+    def cp(**groups):  # the group as a context-parallel group (V = 6 whole on each rank): top_k 2 against 3
+        local = shard_for_cp_rank(_logits(2, 8, 6, 3), rank, 2, seq_dim=1)
+        sp = lossfx.TrainingSamplingParams(top_k=2 if rank == 0 else 3)
+        return lossfx.prepare_loss_input(local, {"input_ids": _ids(2, 8, 6, 3)}, LOGPROB, sampling_params=sp, **groups)
+
     def env_off_on_rank_0():  # the old switch's environment variable on one rank: the check still runs on both
         with pytest.MonkeyPatch.context() as mp:
             if rank == 0:
@@ -131,6 +136,8 @@ def _call(case, rank, group):
         "kernel": lambda: (lossfx.filtered_token_logprobs if rank == 0 else lossfx.token_logprobs)(
             z[:, :-1], ids[:, 1:], group=group, **({"top_k": 3} if rank == 0 else {})
         ),
+        "cp_group": lambda: cp(context_parallel_group=group),
+        "cp_sharder": lambda: cp(cp_sharder=LoadBalancedSharder(group)),
         # the values of replicated inputs
         "targets_2d": lambda: lossfx.token_logprobs(z, _bump(ids, rank, (1, 3)), group=group),
         "check_env_off_on_one_rank": env_off_on_rank_0,
@@ -218,6 +225,8 @@ EXPECTED = {
     "seq": ["logits.shape[1] (rank 0: 6, rank 1: 5)"],
     "dtype": ["logits.dtype (rank 0: torch.float32, rank 1: torch.float64)"],
     "kernel": ["the function called (rank 0: lossfx.filtered_token_logprobs, rank 1: lossfx.token_logprobs)"],
+    "cp_group": ["context_parallel_group disagree on sampling_params.top_k (rank 0: 2, rank 1: 3)"],
+    "cp_sharder": ["cp_sharder.cp_group disagree on sampling_params.top_k (rank 0: 2, rank 1: 3)"],
     "targets_2d": [VALUES.format("target")],
     "check_env_off_on_one_rank": [VALUES.format("target")],
     "input_ids": [VALUES.format("data['input_ids']")],
@@ -339,25 +348,8 @@ def test_fsdp2_fully_sharded_head():
 
 
 # ---------------------------------------------------------------------------------------------
-# Context parallelism: a CP-group mismatch, and a TP x CP grid where one TP group disagrees
+# Context parallelism: a TP x CP grid where one TP group disagrees (the CP-group cases are in the table)
 # ---------------------------------------------------------------------------------------------
-
-
-def _cp_mismatch(rank, world, group, layout):
-    z, ids = _logits(2, 8, 6, 3), _ids(2, 8, 6, 3)
-    local = shard_for_cp_rank(z, rank, world, seq_dim=1)
-    sp = lossfx.TrainingSamplingParams(top_k=2 if rank == 0 else 3)
-    cp = {"context_parallel_group": group} if layout == "group" else {"cp_sharder": LoadBalancedSharder(group)}
-    return value_error(lambda: lossfx.prepare_loss_input(local, {"input_ids": ids}, LOGPROB, sampling_params=sp, **cp))[
-        0
-    ]
-
-
-@pytest.mark.parametrize(("layout", "name"), [("group", "context_parallel_group"), ("sharder", "cp_sharder.cp_group")])
-def test_gloo_context_parallel_mismatch(layout, name):
-    messages = gloo_pool(2).run(_cp_mismatch, layout)
-    assert messages[0] == messages[1]
-    assert f"{name} disagree on sampling_params.top_k (rank 0: 2, rank 1: 3)" in messages[0]
 
 
 def _grid_mismatch(rank, world, group):
