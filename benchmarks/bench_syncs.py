@@ -7,7 +7,7 @@ A `TorchDispatchMode` counts the aten ops that read a device value on the host
 (`_local_scalar_dense`, `is_nonzero`, `item`, `nonzero`, `equal`); `Tensor.tolist` (which reads
 without dispatching) is counted by a wrapper. On CPU nothing actually stalls, but every one of
 these would wait for a GPU stream. Compiled calls: the host-read ops in their aten forward graph.
-`tests/test_rank_agreement.py` pins the compiled count (0) and that the consistency check itself
+`tests/test_host_reads.py` pins the compiled count (0) and that the consistency check itself
 adds exactly one read per group.
 """
 

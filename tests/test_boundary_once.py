@@ -44,7 +44,7 @@ def _counted_call(rank: int, world: int, group, target: str, variant: dict) -> d
         return None
     counts = {"entries": 0, "checks": 0, "repeated range checks": 0, "repeated unwraps": 0, "raised": 0}
     depth, check, seen = host_reads.depth, consistency._check, host_reads.seen
-    dtensor_class = _dtensor_class()
+    dtensor_class = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # when an input is one
     to_local, unwrapped = dtensor_class.to_local if dtensor_class else None, set()
 
     def counting_depth() -> int:
@@ -66,24 +66,17 @@ def _counted_call(rank: int, world: int, group, target: str, variant: dict) -> d
         unwrapped.add(id(self))
         return to_local(self, *args, **kwargs)
 
-    host_reads.depth, consistency._check, host_reads.seen = counting_depth, counting_check, counting_seen
-    if dtensor_class:
-        dtensor_class.to_local = counting_to_local
-    try:
-        call()
-    except ValueError:  # a variant the function rejects (e.g. uneven shards where equal ones are needed)
-        counts["raised"] = 1
-    finally:
-        host_reads.depth, consistency._check, host_reads.seen = depth, check, seen
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(host_reads, "depth", counting_depth)
+        mp.setattr(consistency, "_check", counting_check)
+        mp.setattr(host_reads, "seen", counting_seen)
         if dtensor_class:
-            dtensor_class.to_local = to_local
+            mp.setattr(dtensor_class, "to_local", counting_to_local)
+        try:
+            call()
+        except ValueError:  # a variant the function rejects (e.g. uneven shards where equal ones are needed)
+            counts["raised"] = 1
     return counts
-
-
-def _dtensor_class():
-    """`DTensor`, when some input built one (the module is imported then), else `None`."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

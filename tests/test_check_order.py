@@ -101,24 +101,16 @@ def _order_violations(nodes) -> list[str]:
     return bad
 
 
-def _check_target(target: str) -> None:
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    "target",  # the default tier: one of each structure; the others in the slow tier
+    [t if t in DEFAULT_TARGETS else pytest.param(t, marks=pytest.mark.slow) for t in adversarial_cases.TARGETS],
+)
+def test_every_collective_waits_for_the_compiled_check(target):
     graphs = gloo_pool(2).run(_forward_graph, target)
     for rank, nodes in enumerate(graphs):
         assert any(t.startswith(COLLECTIVES) for _, t, *_ in nodes), f"{target}: no collective traced on rank {rank}"
         assert not _order_violations(nodes), (target, rank, _order_violations(nodes))
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("target", DEFAULT_TARGETS)
-def test_every_collective_waits_for_the_compiled_check(target):
-    _check_target(target)
-
-
-@pytest.mark.slow
-@pytest.mark.compile
-@pytest.mark.parametrize("target", sorted(set(adversarial_cases.TARGETS) - set(DEFAULT_TARGETS)))
-def test_every_collective_waits_for_the_compiled_check_all_targets(target):
-    _check_target(target)
 
 
 def test_the_order_rule_can_fail():

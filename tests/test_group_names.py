@@ -45,62 +45,42 @@ def _dense_shift(x):
     return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
 
 
-def _shift_both_names(rank, world, group, x):
-    local = lossfx.shard_for_cp_rank(x, rank, world) if world > 1 else x
+RENAMED = {  # function: (its old keyword, this rank's part of its value on a whole `x` split over `world` CP ranks)
+    "shift_left": ("cp_group", lambda x, rank, world: lossfx.shard_for_cp_rank(_dense_shift(x), rank, world)),
+    "allgather_cp": ("group", lambda x, rank, world: x),
+}
+
+
+def _both_names(rank, world, group, name, x):
+    fn, local = getattr(lossfx, name), lossfx.shard_for_cp_rank(x, rank, world)
     # (the warnings are checked on one thread below: the warnings filters are process-global)
-    return lossfx.shift_left(local, context_parallel_group=group), lossfx.shift_left(local, cp_group=group)
+    return fn(local, context_parallel_group=group), fn(local, **{RENAMED[name][0]: group})
 
 
-@pytest.mark.filterwarnings("ignore:shift_left.cp_group=. is deprecated:FutureWarning")
-@pytest.mark.parametrize("world", [1, 2])
-def test_shift_left_old_keyword_keeps_its_value(world):
+@pytest.mark.filterwarnings("ignore:.* is deprecated:FutureWarning")
+@pytest.mark.parametrize(("name", "world"), [("shift_left", 1), ("shift_left", 2), ("allgather_cp", 2)])
+def test_old_keyword_keeps_its_value(name, world):
     x = torch.randn(2, 8, 3, generator=torch.Generator().manual_seed(0), dtype=F64)
-    results = run_ranks(world, _shift_both_names, x)
-    for new, old in results:
+    for rank, (new, old) in enumerate(run_ranks(world, _both_names, name, x)):
         assert torch.equal(new, old)
-    torch.testing.assert_close(lossfx.unshard([new for new, _ in results], seq_dim=1), _dense_shift(x), atol=0, rtol=0)
+        torch.testing.assert_close(new, RENAMED[name][1](x, rank, world), atol=0, rtol=0)
 
 
-def test_shift_left_old_keyword_warns_once_and_not_beside_the_new_one():
+@pytest.mark.parametrize("name", list(RENAMED))
+def test_old_keyword_warns_once_and_compiles_silently(name):
+    """Eagerly one FutureWarning (none for the new name), a TypeError when both names are passed;
+    compiled, no warning and no graph break."""
+    (old, value), fn = RENAMED[name], getattr(lossfx, name)
     x = torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(2), dtype=F64)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        lossfx.shift_left(x, context_parallel_group=None)
-    with pytest.warns(FutureWarning, match=r"shift_left\(cp_group=\) is deprecated.*context_parallel_group=") as caught:
-        lossfx.shift_left(x, cp_group=None)
-    assert len(caught) == 1
-    with pytest.raises(TypeError, match="pass context_parallel_group only; cp_group is its deprecated name"):
-        lossfx.shift_left(x, cp_group=None, context_parallel_group=None)
-
-
-def test_old_group_keywords_compile_without_a_graph_break_or_warning():
-    x = torch.randn(2, 6, 3, generator=torch.Generator().manual_seed(1), dtype=F64)
-    compiled = torch.compile(lambda t: lossfx.shift_left(t, cp_group=None), fullgraph=True, backend="aot_eager")
+        fn(x, context_parallel_group=None)
+    with pytest.warns(FutureWarning, match=rf"{name}\({old}=\) is deprecated.*context_parallel_group=") as caught:
+        out = fn(x, **{old: None})
+    assert len(caught) == 1 and (out is x if name == "allgather_cp" else torch.equal(out, value(x, 0, 1)))
+    with pytest.raises(TypeError, match=f"pass context_parallel_group only; {old} is its deprecated name"):
+        fn(x, **{old: None}, context_parallel_group=None)
+    compiled = torch.compile(lambda t: fn(t, **{old: None}), fullgraph=True, backend="aot_eager")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = compiled(x)
-    torch.testing.assert_close(got, _dense_shift(x), atol=0, rtol=0)
-
-
-def _allgather_both_names(rank, world, group, x):
-    local = lossfx.shard_for_cp_rank(x, rank, world)
-    return lossfx.allgather_cp(local, context_parallel_group=group), lossfx.allgather_cp(local, group=group)
-
-
-@pytest.mark.filterwarnings("ignore:allgather_cp.group=. is deprecated:FutureWarning")
-def test_allgather_cp_old_keyword_keeps_its_value():
-    x = torch.randn(2, 8, 3, generator=torch.Generator().manual_seed(3), dtype=F64)
-    for new, old in run_ranks(2, _allgather_both_names, x):
-        assert torch.equal(new, x) and torch.equal(old, x)
-
-
-def test_allgather_cp_old_keyword_warns_and_compiles_silently():
-    x = torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(4), dtype=F64)
-    with pytest.warns(FutureWarning, match=r"allgather_cp\(group=\) is deprecated.*context_parallel_group="):
-        assert lossfx.allgather_cp(x, group=None) is x
-    with pytest.raises(TypeError, match="pass context_parallel_group only; group is its deprecated name"):
-        lossfx.allgather_cp(x, group=None, context_parallel_group=None)
-    compiled = torch.compile(lambda t: lossfx.allgather_cp(t, group=None), fullgraph=True, backend="aot_eager")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        torch.testing.assert_close(compiled(x), x, atol=0, rtol=0)
+        torch.testing.assert_close(compiled(x), value(x, 0, 1), atol=0, rtol=0)

@@ -25,16 +25,14 @@ NOT_CALLED = {"need_top_k_or_top_p_filtering", "chunk_policy"}  # take no tensor
 
 
 def _public_functions_taking_tensors():
-    names = set()
-    for name in lossfx.__all__:
-        obj = getattr(lossfx, name)
-        if callable(obj) and not inspect.isclass(obj) and name not in NOT_CALLED:
-            names.add(name)
-    return names
+    functions = {name: getattr(lossfx, name) for name in lossfx.__all__ if name not in NOT_CALLED}
+    return {name for name, obj in functions.items() if callable(obj) and not inspect.isclass(obj)}
 
 
+@pytest.mark.compile
 @pytest.mark.cpu_only("its calls come from benchmarks.bench_syncs.entry_points, which builds its inputs on the CPU")
 def test_every_public_entry_point_reads_at_most_once():
+    """One rank: every public function reads at most once eagerly; compiled graphs read nothing."""
     calls = entry_points(0, 1, None, every=True)
     calls["shard_for_cp_rank"] = lambda: lossfx.shard_for_cp_rank(torch.randn(2, 8, 3), 0, 1)
     calls["unshard"] = lambda: lossfx.unshard([torch.randn(2, 8, 3)])
@@ -48,66 +46,51 @@ def test_every_public_entry_point_reads_at_most_once():
     # the range checks read: a call that checks ids reads exactly once
     assert counts["token_logprobs"] == counts["prepare_loss_input LOGPROB top-k + KL"] == 1
     assert counts["linear_logprob_objective, ignored targets + backward"] == 1
-
-
-def _two_ranks(rank, world, group):
-    counts = {}
-    for name, call in entry_points(rank, world, group).items():
-        call()
-        counts[name] = count_host_reads(call)
-    return counts
-
-
-def test_two_gloo_ranks_read_once(monkeypatch):
-    """The cross-rank check's gathered signatures, the range checks (against the vocabulary size
-    the check reports), the packed `cu_seqlens` checks and the fused functions' count of active
-    rows share one read, taken before the call's first collective; the -inf warning's count
-    (filtered rows) is copied to the host without a read (`_host_reads.when_landed`)."""
-    monkeypatch.setattr(harness, "_TIMEOUT_S", 300.0)
-    for counts in gloo_pool(2).run(_two_ranks):
-        assert counts == dict.fromkeys(counts, 1)
+    for name in ("token_logprobs", "linear_token_logprobs, ignored targets"):
+        assert compiled_host_reads(calls[name]) == 0, name
 
 
 _SORTED = ('filtered_token_logprobs top-p, ties="sorted"', 'top_k_top_p_threshold top-k + top-p, ties="sorted"')
+_COMPILED = ("prepare_loss_input LOGPROB top-k + KL", "linear_logprob_objective", *_SORTED)
 
 
-def _sorted_ties_reads(rank, world, group):
-    """`{name: (eager reads, compiled reads, rows whose tie group is cut)}` on this rank."""
+def _two_ranks(rank, world, group):
+    """`(eager reads of each entry point, compiled reads of `_COMPILED`, the eager cross-rank
+    check's own reads, {`_SORTED` name: rows whose tie group top-p cuts})` on this rank."""
     calls = entry_points(rank, world, group)
-    gen = torch.Generator().manual_seed(0)
-    z = torch.randn(2, 8, 16 * world, generator=gen).round()  # the entry points' tied logits, whole
-    counts = {}
+    eager = {}
+    for name, call in calls.items():
+        call()  # warm-up
+        eager[name] = count_host_reads(call)
+    fused = {"hidden": torch.ones(6, 4), "weight": torch.ones(6, 4), "target": torch.arange(6), "group": group}
+    roles = lossfx.linear_token_logprobs._lossfx_roles
+    check = count_host_reads(lambda: _consistency._check("linear_token_logprobs", fused, "free", roles))
+    z = torch.randn(2, 8, 16 * world, generator=torch.Generator().manual_seed(0)).round()  # the tied logits, whole
+    cut = {}
     for name in _SORTED:
         top_k = 6 if name.startswith("top_k") else None
-        cut = reference.apply_top_k_top_p(z, top_k, 0.5, "sorted")[1].sum(-1)
-        whole = reference.apply_top_k_top_p(z, top_k, 0.5)[1].sum(-1)
-        calls[name]()  # warm-up
-        counts[name] = (count_host_reads(calls[name]), compiled_host_reads(calls[name]), int((cut < whole).sum()))
-    return counts
+        sorted_kept = reference.apply_top_k_top_p(z, top_k, 0.5, "sorted")[1].sum(-1)
+        cut[name] = int((sorted_kept < reference.apply_top_k_top_p(z, top_k, 0.5)[1].sum(-1)).sum())
+    return eager, {name: compiled_host_reads(calls[name]) for name in _COMPILED}, check, cut
 
 
 @pytest.mark.compile
-@pytest.mark.cpu_only(
-    "gloo ranks; its calls come from benchmarks.bench_syncs.entry_points, which builds its inputs on the CPU"
-)
-def test_sorted_ties_read_once_eager_and_never_compiled(monkeypatch):
-    """Top-p with `ties="sorted"` on 2 gloo ranks: the id cut needs no host value (it read whether
-    a tie is cut, a second read after the filter's collectives, and then ran an id bisection):
-    one read per call eagerly (the call's checks), none in the compiled graph, on calls where
-    top-p does cut tie groups."""
+def test_two_gloo_ranks_read_once(monkeypatch):
+    """On 2 gloo ranks, each entry point reads once eagerly: the cross-rank check's gathered
+    signatures (the check alone: one read, fingerprints included), the range checks (against the
+    vocabulary size the check reports), the packed `cu_seqlens` checks and the fused functions'
+    count of active rows share one read, taken before the call's first collective; the -inf
+    warning's count (filtered rows) is copied to the host without a read
+    (`_host_reads.when_landed`). Compiled graphs (the check in the graph) read nothing. Top-p with
+    `ties="sorted"` (calls where it cuts tie groups): its id cut needs no host value (it read
+    whether a tie is cut, a second read after the filter's collectives, then ran an id bisection)."""
     monkeypatch.setattr(harness, "_TIMEOUT_S", 300.0)
-    for counts in gloo_pool(2).run(_sorted_ties_reads):
-        for name, (eager, compiled, cut_rows) in counts.items():
-            assert (eager, compiled) == (1, 0), name
-            assert cut_rows >= 4, name
-
-
-@pytest.mark.compile
-@pytest.mark.cpu_only("its calls come from benchmarks.bench_syncs.entry_points, which builds its inputs on the CPU")
-def test_compiled_graphs_read_nothing():
-    calls = entry_points(0, 1, None)
-    for name in ("token_logprobs", "linear_token_logprobs, ignored targets"):
-        assert compiled_host_reads(calls[name]) == 0, name
+    for eager, compiled, check, cut in gloo_pool(2).run(_two_ranks):
+        assert eager == dict.fromkeys(eager, 1)
+        assert set(_SORTED) <= set(eager)
+        assert compiled == dict.fromkeys(_COMPILED, 0)
+        assert check == 1
+        assert min(cut.values()) >= 4, cut
 
 
 def test_deferred_range_check_raises_from_a_nested_call():
@@ -288,31 +271,6 @@ def test_an_eager_call_beside_a_compiling_thread_leaves_the_trace_state_alone():
     assert depth == 0
 
 
-def _tp_cp_reads(rank, world, group):
-    from harness import mesh_groups
-
-    tp_group, tp_rank, cp_group, cp_rank = mesh_groups(rank, world, group, tp=2)
-    gen = torch.Generator().manual_seed(0)
-    z = torch.randn(2, 8, 8, generator=gen)
-    local = lossfx.shard_for_cp_rank(z, cp_rank, 2)[..., tp_rank * 4 : (tp_rank + 1) * 4]
-    ids = torch.randint(0, 8, (2, 8), generator=gen)
-    loss_fn = type("LossFn", (), {"input_type": "logprob"})()
-
-    def call():
-        return lossfx.prepare_loss_input(local, {"input_ids": ids}, loss_fn, tp_rank, tp_group, cp_group)
-
-    call()
-    return count_host_reads(call)
-
-
-@pytest.mark.xdist_group("gloo4")  # one 4-process pool per session (addopts: --dist loadgroup)
-def test_tensor_and_context_parallel_call_reads_once(monkeypatch):
-    """TP=2 x CP=2 on 4 gloo processes: the TP verdict travels in the CP signature computed on
-    the device, so both gathered matrices are read together (2 reads before)."""
-    monkeypatch.setattr(harness, "_TIMEOUT_S", 300.0)
-    assert gloo_pool(4).run(_tp_cp_reads) == [1, 1, 1, 1]
-
-
 # ---------------------------------------------------------------------------------------------
 # The hidden-state front door with uneven plain head shards on 2 gloo ranks: the check's widths
 # and the fused kernel's count of active rows in one read (it was two: the widths, then the count)
@@ -369,36 +327,10 @@ def _front_door_uneven_calls(rank, group):
 
 
 def _front_door_uneven(rank, world, group):
-    """`{branch: (host reads, its outputs' largest difference from the whole head's on one rank)}`."""
-    calls, whole = _front_door_uneven_calls(rank, group)
-    out = {}
-    for name, call in calls.items():
-        call()  # warm-up
-        reads = count_host_reads(call)
-        got, want = call()[0], whole[name]()[0]
-        out[name] = (reads, max(float((got[k] - want[k]).abs().max()) for k in want))
-    return out
-
-
-def test_front_door_uneven_head_reads_once_on_two_ranks(monkeypatch):
-    """`prepare_linear_loss_input` (LOGPROB, filtered with a KL term, DISTILLATION, OPD_FULL with
-    a KL term: it read twice before, the widths and then its log-probs' count) and
-    `prepare_linear_packed_loss_input` with uneven plain head shards (10 + 6 rows) on 2 gloo
-    processes: the check's shard widths and the fused kernel's count of active rows (deferred
-    before the widths are read, `fused_linear.defer_active_rows`) share one read; the results
-    (with ignored ids, so the count matters) are the whole head's on one rank."""
-    monkeypatch.setattr(harness, "_TIMEOUT_S", 300.0)
-    for result in gloo_pool(2).run(_front_door_uneven):
-        for name, (reads, diff) in result.items():
-            assert reads == 1, name
-            assert diff < 1e-12, name
-
-
-def _debug_mode_checks_the_count(rank, world, group):
     """`{branch: (reads off, reads on, largest difference on vs off, (with `defer_active_rows`
     deferring its count - 1, a front door that lays out other targets than the kernel's) largest
-    difference off and the error on)}`: the calls of `_front_door_uneven`, `LOSSFX_DISTRIBUTED_DEBUG`
-    off, then on (the kernel also reads its own count)."""
+    difference off and the error on, largest difference off vs the whole head's on one rank)}`:
+    `LOSSFX_DISTRIBUTED_DEBUG` off, then on (the kernel also reads its own count)."""
     from lossfx._boundary import debug
     from lossfx._kernels import fused_linear
 
@@ -408,7 +340,7 @@ def _debug_mode_checks_the_count(rank, world, group):
     def largest_difference(a, b):
         return max(float((a[k] - b[k]).abs().max()) for k in a)
 
-    calls, _ = _front_door_uneven_calls(rank, group)
+    calls, whole = _front_door_uneven_calls(rank, group)
     out = {}
     for name, call in calls.items():
         call()  # warm-up
@@ -424,25 +356,33 @@ def _debug_mode_checks_the_count(rank, world, group):
                 error = str(exc)
             mp.delenv(debug.ENV)
             wrong_off = largest_difference(call()[0], off_out)  # the default path runs on
-        out[name] = (off, on, largest_difference(on_out, off_out), wrong_off, error)
+        exact = largest_difference(off_out, whole[name]()[0])
+        out[name] = (off, on, largest_difference(on_out, off_out), wrong_off, error, exact)
     return out
 
 
-def test_debug_mode_checks_the_front_doors_deferred_count(monkeypatch):
-    """The debug mode (`LOSSFX_DISTRIBUTED_DEBUG=1`) compares the count of active rows that the
+def test_front_door_uneven_head_reads_once_and_debug_mode_checks_its_count(monkeypatch):
+    """`prepare_linear_loss_input` (LOGPROB, filtered with a KL term, DISTILLATION, OPD_FULL with
+    a KL term: it read twice before, the widths and then its log-probs' count) and
+    `prepare_linear_packed_loss_input` with uneven plain head shards (10 + 6 rows) on 2 gloo
+    processes: the check's shard widths and the fused kernel's count of active rows (deferred
+    before the widths are read, `fused_linear.defer_active_rows`) share one read; the results
+    (with ignored ids, so the count matters) are the whole head's on one rank.
+
+    The debug mode (`LOSSFX_DISTRIBUTED_DEBUG=1`) compares the count of active rows that the
     front door defers for the fused kernel (`linear_loss_input._rows_ahead`) with the kernel's own
     count of its targets (`_kernels.fused_linear.CheckedCount`: one more read per kernel, on only).
     A wrong count (forced: one too few), which the default path (off: one read) turns into a
     silently wrong answer (a row dropped: 3 nats off in LOGPROB and OPD_FULL here), raises a
-    `RuntimeError` naming both counts on every rank. Every branch of
-    `test_front_door_uneven_head_reads_once_on_two_ranks`: 2 gloo processes, uneven plain heads."""
+    `RuntimeError` naming both counts on every rank."""
     monkeypatch.setattr(harness, "_TIMEOUT_S", 300.0)
-    results = gloo_pool(2).run(_debug_mode_checks_the_count)
+    results = gloo_pool(2).run(_front_door_uneven)
     for result in results:
-        silent = {name for name, (*_, wrong_off, _) in result.items() if wrong_off > 0.1}
+        silent = {name for name, (*_, wrong_off, _, _) in result.items() if wrong_off > 0.1}
         assert {"LOGPROB", "OPD_FULL + KL, teacher logits"} <= silent  # (elsewhere the row dropped is cut)
-        for name, (off, on, diff, _, error) in result.items():
+        for name, (off, on, diff, _, error, exact) in result.items():
             assert off == 1, name
+            assert exact < 1e-12, name
             assert on > off, name  # the kernel's own count read too
             assert diff == 0.0, name
             assert "LOSSFX_DISTRIBUTED_DEBUG" in error and "active rows" in error, (name, error)

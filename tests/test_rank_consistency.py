@@ -1,21 +1,31 @@
 """Ranks that disagree get the same clear ValueError on every rank: never a hang, an abort or a
-silently wrong answer (issue 10 items 4-6, `lossfx/_boundary/consistency.py`).
+silently wrong answer (issue 10 items 4-6, issue 15 items 1-4 and 6, `lossfx/_boundary/consistency.py`).
 
-The mismatch cases run on a real gloo process pool (2 processes; 4 for the TP x CP grid). Each
-rank catches its own ValueError and returns the message, then makes one consistent call on the
-same group: the check leaves the collectives in step, so the pool is never restarted.
+One table (`EXPECTED`) of disagreements, each on a real 2-process gloo pool (a hang fails after
+60 s): shapes, dtypes, vocabulary layouts (uneven, overlapping, weight rows against the declared
+`V`), sampling parameters and scalar arguments, the function called; the values of replicated
+inputs (fingerprints: ids, masks, a teacher payload, hidden states, permuted rows), `requires_grad`
+and grad mode (they decide the backward's collectives), `Shard(0)` DTensor LM heads (checked like
+plain shards) and FSDP2-style heads (a `Shard(0)` DTensor over ranks holding different hidden
+states: an error with a remedy). Each rank returns the message of its ValueError (all ranks must
+raise the same one, within seconds), then makes one consistent call on the same group (uneven
+6 + 5 head rows, with a backward): it matches the float64 reference, so the group is still in step
+and the pool is never restarted. The CP, TP x CP and rank-thread cases follow.
 """
 
 import ast
 import dataclasses
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import harness
 import pytest
 import torch
 from harness import assert_every_rank_raises, gloo_pool, mesh_groups, thread_world, value_error
 
 import lossfx
+from benchmarks.bench_syncs import count_host_reads
 from lossfx import reference
 from lossfx._boundary import consistency as _consistency
 from lossfx.context_parallel import shard_for_cp_rank
@@ -24,7 +34,9 @@ from lossfx.next_token import LoadBalancedSharder
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("short_pool_timeout")]
 
 F64 = torch.float64
+H = 4  # the fused cases' hidden size
 LOGPROB = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
+DISTILLATION = SimpleNamespace(input_type="distillation", zero_outside_topk=False, kl_type="forward")
 SECONDS = 20.0  # "within seconds": the slowest mismatch case must answer well inside this
 
 
@@ -36,132 +48,345 @@ def _ids(b, s, high, seed):
     return torch.randint(0, high, (b, s), generator=torch.Generator().manual_seed(seed + 1))
 
 
+def _fused(n, vocab, seed):
+    """`(hidden [n, H], weight [vocab, H], target [n])` of a fused LM-head call."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, H, generator=gen, dtype=F64)
+    weight = torch.randn(vocab, H, generator=gen, dtype=F64)
+    return hidden, weight, torch.randint(0, vocab, (n,), generator=gen)
+
+
+def _bump(x, rank, index=(0,)):
+    """`x` on rank 0; on rank 1 a copy with one element changed."""
+    if rank == 0:
+        return x
+    y = x.clone()
+    y[index] = y[index] + 1 if not y.is_floating_point() else y[index] * 1.5 + 0.25
+    return y
+
+
+_MESH: dict = {}
+
+
+def _head(weight):
+    """`weight [V, H]` as a `Shard(0)` DTensor over the 2-rank mesh (a ColwiseParallel head, or
+    FSDP2's data-parallel sharding: the same placement)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if "mesh" not in _MESH:
+        _MESH["mesh"] = init_device_mesh("cpu", (2,))
+    return distribute_tensor(weight, _MESH["mesh"], [Shard(0)], src_data_rank=None)
+
+
 def _call(case, rank, group):
-    """This rank's side of a mismatch case: the same entry point, per-rank arguments."""
+    """This rank's side of a disagreement: the same entry point, per-rank arguments. Logits: V = 16
+    split 8 + 8 unless stated; the fused LM head: V = 12 split 6 + 6 unless stated."""
     tp = {"vocab_parallel_rank": rank, "vocab_parallel_group": group}
-    if case == "widths":  # issue item 4: widths 34 / 30 with the kernels' uniform default layout
-        width, start = (34, 0) if rank == 0 else (30, 34)
-        z = _logits(2, 6, 64, 0)[..., start : start + width]
-        return lossfx.token_logprobs(z, _ids(2, 6, 60, 0), group=group)
-    if case == "overlap":  # explicit but overlapping shards: [0, 34) and [30, 60)
-        width, start = (34, 0) if rank == 0 else (30, 30)
-        z = _logits(2, 6, 64, 0)[..., start : start + width]
-        return lossfx.token_logprobs(z, _ids(2, 6, 60, 0), group=group, vocab_start=start, vocab_size=64)
-    if case == "widths_distillation":  # equal shards needed: the top-k distillation path
-        width, start = (34, 0) if rank == 0 else (30, 34)
-        z = _logits(2, 6, 64, 0)[..., start : start + width]
-        data = {
-            "teacher_topk_logits": _logits(2, 6, 3, 1),
-            "teacher_topk_indices": _ids(2, 6, 60, 2).unsqueeze(-1).expand(2, 6, 3).contiguous(),
-        }
-        loss_fn = SimpleNamespace(input_type="distillation", zero_outside_topk=False, kl_type="forward")
-        return lossfx.prepare_loss_input(z, data, loss_fn, **tp)[0]["student_topk_logprobs"]
-    if case == "topk_wider_than_uneven_shards":  # widths 3 / 7: k = 7 > world · 3
-        start, width = (0, 3) if rank == 0 else (3, 7)
-        return lossfx.vocab_topk(_logits(2, 6, 10, 0)[..., start : start + width], 7, group=group, vocab_start=start)
     z, ids = _logits(2, 6, 16, 0)[..., rank * 8 : (rank + 1) * 8], _ids(2, 6, 16, 0)
-    sp = None
-    if case == "sampling":  # issue item 5: rank 0 top_k=3, rank 1 no filter
-        sp = lossfx.TrainingSamplingParams(top_k=3) if rank == 0 else None
-    elif case == "top_k":  # item 6: top_k=5 against top_k=7
-        sp = lossfx.TrainingSamplingParams(top_k=5 if rank == 0 else 7)
-    elif case == "top_p":
-        sp = lossfx.TrainingSamplingParams(top_p=0.9 if rank == 0 else 0.8)
-    elif case == "batch":  # item 6: different B
-        z, ids = z[: 2 - rank], ids[: 2 - rank]
-    elif case == "seq":  # item 6: different S
-        z, ids = z[:, : 6 - rank], ids[:, : 6 - rank]
-    elif case == "dtype":  # item 6: fp32 on one rank, float64 on the other
-        z = z.float() if rank == 0 else z
-    elif case == "kernel":  # two kernels with different collectives
-        return (lossfx.filtered_token_logprobs if rank == 0 else lossfx.token_logprobs)(
+    hidden, weight, target = _fused(6, 12, 0)
+    rows, uneven = weight[rank * 6 : (rank + 1) * 6], weight[:6] if rank == 0 else weight[6:11]  # 6 + 6, 6 + 5
+    ones, top_k_3 = torch.ones(6, dtype=F64), lossfx.TrainingSamplingParams(top_k=3)
+    teacher = {"teacher_topk_logits": _logits(2, 6, 3, 1), "teacher_topk_indices": _ids(2, 18, 16, 2).view(2, 6, 3)}
+    token, objective = lossfx.linear_token_logprobs, lossfx.linear_logprob_objective
+    temperature, n, low = (1.0, 4, torch.float32) if rank == 0 else (0.7, 5, F64)
+
+    def wide(start1, **kw):  # V = 64: rank 0 holds [0, 34), rank 1 [start1, start1 + 30)
+        span = _logits(2, 6, 64, 0)[..., start1 * rank : start1 * rank + 34 - 4 * rank]
+        return lossfx.token_logprobs(span, _ids(2, 6, 60, 0), group=group, **kw)
+
+    def prepare(data=None, loss_fn=LOGPROB, logits=z, **kw):
+        return lossfx.prepare_loss_input(logits, {"input_ids": ids} if data is None else data, loss_fn, **tp, **kw)
+
+    def grad_mode():
+        with torch.set_grad_enabled(rank == 0):
+            return token(hidden.clone().requires_grad_(), rows, target, group=group)
+
+    def fsdp2(fn, *args):  # FSDP2 leaves the head Shard(0) over the data-parallel mesh; each rank its own batch
+        h, _, t = _fused(6, 12, 10 + rank)
+        return fn(h, _head(weight), t, *args)
+
+    def cp(**groups):  # the group as a context-parallel group (V = 6 whole on each rank): top_k 2 against 3
+        local = shard_for_cp_rank(_logits(2, 8, 6, 3), rank, 2, seq_dim=1)
+        sp = lossfx.TrainingSamplingParams(top_k=2 if rank == 0 else 3)
+        return lossfx.prepare_loss_input(local, {"input_ids": _ids(2, 8, 6, 3)}, LOGPROB, sampling_params=sp, **groups)
+
+    def env_off_on_rank_0():  # the old switch's environment variable on one rank: the check still runs on both
+        with pytest.MonkeyPatch.context() as mp:
+            if rank == 0:
+                mp.setenv("LOSSFX_CONSISTENCY_CHECKS", "0")
+            return lossfx.token_logprobs(z, _bump(ids, rank, (1, 3)), group=group)
+
+    calls = {
+        # shapes, dtypes, layouts, settings, the function called (logits)
+        "widths": lambda: wide(34),  # widths 34 / 30 with the kernels' uniform default layout
+        "overlap": lambda: wide(30, vocab_start=30 * rank, vocab_size=64),  # explicit but overlapping
+        "widths_distillation": lambda: prepare(  # equal shards needed: the top-k distillation path
+            teacher, DISTILLATION, _logits(2, 6, 64, 0)[..., 34 * rank : 34 + 30 * rank]
+        ),
+        "topk_wider_than_uneven_shards": lambda: lossfx.vocab_topk(  # widths 3 / 7: k = 7 > world · 3
+            _logits(2, 6, 10, 0)[..., 3 * rank : 3 + 7 * rank], 7, group=group, vocab_start=3 * rank
+        ),
+        "sampling": lambda: prepare(sampling_params=top_k_3 if rank == 0 else None),
+        "top_k": lambda: prepare(sampling_params=lossfx.TrainingSamplingParams(top_k=5 + 2 * rank)),
+        "top_p": lambda: prepare(sampling_params=lossfx.TrainingSamplingParams(top_p=0.9 if rank == 0 else 0.8)),
+        "batch": lambda: prepare({"input_ids": ids[: 2 - rank]}, logits=z[: 2 - rank]),
+        "seq": lambda: prepare({"input_ids": ids[:, : 6 - rank]}, logits=z[:, : 6 - rank]),
+        "dtype": lambda: prepare(logits=z.to(low)),
+        "kernel": lambda: (lossfx.filtered_token_logprobs if rank == 0 else lossfx.token_logprobs)(
             z[:, :-1], ids[:, 1:], group=group, **({"top_k": 3} if rank == 0 else {})
-        )
-    return lossfx.prepare_loss_input(z, {"input_ids": ids}, LOGPROB, sampling_params=sp, **tp)[0]["next_token_logprobs"]
+        ),
+        "cp_group": lambda: cp(context_parallel_group=group),
+        "cp_sharder": lambda: cp(cp_sharder=LoadBalancedSharder(group)),
+        # the values of replicated inputs
+        "targets_2d": lambda: lossfx.token_logprobs(z, _bump(ids, rank, (1, 3)), group=group),
+        "check_env_off_on_one_rank": env_off_on_rank_0,
+        "input_ids": lambda: prepare({"input_ids": _bump(ids, rank, (0, 2))}),
+        "token_mask": lambda: prepare(
+            {"input_ids": ids, "token_mask": _bump(torch.ones(2, 6), rank, (1, 1))}, sampling_params=top_k_3
+        ),
+        "teacher_payload": lambda: prepare(
+            {**teacher, "teacher_topk_logits": _bump(teacher["teacher_topk_logits"], rank, (1, 4, 2))}, DISTILLATION
+        ),
+        "hidden_replicated": lambda: token(_bump(hidden, rank, (3, 1)), rows, target, group=group),
+        "fused_target": lambda: token(hidden, rows, _bump(target, rank, (5,)), group=group),
+        "coefficients": lambda: objective(hidden, rows, target, _bump(ones, rank, (2,)), group=group),
+        "rows_swapped": lambda: token(  # a permutation of the batch: same multiset of values
+            hidden if rank == 0 else hidden[[1, 0, 2, 3, 4, 5]], rows, target, group=group
+        ),
+        # flags that decide a collective
+        "hidden_requires_grad": lambda: token(
+            hidden.clone().requires_grad_(rank == 0), rows.clone().requires_grad_(), target, group=group
+        ),
+        "objective_requires_grad": lambda: objective(  # the objective forms its gradients in the forward
+            hidden.clone().requires_grad_(rank == 0), rows, target, ones, group=group
+        ),
+        "grad_mode": grad_mode,
+        # the fused LM head: shapes, dtypes, weight rows against the declared vocabulary, settings
+        "hidden_shape": lambda: token(hidden[: 6 - rank], rows, target[: 6 - rank], group=group),
+        "fused_dtype": lambda: token(hidden.to(low), rows.to(low), target, group=group),
+        "weight_rows_vs_vocab_size": lambda: token(  # rows 6 + 5 declared as V = 12
+            hidden, uneven, target % 11, group=group, vocab_start=6 * rank, vocab_size=12
+        ),
+        "weight_rows_default_layout": lambda: token(hidden, uneven, target % 11, group=group),  # 6 + 5, undeclared
+        "gather_convention": lambda: lossfx.linear_gather_logprobs(
+            hidden, rows, torch.stack([target, (target + 1) % 12], -1), zero_outside_topk=rank == 0, group=group
+        ),
+        "next_token_temperature": lambda: lossfx.linear_next_token_logprobs(
+            hidden[None], rows, target[None], group=group, temperature=1.0 + rank
+        ),
+        "objective_chunk_size": lambda: objective(  # the objective's loop runs one collective per chunk
+            hidden, rows, target, ones, group=group, chunk_size=2 + rank
+        ),
+        # a Shard(0) DTensor weight is checked
+        "dtensor_token_temperature": lambda: token(hidden, _head(weight), target, temperature=temperature),
+        "dtensor_gather_temperature": lambda: lossfx.linear_gather_logprobs(
+            hidden, _head(weight), target[:, None], temperature=temperature
+        ),
+        "dtensor_next_token_temperature": lambda: lossfx.linear_next_token_logprobs(
+            hidden[None], _head(weight), target[None], temperature=temperature
+        ),
+        "dtensor_objective_temperature": lambda: objective(
+            hidden, _head(weight), target, ones, temperature=temperature
+        ),
+        "dtensor_token_rows": lambda: token(hidden[:n], _head(weight), target[:n]),  # as FSDP2 with uneven batches
+        "dtensor_objective_rows": lambda: objective(hidden[:n], _head(weight), target[:n], ones[:n]),
+        "fsdp2_head": lambda: fsdp2(token),
+        "fsdp2_head_objective": lambda: fsdp2(objective, torch.full((6,), 1.0 / 6, dtype=F64)),
+    }
+    return calls[case]()
 
 
 def _error_then_ok(rank, world, group, case):
-    """`(message or None, seconds, a consistent call's result)` on this rank."""
+    """`(message or None, seconds, a consistent call's values and weight gradient)` on this rank."""
     message, seconds = value_error(lambda: _call(case, rank, group))
-    z = _logits(1, 4, 8, 5)[..., rank * 4 : (rank + 1) * 4]
-    after = lossfx.token_logprobs(z, _ids(1, 4, 8, 5), group=group)  # the group is still in step
-    return message, seconds, after
+    hidden, weight, target = _fused(3, 11, 1)
+    rows = (weight[:6] if rank == 0 else weight[6:]).clone().requires_grad_()  # uneven 6 + 5, declared
+    after = lossfx.linear_token_logprobs(hidden, rows, target, group=group, vocab_start=6 * rank, vocab_size=11)
+    after.sum().backward()
+    return message, seconds, after.detach(), rows.grad
 
 
+VALUES = "the values of {} (which must be the same on every rank) (rank 0: fingerprint "
+FSDP = ["if it is FSDP2's data-parallel sharding", "weight.full_tensor()", "pass the tensor-parallel shard"]
+TEMPERATURE = ["temperature (rank 0: 1.0, rank 1: 0.7)"]
 EXPECTED = {
     "widths": ["vocabulary size V (rank 0: 68, rank 1: 60", "widths rank 0: 34, rank 1: 30", "pass vocab_size"],
     "overlap": ["rank 0: [0, 34), rank 1: [30, 60)", "do not tile [0, 64)"],
     "widths_distillation": ["vocabulary shard width", "rank 0: 34, rank 1: 30", "equal shards"],
+    "topk_wider_than_uneven_shards": [
+        "rank 0: 3, rank 1: 7",
+        "this function needs k=7 <= world_size · the smallest width (6)",
+    ],
     "sampling": ["sampling_params (rank 0: a TrainingSamplingParams, rank 1: None)"],
     "top_k": ["sampling_params.top_k (rank 0: 5, rank 1: 7)"],
     "top_p": ["sampling_params.top_p (rank 0: 0.9, rank 1: 0.8)"],
     "batch": ["logits.shape[0] (rank 0: 2, rank 1: 1)"],
     "seq": ["logits.shape[1] (rank 0: 6, rank 1: 5)"],
     "dtype": ["logits.dtype (rank 0: torch.float32, rank 1: torch.float64)"],
-    "topk_wider_than_uneven_shards": [
-        "rank 0: 3, rank 1: 7",
-        "this function needs k=7 <= world_size · the smallest width (6)",
-    ],
     "kernel": ["the function called (rank 0: lossfx.filtered_token_logprobs, rank 1: lossfx.token_logprobs)"],
+    "cp_group": ["context_parallel_group disagree on sampling_params.top_k (rank 0: 2, rank 1: 3)"],
+    "cp_sharder": ["cp_sharder.cp_group disagree on sampling_params.top_k (rank 0: 2, rank 1: 3)"],
+    "targets_2d": [VALUES.format("target")],
+    "check_env_off_on_one_rank": [VALUES.format("target")],
+    "input_ids": [VALUES.format("data['input_ids']")],
+    "token_mask": [VALUES.format("data['token_mask']")],
+    "teacher_payload": [VALUES.format("data['teacher_topk_logits']")],
+    "hidden_replicated": [VALUES.format("hidden")],
+    "fused_target": [VALUES.format("target")],
+    "coefficients": [VALUES.format("logprob_weight")],
+    "rows_swapped": [VALUES.format("hidden")],
+    "hidden_requires_grad": ["hidden.requires_grad (rank 0: True, rank 1: False)"],
+    "objective_requires_grad": ["hidden.requires_grad (rank 0: True, rank 1: False)"],
+    "grad_mode": ["torch.is_grad_enabled() (rank 0: True, rank 1: False)"],
+    "hidden_shape": ["hidden.shape[0] (rank 0: 6, rank 1: 5)"],
+    "fused_dtype": ["hidden.dtype (rank 0: torch.float32, rank 1: torch.float64)"],
+    "weight_rows_vs_vocab_size": ["rank 0: [0, 6), rank 1: [6, 11)", "do not tile [0, 12)"],
+    "weight_rows_default_layout": ["vocabulary size V (rank 0: 12, rank 1: 10"],
+    "gather_convention": ["zero_outside_topk (rank 0: True, rank 1: False)"],
+    "next_token_temperature": ["temperature (rank 0: 1.0, rank 1: 2.0)"],
+    "objective_chunk_size": ["chunk_size (rank 0: 2, rank 1: 3)"],
+    "dtensor_token_temperature": TEMPERATURE,
+    "dtensor_gather_temperature": TEMPERATURE,
+    "dtensor_next_token_temperature": TEMPERATURE,
+    "dtensor_objective_temperature": TEMPERATURE,
+    "dtensor_token_rows": ["hidden.shape[0] (rank 0: 4, rank 1: 5)", *FSDP],
+    "dtensor_objective_rows": ["hidden.shape[0] (rank 0: 4, rank 1: 5)", *FSDP],
+    "fsdp2_head": [VALUES.format("hidden"), *FSDP],
+    "fsdp2_head_objective": [VALUES.format("hidden"), *FSDP],
 }
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))
 def test_gloo_mismatch_raises_on_every_rank(case):
     results = gloo_pool(2).run(_error_then_ok, case)
-    messages = [m for m, _, _ in results]
+    messages = [m for m, *_ in results]
     assert_every_rank_raises(messages, EXPECTED[case])
-    assert max(s for _, s, _ in results) < SECONDS
-    ref = reference.token_logprobs(_logits(1, 4, 8, 5), _ids(1, 4, 8, 5))
-    for _, _, after in results:
-        torch.testing.assert_close(after, ref, rtol=0, atol=1e-10)
+    if FSDP[0] not in EXPECTED[case]:
+        assert "FSDP2" not in messages[0]  # the remedy is named only for a DTensor head and differing hidden
+    assert max(s for _, s, _, _ in results) < SECONDS
+    harness.assert_fused_call_exact([a for _, _, a, _ in results], [g for *_, g in results], *_fused(3, 11, 1))
+
+
+def test_no_switch():
+    """There is no way to turn the check off on one rank only (no switch at all; the old switch's
+    environment variable on one rank: case `check_env_off_on_one_rank`)."""
+    assert not hasattr(lossfx, "set_consistency_checks")
+    assert not hasattr(lossfx, "consistency_checks_enabled")
+
+
+def _agreeing_flags(rank, world, group):
+    """Every rank with the same flags and values: exact values and gradients (no false alarm)."""
+    hidden, weight, target = _fused(6, 12, 7)
+    h = hidden.clone().requires_grad_()
+    head = _head(weight).requires_grad_()
+    out = lossfx.linear_token_logprobs(h, head, target, temperature=0.7)
+    out.sum().backward()
+    return out.detach(), h.grad, head.grad.full_tensor()
+
+
+def test_agreeing_dtensor_head_is_exact():
+    hidden, weight, target = _fused(6, 12, 7)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = reference.linear_token_logprobs(h, w, target, 0.7)[0]
+    ref.sum().backward()
+    for out, dh, dw in gloo_pool(2).run(_agreeing_flags):
+        torch.testing.assert_close(out, ref.detach(), rtol=0, atol=1e-10)
+        torch.testing.assert_close(dh, h.grad, rtol=0, atol=1e-10)
+        torch.testing.assert_close(dw, w.grad, rtol=0, atol=1e-10)
+
+
+class _LossHead(torch.nn.Module):
+    """The LM head with the loss inside its forward: where FSDP2 has unsharded the weight."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.lm_head = torch.nn.Linear(H, weight.shape[0], bias=False, dtype=F64)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(weight)
+
+    def forward(self, hidden, target):
+        return lossfx.linear_token_logprobs(hidden, self.lm_head.weight, target)
+
+
+def _fsdp2_real(rank, world, group):
+    """`fully_shard` leaves the head Shard(0) over the data-parallel ranks outside the forward:
+    an error with the remedy. Inside the module's forward (the FSDP2 recipe) the weight is whole:
+    exact values, and FSDP2's reduce-scatter averages the ranks' gradients into the shards."""
+    from torch.distributed.fsdp import fully_shard
+
+    _head(torch.zeros(2, 1))  # the mesh
+    module = _LossHead(_fused(6, 12, 0)[1])
+    fully_shard(module, mesh=_MESH["mesh"])
+    hidden, _, target = _fused(6, 12, 10 + rank)
+    weight = module.lm_head.weight
+    try:
+        lossfx.linear_token_logprobs(hidden, weight, target)
+        message = None
+    except ValueError as err:
+        message = str(err)
+    out = module(hidden, target)
+    out.sum().backward()
+    return message, type(weight).__name__, out.detach(), module.lm_head.weight.grad.full_tensor()
+
+
+def test_fsdp2_fully_sharded_head():
+    results = gloo_pool(2).run(_fsdp2_real)
+    _, weight, _ = _fused(6, 12, 0)
+    grads = []
+    assert_every_rank_raises([message for message, *_ in results], [VALUES.format("hidden"), *FSDP])
+    for rank, (_, kind, out, _) in enumerate(results):
+        assert kind == "DTensor"
+        hidden, _, target = _fused(6, 12, 10 + rank)
+        w = weight.clone().requires_grad_()
+        ref = reference.linear_token_logprobs(hidden, w, target)[0]
+        ref.sum().backward()
+        torch.testing.assert_close(out, ref.detach(), rtol=0, atol=1e-10)
+        grads.append(w.grad)
+    for _, _, _, grad in results:  # FSDP2 averages over the data-parallel ranks
+        torch.testing.assert_close(grad, (grads[0] + grads[1]) / 2, rtol=0, atol=1e-10)
 
 
 # ---------------------------------------------------------------------------------------------
-# Context parallelism: a CP-group mismatch, and a TP x CP grid where one TP group disagrees
+# Context parallelism: a TP x CP grid where one TP group disagrees (the CP-group cases are in the table)
 # ---------------------------------------------------------------------------------------------
-
-
-def _cp_mismatch(rank, world, group, layout):
-    z, ids = _logits(2, 8, 6, 3), _ids(2, 8, 6, 3)
-    local = shard_for_cp_rank(z, rank, world, seq_dim=1)
-    sp = lossfx.TrainingSamplingParams(top_k=2 if rank == 0 else 3)
-    cp = {"context_parallel_group": group} if layout == "group" else {"cp_sharder": LoadBalancedSharder(group)}
-    return value_error(lambda: lossfx.prepare_loss_input(local, {"input_ids": ids}, LOGPROB, sampling_params=sp, **cp))[
-        0
-    ]
-
-
-@pytest.mark.parametrize(("layout", "name"), [("group", "context_parallel_group"), ("sharder", "cp_sharder.cp_group")])
-def test_gloo_context_parallel_mismatch(layout, name):
-    messages = gloo_pool(2).run(_cp_mismatch, layout)
-    assert messages[0] == messages[1]
-    assert f"{name} disagree on sampling_params.top_k (rank 0: 2, rank 1: 3)" in messages[0]
 
 
 def _grid_mismatch(rank, world, group):
-    """TP=2 x CP=2; only ranks 0 and 1 (one TP group) disagree (on top_k)."""
+    """TP=2 x CP=2; only ranks 0 and 1 (one TP group) disagree (on top_k). Then a consistent call
+    on the same groups: `(message, seconds, its host reads, its log-probs)`."""
     tp_group, tp_rank, cp_group, cp_rank = mesh_groups(rank, world, group, tp=2)
     z, ids = _logits(2, 8, 6, 4), _ids(2, 8, 6, 4)
     local = shard_for_cp_rank(z, cp_rank, 2, seq_dim=1)[..., tp_rank * 3 : (tp_rank + 1) * 3]
-    sp = lossfx.TrainingSamplingParams(top_k=2 if rank == 0 else 3)
     groups = {"vocab_parallel_rank": tp_rank, "vocab_parallel_group": tp_group, "context_parallel_group": cp_group}
-    return value_error(
-        lambda: lossfx.prepare_loss_input(local, {"input_ids": ids}, LOGPROB, sampling_params=sp, **groups)
-    )
+
+    def call(sp=None):
+        return lossfx.prepare_loss_input(local, {"input_ids": ids}, LOGPROB, sampling_params=sp, **groups)[0]
+
+    message, seconds = value_error(lambda: call(lossfx.TrainingSamplingParams(top_k=2 if rank == 0 else 3)))
+    call()  # warm-up
+    return message, seconds, count_host_reads(call), call()["next_token_logprobs"]
 
 
 @pytest.mark.xdist_group("gloo4")  # one 4-process pool per session (addopts: --dist loadgroup)
-def test_gloo_tp_cp_grid_every_rank_raises():
+def test_gloo_tp_cp_grid_every_rank_raises_then_reads_once(monkeypatch):
+    """Ranks 0 and 1 see the disagreement in their TP group; ranks 2 and 3 (whose TP group agrees)
+    in their CP group. The consistent call afterwards reads the host once: the TP verdict travels
+    in the CP signature computed on the device, so both gathered matrices are read together (2
+    reads before); its values are the float64 reference's (the groups are still in step)."""
+    monkeypatch.setattr(harness, "_TIMEOUT_S", 300.0)
     results = gloo_pool(4).run(_grid_mismatch)
-    for rank, (message, seconds) in enumerate(results):
+    for rank, (message, seconds, _, _) in enumerate(results):
         assert message is not None, f"rank {rank} did not raise"
         assert seconds < SECONDS
-    # ranks 0 and 1 see it in their TP group; ranks 2 and 3 (whose TP group agrees) in their CP group
     assert results[0][0] == results[1][0]
     assert "vocab_parallel_group disagree on sampling_params.top_k (rank 0: 2, rank 1: 3)" in results[0][0]
     assert results[2][0] == results[0][0].replace("vocab_parallel_group", "context_parallel_group")
     assert "rank(s) [0] of context_parallel_group (size 2) found ranks of their vocab_parallel_group" in results[3][0]
+    assert [reads for _, _, reads, _ in results] == [1, 1, 1, 1]
+    ref = reference.next_token_logprobs(_logits(2, 8, 6, 4), _ids(2, 8, 6, 4))
+    for _, _, _, lp in results:  # gathered over the CP group: the whole sequence on every rank
+        torch.testing.assert_close(lp, ref, rtol=0, atol=1e-10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,44 +435,29 @@ def test_gloo_uneven_widths_match_reference(top_k, packed):
 # ---------------------------------------------------------------------------------------------
 
 
-def _count_gathers(rank, world, group, counts):
+def _gathers_and_ops(rank, world, group, counts, ops):
+    """`(signature gathers of one filtered prepare_loss_input with a KL term, the ops a
+    token_logprobs call ran on its gathered signatures before the check returned)` on this rank."""
     full = _logits(2, 6, 16, 0)
     # every scored id is its row's argmax, so the top-3 filter keeps it (no -inf warning)
     ids = torch.cat([torch.zeros_like(full[:, :1, 0], dtype=torch.long), full.argmax(-1)[:, :-1]], dim=1)
-    z = full[..., rank * 8 : (rank + 1) * 8]
     sp = lossfx.TrainingSamplingParams(top_k=3)
     loss_fn = SimpleNamespace(input_type="logprob", reference_policy_kl_penalty=0.1)
     data = {"input_ids": ids, "token_mask": torch.ones(2, 6)}  # token_mask: required under a filter
     before = counts[rank]
-    lossfx.prepare_loss_input(z, data, loss_fn, rank, group, sampling_params=sp)
-    return counts[rank] - before
-
-
-def test_one_signature_gather_per_entry_call(monkeypatch):
-    counts = [0, 0]
-    gather = _consistency._gather_on_device
-
-    def counting(sig, group):
-        counts[group.rank()] += 1
-        return gather(sig, group)
-
-    monkeypatch.setattr(_consistency, "_gather_on_device", counting)
-    # prepare_loss_input -> next_token_logprobs (twice: filtered and unfiltered) -> target_logprobs
-    # -> filtered_token_logprobs / token_logprobs: one check for all of them
-    assert thread_world(2).run(_count_gathers, counts) == [1, 1]
-
-
-def _ops_after_gather(rank, world, group, ops):
+    lossfx.prepare_loss_input(full[..., rank * 8 : (rank + 1) * 8], data, loss_fn, rank, group, sampling_params=sp)
+    gathers, before = counts[rank] - before, len(ops[rank])
     z, ids = _logits(2, 3, 8, 6)[..., rank * 4 : (rank + 1) * 4], _ids(2, 3, 8, 6)
-    before = len(ops[rank])
     lossfx.token_logprobs(z, ids, group=group)  # vocab="tiled": the most layout rules
-    return ops[rank][before:]
+    return gathers, ops[rank][before:]
 
 
-def test_eager_check_judges_the_host_copy(monkeypatch):
-    """Eagerly the check runs no op on the gathered signatures before the call's one host read:
-    the read carries the gathered matrix, and the judgement (`_judged`) runs on the host copy (on a
-    GPU, no launches); the ranks still agree (every call below passes the check)."""
+def test_one_signature_gather_per_entry_call_judged_on_the_host_copy(monkeypatch):
+    """One signature gather per entry call: prepare_loss_input -> next_token_logprobs (twice:
+    filtered and unfiltered) -> target_logprobs -> filtered_token_logprobs / token_logprobs: one
+    check for all of them. Eagerly the check runs no op on the gathered signatures before the
+    call's one host read: the read carries the gathered matrix, and the judgement (`_judged`) runs
+    on the host copy (on a GPU, no launches); the ranks still agree (every call passes the check)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -259,24 +469,24 @@ def test_eager_check_judges_the_host_copy(monkeypatch):
             self.seen.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    ops, modes = [[], []], {}
+    counts, ops, modes = [0, 0], [[], []], {}
     gather, check = _consistency._gather_on_device, _consistency._check
 
     def gathering(sig, group):
+        counts[group.rank()] += 1
         out = gather(sig, group)
-        modes[group.rank()] = Ops(ops[group.rank()]).__enter__()  # counts until the check returns
+        modes[threading.get_ident()] = Ops(ops[group.rank()]).__enter__()  # records until the check returns
         return out
 
-    def checking(name, arguments, *args, **kwargs):
+    def checking(*args, **kwargs):
         try:
-            return check(name, arguments, *args, **kwargs)
+            return check(*args, **kwargs)
         finally:
-            group = arguments["group"]
-            modes.pop(group.rank()).__exit__(None, None, None)
+            modes.pop(threading.get_ident()).__exit__(None, None, None)
 
     monkeypatch.setattr(_consistency, "_gather_on_device", gathering)
     monkeypatch.setattr(_consistency, "_check", checking)
-    assert thread_world(2).run(_ops_after_gather, ops) == [[], []]
+    assert thread_world(2).run(_gathers_and_ops, counts, ops) == [(1, []), (1, [])]
 
 
 def _thread_batch_mismatch(rank, world, group):
@@ -519,30 +729,6 @@ def test_compiled_check_precedes_the_kernels_first_collective(top_k):
     assert check_gather < wait < asserts < kernel_gather, calls
     if top_k:
         assert check_gather < first(lambda s: "aten.topk.default(" in s) < wait, calls
-
-
-def _objective_chunk_mismatch_compiled(rank, world, group):
-    """`linear_logprob_objective` compiled with a different `chunk_size` per rank: its collectives
-    run inside an opaque op, which the deferred in-graph check must precede."""
-    gen = torch.Generator().manual_seed(3)
-    hidden, weight = torch.randn(2, 8, 16, generator=gen, dtype=F64), torch.randn(32, 16, generator=gen, dtype=F64)
-    ids, coef = torch.randint(0, 32, (2, 8), generator=gen), torch.randn(2, 8, generator=gen, dtype=F64)
-    rows = weight[rank * 16 : (rank + 1) * 16].clone().requires_grad_()
-
-    def step(h, w):
-        return lossfx.linear_logprob_objective(h, w, ids, coef, group=group, chunk_size=4 + 4 * rank)[0]
-
-    try:
-        torch.compile(step, fullgraph=True, backend="aot_eager")(hidden.clone().requires_grad_(), rows)
-    except RuntimeError as err:
-        return str(err)
-    return None
-
-
-@pytest.mark.compile
-def test_compiled_check_precedes_an_opaque_ops_collectives():
-    messages = gloo_pool(2).run(_objective_chunk_mismatch_compiled)
-    assert_every_rank_raises(messages, ["lossfx.linear_logprob_objective", "disagree on chunk_size"])
 
 
 # a config of 300 fields (a dataclass: the check compares its fields; of another object only the attributes
