@@ -14,9 +14,11 @@ Compiled: the handshake is skipped with a warning, in one `fullgraph=True` graph
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
+from unittest import mock
 
 import harness
 import pytest
@@ -34,6 +36,7 @@ TIGHT = {"rtol": 0, "atol": 1e-10}
 B, S, V, H = 2, 3, 8, 4
 DEADLINE_S = 90.0  # eager, tiny shapes: about a second; a hang runs into this
 TIMEOUT_S = "20"  # the handshake's own timeout in these tests (only the missing-rank case waits for it)
+COMPILING = "LOSSFX_DISTRIBUTED_DEBUG is on, but a lossfx call is being compiled"  # the trace-time warning
 
 
 def _data():
@@ -120,38 +123,30 @@ def _call(case: str, rank: int, group):
     raise AssertionError(case)
 
 
-class _Mode:
-    """`LOSSFX_DISTRIBUTED_DEBUG` (and its timeout) set for a block, restored after."""
-
-    def __init__(self, on: bool, timeout: str = TIMEOUT_S):
-        self.values = {debug.ENV: "1" if on else None, debug.ENV_TIMEOUT: timeout if on else None}
-
-    def __enter__(self):
-        self.saved = {k: os.environ.get(k) for k in self.values}
-        for k, v in self.values.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+def _mode(on: bool, timeout: str = TIMEOUT_S):
+    """`LOSSFX_DISTRIBUTED_DEBUG` (and its timeout) set for a block, restored after ("": unset, off)."""
+    return mock.patch.dict(os.environ, {debug.ENV: "1" if on else "", debug.ENV_TIMEOUT: timeout})
 
 
-def _case(rank, world, group, case, on):
-    """One call of `case` with the mode `on` or off: its outcome, then a probe all-reduce."""
-    call, expected = _call(case, rank, group)
-    out: dict = {"error": None}
-    started = time.monotonic()
-    with _Mode(on):
-        try:
-            out["lp"] = call().detach()
-            out["expected"] = expected
-        except (ValueError, RuntimeError) as e:
-            out["error"] = f"{type(e).__name__}: {e}"
-    out["seconds"] = time.monotonic() - started
-    probe = torch.ones(())
-    dist.all_reduce(probe, group=group)  # the group is still in step after the call
-    out["probe"] = probe
-    return out
+def _calls(rank, world, group, cases, on):
+    """`{case: outcome}` of one call of each of `cases` with the mode `on` or off, each followed by a
+    probe all-reduce."""
+    outs = {}
+    for case in cases:
+        call, expected = _call(case, rank, group)
+        out = outs[case] = {"error": None}
+        started = time.monotonic()
+        with _mode(on):
+            try:
+                out["lp"] = call().detach()
+                out["expected"] = expected
+            except (ValueError, RuntimeError) as e:
+                out["error"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - started
+        probe = torch.ones(())
+        dist.all_reduce(probe, group=group)  # the group is still in step after the call
+        out["probe"] = probe
+    return outs
 
 
 def _run(fn, *args) -> list:
@@ -198,7 +193,7 @@ HANGS = {  # case: what every rank's error must say
 
 @pytest.mark.parametrize("case", sorted(HANGS))
 def test_each_hang_is_one_clear_error_on_every_rank(case):
-    answers = _run(_case, case, True)
+    answers = [a[case] for a in _run(_calls, [case], True)]
     for rank, answer in enumerate(answers):
         error = answer["error"]
         assert error is not None and error.startswith("ValueError: lossfx."), (rank, error)
@@ -215,7 +210,7 @@ def test_each_hang_is_one_clear_error_on_every_rank(case):
 
 def _hangs_when_off(case: str, seconds: float = 10.0) -> bool:
     """Whether `case` with the mode off leaves every rank without an answer for `seconds` (the pool is then closed)."""
-    answers, problems = harness.gloo_pool(2).answers(_case, (case, False), timeout=seconds)
+    answers, problems = harness.gloo_pool(2).answers(_calls, ([case], False), timeout=seconds)
     return not answers and set(problems.values()) == {"hang"}
 
 
@@ -230,76 +225,73 @@ VALID = ["agree_group", "agree_no_group", "agree_shard_logits", "agree_shard_hea
 
 
 @pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
-@pytest.mark.parametrize("case", VALID)
-def test_valid_calls_are_exact_with_the_mode_on_and_off(case, on):
-    for rank, answer in enumerate(_run(_case, case, on)):
-        assert answer["error"] is None, (rank, answer["error"])
-        torch.testing.assert_close(answer["lp"].reshape(-1), answer["expected"].reshape(-1), **TIGHT)
-        assert float(answer["probe"]) == 2.0
+def test_valid_calls_are_exact_with_the_mode_on_and_off(on):
+    """Every VALID case in one launch; a failure names the case and the rank."""
+    for rank, answers in enumerate(_run(_calls, VALID, on)):
+        for case, answer in answers.items():
+            assert answer["error"] is None, (case, rank, answer["error"])
+            torch.testing.assert_close(
+                answer["lp"].reshape(-1), answer["expected"].reshape(-1), **TIGHT, msg=lambda m, c=case: f"{c}: {m}"
+            )
+            assert float(answer["probe"]) == 2.0, case
 
 
 _COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "all_gather", "all_reduce", "broadcast", "barrier",
                 "monitored_barrier", "all_gather_object", "reduce_scatter_tensor", "all_to_all_single")  # fmt: skip
 
 
-def _counted(rank, world, group, case, on, hooked):
-    """Store keys added, store look-ups, handshakes and collectives of one call of `case`
-    (`hooked=False`: the boundary without the debug hook)."""
+def _counting(counts, name, original):
+    def wrapper(*args, **kwargs):
+        counts[name] += 1
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
+def _counted(rank, world, group, case):
+    """Store keys added, store look-ups, handshakes and collectives of one call of `case`, for the
+    mode off, off through the boundary without the debug hook ("bare") and on."""
     call, _ = _call(case, rank, group)
-    counts = {"store look-ups": 0, "handshakes": 0, **dict.fromkeys(_COLLECTIVES, 0)}
-    saved = {c: getattr(dist, c) for c in _COLLECTIVES if hasattr(dist, c)}
-    saved_store, saved_handshake, saved_hook = (
-        dist.distributed_c10d._get_default_store,
-        debug._handshake,
-        debug.before_call,
-    )
-
-    def counting(name, original):
-        def wrapper(*args, **kwargs):
-            counts[name] += 1
-            return original(*args, **kwargs)
-
-        return wrapper
-
-    for c, f in saved.items():
-        setattr(dist, c, counting(c, f))
-    dist.distributed_c10d._get_default_store = counting("store look-ups", saved_store)
-    debug._handshake = counting("handshakes", saved_handshake)
-    store = saved_store()
-    keys_before = store.num_keys()
-    try:
-        with _Mode(on):
-            if not hooked:  # the same call through the boundary without the hook
-                debug.before_call = lambda *args: None
+    store = dist.distributed_c10d._get_default_store()
+    runs = {}
+    for run in ("off", "bare", "on"):
+        counts = runs[run] = {"store look-ups": 0, "handshakes": 0, **dict.fromkeys(_COLLECTIVES, 0)}
+        with contextlib.ExitStack() as stack:
+            for name in (c for c in _COLLECTIVES if hasattr(dist, c)):
+                stack.enter_context(mock.patch.object(dist, name, _counting(counts, name, getattr(dist, name))))
+            c10d, lookup = dist.distributed_c10d, dist.distributed_c10d._get_default_store
+            stack.enter_context(
+                mock.patch.object(c10d, "_get_default_store", _counting(counts, "store look-ups", lookup))
+            )
+            stack.enter_context(
+                mock.patch.object(debug, "_handshake", _counting(counts, "handshakes", debug._handshake))
+            )
+            if run == "bare":  # the same call through the boundary without the hook
+                stack.enter_context(mock.patch.object(debug, "before_call", lambda *args: None))
+            stack.enter_context(_mode(run == "on"))
+            keys_before = store.num_keys()
             call()
-    finally:
-        debug.before_call = saved_hook
-        for c, f in saved.items():
-            setattr(dist, c, f)
-        dist.distributed_c10d._get_default_store, debug._handshake = saved_store, saved_handshake
-    counts["store keys added"] = store.num_keys() - keys_before
-    dist.barrier(group=group)  # the next run's key count starts after every rank's call
-    return counts
+            counts["store keys added"] = store.num_keys() - keys_before
+        dist.barrier(group=group)  # the next run's key count starts after every rank's call
+    return runs
 
 
 @pytest.mark.parametrize("case", ["agree_group", "agree_no_group", "agree_shard_head"])
 def test_off_the_mode_adds_no_store_access_and_no_collective(case):
-    off = _run(_counted, case, False, True)
-    bare = _run(_counted, case, False, False)
-    on = _run(_counted, case, True, True)
-    for rank in range(2):
-        assert off[rank] == bare[rank], (rank, off[rank], bare[rank])  # the hook, off, does nothing
-        assert off[rank]["store look-ups"] == off[rank]["handshakes"] == off[rank]["store keys added"] == 0
-        assert on[rank]["handshakes"] == 1 and on[rank]["store look-ups"] == 1, on[rank]  # one, nested calls none
-        collectives = {c: on[rank][c] for c in _COLLECTIVES}
-        assert collectives == {c: off[rank][c] for c in _COLLECTIVES}, (rank, on[rank], off[rank])  # store only
+    for rank, runs in enumerate(_run(_counted, case)):
+        off, bare, on = runs["off"], runs["bare"], runs["on"]
+        assert off == bare, (rank, off, bare)  # the hook, off, does nothing
+        assert off["store look-ups"] == off["handshakes"] == off["store keys added"] == 0
+        assert on["handshakes"] == 1 and on["store look-ups"] == 1, on  # one, nested calls none
+        collectives = {c: on[c] for c in _COLLECTIVES}
+        assert collectives == {c: off[c] for c in _COLLECTIVES}, (rank, on, off)  # store only
 
 
 def _missing_rank(rank, world, group):
     """Rank 1 never makes the call: rank 0 waits for it up to the (short) timeout."""
     call, _ = _call("agree_group", rank, group)
     out = {"error": None}
-    with _Mode(True, timeout="1.5"):
+    with _mode(True, timeout="1.5"):
         started = time.monotonic()
         if rank == 0:
             try:
@@ -325,23 +317,17 @@ def _compiled(rank, world, group):
     """A compiled call with the mode on: no handshake, a warning at trace time, exact values."""
     call, expected = _call("agree_group", rank, group)
     counter, compiled = harness.compiled_for_rank(rank, "debug_mode", lambda: call(), backend="aot_eager")
-    handshake, calls = debug._handshake, []
-    debug._handshake = lambda *a: calls.append(a)
-    try:
-        with _Mode(True), warnings.catch_warnings(record=True) as caught:
+    calls = []
+    with mock.patch.object(debug, "_handshake", lambda *a: calls.append(a)), _mode(True):
+        with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             lp = compiled()
-    finally:
-        debug._handshake = handshake
-    warned = [
-        w for w in caught if "LOSSFX_DISTRIBUTED_DEBUG is on, but a lossfx call is being compiled" in str(w.message)
-    ]
     return {
         "lp": lp.detach(),
         "expected": expected,
         "handshakes": len(calls),
         "frames": counter.frame_count,
-        "warned": bool(warned),
+        "warned": any(COMPILING in str(w.message) for w in caught),
     }
 
 
@@ -386,9 +372,6 @@ def test_compiled_call_in_one_process_warns_once_in_one_graph(monkeypatch):
         warnings.simplefilter("always")
         first = compiled(d["logits"], d["target"])
         second = compiled(d["logits"] * 2, d["target"])
-    warned = [
-        w for w in caught if "LOSSFX_DISTRIBUTED_DEBUG is on, but a lossfx call is being compiled" in str(w.message)
-    ]
-    assert len(warned) == 1 and counter.frame_count == 1
+    assert sum(COMPILING in str(w.message) for w in caught) == 1 and counter.frame_count == 1
     torch.testing.assert_close(first, reference.token_logprobs(d["logits"], d["target"]), **TIGHT)
     torch.testing.assert_close(second, reference.token_logprobs(d["logits"] * 2, d["target"]), **TIGHT)
