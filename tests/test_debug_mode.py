@@ -71,56 +71,52 @@ def _dtensor(x, placement):
     return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
 
 
+# case -> (rank 0's, rank 1's) (logits, group) of a token_logprobs call. Logits: "shard" (this
+# rank's columns, plain), "full" (plain) or a `_dtensor` placement of the full logits; group:
+# "group" (the call's group), "a" / "b" (two distinct group objects of the same ranks) or None
+TOKEN_CALLS = {
+    "group_on_one_rank": (("shard", "group"), ("full", None)),
+    "distinct_groups": (("shard", "a"), ("shard", "b")),
+    "replicate_vs_shard_logits": (("replicate", None), ("shard_last", None)),
+    "plain_vs_shard_logits": (("full", None), ("shard_last", None)),
+    "agree_group": (("shard", "group"),) * 2,
+    "agree_no_group": (("full", None),) * 2,  # data parallel: each rank alone, no collective
+    "agree_shard_logits": (("shard_last", None),) * 2,
+    "agree_replicate_vs_plain": (("replicate", None), ("full", None)),  # all-Replicate(): no collective, no tie
+}
+# case -> (rank 0's, rank 1's) (weight, bias) of a linear_token_logprobs call: "full" (plain), a
+# `_dtensor` placement (of the weight, of a zero bias) or None (no bias)
+HEAD_CALLS = {
+    "none_vs_shard_bias": (("full", None), ("full", "shard_rows")),
+    "replicate_vs_shard_head": (("replicate", None), ("shard_rows", None)),
+    "agree_shard_head": (("shard_rows", None),) * 2,
+}
+
+
 def _call(case: str, rank: int, group):
     """`(lossfx call, dense float64 answer)` of `case` on `rank` (rank 1 differs in the hang cases)."""
     d = _data()
     logits, target, hidden, weight = d["logits"], d["target"], d["hidden"], d["weight"]
-    shard = logits.chunk(2, dim=-1)[rank]
-    lp = reference.token_logprobs(logits, target)
-    fused = reference.linear_token_logprobs(hidden, weight, target.reshape(-1))[0]
-    if case == "group_on_one_rank":  # rank 0: its shard with the group; rank 1: full logits, no group
-        if rank == 0:
-            return (lambda: lossfx.token_logprobs(shard, target, group=group)), lp
-        return (lambda: lossfx.token_logprobs(logits, target)), lp
-    if case == "distinct_groups":
-        g = _two_groups()[rank]
-        return (lambda: lossfx.token_logprobs(shard, target, group=g)), lp
-    if case == "replicate_vs_shard_logits":
-        x = _dtensor(logits, "replicate" if rank == 0 else "shard_last")
-        return (lambda: lossfx.token_logprobs(x, target)), lp
-    if case == "plain_vs_shard_logits":  # rank 0: full plain logits, no group; rank 1: a Shard(-1) DTensor
-        x = logits if rank == 0 else _dtensor(logits, "shard_last")
-        return (lambda: lossfx.token_logprobs(x, target)), lp
-    if case == "none_vs_shard_bias":  # a plain head; rank 0 no bias, rank 1 a Shard(0) DTensor bias
-        bias = None if rank == 0 else _dtensor(torch.zeros(V, dtype=F64), "shard_rows")
-        return (lambda: lossfx.linear_token_logprobs(hidden, weight, target.reshape(-1), bias=bias)), fused
-    if case == "replicate_vs_shard_head":
-        w = _dtensor(weight, "replicate" if rank == 0 else "shard_rows")
-        return (lambda: lossfx.linear_token_logprobs(hidden, w, target.reshape(-1))), fused
-    if case == "trl_plain_vs_shard_head":  # TRL's own option all-gather runs before lossfx's boundary
-        from lossfx.integrations.trl import per_token_logps_and_entropies
+    if case in TOKEN_CALLS:
+        what, tie = TOKEN_CALLS[case][rank]
+        x = {"shard": logits.chunk(2, dim=-1)[rank], "full": logits}.get(what)
+        x = _dtensor(logits, what) if x is None else x
+        kw = {} if tie is None else {"group": group if tie == "group" else _two_groups()["ab".index(tie)]}
+        return (lambda: lossfx.token_logprobs(x, target, **kw)), reference.token_logprobs(logits, target)
+    if case in HEAD_CALLS:
+        w, b = HEAD_CALLS[case][rank]
+        w = weight if w == "full" else _dtensor(weight, w)
+        bias = None if b is None else _dtensor(torch.zeros(V, dtype=F64), b)
+        fused = reference.linear_token_logprobs(hidden, weight, target.reshape(-1))[0]
+        return (lambda: lossfx.linear_token_logprobs(hidden, w, target.reshape(-1), bias=bias)), fused
+    assert case == "trl_plain_vs_shard_head", case  # TRL's own option all-gather runs before lossfx's boundary
+    from lossfx.integrations.trl import per_token_logps_and_entropies
 
-        w = weight if rank == 0 else _dtensor(weight, "shard_rows")
-        ids = target.reshape(B, S)
-        h = hidden.reshape(B, S, H)
-        dense = reference.linear_token_logprobs(h[:, :-1].reshape(-1, H), weight, ids[:, 1:].reshape(-1))[0]
-        call = lambda: per_token_logps_and_entropies(h, w, ids, sharded_head="gather")[0]  # noqa: E731
-        return call, dense.reshape(B, S - 1)
-    # valid calls
-    if case == "agree_group":
-        return (lambda: lossfx.token_logprobs(shard, target, group=group)), lp
-    if case == "agree_no_group":  # data parallel: each rank alone, no collective
-        return (lambda: lossfx.token_logprobs(logits, target)), lp
-    if case == "agree_shard_logits":
-        x = _dtensor(logits, "shard_last")
-        return (lambda: lossfx.token_logprobs(x, target)), lp
-    if case == "agree_shard_head":
-        w = _dtensor(weight, "shard_rows")
-        return (lambda: lossfx.linear_token_logprobs(hidden, w, target.reshape(-1))), fused
-    if case == "agree_replicate_vs_plain":  # all-Replicate() runs no collective: no tie, both exact
-        x = _dtensor(logits, "replicate") if rank == 0 else logits
-        return (lambda: lossfx.token_logprobs(x, target)), lp
-    raise AssertionError(case)
+    w = weight if rank == 0 else _dtensor(weight, "shard_rows")
+    ids, h = target.reshape(B, S), hidden.reshape(B, S, H)
+    dense = reference.linear_token_logprobs(h[:, :-1].reshape(-1, H), weight, ids[:, 1:].reshape(-1))[0]
+    call = lambda: per_token_logps_and_entropies(h, w, ids, sharded_head="gather")[0]  # noqa: E731
+    return call, dense.reshape(B, S - 1)
 
 
 def _mode(on: bool, timeout: str = TIMEOUT_S):

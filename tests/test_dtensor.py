@@ -60,7 +60,7 @@ def _case(vocab):
 # The cases: name -> (differentiable inputs, lossfx call on them, the dense reference).
 # Inputs: ((key of _case, layout), ...); a layout is the dim sharded over the tensor-parallel
 # (last) mesh dim, "rep" (`Replicate()`) or None (a plain tensor).
-# `d` holds the DTensor helpers of the running rank: d.shard(x), d.rep(x), d.local(x).
+# `d` holds the DTensor helpers of the running rank: d.shard[key], d.rep[key], d.local[key].
 # ---------------------------------------------------------------------------------------------
 
 Z = (("z", 2),)
@@ -79,13 +79,8 @@ SAMPLING = lossfx.TrainingSamplingParams(**TOP)
 
 
 def _filtered_entry(z, c, d):
-    data = {"input_ids": d.rep("sampled"), "token_mask": d.rep("mask")}
-    out, data_out = lossfx.prepare_loss_input(
-        z,
-        data,
-        LOGPROB_KL,
-        sampling_params=SAMPLING,
-    )
+    data = {"input_ids": d.rep["sampled"], "token_mask": d.rep["mask"]}
+    out, data_out = lossfx.prepare_loss_input(z, data, LOGPROB_KL, sampling_params=SAMPLING)
     assert data_out is data, "the caller's data comes back"
     return out["next_token_logprobs"], data["curr_logprobs_unfiltered"]
 
@@ -112,7 +107,7 @@ def _opd_loss_fn():
 CASES = {
     "token_logprobs": (
         Z,
-        lambda z, c, d: lossfx.token_logprobs(z, d.rep("ids")),
+        lambda z, c, d: lossfx.token_logprobs(z, d.rep["ids"]),
         lambda z, c: reference.token_logprobs(z, c["ids"]),
     ),
     "token_logprobs_with_lse": (
@@ -137,17 +132,17 @@ CASES = {
     ),
     "next_token_filtered_logprobs": (
         Z,
-        lambda z, c, d: lossfx.next_token_filtered_logprobs(z, d.rep("ids"), **TOP),
+        lambda z, c, d: lossfx.next_token_filtered_logprobs(z, d.rep["ids"], **TOP),
         lambda z, c: reference.next_token_filtered_logprobs(z, c["ids"], **TOP),
     ),
     "mask_out_neg_inf_logprobs": (
         Z,
-        lambda z, c, d: lossfx.mask_out_neg_inf_logprobs(d.rep("lp"), d.rep("mask")),
+        lambda z, c, d: lossfx.mask_out_neg_inf_logprobs(d.rep["lp"], d.rep["mask"]),
         lambda z, c: reference.mask_out_neg_inf_logprobs(c["lp"], c["mask"]),
     ),
     "gather_logprobs": (
         Z,
-        lambda z, c, d: lossfx.gather_logprobs(z, d.rep("topk_ids"), with_neg_entropy=True),
+        lambda z, c, d: lossfx.gather_logprobs(z, d.rep["topk_ids"], with_neg_entropy=True),
         lambda z, c: reference.gather_logprobs(z, c["topk_ids"]),
     ),
     "gather_logits": (
@@ -158,12 +153,12 @@ CASES = {
     "entropy": (Z, lambda z, c, d: lossfx.neg_entropy(z), lambda z, c: reference.neg_entropy(z)),
     "cross_entropy_to_fixed": (
         Z,
-        lambda z, c, d: lossfx.cross_entropy_to_fixed(z, d.shard("teacher")),
+        lambda z, c, d: lossfx.cross_entropy_to_fixed(z, d.shard["teacher"]),
         lambda z, c: reference.cross_entropy_to_fixed(z, c["teacher"]),
     ),
     "reverse_kl_to_fixed": (  # a plain teacher is this rank's shard (the process-group convention)
         Z,
-        lambda z, c, d: lossfx.reverse_kl_to_fixed(z, d.local("teacher")),
+        lambda z, c, d: lossfx.reverse_kl_to_fixed(z, d.local["teacher"]),
         lambda z, c: reference.reverse_kl_to_fixed(z, c["teacher"]),
     ),
     # vocab_topk's values carry no gradient (lossfx's contract)
@@ -176,7 +171,7 @@ CASES = {
     "distillation_topk_logprobs": (
         Z,
         lambda z, c, d: lossfx.distillation_topk_logprobs(
-            z, d.rep("topk_logits"), d.rep("topk_ids"), zero_outside_topk=True, calculate_entropy=True
+            z, d.rep["topk_logits"], d.rep["topk_ids"], zero_outside_topk=True, calculate_entropy=True
         ),
         lambda z, c: reference.distillation_topk_logprobs(z, c["topk_logits"], c["topk_ids"], True, True),
     ),
@@ -192,12 +187,12 @@ CASES = {
     ),
     "draft_targets": (
         Z,
-        lambda z, c, d: lossfx.draft_targets(z, d.rep("mask"), c["d2t"])[0],
+        lambda z, c, d: lossfx.draft_targets(z, d.rep["mask"], c["d2t"])[0],
         lambda z, c: reference.draft_targets(z, c["mask"], c["d2t"])[0],
     ),
     "next_token_logprobs": (
         Z,
-        lambda z, c, d: lossfx.next_token_logprobs(z, d.rep("ids")),
+        lambda z, c, d: lossfx.next_token_logprobs(z, d.rep["ids"]),
         lambda z, c: reference.next_token_logprobs(z, c["ids"]),
     ),
     "prepare_loss_input/logprob": (
@@ -212,7 +207,7 @@ CASES = {
         lambda z, c, d: tuple(
             lossfx.prepare_loss_input(
                 z,
-                {"teacher_topk_logits": d.rep("topk_logits"), "teacher_topk_indices": c["topk_ids"]},
+                {"teacher_topk_logits": d.rep["topk_logits"], "teacher_topk_indices": c["topk_ids"]},
                 _logprob("distillation", zero_outside_topk=True, kl_type="reverse"),
             )[0].values()
         ),
@@ -228,7 +223,7 @@ CASES = {
     "prepare_loss_input/opd_full": (
         Z,
         lambda z, c, d: lossfx.prepare_loss_input(
-            z, {"input_ids": c["ids"], "teacher_full_logits": d.rep("teacher")}, _opd_loss_fn()
+            z, {"input_ids": c["ids"], "teacher_full_logits": d.rep["teacher"]}, _opd_loss_fn()
         )[0]["opd_full_divergence"],
         lambda z, c: reference.opd_full_loss_input(z, c["teacher"], c["ids"])["opd_full_divergence"],
     ),
@@ -249,7 +244,7 @@ CASES = {
     "reconstruct_opd_full_teacher_logits": (
         Z,
         lambda z, c, d: lossfx.reconstruct_opd_full_teacher_logits(
-            d.rep("payload"),
+            d.rep["payload"],
             teacher_payload="logits",
             student_logits=z,
             vocab_parallel_rank=None,
@@ -259,14 +254,14 @@ CASES = {
     ),
     "prepare_packed_loss_input": (
         (("packed", 2),),
-        lambda z, c, d: lossfx.prepare_packed_loss_input(z, {"input_ids": d.rep("ids")}, _logprob("logprob"), CU, CU)[
+        lambda z, c, d: lossfx.prepare_packed_loss_input(z, {"input_ids": d.rep["ids"]}, _logprob("logprob"), CU, CU)[
             0
         ]["next_token_logprobs"],
         lambda z, c: reference.packed_next_token_logprobs(z, c["ids"], CU, CU),
     ),
     "shard_for_cp_rank": (
         Z,
-        lambda z, c, d: lossfx.shard_for_cp_rank(d.rep("teacher"), 1, 3),
+        lambda z, c, d: lossfx.shard_for_cp_rank(d.rep["teacher"], 1, 3),
         lambda z, c: reference.cp_shard(c["teacher"], 1, 3),
     ),
     # the fused LM head: a `Shard(0)` weight (a `ColwiseParallel` head), `hidden` plain, `Replicate()`
@@ -278,7 +273,7 @@ CASES = {
     ),
     "fused/token/replicated_hidden_and_target": (
         (("hidden", "rep"), ("weight", 0)),
-        lambda h, w, c, d: lossfx.linear_token_logprobs(h, w, d.rep("ids"), chunk_size=5),
+        lambda h, w, c, d: lossfx.linear_token_logprobs(h, w, d.rep["ids"], chunk_size=5),
         lambda h, w, c: reference.linear_token_logprobs(h, w, c["ids"])[0],
     ),
     "fused/gather/renormalised": (
@@ -338,19 +333,19 @@ FUSED_2D += ["fused/next_token/sequence_parallel"]
 # one compiled case per distinct path through lossfx/_boundary/dtensor.py and the fused head; the
 # default suite compiles the cheap ones with aot_eager (an inductor compile costs ~20-40 s here),
 # `-m slow` all of them with both backends
-COMPILED = {
-    "token_logprobs": ("aot_eager",),  # kernel with offsets from the placement
-    "prepare_loss_input/logprob": ("aot_eager",),  # entry point, uneven shard padded to the even width
-    "fused/token/plain_hidden": ("aot_eager",),  # a Shard(0) head
-    "fused/objective/plain_hidden": ("aot_eager",),
-}
-COMPILED_SLOW = {
-    **dict.fromkeys(COMPILED, ("aot_eager", "inductor")),
-    "next_token_logprobs": ("aot_eager", "inductor"),  # uneven shard padded to the even width
-    "apply_top_k_top_p": ("aot_eager", "inductor"),  # vocabulary-sharded results wrapped back into DTensors
-    "cross_entropy_to_fixed": ("aot_eager", "inductor"),  # a teacher sharded like the logits
-    "prepare_loss_input/logprob_filtered": ("aot_eager", "inductor"),  # DTensor data columns, written column
-}
+COMPILED = [
+    "token_logprobs",  # kernel with offsets from the placement
+    "prepare_loss_input/logprob",  # entry point, uneven shard padded to the even width
+    "fused/token/plain_hidden",  # a Shard(0) head
+    "fused/objective/plain_hidden",
+]
+COMPILED_SLOW = [
+    *COMPILED,
+    "next_token_logprobs",  # uneven shard padded to the even width
+    "apply_top_k_top_p",  # vocabulary-sharded results wrapped back into DTensors
+    "cross_entropy_to_fixed",  # a teacher sharded like the logits
+    "prepare_loss_input/logprob_filtered",  # DTensor data columns, written column
+]
 
 
 def _loss(outs):
@@ -385,23 +380,15 @@ def _place(x, layout, mesh):
 # ---------------------------------------------------------------------------------------------
 
 
-class _Helpers:
-    """The case's tensors as DTensors, built before any compiled call (`d.rep("ids")`, ...)."""
-
-    def __init__(self, mesh, case):
-        self.placements = _placements(2, mesh.ndim)  # the logits' vocabulary dim
-        self._rep = {k: _place(v, "rep", mesh) for k, v in case.items()}
-        self._shard = {k: _place(v, 2, mesh) for k, v in case.items() if v.dim() == 3}
-        self._local = {k: v.to_local() for k, v in self._shard.items()}
-
-    def shard(self, key):
-        return self._shard[key]
-
-    def rep(self, key):
-        return self._rep[key]
-
-    def local(self, key):
-        return self._local[key]
+def _helpers(mesh, case):
+    """The case's tensors as DTensors, built before any compiled call (`d.rep["ids"]`, ...)."""
+    shard = {k: _place(v, 2, mesh) for k, v in case.items() if v.dim() == 3}
+    return SimpleNamespace(
+        placements=_placements(2, mesh.ndim),  # the logits' vocabulary dim
+        rep={k: _place(v, "rep", mesh) for k, v in case.items()},
+        shard=shard,
+        local={k: v.to_local() for k, v in shard.items()},
+    )
 
 
 def _run_cases(rank, world, group, vocab, names, backend=None, mesh_shape=(2,)):
@@ -409,7 +396,7 @@ def _run_cases(rank, world, group, vocab, names, backend=None, mesh_shape=(2,)):
 
     mesh = device_mesh(tuple(mesh_shape), None if len(mesh_shape) == 1 else ("dp", "tp"))
     c = _case(vocab)
-    d = _Helpers(mesh, c)
+    d = _helpers(mesh, c)
     results = {}
     for name in names:
         inputs, call, _ = CASES[name]
@@ -486,15 +473,13 @@ def test_one_dim_of_a_2d_mesh():
 
 @pytest.mark.parametrize("backend", ["aot_eager"])
 def test_compiled_fullgraph(backend):
-    names = [n for n, backends in COMPILED.items() if backend in backends]
-    _check(gloo_pool(2).run(_run_cases, 11, names, backend), 11, frames=1)
+    _check(gloo_pool(2).run(_run_cases, 11, COMPILED, backend), 11, frames=1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_fullgraph_every_path(backend):
-    names = [n for n, backends in COMPILED_SLOW.items() if backend in backends]
-    _check(gloo_pool(2).run(_run_cases, 11, names, backend), 11, frames=1)
+    _check(gloo_pool(2).run(_run_cases, 11, COMPILED_SLOW, backend), 11, frames=1)
 
 
 def _host_reads_in_compiled_graph(rank, world, group):
