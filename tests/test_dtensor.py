@@ -100,6 +100,12 @@ def _detached(outs):
     return tuple(t.detach() for t in outs)
 
 
+# prepare_opd_full_loss_input's keywords without defaults, for an unsharded (or DTensor) call
+NO_GROUPS = dict.fromkeys(
+    ["vocab_parallel_rank", "vocab_parallel_group", "context_parallel_group", "sampling_params", "chunk_size"]
+)
+
+
 def _opd_loss_fn():
     return _logprob("opd_full", opd_full=lossfx.OnPolicyDistillationFullConfig(enabled=True, teacher_payload="logits"))
 
@@ -230,14 +236,7 @@ CASES = {
     "prepare_opd_full_loss_input": (
         Z,
         lambda z, c, d: lossfx.prepare_opd_full_loss_input(
-            z,
-            {"input_ids": c["ids"], "teacher_full_logits": c["teacher"]},
-            _opd_loss_fn(),
-            vocab_parallel_rank=None,
-            vocab_parallel_group=None,
-            context_parallel_group=None,
-            sampling_params=None,
-            chunk_size=None,
+            z, {"input_ids": c["ids"], "teacher_full_logits": c["teacher"]}, _opd_loss_fn(), **NO_GROUPS
         )["opd_full_divergence"],
         lambda z, c: reference.opd_full_loss_input(z, c["teacher"], c["ids"])["opd_full_divergence"],
     ),

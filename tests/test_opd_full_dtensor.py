@@ -41,14 +41,9 @@ def _case(vocab):
     }
 
 
-def _loss_fn(validate=True, penalty=PENALTY, chunk=None):
-    cfg = lossfx.OnPolicyDistillationFullConfig(
-        enabled=True, teacher_payload="hidden_states", validate_decomposition=validate, chunk_size=chunk
-    )
-    return SimpleNamespace(input_type=lossfx.LossInputType.OPD_FULL, opd_full=cfg, reference_policy_kl_penalty=penalty)
-
-
-LOSS_FN = _loss_fn()  # built outside any compiled function
+CFG = lossfx.OnPolicyDistillationFullConfig(enabled=True, teacher_payload="hidden_states", validate_decomposition=True)
+# built outside any compiled function
+LOSS_FN = SimpleNamespace(input_type=lossfx.LossInputType.OPD_FULL, opd_full=CFG, reference_policy_kl_penalty=PENALTY)
 KEYS = ("opd_full_divergence", "opd_full_entropy", "opd_full_cross_entropy", "next_token_logprobs")
 
 
@@ -56,14 +51,18 @@ def _loss(out, dout):
     return (out["opd_full_divergence"] * dout).sum() + (out["next_token_logprobs"] * dout.flip(0)).sum()
 
 
-def _reference(vocab):
-    c = _case(vocab)
-    teacher = ref.opd_full_teacher_logits(
+def _teacher(c):
+    """The dense teacher logits `[B, S, V]` projected by each row's head."""
+    return ref.opd_full_teacher_logits(
         c["hidden"], S, teacher_payload="hidden_states", weights=c["heads"], teacher_index=c["index"]
     )
+
+
+def _reference(vocab):
+    c = _case(vocab)
     z = c["z"].clone().requires_grad_()
     want = ref.opd_full_loss_input(
-        z, teacher, c["ids"], validate_decomposition=True, reference_policy_kl_penalty=PENALTY
+        z, _teacher(c), c["ids"], validate_decomposition=True, reference_policy_kl_penalty=PENALTY
     )
     _loss(want, c["dout"]).backward()
     return {k: want[k].detach() for k in KEYS}, z.grad
@@ -209,10 +208,7 @@ def test_reconstruct_teacher_logits_from_sharded_heads():
     """`reconstruct_opd_full_teacher_logits` on uneven DTensor logits: the projected teacher is a
     DTensor placed like the logits, equal to the dense reference."""
     results = run_ranks(2, _reconstruct, 11)
-    c = _case(11)
-    want = ref.opd_full_teacher_logits(
-        c["hidden"], S, teacher_payload="hidden_states", weights=c["heads"], teacher_index=c["index"]
-    )
+    want = _teacher(_case(11))
     for got in results:
         torch.testing.assert_close(got["rows"], want, **TIGHT)
         torch.testing.assert_close(got["dtensor"], want, **TIGHT)
