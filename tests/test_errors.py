@@ -8,7 +8,9 @@
 5. an out-of-range id is reported as `data['input_ids']` at its own `(b, t)`, and
    `input_ids[:, 0]`, never scored, is never checked;
 6. `temperature` has one check wherever it is taken: `TypeError` for a value that is not a real
-   number, `ValueError` (one message) for one that is not finite and > 0.
+   number, `ValueError` (one message) for one that is not finite and > 0;
+7. the hidden-state front door runs the logits branch's own validators (one copy of each check):
+   its errors are the logits path's, naming the stand-in for its logits (`hidden's logits`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ from lossfx.packing import packed_next_token_logprobs
 F64 = torch.float64
 TIGHT = {"rtol": 0, "atol": 1e-10}
 LOGPROB = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
+DISTILL = SimpleNamespace(input_type=lossfx.LossInputType.DISTILLATION)
+DRAFT = SimpleNamespace(input_type=lossfx.LossInputType.DRAFT)
+OPD_LOGITS = SimpleNamespace(
+    input_type="opd_full", opd_full=lossfx.OnPolicyDistillationFullConfig(teacher_payload="logits")
+)
 TOP_K = lossfx.TrainingSamplingParams(top_k=3, top_p=0.9)
 
 
@@ -300,3 +307,57 @@ def test_an_integer_temperature_is_the_float_one():
     (lp * g).sum().backward()
     (want * g).sum().backward()
     torch.testing.assert_close(h.grad, h64.grad, **TIGHT)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. The hidden-state front door's errors are the logits path's (one copy of each check)
+# ---------------------------------------------------------------------------------------------
+
+IDS = _head_case()[2]  # [2, 4] of a V = 9 head
+FRONT_DOOR = {  # case -> (data, loss_fn, keywords, exception, message; {logits}: the path's name for its logits)
+    "logprob_shape": ({"input_ids": torch.zeros(2, 5, dtype=torch.long)}, LOGPROB, {}, ValueError,
+                      r"{logits} must cover input_ids' 5 positions"),
+    "distillation_topk": ({"teacher_topk_logits": torch.zeros(2, 4, 0),
+                           "teacher_topk_indices": torch.zeros(2, 4, 0, dtype=torch.long)}, DISTILL, {}, ValueError,
+                          r"topk must be positive: teacher_topk_indices"),
+    "draft_d2t": ({"token_mask": torch.ones(2, 4), "student_logits": torch.zeros(2, 4, 2)}, DRAFT,
+                  {"d2t": torch.zeros(2, 1, dtype=torch.long)}, ValueError, r"d2t must be 1-D \[D\]"),
+    "opd_full_teacher_logits_dtype": ({"input_ids": IDS, "teacher_full_logits": torch.zeros(2, 4, 9)}, OPD_LOGITS,
+                                      {"teacher_logits_dtype": "float32"}, TypeError, "teacher_logits_dtype"),
+    "sampling_params_type": ({"input_ids": IDS}, LOGPROB, {"sampling_params": {"top_k": 2}}, TypeError,
+                             "sampling_params must be TrainingSamplingParams"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["hidden", "logits"])
+@pytest.mark.parametrize("case", sorted(FRONT_DOOR))
+def test_front_door_errors_are_the_logits_paths(case, path):
+    hidden, weight, _ = _head_case()
+    data, loss_fn, keywords, exception, message = FRONT_DOOR[case]
+    with pytest.raises(
+        exception, match=message.replace("{logits}", "hidden's logits" if path == "hidden" else "^logits")
+    ):
+        if path == "hidden":
+            lossfx.prepare_linear_loss_input(hidden, weight, data, loss_fn, **keywords)
+        else:
+            lossfx.prepare_loss_input(hidden @ weight.T, data, loss_fn, **keywords)
+
+
+def test_next_token_faces_check_their_own_arguments():
+    hidden, weight, ids = _head_case()
+    with pytest.raises(TypeError, match="sampling_params must be TrainingSamplingParams"):
+        lossfx.next_token_logprobs(hidden @ weight.T, ids, sampling_params={"top_k": 2})
+    with pytest.raises(ValueError, match=r"position_ids must have input_ids' shape"):
+        lossfx.linear_next_token_logprobs(hidden, weight, ids, position_ids=torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 9\)"):
+        lossfx.linear_next_token_logprobs(hidden, weight, ids.clone().fill_(9))
+
+
+def test_linear_divergence_takes_the_head_keywords():
+    hidden, weight, _ = _head_case()
+    teacher = torch.randn(2, 4, 9, dtype=F64)
+    plain = lossfx.linear_divergence_to_teacher(hidden, weight, teacher_logits=teacher, temperature=0.5)
+    same = lossfx.linear_divergence_to_teacher(hidden, weight, teacher_logits=teacher, temperature=0.5, ignore_index=3)
+    torch.testing.assert_close(plain.reverse_kl, same.reverse_kl)
+    with pytest.raises(ValueError, match="temperature"):
+        lossfx.linear_divergence_to_teacher(hidden, weight, teacher_logits=teacher, temperature=0.0)

@@ -28,9 +28,9 @@ B, S, S_P, H = 3, 6, 5, 4
 PENALTY = 0.25
 
 
-def _case(vocab, seed=0):
+def _case(vocab):
     """Dense student `[B, S, V]`, ids, hidden states `[B, S_p, H]`, two heads `[V, H]`, row index."""
-    g = torch.Generator().manual_seed(100 * vocab + seed)
+    g = torch.Generator().manual_seed(100 * vocab)
     return {
         "z": torch.randn(B, S, vocab, generator=g, dtype=F64) * 2,
         "ids": torch.randint(0, vocab, (B, S), generator=g),
@@ -41,14 +41,9 @@ def _case(vocab, seed=0):
     }
 
 
-def _loss_fn(validate=True, penalty=PENALTY, chunk=None):
-    cfg = lossfx.OnPolicyDistillationFullConfig(
-        enabled=True, teacher_payload="hidden_states", validate_decomposition=validate, chunk_size=chunk
-    )
-    return SimpleNamespace(input_type=lossfx.LossInputType.OPD_FULL, opd_full=cfg, reference_policy_kl_penalty=penalty)
-
-
-LOSS_FN = _loss_fn()  # built outside any compiled function
+CFG = lossfx.OnPolicyDistillationFullConfig(enabled=True, teacher_payload="hidden_states", validate_decomposition=True)
+# built outside any compiled function
+LOSS_FN = SimpleNamespace(input_type=lossfx.LossInputType.OPD_FULL, opd_full=CFG, reference_policy_kl_penalty=PENALTY)
 KEYS = ("opd_full_divergence", "opd_full_entropy", "opd_full_cross_entropy", "next_token_logprobs")
 
 
@@ -56,14 +51,18 @@ def _loss(out, dout):
     return (out["opd_full_divergence"] * dout).sum() + (out["next_token_logprobs"] * dout.flip(0)).sum()
 
 
-def _reference(vocab, seed=0):
-    c = _case(vocab, seed)
-    teacher = ref.opd_full_teacher_logits(
+def _teacher(c):
+    """The dense teacher logits `[B, S, V]` projected by each row's head."""
+    return ref.opd_full_teacher_logits(
         c["hidden"], S, teacher_payload="hidden_states", weights=c["heads"], teacher_index=c["index"]
     )
+
+
+def _reference(vocab):
+    c = _case(vocab)
     z = c["z"].clone().requires_grad_()
     want = ref.opd_full_loss_input(
-        z, teacher, c["ids"], validate_decomposition=True, reference_policy_kl_penalty=PENALTY
+        z, _teacher(c), c["ids"], validate_decomposition=True, reference_policy_kl_penalty=PENALTY
     )
     _loss(want, c["dout"]).backward()
     return {k: want[k].detach() for k in KEYS}, z.grad
@@ -86,35 +85,30 @@ def _mesh(world):
     return meshes[world]
 
 
-def _inputs(rank, world, group, vocab, layout, heads_as, seed=0):
-    """`(logits, prepare_loss_input kwargs, the leaf whose grad is this rank's)` for one layout.
+def _inputs(rank, world, group, vocab, layout, heads_as):
+    """`(logits, prepare_loss_input kwargs, the case)` for one layout.
 
     layout: "dtensor" (`Shard(-1)` logits over the mesh), "group" (this rank's even shard, plain,
-    with `vocab_parallel_group`), "replicate" (`Replicate()` DTensor logits: no tensor parallelism).
-    heads_as: "rows" (this rank's plain rows), "dtensor" (`Shard(0)` DTensor), "full" (`[V, H]`).
+    with `vocab_parallel_group`), "replicate" (`Replicate()` DTensor logits: no tensor parallelism),
+    "plain" (full plain logits, world 1). heads_as: "rows" (this rank's plain rows), "dtensor"
+    (`Shard(0)` DTensor), "full" (`[V, H]`).
     """
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    c = _case(vocab, seed)
-    mesh = _mesh(world)
+    c = _case(vocab)
+    heads = c["heads"]
     kwargs = {}
-    if layout == "group":
+    if layout in ("group", "plain"):
         z = c["z"].chunk(world, dim=-1)[rank].clone().requires_grad_()
-        logits, kwargs = z, {"vocab_parallel_group": group, "vocab_parallel_rank": rank}
+        kwargs = {"vocab_parallel_group": group, "vocab_parallel_rank": rank} if layout == "group" else {}
     else:
         placement = Shard(2) if layout == "dtensor" else Replicate()
-        z = distribute_tensor(c["z"], mesh, [placement], src_data_rank=None).requires_grad_()
-        logits = z
-    if heads_as == "dtensor":
-        heads = {k: distribute_tensor(w, mesh, [Shard(0)], src_data_rank=None) for k, w in c["heads"].items()}
-    elif heads_as == "rows":
-        heads = {
-            k: distribute_tensor(w, mesh, [Shard(0)], src_data_rank=None).to_local() for k, w in c["heads"].items()
-        }
-    else:
-        heads = c["heads"]
+        z = distribute_tensor(c["z"], _mesh(world), [placement], src_data_rank=None).requires_grad_()
+    if heads_as != "full":
+        heads = {k: distribute_tensor(w, _mesh(world), [Shard(0)], src_data_rank=None) for k, w in heads.items()}
+        heads = {k: w.to_local() if heads_as == "rows" else w for k, w in heads.items()}
     kwargs["teacher_output_layer_weight_by_index"] = heads
-    return logits, kwargs, z, c
+    return z, kwargs, c
 
 
 def _data(c):
@@ -125,7 +119,7 @@ def _run(rank, world, group, vocab, layout, heads_as, entry="prepare_loss_input"
     """One rank: the OPD_FULL outputs and this rank's student gradient (full, for DTensor logits)."""
     from torch.distributed.tensor import DTensor
 
-    logits, kwargs, z, c = _inputs(rank, world, group, vocab, layout, heads_as)
+    z, kwargs, c = _inputs(rank, world, group, vocab, layout, heads_as)
     data = _data(c)
     snapshot = {k: v.clone() for k, v in data.items()}
 
@@ -140,7 +134,7 @@ def _run(rank, world, group, vocab, layout, heads_as, entry="prepare_loss_input"
     counter = None
     if backend is not None:
         counter, fn = compiled_for_rank(rank, ("opd_full_dtensor", vocab, layout, heads_as, entry), fn, backend)
-    out = fn(logits, data, kwargs)
+    out = fn(z, data, kwargs)
     _loss(out, c["dout"]).backward()
     assert all(torch.equal(data[k], snapshot[k]) for k in snapshot), "data is not modified"
     grad = z.grad.full_tensor() if isinstance(z.grad, DTensor) else z.grad
@@ -149,19 +143,17 @@ def _run(rank, world, group, vocab, layout, heads_as, entry="prepare_loss_input"
     return {k: out[k].detach() for k in KEYS}, grad, where, frames
 
 
-def _check(results, vocab, layout, world):
+def _check(results, vocab, layout, world, what=""):
     want, want_grad = _reference(vocab)
-    errors = []
     for rank, (out, grad, where, frames) in enumerate(results):
         for key in KEYS:
-            torch.testing.assert_close(out[key], want[key], **TIGHT, msg=lambda m, k=key, r=rank: f"{k} rank {r}: {m}")
-            errors.append(float((out[key] - want[key]).abs().max()))
+            torch.testing.assert_close(
+                out[key], want[key], **TIGHT, msg=lambda m, k=key, r=rank: f"{what}{k} rank {r}: {m}"
+            )
         expected = want_grad.chunk(world, dim=-1)[rank] if layout == "group" else want_grad
-        torch.testing.assert_close(grad, expected, **TIGHT, msg=lambda m, r=rank: f"grad rank {r}: {m}")
-        errors.append(float((grad - expected).abs().max()))
-        assert where == {"dtensor": "(Shard(dim=2),)", "replicate": "(Replicate(),)", "group": "plain"}[layout]
-        assert frames in (None, 1), f"rank {rank}: {frames} compiles"
-    return max(errors)
+        torch.testing.assert_close(grad, expected, **TIGHT, msg=lambda m, r=rank: f"{what}grad rank {r}: {m}")
+        assert where == {"dtensor": "(Shard(dim=2),)", "replicate": "(Replicate(),)"}.get(layout, "plain"), what
+        assert frames in (None, 1), f"{what}rank {rank}: {frames} compiles"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,11 +180,14 @@ def test_dtensor_logits_rank_threads(vocab, world, heads_as):
 # 4 + 4 + 4 + 1 and even 3 · 4 DTensor shards (test_dtensor_logits_rank_threads)
 @pytest.mark.parametrize(("vocab", "world"), [(11, 2), pytest.param(13, 4, marks=pytest.mark.slow)])
 def test_dtensor_logits_gloo(vocab, world):
-    for heads_as in ("rows", "dtensor"):
-        results = gloo_pool(world).run(_run, vocab, "dtensor", heads_as)
-        _check(results, vocab, "dtensor", world)
-    # the same through prepare_opd_full_loss_input
-    _check(gloo_pool(world).run(_run, vocab, "dtensor", "rows", "opd_full"), vocab, "dtensor", world)
+    variants = [("rows", "prepare_loss_input"), ("dtensor", "prepare_loss_input"), ("rows", "opd_full")]
+    per_rank = gloo_pool(world).run(_runs, vocab, variants)  # one launch
+    for i, variant in enumerate(variants):
+        _check([r[i] for r in per_rank], vocab, "dtensor", world, what=f"{variant} ")
+
+
+def _runs(rank, world, group, vocab, variants):
+    return [_run(rank, world, group, vocab, "dtensor", heads_as, entry) for heads_as, entry in variants]
 
 
 @pytest.mark.parametrize("heads_as", ["rows", "dtensor"])
@@ -206,24 +201,14 @@ def test_full_logits_full_head():
     """No tensor parallelism: `Replicate()` DTensor logits with the full `[V, H]` head on every rank,
     and plain full logits with the full head (world 1)."""
     _check(run_ranks(2, _run, 11, "replicate", "full"), 11, "replicate", 2)
-    c = _case(11)
-    z = c["z"].clone().requires_grad_()
-    out, _ = lossfx.prepare_loss_input(z, _data(c), LOSS_FN, teacher_output_layer_weight_by_index=c["heads"])
-    _loss(out, c["dout"]).backward()
-    want, want_grad = _reference(11)
-    for key in KEYS:
-        torch.testing.assert_close(out[key], want[key], **TIGHT)
-    torch.testing.assert_close(z.grad, want_grad, **TIGHT)
+    _check(run_ranks(1, _run, 11, "plain", "full"), 11, "plain", 1)
 
 
 def test_reconstruct_teacher_logits_from_sharded_heads():
     """`reconstruct_opd_full_teacher_logits` on uneven DTensor logits: the projected teacher is a
     DTensor placed like the logits, equal to the dense reference."""
     results = run_ranks(2, _reconstruct, 11)
-    c = _case(11)
-    want = ref.opd_full_teacher_logits(
-        c["hidden"], S, teacher_payload="hidden_states", weights=c["heads"], teacher_index=c["index"]
-    )
+    want = _teacher(_case(11))
     for got in results:
         torch.testing.assert_close(got["rows"], want, **TIGHT)
         torch.testing.assert_close(got["dtensor"], want, **TIGHT)
@@ -234,7 +219,7 @@ def _reconstruct(rank, world, group, vocab):
 
     results = {}
     for heads_as in ("rows", "dtensor"):
-        logits, kwargs, _, c = _inputs(rank, world, group, vocab, "dtensor", heads_as)
+        logits, kwargs, c = _inputs(rank, world, group, vocab, "dtensor", heads_as)
         teacher = lossfx.reconstruct_opd_full_teacher_logits(
             c["hidden"],
             teacher_payload="hidden_states",
@@ -262,30 +247,19 @@ def test_compiled_fullgraph_uneven():
 
 
 def _error(rank, world, group, vocab, bad):
-    """The error message of a call with a wrong head (`None` if it did not raise)."""
+    """The error message of a call with a wrong head `bad` (`None` if it did not raise)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     layout, heads_as = ("replicate", "dtensor") if bad == "sharded_head_full_logits" else ("dtensor", "rows")
-    logits, kwargs, _, c = _inputs(rank, world, group, vocab, layout, heads_as)
-    w = c["heads"][3]
-    mesh = _mesh(world)
-    if bad == "padded_rows":  # the short rank's rows padded to the even width
-        rows = kwargs["teacher_output_layer_weight_by_index"][3]
-        short = -(-vocab // world) - rows.shape[0]
-        kwargs["teacher_output_layer_weight_by_index"][3] = torch.cat([rows, rows.new_zeros(short, H)])
-    elif bad == "full_head":
-        kwargs["teacher_output_layer_weight_by_index"] = dict(c["heads"])
-    elif bad == "other_vocab":  # a Shard(0) head of another vocabulary size
-        other = torch.cat([w, w[:1]])
-        kwargs["teacher_output_layer_weight_by_index"] = {
-            3: distribute_tensor(other, mesh, [Shard(0)], src_data_rank=None)
-        }
-    elif bad == "replicate_head_tp_logits":
-        kwargs["teacher_output_layer_weight_by_index"] = {
-            3: distribute_tensor(w, mesh, [Replicate()], src_data_rank=None)
-        }
-    if bad != "sharded_head_full_logits":
-        kwargs["teacher_output_layer_weight_by_index"] = {3: kwargs["teacher_output_layer_weight_by_index"][3]}
+    logits, kwargs, c = _inputs(rank, world, group, vocab, layout, heads_as)
+    mine, w = kwargs["teacher_output_layer_weight_by_index"][3], c["heads"][3]  # head 3 as the layout gives it
+    heads = {  # bad -> the head passed instead of `mine`
+        "padded_rows": lambda: torch.cat([mine, mine.new_zeros(-(-vocab // world) - mine.shape[0], H)]),  # to Vl
+        "full_head": lambda: w,
+        "other_vocab": lambda: distribute_tensor(torch.cat([w, w[:1]]), _mesh(world), [Shard(0)], src_data_rank=None),
+        "replicate_head_tp_logits": lambda: distribute_tensor(w, _mesh(world), [Replicate()], src_data_rank=None),
+    }
+    kwargs["teacher_output_layer_weight_by_index"] = {3: heads.get(bad, lambda: mine)()}
     data = {"input_ids": c["ids"], "teacher_full_hidden_states": c["hidden"]}
     try:
         lossfx.prepare_loss_input(logits, data, LOSS_FN, **kwargs)

@@ -138,38 +138,25 @@ def test_shift_left_on_canonical_and_cp_shards(world):
     torch.testing.assert_close(lossfx.unshard(shards, seq_dim=1), want, atol=0, rtol=0)
 
 
-def _opd_case():
-    gen = torch.Generator().manual_seed(2)
-    student = torch.randn(2, 6, 9, generator=gen, dtype=F64)
-    hidden = torch.randn(2, 5, 4, generator=gen, dtype=F64)
-    weight = torch.randn(9, 4, generator=gen, dtype=torch.float32)  # an fp32 teacher LM head
-    data = {"input_ids": torch.randint(0, 9, (2, 6), generator=gen), "teacher_full_hidden_states": hidden}
-    cfg = OnPolicyDistillationFullConfig(enabled=True, teacher_payload="hidden_states")
-    loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.OPD_FULL, opd_full=cfg)
-    teacher = reference.opd_full_teacher_logits(hidden, 6, teacher_payload="hidden_states", weights={0: weight})
-    return student, data, {0: weight}, loss_fn, teacher
-
-
 def test_teacher_logits_dtype_sets_the_precision_of_projected_teacher_logits():
     """float64 teacher logits give the reference (the exact product of the fp32 operands) to 1e-10;
     the default (the head's fp32) differs from it by fp32 rounding only."""
-    student, data, weights, loss_fn, teacher = _opd_case()
+    gen = torch.Generator().manual_seed(2)
+    student = torch.randn(2, 6, 9, generator=gen, dtype=F64)
+    hidden = torch.randn(2, 5, 4, generator=gen, dtype=F64)
+    weights = {0: torch.randn(9, 4, generator=gen, dtype=torch.float32)}  # an fp32 teacher LM head
+    data = {"input_ids": torch.randint(0, 9, (2, 6), generator=gen), "teacher_full_hidden_states": hidden}
+    cfg = OnPolicyDistillationFullConfig(enabled=True, teacher_payload="hidden_states")
+    loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.OPD_FULL, opd_full=cfg)
+    teacher = reference.opd_full_teacher_logits(hidden, 6, teacher_payload="hidden_states", weights=weights)
     want = reference.opd_full_loss_input(student, teacher, data["input_ids"])["opd_full_divergence"]
+    head = {"teacher_output_layer_weight_by_index": weights}
     layout = {"vocab_parallel_rank": None, "vocab_parallel_group": None, "context_parallel_group": None}
-    exact, _ = lossfx.prepare_loss_input(
-        student, data, loss_fn, teacher_output_layer_weight_by_index=weights, teacher_logits_dtype=F64
-    )
+    exact, _ = lossfx.prepare_loss_input(student, data, loss_fn, teacher_logits_dtype=F64, **head)
     direct = lossfx.prepare_opd_full_loss_input(
-        student,
-        data,
-        loss_fn,
-        sampling_params=None,
-        chunk_size=None,
-        teacher_output_layer_weight_by_index=weights,
-        teacher_logits_dtype=F64,
-        **layout,
+        student, data, loss_fn, sampling_params=None, chunk_size=None, teacher_logits_dtype=F64, **head, **layout
     )
-    fp32, _ = lossfx.prepare_loss_input(student, data, loss_fn, teacher_output_layer_weight_by_index=weights)
+    fp32, _ = lossfx.prepare_loss_input(student, data, loss_fn, **head)
     torch.testing.assert_close(exact["opd_full_divergence"], want, **TOL)
     torch.testing.assert_close(direct["opd_full_divergence"], want, **TOL)
     err = (fp32["opd_full_divergence"] - want).abs().max().item()
