@@ -152,20 +152,30 @@ def _run(fn, *args) -> list:
 
 
 HANGS = {  # case: (the argument the ranks are tied by, what else every rank's error must say)
-    "group_on_one_rank": ("group", ["rank 0: process group '0' of ranks [0, 1], rank 1: None",
-                                    "pass the same group (or none)"]),
+    "group_on_one_rank": (
+        "group",
+        ["rank 0: process group '0' of ranks [0, 1], rank 1: None", "pass the same group (or none)"],
+    ),
     "distinct_groups": ("group", ["two distinct process group objects with the same ranks"]),
-    "replicate_vs_shard_logits": ("logits", ["rank 0: a DTensor (Replicate()) of shape [2, 3, 8]",
-                                             "rank 1: a DTensor (Shard(2)) of shape [2, 3, 8]"]),
+    "replicate_vs_shard_logits": (
+        "logits",
+        ["rank 0: a DTensor (Replicate()) of shape [2, 3, 8]", "rank 1: a DTensor (Shard(2)) of shape [2, 3, 8]"],
+    ),
     "plain_vs_shard_logits": ("logits", ["rank 0: a plain tensor, rank 1: a DTensor (Shard(2))"]),
     # rank 1's view rejects the bias, then meets its mesh group in the check: a hang
-    "none_vs_shard_bias": ("bias", ["rank 0: None, rank 1: a DTensor (Shard(0)) of shape [8]",
-                                    "pass the same kind of argument"]),
-    "trl_plain_vs_shard_head": ("weight", ["lossfx.integrations.trl.per_token_logps",
-                                           "rank 0: a plain tensor, rank 1: a DTensor (Shard(0))"]),
-    "replicate_vs_shard_head": ("weight", ["rank 0: a DTensor (Replicate()) of shape [8, 4]",
-                                           "rank 1: a DTensor (Shard(0)) of shape [8, 4]"]),
-}  # fmt: skip
+    "none_vs_shard_bias": (
+        "bias",
+        ["rank 0: None, rank 1: a DTensor (Shard(0)) of shape [8]", "pass the same kind of argument"],
+    ),
+    "trl_plain_vs_shard_head": (
+        "weight",
+        ["lossfx.integrations.trl.per_token_logps", "rank 0: a plain tensor, rank 1: a DTensor (Shard(0))"],
+    ),
+    "replicate_vs_shard_head": (
+        "weight",
+        ["rank 0: a DTensor (Replicate()) of shape [8, 4]", "rank 1: a DTensor (Shard(0)) of shape [8, 4]"],
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(HANGS))
