@@ -27,6 +27,7 @@ PUBLIC = (
 BOUNDARY = ["_boundary/*.py", *(f"{m}.py" for m in PUBLIC)]
 MATHS = ["_core/*.py", "_kernels/*.py", "_layouts/*.py"]
 # the boundary's own tests: cross-rank checks, DTensor views, argument errors, the adversarial suite
+# (every name they have had, so that `--root` of an older checkout counts the same set)
 BOUNDARY_TESTS = (
     "adversarial_cases test_adversarial test_adversarial_heldout test_boundary_once test_check_order "
     "test_check_trace_cost test_compile_errors test_debug_mode test_dtensor test_dtensor_fused test_errors "
