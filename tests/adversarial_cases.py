@@ -183,13 +183,14 @@ def _tp(cfg: dict, rank: int, group: Any) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _inputs(cfg, rank, group, k=False, row=(0, 1)):
+def _inputs(cfg, rank, group, k=False, row=(0, 1), shard_args=True):
     """`(full, z, ids, kw)`: the float64 logits, this rank's shard `z` (a leaf), ids `[B, S]` (`[B, S, K]`
-    with `k`; see `_ids` for `row`) and the keywords group, chunk_size and the shard arguments."""
+    with `k`; see `_ids` for `row`) and the keywords group, chunk_size and (`shard_args`: for the
+    functions that take them) the shard arguments."""
     full = _logits(cfg)
     z, extra = _local(cfg, full, rank)
     ids = _ids(cfg, (cfg["B"], cfg["S"], cfg["K"])[: 3 if k else 2], cfg["V"], 1, row)
-    return full, z, ids, dict(extra, group=_grp(cfg, group), chunk_size=cfg["chunk_size"])
+    return full, z, ids, dict(extra if shard_args else {}, group=_grp(cfg, group), chunk_size=cfg["chunk_size"])
 
 
 def _t_token_logprobs(cfg, rank, group):
@@ -238,14 +239,14 @@ def _t_apply_top_k_top_p(cfg, rank, group):
 
 
 def _t_next_token_filtered_logprobs(cfg, rank, group):
-    full, z, ids, kw = _inputs(cfg, rank, group, row=(0, 0))
+    full, z, ids, kw = _inputs(cfg, rank, group, row=(0, 0), shard_args=False)
     call = lambda: lossfx.next_token_filtered_logprobs(z, ids, **_filter_kw(cfg), **kw)
     return call, [reference.next_token_filtered_logprobs(full, ids, **_filter_kw(cfg))]
 
 
 def _divergence(name):
     def build(cfg, rank, group):
-        full, z, _, kw = _inputs(cfg, rank, group)
+        full, z, _, kw = _inputs(cfg, rank, group, shard_args=False)
         fn = getattr(lossfx, name)
         if name == "entropy":
             return (lambda: fn(z, **kw)), [reference.entropy(full)]
