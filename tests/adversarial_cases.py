@@ -50,7 +50,6 @@ DEFAULT: dict[str, Any] = {
     # "overlap": every rank claims [0, V/2) (vocab_start=0 on every rank: shards that do not tile)
     "dtensor": False,  # True: the sharded input is a DTensor on the 2-rank mesh
     "fsdp2": False,  # True: the weight is a Shard(0) DTensor and hidden differs per rank
-    "checks": True,  # False: set_consistency_checks(False) on this rank
     "compiled": True,  # False: this rank runs eagerly in a compiled case (e.g. Dynamo's recompile limit hit)
     "grad_mode": True,  # False: this rank calls under torch.no_grad()
     "D": 6,  # draft vocabulary (map_to_draft_vocab)
@@ -155,20 +154,28 @@ def _local(cfg: dict, full: torch.Tensor, rank: int) -> tuple[torch.Tensor, dict
         _leaf(local, full, lambda g: g[..., start : start + width])
     extra = {"vocab_start": start, "vocab_size": cfg["V"]} if cfg["layout"] in ("uneven", "overlap") else {}
     if cfg["dtensor"]:
-        from torch.distributed.tensor import DTensor, Shard
-
-        sizes = [_shard(cfg, r)[1] for r in range(2)]
-        shape = (*local.shape[:-1], sum(sizes))
-        stride = tuple(torch.empty(shape).stride())
-        local = DTensor.from_local(
-            local, _device_mesh(), [Shard(local.dim() - 1)], run_check=False, shape=shape, stride=stride
-        )
-        extra = {}
+        return _sharded(cfg, local, local.dim() - 1), {}
     return local, extra
+
+
+def _sharded(cfg: dict, local: torch.Tensor, dim: int) -> Any:
+    """`local` as a `Shard(dim)` DTensor on the 2-rank mesh (its global size the ranks' widths summed)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = list(local.shape)
+    shape[dim] = sum(_shard(cfg, r)[1] for r in range(2))
+    stride = torch.empty(shape).stride()
+    return DTensor.from_local(local, _device_mesh(), [Shard(dim)], run_check=False, shape=tuple(shape), stride=stride)
 
 
 def _grp(cfg: dict, group: Any) -> Any:
     return None if cfg["dtensor"] else group
+
+
+def _tp(cfg: dict, rank: int, group: Any) -> dict:
+    """NeMo RL's tensor-parallel keywords: the group and this rank's index in it (none: a DTensor)."""
+    g = _grp(cfg, group)
+    return {"vocab_parallel_group": g, "vocab_parallel_rank": None if g is None else rank}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,38 +183,37 @@ def _grp(cfg: dict, group: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-def _t_token_logprobs(cfg, rank, group):
+def _inputs(cfg, rank, group, k=False, row=(0, 1), shard_args=True):
+    """`(full, z, ids, kw)`: the float64 logits, this rank's shard `z` (a leaf), ids `[B, S]` (`[B, S, K]`
+    with `k`; see `_ids` for `row`) and the keywords group, chunk_size and (`shard_args`: for the
+    functions that take them) the shard arguments."""
     full = _logits(cfg)
     z, extra = _local(cfg, full, rank)
-    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1)
-    call = lambda: lossfx.token_logprobs(z, ids, group=_grp(cfg, group), chunk_size=cfg["chunk_size"], **extra)
-    return call, [reference.token_logprobs(full, ids)]
+    ids = _ids(cfg, (cfg["B"], cfg["S"], cfg["K"])[: 3 if k else 2], cfg["V"], 1, row)
+    return full, z, ids, dict(extra if shard_args else {}, group=_grp(cfg, group), chunk_size=cfg["chunk_size"])
+
+
+def _t_token_logprobs(cfg, rank, group):
+    full, z, ids, kw = _inputs(cfg, rank, group)
+    return (lambda: lossfx.token_logprobs(z, ids, **kw)), [reference.token_logprobs(full, ids)]
 
 
 def _t_token_logprobs_with_lse(cfg, rank, group):
-    full = _logits(cfg)
-    z, extra = _local(cfg, full, rank)
-    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1)
-    call = lambda: lossfx.token_logprobs_with_lse(z, ids, group=_grp(cfg, group), chunk_size=cfg["chunk_size"], **extra)
-    return call, [reference.token_logprobs(full, ids), torch.logsumexp(full, -1)]
+    full, z, ids, kw = _inputs(cfg, rank, group)
+    ref = [reference.token_logprobs(full, ids), torch.logsumexp(full, -1)]
+    return (lambda: lossfx.token_logprobs_with_lse(z, ids, **kw)), ref
 
 
 def _t_gather_logits(cfg, rank, group):
-    full = _logits(cfg)
-    z, extra = _local(cfg, full, rank)
-    ids = _ids(cfg, (cfg["B"], cfg["S"], cfg["K"]), cfg["V"], 1)
-    call = lambda: lossfx.gather_logits(z, ids, group=_grp(cfg, group), **extra)
-    return call, [full.gather(-1, ids)]
+    full, z, ids, kw = _inputs(cfg, rank, group, k=True)
+    kw.pop("chunk_size")
+    return (lambda: lossfx.gather_logits(z, ids, **kw)), [full.gather(-1, ids)]
 
 
 def _t_gather_logprobs(cfg, rank, group):
-    full = _logits(cfg)
-    z, extra = _local(cfg, full, rank)
-    ids = _ids(cfg, (cfg["B"], cfg["S"], cfg["K"]), cfg["V"], 1)
-    call = lambda: lossfx.gather_logprobs(
-        z, ids, with_entropy=cfg["entropy"], group=_grp(cfg, group), chunk_size=cfg["chunk_size"], **extra
-    )
+    full, z, ids, kw = _inputs(cfg, rank, group, k=True)
     lp, ent = reference.gather_logprobs(full, ids)
+    call = lambda: lossfx.gather_logprobs(z, ids, with_entropy=cfg["entropy"], **kw)
     return call, [lp, ent] if cfg["entropy"] else [lp]
 
 
@@ -216,46 +222,37 @@ def _filter_kw(cfg):
 
 
 def _t_filtered_token_logprobs(cfg, rank, group):
-    full = _logits(cfg)
-    z, extra = _local(cfg, full, rank)
-    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1)
-    call = lambda: lossfx.filtered_token_logprobs(
-        z, ids, group=_grp(cfg, group), chunk_size=cfg["chunk_size"], **_filter_kw(cfg), **extra
-    )
+    full, z, ids, kw = _inputs(cfg, rank, group)
+    call = lambda: lossfx.filtered_token_logprobs(z, ids, **_filter_kw(cfg), **kw)
     return call, [reference.filtered_token_logprobs(full, ids, **_filter_kw(cfg))]
 
 
 def _t_apply_top_k_top_p(cfg, rank, group):
-    full = _logits(cfg)
-    z, extra = _local(cfg, full, rank)
-    call = lambda: lossfx.apply_top_k_top_p(
-        z, group=_grp(cfg, group), chunk_size=cfg["chunk_size"], **_filter_kw(cfg), **extra
-    )
-    return call, list(reference.apply_top_k_top_p(full, **_filter_kw(cfg)))
+    """Its outputs are this rank's vocabulary shard: the reference's columns of it (a DTensor's whole)."""
+    full, z, _, kw = _inputs(cfg, rank, group)
+    start, width = _shard(cfg, rank)
+    ref = [
+        r if cfg["dtensor"] else r[..., start : start + width]
+        for r in reference.apply_top_k_top_p(full, **_filter_kw(cfg))
+    ]
+    return (lambda: lossfx.apply_top_k_top_p(z, **_filter_kw(cfg), **kw)), ref
 
 
 def _t_next_token_filtered_logprobs(cfg, rank, group):
-    full = _logits(cfg)
-    z, _ = _local(cfg, full, rank)
-    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
-    kw = _filter_kw(cfg)
-    call = lambda: lossfx.next_token_filtered_logprobs(
-        z, ids, group=_grp(cfg, group), chunk_size=cfg["chunk_size"], **kw
-    )
-    return call, [reference.next_token_filtered_logprobs(full, ids, **kw)]
+    full, z, ids, kw = _inputs(cfg, rank, group, row=(0, 0), shard_args=False)
+    call = lambda: lossfx.next_token_filtered_logprobs(z, ids, **_filter_kw(cfg), **kw)
+    return call, [reference.next_token_filtered_logprobs(full, ids, **_filter_kw(cfg))]
 
 
 def _divergence(name):
     def build(cfg, rank, group):
-        full = _logits(cfg)
-        z, _ = _local(cfg, full, rank)
+        full, z, _, kw = _inputs(cfg, rank, group, shard_args=False)
         fn = getattr(lossfx, name)
         if name == "entropy":
-            return (lambda: fn(z, group=_grp(cfg, group), chunk_size=cfg["chunk_size"])), [reference.entropy(full)]
+            return (lambda: fn(z, **kw)), [reference.entropy(full)]
         teacher_full = torch.randn(full.shape, generator=_gen(7), dtype=F64)
         t, _ = _local({**cfg, "requires_grad": False}, teacher_full, rank)
-        ref = getattr(reference, name)(full, teacher_full)
-        return (lambda: fn(z, t, group=_grp(cfg, group), chunk_size=cfg["chunk_size"])), [ref]
+        return (lambda: fn(z, t, **kw)), [getattr(reference, name)(full, teacher_full)]
 
     return build
 
@@ -274,14 +271,13 @@ def _teacher_topk(cfg):
 
 
 def _t_distillation_topk_logprobs(cfg, rank, group):
-    full = _logits(cfg)
-    z, _ = _local(cfg, full, rank)
+    full, z, _, kw = _inputs(cfg, rank, group)
     vals, idx = _teacher_topk(cfg)
-    kw = {"zero_outside_topk": cfg["zero_outside_topk"], "calculate_entropy": cfg["entropy"]}
+    opts = {"zero_outside_topk": cfg["zero_outside_topk"], "calculate_entropy": cfg["entropy"]}
     call = lambda: lossfx.distillation_topk_logprobs(
-        z, vals, idx, vocab_parallel_group=_grp(cfg, group), chunk_size=cfg["chunk_size"], **kw
+        z, vals, idx, vocab_parallel_group=kw["group"], chunk_size=cfg["chunk_size"], **opts
     )
-    return call, list(reference.distillation_topk_logprobs(full, vals, idx, **kw))
+    return call, list(reference.distillation_topk_logprobs(full, vals, idx, **opts))
 
 
 def _mask(cfg):
@@ -292,31 +288,14 @@ def _mask(cfg):
     return mask
 
 
-def _t_draft_targets(cfg, rank, group):
-    full = _logits(cfg)
-    z, _ = _local(cfg, full, rank)
-    mask = _mask(cfg)
-    g = _grp(cfg, group)
-    call = lambda: lossfx.draft_targets(
-        z, mask, None, vocab_parallel_rank=None if g is None else rank, vocab_parallel_group=g
-    )
-    return call, list(reference.draft_targets(full, mask, None))
-
-
 def _t_vocab_topk(cfg, rank, group):
-    full = _logits(cfg)
-    z, extra = _local(cfg, full, rank)
-    start = extra.get("vocab_start")
-    call = lambda: lossfx.vocab_topk(z, cfg["K"], group=_grp(cfg, group), vocab_start=start)
+    full, z, _, kw = _inputs(cfg, rank, group)
+    call = lambda: lossfx.vocab_topk(z, cfg["K"], group=kw["group"], vocab_start=kw.get("vocab_start"))
     return call, list(reference.vocab_topk(full, cfg["K"]))
 
 
 def _t_allgather_cp(cfg, rank, group):
-    # 4·S long: the load-balanced layout of 2 ranks needs a multiple of 4 (a builder must not raise)
-    full = torch.randn(cfg["B"], cfg["S"] * 4, cfg["V"], generator=_gen(0), dtype=F64)
-    local = reference.cp_shard(full.detach(), rank, 2, seq_dim=1).to(cfg["dtype"]).clone()
-    if cfg["requires_grad"]:  # the summed-gradient convention: every CP rank's upstream gradient, summed
-        _leaf(local, full, lambda g: 2 * reference.cp_shard(g, rank, 2, seq_dim=1))
+    full, local = _cp_logits(cfg, rank)
     return (lambda: lossfx.allgather_cp(local, group, seq_dim=1)), [full]
 
 
@@ -327,66 +306,41 @@ def _sampling(cfg):
 
 
 def _t_next_token_logprobs(cfg, rank, group):
-    full = _logits(cfg)
-    z, _ = _local(cfg, full, rank)
-    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
-    g = _grp(cfg, group)
-    call = lambda: lossfx.next_token_logprobs(
-        z, ids, vocab_parallel_rank=None if g is None else rank, vocab_parallel_group=g, chunk_size=cfg["chunk_size"]
-    )
+    full, z, ids, _ = _inputs(cfg, rank, group, row=(0, 0))
+    call = lambda: lossfx.next_token_logprobs(z, ids, chunk_size=cfg["chunk_size"], **_tp(cfg, rank, group))
     return call, [reference.next_token_logprobs(full, ids)]
 
 
-def _t_prepare_loss_input_logprob(cfg, rank, group):
-    full = _logits(cfg)
-    z, _ = _local(cfg, full, rank)
-    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
-    g = _grp(cfg, group)
-    loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
-    data = {"input_ids": ids, "token_mask": torch.ones(cfg["B"], cfg["S"]), "sample_mask": torch.ones(cfg["B"])}
-    return _logprob_call(cfg, rank, g, full, z, data, loss_fn, _sampling(cfg))
-
-
-def _logprob_call(cfg, rank, g, full, z, data, loss_fn, sp):
-    """`(call, [reference])` of `prepare_loss_input(LOGPROB)` on this rank's `z`, with `data`'s
-    `input_ids` scored against the filtered float64 reference of the `full` logits."""
+def _prepare(z, data, loss_fn, key, cfg, rank, group, **kw):
+    """`() -> prepare_loss_input(z, data, loss_fn, ...)[0][key]` (a list of outputs: `key` a tuple),
+    NeMo RL's tensor-parallel keywords and `kw`."""
 
     def call():
-        out, _ = lossfx.prepare_loss_input(
-            z,
-            dict(data),
-            loss_fn,
-            vocab_parallel_rank=None if g is None else rank,
-            vocab_parallel_group=g,
-            sampling_params=sp,
-            chunk_size=cfg["chunk_size"],
-        )
-        return out["next_token_logprobs"]
+        out, _ = lossfx.prepare_loss_input(z, dict(data), loss_fn, **_tp(cfg, rank, group), **kw)
+        return [out[k] for k in key] if isinstance(key, tuple) else out[key]
 
-    ids = data["input_ids"]
+    return call
+
+
+def _t_prepare_loss_input_logprob(cfg, rank, group, loss_fn=None, sp=None, **columns):
+    """`prepare_loss_input(LOGPROB)`, `data`'s `input_ids` scored against the filtered float64
+    reference (`loss_fn`, `sp` and extra data `columns`: see `_t_prepare_loss_input_nemo`)."""
+    full, z, ids, _ = _inputs(cfg, rank, group, row=(0, 0))
+    loss_fn = loss_fn or SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
+    data = {"input_ids": ids, "token_mask": torch.ones(cfg["B"], cfg["S"]), "sample_mask": torch.ones(cfg["B"])}
+    sp = sp or _sampling(cfg)
+    kw = {"sampling_params": sp, "chunk_size": cfg["chunk_size"]}
+    call = _prepare(z, {**data, **columns}, loss_fn, "next_token_logprobs", cfg, rank, group, **kw)
     ref = reference.next_token_filtered_logprobs(full, ids, top_k=cfg["top_k"], top_p=cfg["top_p"])
     return call, [reference.mask_out_neg_inf_logprobs(ref, torch.ones_like(ref))]
 
 
 def _t_prepare_loss_input_distillation(cfg, rank, group):
-    full = _logits(cfg)
-    z, _ = _local(cfg, full, rank)
+    full, z, _, _ = _inputs(cfg, rank, group)
     vals, idx = _teacher_topk(cfg)
-    g = _grp(cfg, group)
     loss_fn = SimpleNamespace(input_type="distillation", zero_outside_topk=cfg["zero_outside_topk"], kl_type="forward")
     data = {"teacher_topk_logits": vals, "teacher_topk_indices": idx}
-
-    def call():
-        out, _ = lossfx.prepare_loss_input(
-            z,
-            dict(data),
-            loss_fn,
-            vocab_parallel_rank=None if g is None else rank,
-            vocab_parallel_group=g,
-            chunk_size=cfg["chunk_size"],
-        )
-        return out["student_topk_logprobs"]
-
+    call = _prepare(z, data, loss_fn, "student_topk_logprobs", cfg, rank, group, chunk_size=cfg["chunk_size"])
     lp, _, _ = reference.distillation_topk_logprobs(full, vals, idx, cfg["zero_outside_topk"], False)
     return call, [lp]
 
@@ -395,23 +349,13 @@ def _t_prepare_loss_input_draft(cfg, rank, group):
     """`prepare_loss_input(DRAFT)` under tensor parallelism, as NeMo RL's draft loss calls it:
     `data["student_logits"]` is this rank's shard of the draft vocabulary `[B, S, D/2]` (its values
     differ per rank by design), passed through; the teacher comes back as this rank's draft shard."""
-    full = _logits(cfg)
-    z, _ = _local(cfg, full, rank)
+    full, z, _, _ = _inputs(cfg, rank, group)
     mask = _mask(cfg).to(cfg["dtype"])
-    d2t = None if cfg["d2t"] is None else _draft_ids(cfg)
-    width = cfg["D"] // 2 if d2t is not None else _shard(cfg, rank)[1]
-    start = rank * width
+    d2t, start, width = _draft(cfg, rank)
     student = torch.randn(cfg["B"], cfg["S"], 2 * width, generator=_gen(21), dtype=F64)[..., start : start + width]
-    g = _grp(cfg, group)
+    data = {"token_mask": mask, "student_logits": student}
     loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.DRAFT)
-
-    def call():
-        data = {"token_mask": mask, "student_logits": student}
-        out, _ = lossfx.prepare_loss_input(
-            z, data, loss_fn, vocab_parallel_rank=None if g is None else rank, vocab_parallel_group=g, d2t=d2t
-        )
-        return [out["teacher_logits"], out["token_mask"], out["student_logits"]]
-
+    call = _prepare(z, data, loss_fn, ("teacher_logits", "token_mask", "student_logits"), cfg, rank, group, d2t=d2t)
     teacher, shifted_mask = reference.draft_targets(full, mask, d2t)
     return call, [teacher[..., start : start + width], shifted_mask, student]
 
@@ -424,19 +368,12 @@ def _t_prepare_loss_input_nemo(cfg, rank, group):
     """`prepare_loss_input(LOGPROB)` with a NeMo-sized call: 20 extra `[B, S]` columns in `data`
     (never read: not compared), float sampling parameters, and a loss function with 100 float
     options, so the sampling parameters come after the first 122 fields of the signature."""
-    full = _logits(cfg)
-    z, _ = _local(cfg, full, rank)
-    ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
-    g = _grp(cfg, group)
+    columns = {key: torch.randn(cfg["B"], cfg["S"], generator=_gen(40 + i)) for i, key in enumerate(_NEMO_COLUMNS)}
+    if cfg["extra"]:
+        columns[_NEMO_COLUMNS[3]][0, 0] += 1.0
     loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB, **{f"option_{i:03d}": 0.5 for i in range(100)})
     sp = lossfx.TrainingSamplingParams(top_k=cfg["top_k"], top_p=cfg["top_p"], temperature=0.7)
-    data: dict[str, Any] = {"input_ids": ids, "token_mask": torch.ones(cfg["B"], cfg["S"])}
-    data["sample_mask"] = torch.ones(cfg["B"])
-    for i, key in enumerate(_NEMO_COLUMNS):
-        data[key] = torch.randn(cfg["B"], cfg["S"], generator=_gen(40 + i))
-    if cfg["extra"]:
-        data[_NEMO_COLUMNS[3]][0, 0] += 1.0
-    return _logprob_call(cfg, rank, g, full, z, data, loss_fn, sp)
+    return _t_prepare_loss_input_logprob(cfg, rank, group, loss_fn, sp, **columns)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,7 +381,10 @@ def _t_prepare_loss_input_nemo(cfg, rank, group):
 # ---------------------------------------------------------------------------------------------
 
 
-def _fused_inputs(cfg, rank, rows_shape=None):
+def _fused_inputs(cfg, rank, group, rows_shape=None):
+    """`(hidden, weight, h, rows, kw)`: the float64 hidden states and LM head, this rank's copy `h`
+    of the replicated hidden and its rows of the head (leaves: the full hidden gradient, the rows'
+    slice), and `kw` the shard arguments and `group` (none for a DTensor head)."""
     shape = (cfg["B"], cfg["S"]) if rows_shape is None else rows_shape
     hidden = torch.randn(*shape, cfg["H"], generator=_gen(10), dtype=F64)
     if cfg["hidden"] in ("zero", "negzero"):  # equal values, other bits
@@ -458,48 +398,33 @@ def _fused_inputs(cfg, rank, rows_shape=None):
     rows = weight[start : start + width].to(cfg["dtype"]).clone()
     h = hidden.to(cfg["dtype"]).clone()
     if cfg["requires_grad"]:
-        # replicated hidden: every rank's gradient is the full one; weight: this rank's rows
         _leaf(h, hidden, lambda g: g)
         _leaf(rows, weight, lambda g: g[start : start + width])
-    extra = {"vocab_start": start, "vocab_size": cfg["V"]} if cfg["layout"] in ("uneven", "overlap") else {}
-    group_kw = True
+    kw = {"vocab_start": start, "vocab_size": cfg["V"]} if cfg["layout"] in ("uneven", "overlap") else {}
     if cfg["dtensor"] or cfg["fsdp2"]:
-        from torch.distributed.tensor import DTensor, Shard
-
-        sizes = [_shard(cfg, r)[1] for r in range(2)]
-        rows = DTensor.from_local(
-            rows, _device_mesh(), [Shard(0)], run_check=False, shape=(sum(sizes), cfg["H"]), stride=(cfg["H"], 1)
-        )
-        extra, group_kw = {}, False
-    return hidden, weight, h, rows, extra, group_kw
+        return hidden, weight, h, _sharded(cfg, rows, 0), {}
+    return hidden, weight, h, rows, dict(kw, group=group)
 
 
 def _fused(name):
     def build(cfg, rank, group):
-        hidden, weight, h, rows, extra, group_kw = _fused_inputs(cfg, rank)
-        kw = dict(extra, temperature=cfg["temperature"], chunk_size=cfg["chunk_size"])
-        if group_kw:
-            kw["group"] = group
-        fn = getattr(lossfx, name)
-        t = cfg["temperature"]
-        if name == "linear_gather_logprobs":
-            ids = _ids(cfg, (cfg["B"], cfg["S"], cfg["K"]), cfg["V"], 1)
-            kw.update(zero_outside_topk=cfg["zero_outside_topk"], with_entropy=cfg["entropy"])
-            lp, ent = reference.linear_gather_logprobs(
-                hidden, weight, ids, zero_outside_topk=cfg["zero_outside_topk"], temperature=t
-            )
-            return (lambda: fn(h, rows, ids, **kw)), [lp, ent] if cfg["entropy"] else [lp]
+        hidden, weight, h, rows, kw = _fused_inputs(cfg, rank, group)
+        kw.update(temperature=cfg["temperature"], chunk_size=cfg["chunk_size"])
+        fn, t = getattr(lossfx, name), cfg["temperature"]
+        ids = _ids(cfg, (cfg["B"], cfg["S"], cfg["K"])[: 3 if name == "linear_gather_logprobs" else 2], cfg["V"], 1)
         if name == "linear_logprob_objective":
-            ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1)
             coef = torch.randn(cfg["B"], cfg["S"], generator=_gen(12), dtype=F64)
             if cfg["coef"]:
                 coef[0, 0] += 1.0
             c = coef.to(cfg["dtype"])
             obj, lp, _ = reference.linear_logprob_objective(hidden, weight, ids, coef, temperature=t)
             return (lambda: fn(h, rows, ids, c, **kw)[:2]), [obj, lp]
-        ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1)
-        kw["return_entropy"] = cfg["entropy"]
-        lp, ent = getattr(reference, name)(hidden, weight, ids, temperature=t)
+        if name == "linear_gather_logprobs":
+            kw.update(zero_outside_topk=cfg["zero_outside_topk"], with_entropy=cfg["entropy"])
+            lp, ent = reference.linear_gather_logprobs(hidden, weight, ids, cfg["zero_outside_topk"], temperature=t)
+        else:
+            kw["return_entropy"] = cfg["entropy"]
+            lp, ent = getattr(reference, name)(hidden, weight, ids, temperature=t)
         return (lambda: fn(h, rows, ids, **kw)), [lp, ent] if cfg["entropy"] else [lp]
 
     return build
@@ -514,39 +439,29 @@ def _position_ids(cfg):
     return pos
 
 
+def _bias(cfg, rank):
+    """`(bias [V], this rank's part)` of the LM head (`(None, None)` without cfg["bias"]): its rows, a
+    leaf, a Shard(0) DTensor next to a DTensor head."""
+    if not cfg["bias"]:
+        return None, None
+    bias_full = torch.randn(cfg["V"], generator=_gen(13), dtype=F64)
+    return bias_full, _local(cfg, bias_full, rank)[0]
+
+
 def _t_linear_next_token_options(cfg, rank, group):
     """`linear_next_token_logprobs` with bias, logit scale, soft-cap, ignored targets and
     padding-free `position_ids`."""
-    hidden, weight, h, rows, extra, group_kw = _fused_inputs(cfg, rank)
+    hidden, weight, h, rows, kw = _fused_inputs(cfg, rank, group)
     ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
     ids[1, 2] = ids[0, 4] = cfg["ignore_index"]  # ignored targets (a rank with another index ignores others)
-    bias_full = torch.randn(cfg["V"], generator=_gen(13), dtype=F64)
-    options: dict[str, Any] = {"logit_scale": cfg["logit_scale"], "softcap": cfg["softcap"]}
-    bias = None
-    if cfg["bias"]:
-        start, width = _shard(cfg, rank)
-        bias = bias_full.detach()[start : start + width].to(cfg["dtype"]).clone()
-        if cfg["requires_grad"]:
-            _leaf(bias, bias_full, lambda g: g[start : start + width])
-        if not group_kw:  # a DTensor head: its bias a Shard(0) DTensor on the same mesh
-            from torch.distributed.tensor import DTensor, Shard
-
-            bias = DTensor.from_local(bias, _device_mesh(), [Shard(0)], run_check=False, shape=(cfg["V"],), stride=(1,))
+    bias_full, bias = _bias(cfg, rank)
     pos = _position_ids(cfg)
-    kw = dict(extra, temperature=cfg["temperature"], chunk_size=cfg["chunk_size"], ignore_index=cfg["ignore_index"])
-    if group_kw:
-        kw["group"] = group
-    lp, _ = reference.linear_next_token_logprobs(
-        hidden,
-        weight,
-        ids,
-        cfg["temperature"],
-        pos,
-        bias=bias_full if cfg["bias"] else None,
-        ignore_index=cfg["ignore_index"],
-        **options,
+    options = {"logit_scale": cfg["logit_scale"], "softcap": cfg["softcap"], "ignore_index": cfg["ignore_index"]}
+    options["temperature"] = cfg["temperature"]
+    lp, _ = reference.linear_next_token_logprobs(hidden, weight, ids, position_ids=pos, bias=bias_full, **options)
+    call = lambda: lossfx.linear_next_token_logprobs(
+        h, rows, ids, bias=bias, position_ids=pos, chunk_size=cfg["chunk_size"], **options, **kw
     )
-    call = lambda: lossfx.linear_next_token_logprobs(h, rows, ids, bias=bias, position_ids=pos, **options, **kw)
     return call, [lp]
 
 
@@ -556,39 +471,22 @@ def _linear_front_door(packed: bool):
         the head options: bias (a Shard(0) DTensor next to a DTensor head), logit scale, soft-cap,
         temperature. Uneven widths are read from the ranks (no vocab_start argument)."""
         cu_q, cu_p = _packing(cfg)
-        shape = (1, cu_p[-1]) if packed else None
-        hidden, weight, h, rows, _, group_kw = _fused_inputs(cfg, rank, shape)
+        hidden, weight, h, rows, kw = _fused_inputs(cfg, rank, group, (1, cu_p[-1]) if packed else None)
         ids = _ids(cfg, (cfg["B"], cfg["S"]), cfg["V"], 1, row=(0, 0))
-        bias_full = torch.randn(cfg["V"], generator=_gen(13), dtype=F64)
-        bias = None
-        if cfg["bias"]:
-            start, width = _shard(cfg, rank)
-            bias = bias_full.detach()[start : start + width].to(cfg["dtype"]).clone()
-            if cfg["requires_grad"]:
-                _leaf(bias, bias_full, lambda g: g[start : start + width])
-            if not group_kw:  # a DTensor head: its bias a Shard(0) DTensor on the same mesh
-                from torch.distributed.tensor import DTensor, Shard
-
-                sizes = [_shard(cfg, r)[1] for r in range(2)]
-                bias = DTensor.from_local(
-                    bias, _device_mesh(), [Shard(0)], run_check=False, shape=(sum(sizes),), stride=(1,)
-                )
+        bias_full, bias = _bias(cfg, rank)
         options = {"temperature": cfg["temperature"], "logit_scale": cfg["logit_scale"], "softcap": cfg["softcap"]}
-        kw = dict(options, bias=bias, chunk_size=cfg["chunk_size"])
-        if group_kw:
-            kw.update(vocab_parallel_group=group, vocab_parallel_rank=rank)
+        tp = {"vocab_parallel_group": group, "vocab_parallel_rank": rank} if "group" in kw else {}
+        kw = dict(options, bias=bias, chunk_size=cfg["chunk_size"], **tp)
         loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
         data = {"input_ids": ids}
-        full_bias = bias_full if cfg["bias"] else None
         if packed:
-            z = hidden @ weight.T + (0 if full_bias is None else full_bias)
+            z = hidden @ weight.T + (0 if bias_full is None else bias_full)
             cap = cfg["softcap"]
             z = z * cfg["logit_scale"] if cap is None else cap * torch.tanh(z * cfg["logit_scale"] / cap)
             want = reference.packed_next_token_logprobs(z / cfg["temperature"], ids, cu_q, cu_p)
             call = lambda: lossfx.prepare_linear_packed_loss_input(h, rows, dict(data), loss_fn, cu_q, cu_p, **kw)
         else:
-            t, rest = options.pop("temperature"), options
-            want, _ = reference.linear_next_token_logprobs(hidden, weight, ids, t, bias=full_bias, **rest)
+            want, _ = reference.linear_next_token_logprobs(hidden, weight, ids, bias=bias_full, **options)
             call = lambda: lossfx.prepare_linear_loss_input(h, rows, dict(data), loss_fn, **kw)
         return (lambda: call()[0]["next_token_logprobs"]), [want]
 
@@ -597,62 +495,47 @@ def _linear_front_door(packed: bool):
 
 def _t_shift_left(cfg, rank, group):
     """`shift_left` over the CP group: `x [B, L/2, V]` this rank's load-balanced part of `[B, L, V]`."""
-    length = 4 * (cfg["S"] // 2)
-    full = torch.randn(cfg["B"], length, cfg["V"], generator=_gen(0), dtype=F64)
-    local = reference.cp_shard(full, rank, 2).to(cfg["dtype"]).clone()
+    full, local = _cp_logits(cfg, rank, summed=1)
 
     def refs(f=full):
         shifted = torch.cat([f[:, 1:], torch.zeros_like(f[:, :1])], dim=1)
         return [[reference.cp_shard(shifted, r, 2)] for r in range(2)]
 
     if cfg["requires_grad"]:
-        _leaf(local, full, lambda g: reference.cp_shard(g, rank, 2))
         _PER_RANK_REF.append((rank, refs))
     return (lambda: lossfx.shift_left(local, group)), refs()[rank]
 
 
-def _draft_ids(cfg) -> torch.Tensor:
-    """`d2t [D]`: draft id `i` maps to target id `i + d2t[i]` (distinct target ids in `[0, V)`)."""
+def _draft(cfg, rank) -> tuple[torch.Tensor | None, int, int]:
+    """`(d2t, start, width)`: `d2t [D]` (draft id `i` maps to target id `i + d2t[i]`, distinct target
+    ids in `[0, V)`; None with cfg["d2t"] None) and this rank's columns of the draft vocabulary."""
+    if cfg["d2t"] is None:
+        return None, *_shard(cfg, rank)
     targets = torch.randperm(cfg["V"], generator=_gen(20))[: cfg["D"]].sort().values
     d2t = targets - torch.arange(cfg["D"])
     if cfg["d2t"] == "moved":  # one draft id maps elsewhere
         d2t[1] = (targets[1] + cfg["V"] // 2) % cfg["V"] - 1
-    return d2t
+    return d2t, rank * cfg["D"] // 2, cfg["D"] // 2
 
 
 def _t_map_to_draft_vocab(cfg, rank, group):
     """`map_to_draft_vocab` of this rank's (detached) target-vocabulary shard: its draft shard."""
     full = _logits(cfg)
     z, _ = _local({**cfg, "requires_grad": False}, full, rank)
-    d2t = None if cfg["d2t"] is None else _draft_ids(cfg)
-    g = _grp(cfg, group)
-    call = lambda: lossfx.map_to_draft_vocab(
-        z, d2t, vocab_parallel_rank=None if g is None else rank, vocab_parallel_group=g
-    )
-    if d2t is None:
-        want = full
-        start, width = _shard(cfg, rank)
-    else:
-        want = full[..., torch.arange(cfg["D"]) + d2t]
-        start, width = rank * cfg["D"] // 2, cfg["D"] // 2
+    d2t, start, width = _draft(cfg, rank)
+    call = lambda: lossfx.map_to_draft_vocab(z, d2t, **_tp(cfg, rank, group))
+    want = full if d2t is None else full[..., torch.arange(cfg["D"]) + d2t]
     return call, [want if cfg["dtensor"] else want[..., start : start + width]]
 
 
-def _t_draft_targets_d2t(cfg, rank, group):
-    """`draft_targets` with a draft vocabulary: this rank's draft shard `[B, S, D/2]` and the mask."""
-    full = _logits(cfg)
-    z, _ = _local(cfg, full, rank)
+def _t_draft_targets(cfg, rank, group):
+    """`draft_targets` (with a draft vocabulary: `d2t`): this rank's draft shard and the mask."""
+    full, z, _, _ = _inputs(cfg, rank, group)
     mask = _mask(cfg)
-    d2t = None if cfg["d2t"] is None else _draft_ids(cfg)
-    g = _grp(cfg, group)
-    call = lambda: lossfx.draft_targets(
-        z, mask, d2t, vocab_parallel_rank=None if g is None else rank, vocab_parallel_group=g
-    )
+    d2t, start, width = _draft(cfg, rank)
+    call = lambda: lossfx.draft_targets(z, mask, d2t, **_tp(cfg, rank, group))
     teacher, shifted_mask = reference.draft_targets(full, mask, d2t)
-    if not cfg["dtensor"]:
-        start, width = (rank * cfg["D"] // 2, cfg["D"] // 2) if d2t is not None else _shard(cfg, rank)
-        teacher = teacher[..., start : start + width]
-    return call, [teacher, shifted_mask]
+    return call, [teacher if cfg["dtensor"] else teacher[..., start : start + width], shifted_mask]
 
 
 def _t_linear_next_token_cp(cfg, rank, group):
@@ -673,14 +556,14 @@ def _t_linear_next_token_cp(cfg, rank, group):
     return call, [lp]
 
 
-def _cp_logits(cfg, rank):
-    """`(full [B, L, V], this rank's load-balanced part [B, L/2, V])` for 2 CP ranks, a leaf whose
-    gradient follows the summed convention."""
+def _cp_logits(cfg, rank, summed=2):
+    """`(full [B, L, V], this rank's load-balanced part [B, L/2, V])` for 2 CP ranks (L a multiple
+    of 4), a leaf whose gradient is `summed` times its part (2: the summed convention)."""
     length = 4 * (cfg["S"] // 2)
     full = torch.randn(cfg["B"], length, cfg["V"], generator=_gen(0), dtype=F64) * 2
     local = reference.cp_shard(full, rank, 2).to(cfg["dtype"]).clone()
     if cfg["requires_grad"]:
-        _leaf(local, full, lambda g: 2 * reference.cp_shard(g, rank, 2))
+        _leaf(local, full, lambda g: summed * reference.cp_shard(g, rank, 2))
     return full, local
 
 
@@ -743,8 +626,7 @@ def _packed(cp: bool):
             layout = {"context_parallel_group": group}
         else:
             local, _ = _local(cfg, full, rank)  # uneven widths: read from the ranks ("auto")
-            g = _grp(cfg, group)
-            layout = {"vocab_parallel_group": g, "vocab_parallel_rank": None if g is None else rank}
+            layout = _tp(cfg, rank, group)
         if cfg["cu_type"] == "tensor":
             cu_q, cu_p = torch.tensor(cu_q), torch.tensor(cu_p)
         sp = _sampling(cfg)
@@ -800,14 +682,7 @@ def _opd_full(entry: str, payload: str):
         else:
             mine = {k: w[start : start + width].to(cfg["head_dtype"]).clone() for k, w in heads.items()}
             if cfg["heads"] == "dtensor":
-                from torch.distributed.tensor import DTensor, Shard
-
-                mine = {
-                    k: DTensor.from_local(
-                        w, _device_mesh(), [Shard(0)], run_check=False, shape=(cfg["V"], cfg["H"]), stride=(cfg["H"], 1)
-                    )
-                    for k, w in mine.items()
-                }
+                mine = {k: _sharded(cfg, w, 0) for k, w in mine.items()}
         opd = lossfx.OnPolicyDistillationFullConfig(
             enabled=True,
             teacher_payload="hidden_states" if payload == "hidden" else "logits",
@@ -832,25 +707,13 @@ def _opd_full(entry: str, payload: str):
             data = {"input_ids": ids, "teacher_full_logits": wide}
             heads_kw = {}
             teacher = reference.opd_full_teacher_logits(teacher_logits, cfg["S"], teacher_payload="logits")
-        g = _grp(cfg, group)
-        layout = {"vocab_parallel_group": g, "vocab_parallel_rank": None if g is None else rank}
+        kw = dict(_tp(cfg, rank, group), chunk_size=cfg["chunk_size"], **heads_kw)
+        if entry == "prepare_opd_full_loss_input":
+            kw.update(context_parallel_group=None, sampling_params=None)
 
         def call():
-            if entry == "prepare_loss_input":
-                out, _ = lossfx.prepare_loss_input(
-                    z, dict(data), loss_fn, chunk_size=cfg["chunk_size"], **layout, **heads_kw
-                )
-            else:
-                out = lossfx.prepare_opd_full_loss_input(
-                    z,
-                    dict(data),
-                    loss_fn,
-                    context_parallel_group=None,
-                    sampling_params=None,
-                    chunk_size=cfg["chunk_size"],
-                    **layout,
-                    **heads_kw,
-                )
+            out = getattr(lossfx, entry)(z, dict(data), loss_fn, **kw)
+            out = out[0] if isinstance(out, tuple) else out  # prepare_loss_input: (inputs, the loss's keywords)
             return [out[k] for k in _OPD_KEYS if k in out]
 
         want = reference.opd_full_loss_input(
@@ -876,7 +739,7 @@ TARGETS = {
     "cross_entropy_to_fixed": _divergence("cross_entropy_to_fixed"),
     "reverse_kl_to_fixed": _divergence("reverse_kl_to_fixed"),
     "distillation_topk_logprobs": _t_distillation_topk_logprobs,
-    "draft_targets": _t_draft_targets,
+    "draft_targets": lambda cfg, rank, group: _t_draft_targets({**cfg, "d2t": None}, rank, group),
     "vocab_topk": _t_vocab_topk,
     "allgather_cp": _t_allgather_cp,
     "next_token_logprobs": _t_next_token_logprobs,
@@ -893,7 +756,7 @@ TARGETS = {
     "prepare_linear_packed_loss_input": _linear_front_door(packed=True),
     "shift_left": _t_shift_left,
     "map_to_draft_vocab": _t_map_to_draft_vocab,
-    "draft_targets[d2t]": _t_draft_targets_d2t,
+    "draft_targets[d2t]": _t_draft_targets,
     "linear_next_token_logprobs[cp]": _t_linear_next_token_cp,
     "next_token_logprobs[cp]": _t_next_token_logprobs_cp,
     "distillation_topk_logprobs[cp]": _t_distillation_cp,
@@ -935,9 +798,6 @@ def _error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, boo
 
 
 # outputs that carry no gradient by contract (targets are detached, the objective's log-probs are values)
-# targets whose outputs are this rank's vocabulary shard (the reference is sliced to it)
-SHARDED_OUTPUTS = ("apply_top_k_top_p", "draft_targets")
-
 NO_GRAD_OUTPUTS: dict[str, set[int]] = {
     "token_logprobs_with_lse": {1},  # the log-sum-exp is documented as not differentiable
     "vocab_topk": {0, 1},  # a selection
@@ -946,7 +806,6 @@ NO_GRAD_OUTPUTS: dict[str, set[int]] = {
     "map_to_draft_vocab": {0},
     "linear_logprob_objective": {1},
 }
-GRAD_TOL = 1e-4  # relative to max(1, the largest reference gradient)
 
 
 def _weights(ref: list[torch.Tensor], seed: int = 99) -> list[torch.Tensor]:
@@ -1018,56 +877,53 @@ def _attempt(fn: Any) -> tuple[Any, tuple | None]:
         return None, ("other", type(exc).__name__, f"{str(exc)[:1000]}\n{traceback.format_exc()[-2000:]}")
 
 
-def run_case(rank: int, world: int, group: Any, target: str, both: dict, rank1: dict, mode: str) -> tuple:
-    """This rank's outcome of `target`: every rank on DEFAULT updated by `both`, rank 1 also by
-    `rank1` (the one perturbation); `mode` is "eager" or a torch.compile backend. When every
-    rank has an answer, each runs the backward of a random weighting of its outputs (see
-    `_gradient_error`); the outcome's value error is then the larger of the two."""
-    cfg = {**DEFAULT, **both, **(rank1 if rank == 1 else {})}
-    previous = None
+def outcome(rank: int, group: Any, build: Any, kind: str, mode: str, grad_mode: bool = True) -> tuple:
+    """This rank's outcome (see the module doc) of `build() -> (call, reference outputs)`, the call
+    run in `mode` ("eager" or a torch.compile backend) with grad mode `grad_mode`, and the probe.
+    When every rank has an answer, each runs the backward of a random weighting of its outputs
+    (`_gradient_error` of `kind`); the outcome's value error is then the larger of the two."""
     _LEAVES.clear()
     _PER_RANK_REF.clear()
     _OUT_OF_RANGE.clear()
     try:
-        if not cfg["checks"]:
-            switch = getattr(lossfx, "set_consistency_checks", None)  # a branch may remove the switch
-            previous = switch(False) if switch is not None else None
-        try:
-            call, ref = TARGETS[target](cfg, rank, group)
-            for ids, high in _OUT_OF_RANGE:  # the call sees them, the reference (built) did not
-                ids.view(-1)[1] = high
-            built = torch.tensor([1.0])
-        except Exception:
-            built, setup_error = torch.tensor([0.0]), traceback.format_exc()[-2000:]
-        # every rank learns whether every rank could build its inputs: a test that cannot build
-        # them on one rank must not leave the other waiting inside lossfx's collectives
-        dist.all_reduce(built, op=dist.ReduceOp.MIN, group=group)
-        if not built[0]:
-            return ("setup", "test setup failed", setup_error if "setup_error" in locals() else "on a peer"), 3.0
-        if mode != "eager" and cfg["compiled"]:
-            # the point is the cross-rank check in the graph, not codegen: aot_eager keeps it cheap
-            call = torch.compile(call, backend=mode, fullgraph=True)
-        with torch.set_grad_enabled(cfg["grad_mode"]):
-            got, outcome = _attempt(lambda: _outputs(call()))
-        if outcome is None:
-            ref = [r for r in ref if r is not None]
-            if target in SHARDED_OUTPUTS and not cfg["dtensor"]:
-                start, width = _shard(cfg, rank)
-                ref = [r[..., start : start + width] if r.dim() == 3 else r for r in ref]
-            err, same = _error(got, ref)
-        # the backward runs only when every rank has an answer (a rank that raised runs no backward)
-        answered = torch.tensor([float(outcome is None)])
-        dist.all_reduce(answered, op=dist.ReduceOp.MIN, group=group)
-        if outcome is None and answered[0]:
-            grad, outcome = _attempt(lambda: _gradient_error(target, got, ref))
-            if outcome is None:
-                gerr, gdetail = grad
-                outcome = ("value", max(err, gerr), same, f"values {err:.1e}, {gdetail}")
-        elif outcome is None:
-            outcome = ("value", err, same, "no backward: a peer raised")
-    finally:
-        if previous is not None:
-            lossfx.set_consistency_checks(previous)
+        call, ref = build()
+        ref = [r for r in ref if r is not None]
+        for ids, high in _OUT_OF_RANGE:  # the call sees them, the reference (built) did not
+            ids.view(-1)[1] = high
+        setup_error = None
+    except Exception:
+        setup_error = traceback.format_exc()[-2000:]
+    # every rank learns whether every rank could build its inputs: a test that cannot build
+    # them on one rank must not leave the other waiting inside lossfx's collectives
+    built = torch.tensor([float(setup_error is None)])
+    dist.all_reduce(built, op=dist.ReduceOp.MIN, group=group)
+    if not built[0]:
+        return ("setup", "test setup failed", setup_error or "on a peer"), 3.0
+    if mode != "eager":
+        # the point is the cross-rank check in the graph, not codegen: aot_eager keeps it cheap
+        call = torch.compile(call, backend=mode, fullgraph=True)
+    with torch.set_grad_enabled(grad_mode):
+        got, result = _attempt(lambda: _outputs(call()))
+    if result is None:
+        err, same = _error(got, ref)
+    # the backward runs only when every rank has an answer (a rank that raised runs no backward)
+    answered = torch.tensor([float(result is None)])
+    dist.all_reduce(answered, op=dist.ReduceOp.MIN, group=group)
+    if result is None and answered[0]:
+        grad, result = _attempt(lambda: _gradient_error(kind, got, ref))
+        if result is None:
+            gerr, gdetail = grad
+            result = ("value", max(err, gerr), same, f"values {err:.1e}, {gdetail}")
+    elif result is None:
+        result = ("value", err, same, "no backward: a peer raised")
     probe = torch.tensor([float(rank + 1)])
     dist.all_reduce(probe, group=group)
-    return outcome, float(probe[0])
+    return result, float(probe[0])
+
+
+def run_case(rank: int, world: int, group: Any, target: str, both: dict, rank1: dict, mode: str) -> tuple:
+    """This rank's `outcome` of `target`: every rank on DEFAULT updated by `both`, rank 1 also by
+    `rank1` (the one perturbation); `mode` is "eager" or a torch.compile backend."""
+    cfg = {**DEFAULT, **both, **(rank1 if rank == 1 else {})}
+    mode = mode if cfg["compiled"] else "eager"
+    return outcome(rank, group, lambda: TARGETS[target](cfg, rank, group), target, mode, cfg["grad_mode"])

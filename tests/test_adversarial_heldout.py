@@ -7,27 +7,29 @@ all-reduce afterwards that still adds up), on 2 real gloo processes with a timeo
 case is a per-rank builder `(rank, group) -> (call, reference outputs)` that may make the two
 ranks differ in ways the one-field perturbation matrix cannot express: a DTensor on one rank
 and a plain tensor on the other, a wrong `vocab_parallel_rank`, structured differences of a
-replicated input that a position-linear fingerprint cannot see, a `loss_fn` whose attributes
-are slots, a forced `chunk_policy` on one rank, a keyword spelled differently (`temperature=1`
-against `1.0`, `top_k=None` against `top_k=V`), `inference_mode` on one rank; and legitimate
-inputs both ranks agree on that the matrix never builds (a row whose whole shard is `-inf`,
-non-contiguous inputs, an empty batch).
+replicated input that a position-linear fingerprint cannot see, a `loss_fn` without `__dict__`
+whose option is a property, a forced `chunk_policy` on one rank, a keyword spelled differently
+(`temperature=1` against `1.0`, `top_k=None` against `top_k=V`), `inference_mode` on one rank;
+and legitimate inputs both ranks agree on that the matrix never builds (a row whose whole shard
+is `-inf`, non-contiguous inputs, an empty batch).
 
-A case that fails and whose fix lies outside `lossfx/_boundary/dtensor.py` and `validation.py` is
-marked `xfail(strict=True)` with its cause (found by this file).
+Each case states its outcome: `EXACT` cases (the ranks agree on everything the call reads) must
+be exact, every other case a clear error on every rank (the call reads the value that differs).
+A case that fails and whose fix lies outside `lossfx/_boundary/` is marked `xfail(strict=True)`
+with its cause (found by this file).
 """
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 from typing import Any
 
 import adversarial_cases as ac
-import harness
 import pytest
 import test_adversarial
 import torch
-import torch.distributed as dist
+from adversarial_cases import DEFAULT, F64, _gen
 from devices import DEVICE
 
 import lossfx
@@ -35,31 +37,40 @@ from lossfx import reference
 
 pytestmark = pytest.mark.distributed
 
-F64 = torch.float64
-B, S, V, H = 2, 6, 16, 8
-EAGER_TIMEOUT_S = 20.0
-COMPILED_TIMEOUT_S = 120.0
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+B, S, V, H = DEFAULT["B"], DEFAULT["S"], DEFAULT["V"], DEFAULT["H"]
 
 
 def _logits() -> torch.Tensor:
-    return torch.randn(B, S, V, generator=_gen(0), dtype=F64) * 2
+    return ac._logits(DEFAULT)
 
 
-def _shard_of(full: torch.Tensor, rank: int, grad: bool = True) -> torch.Tensor:
-    """This rank's half `[..., 8]` of `full [..., 16]`, a leaf whose gradient is its slice."""
-    start = rank * (V // 2)
-    local = full.detach()[..., start : start + V // 2].clone()
+def _ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, V, (B, S), generator=_gen(seed))
+
+
+def _strided(x: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous (first and last dimensions swapped) layout."""
+    return x.transpose(0, -1).contiguous().transpose(0, -1)
+
+
+def _shard_of(full: torch.Tensor, rank: int, grad: bool = True, dim: int = -1, parts: int = 2, strided=False):
+    """This rank's part (of `parts` equal ones) of `full` along `dim` (`parts=1`: a copy of the
+    whole), a leaf (with `grad`) whose gradient is its slice; `strided`: a non-contiguous view."""
+    width = full.shape[dim] // parts
+    local = full.detach().narrow(dim, rank * width, width).clone()
+    local = _strided(local) if strided else local
     if grad:
-        ac._leaf(local, full, lambda g: g[..., start : start + V // 2])
+        ac._leaf(local, full, lambda g: g.narrow(dim, rank * width, width))
     return local
 
 
-def _ids(shape: tuple[int, ...] = (B, S), seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, V, shape, generator=_gen(seed))
+def _head(rank: int, hidden: torch.Tensor | None = None, strided=False):
+    """`(hidden [B, S, H], weight [V, H], h, rows)` of the fused path: `h` this rank's copy of the
+    replicated `hidden` (random by default) and `rows` its half of the weight, both leaves."""
+    hidden = torch.randn(B, S, H, generator=_gen(10), dtype=F64) if hidden is None else hidden
+    weight = torch.randn(V, H, generator=_gen(11), dtype=F64)
+    h = _shard_of(hidden, 0, parts=1, strided=strided)
+    return hidden, weight, h, _shard_of(weight, rank, dim=0, strided=strided)
 
 
 def _mesh(shape: tuple[int, ...] = (2,), names: tuple[str, ...] | None = None) -> Any:
@@ -73,34 +84,22 @@ def _mesh(shape: tuple[int, ...] = (2,), names: tuple[str, ...] | None = None) -
 # ---------------------------------------------------------------------------------------------
 
 
-def _dtensor_replicate_vs_plain(rank, group):
-    """Rank 0: the full logits as an all-`Replicate()` DTensor (no tensor parallelism, no group);
-    rank 1: its plain shard with the group. Not the same call: a clear error on both."""
-    from torch.distributed.tensor import DTensor, Replicate
+def _replicate_vs_plain(with_group: bool):
+    def build(rank, group):
+        """Rank 0: the full logits as an all-`Replicate()` DTensor on a 2-rank mesh (no tensor
+        parallelism, no group). Rank 1, `with_group`: its plain shard with the group (not the same
+        call); else the same full logits, plain, no group: neither runs a collective, both exact.
+        (A fix of the first that made the Replicate rank check over its mesh would hang the second.)"""
+        from torch.distributed.tensor import DTensor, Replicate
 
-    full = _logits()
-    ids = _ids()
-    if rank == 0:
-        local = full.detach().clone()
-        ac._leaf(local, full, lambda g: g)
-        z = DTensor.from_local(local, _mesh(), [Replicate()], run_check=False)
-        return (lambda: lossfx.token_logprobs(z, ids, chunk_size=4)), [reference.token_logprobs(full, ids)]
-    z = _shard_of(full, rank)
-    return (lambda: lossfx.token_logprobs(z, ids, group=group, chunk_size=4)), [reference.token_logprobs(full, ids)]
+        full, ids = _logits(), _ids()
+        sharded = rank == 1 and with_group
+        z = _shard_of(full, rank) if sharded else _shard_of(full, 0, parts=1)
+        z = DTensor.from_local(z, _mesh(), [Replicate()], run_check=False) if rank == 0 else z
+        g = group if sharded else None
+        return (lambda: lossfx.token_logprobs(z, ids, group=g, chunk_size=4)), [reference.token_logprobs(full, ids)]
 
-
-def _dtensor_replicate_vs_plain_no_group(rank, group):
-    """Rank 0: the full logits as an all-`Replicate()` DTensor on a 2-rank mesh; rank 1: the same
-    full logits as a plain tensor, no group. Neither runs a collective: both answers exact. (A fix
-    of `dtensor_replicate_vs_plain` that made the Replicate rank check over its mesh would hang here.)"""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    full = _logits()
-    ids = _ids()
-    local = full.detach().clone()
-    ac._leaf(local, full, lambda g: g)
-    z = DTensor.from_local(local, _mesh(), [Replicate()], run_check=False) if rank == 0 else local
-    return (lambda: lossfx.token_logprobs(z, ids, chunk_size=4)), [reference.token_logprobs(full, ids)]
+    return build
 
 
 def _dtensor_bad_start(ranks: tuple[int, ...]):
@@ -108,28 +107,22 @@ def _dtensor_bad_start(ranks: tuple[int, ...]):
         """Both ranks pass a `Shard(-1)` DTensor; the ranks in `ranks` also pass a `vocab_start`
         that contradicts it (a per-rank ValueError raised before the cross-rank check left the
         other rank waiting in it: a hang, fixed in `_boundary.dtensor.check_view`)."""
-        return _dtensor_start_case(rank, 3 if rank in ranks else None)
+        from torch.distributed.tensor import DTensor, Shard
+
+        full, ids = _logits(), _ids()
+        z = DTensor.from_local(
+            _shard_of(full, rank), _mesh(), [Shard(2)], run_check=False, shape=full.shape, stride=full.stride()
+        )
+        extra = {"vocab_start": 3} if rank in ranks else {}
+        return (lambda: lossfx.token_logprobs(z, ids, chunk_size=4, **extra)), [reference.token_logprobs(full, ids)]
 
     return build
-
-
-def _dtensor_start_case(rank, vocab_start):
-    from torch.distributed.tensor import DTensor, Shard
-
-    full = _logits()
-    ids = _ids()
-    local = _shard_of(full, rank)
-    z = DTensor.from_local(local, _mesh(), [Shard(2)], run_check=False, shape=full.shape, stride=full.stride())
-    extra = {} if vocab_start is None else {"vocab_start": vocab_start}
-    call = lambda: lossfx.token_logprobs(z, ids, chunk_size=4, **extra)
-    return call, [reference.token_logprobs(full, ids)]
 
 
 def _vocab_parallel_rank(mapping):
     def build(rank, group):
         """`next_token_logprobs` (NeMo RL's dialect) with `vocab_parallel_rank=mapping[rank]`."""
-        full = _logits()
-        ids = _ids()
+        full, ids = _logits(), _ids()
         z = _shard_of(full, rank)
         call = lambda: lossfx.next_token_logprobs(
             z, ids, vocab_parallel_rank=mapping[rank], vocab_parallel_group=group, chunk_size=4
@@ -142,8 +135,7 @@ def _vocab_parallel_rank(mapping):
 def _pair_swapped_ids(rank, group):
     """Targets `[a, b, b, a, ...]` on rank 0 and `[b, a, a, b, ...]` on rank 1 (two swaps the
     same distance apart): a fingerprint `Σ h(x_i)·(2i + 1)` cannot tell them apart."""
-    full = _logits()
-    ids = _ids()
+    full, ids = _logits(), _ids()
     order = full[0, :4].argmax(-1)  # distinct-ish ids whose log-probs differ
     a, b = int(order[0]), int((order[0] + 5) % V)
     ids[0, :4] = torch.tensor([a, b, b, a] if rank == 0 else [b, a, a, b])
@@ -151,24 +143,31 @@ def _pair_swapped_ids(rank, group):
     return (lambda: lossfx.token_logprobs(z, ids, group=group, chunk_size=4)), [reference.token_logprobs(full, ids)]
 
 
-def _shifted_masks_coefficients(rank, group):
-    """`linear_logprob_objective` with 0/1 coefficients (a token mask): rank 0's row 0 padded on
-    the right and row 1 on the left, rank 1's both centred (the same count and the same sum of
-    positions: invisible to a position-linear fingerprint)."""
-    hidden = torch.randn(B, S, H, generator=_gen(10), dtype=F64)
-    weight = torch.randn(V, H, generator=_gen(11), dtype=F64)
-    ids = _ids()
-    rows0 = [[1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1]]
-    rows1 = [[0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0]]
-    coef = torch.tensor(rows0 if rank == 0 else rows1, dtype=F64)
-    h = hidden.clone()
-    ac._leaf(h, hidden, lambda g: g)
-    start = rank * (V // 2)
-    rows = weight.detach()[start : start + V // 2].clone()
-    ac._leaf(rows, weight, lambda g: g[start : start + V // 2])
-    obj, lp, _ = reference.linear_logprob_objective(hidden, weight, ids, coef)
-    call = lambda: lossfx.linear_logprob_objective(h, rows, ids, coef, group=group, chunk_size=4)[:2]
-    return call, [obj, lp]
+def _objective(shifted_mask: bool):
+    def build(rank, group):
+        """`linear_logprob_objective`. `shifted_mask`: 0/1 coefficients (a token mask), rank 0's
+        row 0 padded on the right and row 1 on the left, rank 1's both centred (the same count and
+        the same sum of positions: invisible to a position-linear fingerprint). Else random
+        coefficients and a tight `lossfx.chunk_policy` forced on rank 1 only (its row chunks,
+        hence its collectives, differ from rank 0's)."""
+        hidden, weight, h, rows = _head(rank)
+        ids = _ids()
+        coef = torch.randn(B, S, generator=_gen(12), dtype=F64)
+        if shifted_mask:
+            rows0 = [[1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1]]
+            coef = torch.tensor(rows0 if rank == 0 else [[0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0]], dtype=F64)
+        tight = lossfx.ChunkPolicy(row_bytes=64, min_rows=1, tile_bytes=64, max_block=2, chunk_bytes=64)
+        forced = rank == 1 and not shifted_mask
+        kw = {"chunk_size": 4} if shifted_mask else {}
+        obj, lp, _ = reference.linear_logprob_objective(hidden, weight, ids, coef)
+
+        def call():
+            with lossfx.chunk_policy(tight) if forced else contextlib.nullcontext():
+                return lossfx.linear_logprob_objective(h, rows, ids, coef, group=group, **kw)[:2]
+
+        return call, [obj, lp]
+
+    return build
 
 
 def _neg_inf_shard(target):
@@ -190,115 +189,69 @@ def _neg_inf_shard(target):
             return call, list(reference.gather_logprobs(full, k_ids))
         if target == "entropy":
             return (lambda: lossfx.entropy(z, group=group, chunk_size=4)), [reference.entropy(full)]
-        if target == "filtered_token_logprobs":
-            call = lambda: lossfx.filtered_token_logprobs(z, ids, top_k=3, top_p=0.9, group=group, chunk_size=4)
-            return call, [reference.filtered_token_logprobs(full, ids, top_k=3, top_p=0.9)]
-        raise KeyError(target)
+        call = lambda: lossfx.filtered_token_logprobs(z, ids, top_k=3, top_p=0.9, group=group, chunk_size=4)
+        return call, [reference.filtered_token_logprobs(full, ids, top_k=3, top_p=0.9)]
 
     return build
 
 
-def _neg_inf_bias(rank, group):
-    """The fused path with a bias that masks rank 1's whole shard with `-inf` (padded LM-head
-    rows): every rank's answer exact, log-probs and gradients finite where the reference's are."""
-    hidden = torch.randn(B, S, H, generator=_gen(10), dtype=F64)
-    weight = torch.randn(V, H, generator=_gen(11), dtype=F64)
-    bias_full = torch.zeros(V, dtype=F64)
-    bias_full[V // 2 :] = float("-inf")
-    ids = _ids() % (V // 2)  # targets in rank 0's (finite) half
-    h = hidden.clone()
-    ac._leaf(h, hidden, lambda g: g)
-    start = rank * (V // 2)
-    rows = weight.detach()[start : start + V // 2].clone()
-    ac._leaf(rows, weight, lambda g: g[start : start + V // 2])
-    bias = bias_full[start : start + V // 2].clone()
-    lp, _ = reference.linear_token_logprobs(hidden, weight, ids, bias=bias_full)
-    call = lambda: lossfx.linear_token_logprobs(h, rows, ids, bias=bias, group=group, chunk_size=4)
-    return call, [lp]
+def _biased(neg_inf: bool):
+    def build(rank, group):
+        """The fused path with a bias. `neg_inf`: a bias that masks rank 1's whole shard with `-inf`
+        (padded LM-head rows; targets in rank 0's finite half): every rank's answer exact, log-probs
+        and gradients finite where the reference's are. Else a random bias that requires grad on
+        rank 0 only."""
+        hidden, weight, h, rows = _head(rank)
+        ids = _ids()
+        bias_full = torch.randn(V, generator=_gen(13), dtype=F64)
+        if neg_inf:
+            bias_full = torch.zeros(V, dtype=F64)
+            bias_full[V // 2 :] = float("-inf")
+            ids %= V // 2
+        bias = _shard_of(bias_full, rank, grad=rank == 0 and not neg_inf)
+        lp, _ = reference.linear_token_logprobs(hidden, weight, ids, bias=bias_full)
+        return (lambda: lossfx.linear_token_logprobs(h, rows, ids, bias=bias, group=group, chunk_size=4)), [lp]
+
+    return build
 
 
 def _keyword(target, rank0: dict, rank1: dict):
     def build(rank, group):
         """Rank 0 and rank 1 spell one keyword differently (or omit it)."""
         kw = rank0 if rank == 0 else rank1
+        ids = _ids()
         if target == "filtered_token_logprobs":
             full = _logits()
-            ids = _ids()
             z = _shard_of(full, rank)
             top_k, top_p = kw.get("top_k"), kw.get("top_p", 1.0)
             call = lambda: lossfx.filtered_token_logprobs(z, ids, group=group, chunk_size=4, **kw)
             return call, [reference.filtered_token_logprobs(full, ids, top_k=top_k, top_p=top_p)]
-        hidden = torch.randn(B, S, H, generator=_gen(10), dtype=F64)
-        weight = torch.randn(V, H, generator=_gen(11), dtype=F64)
-        ids = _ids()
+        hidden, weight, h, rows = _head(rank)
         ids[0, 2] = -100
-        h = hidden.clone()
-        ac._leaf(h, hidden, lambda g: g)
-        start = rank * (V // 2)
-        rows = weight.detach()[start : start + V // 2].clone()
-        ac._leaf(rows, weight, lambda g: g[start : start + V // 2])
-        t = kw.get("temperature", 1.0)
-        t = float(t)
+        t = float(kw.get("temperature", 1.0))
         lp, _ = reference.linear_token_logprobs(hidden, weight, ids, temperature=t, ignore_index=-100)
-        call = lambda: lossfx.linear_token_logprobs(h, rows, ids, group=group, chunk_size=4, **kw)
-        return call, [lp]
+        return (lambda: lossfx.linear_token_logprobs(h, rows, ids, group=group, chunk_size=4, **kw)), [lp]
 
     return build
 
 
-def _noncontiguous(which: tuple[int, ...]):
+def _both_paths(batch: tuple[int, int] = (B, B), strided: tuple[int, ...] = ()):
     def build(rank, group):
-        """Strided inputs on the ranks in `which` (the same values): logits a column-major view,
-        ids an expanded and a transposed view; the fused head's rows and hidden transposed."""
-        full = _logits()
-        ids = _ids()
-        z = _shard_of(full, rank, grad=False)
-        hidden = torch.randn(B, S, H, generator=_gen(10), dtype=F64)
-        weight = torch.randn(V, H, generator=_gen(11), dtype=F64)
-        start = rank * (V // 2)
-        rows = weight[start : start + V // 2].clone()
-        h = hidden.clone()
-        if rank in which:
-            z = z.transpose(0, 2).contiguous().transpose(0, 2)  # same values, column-major
-            ids = ids.t().contiguous().t()
-            rows = rows.t().contiguous().t()
-            h = h.transpose(0, 1).contiguous().transpose(0, 1)
-            assert not z.is_contiguous() and not ids.is_contiguous() and not rows.is_contiguous()
-        ac._leaf(z, full, lambda g: g[..., start : start + V // 2])
-        ac._leaf(h, hidden, lambda g: g)
-        ac._leaf(rows, weight, lambda g: g[start : start + V // 2])
-        lp_fused, _ = reference.linear_token_logprobs(hidden, weight, ids)
-
-        def call():
-            a = lossfx.token_logprobs(z, ids, group=group, chunk_size=4)
-            b = lossfx.linear_token_logprobs(h, rows, ids, group=group, chunk_size=4)
-            return a, b
-
-        return call, [reference.token_logprobs(full, ids), lp_fused]
-
-    return build
-
-
-def _empty_batch(batches: tuple[int, int]):
-    def build(rank, group):
-        """Batch `batches[rank]` (0: an empty batch) through the logits and fused paths."""
-        b = batches[rank]
+        """`token_logprobs` and `linear_token_logprobs` of batch `batch[rank]` (0: an empty batch);
+        on the ranks in `strided` every input a strided view of the same values (logits and the
+        head's rows column-major, ids and hidden transposed)."""
+        b, s = batch[rank], rank in strided
         full = torch.randn(b, S, V, generator=_gen(0), dtype=F64)
         ids = torch.randint(0, V, (b, S), generator=_gen(1))
-        z = _shard_of(full, rank)
-        hidden = torch.randn(b, S, H, generator=_gen(10), dtype=F64)
-        weight = torch.randn(V, H, generator=_gen(11), dtype=F64)
-        h = hidden.clone()
-        ac._leaf(h, hidden, lambda g: g)
-        start = rank * (V // 2)
-        rows = weight.detach()[start : start + V // 2].clone()
-        ac._leaf(rows, weight, lambda g: g[start : start + V // 2])
+        z = _shard_of(full, rank, strided=s)
+        hidden, weight, h, rows = _head(rank, torch.randn(b, S, H, generator=_gen(10), dtype=F64), strided=s)
+        given = _strided(ids) if s else ids
+        assert not s or not any(x.is_contiguous() for x in (z, given, h, rows))
         lp_fused, _ = reference.linear_token_logprobs(hidden, weight, ids)
 
         def call():
-            a = lossfx.token_logprobs(z, ids, group=group, chunk_size=4)
-            b_ = lossfx.linear_token_logprobs(h, rows, ids, group=group, chunk_size=4)
-            return a, b_
+            a = lossfx.token_logprobs(z, given, group=group, chunk_size=4)
+            return a, lossfx.linear_token_logprobs(h, rows, given, group=group, chunk_size=4)
 
         return call, [reference.token_logprobs(full, ids), lp_fused]
 
@@ -306,19 +259,11 @@ def _empty_batch(batches: tuple[int, int]):
 
 
 class _SlotsLoss:
-    """A loss function whose configuration lives in `__slots__` (no `__dict__`)."""
+    """A loss function without `__dict__` (`__slots__`) whose `zero_outside_topk` is a property:
+    the call reads it with `getattr`, so the cross-rank check compares that value (a walk over
+    `__dict__`, the old check, saw neither)."""
 
-    __slots__ = ("input_type", "kl_type", "zero_outside_topk")
-
-    def __init__(self, zero_outside_topk: bool):
-        self.input_type = lossfx.LossInputType.DISTILLATION
-        self.kl_type = "forward"
-        self.zero_outside_topk = zero_outside_topk
-
-
-class _PropertyLoss:
-    """A loss function whose `zero_outside_topk` is a property (a class attribute, not in `__dict__`)."""
-
+    __slots__ = ("_zero",)
     input_type = lossfx.LossInputType.DISTILLATION
     kl_type = "forward"
 
@@ -330,65 +275,25 @@ class _PropertyLoss:
         return self._zero
 
 
-def _loss_fn_attribute(cls):
-    def build(rank, group):
-        """`prepare_loss_input(DISTILLATION)` with `loss_fn.zero_outside_topk` True on rank 1 only,
-        held where an attribute walk over `__dict__` does not look."""
-        full = _logits()
-        z = _shard_of(full, rank)
-        vals, idx = ac._teacher_topk({**ac.DEFAULT, "B": B, "S": S, "V": V, "K": 3})
-        zero = rank == 1
-        loss_fn = cls(zero)
-        data = {"teacher_topk_logits": vals, "teacher_topk_indices": idx}
-
-        def call():
-            out, _ = lossfx.prepare_loss_input(
-                z, dict(data), loss_fn, vocab_parallel_rank=rank, vocab_parallel_group=group, chunk_size=4
-            )
-            return out["student_topk_logprobs"]
-
-        lp, _, _ = reference.distillation_topk_logprobs(full, vals, idx, zero, False)
-        return call, [lp]
-
-    return build
-
-
-def _chunk_policy_one_rank(rank, group):
-    """`linear_logprob_objective` with a tight `lossfx.chunk_policy` forced on rank 1 only (its
-    row chunks, hence its collectives, differ from rank 0's)."""
-    hidden = torch.randn(B, S, H, generator=_gen(10), dtype=F64)
-    weight = torch.randn(V, H, generator=_gen(11), dtype=F64)
-    ids = _ids()
-    coef = torch.randn(B, S, generator=_gen(12), dtype=F64)
-    h = hidden.clone()
-    ac._leaf(h, hidden, lambda g: g)
-    start = rank * (V // 2)
-    rows = weight.detach()[start : start + V // 2].clone()
-    ac._leaf(rows, weight, lambda g: g[start : start + V // 2])
-    obj, lp, _ = reference.linear_logprob_objective(hidden, weight, ids, coef)
-    tight = lossfx.ChunkPolicy(row_bytes=64, min_rows=1, tile_bytes=64, max_block=2, chunk_bytes=64)
-
-    def call():
-        if rank == 1:
-            with lossfx.chunk_policy(tight):
-                return lossfx.linear_logprob_objective(h, rows, ids, coef, group=group)[:2]
-        return lossfx.linear_logprob_objective(h, rows, ids, coef, group=group)[:2]
-
-    return call, [obj, lp]
+def _loss_fn_attribute(rank, group):
+    """`prepare_loss_input(DISTILLATION)` with `loss_fn.zero_outside_topk` True on rank 1 only."""
+    full = _logits()
+    z = _shard_of(full, rank)
+    vals, idx = ac._teacher_topk(DEFAULT)
+    data = {"teacher_topk_logits": vals, "teacher_topk_indices": idx}
+    call = ac._prepare(z, data, _SlotsLoss(rank == 1), "student_topk_logprobs", DEFAULT, rank, group, chunk_size=4)
+    return call, [reference.distillation_topk_logprobs(full, vals, idx, rank == 1, False)[0]]
 
 
 def _inference_mode(ranks: tuple[int, ...]):
     def build(rank, group):
         """`token_logprobs` under `torch.inference_mode()` on the ranks in `ranks`."""
-        full = _logits()
-        ids = _ids()
+        full, ids = _logits(), _ids()
         z = _shard_of(full, rank, grad=rank not in ranks)
 
         def call():
-            if rank in ranks:
-                with torch.inference_mode():
-                    return lossfx.token_logprobs(z, ids, group=group, chunk_size=4)
-            return lossfx.token_logprobs(z, ids, group=group, chunk_size=4)
+            with torch.inference_mode(rank in ranks):
+                return lossfx.token_logprobs(z, ids, group=group, chunk_size=4)
 
         return call, [reference.token_logprobs(full, ids)]
 
@@ -401,35 +306,12 @@ def _fsdp2_2d_mesh(rank, group):
     own batch. Not vocabulary parallelism: a clear error on both ranks."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    hidden = torch.randn(B, S, H, generator=_gen(10), dtype=F64) + rank  # a different batch per rank
-    weight = torch.randn(V, H, generator=_gen(11), dtype=F64)
+    hidden, weight, h, rows = _head(rank, torch.randn(B, S, H, generator=_gen(10), dtype=F64) + rank)
     ids = _ids(seed=1 + rank)
-    start = rank * (V // 2)
-    rows = weight.detach()[start : start + V // 2].clone()
-    ac._leaf(rows, weight, lambda g: g[start : start + V // 2])
     mesh = _mesh((2, 1), ("dp", "tp"))
     w = DTensor.from_local(rows, mesh, [Shard(0), Replicate()], run_check=False, shape=weight.shape, stride=(H, 1))
     lp, _ = reference.linear_token_logprobs(hidden, weight, ids)
-    return (lambda: lossfx.linear_token_logprobs(hidden, w, ids, chunk_size=4)), [lp]
-
-
-def _bias_requires_grad_one_rank(rank, group):
-    """The fused head's bias requires grad on rank 0 only."""
-    hidden = torch.randn(B, S, H, generator=_gen(10), dtype=F64)
-    weight = torch.randn(V, H, generator=_gen(11), dtype=F64)
-    bias_full = torch.randn(V, generator=_gen(13), dtype=F64)
-    ids = _ids()
-    h = hidden.clone()
-    ac._leaf(h, hidden, lambda g: g)
-    start = rank * (V // 2)
-    rows = weight.detach()[start : start + V // 2].clone()
-    ac._leaf(rows, weight, lambda g: g[start : start + V // 2])
-    bias = bias_full.detach()[start : start + V // 2].clone()
-    if rank == 0:
-        ac._leaf(bias, bias_full, lambda g: g[start : start + V // 2])
-    lp, _ = reference.linear_token_logprobs(hidden, weight, ids, bias=bias_full)
-    call = lambda: lossfx.linear_token_logprobs(h, rows, ids, bias=bias, group=group, chunk_size=4)
-    return call, [lp]
+    return (lambda: lossfx.linear_token_logprobs(h, w, ids, chunk_size=4)), [lp]
 
 
 def _nan_in_replicated_one_rank(rank, group):
@@ -437,38 +319,26 @@ def _nan_in_replicated_one_rank(rank, group):
     hidden = torch.randn(B, S, H, generator=_gen(10), dtype=F64)
     if rank == 1:
         hidden[1, 2, 3] = float("nan")
-    weight = torch.randn(V, H, generator=_gen(11), dtype=F64)
+    hidden, weight, h, rows = _head(rank, hidden)
     ids = _ids()
-    start = rank * (V // 2)
-    rows = weight[start : start + V // 2].clone()
     lp, _ = reference.linear_token_logprobs(hidden, weight, ids)
-    return (lambda: lossfx.linear_token_logprobs(hidden, rows, ids, group=group, chunk_size=4)), [lp]
+    return (lambda: lossfx.linear_token_logprobs(h, rows, ids, group=group, chunk_size=4)), [lp]
 
 
 def _data_key_one_rank(rank, group):
     """`prepare_loss_input(LOGPROB)`: rank 1's data has an extra `token_mask` (bool) the other lacks."""
-    full = _logits()
+    full, ids = _logits(), _ids()
     z = _shard_of(full, rank)
-    ids = _ids()
-    data = {"input_ids": ids}
-    if rank == 1:
-        data["token_mask"] = torch.ones(B, S, dtype=torch.bool)
+    data = {"input_ids": ids} if rank == 0 else {"input_ids": ids, "token_mask": torch.ones(B, S, dtype=torch.bool)}
     loss_fn = SimpleNamespace(input_type=lossfx.LossInputType.LOGPROB)
-
-    def call():
-        out, _ = lossfx.prepare_loss_input(
-            z, dict(data), loss_fn, vocab_parallel_rank=rank, vocab_parallel_group=group, chunk_size=4
-        )
-        return out["next_token_logprobs"]
-
+    call = ac._prepare(z, data, loss_fn, "next_token_logprobs", DEFAULT, rank, group, chunk_size=4)
     return call, [reference.next_token_logprobs(full, ids)]
 
 
 def _input_ids_int32_one_rank(rank, group):
     """`next_token_logprobs` with `input_ids` int32 on rank 1, int64 on rank 0 (the same ids)."""
-    full = _logits()
+    full, ids = _logits(), _ids()
     z = _shard_of(full, rank)
-    ids = _ids()
     given = ids.to(torch.int32) if rank == 1 else ids
     call = lambda: lossfx.next_token_logprobs(z, given, vocab_parallel_rank=rank, vocab_parallel_group=group)
     return call, [reference.next_token_logprobs(full, ids)]
@@ -480,28 +350,27 @@ def _teacher_requires_grad_one_rank(rank, group):
     full = _logits()
     teacher_full = torch.randn(full.shape, generator=_gen(7), dtype=F64)
     z = _shard_of(full, rank)
-    t = _shard_of(teacher_full, rank, grad=False)
-    if rank == 0:
-        t.requires_grad_()
-    call = lambda: lossfx.cross_entropy_to_fixed(z, t, group=group)
-    return call, [reference.cross_entropy_to_fixed(full, teacher_full)]
+    t = _shard_of(teacher_full, rank, grad=False).requires_grad_(rank == 0)
+    return (lambda: lossfx.cross_entropy_to_fixed(z, t, group=group)), [
+        reference.cross_entropy_to_fixed(full, teacher_full)
+    ]
 
 
 CASES = {
     "teacher_requires_grad_one_rank": _teacher_requires_grad_one_rank,
-    "dtensor_replicate_vs_plain": _dtensor_replicate_vs_plain,
-    "dtensor_replicate_vs_plain_no_group": _dtensor_replicate_vs_plain_no_group,
+    "dtensor_replicate_vs_plain": _replicate_vs_plain(with_group=True),
+    "dtensor_replicate_vs_plain_no_group": _replicate_vs_plain(with_group=False),
     "dtensor_bad_start_one_rank": _dtensor_bad_start((1,)),
     "dtensor_bad_start_both": _dtensor_bad_start((0, 1)),
     "vocab_parallel_rank_swapped": _vocab_parallel_rank({0: 1, 1: 0}),
     "vocab_parallel_rank_wrong_one_rank": _vocab_parallel_rank({0: 0, 1: 0}),
     "pair_swapped_ids": _pair_swapped_ids,
-    "shifted_mask_coefficients": _shifted_masks_coefficients,
+    "shifted_mask_coefficients": _objective(shifted_mask=True),
     "neg_inf_shard[token_logprobs]": _neg_inf_shard("token_logprobs"),
     "neg_inf_shard[gather_logprobs]": _neg_inf_shard("gather_logprobs"),
     "neg_inf_shard[entropy]": _neg_inf_shard("entropy"),
     "neg_inf_shard[filtered_token_logprobs]": _neg_inf_shard("filtered_token_logprobs"),
-    "neg_inf_bias[linear_token_logprobs]": _neg_inf_bias,
+    "neg_inf_bias[linear_token_logprobs]": _biased(neg_inf=True),
     "top_k_none_vs_V": _keyword("filtered_token_logprobs", {}, {"top_k": V}),
     "top_p_1_vs_0.999999": _keyword("filtered_token_logprobs", {"top_p": 1.0}, {"top_p": 0.999999}),
     "temperature_int_vs_float": _keyword("linear_token_logprobs", {"temperature": 1}, {"temperature": 1.0}),
@@ -509,94 +378,43 @@ CASES = {
         "linear_token_logprobs", {"temperature": torch.tensor(0.7, dtype=F64).to(DEVICE)}, {"temperature": 0.7}
     ),
     "ignore_index_omitted_vs_default": _keyword("linear_token_logprobs", {}, {"ignore_index": -100}),
-    "noncontiguous_both": _noncontiguous((0, 1)),
-    "noncontiguous_one_rank": _noncontiguous((1,)),
-    "empty_batch_both": _empty_batch((0, 0)),
-    "empty_batch_one_rank": _empty_batch((2, 0)),
-    "loss_fn_slots_zero_outside_topk": _loss_fn_attribute(_SlotsLoss),
-    "loss_fn_property_zero_outside_topk": _loss_fn_attribute(_PropertyLoss),
-    "chunk_policy_one_rank": _chunk_policy_one_rank,
+    "noncontiguous_both": _both_paths(strided=(0, 1)),
+    "noncontiguous_one_rank": _both_paths(strided=(1,)),
+    "empty_batch_both": _both_paths(batch=(0, 0)),
+    "empty_batch_one_rank": _both_paths(batch=(2, 0)),
+    "loss_fn_slots_property_zero_outside_topk": _loss_fn_attribute,
+    "chunk_policy_one_rank": _objective(shifted_mask=False),
     "inference_mode_one_rank": _inference_mode((1,)),
     "inference_mode_both": _inference_mode((0, 1)),
     "fsdp2_2d_mesh": _fsdp2_2d_mesh,
-    "bias_requires_grad_one_rank": _bias_requires_grad_one_rank,
+    "bias_requires_grad_one_rank": _biased(neg_inf=False),
     "nan_in_replicated_one_rank": _nan_in_replicated_one_rank,
     "data_key_one_rank": _data_key_one_rank,
     "input_ids_int32_one_rank": _input_ids_int32_one_rank,
 }
-
-
-OBJECTIVE_CASES = ("shifted_mask_coefficients", "chunk_policy_one_rank")
+# the cases whose ranks agree on everything the call reads: exact (every other case: an error on every rank)
+EXACT = {"teacher_requires_grad_one_rank", "dtensor_replicate_vs_plain_no_group", "ignore_index_omitted_vs_default"}
+EXACT |= {name for name in CASES if name.startswith(("neg_inf_", "noncontiguous_"))}
+EXACT |= {"empty_batch_both", "inference_mode_both", "bias_requires_grad_one_rank", "data_key_one_rank"}
+# the objective's log-probs carry no gradient
+KIND = {"shifted_mask_coefficients": "linear_logprob_objective", "chunk_policy_one_rank": "linear_logprob_objective"}
 
 
 def run_heldout(rank: int, world: int, group: Any, name: str, mode: str) -> tuple:
-    """This rank's outcome of case `name` (as `adversarial_cases.run_case`) and the probe."""
-    ac._LEAVES.clear()
-    ac._PER_RANK_REF.clear()
-    try:
-        call, ref = CASES[name](rank, group)
-        built = torch.tensor([1.0])
-    except Exception:
-        import traceback
+    """This rank's `adversarial_cases.outcome` of case `name` and the probe."""
 
-        built, setup_error = torch.tensor([0.0]), traceback.format_exc()[-2000:]
-    dist.all_reduce(built, op=dist.ReduceOp.MIN, group=group)
-    if not built[0]:
-        return ("setup", "test setup failed", setup_error if "setup_error" in locals() else "on a peer"), 3.0
-    if mode != "eager":
-        # a fresh Dynamo per case, as in a fresh process: cases share code objects (one builder's
-        # lambda), and a value that changes between two cases (vocab_parallel_rank 0, then 1) would
-        # become a dynamic SymInt, which no real rank's call sees
-        torch._dynamo.reset()
-        call = torch.compile(call, backend=mode, fullgraph=True)
-    got, outcome = ac._attempt(lambda: ac._outputs(call()))
-    if outcome is None:
-        err, same = ac._error(got, ref)
-    answered = torch.tensor([float(outcome is None)])
-    dist.all_reduce(answered, op=dist.ReduceOp.MIN, group=group)
-    if outcome is None and answered[0]:
-        kind = "linear_logprob_objective" if name in OBJECTIVE_CASES else name  # its log-probs carry no gradient
-        grad, outcome = ac._attempt(lambda: ac._gradient_error(kind, got, ref))
-        if outcome is None:
-            gerr, gdetail = grad
-            outcome = ("value", max(err, gerr), same, f"values {err:.1e}, {gdetail}")
-    elif outcome is None:
-        outcome = ("value", err, same, "no backward: a peer raised")
-    probe = torch.tensor([float(rank + 1)])
-    dist.all_reduce(probe, group=group)
-    return outcome, float(probe[0])
+    def build():
+        if mode != "eager":
+            # a fresh Dynamo per case, as in a fresh process: cases share code objects (one builder's
+            # lambda), and a value that changes between two cases (vocab_parallel_rank 0, then 1) would
+            # become a dynamic SymInt, which no real rank's call sees
+            torch._dynamo.reset()
+        return CASES[name](rank, group)
+
+    return ac.outcome(rank, group, build, KIND.get(name, name), mode)
 
 
-# ---------------------------------------------------------------------------------------------
-# The driver side
-# ---------------------------------------------------------------------------------------------
-
-
-def _ready(rank: int, world: int, group: Any) -> int:
-    return rank
-
-
-def _run(name: str, mode: str = "eager") -> tuple[str, str]:
-    """(outcome, detail) of one case on the 2-process gloo pool, as `test_adversarial._run`."""
-    timeout = EAGER_TIMEOUT_S if mode == "eager" else COMPILED_TIMEOUT_S
-    pool = harness.gloo_pool(2)
-    pool.run(_ready)  # a fresh pool starts (imports, rendezvous) outside the case's timeout
-    answers, failed = test_adversarial._answers(pool, run_heldout, (name, mode), timeout)
-    if failed is not None:
-        return failed
-    outcomes = [o for o, _ in answers]
-    if all(p == 3.0 for _, p in answers) and {o[0] for o in outcomes} == {"error"}:
-        if len({o[1] for o in outcomes}) == 1 and not all(o[2].startswith("lossfx") for o in outcomes):
-            # each rank raised the same type naming its own argument (a per-rank check, not the cross-rank one)
-            return "a local error on every rank", "; ".join(
-                f"rank {r}: {o[1]} {o[2][:200]}" for r, o in enumerate(outcomes)
-            )
-    return test_adversarial._classify(answers, mode)
-
-
-ACCEPTED = ("clear error", "exact", "clear error (in-graph RuntimeError)", "a local error on every rank")
-
-# cases that fail today, with their cause (the fix lies outside lossfx/_boundary/dtensor.py, validation.py)
+# cases that fail today, with their cause (the fix lies outside lossfx/_boundary/)
 XFAIL = {
     "dtensor_replicate_vs_plain": (
         "hang, a documented limitation (docs/dtensor.md): a Replicate() DTensor means no tensor parallelism, "
@@ -608,67 +426,41 @@ XFAIL = {
 }
 
 # the default suite's handful (one pool start, no hang): the rest is slow
-DEFAULT = [
-    "dtensor_bad_start_one_rank",
-    "pair_swapped_ids",
-    "neg_inf_shard[token_logprobs]",
-    "noncontiguous_one_rank",
-    "empty_batch_both",
-    "inference_mode_one_rank",
-    "vocab_parallel_rank_swapped",
-    "vocab_parallel_rank_wrong_one_rank",
-]
-assert set(DEFAULT) <= set(CASES) and set(XFAIL) <= set(CASES)
-
-
-def _param(name: str) -> Any:
-    marks = [pytest.mark.xfail(strict=True, reason=XFAIL[name])] if name in XFAIL else []
-    return pytest.param(name, marks=marks, id=name)
+DEFAULT_CASES = ["dtensor_bad_start_one_rank", "pair_swapped_ids", "neg_inf_shard[token_logprobs]"]
+DEFAULT_CASES += ["noncontiguous_one_rank", "empty_batch_both", "inference_mode_one_rank"]
+DEFAULT_CASES += ["vocab_parallel_rank_swapped", "vocab_parallel_rank_wrong_one_rank"]
+# compiled (aot_eager, as tests/test_adversarial.py); the first three run by default
+COMPILED = ["neg_inf_shard[token_logprobs]", "temperature_int_vs_float", "vocab_parallel_rank_wrong_one_rank"]
+COMPILED += ["pair_swapped_ids", "vocab_parallel_rank_swapped", "loss_fn_slots_property_zero_outside_topk"]
+# a rank that rejects its call while tracing tells its peers' in-graph check (`_exchange_rejection`)
+COMPILED += ["dtensor_bad_start_one_rank", "dtensor_bad_start_both"]
+assert set(DEFAULT_CASES) | set(COMPILED) | set(XFAIL) | EXACT <= set(CASES)
 
 
 def _check(name: str, mode: str = "eager") -> None:
-    outcome, detail = _run(name, mode)
-    assert outcome in ACCEPTED, f"{name} / {mode}: {outcome}: {detail}"
+    outcome, detail = test_adversarial.run(run_heldout, (name, mode), mode, local_errors=True)
+    want = ("exact",) if name in EXACT else (*test_adversarial.ERRORS, "a local error on every rank")
+    assert outcome in want, f"{name} / {mode}: {outcome} (want {' or '.join(want)}): {detail}"
 
 
-@pytest.mark.parametrize("name", [_param(n) for n in DEFAULT])
+def _param(name: str, slow: bool = False) -> Any:
+    marks = [pytest.mark.xfail(strict=True, reason=XFAIL[name])] if name in XFAIL else []
+    return pytest.param(name, marks=[*marks, pytest.mark.slow] if slow else marks, id=name)
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in DEFAULT_CASES])
 def test_heldout_eager(name):
     _check(name)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [_param(n) for n in sorted(CASES) if n not in DEFAULT])
+@pytest.mark.parametrize("name", [_param(n) for n in sorted(CASES) if n not in DEFAULT_CASES])
 def test_heldout_eager_matrix(name):
     _check(name)
 
 
-# compiled (aot_eager, as tests/test_adversarial.py): name -> the reason it fails today, or None
-COMPILED = {
-    "neg_inf_shard[token_logprobs]": None,
-    "temperature_int_vs_float": None,
-    "pair_swapped_ids": None,
-    # a rank that rejects its call while tracing tells its peers' in-graph check (`_exchange_rejection`)
-    "dtensor_bad_start_one_rank": None,
-    "dtensor_bad_start_both": None,
-    "vocab_parallel_rank_wrong_one_rank": None,
-    "vocab_parallel_rank_swapped": None,
-    # a config held in `__slots__` / a property: the compiled check reads the class walk (cached per class)
-    "loss_fn_slots_zero_outside_topk": None,
-    "loss_fn_property_zero_outside_topk": None,
-}
-COMPILED_DEFAULT = ["neg_inf_shard[token_logprobs]", "temperature_int_vs_float", "vocab_parallel_rank_wrong_one_rank"]
-
-
-def _compiled_param(name: str) -> Any:
-    reason = COMPILED[name]
-    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-    if name not in COMPILED_DEFAULT:
-        marks.append(pytest.mark.slow)
-    return pytest.param(name, marks=marks, id=name)
-
-
 @pytest.mark.compile
-@pytest.mark.parametrize("name", [_compiled_param(n) for n in COMPILED])
+@pytest.mark.parametrize("name", [_param(n, i >= 3) for i, n in enumerate(COMPILED)])
 def test_heldout_compiled(name):
     _check(name, "aot_eager")
 
