@@ -503,7 +503,7 @@ def test_compiled_graph_does_not_grow_with_the_chunk_count():
 
 @pytest.mark.compile
 # sp=False with -m slow: the compiled 2-rank fused gather without sequence parallelism runs by
-# default in test_magnitudes.py (gather, 2 ranks) and test_dtensor_fused.py (gloo)
+# default in test_magnitudes.py (gather, 2 ranks) and test_dtensor.py (gloo, the fused cases)
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("sp", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_compiled_rank_threads_match_reference(world, sp):
