@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from devices import DEVICE
+from devices import DEVICE, on_device
 from harness import run_ranks
 
 import lossfx
@@ -313,44 +313,49 @@ def test_an_integer_temperature_is_the_float_one():
 # 7. The hidden-state front door's errors are the logits path's (one copy of each check)
 # ---------------------------------------------------------------------------------------------
 
-IDS = _head_case()[2]  # [2, 4] of a V = 9 head
-FRONT_DOOR = {  # case -> (data, loss_fn, keywords, exception, message; {logits}: the path's name for its logits)
-    "logprob_shape": (
-        {"input_ids": torch.zeros(2, 5, dtype=torch.long)},
-        LOGPROB,
-        {},
-        ValueError,
-        r"{logits} must cover input_ids' 5 positions",
-    ),
-    "distillation_topk": (
-        {"teacher_topk_logits": torch.zeros(2, 4, 0), "teacher_topk_indices": torch.zeros(2, 4, 0, dtype=torch.long)},
-        DISTILL,
-        {},
-        ValueError,
-        r"topk must be positive: teacher_topk_indices",
-    ),
-    "draft_d2t": (
-        {"token_mask": torch.ones(2, 4), "student_logits": torch.zeros(2, 4, 2)},
-        DRAFT,
-        {"d2t": torch.zeros(2, 1, dtype=torch.long)},
-        ValueError,
-        r"d2t must be 1-D \[D\]",
-    ),
-    "opd_full_teacher_logits_dtype": (
-        {"input_ids": IDS, "teacher_full_logits": torch.zeros(2, 4, 9)},
-        OPD_LOGITS,
-        {"teacher_logits_dtype": "float32"},
-        TypeError,
-        "teacher_logits_dtype",
-    ),
-    "sampling_params_type": (
-        {"input_ids": IDS},
-        LOGPROB,
-        {"sampling_params": {"top_k": 2}},
-        TypeError,
-        "sampling_params must be TrainingSamplingParams",
-    ),
-}
+IDS = on_device(_head_case()[2])  # [2, 4] of a V = 9 head
+FRONT_DOOR = on_device(
+    {  # case -> (data, loss_fn, keywords, exception, message; {logits}: the path's name for its logits)
+        "logprob_shape": (
+            {"input_ids": torch.zeros(2, 5, dtype=torch.long)},
+            LOGPROB,
+            {},
+            ValueError,
+            r"{logits} must cover input_ids' 5 positions",
+        ),
+        "distillation_topk": (
+            {
+                "teacher_topk_logits": torch.zeros(2, 4, 0),
+                "teacher_topk_indices": torch.zeros(2, 4, 0, dtype=torch.long),
+            },
+            DISTILL,
+            {},
+            ValueError,
+            r"topk must be positive: teacher_topk_indices",
+        ),
+        "draft_d2t": (
+            {"token_mask": torch.ones(2, 4), "student_logits": torch.zeros(2, 4, 2)},
+            DRAFT,
+            {"d2t": torch.zeros(2, 1, dtype=torch.long)},
+            ValueError,
+            r"d2t must be 1-D \[D\]",
+        ),
+        "opd_full_teacher_logits_dtype": (
+            {"input_ids": IDS, "teacher_full_logits": torch.zeros(2, 4, 9)},
+            OPD_LOGITS,
+            {"teacher_logits_dtype": "float32"},
+            TypeError,
+            "teacher_logits_dtype",
+        ),
+        "sampling_params_type": (
+            {"input_ids": IDS},
+            LOGPROB,
+            {"sampling_params": {"top_k": 2}},
+            TypeError,
+            "sampling_params must be TrainingSamplingParams",
+        ),
+    }
+)
 
 
 @pytest.mark.parametrize("path", ["hidden", "logits"])
