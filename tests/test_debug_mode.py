@@ -80,6 +80,7 @@ TOKEN_CALLS = {
     "distinct_groups": (("shard", "a"), ("shard", "b")),
     "replicate_vs_shard_logits": (("replicate", None), ("shard_last", None)),
     "plain_vs_shard_logits": (("full", None), ("shard_last", None)),
+    "replicate_vs_plain_shard": (("replicate", None), ("shard", "group")),  # the held-out suite's strict xfail
     "agree_group": (("shard", "group"),) * 2,
     "agree_no_group": (("full", None),) * 2,  # data parallel: each rank alone, no collective
     "agree_shard_logits": (("shard_last", None),) * 2,
@@ -162,6 +163,7 @@ HANGS = {  # case: (the argument the ranks are tied by, what else every rank's e
         ["rank 0: a DTensor (Replicate()) of shape [2, 3, 8]", "rank 1: a DTensor (Shard(2)) of shape [2, 3, 8]"],
     ),
     "plain_vs_shard_logits": ("logits", ["rank 0: a plain tensor, rank 1: a DTensor (Shard(2))"]),
+    "replicate_vs_plain_shard": ("group", ["rank 0: None, rank 1: process group '0' of ranks [0, 1]"]),
     # rank 1's view rejects the bias, then meets its mesh group in the check: a hang
     "none_vs_shard_bias": (
         "bias",
