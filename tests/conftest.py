@@ -8,6 +8,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Inductor's on-disk cache is the only compile cache that survives between runs: keep it outside
 # the checkout so a fresh clone on the same machine reuses it.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "lossfx", "inductor"))
+# Inductor compiles in the calling process: its default pool of compile workers (one per core) costs
+# each test process and gloo rank a torch import, which a 2-core machine pays for with the tests' own time.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import devices
 import profiles  # noqa: F401  (registers and loads the hypothesis profiles)
