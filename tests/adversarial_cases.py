@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from harness import device_mesh
 
 import lossfx
 from lossfx import reference
@@ -78,8 +79,6 @@ DEFAULT: dict[str, Any] = {
     "extra": False,  # True: one value of a data column the call never reads differs (prepare_loss_input[nemo])
 }
 
-_mesh: Any = None
-
 # the differentiable inputs of the case being built: (this rank's leaf, the float64 leaf of the
 # reference, full gradient -> the gradient this rank's leaf must get); reset by `run_case`
 _LEAVES: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
@@ -102,15 +101,6 @@ def _leaf(local: torch.Tensor, full: torch.Tensor, expected: Any) -> None:
     if not full.requires_grad:
         full.requires_grad_()
     _LEAVES.append((local, full, expected))
-
-
-def _device_mesh() -> Any:
-    global _mesh
-    if _mesh is None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        _mesh = init_device_mesh("cpu", (2,))
-    return _mesh
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -165,7 +155,9 @@ def _sharded(cfg: dict, local: torch.Tensor, dim: int) -> Any:
     shape = list(local.shape)
     shape[dim] = sum(_shard(cfg, r)[1] for r in range(2))
     stride = torch.empty(shape).stride()
-    return DTensor.from_local(local, _device_mesh(), [Shard(dim)], run_check=False, shape=tuple(shape), stride=stride)
+    return DTensor.from_local(
+        local, device_mesh((2,)), [Shard(dim)], run_check=False, shape=tuple(shape), stride=stride
+    )
 
 
 def _grp(cfg: dict, group: Any) -> Any:

@@ -31,6 +31,7 @@ import test_adversarial
 import torch
 from adversarial_cases import DEFAULT, F64, _gen
 from devices import DEVICE
+from harness import device_mesh
 
 import lossfx
 from lossfx import reference
@@ -73,12 +74,6 @@ def _head(rank: int, hidden: torch.Tensor | None = None, strided=False):
     return hidden, weight, h, _shard_of(weight, rank, dim=0, strided=strided)
 
 
-def _mesh(shape: tuple[int, ...] = (2,), names: tuple[str, ...] | None = None) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
-
-
 # ---------------------------------------------------------------------------------------------
 # Per-rank builders: (rank, group) -> (call, reference outputs from this rank's own view)
 # ---------------------------------------------------------------------------------------------
@@ -95,7 +90,7 @@ def _replicate_vs_plain(with_group: bool):
         full, ids = _logits(), _ids()
         sharded = rank == 1 and with_group
         z = _shard_of(full, rank) if sharded else _shard_of(full, 0, parts=1)
-        z = DTensor.from_local(z, _mesh(), [Replicate()], run_check=False) if rank == 0 else z
+        z = DTensor.from_local(z, device_mesh((2,)), [Replicate()], run_check=False) if rank == 0 else z
         g = group if sharded else None
         return (lambda: lossfx.token_logprobs(z, ids, group=g, chunk_size=4)), [reference.token_logprobs(full, ids)]
 
@@ -111,7 +106,12 @@ def _dtensor_bad_start(ranks: tuple[int, ...]):
 
         full, ids = _logits(), _ids()
         z = DTensor.from_local(
-            _shard_of(full, rank), _mesh(), [Shard(2)], run_check=False, shape=full.shape, stride=full.stride()
+            _shard_of(full, rank),
+            device_mesh((2,)),
+            [Shard(2)],
+            run_check=False,
+            shape=full.shape,
+            stride=full.stride(),
         )
         extra = {"vocab_start": 3} if rank in ranks else {}
         return (lambda: lossfx.token_logprobs(z, ids, chunk_size=4, **extra)), [reference.token_logprobs(full, ids)]
@@ -308,7 +308,7 @@ def _fsdp2_2d_mesh(rank, group):
 
     hidden, weight, h, rows = _head(rank, torch.randn(B, S, H, generator=_gen(10), dtype=F64) + rank)
     ids = _ids(seed=1 + rank)
-    mesh = _mesh((2, 1), ("dp", "tp"))
+    mesh = device_mesh((2, 1), ("dp", "tp"))
     w = DTensor.from_local(rows, mesh, [Shard(0), Replicate()], run_check=False, shape=weight.shape, stride=(H, 1))
     lp, _ = reference.linear_token_logprobs(hidden, weight, ids)
     return (lambda: lossfx.linear_token_logprobs(h, w, ids, chunk_size=4)), [lp]
